@@ -1,0 +1,351 @@
+"""The job config: one OmegaConf structured tree, loaded from YAML + dotlist overrides, validated once.
+
+Every check raises ``ConfigError(key, reason)`` naming the dotted key a user has to change,
+so the CLI can print one line and exit 2. Validation here is pure (no files read, no cluster
+asked); checks that need the outside world (the data path, cluster capacity) live next to the
+code that touches it but raise the same error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+from ringtrain.errors import ConfigError
+
+ATTENTION_IMPLS = ("ring", "ulysses", "hybrid")
+ATTENTION_KERNELS = ("auto", "flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "cpu_flash", "math")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
+STDLIB_CORPUS = "stdlib"
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: Optional[int] = None  # None: the SwiGLU default, 8/3 * dim rounded up to 32
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    # "stdlib": a byte-level corpus of the Python standard library's source, present everywhere.
+    # A directory or text file: its bytes. A ``.bin`` file: memory-mapped tokens of token_dtype.
+    path: str = STDLIB_CORPUS
+    seq_len: int = 2048
+    token_dtype: str = "uint16"
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1
+    cp: int = 1  # the whole context-parallel degree: ring degree x ulysses degree
+    ulysses: Optional[int] = None  # None: 1 for ring, cp for ulysses; hybrid must set it
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class AttentionConfig:
+    impl: str = "ring"
+    kernel: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    micro_batch: int = 1
+    global_batch: int = 2  # sequences per optimizer step, whatever the dp degree
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+
+@dataclass
+class ControllersConfig:
+    # A step that takes longer than this fails the run instead of waiting forever.
+    step_timeout_s: float = 600.0
+    # How long spawning workers (process start, imports, DeepSpeed init) may take.
+    start_timeout_s: float = 300.0
+
+
+@dataclass
+class TelemetryConfig:
+    progress: bool = True  # one line per step on stdout
+    log_every: int = 1
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: RAY_ADDRESS if set, else an embedded local cluster
+    device: str = "auto"  # auto: cuda when the cluster has GPUs, else cpu
+    cpus_per_worker: float = 0.5
+    gpus_per_worker: float = 1.0
+    num_cpus: Optional[int] = None  # logical CPUs of the embedded cluster; None: this host's cores
+
+
+@dataclass
+class JobConfig:
+    name: str = "ringtrain"
+    run_dir: str = ""  # "": runs/<name>-<timestamp>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    controllers: ControllersConfig = field(default_factory=ControllersConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    # Derived values. Properties, not fields, so they can never disagree with the fields.
+    @property
+    def ulysses_degree(self) -> int:
+        if self.mesh.ulysses is not None:
+            return self.mesh.ulysses
+        return self.mesh.cp if self.attention.impl == "ulysses" else 1
+
+    @property
+    def ring_degree(self) -> int:
+        return self.mesh.cp // self.ulysses_degree
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.dp * self.mesh.cp
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch // (self.mesh.dp * self.train.micro_batch)
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.model.ffn_dim is not None:
+            return self.model.ffn_dim
+        hidden = int(8 * self.model.dim / 3)
+        return 32 * ((hidden + 31) // 32)
+
+
+def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> JobConfig:
+    """Build the job config from an optional YAML file and ``key=value`` overrides, then validate."""
+    schema = OmegaConf.structured(JobConfig)
+    layers: list[Any] = [schema]
+    if path is not None:
+        layers.append(_read_yaml(Path(path)))
+    if overrides:
+        _check_override_syntax(overrides)
+        layers.append(_parse_dotlist(overrides))
+    try:
+        merged = OmegaConf.merge(*layers)
+        job = OmegaConf.to_object(merged)
+    except oc_errors.OmegaConfBaseException as exc:
+        raise _as_config_error(exc) from None
+    assert isinstance(job, JobConfig)
+    validate(job)
+    return job
+
+
+def to_yaml(job: JobConfig) -> str:
+    """The resolved config as YAML, loadable again by :func:`load`."""
+    return OmegaConf.to_yaml(OmegaConf.structured(job))
+
+
+def to_dict(job: JobConfig) -> dict[str, Any]:
+    return dataclasses.asdict(job)
+
+
+def replace(job: JobConfig, overrides: list[str]) -> JobConfig:
+    """A copy of ``job`` with dotlist overrides applied and validated."""
+    base = OmegaConf.structured(job)
+    _check_override_syntax(overrides)
+    try:
+        merged = OmegaConf.merge(base, _parse_dotlist(overrides))
+        new = OmegaConf.to_object(merged)
+    except oc_errors.OmegaConfBaseException as exc:
+        raise _as_config_error(exc) from None
+    assert isinstance(new, JobConfig)
+    validate(new)
+    return new
+
+
+def validate(job: JobConfig) -> None:
+    """Check every value and every relation between values; raise on the first problem."""
+    _positive(job.mesh.dp, "mesh.dp")
+    _positive(job.mesh.cp, "mesh.cp")
+    _one_of(job.attention.impl, ATTENTION_IMPLS, "attention.impl")
+    _one_of(job.attention.kernel, ATTENTION_KERNELS, "attention.kernel")
+    _validate_cp_layout(job)
+
+    m = job.model
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"):
+        _positive(getattr(m, name), f"model.{name}")
+    if m.ffn_dim is not None:
+        _positive(m.ffn_dim, "model.ffn_dim")
+    if m.dim % m.n_heads:
+        raise ConfigError("model.n_heads", f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} must be even for rotary embeddings")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            "model.n_kv_heads", f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
+        )
+    if m.rope_theta <= 0:
+        raise ConfigError("model.rope_theta", f"must be > 0 (got {m.rope_theta})")
+
+    d = job.data
+    _positive(d.seq_len, "data.seq_len")
+    if d.seq_len % (2 * job.mesh.cp):
+        raise ConfigError(
+            "data.seq_len",
+            f"{d.seq_len} is not divisible by 2 x mesh.cp = {2 * job.mesh.cp} "
+            "(the zigzag layout cuts each sequence into 2 chunks per context-parallel rank)",
+        )
+    _one_of(d.token_dtype, ("uint8", "uint16", "uint32"), "data.token_dtype")
+    if not d.path:
+        raise ConfigError("data.path", "is empty; use 'stdlib' or a path to text files or a .bin token file")
+
+    z = job.zero
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError("zero.stage", f"must be 0, 1, 2 or 3 (got {z.stage})")
+    if z.offload_params and z.stage != 3:
+        raise ConfigError("zero.offload_params", f"parameter offload needs zero.stage=3 (got {z.stage})")
+    if z.offload_optimizer and z.stage == 0:
+        raise ConfigError("zero.offload_optimizer", "optimizer offload needs zero.stage >= 1")
+
+    t = job.train
+    _positive(t.steps, "train.steps")
+    _positive(t.micro_batch, "train.micro_batch")
+    _positive(t.global_batch, "train.global_batch")
+    if t.global_batch % (job.mesh.dp * t.micro_batch):
+        raise ConfigError(
+            "train.global_batch",
+            f"{t.global_batch} is not divisible by mesh.dp x train.micro_batch = "
+            f"{job.mesh.dp} x {t.micro_batch} = {job.mesh.dp * t.micro_batch}",
+        )
+    if not t.lr > 0:
+        raise ConfigError("train.lr", f"must be > 0 (got {t.lr})")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1] (got {t.min_lr_ratio})")
+    if t.warmup_steps < 0:
+        raise ConfigError("train.warmup_steps", f"must be >= 0 (got {t.warmup_steps})")
+    if t.weight_decay < 0:
+        raise ConfigError("train.weight_decay", f"must be >= 0 (got {t.weight_decay})")
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(key, f"must be in [0, 1) (got {beta})")
+    if t.grad_clip < 0:
+        raise ConfigError("train.grad_clip", f"must be >= 0, 0 disables clipping (got {t.grad_clip})")
+    _one_of(t.dtype, DTYPES, "train.dtype")
+
+    if job.controllers.step_timeout_s <= 0:
+        raise ConfigError("controllers.step_timeout_s", f"must be > 0 (got {job.controllers.step_timeout_s})")
+    if job.controllers.start_timeout_s <= 0:
+        raise ConfigError("controllers.start_timeout_s", f"must be > 0 (got {job.controllers.start_timeout_s})")
+    _positive(job.telemetry.log_every, "telemetry.log_every")
+
+    c = job.cluster
+    _one_of(c.device, DEVICES, "cluster.device")
+    if c.cpus_per_worker < 0:
+        raise ConfigError("cluster.cpus_per_worker", f"must be >= 0 (got {c.cpus_per_worker})")
+    if c.gpus_per_worker <= 0:
+        raise ConfigError("cluster.gpus_per_worker", f"must be > 0 (got {c.gpus_per_worker})")
+    if c.num_cpus is not None:
+        _positive(c.num_cpus, "cluster.num_cpus")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job.name):
+        raise ConfigError("name", f"{job.name!r} must be letters, digits, '.', '_' or '-' (it names the run directory)")
+
+
+def _validate_cp_layout(job: JobConfig) -> None:
+    cp, impl, uly = job.mesh.cp, job.attention.impl, job.mesh.ulysses
+    if uly is not None:
+        _positive(uly, "mesh.ulysses")
+        if cp % uly:
+            raise ConfigError("mesh.ulysses", f"{uly} does not divide mesh.cp={cp} (ring degree = cp / ulysses)")
+        if impl == "ring" and uly != 1:
+            raise ConfigError("mesh.ulysses", f"attention.impl=ring needs mesh.ulysses=1 (got {uly}); use hybrid")
+        if impl == "ulysses" and uly != cp:
+            raise ConfigError("mesh.ulysses", f"attention.impl=ulysses needs mesh.ulysses=mesh.cp={cp} (got {uly})")
+    if impl == "hybrid":
+        if uly is None:
+            raise ConfigError("mesh.ulysses", "attention.impl=hybrid needs the ulysses degree inside the ring set")
+        if not 1 < uly < cp:
+            raise ConfigError(
+                "mesh.ulysses", f"attention.impl=hybrid needs 1 < mesh.ulysses < mesh.cp={cp} (got {uly})"
+            )
+    u = job.ulysses_degree
+    if job.model.n_heads % u:
+        raise ConfigError(
+            "mesh.ulysses", f"model.n_heads={job.model.n_heads} is not divisible by the ulysses degree {u}"
+        )
+
+
+def _positive(value: int | float, key: str) -> None:
+    if not value >= 1:
+        raise ConfigError(key, f"must be >= 1 (got {value})")
+
+
+def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(allowed)}")
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError("config", f"no such job file: {path}")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and OmegaConf's own errors; both carry the line
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("config", f"{path} is not valid YAML: {first_line}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError("config", f"{path} must hold a mapping of config keys at the top level")
+    return loaded
+
+
+def _check_override_syntax(overrides: list[str]) -> None:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(item, "overrides are key=value (for example mesh.dp=2)")
+
+
+def _parse_dotlist(overrides: list[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except oc_errors.OmegaConfBaseException as exc:
+        raise _as_config_error(exc) from None
+
+
+def _as_config_error(exc: oc_errors.OmegaConfBaseException) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "config"
+    if isinstance(exc, oc_errors.ConfigKeyError):
+        return ConfigError(key, "unknown key")
+    # OmegaConf's first line says what was wrong ("Value 'abc' of type 'str' could not be
+    # converted to Integer"); the lines after it repeat the key and internal type names.
+    text = str(getattr(exc, "msg", "") or exc).strip()
+    return ConfigError(key, text.splitlines()[0] if text else type(exc).__name__)

@@ -1,0 +1,61 @@
+"""The platform's exception hierarchy: small, picklable, with messages that say what to change.
+
+Exceptions cross actor boundaries, so each one pickles through its constructor arguments
+(``__reduce__``) instead of relying on ``BaseException``'s positional-args protocol, which
+breaks for subclasses whose ``__init__`` takes keyword-only or differently ordered arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RingtrainError(Exception):
+    """Base class: every error the platform raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message,))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(RingtrainError):
+    """A config value is missing, unknown or invalid; ``key`` is the dotted key to change."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key, self.reason))
+
+
+class CapacityError(ConfigError):
+    """The cluster cannot place the requested mesh."""
+
+
+class DataError(RingtrainError):
+    """A data source cannot be read or holds too little data for the configured sequence."""
+
+
+class WorkerError(RingtrainError):
+    """A training worker failed; names the rank and its host so the user knows where to look."""
+
+    def __init__(self, rank: int, host: str, cause: str) -> None:
+        super().__init__(f"rank {rank} on {host}: {cause}")
+        self.rank = rank
+        self.host = host
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.host, self.cause))
+
+
+class ClusterError(RingtrainError):
+    """Ray could not be reached or started."""

@@ -1,0 +1,118 @@
+"""The dp x cp grid as pure math: rank <-> coordinates, process-group membership, sequence layout.
+
+Rank order: ``rank = replica * cp + ring_pos``, so one replica's context-parallel ring is a
+block of consecutive ranks (one placement group, one node when it fits). Inside a ring,
+``ring_pos = ring_idx * ulysses + ulysses_idx``: Ulysses groups are consecutive ranks, so the
+all-to-all stays on the fastest links while the ring P2P may cross them.
+
+Sequence layout within one CP group (what the data loader produces and the attention plugin
+expects): the sequence is cut into ``2 * ring`` chunks; ring index r holds chunks r and
+``2*ring-1-r`` (zigzag, so causal work is balanced); that ring shard is split contiguously into
+``ulysses`` parts and Ulysses index u holds part u.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    rank: int
+    replica: int  # data-parallel index
+    ring_pos: int  # position inside the replica's CP group, 0..cp-1
+    ring_idx: int  # index along the ring (P2P) dimension
+    ulysses_idx: int  # index along the Ulysses (all-to-all) dimension
+
+
+@dataclass(frozen=True)
+class Topology:
+    dp: int
+    cp: int
+    ulysses: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.cp < 1 or self.ulysses < 1 or self.cp % self.ulysses:
+            raise ValueError(f"invalid topology dp={self.dp} cp={self.cp} ulysses={self.ulysses}")
+
+    @property
+    def ring(self) -> int:
+        return self.cp // self.ulysses
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+    def coord(self, rank: int) -> RankCoord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        replica, ring_pos = divmod(rank, self.cp)
+        ring_idx, ulysses_idx = divmod(ring_pos, self.ulysses)
+        return RankCoord(rank, replica, ring_pos, ring_idx, ulysses_idx)
+
+    def rank_of(self, replica: int, ring_pos: int) -> int:
+        return replica * self.cp + ring_pos
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """The CP group of one replica."""
+        return [self.rank_of(replica, p) for p in range(self.cp)]
+
+    def cp_groups(self) -> list[list[int]]:
+        return [self.replica_ranks(d) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same sequence shard in every replica (ZeRO's data-parallel peers)."""
+        return [[self.rank_of(d, p) for d in range(self.dp)] for p in range(self.cp)]
+
+    def ring_groups(self) -> list[list[int]]:
+        """Per replica and Ulysses index: the ranks that pass K/V around the ring."""
+        return [
+            [self.rank_of(d, r * self.ulysses + u) for r in range(self.ring)]
+            for d in range(self.dp)
+            for u in range(self.ulysses)
+        ]
+
+    def ulysses_groups(self) -> list[list[int]]:
+        """Per replica and ring index: the ranks of one all-to-all."""
+        return [
+            [self.rank_of(d, r * self.ulysses + u) for u in range(self.ulysses)]
+            for d in range(self.dp)
+            for r in range(self.ring)
+        ]
+
+    def ring_neighbours(self, rank: int) -> tuple[int, int]:
+        """(previous, next) rank along this rank's ring."""
+        c = self.coord(rank)
+        prev_idx, next_idx = (c.ring_idx - 1) % self.ring, (c.ring_idx + 1) % self.ring
+        return (
+            self.rank_of(c.replica, prev_idx * self.ulysses + c.ulysses_idx),
+            self.rank_of(c.replica, next_idx * self.ulysses + c.ulysses_idx),
+        )
+
+
+def zigzag_chunks(ring: int, ring_idx: int) -> tuple[int, int]:
+    """The two of the ``2 * ring`` sequence chunks that ring index ``ring_idx`` holds."""
+    return ring_idx, 2 * ring - 1 - ring_idx
+
+
+def sequence_spans(seq_len: int, ring: int, ulysses: int, ring_idx: int, ulysses_idx: int) -> list[tuple[int, int]]:
+    """Half-open ``[start, stop)`` token spans, in order, that one CP rank holds of a sequence."""
+    if seq_len % (2 * ring) or (seq_len // ring) % ulysses:
+        raise ValueError(f"seq_len {seq_len} does not split into 2x{ring} ring chunks and {ulysses} ulysses parts")
+    chunk = seq_len // (2 * ring)
+    ring_shard = [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(ring, ring_idx)]
+    part = seq_len // ring // ulysses
+    lo, hi = ulysses_idx * part, (ulysses_idx + 1) * part
+    spans: list[tuple[int, int]] = []
+    offset = 0  # position of each chunk inside the concatenated ring shard
+    for start, stop in ring_shard:
+        a, b = max(lo, offset), min(hi, offset + (stop - start))
+        if a < b:
+            spans.append((start + a - offset, start + b - offset))
+        offset += stop - start
+    return spans
+
+
+def sequence_positions(seq_len: int, ring: int, ulysses: int, ring_idx: int, ulysses_idx: int) -> list[int]:
+    """The token positions one CP rank holds, in its local order."""
+    return [p for a, b in sequence_spans(seq_len, ring, ulysses, ring_idx, ulysses_idx) for p in range(a, b)]

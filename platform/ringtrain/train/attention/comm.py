@@ -1,0 +1,104 @@
+"""The attention package's only door to torch.distributed: ring P2P, all-to-all, all-gather.
+
+Every transfer the attention code issues goes through a function here and is tallied by kind
+("isend", "irecv", "all_to_all", "all_gather") into any active ``count_comm()`` counter, so a
+test can pin the exact number of transfers per forward+backward and catch a regression that
+adds a round trip.
+
+A ``group`` of ``None`` means "no context parallelism": a group of one rank.
+
+Shape legend: B batch, S local sequence, U ranks in the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+_active_counters: list[Counter[str]] = []
+
+
+@contextlib.contextmanager
+def count_comm() -> Iterator[Counter[str]]:
+    """Count, by kind, the transfers issued inside the ``with`` block (on this rank)."""
+    counter: Counter[str] = Counter()
+    _active_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _active_counters.remove(counter)
+
+
+def _record(kind: str, n: int = 1) -> None:
+    for counter in _active_counters:
+        counter[kind] += n
+
+
+def group_size(group: Optional[ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class Pending:
+    """Transfers in flight. ``wait()`` before reading the receive buffers or reusing the send ones."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+class RingExchange:
+    """Send to the next rank of a ring while receiving from the previous one, asynchronously.
+
+    Every tensor pair goes in one ``batch_isend_irecv`` so NCCL fuses them into a single group
+    launch. Each stream of transfers gets its own tag: with gloo, two streams in flight between
+    the same pair of ranks (a ring of 2 sends to and receives from the same peer, and K/V and
+    dK/dV overlap in the backward) then never match one stream's send to the other's receive.
+    """
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._send_to = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self._recv_from = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], *, tag: int) -> Pending:
+        """Post ``send[i] -> next`` and ``recv[i] <- previous`` for every i; returns at once."""
+        if len(send) != len(recv):
+            raise ValueError(f"{len(send)} tensors to send but {len(recv)} receive buffers")
+        ops = []
+        for i, (outgoing, incoming) in enumerate(zip(send, recv)):
+            ops.append(dist.P2POp(dist.isend, outgoing, self._send_to, group=self.group, tag=tag + i))
+            ops.append(dist.P2POp(dist.irecv, incoming, self._recv_from, group=self.group, tag=tag + i))
+        _record("isend", len(send))
+        _record("irecv", len(recv))
+        return Pending(dist.batch_isend_irecv(ops))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup) -> None:
+    """Equal-split all-to-all along dim 0: slice ``i`` of ``input`` goes to rank ``i``."""
+    _record("all_to_all")
+    dist.all_to_all_single(output, input, group=group)
+
+
+def all_gather_seq(x_BS: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``[B, S]`` tensor along the sequence, in group-rank order."""
+    _record("all_gather")
+    parts = [torch.empty_like(x_BS) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x_BS.contiguous(), group=group)
+    return torch.cat(parts, dim=1)

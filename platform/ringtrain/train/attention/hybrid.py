@@ -1,0 +1,57 @@
+"""Hybrid context parallelism: Ulysses inside (all-to-all over consecutive ranks), ring across.
+
+A CP group of R x U ranks: CP rank c = ring_idx * U + ulysses_idx. The sequence is zigzag-
+sharded over the R ring indices, and each ring shard is split contiguously over the U ranks of
+its Ulysses group. The Ulysses all-to-all therefore reassembles a whole ring shard (a zigzag
+pair of chunks) for 1/U of the heads, and zigzag ring attention runs over it across the ring
+group; the inverse all-to-all returns the output to the local layout.
+
+Shape legend: B batch, s local sequence, H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.kernels import KernelArg
+from ringtrain.train.attention.local import check_qkv
+from ringtrain.train.attention.ring import ring_attention
+from ringtrain.train.attention.ulysses import all_to_all_attention, ulysses_attention
+
+Tensor = torch.Tensor
+
+
+def hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    ring_group: Optional[ProcessGroup],
+    ulysses_group: Optional[ProcessGroup],
+    causal: bool = True,
+    doc_ids: Optional[Tensor] = None,
+    kernel: KernelArg = "auto",
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Attention over the CP group's sequence from this rank's part ([B, s, ...] in, [B, s, H, D] out).
+
+    ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).
+    ``ulysses_group``: the U ranks with this rank's ring index (group rank = Ulysses index).
+    Either of one rank (or None) degrades to pure Ulysses or pure ring.
+    """
+    check_qkv(q, k, v, doc_ids)
+    if group_size(ulysses_group) == 1:
+        return ring_attention(q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+    if group_size(ring_group) == 1:
+        return ulysses_attention(
+            q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale
+        )
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], scale: float) -> Tensor:
+        return ring_attention(q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+
+    assert ulysses_group is not None
+    return all_to_all_attention(attend, q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, scale=scale)

@@ -1,0 +1,96 @@
+"""Single-rank attention through a block kernel, as an autograd function.
+
+The "no context parallelism" path, and the attention Ulysses runs over the gathered sequence.
+
+Shape legend: B batch, S sequence, H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.kernels import AttentionKernel, KernelArg, default_scale, resolve_kernel
+
+Tensor = torch.Tensor
+
+
+class _LocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_BSHD: Tensor,
+        k_BSKD: Tensor,
+        v_BSKD: Tensor,
+        doc_BS: Optional[Tensor],
+        causal: bool,
+        kernel: AttentionKernel,
+        scale: float,
+    ) -> Tensor:
+        res = block_forward(
+            kernel, q_BSHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_doc_BQ=doc_BS, k_doc_BS=doc_BS
+        )
+        out_BSHD = res.out_BQHD.to(q_BSHD.dtype)
+        ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, res.lse_BHQ, doc_BS)
+        ctx.aux, ctx.causal, ctx.kernel, ctx.scale = res.aux, causal, kernel, scale
+        return out_BSHD
+
+    @staticmethod
+    def backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, doc_BS = ctx.saved_tensors
+        dq, dk, dv = block_backward(
+            ctx.kernel,
+            dout_BSHD,
+            q_BSHD,
+            k_BSKD,
+            v_BSKD,
+            out_BSHD,
+            lse_BHS,
+            ctx.aux,
+            causal=ctx.causal,
+            scale=ctx.scale,
+            q_doc_BQ=doc_BS,
+            k_doc_BS=doc_BS,
+        )
+        return dq.to(q_BSHD.dtype), dk.to(k_BSKD.dtype), dv.to(v_BSKD.dtype), None, None, None, None
+
+
+def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: Optional[Tensor]) -> None:
+    """Raise ValueError unless q, k, v (and doc ids) have consistent [B, S, heads, D] shapes."""
+    if q_BSHD.dim() != 4 or k_BSKD.dim() != 4 or k_BSKD.shape != v_BSKD.shape:
+        shapes = ", ".join(str(tuple(t.shape)) for t in (q_BSHD, k_BSKD, v_BSKD))
+        raise ValueError(f"want q [B, S, H, D] and k, v [B, S, K, D]; got {shapes}")
+    B, S, H, D = q_BSHD.shape
+    if k_BSKD.shape[:2] != (B, S) or k_BSKD.shape[3] != D:
+        raise ValueError(
+            f"q {tuple(q_BSHD.shape)} and k {tuple(k_BSKD.shape)} disagree on batch, sequence or head dim"
+        )
+    if H % k_BSKD.shape[2]:
+        raise ValueError(f"{H} query heads are not a multiple of {k_BSKD.shape[2]} key/value heads")
+    if doc_ids is not None and tuple(doc_ids.shape) != (B, S):
+        raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}, want [B, S] = {(B, S)}")
+
+
+def local_attention(
+    q_BSHD: Tensor,
+    k_BSKD: Tensor,
+    v_BSKD: Tensor,
+    *,
+    causal: bool = True,
+    doc_ids: Optional[Tensor] = None,
+    kernel: KernelArg = "auto",
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Attention over this rank's whole sequence; ``doc_ids`` [B, S] confines it to documents."""
+    check_qkv(q_BSHD, k_BSKD, v_BSKD, doc_ids)
+    return _LocalAttention.apply(
+        q_BSHD,
+        k_BSKD,
+        v_BSKD,
+        doc_ids,
+        causal,
+        resolve_kernel(kernel, q_BSHD),
+        default_scale(q_BSHD.shape[-1]) if scale is None else scale,
+    )

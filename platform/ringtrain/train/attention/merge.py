@@ -1,0 +1,38 @@
+"""Merging partial attention results over disjoint key sets through their log-sum-exps.
+
+Shape legend: B batch, Q query rows, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def merge_partials(
+    out_BQHD: Tensor, lse_BHQ: Tensor, blk_out_BQHD: Tensor, blk_lse_BHQ: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Combine two softmax-normalised partials ``(out, lse)``; returns fp32 ``(out, lse)``.
+
+    With a = lse, b = blk_lse and m = max(a, b) (the online-softmax rescaling of Milakov &
+    Gimelshein 2018, as used by FlashAttention-2, Dao 2023, Sec. 3.1):
+
+        lse' = m + log(e^(a-m) + e^(b-m))
+        out' = (e^(a-m) out + e^(b-m) blk_out) / (e^(a-m) + e^(b-m))
+
+    Equivalent to the usual ``out - sigmoid(b - a) * (out - blk_out)``, but that form is NaN
+    when a = b = -inf (a query row with no visible key in either part). Here m is replaced by 0
+    on such rows, both weights are 0, and the row stays at out 0, lse -inf.
+    """
+    a, b = lse_BHQ.float(), blk_lse_BHQ.float()
+    m = torch.maximum(a, b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(a - m), torch.exp(b - m)
+    total = wa + wb
+    merged_lse = m + torch.log(total)
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    wa_BQH1 = (wa * inv).transpose(1, 2).unsqueeze(-1)
+    wb_BQH1 = (wb * inv).transpose(1, 2).unsqueeze(-1)
+    merged_out = wa_BQH1 * out_BQHD.float() + wb_BQH1 * blk_out_BQHD.float()
+    return merged_out, merged_lse

@@ -1,0 +1,94 @@
+"""The DeepSpeed engine for one rank: ZeRO config, AdamW, warmup + cosine schedule, clipping."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringtrain.config import JobConfig
+from ringtrain.train.mesh import DeepSpeedMpu, Mesh
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total_steps``.
+
+    ``step`` counts optimizer steps already taken (0 for the first step), as LambdaLR does.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def resolve_dtype(job: JobConfig, device: torch.device) -> torch.dtype:
+    if job.train.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[job.train.dtype]
+
+
+def deepspeed_config(job: JobConfig, dtype: torch.dtype) -> dict[str, Any]:
+    t, z = job.train, job.zero
+    zero: dict[str, Any] = {"stage": z.stage}
+    if z.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if z.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    # DeepSpeed's data-parallel world is all dp x cp ranks (see DeepSpeedMpu); to it, a sample
+    # is one rank's share of a sequence, so its batch size counts cp shares per sequence.
+    return {
+        "train_batch_size": t.global_batch * job.mesh.cp,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": job.grad_accum_steps,
+        "gradient_clipping": t.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            # torch_adam: torch's own AdamW, so no fused op has to be compiled (CPU and GPU alike).
+            "params": {
+                "lr": t.lr,
+                "betas": [t.beta1, t.beta2],
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+                "torch_adam": True,
+                "adam_w_mode": True,
+            },
+        },
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: norms' gains (1-D) are not regularised towards zero."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(model: nn.Module, job: JobConfig, mesh: Mesh, dtype: torch.dtype) -> Any:
+    import deepspeed  # heavy; imported where the engine is built, never at module import
+
+    t = job.train
+
+    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: lr_multiplier(
+                step, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio
+            ),
+        )
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, t.weight_decay),
+        lr_scheduler=schedule,
+        config=deepspeed_config(job, dtype),
+        mpu=DeepSpeedMpu(mesh),
+        dist_init_required=False,
+    )
+    return engine

@@ -1,0 +1,139 @@
+"""The only place that creates process groups: dp, cp (ring and Ulysses) and DeepSpeed's view of them.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank must create
+every group, in the same order, even the groups it is not a member of. So each rank walks the
+full list from ``Topology`` and keeps its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.topology import RankCoord, Topology
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy quiet across torch versions
+
+
+def init_process_group(
+    *, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float
+) -> None:
+    """Join the world through rank 0's TCPStore (rank 0 created it on port 0, so no port race)."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def create_store(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """Rank 0's rendezvous store on a free port; keep the returned store alive for the job."""
+    store = dist.TCPStore(
+        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return store, store.port
+
+
+@dataclass
+class Mesh:
+    topology: Topology
+    coord: RankCoord
+    dp_group: ProcessGroup
+    cp_group: ProcessGroup
+    ring_group: ProcessGroup
+    ulysses_group: ProcessGroup
+    zero_group: ProcessGroup  # all dp x cp ranks: ZeRO partitions and averages gradients over it
+    self_group: ProcessGroup  # just this rank, for the parallelisms DeepSpeed asks about but we do not use
+
+    @property
+    def rank(self) -> int:
+        return self.coord.rank
+
+
+def build_mesh(topology: Topology, rank: int) -> Mesh:
+    """Create every group of the dp x cp grid; collective, so all ranks call it together."""
+    if dist.get_world_size() != topology.world_size:
+        raise RuntimeError(f"world size {dist.get_world_size()} does not match the mesh {topology}")
+
+    def mine(groups: list[list[int]]) -> ProcessGroup:
+        found: Optional[ProcessGroup] = None
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                found = group
+        assert found is not None, f"rank {rank} is in none of {groups}"
+        return found
+
+    return Mesh(
+        topology=topology,
+        coord=topology.coord(rank),
+        dp_group=mine(topology.dp_groups()),
+        cp_group=mine(topology.cp_groups()),
+        ring_group=mine(topology.ring_groups()),
+        ulysses_group=mine(topology.ulysses_groups()),
+        zero_group=mine([list(range(topology.world_size))]),
+        self_group=mine([[r] for r in range(topology.world_size)]),
+    )
+
+
+class DeepSpeedMpu:
+    """The model-parallel-unit interface DeepSpeed reads its groups from.
+
+    ZeRO sees one data-parallel group of all dp x cp ranks and no sequence parallelism of its
+    own. Each rank's loss is the mean over its tokens, every rank holds the same number of
+    tokens, so averaging gradients over dp x cp gives the gradient of the global mean loss.
+    DeepSpeed's own sequence-parallel mode is avoided on purpose: stages 1-2 then *sum* over
+    the sequence ranks while stage 3 averages over them, and stage 3's conversion of an
+    existing model partitions over the pure-dp group only (``parameter_offload.py``), so the
+    cp ranks' gradients would never meet.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def get_data_parallel_group(self) -> ProcessGroup:
+        return self.mesh.zero_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.mesh.topology.world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(range(self.mesh.topology.world_size))
+
+    get_sequence_data_parallel_group = get_data_parallel_group
+    get_sequence_data_parallel_world_size = get_data_parallel_world_size
+    get_sequence_data_parallel_rank = get_data_parallel_rank
+
+    # Neither tensor nor DeepSpeed-level sequence parallelism: groups of one rank, so
+    # DeepSpeed's reductions over them (gradient norms, clipping) are no-ops.
+    def get_model_parallel_group(self) -> ProcessGroup:
+        return self.mesh.self_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.mesh.rank
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_sequence_parallel_group = get_model_parallel_group
+    get_sequence_parallel_world_size = get_model_parallel_world_size
+    get_sequence_parallel_rank = get_model_parallel_rank
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over the world; gloo has no AVG, so sum and divide."""
+    out = value.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()

@@ -1,0 +1,141 @@
+"""One rank's training: builds mesh, model, engine and data shard, and runs optimizer steps.
+
+Loss scaling: every CP rank holds the same number of tokens of each sample, so the global mean
+token loss is the mean of the ranks' local means. ZeRO averages gradients over all dp x cp
+ranks (``DeepSpeedMpu``) and scales by 1/grad_accum, so each rank backpropagates its local mean
+and the step's gradient is that of the global mean loss: the same as single-rank training on
+the whole global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ringtrain.config import JobConfig
+from ringtrain.status import StepReport
+from ringtrain.topology import Topology
+from ringtrain.train.data import BatchPlan, MicroBatch, ShardedData, load_tokens
+from ringtrain.train.engine import build_engine, resolve_dtype
+from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
+from ringtrain.train.model import AttentionFn, Transformer
+
+AttentionFactory = Callable[[JobConfig, Mesh], AttentionFn]
+
+
+def set_rank_env(*, rank: int, world_size: int, device: torch.device) -> None:
+    """Environment DeepSpeed reads at import and initialize time; call before building a Trainer."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(device.index or 0)
+
+
+def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
+    from ringtrain.train.attention import build_attention
+
+    impl = job.attention.impl if job.mesh.cp > 1 else "local"
+    return build_attention(impl, job.attention.kernel, ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
+
+
+def build_model(job: JobConfig, attention_fn: AttentionFn) -> Transformer:
+    m = job.model
+    # Same seed on every rank: identical initial weights without a broadcast.
+    torch.manual_seed(job.train.seed)
+    return Transformer(
+        vocab_size=m.vocab_size,
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        ffn_dim=job.ffn_dim,
+        rope_theta=m.rope_theta,
+        norm_eps=m.norm_eps,
+        init_std=m.init_std,
+        attention_fn=attention_fn,
+        activation_checkpointing=m.activation_checkpointing,
+    )
+
+
+class Trainer:
+    """Everything one rank needs to train; assumes ``torch.distributed`` is initialised."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        *,
+        rank: int,
+        device: torch.device,
+        attention_factory: Optional[AttentionFactory] = None,
+    ) -> None:
+        self.job = job
+        self.device = device
+        self.dtype = resolve_dtype(job, device)
+        topology = Topology(job.mesh.dp, job.mesh.cp, job.ulysses_degree)
+        self.mesh = build_mesh(topology, rank)
+        attention_fn = (attention_factory or default_attention)(job, self.mesh)
+        self.model = build_model(job, attention_fn)
+        self.engine = build_engine(self.model, job, self.mesh, self.dtype)
+        c = self.mesh.coord
+        self.data = ShardedData(
+            load_tokens(job.data.path, job.data.token_dtype),
+            seq_len=job.data.seq_len,
+            seed=job.train.seed,
+            plan=BatchPlan(job.train.global_batch, job.mesh.dp, job.train.micro_batch),
+            ring=topology.ring,
+            ulysses=topology.ulysses,
+            ring_idx=c.ring_idx,
+            ulysses_idx=c.ulysses_idx,
+        )
+        self.step = 0  # optimizer steps completed
+
+    def _tensor(self, array: object) -> torch.Tensor:
+        return torch.as_tensor(array, dtype=torch.long, device=self.device)
+
+    def _micro_step(self, mb: MicroBatch) -> torch.Tensor:
+        logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
+        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), self._tensor(mb.labels).flatten())
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def train_step(self) -> StepReport:
+        start = time.perf_counter()
+        batches = self.data.step_batches(self.step, self.mesh.coord.replica)
+        losses = [self._micro_step(mb) for mb in batches]
+        self.step += 1
+        loss = all_reduce_mean(torch.stack(losses).mean()).item()
+        grad_norm = self.engine.get_global_grad_norm()
+        return StepReport(
+            step=self.step,
+            rank=self.mesh.rank,
+            loss=loss,
+            lr=float(self.engine.get_lr()[0]),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            num_tokens=sum(mb.input_ids.size for mb in batches),
+            step_time_s=time.perf_counter() - start,
+            samples=tuple(s for mb in batches for s in mb.samples) if self.mesh.coord.ring_pos == 0 else (),
+        )
+
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Full (unpartitioned) parameters as fp32 CPU tensors; collective under ZeRO-3."""
+        out: dict[str, torch.Tensor] = {}
+        if self.job.zero.stage == 3:
+            import deepspeed
+
+            for name, p in self.model.named_parameters():
+                with deepspeed.zero.GatheredParameters([p]):
+                    out[name] = p.detach().float().cpu().clone()
+        else:
+            for name, p in self.model.named_parameters():
+                out[name] = p.detach().float().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
