@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
@@ -317,14 +318,30 @@ def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
 def _read_yaml(path: Path) -> DictConfig:
     if not path.is_file():
         raise ConfigError("config", f"no such job file: {path}")
+    # Parsed with PyYAML first: OmegaConf.load would turn a bare string into a one-key mapping.
     try:
-        loaded = OmegaConf.load(path)
-    except Exception as exc:  # yaml.YAMLError and OmegaConf's own errors; both carry the line
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:  # carries the line and column
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError("config", f"{path} is not valid YAML: {first_line}") from None
-    if not isinstance(loaded, DictConfig):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of config keys at the top level")
-    return loaded
+    layer = OmegaConf.create(data)
+    _check_sections(layer)
+    return layer
+
+
+def _check_sections(layer: DictConfig) -> None:
+    """A plain value where the schema has a section (``mesh: 3``): name the section's key.
+
+    OmegaConf reports this as a merge error without the key, so it is caught before merging.
+    """
+    for f in dataclasses.fields(JobConfig):
+        if dataclasses.is_dataclass(f.default_factory) and f.name in layer:  # type: ignore[arg-type]
+            if not isinstance(layer[f.name], DictConfig):
+                raise ConfigError(f.name, f"must be a section of keys (e.g. {f.name}.<key>=...), got {layer[f.name]!r}")
 
 
 def _check_override_syntax(overrides: list[str]) -> None:
@@ -336,9 +353,11 @@ def _check_override_syntax(overrides: list[str]) -> None:
 
 def _parse_dotlist(overrides: list[str]) -> DictConfig:
     try:
-        return OmegaConf.from_dotlist(overrides)
+        layer = OmegaConf.from_dotlist(overrides)
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
+    _check_sections(layer)
+    return layer
 
 
 def _as_config_error(exc: oc_errors.OmegaConfBaseException) -> ConfigError:

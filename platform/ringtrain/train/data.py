@@ -37,6 +37,13 @@ def stdlib_source_files() -> list[Path]:
     return files
 
 
+def check_data(path: str, vocab_size: int) -> None:
+    """Raise a ConfigError naming the key when the data cannot feed the model."""
+    check_data_path(path)
+    if is_byte_corpus(path) and vocab_size < 256:
+        raise ConfigError("model.vocab_size", f"{vocab_size} is too small for a byte-level corpus (needs 256)")
+
+
 def check_data_path(path: str) -> None:
     """Raise a ConfigError naming ``data.path`` when it cannot be a data source."""
     if path == STDLIB_CORPUS:
@@ -52,7 +59,7 @@ def load_tokens(path: str, token_dtype: str = "uint16") -> np.ndarray:
     """A 1-D token array: bytes of text files, or a memory-mapped ``.bin`` of ``token_dtype``."""
     check_data_path(path)
     if path == STDLIB_CORPUS:
-        return _read_bytes(tuple(stdlib_source_files()))
+        return _read_bytes(_fingerprint(stdlib_source_files()))
     p = Path(path)
     if p.is_file() and p.suffix == ".bin":
         itemsize = np.dtype(token_dtype).itemsize
@@ -60,14 +67,23 @@ def load_tokens(path: str, token_dtype: str = "uint16") -> np.ndarray:
             raise DataError(f"{path}: size {p.stat().st_size} is not a multiple of data.token_dtype={token_dtype}")
         return np.memmap(p, dtype=token_dtype, mode="r")
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    return _read_bytes(tuple(files))
+    return _read_bytes(_fingerprint(files))
+
+
+def _fingerprint(files: list[Path]) -> tuple[tuple[Path, int, int], ...]:
+    """Paths with size and mtime, so the cache below never serves a corpus that changed."""
+    return tuple((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
 @lru_cache(maxsize=2)
-def _read_bytes(files: tuple[Path, ...]) -> np.ndarray:
+def _read_bytes(files: tuple[tuple[Path, int, int], ...]) -> np.ndarray:
     # Files are joined with a newline so no sample glues the end of one file to the next word.
-    blob = b"\n".join(f.read_bytes() for f in files)
+    blob = b"\n".join(f.read_bytes() for f, _, _ in files)
     return np.frombuffer(blob, dtype=np.uint8)
+
+
+def is_byte_corpus(path: str) -> bool:
+    return not (path != STDLIB_CORPUS and Path(path).suffix == ".bin")
 
 
 class SampleOrder:
@@ -139,8 +155,10 @@ class ShardedData:
         ulysses: int,
         ring_idx: int,
         ulysses_idx: int,
+        vocab_size: int,
     ) -> None:
         self.tokens = tokens
+        self.vocab_size = vocab_size
         self.order = SampleOrder(len(tokens), seq_len, seed)
         self.plan = plan
         self.positions = np.asarray(sequence_positions(seq_len, ring, ulysses, ring_idx, ulysses_idx), dtype=np.int64)
@@ -151,6 +169,9 @@ class ShardedData:
 
     def micro_batch(self, samples: list[int]) -> MicroBatch:
         windows = np.stack([self.sample_tokens(s) for s in samples])
+        # A token file is not scanned up front (it may be terabytes); each batch is checked instead.
+        if windows.max() >= self.vocab_size:
+            raise DataError(f"token id {int(windows.max())} in samples {samples} is >= model.vocab_size={self.vocab_size}")
         pos = self.positions
         return MicroBatch(
             samples=tuple(samples),

@@ -91,6 +91,7 @@ class Trainer:
             ulysses=topology.ulysses,
             ring_idx=c.ring_idx,
             ulysses_idx=c.ulysses_idx,
+            vocab_size=job.model.vocab_size,
         )
         self.step = 0  # optimizer steps completed
 
@@ -106,6 +107,7 @@ class Trainer:
 
     def train_step(self) -> StepReport:
         start = time.perf_counter()
+        lr = float(self.engine.get_lr()[0])  # the rate this step uses; the scheduler advances in step()
         batches = self.data.step_batches(self.step, self.mesh.coord.replica)
         losses = [self._micro_step(mb) for mb in batches]
         self.step += 1
@@ -115,7 +117,7 @@ class Trainer:
             step=self.step,
             rank=self.mesh.rank,
             loss=loss,
-            lr=float(self.engine.get_lr()[0]),
+            lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             num_tokens=sum(mb.input_ids.size for mb in batches),
             step_time_s=time.perf_counter() - start,

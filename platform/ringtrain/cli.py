@@ -1,0 +1,85 @@
+"""`ringtrain` command line: run a job on an embedded or existing Ray cluster.
+
+Exit codes: 0 success, 1 the run failed, 2 bad input (config, data path, capacity): one line
+naming the key to change, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ringtrain import config
+from ringtrain.errors import ConfigError, RingtrainError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringtrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS")
+    run.add_argument("job", help="job YAML, e.g. jobs/quickstart.yaml")
+    run.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.dp=2 train.steps=50")
+    return parser
+
+
+def cmd_run(job_path: str, overrides: list[str]) -> int:
+    from ringtrain.train.data import check_data
+
+    job = config.load(job_path, overrides)
+    check_data(job.data.path, job.model.vocab_size)
+
+    # Ray and torch are imported only once the input is known to be good.
+    from ringtrain.actors.cluster import check_capacity, connect, resolve_device
+    from ringtrain.actors.controller import Controller
+    from ringtrain.actors.group import WorkerGroup
+    from ringtrain.telemetry.progress import Progress
+    from ringtrain.telemetry.rundir import RunDir, default_run_dir
+
+    cluster = connect(job)
+    ok = False
+    try:
+        device = resolve_device(job)
+        check_capacity(job, device)
+        run_dir = RunDir(Path(job.run_dir) if job.run_dir else default_run_dir(job))
+        run_dir.write_config(job)
+        progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
+        progress.message(
+            f"ringtrain: {job.name}: dp {job.mesh.dp} x cp {job.mesh.cp} ({job.attention.impl}, "
+            f"ring {job.ring_degree} x ulysses {job.ulysses_degree}), ZeRO-{job.zero.stage}, "
+            f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
+        )
+        try:
+            summary = Controller(job, WorkerGroup(job, device), run_dir, progress).run()
+        finally:
+            run_dir.close()
+        progress.summary(summary)
+        ok = summary["status"] == "finished"
+        if not ok and cluster.temp_dir:
+            progress.message(f"Ray logs of the embedded cluster: {cluster.temp_dir}")
+        return EXIT_OK if ok else EXIT_FAILED
+    finally:
+        # Ray's logs are kept when something went wrong: they hold the workers' output.
+        cluster.close(keep_logs=not ok)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "run":
+            return cmd_run(args.job, args.overrides)
+    except ConfigError as exc:
+        print(f"ringtrain: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RingtrainError as exc:
+        print(f"ringtrain: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("ringtrain: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE

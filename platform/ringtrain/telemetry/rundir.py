@@ -1,0 +1,46 @@
+"""The run directory: resolved config, one JSON line per step, and a summary at the end.
+
+Files are written so that a reader never sees half a record: metrics lines are flushed whole,
+and ``summary.json`` is written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ringtrain.config import JobConfig, to_yaml
+
+
+def default_run_dir(job: JobConfig, now: Optional[float] = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path("runs") / f"{job.name}-{stamp}"
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")
+
+    def write_config(self, job: JobConfig) -> None:
+        _atomic_write(self.path / "config.yaml", to_yaml(job))
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(record, sort_keys=True) + "\n")
+        self._metrics.flush()
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._metrics.close()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,310 @@
+"""The job config: defaults, YAML + dotlist merging, derived values, and errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ringtrain import config
+from ringtrain.config import JobConfig, MeshConfig
+from ringtrain.errors import ConfigError
+
+
+def test_defaults_load_and_equal_the_dataclass_defaults() -> None:
+    job = config.load()
+    assert job == JobConfig()
+    assert (job.mesh.dp, job.mesh.cp, job.mesh.ulysses) == (1, 1, None)
+    assert job.attention.impl == "ring"
+    assert job.data.path == config.STDLIB_CORPUS
+
+
+def test_yaml_file_then_overrides_merge_in_order(tmp_path: Path) -> None:
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: merged\nmesh:\n  dp: 2\ntrain:\n  global_batch: 8\n  steps: 7\n")
+
+    job = config.load(job_file, ["train.global_batch=4", "model.dim=64"])
+
+    assert job.name == "merged"
+    assert job.mesh.dp == 2  # from the file
+    assert job.train.steps == 7  # from the file
+    assert job.train.global_batch == 4  # the override beats the file
+    assert job.model.dim == 64  # an override of a key the file does not set
+    assert job.model.n_heads == JobConfig().model.n_heads  # untouched: the default
+
+
+def test_load_accepts_a_string_path(tmp_path: Path) -> None:
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("train:\n  steps: 3\n")
+    assert config.load(str(job_file)).train.steps == 3
+
+
+def test_an_empty_yaml_file_means_all_defaults(tmp_path: Path) -> None:
+    job_file = tmp_path / "empty.yaml"
+    job_file.write_text("")
+    assert config.load(job_file) == JobConfig()
+
+
+def test_override_values_are_converted_to_the_field_type() -> None:
+    job = config.load(None, ["train.lr=1e-4", "telemetry.progress=false", "mesh.ulysses=1", "model.ffn_dim=96"])
+    assert job.train.lr == pytest.approx(1e-4) and isinstance(job.train.lr, float)
+    assert job.telemetry.progress is False
+    assert job.mesh.ulysses == 1
+    assert job.model.ffn_dim == 96
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ulysses", "ring"),
+    [
+        pytest.param(["mesh.cp=4"], 1, 4, id="ring-defaults-to-ulysses-1"),
+        pytest.param(["mesh.cp=4", "mesh.ulysses=1"], 1, 4, id="ring-explicit-ulysses-1"),
+        pytest.param(["mesh.cp=4", "attention.impl=ulysses"], 4, 1, id="ulysses-defaults-to-cp"),
+        pytest.param(["mesh.cp=4", "attention.impl=ulysses", "mesh.ulysses=4"], 4, 1, id="ulysses-explicit"),
+        pytest.param(["mesh.cp=4", "attention.impl=hybrid", "mesh.ulysses=2"], 2, 2, id="hybrid-2x2"),
+        pytest.param(["mesh.cp=8", "attention.impl=hybrid", "mesh.ulysses=4"], 4, 2, id="hybrid-2x4"),
+        pytest.param(["mesh.cp=1"], 1, 1, id="no-cp"),
+    ],
+)
+def test_ulysses_and_ring_degrees(overrides: list[str], ulysses: int, ring: int) -> None:
+    job = config.load(None, overrides)
+    assert job.ulysses_degree == ulysses
+    assert job.ring_degree == ring
+    assert job.ring_degree * job.ulysses_degree == job.mesh.cp
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp", "micro_batch", "global_batch", "world", "accum"),
+    [
+        pytest.param(1, 1, 1, 2, 1, 2, id="single"),
+        pytest.param(2, 2, 1, 4, 4, 2, id="dp2-cp2"),
+        pytest.param(4, 2, 2, 16, 8, 2, id="dp4-micro2"),
+        pytest.param(2, 4, 1, 2, 8, 1, id="no-accumulation"),
+    ],
+)
+def test_world_size_and_grad_accum_steps(
+    dp: int, cp: int, micro_batch: int, global_batch: int, world: int, accum: int
+) -> None:
+    job = config.load(
+        None,
+        [f"mesh.dp={dp}", f"mesh.cp={cp}", f"train.micro_batch={micro_batch}", f"train.global_batch={global_batch}"],
+    )
+    assert job.world_size == world
+    assert job.grad_accum_steps == accum
+    assert job.grad_accum_steps * dp * micro_batch == global_batch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ffn_dim"),
+    [
+        pytest.param(["model.dim=128"], 352, id="8/3*128=341-rounds-up-to-352"),
+        pytest.param(["model.dim=96"], 256, id="8/3*96=256-already-a-multiple"),
+        pytest.param(["model.dim=64"], 192, id="8/3*64=170-rounds-up-to-192"),
+        pytest.param(["model.dim=128", "model.ffn_dim=100"], 100, id="explicit-wins"),
+    ],
+)
+def test_ffn_dim(overrides: list[str], ffn_dim: int) -> None:
+    assert config.load(None, overrides).ffn_dim == ffn_dim
+
+
+def test_to_yaml_round_trips_through_load(tmp_path: Path) -> None:
+    job = config.load(
+        None,
+        [
+            "name=round-trip",
+            "mesh.dp=2",
+            "mesh.cp=4",
+            "attention.impl=hybrid",
+            "mesh.ulysses=2",
+            "train.global_batch=8",
+            "train.lr=2.5e-4",
+            "model.ffn_dim=96",
+            "zero.stage=3",
+            "zero.offload_params=true",
+            "cluster.address=ray://head:10001",
+        ],
+    )
+    job_file = tmp_path / "resolved.yaml"
+    job_file.write_text(config.to_yaml(job))
+    assert config.load(job_file) == job
+
+
+def test_to_dict_is_plain_nested_dicts() -> None:
+    as_dict = config.to_dict(config.load(None, ["mesh.dp=2", "train.global_batch=4"]))
+    assert as_dict["mesh"] == {"dp": 2, "cp": 1, "ulysses": None}
+    assert isinstance(as_dict["train"], dict)
+
+
+def test_replace_returns_a_validated_copy() -> None:
+    job = config.load(None, ["mesh.dp=2", "train.global_batch=4"])
+    resized = config.replace(job, ["mesh.dp=4"])
+    assert resized.mesh.dp == 4
+    assert resized.grad_accum_steps == 1
+    assert job.mesh.dp == 2  # the original is untouched
+    assert dataclasses.replace(resized, mesh=job.mesh) == job  # nothing else changed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        pytest.param(["mesh.dp=3"], "train.global_batch", id="invalid-value"),
+        pytest.param(["mesh.bogus=1"], "mesh.bogus", id="unknown-key"),
+        pytest.param(["mesh.dp=two"], "mesh.dp", id="bad-type"),
+        pytest.param(["mesh.dp"], "mesh.dp", id="malformed"),
+    ],
+)
+def test_replace_rejects_what_load_rejects(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.replace(JobConfig(), overrides)
+    assert err.value.key == key
+
+
+def test_validate_checks_a_config_built_in_code() -> None:
+    with pytest.raises(ConfigError) as err:
+        config.validate(JobConfig(mesh=MeshConfig(dp=0)))
+    assert err.value.key == "mesh.dp"
+
+
+BAD_OVERRIDES = [
+    pytest.param(["bogus=1"], "bogus", id="unknown-top-level-key"),
+    pytest.param(["model.bogus=1"], "model.bogus", id="unknown-nested-key"),
+    pytest.param(["model.bogus.deeper=1"], "model.bogus", id="unknown-nested-section"),
+    pytest.param(["mesh.dp=abc"], "mesh.dp", id="str-for-int"),
+    pytest.param(["model.dim=1.5"], "model.dim", id="float-for-int"),
+    pytest.param(["train.lr=fast"], "train.lr", id="str-for-float"),
+    pytest.param(["telemetry.progress=maybe"], "telemetry.progress", id="str-for-bool"),
+    pytest.param(["mesh.dp=null"], "mesh.dp", id="null-for-required-int"),
+    pytest.param(["mesh.dp=0"], "mesh.dp", id="dp-zero"),
+    pytest.param(["mesh.cp=0"], "mesh.cp", id="cp-zero"),
+    pytest.param(["mesh.cp=-2"], "mesh.cp", id="cp-negative"),
+    pytest.param(["mesh.cp=4", "mesh.ulysses=3"], "mesh.ulysses", id="ulysses-does-not-divide-cp"),
+    pytest.param(["mesh.cp=4", "mesh.ulysses=0"], "mesh.ulysses", id="ulysses-zero"),
+    pytest.param(["mesh.cp=4", "mesh.ulysses=2"], "mesh.ulysses", id="ring-with-ulysses-2"),
+    pytest.param(
+        ["mesh.cp=4", "attention.impl=ulysses", "mesh.ulysses=2"], "mesh.ulysses", id="ulysses-impl-ulysses-below-cp"
+    ),
+    pytest.param(
+        ["mesh.cp=2", "attention.impl=ulysses", "mesh.ulysses=1"], "mesh.ulysses", id="ulysses-impl-ulysses-1"
+    ),
+    pytest.param(["mesh.cp=4", "attention.impl=hybrid"], "mesh.ulysses", id="hybrid-without-ulysses"),
+    pytest.param(["mesh.cp=4", "attention.impl=hybrid", "mesh.ulysses=4"], "mesh.ulysses", id="hybrid-ulysses-eq-cp"),
+    pytest.param(["mesh.cp=4", "attention.impl=hybrid", "mesh.ulysses=1"], "mesh.ulysses", id="hybrid-ulysses-1"),
+    pytest.param(
+        ["mesh.cp=8", "attention.impl=ulysses", "model.n_heads=4", "model.n_kv_heads=2"],
+        "mesh.ulysses",
+        id="heads-not-divisible-by-derived-ulysses",
+    ),
+    pytest.param(
+        ["mesh.cp=6", "attention.impl=hybrid", "mesh.ulysses=3", "data.seq_len=1200"],
+        "mesh.ulysses",
+        id="heads-not-divisible-by-hybrid-ulysses",
+    ),
+    pytest.param(["mesh.cp=4", "data.seq_len=1028"], "data.seq_len", id="seq-len-not-divisible-by-2cp"),
+    pytest.param(["data.seq_len=2047"], "data.seq_len", id="odd-seq-len-without-cp"),
+    pytest.param(["data.seq_len=0"], "data.seq_len", id="seq-len-zero"),
+    pytest.param(["mesh.dp=2", "train.global_batch=3"], "train.global_batch", id="global-batch-not-divisible-by-dp"),
+    pytest.param(
+        ["mesh.dp=2", "train.micro_batch=2", "train.global_batch=6"],
+        "train.global_batch",
+        id="global-batch-not-divisible-by-dp-x-micro",
+    ),
+    pytest.param(["zero.stage=4"], "zero.stage", id="zero-stage-4"),
+    pytest.param(["zero.stage=-1"], "zero.stage", id="zero-stage-negative"),
+    pytest.param(["zero.offload_params=true"], "zero.offload_params", id="offload-params-without-stage-3"),
+    pytest.param(["zero.stage=0", "zero.offload_optimizer=true"], "zero.offload_optimizer", id="offload-opt-stage-0"),
+    pytest.param(["attention.impl=flash"], "attention.impl", id="unknown-attention-impl"),
+    pytest.param(["attention.kernel=magic"], "attention.kernel", id="unknown-attention-kernel"),
+    pytest.param(["model.n_heads=3"], "model.n_heads", id="dim-not-divisible-by-heads"),
+    pytest.param(["model.n_kv_heads=3"], "model.n_kv_heads", id="heads-not-divisible-by-kv-heads"),
+    pytest.param(["data.token_dtype=int8"], "data.token_dtype", id="unknown-token-dtype"),
+    pytest.param(["data.path="], "data.path", id="empty-data-path"),
+    pytest.param(["train.lr=0"], "train.lr", id="lr-zero"),
+    pytest.param(["train.min_lr_ratio=1.5"], "train.min_lr_ratio", id="min-lr-ratio-above-1"),
+    pytest.param(["train.beta2=1.0"], "train.beta2", id="beta2-one"),
+    pytest.param(["train.dtype=fp16"], "train.dtype", id="unknown-dtype"),
+    pytest.param(["cluster.device=tpu"], "cluster.device", id="unknown-device"),
+    pytest.param(["controllers.step_timeout_s=0"], "controllers.step_timeout_s", id="step-timeout-zero"),
+    pytest.param(["name=bad name"], "name", id="name-with-space"),
+    pytest.param(["name=../escape"], "name", id="name-with-path"),
+    pytest.param(["name=-leading-dash"], "name", id="name-leading-dash"),
+    pytest.param(["mesh.dp2"], "mesh.dp2", id="override-without-equals"),
+    pytest.param(["=2"], "=2", id="override-without-key"),
+    pytest.param(
+        ["mesh=3"],
+        "mesh",
+        id="scalar-for-section",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), BAD_OVERRIDES)
+def test_bad_override_raises_config_error_naming_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.load(None, overrides)
+    assert err.value.key == key
+    assert str(err.value).startswith(f"{key}: ")
+    assert err.value.reason
+
+
+def test_malformed_override_says_how_to_write_one() -> None:
+    with pytest.raises(ConfigError, match="key=value"):
+        config.load(None, ["mesh.dp", "mesh.cp=2"])
+
+
+def test_unknown_key_reason_says_unknown() -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        config.load(None, ["train.stpes=10"])
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        pytest.param("mesh:\n  bogus: 1\n", "mesh.bogus", id="unknown-nested-key"),
+        pytest.param("bogus: 1\n", "bogus", id="unknown-top-level-key"),
+        pytest.param("mesh:\n  dp: abc\n", "mesh.dp", id="bad-type"),
+        pytest.param("mesh:\n  dp: 2\ntrain:\n  global_batch: 3\n", "train.global_batch", id="invalid-relation"),
+        pytest.param("mesh: {dp: [1\n", "config", id="invalid-yaml"),
+        pytest.param("name: x\n  bad_indent: 1\n", "config", id="invalid-yaml-indentation"),
+        pytest.param("- 1\n- 2\n", "config", id="top-level-list"),
+        pytest.param("42\n", "config", id="top-level-number"),
+        pytest.param(
+            "just a string\n",
+            "config",
+            id="top-level-string",
+        ),
+        pytest.param(
+            "mesh: 3\n",
+            "mesh",
+            id="scalar-for-section",
+        ),
+    ],
+)
+def test_bad_job_file_raises_config_error_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        config.load(job_file)
+    assert err.value.key == key
+
+
+def test_invalid_yaml_error_names_the_file(tmp_path: Path) -> None:
+    job_file = tmp_path / "broken.yaml"
+    job_file.write_text("mesh: {dp: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
+        config.load(job_file)
+    assert str(job_file) in err.value.reason
+    assert "\n" not in str(err.value)
+
+
+def test_missing_job_file_raises_config_error_with_key_config(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="no such job file") as err:
+        config.load(missing)
+    assert err.value.key == "config"
+    assert str(missing) in err.value.reason
+
+
+def test_a_directory_is_not_a_job_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.load(tmp_path)
+    assert err.value.key == "config"
