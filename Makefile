@@ -4,13 +4,30 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+TOOLS_STAMP := $(VENV)/.tools
 TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv run test test-unit test-dist test-ray test-gpu bench clean
+.PHONY: venv tools run test test-unit test-dist test-ray test-gpu helm-check bench clean
 
 venv: $(STAMP)
+
+# Debian packages the tests use: promtool checks the chart's alert rules. policy-rc.d keeps the
+# package from starting a Prometheus service on install (tests start their own, on free ports).
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): $(STAMP)
+	@if ! command -v promtool >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+			rm -f /usr/sbin/policy-rc.d; \
+		else \
+			echo "promtool missing: run 'sudo apt-get install prometheus' (the alert-rule tests need it)"; exit 1; \
+		fi; \
+	fi
+	touch $(TOOLS_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +40,7 @@ $(STAMP): pyproject.toml
 run: venv
 	$(VENV)/bin/ringtrain run $(JOB)
 
-test: venv
+test: venv tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv
@@ -37,6 +54,9 @@ test-ray: venv
 
 test-gpu: venv
 	$(PY) -m pytest tests/gpu $(PYTEST_ARGS)
+
+helm-check: venv tools
+	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 
 bench: venv
 	PYTHONPATH=platform $(PY) bench/attention.py

@@ -37,24 +37,35 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.controller import Controller
     from ringtrain.actors.group import WorkerGroup
+    from ringtrain.actors.persister import Persister
+    from ringtrain.actors.resume import checkpoint_meta, find_resume_point, open_job_store, store_uri
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.rundir import RunDir, default_run_dir
+
+    run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
+    progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
+    # Before any cluster starts: a resume that cannot happen is bad input, not a failed run.
+    resume_from = find_resume_point(job, run_path, progress.message)
+    store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
 
     cluster = connect(job)
     ok = False
     try:
         device = resolve_device(job)
         check_capacity(job, device)
-        run_dir = RunDir(Path(job.run_dir) if job.run_dir else default_run_dir(job))
+        run_dir = RunDir(run_path)
         run_dir.write_config(job)
-        progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
+        persister = Persister(store, checkpoint_meta(job)) if store is not None else None
         progress.message(
             f"ringtrain: {job.name}: dp {job.mesh.dp} x cp {job.mesh.cp} ({job.attention.impl}, "
             f"ring {job.ring_degree} x ulysses {job.ulysses_degree}), ZeRO-{job.zero.stage}, "
             f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
         )
         try:
-            summary = Controller(job, WorkerGroup(job, device), run_dir, progress).run()
+            controller = Controller(
+                job, WorkerGroup(job, device), run_dir, progress, persister=persister, resume_from=resume_from
+            )
+            summary = controller.run()
         finally:
             run_dir.close()
         progress.summary(summary)

@@ -74,7 +74,8 @@ class AttentionConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # the schedule's length: warmup + cosine span these
+    stop_at_step: Optional[int] = None  # end this run early (a time slice); resume continues it
     seed: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -86,6 +87,19 @@ class TrainConfig:
     micro_batch: int = 1
     global_batch: int = 2  # sequences per optimizer step, whatever the dp degree
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+
+@dataclass
+class CheckpointConfig:
+    # In-memory snapshot of every rank's state every this many steps (0: none). Taken off the
+    # critical path; each lives in the worker, its node's holder and a buddy node's holder.
+    snapshot_every: int = 1
+    keep_in_memory: int = 2  # snapshots per rank each holder keeps
+    buddy: bool = True  # also keep each snapshot on another node (when there is one)
+    uri: str = ""  # durable store: file:///path or s3://bucket/prefix; "": <run_dir>/checkpoints
+    persist_every: int = 50  # copy a snapshot to the durable store every this many steps (0: only at the end)
+    keep: int = 3  # durable checkpoints kept
+    resume: str = "none"  # none | auto (newest valid, if any) | a checkpoint or store uri
 
 
 @dataclass
@@ -121,6 +135,7 @@ class JobConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     controllers: ControllersConfig = field(default_factory=ControllersConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -139,6 +154,11 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         return self.mesh.dp * self.mesh.cp
+
+    @property
+    def last_step(self) -> int:
+        """The step this run ends at."""
+        return self.train.stop_at_step or self.train.steps
 
     @property
     def grad_accum_steps(self) -> int:
@@ -240,6 +260,8 @@ def validate(job: JobConfig) -> None:
 
     t = job.train
     _positive(t.steps, "train.steps")
+    if t.stop_at_step is not None and not 1 <= t.stop_at_step <= t.steps:
+        raise ConfigError("train.stop_at_step", f"must be in [1, train.steps={t.steps}] (got {t.stop_at_step})")
     _positive(t.micro_batch, "train.micro_batch")
     _positive(t.global_batch, "train.global_batch")
     if t.global_batch % (job.mesh.dp * t.micro_batch):
@@ -262,6 +284,22 @@ def validate(job: JobConfig) -> None:
     if t.grad_clip < 0:
         raise ConfigError("train.grad_clip", f"must be >= 0, 0 disables clipping (got {t.grad_clip})")
     _one_of(t.dtype, DTYPES, "train.dtype")
+
+    ck = job.checkpoint
+    for key in ("snapshot_every", "persist_every"):
+        if getattr(ck, key) < 0:
+            raise ConfigError(f"checkpoint.{key}", f"must be >= 0 (got {getattr(ck, key)})")
+    _positive(ck.keep_in_memory, "checkpoint.keep_in_memory")
+    _positive(ck.keep, "checkpoint.keep")
+    if ck.persist_every and ck.snapshot_every and ck.persist_every % ck.snapshot_every:
+        raise ConfigError(
+            "checkpoint.persist_every",
+            f"{ck.persist_every} is not a multiple of checkpoint.snapshot_every={ck.snapshot_every}",
+        )
+    if ck.uri and not re.match(r"^(file://|s3://|/)", ck.uri):
+        raise ConfigError("checkpoint.uri", f"{ck.uri!r} must be file:///absolute/path, /absolute/path or s3://bucket/prefix")
+    if not ck.resume:
+        raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")
 
     if job.controllers.step_timeout_s <= 0:
         raise ConfigError("controllers.step_timeout_s", f"must be > 0 (got {job.controllers.step_timeout_s})")

@@ -11,6 +11,7 @@ class WorkerInfo:
     host: str
     pid: int
     device: str  # "cpu" or "cuda:N"
+    node_id: str = ""  # Ray node id: where the rank's holder and buddy are chosen
 
 
 @dataclass(frozen=True)
@@ -29,3 +30,6 @@ class StepReport:
     num_tokens: int
     step_time_s: float
     samples: tuple[int, ...]  # global sample indices this rank's replica trained on (ring_pos 0 only)
+    snapshot_step: int = 0  # newest finished in-memory snapshot (0: none yet)
+    snapshot_s: float = 0.0  # its latency: copy + encode + checksum, off the critical path
+    snapshot_bytes: int = 0

@@ -12,7 +12,9 @@ import logging
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
+from ringtrain.controllers.snapshots import persist_due
 from ringtrain.errors import RingtrainError
 from ringtrain.status import StepReport
 from ringtrain.telemetry.progress import Progress
@@ -40,7 +42,21 @@ class Group(Protocol):
 
     def start(self) -> None: ...
     def train_step(self) -> list[StepReport]: ...
+    def snapshot_refs(self, step: int) -> list[Any]: ...
+    def restore(self, blobs: list[bytes]) -> int: ...
     def shutdown(self) -> None: ...
+
+
+class Durable(Protocol):
+    """What the Controller needs of a Persister."""
+
+    last_durable_step: int
+    errors: list[str]
+
+    def submit(self, step: int, snapshot_refs: list[Any]) -> None: ...
+    def poll(self) -> list[Any]: ...
+    def flush(self) -> list[Any]: ...
+    def close(self) -> None: ...
 
 
 def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -> dict[str, Any]:
@@ -58,6 +74,9 @@ def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "dp": dp,
         "cp": cp,
+        "snapshot_step": min(r.snapshot_step for r in by_rank),
+        "snapshot_s": max(r.snapshot_s for r in by_rank),
+        "snapshot_bytes": sum(r.snapshot_bytes for r in by_rank),
     }
 
 
@@ -68,16 +87,22 @@ class Controller:
         group: Group,
         run_dir: RunDir,
         progress: Optional[Progress] = None,
+        persister: Optional[Durable] = None,
+        resume_from: Optional[LoadedCheckpoint] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job = job
         self.group = group
         self.run_dir = run_dir
         self.progress = progress or Progress(job.train.steps, enabled=False)
+        self.persister = persister
+        self.resume_from = resume_from
         self.clock = clock
         self.state = RunState.STARTING
         self.records: list[dict[str, Any]] = []
         self.samples: set[int] = set()
+        self.start_step = 0
+        self.persist_s = 0.0
         self.error: Optional[str] = None
 
     def _transition(self, new: RunState, reason: str) -> None:
@@ -91,16 +116,27 @@ class Controller:
         train_s = 0.0
         try:
             self.group.start()
+            if self.resume_from is not None:
+                self.start_step = self._resume(self.resume_from)
             self._transition(
-                RunState.RUNNING, f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp})"
+                RunState.RUNNING,
+                f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "
+                f"from step {self.start_step}",
             )
-            for _ in range(self.job.train.steps):
+            for step in range(self.start_step + 1, self.job.last_step + 1):
                 t0 = self.clock()
                 reports = self.group.train_step()
                 wall = self.clock() - t0
                 train_s += wall
+                self._maybe_persist(step)
                 self._record(reports, wall)
-            self._transition(RunState.FINISHED, f"train.steps={self.job.train.steps} reached")
+            self._drain(wait=True)
+            reason = (
+                f"train.stop_at_step={self.job.last_step} reached"
+                if self.job.train.stop_at_step
+                else f"train.steps={self.job.train.steps} reached"
+            )
+            self._transition(RunState.FINISHED, reason)
         except RingtrainError as exc:
             self.error = str(exc)
             self._transition(RunState.FAILED, self.error)
@@ -108,13 +144,51 @@ class Controller:
             self.error = "interrupted"
             self._transition(RunState.STOPPED, "interrupted by the user")
         finally:
+            self._close_durable()
             self.group.shutdown()
         summary = self._summary(wall_s=self.clock() - started, train_s=train_s)
         self.run_dir.write_summary(summary)
         return summary
 
+    def _resume(self, checkpoint: LoadedCheckpoint) -> int:
+        t0 = self.clock()
+        names = sorted(checkpoint.shards)
+        step = self.group.restore([checkpoint.shards[n] for n in names])
+        self.progress.message(
+            f"resumed from {checkpoint.uri} (step {step}, written at dp {checkpoint.meta.get('dp')}) "
+            f"in {self.clock() - t0:.2f} s"
+        )
+        return step
+
+    def _maybe_persist(self, step: int) -> None:
+        if self.persister is None:
+            return
+        if persist_due(step, persist_every=self.job.checkpoint.persist_every, final_step=self.job.last_step):
+            # Pending results: the workers serve them while they train the next step.
+            self.persister.submit(step, self.group.snapshot_refs(step))
+        self._drain(wait=False)
+
+    def _drain(self, *, wait: bool) -> None:
+        if self.persister is None:
+            return
+        for persisted in self.persister.flush() if wait else self.persister.poll():
+            self.persist_s = persisted.seconds
+            self.progress.message(
+                f"checkpoint step {persisted.step}: {persisted.num_bytes / 1e6:.1f} MB in {persisted.seconds:.2f} s -> {persisted.uri}"
+            )
+
+    def _close_durable(self) -> None:
+        if self.persister is None:
+            return
+        try:
+            self._drain(wait=True)
+        finally:
+            self.persister.close()
+
     def _record(self, reports: list[StepReport], wall_s: float) -> None:
         record = step_record(reports, dp=self.job.mesh.dp, cp=self.job.mesh.cp, wall_s=wall_s)
+        record["persist_s"] = self.persist_s
+        record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
         for r in reports:
             self.samples.update(r.samples)
         self.records.append(record)
@@ -127,7 +201,8 @@ class Controller:
         return {
             "status": self.state.value,
             "steps": self.job.train.steps,
-            "final_step": last["step"] if last else 0,
+            "start_step": self.start_step,
+            "final_step": last["step"] if last else self.start_step,
             "initial_loss": self.records[0]["loss"] if self.records else None,
             "final_loss": last["loss"] if last else None,
             "tokens": tokens,
@@ -138,6 +213,9 @@ class Controller:
             "num_samples": len(self.samples),
             "dp": self.job.mesh.dp,
             "cp": self.job.mesh.cp,
+            "resumed_from": self.resume_from.uri if self.resume_from else None,
+            "last_durable_step": self.persister.last_durable_step if self.persister else 0,
+            "checkpoint_errors": list(self.persister.errors) if self.persister else [],
             "error": self.error,
             "run_dir": str(self.run_dir.path),
         }

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from ringtrain.actors.cluster import worker_resources
+from ringtrain.actors.holder import SnapshotHolder
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
 from ringtrain.errors import CapacityError, WorkerError
@@ -30,6 +31,7 @@ class WorkerGroup:
         self.placement_groups: list[Any] = []
         self.workers: list[Any] = []  # actor handles, index = rank
         self.infos: list[WorkerInfo] = []
+        self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
         self.num_params = 0
 
     def start(self) -> None:
@@ -66,16 +68,59 @@ class WorkerGroup:
                     runtime_env={"env_vars": _worker_env(self.device)},
                 ).remote(self.job, rank, self.device)
             )
-        self.infos = self._gather(lambda w: w.info.remote(), timeout)
+        self.infos = self._gather(lambda _, w: w.info.remote(), timeout)
+        self._start_holders()
         host, port = self._call(self.workers[0].create_store.remote(), rank=0, timeout=timeout)
-        counts = self._gather(lambda w: w.setup.remote(host, port), timeout)
+        counts = self._gather(
+            lambda rank, w: w.setup.remote(host, port, self._holders_of(rank)), timeout
+        )
         self.num_params = counts[0]
 
+    def _start_holders(self) -> None:
+        """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self.job.checkpoint.snapshot_every == 0:
+            return
+        holder_cls = ray.remote(SnapshotHolder)
+        for node_id in dict.fromkeys(i.node_id for i in self.infos):
+            self.holders[node_id] = holder_cls.options(
+                num_cpus=0,
+                max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            ).remote(self.job.checkpoint.keep_in_memory)
+
+    def _holders_of(self, rank: int) -> list[Any]:
+        """This node's holder, and a buddy node's when there is one and buddies are on."""
+        if not self.holders:
+            return []
+        nodes = list(self.holders)
+        own = self.infos[rank].node_id
+        chosen = [self.holders[own]]
+        if self.job.checkpoint.buddy:
+            buddy = buddy_node(rank, self.topology, [i.node_id for i in self.infos], nodes)
+            if buddy is not None:
+                chosen.append(self.holders[buddy])
+        return chosen
+
+    def snapshot_refs(self, step: int) -> list[Any]:
+        """Pending results of every rank's ``snapshot(step)``, in rank order; the workers answer
+        on their second concurrency slot, so this never waits for the step in flight."""
+        return [w.snapshot.remote(step) for w in self.workers]
+
+    def restore(self, blobs: list[bytes]) -> int:
+        import ray
+
+        ref = ray.put(blobs)  # one copy in the object store, read by every rank
+        steps = self._gather(lambda _, w: w.restore.remote(ref), self.job.controllers.start_timeout_s)
+        return steps[0]
+
     def train_step(self) -> list[StepReport]:
-        return self._gather(lambda w: w.train_step.remote(), self.job.controllers.step_timeout_s)
+        return self._gather(lambda _, w: w.train_step.remote(), self.job.controllers.step_timeout_s)
 
     def parameters(self) -> dict[str, Any]:
-        return self._gather(lambda w: w.parameters.remote(), self.job.controllers.step_timeout_s)[0]
+        return self._gather(lambda _, w: w.parameters.remote(), self.job.controllers.step_timeout_s)[0]
 
     def shutdown(self) -> None:
         import ray
@@ -86,18 +131,23 @@ class WorkerGroup:
                 ray.kill(handle, no_restart=True)
             except Exception:  # already dead: nothing to stop
                 pass
+        for handle in self.holders.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
         for pg in self.placement_groups:
             try:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        self.workers, self.placement_groups = [], []
+        self.workers, self.placement_groups, self.holders = [], [], {}
 
-    def _gather(self, call: Callable[[Any], Any], timeout: float) -> list[Any]:
-        """Call every worker, wait for all; the first failure names its rank."""
+    def _gather(self, call: Callable[[int, Any], Any], timeout: float) -> list[Any]:
+        """Call every worker (with its rank), wait for all; the first failure names its rank."""
         import ray
 
-        refs = [call(w) for w in self.workers]
+        refs = [call(rank, w) for rank, w in enumerate(self.workers)]
         deadline = time.monotonic() + timeout
         pending = list(refs)
         while pending:
@@ -122,6 +172,18 @@ class WorkerGroup:
 
     def _host(self, rank: int) -> str:
         return self.infos[rank].host if rank < len(self.infos) else "?"
+
+
+def buddy_node(rank: int, topology: Topology, rank_nodes: list[str], nodes: list[str]) -> Optional[str]:
+    """Another node to keep a copy of ``rank``'s snapshots: the node of the same ring position in
+    the next replica when that is elsewhere (spreads the copies evenly), else any other node."""
+    own = rank_nodes[rank]
+    c = topology.coord(rank)
+    peer = rank_nodes[topology.rank_of((c.replica + 1) % topology.dp, c.ring_pos)]
+    if peer != own:
+        return peer
+    others = [n for n in nodes if n != own]
+    return others[rank % len(others)] if others else None
 
 
 def _worker_env(device: str) -> dict[str, str]:

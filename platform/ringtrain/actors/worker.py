@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
+
+if TYPE_CHECKING:
+    from ringtrain.train.snapshot import Snapshot
 
 
 class TrainWorker:
@@ -25,7 +28,9 @@ class TrainWorker:
         self._trainer: Any = None
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(rank=self.rank, host=_node_ip(), pid=os.getpid(), device=self.device_type)
+        return WorkerInfo(
+            rank=self.rank, host=_node_ip(), pid=os.getpid(), device=self.device_type, node_id=_node_id()
+        )
 
     def create_store(self) -> tuple[str, int]:
         """Rank 0 only: open the rendezvous store on a free port and say where it is."""
@@ -35,8 +40,11 @@ class TrainWorker:
         self._store, port = create_store(host, self.job.world_size, self.job.controllers.start_timeout_s)
         return host, port
 
-    def setup(self, host: str, port: int) -> int:
-        """Join the process group and build model, engine and data; returns the parameter count."""
+    def setup(self, host: str, port: int, holders: Sequence[Any] = ()) -> int:
+        """Join the process group and build model, engine and data; returns the parameter count.
+
+        ``holders`` are the SnapshotHolder actors every snapshot of this rank is handed to.
+        """
         import torch
 
         from ringtrain.train.mesh import init_process_group
@@ -58,12 +66,23 @@ class TrainWorker:
             world_size=self.job.world_size,
             timeout_s=self.job.controllers.step_timeout_s,
         )
-        self._trainer = Trainer(self.job, rank=self.rank, device=device)
+        self._trainer = Trainer(self.job, rank=self.rank, device=device, deliver=_HolderDelivery(holders))
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self._trainer.model.parameters())
 
     def train_step(self) -> StepReport:
         assert self._trainer is not None, "setup() must run before train_step()"
         return self._trainer.train_step()
+
+    def snapshot(self, step: int) -> tuple[bytes, str]:
+        """This rank's snapshot of ``step`` and its checksum (waits if still being taken)."""
+        assert self._trainer is not None
+        snap = self._trainer.snapshot(step)
+        return snap.blob, snap.checksum
+
+    def restore(self, blobs: list[bytes]) -> int:
+        """Load a snapshot (every rank's shard, any dp); returns the step to continue after."""
+        assert self._trainer is not None
+        return self._trainer.restore(blobs)
 
     def parameters(self) -> dict[str, Any]:
         """Full fp32 parameters as numpy arrays (collective under ZeRO-3: call on every rank)."""
@@ -74,6 +93,35 @@ class TrainWorker:
         if self._trainer is not None:
             self._trainer.close()
             self._trainer = None
+
+
+class _HolderDelivery:
+    """Hands each snapshot to the holders, at most one round in flight (runs on the snapshot
+    thread, so waiting here never touches the training loop)."""
+
+    def __init__(self, holders: Sequence[Any]) -> None:
+        self.holders = list(holders)
+        self._in_flight: list[Any] = []
+
+    def __call__(self, snap: Snapshot) -> None:
+        if not self.holders:
+            return
+        import ray
+
+        if self._in_flight:
+            ray.get(self._in_flight)
+        self._in_flight = [
+            h.put.remote(snap.rank, snap.step, snap.world_size, snap.blob, snap.checksum) for h in self.holders
+        ]
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return ""
 
 
 def _node_ip() -> str:

@@ -24,6 +24,16 @@ from ringtrain.train.data import BatchPlan, MicroBatch, ShardedData, load_tokens
 from ringtrain.train.engine import build_engine, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.model import AttentionFn, Transformer
+from ringtrain.train.snapshot import (
+    DeliverFn,
+    FragmentIndex,
+    Snapshot,
+    Snapshotter,
+    ZeroState,
+    capture_scalars,
+    decode,
+    restore_scalars,
+)
 
 AttentionFactory = Callable[[JobConfig, Mesh], AttentionFn]
 
@@ -72,6 +82,7 @@ class Trainer:
         rank: int,
         device: torch.device,
         attention_factory: Optional[AttentionFactory] = None,
+        deliver: Optional[DeliverFn] = None,
     ) -> None:
         self.job = job
         self.device = device
@@ -94,6 +105,17 @@ class Trainer:
             vocab_size=job.model.vocab_size,
         )
         self.step = 0  # optimizer steps completed
+        self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
+        self.snapshotter: Optional[Snapshotter] = None
+        if job.checkpoint.snapshot_every > 0:
+            self.snapshotter = Snapshotter(
+                self.zero,
+                rank=rank,
+                world_size=topology.world_size,
+                device=device,
+                deliver=deliver,
+                keep=job.checkpoint.keep_in_memory,
+            )
 
     def _tensor(self, array: object) -> torch.Tensor:
         return torch.as_tensor(array, dtype=torch.long, device=self.device)
@@ -102,6 +124,8 @@ class Trainer:
         logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), self._tensor(mb.labels).flatten())
         self.engine.backward(loss)
+        if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
+            self.snapshotter.fence()  # the optimizer step below changes what the copy reads
         self.engine.step()
         return loss.detach()
 
@@ -113,6 +137,9 @@ class Trainer:
         self.step += 1
         loss = all_reduce_mean(torch.stack(losses).mean()).item()
         grad_norm = self.engine.get_global_grad_norm()
+        step_time = time.perf_counter() - start
+        self._maybe_snapshot()
+        last = self.last_snapshot()
         return StepReport(
             step=self.step,
             rank=self.mesh.rank,
@@ -120,9 +147,40 @@ class Trainer:
             lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             num_tokens=sum(mb.input_ids.size for mb in batches),
-            step_time_s=time.perf_counter() - start,
+            step_time_s=step_time,
             samples=tuple(s for mb in batches for s in mb.samples) if self.mesh.coord.ring_pos == 0 else (),
+            snapshot_step=last.step if last else 0,
+            snapshot_s=last.total_s if last else 0.0,
+            snapshot_bytes=last.num_bytes if last else 0,
         )
+
+    def _maybe_snapshot(self) -> None:
+        every = self.job.checkpoint.snapshot_every
+        # The last step of the run is always captured: it is the one a resume continues from.
+        if self.snapshotter is not None and (self.step % every == 0 or self.step == self.job.last_step):
+            self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step))
+
+    def last_snapshot(self) -> Optional[Snapshot]:
+        """The newest finished snapshot (the one of this step may still be in flight)."""
+        if self.snapshotter is None or not self.snapshotter.recent:
+            return None
+        return self.snapshotter.recent[max(self.snapshotter.recent)]
+
+    def snapshot(self, step: int) -> Snapshot:
+        """This rank's snapshot of ``step``, waiting for it if it is still being taken."""
+        if self.snapshotter is None:
+            raise RuntimeError("snapshots are off (checkpoint.snapshot_every=0)")
+        self.snapshotter.wait()
+        if step not in self.snapshotter.recent:
+            raise KeyError(f"no snapshot of step {step} on rank {self.mesh.rank} (have {sorted(self.snapshotter.recent)})")
+        return self.snapshotter.recent[step]
+
+    def restore(self, blobs: list[bytes]) -> int:
+        """Load every rank's shard of one snapshot (taken at any dp); returns the step resumed."""
+        index = FragmentIndex([decode(b) for b in blobs])
+        self.zero.load(index)
+        self.step = restore_scalars(self.engine, self.zero, index.scalars)
+        return self.step
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full (unpartitioned) parameters as fp32 CPU tensors; collective under ZeRO-3."""
@@ -139,5 +197,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if self.snapshotter is not None:
+            self.snapshotter.close()
         if dist.is_initialized():
             dist.destroy_process_group()

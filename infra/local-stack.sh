@@ -1,0 +1,267 @@
+#!/usr/bin/env bash
+# A local stack for ringtrain on one machine, all on loopback: a Ray head exporting metrics on
+# port 8080, Prometheus scraping it (infra/prometheus.yml) and an S3-compatible server (moto)
+# with a bucket for checkpoints.
+#
+#   infra/local-stack.sh start    start the three; their PIDs go to $RINGTRAIN_STACK_DIR/pids
+#   infra/local-stack.sh env      print the exports that point ringtrain at them
+#   infra/local-stack.sh status   show which of them are running
+#   infra/local-stack.sh stop     stop exactly the processes `start` started, by PID
+#
+#   eval "$(infra/local-stack.sh env)" && ringtrain run jobs/quickstart.yaml
+#
+# It never runs `ray stop`, which would kill every Ray process on the machine: the Ray head is
+# started with --block, and stopping that one process stops the processes it started.
+#
+# Settings (environment): RINGTRAIN_STACK_DIR (state, logs; default .ringtrain-cache/local-stack),
+# RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short),
+# RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), S3_PORT (9000), S3_BUCKET (ringtrain), PYTHON.
+# The metrics port 8080 and Prometheus' 9090 are fixed: infra/prometheus.yml names them.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STATE_DIR=${RINGTRAIN_STACK_DIR:-$REPO/.ringtrain-cache/local-stack}
+PID_FILE=$STATE_DIR/pids
+LOG_DIR=$STATE_DIR/logs
+RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ringtrain-ray-$(id -u)}
+RAY_PORT=${RAY_PORT:-6379}
+RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
+METRICS_PORT=8080
+PROMETHEUS_PORT=9090
+S3_PORT=${S3_PORT:-9000}
+S3_BUCKET=${S3_BUCKET:-ringtrain}
+S3_REGION=us-east-1
+START_TIMEOUT_S=60
+STOP_TIMEOUT_S=30
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
+fi
+RAY_BIN=$(dirname "$(command -v "$PYTHON")")/ray
+[[ -x "$RAY_BIN" ]] || RAY_BIN=ray
+
+# What each service's command line contains; `stop` kills a PID only when its command line
+# still matches, so a PID reused by an unrelated process after a reboot is left alone.
+marker() {
+    case "$1" in
+        ray) echo "start --head --block" ;;
+        prometheus) echo "--config.file=$REPO/infra/prometheus.yml" ;;
+        s3) echo "moto.server" ;;
+        *) return 1 ;;
+    esac
+}
+
+usage() {
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+}
+
+log() { echo "local-stack: $*" >&2; }
+
+cmdline() {
+    if [[ -r /proc/$1/cmdline ]]; then
+        tr '\0' ' ' <"/proc/$1/cmdline"
+    else
+        ps -p "$1" -o command= 2>/dev/null || true
+    fi
+}
+
+# Running and still the process we started?
+ours() {
+    local name=$1 pid=$2
+    kill -0 "$pid" 2>/dev/null && [[ "$(cmdline "$pid")" == *"$(marker "$name")"* ]]
+}
+
+port_open() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+wait_for_port() {
+    local name=$1 pid=$2 port=$3 waited=0
+    until port_open "$port"; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            log "$name exited while starting; the end of $LOG_DIR/$name.log:"
+            tail -n 20 "$LOG_DIR/$name.log" >&2 || true
+            return 1
+        fi
+        if ((waited >= START_TIMEOUT_S * 10)); then
+            log "$name did not open port $port within ${START_TIMEOUT_S}s (see $LOG_DIR/$name.log)"
+            return 1
+        fi
+        sleep 0.1
+        waited=$((waited + 1))
+    done
+}
+
+require() {
+    local what=$1 hint=$2
+    shift 2
+    if ! "$@" >/dev/null 2>&1; then
+        log "$what is missing: $hint"
+        exit 1
+    fi
+}
+
+record() {
+    echo "$1 $2" >>"$PID_FILE"
+}
+
+cmd_start() {
+    if [[ -s "$PID_FILE" ]]; then
+        while read -r name pid; do
+            if ours "$name" "$pid"; then
+                log "already running ($name, PID $pid); run '$0 stop' first"
+                exit 1
+            fi
+        done <"$PID_FILE"
+        rm -f "$PID_FILE"
+    fi
+    require "ray" "install the project (make venv) or set PYTHON" "$RAY_BIN" --version
+    require "prometheus" "apt-get install --no-install-recommends prometheus" command -v prometheus
+    require "moto" "pip install 'moto[server]'" "$PYTHON" -c "import moto.server, flask, flask_cors"
+    for port in "$RAY_PORT" "$RAY_DASHBOARD_PORT" "$METRICS_PORT" "$PROMETHEUS_PORT" "$S3_PORT"; do
+        if port_open "$port"; then
+            log "port $port on 127.0.0.1 is already in use"
+            exit 1
+        fi
+    done
+    mkdir -p "$LOG_DIR" "$RAY_TEMP_DIR"
+    trap 'log "start failed; stopping what was started"; cmd_stop' ERR
+    # Job control on: each service runs in a process group of its own, whose id is its PID, so
+    # `stop` can also reach what a service started and left behind.
+    set -m
+
+    # Token authentication is off: every port listens on loopback only.
+    RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 "$RAY_BIN" start --head --block \
+        --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
+        --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" \
+        --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR" \
+        </dev/null >"$LOG_DIR/ray.log" 2>&1 &
+    local ray_pid=$!
+    record ray "$ray_pid"
+    wait_for_port ray "$ray_pid" "$RAY_PORT"
+
+    prometheus --config.file="$REPO/infra/prometheus.yml" \
+        --web.listen-address="127.0.0.1:$PROMETHEUS_PORT" \
+        --storage.tsdb.path="$STATE_DIR/prometheus-data" \
+        </dev/null >"$LOG_DIR/prometheus.log" 2>&1 &
+    record prometheus $!
+    wait_for_port prometheus $! "$PROMETHEUS_PORT"
+
+    "$PYTHON" -m moto.server -H 127.0.0.1 -p "$S3_PORT" </dev/null >"$LOG_DIR/s3.log" 2>&1 &
+    record s3 $!
+    wait_for_port s3 $! "$S3_PORT"
+    set +m
+    AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing "$PYTHON" -c "
+import boto3
+boto3.client('s3', endpoint_url='http://127.0.0.1:$S3_PORT', region_name='$S3_REGION').create_bucket(Bucket='$S3_BUCKET')
+"
+    # The metrics agent comes up a few seconds after the head's GCS port; wait for it too, so
+    # Prometheus' first scrapes succeed.
+    wait_for_port ray "$ray_pid" "$METRICS_PORT"
+    trap - ERR
+
+    log "started; PIDs in $PID_FILE, logs in $LOG_DIR"
+    log "Ray dashboard http://127.0.0.1:$RAY_DASHBOARD_PORT, Prometheus http://127.0.0.1:$PROMETHEUS_PORT, S3 http://127.0.0.1:$S3_PORT (bucket $S3_BUCKET)"
+    log "point ringtrain at it with: eval \"\$($0 env)\""
+}
+
+cmd_env() {
+    cat <<EOF
+export RAY_ADDRESS=127.0.0.1:$RAY_PORT
+export RAY_AUTH_MODE=disabled
+export AWS_ENDPOINT_URL=http://127.0.0.1:$S3_PORT
+export AWS_ACCESS_KEY_ID=testing
+export AWS_SECRET_ACCESS_KEY=testing
+export AWS_DEFAULT_REGION=$S3_REGION
+# checkpoint.uri=s3://$S3_BUCKET/<prefix>; metrics: http://127.0.0.1:$PROMETHEUS_PORT
+EOF
+}
+
+cmd_status() {
+    if [[ ! -s "$PID_FILE" ]]; then
+        echo "not running"
+        return 0
+    fi
+    while read -r name pid; do
+        if ours "$name" "$pid"; then echo "$name: running (PID $pid)"; else echo "$name: stopped (PID $pid)"; fi
+    done <"$PID_FILE"
+}
+
+cmd_stop() {
+    if [[ ! -s "$PID_FILE" ]]; then
+        log "nothing to stop ($PID_FILE is absent)"
+        rm -f "$PID_FILE"
+        return 0
+    fi
+    local -a names=() pids=()
+    while read -r name pid; do
+        names+=("$name")
+        pids+=("$pid")
+    done <"$PID_FILE"
+    # Newest first: the S3 server and Prometheus, then Ray.
+    local i
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+        stop_one "${names[i]}" "${pids[i]}"
+    done
+    rm -f "$PID_FILE"
+}
+
+# Is the process (target PID) or a member of the process group (target -PID) alive? Zombies,
+# which only wait for their parent to reap them, do not count.
+alive() {
+    local target=$1
+    if [[ $target == -* ]]; then
+        ps -A -o pgid= -o stat= | awk -v pgid="${target#-}" '$1 == pgid && $2 !~ /^Z/ {found = 1} END {exit !found}'
+    else
+        ps -p "$target" -o stat= | awk '$1 !~ /^Z/ {found = 1} END {exit !found}'
+    fi
+}
+
+# SIGTERM a process (target PID) or a process group (target -PID), wait until it is gone, and
+# SIGKILL it if it outlives the timeout.
+terminate() {
+    local target=$1 timeout_s=$2 waited=0
+    kill -TERM -- "$target" 2>/dev/null || return 0
+    while alive "$target" && ((waited < timeout_s * 10)); do
+        sleep 0.1
+        waited=$((waited + 1))
+    done
+    if alive "$target"; then
+        log "$target ignored SIGTERM for ${timeout_s}s; sending SIGKILL"
+        kill -KILL -- "$target" 2>/dev/null || true
+    fi
+}
+
+stop_one() {
+    local name=$1 pid=$2
+    if alive "$pid"; then
+        if ! ours "$name" "$pid"; then
+            log "PID $pid is no longer $name; leaving it alone"
+            return 0
+        fi
+        # The service first, alone, so that it shuts down its own children in order (the Ray
+        # head stops its GCS, raylet and dashboard).
+        terminate "$pid" "$STOP_TIMEOUT_S"
+        log "stopped $name (PID $pid)"
+    else
+        log "$name (PID $pid) is not running"
+    fi
+    # Then whatever is left in its process group. Linux never hands out a PID that is still a
+    # process group's id, so a group with this id is the one `start` created.
+    if alive "-$pid"; then
+        log "stopping what $name left in its process group $pid"
+        terminate "-$pid" 5
+    fi
+}
+
+case "${1:-}" in
+    start) cmd_start ;;
+    stop) cmd_stop ;;
+    status) cmd_status ;;
+    env) cmd_env ;;
+    -h | --help | help) usage ;;
+    *)
+        usage >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,56 @@
+"""SnapshotHolder: keeps recent snapshots in a node's memory, outside the worker processes.
+
+A crashed worker's own memory is gone, so every snapshot is also handed to the holder on the
+worker's node and, when the job spans several nodes, to a buddy node's holder. A holder is a
+plain class made a Ray actor (no CPU reserved) pinned to its node.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from ringtrain.train.snapshot import checksum
+
+
+class SnapshotHolder:
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._snaps: dict[tuple[int, int], tuple[int, bytes, str]] = {}  # (rank, step) -> (world, blob, sum)
+
+    def put(self, rank: int, step: int, world_size: int, blob: bytes, digest: str) -> None:
+        # A private copy: the caller's buffer belongs to the worker, which may die.
+        data = bytes(memoryview(blob))
+        with self._lock:
+            self._snaps[(rank, step)] = (world_size, data, digest)
+            steps = sorted(s for r, s in self._snaps if r == rank)
+            for old in steps[: -self.keep]:
+                del self._snaps[(rank, old)]
+
+    def inventory(self) -> dict[int, tuple[int, list[int]]]:
+        """step -> (world size, ranks held)."""
+        out: dict[int, tuple[int, list[int]]] = {}
+        with self._lock:
+            for (rank, step), (world, _, _) in self._snaps.items():
+                out.setdefault(step, (world, []))[1].append(rank)
+        return {step: (world, sorted(ranks)) for step, (world, ranks) in out.items()}
+
+    def get(self, rank: int, step: int) -> Optional[bytes]:
+        """The snapshot, or None when absent or when it no longer matches its checksum."""
+        with self._lock:
+            entry = self._snaps.get((rank, step))
+        if entry is None:
+            return None
+        _, blob, digest = entry
+        return blob if checksum(blob) == digest else None
+
+    def drop_after(self, step: int) -> None:
+        """Forget snapshots newer than ``step`` (after a rollback they describe a dead future)."""
+        with self._lock:
+            for key in [k for k in self._snaps if k[1] > step]:
+                del self._snaps[key]
+
+    def num_bytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for _, b, _ in self._snaps.values())

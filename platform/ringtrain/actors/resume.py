@@ -1,0 +1,102 @@
+"""Where a run's durable checkpoints go, what they must match, and which one a resume loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
+from ringtrain.config import JobConfig
+from ringtrain.errors import ConfigError, RingtrainError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ringtrain-fragments-v1"
+# Model fields that change the shape of the state; activation checkpointing does not.
+_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+_STEP_DIR = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
+
+
+def store_uri(job: JobConfig, run_dir: Path) -> str:
+    return job.checkpoint.uri or (run_dir.resolve() / "checkpoints").as_uri()
+
+
+def open_job_store(uri: str, job: JobConfig, key: str = "checkpoint.uri") -> CheckpointStore:
+    try:
+        return open_store(uri, keep=job.checkpoint.keep)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
+def checkpoint_meta(job: JobConfig) -> dict[str, Any]:
+    """What a checkpoint records about the job that wrote it (the dp it was taken at is informative
+    only: fragments load at any dp)."""
+    return {
+        "format": FORMAT,
+        "job": job.name,
+        "model": model_shape(job),
+        "dp": job.mesh.dp,
+        "cp": job.mesh.cp,
+        "zero_stage": job.zero.stage,
+        "seq_len": job.data.seq_len,
+        "global_batch": job.train.global_batch,
+    }
+
+
+def model_shape(job: JobConfig) -> dict[str, Any]:
+    fields = dataclasses.asdict(job.model)
+    shape = {k: fields[k] for k in _SHAPE_FIELDS}
+    shape["ffn_dim"] = job.ffn_dim
+    return shape
+
+
+def incompatibility(job: JobConfig) -> Callable[[Any], Optional[str]]:
+    """A check for ``latest_valid``: why a checkpoint's meta cannot be loaded into ``job``."""
+    expected = model_shape(job)
+
+    def check(meta: Any) -> Optional[str]:
+        if meta.get("format") != FORMAT:
+            return f"format {meta.get('format')!r}, expected {FORMAT!r}"
+        theirs = meta.get("model", {})
+        diffs = [f"model.{k}={theirs.get(k)} (this job: {v})" for k, v in expected.items() if theirs.get(k) != v]
+        return "incompatible model: " + ", ".join(diffs) if diffs else None
+
+    return check
+
+
+def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None]) -> Optional[LoadedCheckpoint]:
+    """The checkpoint ``checkpoint.resume`` asks for, or None to start from step 0.
+
+    ``auto`` starts fresh only when the store holds no checkpoint at all; a store whose every
+    checkpoint is damaged or incompatible, or an explicit uri with nothing valid, is an error:
+    a resume never silently becomes a fresh start.
+    """
+    mode = job.checkpoint.resume
+    if mode == "none":
+        return None
+    uri = store_uri(job, run_dir) if mode == "auto" else mode
+    check = incompatibility(job)
+    single = _STEP_DIR.match(uri)
+    store = open_job_store(single.group("store") if single else uri, job, key="checkpoint.resume")
+    if single:
+        step = int(single.group("step"))
+        try:
+            loaded = store.load(step, verify=True, eager=True)
+        except RingtrainError as exc:
+            raise ConfigError("checkpoint.resume", f"cannot load {uri}: {exc}") from None
+        reason = check(loaded.meta)
+        if reason:
+            raise ConfigError("checkpoint.resume", f"{uri}: {reason}")
+        return loaded
+    loaded = store.latest_valid(check)
+    for skipped in store.skipped:
+        say(f"skipping checkpoint {skipped.uri}: {skipped.reason}")
+    if loaded is not None:
+        return loaded
+    if mode == "auto" and not store.skipped:
+        say(f"checkpoint.resume=auto: no checkpoint in {uri} yet, starting from step 0")
+        return None
+    raise ConfigError("checkpoint.resume", f"no valid checkpoint in {uri}" + ("" if store.skipped else " (it is empty)"))

@@ -1,0 +1,1 @@
+"""Pure decisions: (status, now) -> Decision. Imports neither torch nor ray."""

@@ -1,0 +1,204 @@
+"""infra/: the image's Dockerfile, the local Prometheus config and the local-stack script.
+
+No Docker engine is available here, so the Dockerfile is checked for what the chart relies on.
+The local-stack script is checked without starting Ray (that takes seconds and gigabytes): its
+syntax, its commands, and that `stop` kills exactly the processes named in its PID file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from helmkit import CHART, REPO
+
+INFRA = REPO / "infra"
+SCRIPT = INFRA / "local-stack.sh"
+DOCKERFILE = INFRA / "Dockerfile"
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    steps, pending = [], ""
+    for line in path.read_text().splitlines():
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        if text.endswith("\\"):
+            pending += text[:-1] + " "
+            continue
+        op, _, args = (pending + text).partition(" ")
+        steps.append((op.upper(), args.strip()))
+        pending = ""
+    return steps
+
+
+def arg_defaults(steps: list[tuple[str, str]]) -> dict[str, str]:
+    defaults = {}
+    for op, args in steps:
+        if op == "ARG" and "=" in args:
+            name, value = args.split("=", 1)
+            defaults[name] = value.strip('"')
+    return defaults
+
+
+def test_dockerfile_builds_a_cuda_image_with_ringtrain() -> None:
+    steps = instructions(DOCKERFILE)
+    defaults = arg_defaults(steps)
+    base = next(args for op, args in steps if op == "FROM")
+    base = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], base)
+    assert re.match(r"(nvidia/cuda:|nvcr\.io/nvidia/pytorch:)", base), f"not a CUDA base image: {base}"
+
+    runs = " ".join(args for op, args in steps if op == "RUN")
+    # torch pinned to the Makefile's version, installed before ringtrain.
+    makefile_torch = re.search(r"^TORCH_VERSION \?= (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert makefile_torch and defaults["TORCH_VERSION"] == makefile_torch.group(1)
+    assert runs.index('pip install "torch==${TORCH_VERSION}"') < runs.index("pip install .")
+    assert "import ringtrain.cli" in runs, "the build should prove the package imports"
+    assert re.search(r"apt-get install[^&]*\bwget\b", runs), "KubeRay's probes call wget in the Ray containers"
+
+    users = [args for op, args in steps if op == "USER"]
+    assert users and users[-1] not in ("root", "0"), "Ray containers should not run as root"
+    assert any(op == "CMD" and "ringtrain" in args for op, args in steps)
+
+
+def test_dockerfile_copies_only_what_exists_and_the_context_allows() -> None:
+    copied = []
+    for op, args in instructions(DOCKERFILE):
+        if op == "COPY":
+            parts = [p for p in args.split() if not p.startswith("--")]
+            copied += parts[:-1]
+    assert {"pyproject.toml", "platform/"} <= set(copied)
+    for source in copied:
+        assert (REPO / source).exists(), f"COPY {source}: no such path in the repository"
+    ignore = (INFRA / "Dockerfile.dockerignore").read_text().splitlines()
+    assert "**" in ignore, "the build context should be an allowlist"
+    allowed = {line[1:] for line in ignore if line.startswith("!")}
+    assert set(copied) <= allowed, f"COPY sources the context excludes: {set(copied) - allowed}"
+
+
+def test_prometheus_config_scrapes_the_ray_head() -> None:
+    config = yaml.safe_load((INFRA / "prometheus.yml").read_text())
+    (ray,) = [job for job in config["scrape_configs"] if job["job_name"] == "ray"]
+    assert ray["honor_labels"] is True, "ringtrain's `job` label must survive the scrape"
+    targets = [t for group in ray["static_configs"] for t in group["targets"]]
+    metrics_port = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["port"]
+    assert targets == [f"127.0.0.1:{metrics_port}"]
+    assert f"METRICS_PORT={metrics_port}" in SCRIPT.read_text()
+
+
+def test_promtool_accepts_the_prometheus_config() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found (Debian: apt-get install --no-install-recommends prometheus)")
+    result = subprocess.run(
+        [promtool, "check", "config", str(INFRA / "prometheus.yml")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_local_stack_script_parses_and_never_runs_ray_stop() -> None:
+    result = subprocess.run(["bash", "-n", str(SCRIPT)], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert os.access(SCRIPT, os.X_OK), "infra/local-stack.sh should be executable"
+    code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.search(r"\bray\b[\"']?\s+stop\b", line)]
+    assert any("--metrics-export-port" in line for line in code)
+    assert any("--config.file=$REPO/infra/prometheus.yml" in line for line in code)
+    assert any("moto.server -H 127.0.0.1" in line for line in code)
+
+
+def test_local_stack_script_passes_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not found (Debian: apt-get install shellcheck)")
+    result = subprocess.run([shellcheck, str(SCRIPT)], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout
+
+
+def stack(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RINGTRAIN_STACK_DIR": str(state)}
+    command = ["bash", str(SCRIPT), *args]
+    return subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_local_stack_usage_env_and_status(tmp_path: Path) -> None:
+    assert stack(state=tmp_path).returncode == 2
+    assert "stop" in stack("--help", state=tmp_path).stdout
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", stack("env", state=tmp_path).stdout, re.MULTILINE))
+    assert exports["RAY_ADDRESS"] == "127.0.0.1:6379"
+    assert exports["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert exports["RAY_AUTH_MODE"] == "disabled"
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} <= exports.keys()
+    assert stack("status", state=tmp_path).stdout.strip() == "not running"
+    stopped = stack("stop", state=tmp_path)
+    assert stopped.returncode == 0 and "nothing to stop" in stopped.stderr
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting to be reaped counts as exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+@pytest.fixture
+def fake_services() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Stand-ins for the stack's services: sleeping Pythons whose command lines carry a marker,
+    each leading a process group of its own (as `start` runs them)."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc")
+    started: list[subprocess.Popen[str]] = []
+
+    def spawn(*marker: str, child: bool = False) -> subprocess.Popen[str]:
+        code = "import subprocess, sys, time\n"
+        if child:  # a grandchild left behind in the group, as a dashboard's forkserver can be
+            code += "print(subprocess.Popen(['sleep', '60']).pid, flush=True)\n"
+        code += "time.sleep(60)\n"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *marker], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        started.append(proc)
+        return proc
+
+    yield spawn
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_stop_kills_exactly_the_recorded_processes(
+    tmp_path: Path, fake_services: Callable[..., subprocess.Popen[str]]
+) -> None:
+    s3 = fake_services("moto.server", child=True)
+    assert s3.stdout is not None
+    grandchild = int(s3.stdout.readline())
+    bystander = fake_services("moto.server")  # the same command line, not in the PID file
+    reused = fake_services("something-else")  # recorded as prometheus, but that PID is now another program
+    (tmp_path / "pids").write_text(f"prometheus {reused.pid}\ns3 {s3.pid}\n")
+
+    try:
+        result = stack("stop", state=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert s3.wait(timeout=10) != 0
+        assert _gone(grandchild), "what the service left in its process group must be stopped too"
+        assert bystander.poll() is None and reused.poll() is None
+        assert f"PID {reused.pid} is no longer prometheus" in result.stderr
+        assert not (tmp_path / "pids").exists()
+    finally:
+        if not _gone(grandchild):
+            os.kill(grandchild, 9)
