@@ -1,0 +1,40 @@
+"""The planner's peak memory per rank against the peak measured training on gloo ranks (CPU, fp32).
+
+bench/planner_memory.py trains each config through ringtrain's Trainer and adds up live tensor
+storage; the prediction must be within 15% of it, and so must the part beyond DeepSpeed's
+5e8-element reduce bucket, which would otherwise make the comparison of a small model trivial.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import planner_memory  # noqa: E402
+
+TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict[str, Any]]:
+    return {row["config"]: row for row in planner_memory.compare(planner_memory.CONFIGS)}
+
+
+@pytest.mark.parametrize("name", list(planner_memory.CONFIGS))
+def test_predicted_peak_is_within_15_percent_of_measured(name: str, rows: dict[str, dict[str, Any]]) -> None:
+    row = rows[name]
+    assert row["measured"] > 0
+    assert abs(row["ratio"] - 1) <= TOLERANCE, row
+    assert abs(row["ratio_without_zero_buffers"] - 1) <= TOLERANCE, row
+
+
+def test_the_configs_cover_stages_attention_and_checkpointing() -> None:
+    flat = [item for overrides in planner_memory.CONFIGS.values() for item in overrides]
+    assert {f"zero.stage={s}" for s in range(4)} <= set(flat)
+    assert {"attention.impl=ulysses", "attention.kernel=math", "model.activation_checkpointing=true"} <= set(flat)

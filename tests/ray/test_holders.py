@@ -1,0 +1,80 @@
+"""Snapshots outlive the worker that took them: node holders and buddy copies on a 2-node cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ringtrain import config
+from ringtrain.train.snapshot import decode
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Two Ray nodes of one CPU each on this machine; the test process is the driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    temp_dir = tempfile.mkdtemp(prefix="rth-", dir="/tmp")
+    # Ray records "the current cluster" under its temp root; keep ours out of the shared /tmp/ray.
+    monkeypatch.setenv("RAY_TMPDIR", temp_dir)
+    (Path(temp_dir) / "ray").mkdir()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp_dir, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_snapshots_survive_a_killed_worker_on_its_node_and_a_buddy_node(two_nodes: object) -> None:
+    import ray
+
+    from ringtrain.actors.group import WorkerGroup
+
+    job = config.load(
+        None,
+        [
+            "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+            "data.seq_len=32", "train.global_batch=2", "train.steps=4",
+            "mesh.dp=2", "mesh.cp=1", "cluster.cpus_per_worker=1",
+        ],
+    )
+    group = WorkerGroup(job, "cpu")
+    try:
+        group.start()
+        assert len({i.node_id for i in group.infos}) == 2, "one replica per node"
+        assert len(group.holders) == 2
+        for _ in range(2):
+            group.train_step()
+        ray.get(group.snapshot_refs(2))  # step 2 is finished (and so handed to the holders)
+
+        victim = group.infos[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(group.workers[1].info.remote(), timeout=30)
+
+        own = group.holders[victim.node_id]
+        buddy = next(h for node, h in group.holders.items() if node != victim.node_id)
+        for holder in (own, buddy):
+            blob = ray.get(holder.get.remote(1, 2))
+            assert blob is not None
+            shard = decode(blob)
+            assert (shard.rank, shard.step, shard.world_size) == (1, 2, 2)
+            assert ray.get(holder.inventory.remote())[2] == (2, [0, 1])
+    finally:
+        group.shutdown()
