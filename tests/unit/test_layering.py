@@ -178,10 +178,22 @@ def test_l3_never_imports_the_cli(module: str) -> None:
     assert not bad, f"{module} (L3) imports {sorted(bad)}"
 
 
+# The checkpoint store moves bytes: it sits beside the actors (boto3 is an L3 dependency) but
+# knows nothing of training or Ray, so it can be used from a driver, a worker or a tool.
+CHECKPOINT_MAY_NOT_IMPORT = ("torch", "ray", "deepspeed", "ringtrain.train", "ringtrain.actors", "ringtrain.cli")
+
+
+@pytest.mark.parametrize("module", _in_layer("ringtrain.checkpoint"))
+def test_the_checkpoint_store_imports_no_training_code(module: str) -> None:
+    bad = {name for name in _imports(module) for banned in CHECKPOINT_MAY_NOT_IMPORT if _within(name, banned)}
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
 def test_light_modules_import_no_torch_ray_or_deepspeed(tmp_path: Path) -> None:
     code = (
         "import json, sys\n"
         "import ringtrain.config, ringtrain.errors, ringtrain.topology, ringtrain.status, ringtrain.cli\n"
+        "import ringtrain.controllers.snapshots, ringtrain.metrics, ringtrain.checkpoint\n"
         "heavy = sorted(m for m in sys.modules if m.partition('.')[0] in ('torch', 'ray', 'deepspeed'))\n"
         "print(json.dumps(heavy))\n"
     )

@@ -380,6 +380,18 @@ class Snapshotter:
             return None
         return self._pending.result()
 
+    def get(self, step: int) -> Optional[Snapshot]:
+        with self._lock:
+            return self.recent.get(step)
+
+    def newest(self) -> Optional[Snapshot]:
+        with self._lock:
+            return self.recent[max(self.recent)] if self.recent else None
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self.recent)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

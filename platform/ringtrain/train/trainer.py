@@ -162,18 +162,17 @@ class Trainer:
 
     def last_snapshot(self) -> Optional[Snapshot]:
         """The newest finished snapshot (the one of this step may still be in flight)."""
-        if self.snapshotter is None or not self.snapshotter.recent:
-            return None
-        return self.snapshotter.recent[max(self.snapshotter.recent)]
+        return self.snapshotter.newest() if self.snapshotter is not None else None
 
     def snapshot(self, step: int) -> Snapshot:
         """This rank's snapshot of ``step``, waiting for it if it is still being taken."""
         if self.snapshotter is None:
             raise RuntimeError("snapshots are off (checkpoint.snapshot_every=0)")
         self.snapshotter.wait()
-        if step not in self.snapshotter.recent:
-            raise KeyError(f"no snapshot of step {step} on rank {self.mesh.rank} (have {sorted(self.snapshotter.recent)})")
-        return self.snapshotter.recent[step]
+        snap = self.snapshotter.get(step)
+        if snap is None:
+            raise KeyError(f"no snapshot of step {step} on rank {self.mesh.rank} (have {self.snapshotter.steps()})")
+        return snap
 
     def restore(self, blobs: list[bytes]) -> int:
         """Load every rank's shard of one snapshot (taken at any dp); returns the step resumed."""
