@@ -239,15 +239,11 @@ def test_auto_with_every_checkpoint_invalid_is_a_config_error(run_dir: Path, sai
 
     assert info.value.key == "checkpoint.resume"
     assert "no valid checkpoint" in info.value.reason and root.as_uri() in info.value.reason
-    assert [step_uri(root, 6) in said[0], step_uri(root, 4) in said[1]] == [True, True]
+    assert len(said) == 2
+    assert step_uri(root, 6) in said[0] and "incompatible model" in said[0]
+    assert step_uri(root, 4) in said[1] and "checksum" in said[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="resume.py: a save that never committed (no manifest) is reported by latest_valid as skipped, "
-    "so find_resume_point treats a store holding only that as 'every checkpoint invalid' and raises, "
-    "although the store's contract is that such a folder is not a checkpoint",
-)
 def test_auto_over_only_an_uncommitted_save_starts_fresh(run_dir: Path, said: Said) -> None:
     root = checkpoints(run_dir)
     save(root, 50)
@@ -272,7 +268,9 @@ def test_explicit_store_uri_loads_its_newest_valid_checkpoint(tmp_path: Path, ru
 
 
 @pytest.mark.parametrize("exists", [False, True], ids=["no-folder", "empty-folder"])
-def test_explicit_store_uri_that_is_empty_is_a_config_error(tmp_path: Path, run_dir: Path, said: Said, exists: bool) -> None:
+def test_explicit_store_uri_that_is_empty_is_a_config_error(
+    tmp_path: Path, run_dir: Path, said: Said, exists: bool
+) -> None:
     root = tmp_path / "nothing-here"
     if exists:
         root.mkdir()
@@ -284,15 +282,15 @@ def test_explicit_store_uri_that_is_empty_is_a_config_error(tmp_path: Path, run_
     assert "empty" in info.value.reason and root.as_uri() in info.value.reason
 
 
-@pytest.mark.parametrize("spell", [lambda root: step_uri(root, 4), lambda root: step_uri(root, 4) + "/"], ids=["plain", "slash"])
+@pytest.mark.parametrize("suffix", ["", "/"], ids=["plain", "trailing-slash"])
 def test_explicit_step_uri_loads_that_step_though_newer_ones_exist(
-    run_dir: Path, said: Said, spell: Callable[[Path], str]
+    run_dir: Path, said: Said, suffix: str
 ) -> None:
     root = checkpoints(run_dir)
     for step in (2, 4, 6):
         save(root, step)
 
-    loaded = find_resume_point(job(f"checkpoint.resume={spell(root)}"), run_dir, said)
+    loaded = find_resume_point(job(f"checkpoint.resume={step_uri(root, 4)}{suffix}"), run_dir, said)
 
     assert_loaded(loaded, 4)
     assert loaded is not None and all(loaded.shards.is_read(name) for name in loaded.shards)
@@ -308,7 +306,8 @@ def test_explicit_step_uri_of_another_model_is_a_config_error(run_dir: Path, sai
         find_resume_point(job(f"checkpoint.resume={uri}"), run_dir, said)
 
     assert info.value.key == "checkpoint.resume"
-    assert uri in info.value.reason and "incompatible model" in info.value.reason and "model.dim=128" in info.value.reason
+    assert uri in info.value.reason
+    assert "incompatible model" in info.value.reason and "model.dim=128" in info.value.reason
 
 
 @pytest.mark.parametrize("damage, reason", DAMAGE.values(), ids=DAMAGE.keys())

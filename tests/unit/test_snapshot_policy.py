@@ -64,7 +64,7 @@ def test_no_complete_candidate_means_no_restore_point(candidates: list[Candidate
     assert choose_restore_point(candidates) is None
 
 
-def test_accepts_any_iterable_once() -> None:
+def test_candidates_may_come_from_a_one_shot_iterator() -> None:
     best = candidate(Source.NODE, 7)
 
     assert choose_restore_point(iter([candidate(Source.DURABLE, 7), best])) == best
@@ -85,7 +85,9 @@ def test_accepts_any_iterable_once() -> None:
         (10, 0, 10, True),
     ],
 )
-def test_persist_every_n_steps_and_always_the_final_one(step: int, persist_every: int, final_step: int, due: bool) -> None:
+def test_persist_every_n_steps_and_always_the_final_one(
+    step: int, persist_every: int, final_step: int, due: bool
+) -> None:
     assert persist_due(step, persist_every=persist_every, final_step=final_step) is due
 
 

@@ -96,7 +96,8 @@ def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None])
         say(f"skipping checkpoint {skipped.uri}: {skipped.reason}")
     if loaded is not None:
         return loaded
-    if mode == "auto" and not store.skipped:
+    # Committed checkpoints only: a save that died before its manifest is not a checkpoint.
+    if mode == "auto" and not store.list():
         say(f"checkpoint.resume=auto: no checkpoint in {uri} yet, starting from step 0")
         return None
     raise ConfigError("checkpoint.resume", f"no valid checkpoint in {uri}" + ("" if store.skipped else " (it is empty)"))

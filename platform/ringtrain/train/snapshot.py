@@ -50,7 +50,7 @@ class Snapshot:
     rank: int
     world_size: int
     blob: bytes
-    checksum: str  # blake2b of blob
+    checksum: str  # sha256 of blob
     copy_s: float  # device-to-host copy (the part the next optimizer step waits for)
     total_s: float  # copy + encode + checksum
 
@@ -63,7 +63,9 @@ DeliverFn = Callable[[Snapshot], None]
 
 
 def checksum(blob: bytes) -> str:
-    return hashlib.blake2b(blob, digest_size=32).hexdigest()
+    # sha256: with the SHA extensions of current x86 and Arm CPUs it runs about twice as fast
+    # as blake2b here, and the checksum is most of the snapshot thread's work.
+    return hashlib.sha256(blob).hexdigest()
 
 
 class ZeroState:
@@ -342,6 +344,7 @@ class Snapshotter:
         self._copied = threading.Event()
         self._copied.set()
         self._pending: Optional[Future[Snapshot]] = None
+        self._slot_jobs: list[Optional[Future[Snapshot]]] = [None, None]  # the last job per buffer
         self._buffers: list[Optional[list[dict[str, torch.Tensor]]]] = [None, None]
         self._turn = 0
         self._lock = threading.Lock()
@@ -351,10 +354,13 @@ class Snapshotter:
     def capture(self, step: int, scalars: dict[str, Any]) -> None:
         """Start snapshotting the state as it is now (call right after an optimizer step)."""
         self.fence()
-        if self._pending is not None:
-            self._pending.result()  # the encoder of the buffer we are about to reuse is done
+        slot = self._turn
+        self._turn ^= 1
+        previous = self._slot_jobs[slot]
+        if previous is not None:
+            previous.result()  # only the job that last used this buffer must be done with it
         fragments = list(self.zero.fragments())
-        buffers = self._host_buffers(fragments)
+        buffers = self._host_buffers(slot, fragments)
         t0 = time.perf_counter()
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -366,7 +372,7 @@ class Snapshotter:
             self._copy_done.record(self._stream)
         else:
             self._copied.clear()
-        self._pending = self._pool.submit(self._run, step, scalars, fragments, buffers, t0)
+        self._pending = self._slot_jobs[slot] = self._pool.submit(self._run, step, scalars, fragments, buffers, t0)
 
     def fence(self) -> None:
         """Hold the next state change until the pending copy has left the live tensors."""
@@ -392,12 +398,17 @@ class Snapshotter:
         with self._lock:
             return sorted(self.recent)
 
+    def forget_after(self, step: int) -> None:
+        """Drop snapshots newer than ``step``: after a rollback they describe an abandoned future."""
+        self.wait()
+        with self._lock:
+            for newer in [s for s in self.recent if s > step]:
+                del self.recent[newer]
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _host_buffers(self, fragments: list[Fragment]) -> list[dict[str, torch.Tensor]]:
-        slot = self._turn
-        self._turn ^= 1
+    def _host_buffers(self, slot: int, fragments: list[Fragment]) -> list[dict[str, torch.Tensor]]:
         cached = self._buffers[slot]
         sizes = [{k: t.numel() for k, t in f.tensors.items()} for f in fragments]
         if cached is None or [{k: b.numel() for k, b in host.items()} for host in cached] != sizes:

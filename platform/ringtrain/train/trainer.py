@@ -177,8 +177,12 @@ class Trainer:
     def restore(self, blobs: list[bytes]) -> int:
         """Load every rank's shard of one snapshot (taken at any dp); returns the step resumed."""
         index = FragmentIndex([decode(b) for b in blobs])
+        if self.snapshotter is not None:
+            self.snapshotter.wait()  # a copy in flight still reads the state about to be replaced
         self.zero.load(index)
         self.step = restore_scalars(self.engine, self.zero, index.scalars)
+        if self.snapshotter is not None:
+            self.snapshotter.forget_after(self.step)
         return self.step
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
