@@ -60,6 +60,8 @@ helm-check: venv tools
 
 bench: venv
 	PYTHONPATH=platform $(PY) bench/attention.py
+	PYTHONPATH=platform $(PY) bench/checkpoint.py
+	PYTHONPATH=platform $(PY) bench/planner_memory.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

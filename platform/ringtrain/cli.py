@@ -1,4 +1,4 @@
-"""`ringtrain` command line: run a job on an embedded or existing Ray cluster.
+"""`ringtrain` command line: run a job on an embedded or existing Ray cluster, or plan one.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data path, capacity): one line
 naming the key to change, no traceback.
@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from ringtrain import config
 from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.planner import command as planner_command
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -24,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS")
     run.add_argument("job", help="job YAML, e.g. jobs/quickstart.yaml")
     run.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.dp=2 train.steps=50")
+    plan = sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)")
+    planner_command.add_arguments(plan)
     return parser
 
 
@@ -53,6 +56,9 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     try:
         device = resolve_device(job)
         check_capacity(job, device)
+        warning = planner_command.fit_warning(job, device)
+        if warning:
+            print(warning, file=sys.stderr)
         run_dir = RunDir(run_path)
         run_dir.write_config(job)
         persister = Persister(store, checkpoint_meta(job)) if store is not None else None
@@ -84,6 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args.job, args.overrides)
+        if args.command == "plan":
+            return planner_command.run(args)
     except ConfigError as exc:
         print(f"ringtrain: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -166,6 +166,17 @@ def test_train_never_imports_ray_or_higher_layers(module: str) -> None:
     assert not bad, f"{module} (L2) imports {sorted(bad)}"
 
 
+@pytest.mark.parametrize("module", _in_layer("ringtrain.planner"))
+def test_the_planner_is_pure(module: str) -> None:
+    """L1 like the controllers: it plans clusters it does not have, so it imports no framework."""
+    bad = {
+        name
+        for name in _imports(module)
+        if not (_top(name) in sys.stdlib_module_names or _is_l0(name) or _within(name, "ringtrain.planner") or name == "ringtrain")
+    }
+    assert not bad, f"{module} imports {sorted(bad)}"
+
+
 @pytest.mark.parametrize("module", _in_layer("ringtrain.controllers"))
 def test_controllers_never_import_train(module: str) -> None:
     bad = {name for name in _imports(module) if _within(name, "ringtrain.train")}

@@ -241,6 +241,16 @@ def test_layouts_obey_the_rules() -> None:
     assert ulysses == {1, 2, 3, 6}
 
 
+def test_every_layout_round_trips_through_the_job_config() -> None:
+    job = config.load(QUICKSTART, ["train.global_batch=8", "mesh.ulysses=2", "attention.impl=hybrid", "mesh.cp=4"])
+    found = list(layouts(workload_of(job, "cuda"), Cluster(H100, 8)))
+    assert {lay.impl for lay in found} == {"ring", "ulysses", "hybrid"}
+    # every mesh, at both ends of the other knobs (loading a config costs milliseconds)
+    ends = [lay for lay in found if (lay.zero_stage, lay.offload_optimizer) in ((0, False), (3, True))]
+    for lay in ends:
+        assert layout_of(config.replace(job, lay.overrides())) == lay
+
+
 def test_ranking_puts_fitting_and_faster_first() -> None:
     ranked = search(Workload(PRESETS["llama3-8b"], 131072, global_batch=32), Cluster(H100, 64), Assumptions())
     fits = [c.fits for c in ranked]
@@ -343,7 +353,9 @@ def test_fit_warning() -> None:
     too_big = config.load(QUICKSTART, [*llama8b_shape, "mesh.dp=2", "mesh.cp=4", "train.global_batch=2"])
     warning = command.fit_warning(too_big, "cuda")
     assert warning is not None and "\n" not in warning
-    assert warning.startswith("ringtrain: warning: predicted peak") and "predicted to fit: mesh.dp=1 mesh.cp=8" in warning
+    assert (
+        warning.startswith("ringtrain: warning: predicted peak") and "predicted to fit: mesh.dp=1 mesh.cp=8" in warning
+    )
     fitted = config.load(
         QUICKSTART, [*llama8b_shape, "mesh.dp=1", "mesh.cp=8", "zero.stage=3", "model.activation_checkpointing=true"]
     )

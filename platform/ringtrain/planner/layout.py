@@ -1,0 +1,150 @@
+"""What the planner decides and what it is told: a training layout, its precision, the workload.
+
+A ``Layout`` is one candidate: dp replicas of a context-parallel group of ``ring x ulysses``
+ranks, a ZeRO stage, activation checkpointing and offload. ``overrides`` turns it back into
+the ``key=value`` arguments of ``ringtrain run``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ringtrain.config import JobConfig
+from ringtrain.errors import ConfigError
+from ringtrain.planner.models import ModelSpec, from_job
+
+DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of training state."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    act_bytes: int
+    optimizer_bytes: int  # K: optimizer state per parameter, master weights included
+
+
+def precision(dtype: str, zero_stage: int, optimizer_bytes: Optional[int] = None) -> Precision:
+    """The byte accounting of mixed-precision (bf16) or fp32 AdamW training at a ZeRO stage.
+
+    bf16: 2-byte params and grads, K = 12 bytes of fp32 master weights, momentum and variance
+    (Rajbhandari et al. 2020, "ZeRO", section 3.1). fp32: 4-byte params and grads; at stage 0 the
+    optimizer updates the fp32 params in place, so K = 8 (momentum and variance); at stages 1-3
+    DeepSpeed clones an fp32 master partition even when the params already are fp32, so K = 12.
+    ``optimizer_bytes`` overrides K.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError("train.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    if optimizer_bytes is not None and optimizer_bytes < 0:
+        raise ConfigError("--optimizer-bytes", f"must be >= 0 (got {optimizer_bytes})")
+    if dtype == "bf16":
+        return Precision("bf16", 2, 2, 2, 12 if optimizer_bytes is None else optimizer_bytes)
+    default_k = 8 if zero_stage == 0 else 12
+    return Precision("fp32", 4, 4, 4, default_k if optimizer_bytes is None else optimizer_bytes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    ring: int
+    ulysses: int
+    zero_stage: int
+    checkpointing: bool
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    micro_batch: int = 1
+
+    @property
+    def cp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def impl(self) -> str:
+        if self.ulysses == 1:
+            return "ring"
+        return "ulysses" if self.ring == 1 else "hybrid"
+
+    def describe(self) -> str:
+        """``dp 8 x cp 8 (ring 2 x ulysses 4), ZeRO-3, checkpointing, optimizer offload``"""
+        parts = [f"dp {self.dp} x cp {self.cp} (ring {self.ring} x ulysses {self.ulysses})", f"ZeRO-{self.zero_stage}"]
+        if self.checkpointing:
+            parts.append("checkpointing")
+        if self.offload_optimizer:
+            parts.append("optimizer offload")
+        if self.offload_params:
+            parts.append("parameter offload")
+        return ", ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The ``ringtrain run`` arguments that select this layout, whatever the job file says."""
+        return [
+            f"mesh.dp={self.dp}",
+            f"mesh.cp={self.cp}",
+            f"mesh.ulysses={self.ulysses}",
+            f"attention.impl={self.impl}",
+            f"zero.stage={self.zero_stage}",
+            f"zero.offload_optimizer={str(self.offload_optimizer).lower()}",
+            f"zero.offload_params={str(self.offload_params).lower()}",
+            f"model.activation_checkpointing={str(self.checkpointing).lower()}",
+        ]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and what one training step feeds it; independent of the layout."""
+
+    model: ModelSpec
+    seq_len: int
+    dtype: str = "bf16"
+    flash: bool = True  # a fused attention kernel (no score matrix in memory)
+    optimizer_bytes: Optional[int] = None
+    global_batch: int = 1  # sequences per optimizer step, as train.global_batch
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def precision(self, zero_stage: int) -> Precision:
+        return precision(self.dtype, zero_stage, self.optimizer_bytes)
+
+
+def resolve_dtype(job: JobConfig, device_type: str) -> str:
+    """The training dtype ringtrain picks: ``train.dtype``, or for "auto" bf16 on GPUs, fp32 on CPU."""
+    if job.train.dtype != "auto":
+        return job.train.dtype
+    return "fp32" if device_type == "cpu" else "bf16"
+
+
+def layout_of(job: JobConfig) -> Layout:
+    """The layout a job config asks for."""
+    return Layout(
+        dp=job.mesh.dp,
+        ring=job.ring_degree,
+        ulysses=job.ulysses_degree,
+        zero_stage=job.zero.stage,
+        checkpointing=job.model.activation_checkpointing,
+        offload_optimizer=job.zero.offload_optimizer,
+        offload_params=job.zero.offload_params,
+        micro_batch=job.train.micro_batch,
+    )
+
+
+def workload_of(job: JobConfig, device_type: str, *, optimizer_bytes: Optional[int] = None) -> Workload:
+    """The workload of a job config on ``device_type`` ("cpu", "cuda" or a GPU type)."""
+    return Workload(
+        model=from_job(job),
+        seq_len=job.data.seq_len,
+        dtype=resolve_dtype(job, device_type),
+        # Every kernel but "math" is fused (flash-attn, SDPA flash/cuDNN/efficient, torch's CPU flash).
+        flash=job.attention.kernel != "math",
+        optimizer_bytes=optimizer_bytes,
+        global_batch=job.train.global_batch,
+    )

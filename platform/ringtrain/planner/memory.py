@@ -1,0 +1,286 @@
+"""Per-GPU memory of one training layout: model states by ZeRO stage, ZeRO buffers, activations.
+
+Notation: N parameters; Z = dp x cp ranks in the ZeRO group (ringtrain reduces gradients over
+all dp x cp ranks); P, G bytes per parameter / gradient element; K optimizer bytes per
+parameter; t = micro_batch x seq_len / cp tokens on one rank; b micro batch; s = seq_len / cp;
+h model dim, a heads, k KV heads, d = h / a, f FFN dim, V vocabulary, L layers; p bytes per
+activation element (2 bf16, 4 fp32); U the Ulysses degree.
+
+Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", section 5.1 and Figure 1):
+
+    stage 0: (P + G + K) N          stage 2: P N + (G + K) N / Z
+    stage 1: (P + G) N + K N / Z    stage 3: (P + G + K) N / Z
+
+Optimizer offload moves K N / Z, and DeepSpeed's fp32 gradient partition (4 N / Z), to host
+memory; parameter offload (stage 3) moves the P N / Z parameter partition there.
+
+ZeRO buffers, at DeepSpeed's defaults (ringtrain keeps them): stages 1-3 stage gradients in a
+contiguous reduce bucket of 5e8 elements of G bytes; stage 3 also keeps every tensor of at most
+1e5 elements whole on every rank (the persistence threshold) and gathers the others a module at
+a time, the largest one plus a prefetch of 5e7 elements (at most 1e9 live). At the end of the
+backward, after the activations are freed, up to 5e8 gradient elements are flattened for
+reduction: that transient competes with the activations for the peak rather than adding to it.
+
+Activations, counted as in Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 4.1 (every tensor autograd keeps for the backward), adapted
+to ringtrain's Llama block: no dropout; RMSNorm in torch ops keeps its fp32 input and its
+normalized and scaled outputs; RoPE keeps only cos/sin; GQA makes k and v k*d wide; SwiGLU keeps
+the w1, w3, silu and product outputs; the attention keeps q, k, v, its output and an fp32
+log-sum-exp, never the a*s^2 softmax:
+
+    per layer  t [ (8 + 4p) h + p (2h + 2kd) + 4a + 4pf ]
+    Ulysses    + t p (h + 2kd (c - 1))   when U > 1: q, k, v are kept head-sharded after the
+               all-to-all, each KV head replicated c = U / gcd(k, U) times so every rank holds
+               whole KV heads, and the output is kept on both sides of the inverse all-to-all
+    once       final norm t (4 + 2p) h, rotary tables 4 t d, and at the start of the backward
+               the loss: t V (p + 12) for the logits, their fp32 log-softmax, its gradient and
+               the logits' fp32 gradient
+
+For comparison, Korthikanti's GPT layer keeps s b h (34 + 5 a s / h) bytes with 16-bit
+activations; the 5 a s / h term is the softmax an unfused attention keeps. ringtrain's unfused
+kernel (``math``) recomputes the scores in its backward instead, so without flash attention the
+scores are a transient of one block while one layer runs its backward: five fp32 matrices of
+b (a/U) (U s)^2 elements, 20 b a U s^2 bytes.
+
+Activation checkpointing (``model.activation_checkpointing``: every layer) keeps each layer's
+input, t p h, and recomputes one layer at a time during the backward.
+
+The activation peak is the larger of
+    loss:           kept layers + final norm + rotary + loss
+    layer backward: kept layers + (with checkpointing) one recomputed layer + the logits, t p V,
+                    which stay referenced through the backward + the last layer's backward
+                    working set: its SwiGLU backward's t p (h + 2f) (incoming gradient, two
+                    f-wide gradients), or its attention backward's t [(4 + 2p) h + (16 + 6p) k d c]
+                    (fp32 dq and dK/dV accumulators, K/V in flight, block gradients; plus the
+                    scores when unfused) less the FFN half t [(4 + 2p) h + 4pf] freed by then
+and the peak per GPU is model states + ZeRO buffers + max(activation peak, reduction transient).
+Gradients count as resident at the peak, as they are from the second micro batch of gradient
+accumulation on; a step of a single micro batch peaks up to the gradient bytes lower.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ringtrain.planner.layout import Layout, Precision, Workload
+from ringtrain.planner.models import ModelSpec
+
+# DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
+# stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
+# and the engine's allreduce bucket for stage 0 (DeepSpeedEngine.allreduce_gradients).
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
+PREFETCH_ELEMENTS = 50_000_000
+PERSISTENCE_THRESHOLD = 100_000
+MAX_LIVE_ELEMENTS = 1_000_000_000
+
+# DeepSpeed keeps the gradient partition of an offloaded optimizer in fp32 on the host.
+OFFLOAD_GRAD_BYTES = 4
+
+# Bytes per element of the unfused kernel's block working set: it computes in fp32 and its
+# backward holds the scores, probabilities, their gradient, (dP - delta) and dS at once.
+SCORE_MATRICES_BYTES = 5 * 4
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: int
+    grads: int
+    optimizer: int
+    host: int  # offloaded to CPU memory, not on the GPU
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_states(
+    num_params: int,
+    zero_stage: int,
+    zero_degree: int,
+    prec: Precision,
+    *,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> ModelStates:
+    """Per-GPU parameter, gradient and optimizer bytes at ``zero_stage`` over ``zero_degree`` ranks."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
+    n, z = num_params, zero_degree
+    part = -(-n // z)  # DeepSpeed pads the flat buffer to equal partitions
+    params = prec.param_bytes * (part if zero_stage == 3 else n)
+    grads = prec.grad_bytes * (part if zero_stage >= 2 else n)
+    optimizer = prec.optimizer_bytes * (n if zero_stage == 0 else part)
+    host = 0
+    if offload_optimizer:
+        host += optimizer + OFFLOAD_GRAD_BYTES * part
+        optimizer = 0
+    if offload_params:
+        host += params
+        params = 0
+    return ModelStates(params, grads, optimizer, host)
+
+
+@dataclass(frozen=True)
+class ZeroBuffers:
+    reduce_bucket: int  # gradient staging of stages 1-3
+    stage3_params: int  # stage 3: persistent small tensors and the gathered working set
+    reduce_transient: int  # gradients flattened at the end of the backward
+
+    @property
+    def resident(self) -> int:
+        return self.reduce_bucket + self.stage3_params
+
+
+def zero_buffers(model: Optional[ModelSpec], num_params: int, zero_stage: int, prec: Precision) -> ZeroBuffers:
+    """DeepSpeed's buffers at ``zero_stage``; without a model (only a count) no tensor is persistent."""
+    bucket = REDUCE_BUCKET_ELEMENTS * prec.grad_bytes if zero_stage >= 1 else 0
+    if zero_stage == 0:
+        transient = min(num_params, ALLREDUCE_BUCKET_ELEMENTS) * prec.grad_bytes
+    elif zero_stage in (1, 2):
+        # Gradients wait in param.grad until their bucket is reduced: at most one bucket's worth.
+        transient = min(num_params, REDUCE_BUCKET_ELEMENTS) * prec.grad_bytes
+    else:
+        transient = 0
+    stage3 = 0
+    if zero_stage == 3:
+        tensors = model.tensors() if model is not None else ()
+        persistent = sum(n for n in tensors if n <= PERSISTENCE_THRESHOLD)
+        partitioned = [n for n in tensors if n > PERSISTENCE_THRESHOLD]
+        if model is None:
+            partitioned_total, largest = num_params, 0
+        else:
+            partitioned_total, largest = sum(partitioned), max(partitioned, default=0)
+        gathered = min(partitioned_total, largest + PREFETCH_ELEMENTS, max(MAX_LIVE_ELEMENTS, largest))
+        stage3 = prec.param_bytes * (persistent + gathered)
+    return ZeroBuffers(bucket, stage3, transient)
+
+
+def kv_copies(n_kv_heads: int, ulysses: int) -> int:
+    """How many times Ulysses replicates each KV head so every rank holds whole KV heads."""
+    return ulysses // math.gcd(n_kv_heads, ulysses)
+
+
+def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int) -> int:
+    """Bytes one layer keeps for its backward on a rank holding ``tokens`` tokens (see module doc)."""
+    h, kd, f, a, p = model.dim, model.kv_dim, model.ffn_dim, model.n_heads, act_bytes
+    per_token = (8 + 4 * p) * h + p * (2 * h + 2 * kd) + 4 * a + 4 * p * f
+    if ulysses > 1:
+        per_token += p * (h + 2 * kd * (kv_copies(model.n_kv_heads, ulysses) - 1))
+    return tokens * per_token
+
+
+def score_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> int:
+    """The unfused kernel's working set for its largest (diagonal) block: 20 b a U s^2 bytes."""
+    s = seq_len // layout.cp
+    return SCORE_MATRICES_BYTES * layout.micro_batch * model.n_heads * layout.ulysses * s * s
+
+
+@dataclass(frozen=True)
+class Activations:
+    kept: int  # what every layer keeps (its input only, with checkpointing)
+    loss: int  # logits, log-softmax and their gradients at the start of the backward
+    loss_peak: int
+    backward_peak: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.loss_peak, self.backward_peak)
+
+
+def activations(model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool) -> Activations:
+    """Activation bytes on one rank at the two candidate peaks (see module doc)."""
+    t = layout.micro_batch * seq_len // layout.cp
+    h, p, V = model.dim, act_bytes, model.vocab_size
+    layer = layer_activation_bytes(model, t, layout.ulysses, p)
+    checkpoint = t * p * h
+    kept = model.n_layers * (checkpoint if layout.checkpointing else layer)
+    rotary = 4 * t * model.head_dim
+    loss = t * V * (p + 12)
+    loss_peak = kept + t * (4 + 2 * p) * h + rotary + loss
+
+    # One layer's backward, the last layer's first (the logits stay referenced meanwhile). The
+    # SwiGLU backward holds the incoming gradient and two f-wide gradients beyond what the layer
+    # keeps; by the time the attention's backward runs, the layer's FFN half has been freed.
+    layer_now = layer if layout.checkpointing else 0
+    ffn_half = t * ((4 + 2 * p) * h + 4 * p * model.ffn_dim)
+    ffn_work = t * p * (h + 2 * model.ffn_dim)
+    c = kv_copies(model.n_kv_heads, layout.ulysses)
+    attention_work = t * ((4 + 2 * p) * h + (16 + 6 * p) * model.kv_dim * c)
+    if not flash:
+        attention_work += score_bytes(model, layout, seq_len)
+    base = kept + layer_now + rotary + t * p * V
+    backward_peak = base + max(ffn_work, attention_work - ffn_half)
+    return Activations(kept, loss, loss_peak, backward_peak)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU; ``host`` is per GPU too (multiply by GPUs per node for a node's share)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    zero_buffers: int
+    activations: int  # the part of the peak that is not model state or ZeRO buffer
+    host: int
+    kept_by_layers: int = 0  # of the activations: what the layers keep for the backward
+    logits_and_loss: int = 0  # of the activations at the loss peak: the full-vocabulary logits
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.zero_buffers + self.activations
+
+
+def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
+    """Peak bytes per GPU of ``workload`` trained with ``layout``."""
+    model, prec = workload.model, workload.precision(layout.zero_stage)
+    states = model_states(
+        model.num_params,
+        layout.zero_stage,
+        layout.world,
+        prec,
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
+    )
+    buffers = zero_buffers(model, model.num_params, layout.zero_stage, prec)
+    acts = activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash)
+    return MemoryEstimate(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        zero_buffers=buffers.resident,
+        activations=max(acts.peak, buffers.reduce_transient),
+        host=states.host,
+        kept_by_layers=acts.kept,
+        logits_and_loss=acts.loss,
+    )
+
+
+def states_estimate(num_params: int, layout: Layout, prec: Precision) -> MemoryEstimate:
+    """Model states and ZeRO buffers only, for a model known by its parameter count."""
+    states = model_states(
+        num_params,
+        layout.zero_stage,
+        layout.world,
+        prec,
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
+    )
+    buffers = zero_buffers(None, num_params, layout.zero_stage, prec)
+    # No activations to share the peak with: the end-of-backward transient adds to the buffers.
+    return MemoryEstimate(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        zero_buffers=buffers.resident + buffers.reduce_transient,
+        activations=0,
+        host=states.host,
+    )

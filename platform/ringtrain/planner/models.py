@@ -1,0 +1,79 @@
+"""Model shapes the planner reasons about: named presets and the model of a job config.
+
+A ``ModelSpec`` is the Llama-style decoder of ``ringtrain.train.model`` reduced to its sizes:
+untied input embedding and output projection, per layer two RMSNorm gains, grouped-query
+attention (``wq``, ``wk``, ``wv``, ``wo`` without biases) and a SwiGLU feed-forward
+(``w1``, ``w3``, ``w2``), then a final RMSNorm. Parameter counts follow from those shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringtrain.config import JobConfig
+from ringtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer_tensors(self) -> tuple[int, ...]:
+        """Element counts of one block's parameters, in the model's order."""
+        h, kv, f = self.dim, self.kv_dim, self.ffn_dim
+        return (h, h * h, h * kv, h * kv, h * h, h, h * f, h * f, f * h)
+
+    def tensors(self) -> tuple[int, ...]:
+        """Element counts of every parameter tensor: embedding, blocks, final norm, output."""
+        embed = self.vocab_size * self.dim
+        return (embed, *self.layer_tensors() * self.n_layers, self.dim, embed)
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.tensors())
+
+    @property
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in matrix multiplies: all but the embedding table and norm gains.
+
+        The input embedding is a lookup, not a product, so it costs no FLOPs (Kaplan et al. 2020,
+        "Scaling Laws for Neural Language Models", section 2.1, count N without embeddings).
+        """
+        norms = (2 * self.n_layers + 1) * self.dim
+        return self.num_params - self.vocab_size * self.dim - norms
+
+
+# Shapes from Meta's released params.json of each model, also in Dubey et al. 2024,
+# "The Llama 3 Herd of Models", Table 3 (layers, model dim, FFN dim, heads, KV heads, vocabulary).
+PRESETS: dict[str, ModelSpec] = {
+    "llama3-8b": ModelSpec("llama3-8b", 128256, 4096, 32, 32, 8, 14336),
+    "llama3-70b": ModelSpec("llama3-70b", 128256, 8192, 80, 64, 8, 28672),
+    "llama3-405b": ModelSpec("llama3-405b", 128256, 16384, 126, 128, 8, 53248),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    """The named preset, or a ConfigError naming ``--model`` and the choices."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ConfigError("--model", f"{name!r} is not one of {', '.join(PRESETS)} (or give a job file)")
+    return PRESETS[key]
+
+
+def from_job(job: JobConfig) -> ModelSpec:
+    m = job.model
+    return ModelSpec(job.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, job.ffn_dim)

@@ -1,0 +1,267 @@
+"""A plan as text tables and as a JSON-ready dict; strings and dicts only, printing is the command's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ringtrain.planner.devices import GB
+from ringtrain.planner.layout import Layout, Workload
+from ringtrain.planner.memory import MemoryEstimate
+from ringtrain.planner.search import Candidate, Cluster
+from ringtrain.planner.throughput import Assumptions
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: Workload
+    cluster: Cluster
+    assume: Assumptions
+    candidates: list[Candidate]  # best first
+    job_layout: Optional[Candidate] = None  # the layout the job file asks for, when there is one
+    job_path: str = "JOB.yaml"
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+
+def _num(value: float) -> str:
+    """Three significant digits at most, never an exponent: 280, 52.5, 1.1, 0.06."""
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 1:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _gb(nbytes: float) -> str:
+    return _num(nbytes / GB)
+
+
+def format_count(count: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= size:
+            return f"{count / size:.2f}{unit}"
+    return str(count)
+
+
+def header(plan: Plan) -> list[str]:
+    w, c, a, d = plan.workload, plan.cluster, plan.assume, plan.cluster.device
+    prec = w.precision(1)
+    state = (
+        f"{prec.name} params and grads, {prec.optimizer_bytes} B/param optimizer state"
+        if prec.name == "bf16"
+        else "fp32 params and grads, 8 B/param optimizer state at ZeRO-0, 12 B/param at ZeRO 1-3"
+        if w.optimizer_bytes is None
+        else f"fp32 params and grads, {prec.optimizer_bytes} B/param optimizer state"
+    )
+    return [
+        f"ringtrain plan: {w.model.name}, {format_count(w.model.num_params)} params, seq {w.seq_len:,}, "
+        f"{c.gpus} x {d.name} ({c.gpus_per_node} per node)",
+        f"assumptions: {state}; kernels at MFU {a.mfu:.2f} of {d.peak_flops / 1e12:.0f} TFLOP/s (the MFU column "
+        "counts model FLOPs only, so recomputation lowers it)",
+        f"             links at {a.link_efficiency:.0%} of NVLink {d.nvlink_bw / GB:.0f} GB/s and InfiniBand "
+        f"{d.network_bw / GB:.0f} GB/s per GPU each way; {_gb(c.usable_bytes)} of {_gb(d.memory_bytes)} GB usable "
+        f"({c.headroom:.0%} headroom)",
+        f"             {'flash' if w.flash else 'unfused (math)'} attention; micro batch "
+        f"{plan.candidates[0].layout.micro_batch if plan.candidates else 1}; "
+        f"global batch {w.global_batch} x {w.seq_len:,} = {w.global_batch_tokens:,} tokens",
+    ]
+
+
+COLUMNS = ("#", "dp", "cp", "ring", "ulysses", "ZeRO", "ckpt", "offload", "GB/GPU", "tokens/s", "MFU", "step s")
+
+
+def _row(rank: str, c: Candidate) -> tuple[str, ...]:
+    lay = c.layout
+    return (
+        rank,
+        str(lay.dp),
+        str(lay.cp),
+        str(lay.ring),
+        str(lay.ulysses),
+        str(lay.zero_stage),
+        "yes" if lay.checkpointing else "no",
+        "optimizer" if lay.offload_optimizer else "-",
+        _gb(c.memory.total),
+        f"{c.step.tokens_per_s:,.0f}",
+        f"{c.step.mfu:.2f}",
+        _num(c.step.step_s),
+    )
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+    left = {6, 7}  # text columns
+    out = []
+    for r in [COLUMNS, *rows]:
+        cells = [v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def breakdown(c: Candidate, cluster: Cluster, n_layers: int, *, title: str, job_path: str) -> list[str]:
+    m, s, t = c.memory, c.step, c.step.traffic
+    steps = s.micro_batches
+    return [
+        f"{title}: {c.layout.describe()}",
+        "  memory per GPU (GB)",
+        f"    parameters        {_gb(m.params):>7}",
+        f"    gradients         {_gb(m.grads):>7}",
+        f"    optimizer states  {_gb(m.optimizer):>7}",
+        f"    ZeRO buffers      {_gb(m.zero_buffers):>7}",
+        f"    activations       {_gb(m.activations):>7}   layers keep {_gb(m.kept_by_layers)}, "
+        f"logits and loss {_gb(m.logits_and_loss)}",
+        f"    total             {_gb(m.total):>7}   of {_gb(cluster.usable_bytes)} usable"
+        + (f"; host {_gb(m.host * min(cluster.gpus, cluster.gpus_per_node))} per node" if m.host else ""),
+        f"  step: {steps} micro batch{'es' if steps != 1 else ''} per replica, {s.tokens_per_step:,} tokens, "
+        f"{_num(s.step_s)} s = compute {_num(s.compute_s)} + exposed ring {_num(s.ring_s)}, "
+        f"ulysses {_num(s.ulysses_s)}, ZeRO {_num(s.zero_s)}, offload {_num(s.offload_s)}",
+        f"  sent per GPU and step (GB): ring K/V {_gb(steps * n_layers * (t.ring_forward + t.ring_backward))}, "
+        f"Ulysses all-to-all {_gb(steps * n_layers * t.ulysses)}, "
+        f"ZeRO {_gb(steps * t.zero_per_micro + t.zero_per_step)}, PCIe {_gb(t.pcie_per_step)}",
+        f"  run: ringtrain run {job_path} {' '.join(c.layout.overrides())}",
+    ]
+
+
+def render(plan: Plan, *, top: int) -> str:
+    lines = header(plan)
+    fitting = plan.fitting
+    lines.append("")
+    if plan.job_layout is not None:
+        j = plan.job_layout
+        verdict = "fits" if j.fits else "does NOT fit"
+        lines.append(
+            f"the job's layout ({j.layout.describe()}) {verdict}: {_gb(j.memory.total)} GB per GPU, "
+            f"{j.step.tokens_per_s:,.0f} tokens/s"
+        )
+    if fitting:
+        lines.append(f"{len(fitting)} of {len(plan.candidates)} layouts fit; the fastest {min(top, len(fitting))}:")
+        lines += table([_row(str(i + 1), c) for i, c in enumerate(fitting[:top])])
+        lines.append("")
+        lines += breakdown(fitting[0], plan.cluster, plan.workload.model.n_layers, title="best", job_path=plan.job_path)
+    else:
+        lines.append(f"no layout of {plan.cluster.gpus} GPUs fits ({len(plan.candidates)} tried):")
+        lines += [f"  - {line}" for line in plan.advice]
+    return "\n".join(lines)
+
+
+def candidate_record(c: Candidate, n_layers: int) -> dict[str, Any]:
+    lay, m, s, t = c.layout, c.memory, c.step, c.step.traffic
+    return {
+        "layout": {
+            "dp": lay.dp,
+            "cp": lay.cp,
+            "ring": lay.ring,
+            "ulysses": lay.ulysses,
+            "impl": lay.impl,
+            "zero_stage": lay.zero_stage,
+            "activation_checkpointing": lay.checkpointing,
+            "offload_optimizer": lay.offload_optimizer,
+            "offload_params": lay.offload_params,
+            "micro_batch": lay.micro_batch,
+            "overrides": lay.overrides(),
+        },
+        "fits": c.fits,
+        "memory_bytes": _memory_record(m),
+        "step": {
+            "micro_batches": s.micro_batches,
+            "tokens_per_step": s.tokens_per_step,
+            "step_s": s.step_s,
+            "compute_s": s.compute_s,
+            "ring_s": s.ring_s,
+            "ulysses_s": s.ulysses_s,
+            "zero_s": s.zero_s,
+            "offload_s": s.offload_s,
+            "tokens_per_s": s.tokens_per_s,
+            "mfu": s.mfu,
+        },
+        "bytes_sent_per_step": {
+            "ring": s.micro_batches * n_layers * (t.ring_forward + t.ring_backward),
+            "ulysses": s.micro_batches * n_layers * t.ulysses,
+            "zero": s.micro_batches * t.zero_per_micro + t.zero_per_step,
+            "pcie": t.pcie_per_step,
+        },
+    }
+
+
+def _memory_record(m: MemoryEstimate) -> dict[str, int]:
+    return {
+        "params": m.params,
+        "grads": m.grads,
+        "optimizer": m.optimizer,
+        "zero_buffers": m.zero_buffers,
+        "activations": m.activations,
+        "kept_by_layers": m.kept_by_layers,
+        "logits_and_loss": m.logits_and_loss,
+        "total": m.total,
+        "host": m.host,
+    }
+
+
+def plan_record(plan: Plan, *, top: int) -> dict[str, Any]:
+    w, c, a = plan.workload, plan.cluster, plan.assume
+    n_layers = w.model.n_layers
+    return {
+        "model": {
+            "name": w.model.name,
+            "num_params": w.model.num_params,
+            "vocab_size": w.model.vocab_size,
+            "dim": w.model.dim,
+            "n_layers": n_layers,
+            "n_heads": w.model.n_heads,
+            "n_kv_heads": w.model.n_kv_heads,
+            "ffn_dim": w.model.ffn_dim,
+        },
+        "seq_len": w.seq_len,
+        "dtype": w.dtype,
+        "flash_attention": w.flash,
+        "global_batch": w.global_batch,
+        "global_batch_tokens": w.global_batch_tokens,
+        "gpus": c.gpus,
+        "gpus_per_node": c.gpus_per_node,
+        "gpu_type": c.device.name,
+        "usable_bytes_per_gpu": c.usable_bytes,
+        "assumptions": {
+            "mfu": a.mfu,
+            "link_efficiency": a.link_efficiency,
+            "host_memory_efficiency": a.host_memory_efficiency,
+            "headroom": c.headroom,
+            "optimizer_bytes": w.precision(1).optimizer_bytes,
+        },
+        "num_layouts": len(plan.candidates),
+        "num_fitting": len(plan.fitting),
+        "layouts": [candidate_record(x, n_layers) for x in plan.fitting[:top]],
+        "job_layout": candidate_record(plan.job_layout, n_layers) if plan.job_layout else None,
+        "advice": plan.advice,
+    }
+
+
+STATE_COLUMNS = ("ZeRO", "offload", "params", "grads", "optimizer", "buffers", "GB/GPU", "fits", "fewest GPUs")
+
+
+def states_table(rows: list[tuple[Layout, MemoryEstimate, bool, Optional[int]]]) -> list[str]:
+    """Model states per ZeRO stage for a model known only by its parameter count."""
+    cells = [
+        (
+            str(lay.zero_stage),
+            "optimizer" if lay.offload_optimizer else "-",
+            _gb(m.params),
+            _gb(m.grads),
+            _gb(m.optimizer),
+            _gb(m.zero_buffers),
+            _gb(m.total),
+            "yes" if ok else "no",
+            str(need) if need is not None else "-",
+        )
+        for lay, m, ok, need in rows
+    ]
+    widths = [max(len(r[i]) for r in [STATE_COLUMNS, *cells]) for i in range(len(STATE_COLUMNS))]
+    out = []
+    for r in [STATE_COLUMNS, *cells]:
+        out.append(
+            "  ".join(v.rjust(w) if i not in (1, 7) else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+        )
+    return out

@@ -1,0 +1,174 @@
+"""The layout search: enumerate valid layouts for N GPUs, keep those that fit, rank them by tokens/s.
+
+A layout is valid when (the same rules ``config.validate`` and the attention code enforce):
+- dp x cp = the GPU count, cp = ring x ulysses;
+- dp x micro batch divides the global batch (gradient accumulation makes up the rest);
+- ``seq_len`` divides by 2 x cp (the zigzag layout cuts a sequence into 2 chunks per CP rank);
+- the Ulysses degree divides the query heads (KV heads are replicated when it exceeds them) and
+  the GPUs of a node, so its groups of consecutive ranks never straddle nodes and their
+  all-to-alls stay on NVLink; the ring may span nodes.
+
+A layout fits when its predicted peak is at most the device's memory less a headroom for the
+CUDA context, NCCL buffers and allocator fragmentation, and its offloaded state fits in the
+node's host memory. When nothing fits, ``advise`` says what would: more GPUs (the fewest that
+fit), or which part of the memory is out of reach and why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+from ringtrain.planner.devices import GB, Device
+from ringtrain.planner.layout import Layout, Workload
+from ringtrain.planner.memory import MemoryEstimate, estimate
+from ringtrain.planner.throughput import Assumptions, StepEstimate, estimate_step
+
+ZERO_STAGES = (0, 1, 2, 3)
+# The most GPUs ``advise`` looks at when searching for the fewest that fit.
+MAX_GPUS = 65536
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    gpus: int
+    gpus_per_node: int = 8
+    headroom: float = 0.1  # fraction of GPU memory kept free
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.device.memory_bytes * (1 - self.headroom))
+
+    def with_gpus(self, gpus: int) -> Cluster:
+        return Cluster(self.device, gpus, self.gpus_per_node, self.headroom)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    step: StepEstimate
+    fits: bool
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(workload: Workload, cluster: Cluster, *, micro_batch: int = 1) -> Iterator[Layout]:
+    """Every valid layout of ``cluster.gpus`` GPUs, each ZeRO stage, with and without checkpointing and offload."""
+    heads = workload.model.n_heads
+    for cp in divisors(cluster.gpus):
+        if workload.seq_len % (2 * cp) or workload.global_batch % (cluster.gpus // cp * micro_batch):
+            continue
+        for ulysses in divisors(cp):
+            if heads % ulysses or cluster.gpus_per_node % ulysses:
+                continue
+            for stage in ZERO_STAGES:
+                for checkpointing in (False, True):
+                    for offload in (False, True) if stage >= 1 else (False,):
+                        yield Layout(
+                            dp=cluster.gpus // cp,
+                            ring=cp // ulysses,
+                            ulysses=ulysses,
+                            zero_stage=stage,
+                            checkpointing=checkpointing,
+                            offload_optimizer=offload,
+                            micro_batch=micro_batch,
+                        )
+
+
+def fits(memory: MemoryEstimate, cluster: Cluster) -> bool:
+    host_per_node = memory.host * min(cluster.gpus, cluster.gpus_per_node)
+    return memory.total <= cluster.usable_bytes and host_per_node <= cluster.device.host_memory_bytes
+
+
+def evaluate(workload: Workload, layout: Layout, cluster: Cluster, assume: Assumptions) -> Candidate:
+    memory = estimate(workload, layout)
+    step = estimate_step(workload, layout, cluster.device, assume)
+    return Candidate(layout, memory, step, fits(memory, cluster))
+
+
+# Throughputs within this factor of each other rank as a tie: the estimate is not finer than that.
+TIE = 1.01
+
+
+def rank_key(c: Candidate) -> tuple[bool, int, bool, int]:
+    """Fitting first, then faster (to within ``TIE``), then without offload, then less memory."""
+    speed_class = math.floor(math.log(c.step.tokens_per_s) / math.log(TIE))
+    return (not c.fits, -speed_class, c.layout.offload_optimizer, c.memory.total)
+
+
+def search(workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1) -> list[Candidate]:
+    """Every valid layout evaluated, best first (see ``rank_key``)."""
+    found = [
+        evaluate(workload, layout, cluster, assume) for layout in layouts(workload, cluster, micro_batch=micro_batch)
+    ]
+    return sorted(found, key=rank_key)
+
+
+def cluster_sizes(gpus_per_node: int) -> list[int]:
+    """GPU counts one can rent: powers of two below a node, 1-16 nodes, then doubling node counts."""
+    below = {2**k for k in range(17) if 2**k < gpus_per_node}
+    nodes = {gpus_per_node * n for n in range(1, 17)}
+    doubling = {gpus_per_node * 2**k for k in range(5, 17)}
+    return sorted(n for n in below | nodes | doubling if n <= MAX_GPUS)
+
+
+def fewest_gpus(
+    workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1
+) -> Optional[Candidate]:
+    """The best layout on the smallest of ``cluster_sizes`` that has a fitting layout, if any does."""
+    for gpus in cluster_sizes(cluster.gpus_per_node):
+        ranked = search(workload, cluster.with_gpus(gpus), assume, micro_batch=micro_batch)
+        if ranked and ranked[0].fits:
+            return ranked[0]
+    return None
+
+
+def smallest(candidates: list[Candidate]) -> Optional[Candidate]:
+    return min(candidates, key=lambda c: c.memory.total, default=None)
+
+
+def advise(
+    workload: Workload, cluster: Cluster, assume: Assumptions, candidates: list[Candidate], *, micro_batch: int = 1
+) -> list[str]:
+    """One line per reason nothing fits and what would, for a search that found no fitting layout."""
+    usable = cluster.usable_bytes / GB
+    if not candidates:
+        return [
+            f"no valid layout of {cluster.gpus} GPUs: for some cp dividing {cluster.gpus}, data.seq_len="
+            f"{workload.seq_len} must divide by 2 x cp and train.global_batch={workload.global_batch} by dp x "
+            f"micro batch, and the Ulysses degree must divide {workload.model.n_heads} heads"
+        ]
+    lines = []
+    low = smallest(candidates)
+    assert low is not None
+    mem = low.memory
+    lines.append(
+        f"the leanest layout ({low.layout.describe()}) needs {mem.total / GB:.1f} GB per GPU, "
+        f"{usable:.1f} GB usable: model states {mem.model_states / GB:.1f} GB, ZeRO buffers "
+        f"{mem.zero_buffers / GB:.1f} GB, activations {mem.activations / GB:.1f} GB"
+        + (f" (full-vocabulary logits and loss {mem.logits_and_loss / GB:.1f} GB)" if mem.logits_and_loss else "")
+    )
+    more = fewest_gpus(workload, cluster, assume, micro_batch=micro_batch)
+    if more is None:
+        lines.append(f"no layout fits on up to {MAX_GPUS} GPUs: shorten data.seq_len or choose a larger --gpu-type")
+    else:
+        # Divisibility (sequence, heads, global batch) can leave a count with no fitting layout
+        # although a smaller one has one.
+        world = more.layout.world
+        lines.append(
+            f"{'needs at least' if world > cluster.gpus else 'fits on fewer:'} {world} GPUs (--gpus {world}): best "
+            f"there {more.layout.describe()}, {more.memory.total / GB:.1f} GB per GPU, "
+            f"{more.step.tokens_per_s:,.0f} tokens/s"
+        )
+    if mem.activations > cluster.usable_bytes:
+        lines.append(
+            f"activations alone exceed a GPU even with checkpointing and the longest CP ring of {cluster.gpus} GPUs: "
+            "more GPUs for a longer ring, a shorter data.seq_len, or a GPU with more memory"
+        )
+    return lines
