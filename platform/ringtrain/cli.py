@@ -10,11 +10,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ringtrain import config
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
+
+if TYPE_CHECKING:
+    from ringtrain.telemetry.prometheus import RunMetrics
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -43,6 +46,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.actors.persister import Persister
     from ringtrain.actors.resume import checkpoint_meta, find_resume_point, open_job_store, store_uri
     from ringtrain.telemetry.progress import Progress
+    from ringtrain.telemetry.prometheus import new_run_id
     from ringtrain.telemetry.rundir import RunDir, default_run_dir
 
     run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
@@ -62,6 +66,8 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
         run_dir = RunDir(run_path)
         run_dir.write_config(job)
         persister = Persister(store, checkpoint_meta(job)) if store is not None else None
+        run_id = new_run_id()
+        telemetry = run_metrics(job, run_id) if job.telemetry.metrics else None
         progress.message(
             f"ringtrain: {job.name}: dp {job.mesh.dp} x cp {job.mesh.cp} ({job.attention.impl}, "
             f"ring {job.ring_degree} x ulysses {job.ulysses_degree}), ZeRO-{job.zero.stage}, "
@@ -69,7 +75,14 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
         )
         try:
             controller = Controller(
-                job, WorkerGroup(job, device), run_dir, progress, persister=persister, resume_from=resume_from
+                job,
+                WorkerGroup(job, device),
+                run_dir,
+                progress,
+                persister=persister,
+                resume_from=resume_from,
+                telemetry=telemetry,
+                run_id=run_id,
             )
             summary = controller.run()
         finally:
@@ -82,6 +95,16 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     finally:
         # Ray's logs are kept when something went wrong: they hold the workers' output.
         cluster.close(keep_logs=not ok)
+
+
+def run_metrics(job: config.JobConfig, run_id: str) -> "RunMetrics":
+    from ringtrain.planner.models import from_job
+    from ringtrain.planner.throughput import flops_per_token
+    from ringtrain.telemetry.prometheus import RunMetrics
+
+    model_flops, _ = flops_per_token(from_job(job), job.data.seq_len, checkpointing=False)
+    # The peak is known once the workers report their device; the Controller sets it then.
+    return RunMetrics(job, run_id, model_flops_per_token=model_flops, peak_flops_per_worker=0.0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -114,6 +114,10 @@ class ControllersConfig:
 class TelemetryConfig:
     progress: bool = True  # one line per step on stdout
     log_every: int = 1
+    metrics: bool = True  # Prometheus metrics through Ray's metrics agent
+    # The embedded cluster's metrics export port (None: Ray picks one). Keep it outside Ray's
+    # worker port range 10002-19999; 8080 is KubeRay's convention.
+    metrics_port: Optional[int] = None
 
 
 @dataclass
@@ -306,6 +310,9 @@ def validate(job: JobConfig) -> None:
     if job.controllers.start_timeout_s <= 0:
         raise ConfigError("controllers.start_timeout_s", f"must be > 0 (got {job.controllers.start_timeout_s})")
     _positive(job.telemetry.log_every, "telemetry.log_every")
+    port = job.telemetry.metrics_port
+    if port is not None and not (1 <= port <= 65535 and not 10002 <= port <= 19999):
+        raise ConfigError("telemetry.metrics_port", f"{port} must be a port outside Ray's worker range 10002-19999")
 
     c = job.cluster
     _one_of(c.device, DEVICES, "cluster.device")

@@ -12,6 +12,7 @@ class WorkerInfo:
     pid: int
     device: str  # "cpu" or "cuda:N"
     node_id: str = ""  # Ray node id: where the rank's holder and buddy are chosen
+    device_name: str = "cpu"  # e.g. "NVIDIA H100 80GB HBM3": picks the peak FLOP/s for MFU
 
 
 @dataclass(frozen=True)
@@ -33,3 +34,4 @@ class StepReport:
     snapshot_step: int = 0  # newest finished in-memory snapshot (0: none yet)
     snapshot_s: float = 0.0  # its latency: copy + encode + checksum, off the critical path
     snapshot_bytes: int = 0
+    memory_bytes: int = 0  # peak device memory during the step (CUDA) or peak RSS (CPU)

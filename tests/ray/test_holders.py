@@ -14,6 +14,8 @@ import pytest
 from ringtrain import config
 from ringtrain.train.snapshot import decode
 
+from .test_run_e2e import TORCH_EXTENSIONS_DIR
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
@@ -25,6 +27,7 @@ def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[objec
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     temp_dir = tempfile.mkdtemp(prefix="rth-", dir="/tmp")
     # Ray records "the current cluster" under its temp root; keep ours out of the shared /tmp/ray.

@@ -22,6 +22,9 @@ import yaml
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
+# DeepSpeed JIT-compiles a C++ op into ~/.cache; tests give each run its own HOME, so the
+# build cache is kept in the repo (git-ignored) instead of being rebuilt by every run.
+TORCH_EXTENSIONS_DIR = REPO / ".ringtrain-cache" / "torch_extensions"
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 TINY = [
     "model.dim=32",
@@ -50,6 +53,7 @@ def run_cli(args: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300)
         HOME=str(home),
         RAY_TMPDIR=str(ray_tmp),
         RAY_AUTH_MODE="disabled",
+        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
         PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
     )
     return subprocess.run(

@@ -53,6 +53,7 @@ def connect(job: JobConfig) -> ClusterHandle:
             num_cpus=job.cluster.num_cpus or os.cpu_count() or 1,
             include_dashboard=False,
             log_to_driver=False,
+            _metrics_export_port=job.telemetry.metrics_port,
             logging_level=logging.WARNING,
             _temp_dir=temp_dir,
         )

@@ -16,8 +16,10 @@ from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.controllers.snapshots import persist_due
 from ringtrain.errors import RingtrainError
-from ringtrain.status import StepReport
+from ringtrain.planner.devices import peak_flops
+from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.telemetry.progress import Progress
+from ringtrain.telemetry.prometheus import RunMetrics
 from ringtrain.telemetry.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ _ALLOWED = {
 
 class Group(Protocol):
     num_params: int
+    infos: list[WorkerInfo]
 
     def start(self) -> None: ...
     def train_step(self) -> list[StepReport]: ...
@@ -77,6 +80,7 @@ def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -
         "snapshot_step": min(r.snapshot_step for r in by_rank),
         "snapshot_s": max(r.snapshot_s for r in by_rank),
         "snapshot_bytes": sum(r.snapshot_bytes for r in by_rank),
+        "rank_memory_bytes": [r.memory_bytes for r in by_rank],
     }
 
 
@@ -89,6 +93,8 @@ class Controller:
         progress: Optional[Progress] = None,
         persister: Optional[Durable] = None,
         resume_from: Optional[LoadedCheckpoint] = None,
+        telemetry: Optional[RunMetrics] = None,
+        run_id: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job = job
@@ -97,6 +103,8 @@ class Controller:
         self.progress = progress or Progress(job.train.steps, enabled=False)
         self.persister = persister
         self.resume_from = resume_from
+        self.telemetry = telemetry
+        self.run_id = run_id
         self.clock = clock
         self.state = RunState.STARTING
         self.records: list[dict[str, Any]] = []
@@ -112,10 +120,14 @@ class Controller:
         self.state = new
 
     def run(self) -> dict[str, Any]:
-        started = self.clock()
+        started = self.started = self.clock()
         train_s = 0.0
         try:
             self.group.start()
+            if self.telemetry is not None and self.group.infos:
+                self.telemetry.peak_flops_per_worker = peak_flops(
+                    self.group.infos[0].device_name, cpu_cores=self.job.cluster.cpus_per_worker
+                )
             if self.resume_from is not None:
                 self.start_step = self._resume(self.resume_from)
             self._transition(
@@ -129,7 +141,7 @@ class Controller:
                 wall = self.clock() - t0
                 train_s += wall
                 self._maybe_persist(step)
-                self._record(reports, wall)
+                self._record(reports, wall, goodput=train_s / max(self.clock() - started, 1e-9))
             self._drain(wait=True)
             reason = (
                 f"train.stop_at_step={self.job.last_step} reached"
@@ -146,6 +158,8 @@ class Controller:
         finally:
             self._close_durable()
             self.group.shutdown()
+            if self.telemetry is not None:
+                self.telemetry.finish()
         summary = self._summary(wall_s=self.clock() - started, train_s=train_s)
         self.run_dir.write_summary(summary)
         return summary
@@ -185,10 +199,15 @@ class Controller:
         finally:
             self.persister.close()
 
-    def _record(self, reports: list[StepReport], wall_s: float) -> None:
+    def _record(self, reports: list[StepReport], wall_s: float, *, goodput: float) -> None:
         record = step_record(reports, dp=self.job.mesh.dp, cp=self.job.mesh.cp, wall_s=wall_s)
         record["persist_s"] = self.persist_s
         record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
+        record["goodput"] = goodput
+        if self.telemetry is not None:
+            record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.job.world_size)
+            self.telemetry.step(record)
+            self.telemetry.goodput(goodput)
         for r in reports:
             self.samples.update(r.samples)
         self.records.append(record)
@@ -209,6 +228,9 @@ class Controller:
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
             "wall_time_s": wall_s,
             "train_time_s": train_s,
+            # Wall time spent on steps that were kept, start-up and checkpoint waits included.
+            "goodput": train_s / wall_s if wall_s > 0 else 0.0,
+            "run_id": self.run_id,
             "num_params": self.group.num_params,
             "num_samples": len(self.samples),
             "dp": self.job.mesh.dp,

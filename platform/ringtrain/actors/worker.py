@@ -29,7 +29,12 @@ class TrainWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
-            rank=self.rank, host=_node_ip(), pid=os.getpid(), device=self.device_type, node_id=_node_id()
+            rank=self.rank,
+            host=_node_ip(),
+            pid=os.getpid(),
+            device=self.device_type,
+            node_id=_node_id(),
+            device_name=_device_name(self.device_type),
         )
 
     def create_store(self) -> tuple[str, int]:
@@ -113,6 +118,14 @@ class _HolderDelivery:
         self._in_flight = [
             h.put.remote(snap.rank, snap.step, snap.world_size, snap.blob, snap.checksum) for h in self.holders
         ]
+
+
+def _device_name(device_type: str) -> str:
+    if device_type != "cuda":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 def _node_id() -> str:

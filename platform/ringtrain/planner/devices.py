@@ -52,6 +52,22 @@ DEVICES: dict[str, Device] = {d.name: d for d in (H100, H200, A100)}
 DEVICE_ALIASES: dict[str, str] = {"cuda": "h100", "gpu": "h100"}
 
 
+# A CPU core's nominal fp32 peak: two 8-wide FMA units x 2 FLOPs x ~3 GHz (AVX2), used only
+# to put an MFU on CPU test runs; GPUs are looked up in the table.
+CPU_CORE_PEAK_FLOPS = 2 * 8 * 2 * 3e9
+
+
+def peak_flops(device_name: str, *, cpu_cores: float = 1.0) -> float:
+    """Peak FLOP/s of one worker's device, from its reported name (e.g. "NVIDIA H100 80GB HBM3")."""
+    lowered = device_name.lower()
+    for name, spec in DEVICES.items():
+        if name in lowered:
+            return spec.peak_flops
+    if lowered.startswith("cpu"):
+        return CPU_CORE_PEAK_FLOPS * max(1.0, cpu_cores)
+    return H100.peak_flops  # an unknown GPU: the table's common reference
+
+
 def device(name: str, *, key: str = "--gpu-type") -> Device:
     """The device called ``name`` (case-insensitive; "cuda" means an 80 GB H100)."""
     lowered = name.lower()

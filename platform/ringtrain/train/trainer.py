@@ -10,6 +10,7 @@ the whole global batch.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Callable, Optional
 
@@ -131,6 +132,8 @@ class Trainer:
 
     def train_step(self) -> StepReport:
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         lr = float(self.engine.get_lr()[0])  # the rate this step uses; the scheduler advances in step()
         batches = self.data.step_batches(self.step, self.mesh.coord.replica)
         losses = [self._micro_step(mb) for mb in batches]
@@ -152,7 +155,14 @@ class Trainer:
             snapshot_step=last.step if last else 0,
             snapshot_s=last.total_s if last else 0.0,
             snapshot_bytes=last.num_bytes if last else 0,
+            memory_bytes=self._peak_memory(),
         )
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        # Linux reports the peak resident set in KiB.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def _maybe_snapshot(self) -> None:
         every = self.job.checkpoint.snapshot_every
