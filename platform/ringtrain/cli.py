@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ringtrain import config
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
+from ringtrain.telemetry import dashboards_command
 
 if TYPE_CHECKING:
     from ringtrain.telemetry.prometheus import RunMetrics
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.dp=2 train.steps=50")
     plan = sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)")
     planner_command.add_arguments(plan)
+    dashboards = sub.add_parser("dashboards", help="export the Grafana dashboards, or push them and the alert rules")
+    dashboards_command.add_arguments(dashboards)
     return parser
 
 
@@ -115,6 +118,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_run(args.job, args.overrides)
         if args.command == "plan":
             return planner_command.run(args)
+        if args.command == "dashboards":
+            return dashboards_command.run(args)
     except ConfigError as exc:
         print(f"ringtrain: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

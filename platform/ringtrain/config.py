@@ -18,6 +18,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
+from ringtrain.chaos import FAULT_KINDS, FaultSpec
 from ringtrain.errors import ConfigError
 
 ATTENTION_IMPLS = ("ring", "ulysses", "hybrid")
@@ -121,6 +122,11 @@ class TelemetryConfig:
 
 
 @dataclass
+class ChaosConfig:
+    faults: list[FaultSpec] = field(default_factory=list)
+
+
+@dataclass
 class ClusterConfig:
     address: Optional[str] = None  # None: RAY_ADDRESS if set, else an embedded local cluster
     device: str = "auto"  # auto: cuda when the cluster has GPUs, else cpu
@@ -143,6 +149,7 @@ class JobConfig:
     controllers: ControllersConfig = field(default_factory=ControllersConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     # Derived values. Properties, not fields, so they can never disagree with the fields.
     @property
@@ -313,6 +320,16 @@ def validate(job: JobConfig) -> None:
     port = job.telemetry.metrics_port
     if port is not None and not (1 <= port <= 65535 and not 10002 <= port <= 19999):
         raise ConfigError("telemetry.metrics_port", f"{port} must be a port outside Ray's worker range 10002-19999")
+
+    for i, fault in enumerate(job.chaos.faults):
+        key = f"chaos.faults[{i}]"
+        _one_of(fault.kind, FAULT_KINDS, f"{key}.kind")
+        if not 0 <= fault.rank < job.world_size:
+            raise ConfigError(f"{key}.rank", f"{fault.rank} is not a rank of {job.world_size} (mesh.dp x mesh.cp)")
+        if not 1 <= fault.step <= job.train.steps:
+            raise ConfigError(f"{key}.step", f"{fault.step} is not a step of 1..train.steps={job.train.steps}")
+        if fault.seconds < 0:
+            raise ConfigError(f"{key}.seconds", f"must be >= 0 (got {fault.seconds})")
 
     c = job.cluster
     _one_of(c.device, DEVICES, "cluster.device")

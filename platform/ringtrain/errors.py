@@ -45,16 +45,24 @@ class DataError(RingtrainError):
 
 
 class WorkerError(RingtrainError):
-    """A training worker failed; names the rank and its host so the user knows where to look."""
+    """A training worker failed; names the rank and its host so the user knows where to look.
 
-    def __init__(self, rank: int, host: str, cause: str) -> None:
+    ``kind``: "died" (the process is gone), "error" (an exception), "timeout" (no answer).
+    """
+
+    def __init__(self, rank: int, host: str, cause: str, kind: str = "error") -> None:
         super().__init__(f"rank {rank} on {host}: {cause}")
         self.rank = rank
         self.host = host
         self.cause = cause
+        self.kind = kind
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.rank, self.host, self.cause))
+        return (type(self), (self.rank, self.host, self.cause, self.kind))
+
+
+class NonFiniteLoss(RingtrainError):
+    """A step's loss was NaN or infinite."""
 
 
 class ClusterError(RingtrainError):

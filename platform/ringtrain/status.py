@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class StepReport:
     step: int  # 1-based: the number of optimizer steps completed, this one included
     rank: int
     loss: float
+    local_loss: float  # this rank's own mean before the reduction: says which rank went non-finite
     lr: float
     grad_norm: float
     num_tokens: int
@@ -35,3 +37,22 @@ class StepReport:
     snapshot_s: float = 0.0  # its latency: copy + encode + checksum, off the critical path
     snapshot_bytes: int = 0
     memory_bytes: int = 0  # peak device memory during the step (CUDA) or peak RSS (CPU)
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Something that stopped or disturbed training, as written to ``incidents/NNNN-<kind>.json``."""
+
+    id: int
+    kind: str  # crash | node_lost | hang | sdc | nan | straggler
+    ranks: tuple[int, ...]
+    detected_at_step: int  # the step that was running when it was seen
+    detected_at: float  # unix time
+    detect_s: float  # from the fault's first sign to its detection, when known
+    action: str  # abort | retry | replace | shrink | grow | rollback
+    reason: str
+    dp_before: int
+    dp_after: Optional[int] = None
+    recover_s: Optional[float] = None
+    lost_steps: int = 0
+    verdict: Optional[dict[str, Any]] = None

@@ -364,7 +364,8 @@ def test_default_job_config_loads_and_fits_the_default_workers(rendered: dict[st
     config = pytest.importorskip("ringtrain.config", reason="ringtrain is not importable")
     out = rendered["default"]
     path = tmp_path / "job.yaml"
-    path.write_text(out.one("ConfigMap")["data"]["job.yaml"])
+    (job_map,) = [cm for cm in out.of_kind("ConfigMap") if "job.yaml" in cm.get("data", {})]
+    path.write_text(job_map["data"]["job.yaml"])
     job = config.load(path, list(DEFAULTS["job"]["overrides"]))
     gpus = sum(g["replicas"] * g["gpus"] for g in worker_groups(DEFAULTS))
     assert gpus >= job.world_size * job.cluster.gpus_per_worker

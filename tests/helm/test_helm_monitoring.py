@@ -44,10 +44,22 @@ def test_monitoring_objects_are_opt_in(rendered: dict[str, Render]) -> None:
     assert {"PodMonitor", "PrometheusRule"}.isdisjoint(rendered["default"].kinds())
 
 
-def test_dashboards_render_nothing_without_json(rendered: dict[str, Render]) -> None:
-    assert list(CHART.glob("dashboards/*.json")) == [], "dashboards/*.json are generated, not committed"
-    for out in rendered.values():
-        assert not [cm for cm in out.of_kind("ConfigMap") if "grafana_dashboard" in cm["metadata"]["labels"]]
+def test_dashboards_render_nothing_without_json(render: Callable[..., Render], chart_copy: Path) -> None:
+    for board in (chart_copy / "dashboards").glob("*.json"):
+        board.unlink()
+    out = render({}, chart_dir=chart_copy)
+    assert not [cm for cm in out.of_kind("ConfigMap") if "grafana_dashboard" in cm["metadata"]["labels"]]
+
+
+def test_the_exported_dashboards_each_become_one_sidecar_configmap(rendered: dict[str, Render]) -> None:
+    boards = sorted(p.stem for p in CHART.glob("dashboards/*.json"))
+    assert boards == ["reliability", "training"]
+    found = sorted(
+        cm["metadata"]["name"]
+        for cm in rendered["default"].of_kind("ConfigMap")
+        if cm["metadata"]["labels"].get("grafana_dashboard") == "1"
+    )
+    assert found == [f"demo-ringtrain-dashboard-{b}" for b in boards]
 
 
 def test_dashboards_become_sidecar_configmaps(render: Callable[..., Render], chart_copy: Path) -> None:
@@ -55,6 +67,8 @@ def test_dashboards_become_sidecar_configmaps(render: Callable[..., Render], cha
         "ringtrain_training.json": {"title": "ringtrain / training", "panels": [{"type": "timeseries"}]},
         "ringtrain-faults.json": {"title": "ringtrain / faults", "panels": []},
     }
+    for exported in (chart_copy / "dashboards").glob("*.json"):
+        exported.unlink()
     for name, board in boards.items():
         (chart_copy / "dashboards" / name).write_text(json.dumps(board, indent=2))
     (chart_copy / "dashboards" / "notes.txt").write_text("not a dashboard")

@@ -7,17 +7,20 @@ happens: a failed or interrupted run still leaves a summary saying how far it go
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
+import math
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.controllers.snapshots import persist_due
-from ringtrain.errors import RingtrainError
+from ringtrain import metrics
+from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
 from ringtrain.planner.devices import peak_flops
-from ringtrain.status import StepReport, WorkerInfo
+from ringtrain.status import Incident, StepReport, WorkerInfo
 from ringtrain.telemetry.progress import Progress
 from ringtrain.telemetry.prometheus import RunMetrics
 from ringtrain.telemetry.rundir import RunDir
@@ -62,6 +65,18 @@ class Durable(Protocol):
     def close(self) -> None: ...
 
 
+class Sink(Protocol):
+    """Something that follows the run: TensorBoard, for one."""
+
+    def step(self, record: dict[str, Any]) -> None: ...
+    def incident(self, incident: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+# What each kind of worker failure is called in incidents.
+_WORKER_FAILURE_KINDS = {"died": "crash", "error": "crash", "timeout": "hang"}
+
+
 def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -> dict[str, Any]:
     """One line of metrics.jsonl from every rank's report of a step."""
     tokens = sum(r.num_tokens for r in reports)
@@ -94,6 +109,7 @@ class Controller:
         persister: Optional[Durable] = None,
         resume_from: Optional[LoadedCheckpoint] = None,
         telemetry: Optional[RunMetrics] = None,
+        sinks: Sequence[Sink] = (),
         run_id: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -104,7 +120,9 @@ class Controller:
         self.persister = persister
         self.resume_from = resume_from
         self.telemetry = telemetry
+        self.sinks = list(sinks)
         self.run_id = run_id
+        self.incidents: list[Incident] = []
         self.clock = clock
         self.state = RunState.STARTING
         self.records: list[dict[str, Any]] = []
@@ -137,8 +155,14 @@ class Controller:
             )
             for step in range(self.start_step + 1, self.job.last_step + 1):
                 t0 = self.clock()
-                reports = self.group.train_step()
+                try:
+                    reports = self.group.train_step()
+                except WorkerError as exc:
+                    kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
+                    self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
+                    raise
                 wall = self.clock() - t0
+                self._check_finite(reports, step, t0)
                 train_s += wall
                 self._maybe_persist(step)
                 self._record(reports, wall, goodput=train_s / max(self.clock() - started, 1e-9))
@@ -160,9 +184,43 @@ class Controller:
             self.group.shutdown()
             if self.telemetry is not None:
                 self.telemetry.finish()
+            for sink in self.sinks:
+                sink.close()
         summary = self._summary(wall_s=self.clock() - started, train_s=train_s)
         self.run_dir.write_summary(summary)
         return summary
+
+    def _check_finite(self, reports: list[StepReport], step: int, t0: float) -> None:
+        if math.isfinite(reports[0].loss):
+            return
+        culprits = tuple(sorted(r.rank for r in reports if not math.isfinite(r.local_loss)))
+        reason = f"non-finite loss {reports[0].loss} at step {step}, first on ranks {list(culprits)}"
+        # Recovery by rollback belongs to the elastic controller; until then the run stops here
+        # rather than train on poisoned weights.
+        self._incident("nan", culprits, step, t0, reason=reason)
+        raise NonFiniteLoss(reason)
+
+    def _incident(self, kind: str, ranks: tuple[int, ...], step: int, t0: float, *, reason: str) -> Incident:
+        incident = Incident(
+            id=len(self.incidents) + 1,
+            kind=kind,
+            ranks=ranks,
+            detected_at_step=step,
+            detected_at=time.time(),
+            detect_s=self.clock() - t0,
+            action="abort",
+            reason=reason,
+            dp_before=self.job.mesh.dp,
+        )
+        self.incidents.append(incident)
+        record = dataclasses.asdict(incident)
+        path = self.run_dir.write_incident(record)
+        self.progress.message(f"incident {incident.id}: {kind} on ranks {list(ranks)} at step {step}: {reason} ({path})")
+        if self.telemetry is not None:
+            self.telemetry.add(metrics.INCIDENTS, 1, kind=kind)
+        for sink in self.sinks:
+            sink.incident(record)
+        return incident
 
     def _resume(self, checkpoint: LoadedCheckpoint) -> int:
         t0 = self.clock()
@@ -208,6 +266,8 @@ class Controller:
             record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.job.world_size)
             self.telemetry.step(record)
             self.telemetry.goodput(goodput)
+        for sink in self.sinks:
+            sink.step(record)
         for r in reports:
             self.samples.update(r.samples)
         self.records.append(record)
@@ -238,6 +298,9 @@ class Controller:
             "resumed_from": self.resume_from.uri if self.resume_from else None,
             "last_durable_step": self.persister.last_durable_step if self.persister else 0,
             "checkpoint_errors": list(self.persister.errors) if self.persister else [],
+            "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
+            # Incidents the run recovered from; recovery arrives with the elastic controller.
+            "recoveries": [],
             "error": self.error,
             "run_dir": str(self.run_dir.path),
         }

@@ -154,7 +154,9 @@ class WorkerGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 stuck = [refs.index(r) for r in pending]
-                raise WorkerError(stuck[0], self._host(stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})")
+                raise WorkerError(
+                    stuck[0], self._host(stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})", kind="timeout"
+                )
             ref = done[0]
             self._call(ref, rank=refs.index(ref), timeout=0)
         return [ray.get(r) for r in refs]
@@ -165,7 +167,7 @@ class WorkerGroup:
         try:
             return ray.get(ref, timeout=timeout or None)
         except ray.exceptions.RayActorError as exc:
-            raise WorkerError(rank, self._host(rank), f"worker process died ({type(exc).__name__})") from None
+            raise WorkerError(rank, self._host(rank), f"worker process died ({type(exc).__name__})", kind="died") from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise WorkerError(rank, self._host(rank), f"{type(cause).__name__}: {_first_line(cause)}") from None

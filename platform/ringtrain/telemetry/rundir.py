@@ -33,6 +33,13 @@ class RunDir:
         self._metrics.write(json.dumps(record, sort_keys=True) + "\n")
         self._metrics.flush()
 
+    def write_incident(self, incident: dict[str, Any]) -> Path:
+        folder = self.path / "incidents"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{incident['id']:04d}-{incident['kind']}.json"
+        _atomic_write(path, json.dumps(incident, indent=2, sort_keys=True) + "\n")
+        return path
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ringtrain.chaos import FaultPlan
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport
 from ringtrain.topology import Topology
@@ -106,6 +107,7 @@ class Trainer:
             vocab_size=job.model.vocab_size,
         )
         self.step = 0  # optimizer steps completed
+        self.faults = FaultPlan(job.chaos.faults)
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
         self.snapshotter: Optional[Snapshotter] = None
         if job.checkpoint.snapshot_every > 0:
@@ -121,9 +123,23 @@ class Trainer:
     def _tensor(self, array: object) -> torch.Tensor:
         return torch.as_tensor(array, dtype=torch.long, device=self.device)
 
-    def _micro_step(self, mb: MicroBatch) -> torch.Tensor:
+    def _inject_faults(self) -> bool:
+        """Apply the chaos plan's faults for the step about to run; True when its loss is poisoned."""
+        poison = False
+        for fault in self.faults.at(self.mesh.rank, self.step + 1):
+            if fault.kind == "crash":
+                os._exit(70)  # abrupt, like a kill: no cleanup, no exception to report
+            elif fault.kind == "slow":
+                time.sleep(fault.seconds)
+            elif fault.kind == "nan":
+                poison = True
+        return poison
+
+    def _micro_step(self, mb: MicroBatch, poison: bool = False) -> torch.Tensor:
         logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), self._tensor(mb.labels).flatten())
+        if poison:
+            loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
         self.engine.backward(loss)
         if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
             self.snapshotter.fence()  # the optimizer step below changes what the copy reads
@@ -131,14 +147,16 @@ class Trainer:
         return loss.detach()
 
     def train_step(self) -> StepReport:
+        poison = self._inject_faults() if self.faults else False
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = float(self.engine.get_lr()[0])  # the rate this step uses; the scheduler advances in step()
         batches = self.data.step_batches(self.step, self.mesh.coord.replica)
-        losses = [self._micro_step(mb) for mb in batches]
+        losses = [self._micro_step(mb, poison) for mb in batches]
         self.step += 1
-        loss = all_reduce_mean(torch.stack(losses).mean()).item()
+        local_loss = torch.stack(losses).mean()
+        loss = all_reduce_mean(local_loss).item()
         grad_norm = self.engine.get_global_grad_norm()
         step_time = time.perf_counter() - start
         self._maybe_snapshot()
@@ -147,6 +165,7 @@ class Trainer:
             step=self.step,
             rank=self.mesh.rank,
             loss=loss,
+            local_loss=local_loss.item(),
             lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             num_tokens=sum(mb.input_ids.size for mb in batches),

@@ -1,0 +1,271 @@
+"""Submitting ringtrain jobs to a Ray cluster's job API: entrypoint, runtime env, submission ids, client calls.
+
+A submitted job runs ``python -m ringtrain run <job file> <overrides>`` as a Ray job driver.
+Its working_dir is the job file's folder (so relative data paths next to the job file travel
+with it) and the ringtrain package of this client travels as a ``py_modules`` entry, so a
+cluster without ringtrain installed runs it and one with ringtrain installed runs the same code
+the client validated the config with (a py_modules entry comes first on the driver's and every
+worker's ``sys.path``). Inside the job Ray sets ``RAY_ADDRESS``, so ``ringtrain run`` joins the
+cluster instead of starting an embedded one.
+
+Submission ids are deterministic: ``ringtrain-<name>-<first 10 hex of sha256(resolved config
+YAML)>``. The resolved config already holds the overrides, so ``mesh.dp=2`` given or left at
+its default is the same submission. The same submission while one is pending or running is
+refused; once it has ended, the next free ``-2``, ``-3``, ... suffix is used.
+
+Ray is imported only when a client connects, so the command line stays light until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, TextIO
+
+from ringtrain import config
+from ringtrain.config import JobConfig
+from ringtrain.errors import ClusterError, RingtrainError
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Ray's own variables for the job API's address, most specific first (as the Ray CLI reads them).
+ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+TERMINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+ACTIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
+ID_HASH_CHARS = 10
+QUIET_LOGGERS = ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk", "ray._private.runtime_env.packaging")
+# Compiled leftovers are never needed on the cluster and differ between machines.
+PACKAGE_EXCLUDES = ["__pycache__/", "*.pyc"]
+
+
+class SubmissionError(RingtrainError):
+    """The cluster refused a submission, or the same submission is still pending or running."""
+
+
+class UnknownJobError(SubmissionError):
+    """No job with the given submission id exists on the cluster."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the cluster knows about one submitted job."""
+
+    submission_id: str
+    status: str
+    message: str
+    entrypoint: str
+    start_time_ms: Optional[int] = None
+    end_time_ms: Optional[int] = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+def resolve_address(explicit: Optional[str] = None) -> str:
+    """The job API address: the given one, else RAY_API_SERVER_ADDRESS, RAY_ADDRESS, the local default."""
+    if explicit:
+        return explicit
+    for name in ADDRESS_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return DEFAULT_ADDRESS
+
+
+def config_digest(job: JobConfig) -> str:
+    return hashlib.sha256(config.to_yaml(job).encode("utf-8")).hexdigest()
+
+
+def base_submission_id(job: JobConfig) -> str:
+    """``ringtrain-<name>-<hash>``: the same resolved config always gives the same id."""
+    return f"ringtrain-{job.name}-{config_digest(job)[:ID_HASH_CHARS]}"
+
+
+def family_ids(base: str, known: set[str]) -> list[str]:
+    """The known ids that are ``base`` or one of its resubmissions ``base-N``."""
+    pattern = re.compile(re.escape(base) + r"(-[0-9]+)?")
+    return sorted(i for i in known if pattern.fullmatch(i))
+
+
+def next_free_id(base: str, known: set[str]) -> str:
+    if base not in known:
+        return base
+    n = 2
+    while f"{base}-{n}" in known:
+        n += 1
+    return f"{base}-{n}"
+
+
+def entrypoint(job_path: Path, overrides: list[str]) -> str:
+    """The driver command, relative to the working_dir that holds the job file."""
+    args = ["python", "-m", "ringtrain", "run", job_path.name, *overrides]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def package_dir() -> Path:
+    """The folder of the ringtrain package this process imported: what gets shipped."""
+    import ringtrain
+
+    return Path(ringtrain.__file__).resolve().parent
+
+
+def runtime_env(job_path: Path, *, ship_package: bool = True) -> dict[str, Any]:
+    """working_dir: the job file's folder; py_modules: this ringtrain, unless the cluster's is wanted."""
+    env: dict[str, Any] = {"working_dir": str(job_path.resolve().parent), "excludes": list(PACKAGE_EXCLUDES)}
+    if ship_package:
+        env["py_modules"] = [str(package_dir())]
+    return env
+
+
+@contextmanager
+def _address_variables_cleared() -> Iterator[None]:
+    """Ray's client lets RAY_API_SERVER_ADDRESS / RAY_ADDRESS override the address it is given;
+    the address was already resolved (an explicit one wins), so they are hidden while it connects."""
+    saved = {name: os.environ.pop(name) for name in ADDRESS_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class JobsClient:
+    """One connection to a cluster's job API; every failure becomes a one-line RingtrainError."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._client = self._connect(address)
+
+    @staticmethod
+    def _connect(address: str) -> JobSubmissionClient:
+        from ray.exceptions import AuthenticationError, RayError
+        from ray.job_submission import JobSubmissionClient
+
+        # Ray's job client logs every package upload and socket close at INFO on stderr; the
+        # command prints what matters itself.
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        try:
+            with _address_variables_cleared():
+                return JobSubmissionClient(address)
+        except AuthenticationError as exc:
+            raise ClusterError(f"the Ray job API at {address} refused the connection: {_first_line(exc)}") from None
+        # RayError: a GCS address (host:6379) is looked up through the GCS first, which can time out.
+        except (ConnectionError, OSError, ValueError, RuntimeError, RayError) as exc:
+            raise ClusterError(f"cannot reach the Ray job API at {address}: {_first_line(exc)}") from None
+
+    @contextmanager
+    def _calls(self, submission_id: Optional[str] = None) -> Iterator[None]:
+        """Translate what Ray's client raises into errors that name the job and the address."""
+        try:
+            yield
+        except OSError as exc:  # requests' connection errors are OSErrors
+            raise ClusterError(f"lost the Ray job API at {self.address}: {_first_line(exc)}") from None
+        except RuntimeError as exc:
+            text = _first_line(exc)
+            if submission_id is not None and "status code 404" in text:
+                raise UnknownJobError(f"no job {submission_id} on {self.address} (`ringtrain status` lists them)") from None
+            raise SubmissionError(f"the Ray job API at {self.address}: {text}") from None
+
+    def list(self) -> list[JobState]:
+        """Every submitted job, oldest first (drivers started outside the job API have no id)."""
+        with self._calls():
+            details = self._client.list_jobs()
+        states = [_state(d) for d in details if d.submission_id]
+        return sorted(states, key=lambda s: (s.start_time_ms or 0, s.submission_id))
+
+    def state(self, submission_id: str) -> JobState:
+        with self._calls(submission_id):
+            return _state(self._client.get_job_info(submission_id))
+
+    def choose_id(self, job: JobConfig, requested: Optional[str] = None) -> str:
+        """The id for a new submission of ``job``; refuses one that would run the same config twice."""
+        states = {s.submission_id: s for s in self.list()}
+        if requested:
+            if requested in states:
+                taken = states[requested]
+                raise SubmissionError(
+                    f"submission id {requested} is already used on {self.address} ({taken.status}); choose another"
+                )
+            return requested
+        base = base_submission_id(job)
+        for existing in family_ids(base, set(states)):
+            if states[existing].status in ACTIVE_STATUSES:
+                raise SubmissionError(
+                    f"this config is already {states[existing].status.lower()} as {existing} on {self.address}; "
+                    f"follow it with `ringtrain logs {existing} --follow`, or pass --submission-id to run it twice"
+                )
+        return next_free_id(base, set(states))
+
+    def submit(
+        self,
+        job_path: Path,
+        overrides: list[str],
+        job: JobConfig,
+        *,
+        submission_id: Optional[str] = None,
+        ship_package: bool = True,
+    ) -> str:
+        """Submit a validated job; returns its submission id."""
+        chosen = self.choose_id(job, submission_id)
+        with self._calls():
+            return self._client.submit_job(
+                entrypoint=entrypoint(job_path, overrides),
+                submission_id=chosen,
+                runtime_env=runtime_env(job_path, ship_package=ship_package),
+                metadata={"ringtrain_job": job.name, "ringtrain_config_sha256": config_digest(job)},
+            )
+
+    def logs(self, submission_id: str) -> str:
+        with self._calls(submission_id):
+            return self._client.get_job_logs(submission_id)
+
+    def follow(self, submission_id: str, out: TextIO) -> JobState:
+        """Stream the job's output to ``out`` until it ends; returns its final state."""
+        # Asked first: the log stream of an unknown id fails with a handshake error, not a 404.
+        import aiohttp
+
+        self.state(submission_id)
+        with self._calls(submission_id):
+            try:
+                asyncio.run(_stream(self._client, submission_id, out))
+            except aiohttp.ClientError as exc:
+                raise ClusterError(f"lost the log stream of {submission_id} from {self.address}: {_first_line(exc)}") from None
+        return self.state(submission_id)
+
+    def stop(self, submission_id: str) -> bool:
+        """Ask the job to stop; False when it had already ended."""
+        with self._calls(submission_id):
+            return self._client.stop_job(submission_id)
+
+
+async def _stream(client: JobSubmissionClient, submission_id: str, out: TextIO) -> None:
+    async for chunk in client.tail_job_logs(submission_id):
+        out.write(chunk)
+        out.flush()
+
+
+def _state(details: Any) -> JobState:
+    return JobState(
+        submission_id=details.submission_id,
+        status=str(details.status),
+        message=details.message or "",
+        entrypoint=details.entrypoint,
+        start_time_ms=details.start_time,
+        end_time_ms=details.end_time,
+    )

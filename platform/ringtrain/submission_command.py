@@ -1,0 +1,181 @@
+"""`ringtrain submit|status|logs|stop`: the command line of jobs on a running Ray cluster.
+
+``add_arguments`` registers the four subcommands and ``run`` executes them. Exit codes follow
+`ringtrain run`: 0 success, 1 failed (the cluster cannot be reached, refuses, or the job
+did not succeed), 2 bad input (a config key, or a submission id the cluster does not know):
+one line, no traceback. The config is validated here before anything is sent to the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ringtrain import config
+from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.submission import DEFAULT_ADDRESS, JobsClient, JobState, UnknownJobError, resolve_address
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+STOP_POLL_S = 0.5
+ADDRESS_HELP = f"the cluster's job API (default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, else {DEFAULT_ADDRESS})"
+
+
+def add_arguments(subparsers: Any) -> None:
+    """Register submit, status, logs and stop on the CLI's ``add_subparsers()`` object."""
+    submit = subparsers.add_parser("submit", help="validate a job here, then run it as a Ray job on a cluster")
+    submit.add_argument("job", help="job YAML; its folder becomes the job's working_dir, e.g. jobs/quickstart.yaml")
+    submit.add_argument("overrides", nargs="*", help="key=value config overrides, as for `ringtrain run`")
+    submit.add_argument("--address", help=ADDRESS_HELP)
+    submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of following the logs")
+    submit.add_argument(
+        "--submission-id", help="use this id instead of ringtrain-<name>-<config hash> (to run one config twice)"
+    )
+    submit.add_argument(
+        "--no-ship-package",
+        action="store_true",
+        help="run the ringtrain installed on the cluster instead of shipping this one with the job",
+    )
+
+    status = subparsers.add_parser("status", help="a submitted job's status, or every job's without an id")
+    status.add_argument("submission_id", nargs="?", help="the id `ringtrain submit` printed")
+    status.add_argument("--address", help=ADDRESS_HELP)
+
+    logs = subparsers.add_parser("logs", help="a submitted job's output")
+    logs.add_argument("submission_id", help="the id `ringtrain submit` printed")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    logs.add_argument("--address", help=ADDRESS_HELP)
+
+    stop = subparsers.add_parser("stop", help="stop a submitted job")
+    stop.add_argument("submission_id", help="the id `ringtrain submit` printed")
+    stop.add_argument("--no-wait", action="store_true", help="return once the stop is requested")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
+    stop.add_argument("--address", help=ADDRESS_HELP)
+
+
+def run(args: argparse.Namespace) -> Optional[int]:
+    """The exit code of a submission command; None when ``args.command`` is not one of them."""
+    handler = _HANDLERS.get(args.command)
+    if handler is None:
+        return None
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"ringtrain: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except UnknownJobError as exc:
+        print(f"ringtrain: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RingtrainError as exc:
+        print(f"ringtrain: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    job_path = Path(args.job)
+    # Validated before connecting: bad input never reaches the cluster.
+    job = config.load(job_path, args.overrides)
+    client = JobsClient(resolve_address(args.address))
+    submission_id = client.submit(
+        job_path, list(args.overrides), job, submission_id=args.submission_id, ship_package=not args.no_ship_package
+    )
+    # The id alone on stdout, so `ID=$(ringtrain submit ... --no-wait)` works; the rest is for people.
+    print(submission_id, flush=True)
+    _say(f"ringtrain: submitted {job.name} as {submission_id} to {client.address}")
+    for line in _next_steps(submission_id, client.address):
+        _say(line)
+    if args.no_wait:
+        return EXIT_OK
+    _say(f"ringtrain: following {submission_id} (Ctrl-C stops following; the job keeps running)")
+    final = _follow(client, submission_id)
+    if final is None:
+        return EXIT_INTERRUPTED
+    _say(f"ringtrain: {submission_id} {final.status}")
+    return EXIT_OK if final.status == "SUCCEEDED" else EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = JobsClient(resolve_address(args.address))
+    if args.submission_id is None:
+        for line in _table(client.list()):
+            print(line)
+        return EXIT_OK
+    state = client.state(args.submission_id)
+    print(f"{state.submission_id}: {state.status}")
+    for line in state.message.splitlines():
+        print(f"  {line}")
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = JobsClient(resolve_address(args.address))
+    if not args.follow:
+        sys.stdout.write(client.logs(args.submission_id))
+        sys.stdout.flush()
+        return EXIT_OK
+    return EXIT_OK if _follow(client, args.submission_id) is not None else EXIT_INTERRUPTED
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    client = JobsClient(resolve_address(args.address))
+    state = client.state(args.submission_id)
+    if state.terminal:
+        print(f"{state.submission_id}: {state.status} (already ended; nothing to stop)")
+        return EXIT_OK
+    client.stop(args.submission_id)
+    if args.no_wait:
+        print(f"{state.submission_id}: stop requested")
+        return EXIT_OK
+    deadline = time.monotonic() + args.timeout
+    while not state.terminal and time.monotonic() < deadline:
+        time.sleep(STOP_POLL_S)
+        state = client.state(args.submission_id)
+    print(f"{state.submission_id}: {state.status}")
+    if state.terminal:
+        return EXIT_OK
+    _say(f"ringtrain: {state.submission_id} is still {state.status} after {args.timeout:g} s")
+    return EXIT_FAILED
+
+
+def _follow(client: JobsClient, submission_id: str) -> Optional[JobState]:
+    """The job's output until it ends; None when the user stopped following."""
+    try:
+        return client.follow(submission_id, sys.stdout)
+    except KeyboardInterrupt:
+        _say(f"ringtrain: stopped following {submission_id}; it keeps running (`ringtrain stop {submission_id}` ends it)")
+        return None
+
+
+def _next_steps(submission_id: str, address: str) -> list[str]:
+    flag = f" --address {address}"
+    return [
+        f"  follow: ringtrain logs {submission_id} --follow{flag}",
+        f"      or: ray job logs {submission_id} --follow{flag}",
+        f"  status: ringtrain status {submission_id}{flag}",
+        f"  stop:   ringtrain stop {submission_id}{flag}",
+    ]
+
+
+def _table(states: list[JobState]) -> list[str]:
+    if not states:
+        return ["no submitted jobs"]
+    width = max(len("SUBMISSION ID"), *(len(s.submission_id) for s in states))
+    lines = [f"{'SUBMISSION ID':<{width}}  {'STATUS':<9}  {'STARTED':<19}  ENTRYPOINT"]
+    for s in states:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.start_time_ms / 1000)) if s.start_time_ms else "-"
+        lines.append(f"{s.submission_id:<{width}}  {s.status:<9}  {started:<19}  {s.entrypoint}")
+    return lines
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+_HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "stop": cmd_stop,
+}

@@ -1,0 +1,141 @@
+"""TensorBoard event files of a run: each step's scalars and each incident, under ``<run_dir>/tensorboard/``.
+
+The Controller calls ``step`` with each metrics.jsonl record, ``incident`` with each incident
+record and ``close`` at the end; ``tensorboard --logdir runs/`` then shows every run side by
+side. Values a record lacks (no persister, no MFU on an unknown device) are left out rather
+than written as zero, so a chart never claims a measurement that was not taken.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from torch.utils.tensorboard import SummaryWriter
+
+# metrics.jsonl key -> TensorBoard tag. The prefix before "/" is the section TensorBoard groups by.
+SCALAR_TAGS: dict[str, str] = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "mfu": "throughput/mfu",
+    "tokens": "throughput/tokens",
+    "step_time_s": "step_time/wall",
+    "dp": "mesh/dp",
+    "cp": "mesh/cp",
+    "snapshot_s": "checkpoint/snapshot_s",
+    "snapshot_bytes": "checkpoint/snapshot_bytes",
+    "persist_s": "checkpoint/persist_s",
+    "last_durable_step": "checkpoint/last_durable_step",
+    "goodput": "run/goodput",
+}
+# Per-rank lists: key -> tag prefix; rank r of the list is written as f"{prefix}/rank_{r}".
+RANK_TAGS: dict[str, str] = {
+    "rank_step_time_s": "step_time",
+    "rank_memory_bytes": "memory_bytes",
+}
+INCIDENT_COUNT_TAG = "incidents/count"
+INCIDENT_TEXT_TAG = "incidents"
+# Seconds between writes of queued events: short enough to watch a run live in TensorBoard.
+FLUSH_S = 10
+# Lines of a verdict's stack kept in the text summary: the innermost frames name the culprit.
+STACK_LINES = 12
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number (bools are ints to Python but not measurements). NaN counts: it is the news."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class TensorBoardSink:
+    """Writes one event file per attempt of a run; calls after ``close`` do nothing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.log_dir = run_dir / "tensorboard"
+        self._writer: Optional[SummaryWriter] = None
+        self._num_incidents = 0
+        self._closed = False
+
+    def step(self, record: dict[str, Any]) -> None:
+        writer = self._open(record.get("step"))
+        if writer is None:
+            return
+        step = int(record["step"])
+        for key, tag in SCALAR_TAGS.items():
+            value = record.get(key)
+            if is_number(value):
+                writer.add_scalar(tag, float(value), step)
+        for key, prefix in RANK_TAGS.items():
+            values = record.get(key)
+            if isinstance(values, list):
+                for rank, value in enumerate(values):
+                    if is_number(value):
+                        writer.add_scalar(f"{prefix}/rank_{rank}", float(value), step)
+
+    def incident(self, incident: dict[str, Any]) -> None:
+        writer = self._open(incident.get("detected_at_step"))
+        if writer is None:
+            return
+        step = int(incident["detected_at_step"])
+        wall_time = incident.get("detected_at") if is_number(incident.get("detected_at")) else None
+        self._num_incidents += 1
+        # Cumulative, so the chart is a staircase whose risers sit at the incidents' steps.
+        writer.add_scalar(INCIDENT_COUNT_TAG, float(self._num_incidents), step, walltime=wall_time)
+        writer.add_text(INCIDENT_TEXT_TAG, incident_markdown(incident), step, walltime=wall_time)
+        # Incidents are rare and are what someone opens TensorBoard for: do not leave them queued.
+        writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._closed = True
+
+    def _open(self, step: Any) -> Optional[SummaryWriter]:
+        if self._closed or not is_number(step):
+            return None
+        if self._writer is None:
+            # Opened on first use, so a run that fails before its first step leaves no empty
+            # event file. No purge_step on a resumed run: TensorBoard would then drop the earlier
+            # attempt's incidents at the replayed steps, and those are why the run was resumed.
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=FLUSH_S)
+        return self._writer
+
+
+def incident_markdown(incident: dict[str, Any]) -> str:
+    """The incident as TensorBoard's text plugin shows it (Markdown)."""
+    ident = incident.get("id")
+    kind = incident.get("kind", "?")
+    head = f"**incident {ident}: {kind}** at step {incident.get('detected_at_step')}"
+    lines = [
+        head,
+        "",
+        f"- ranks: {list(incident.get('ranks') or [])}",
+        f"- action: {incident.get('action', '?')}",
+        f"- dp: {incident.get('dp_before', '?')} -> {_or_dash(incident.get('dp_after'))}",
+        f"- detect: {_seconds(incident.get('detect_s'))}, recover: {_seconds(incident.get('recover_s'))}",
+        f"- lost steps: {incident.get('lost_steps', 0)}",
+        f"- reason: {incident.get('reason', '')}",
+    ]
+    verdict = incident.get("verdict")
+    if isinstance(verdict, dict):
+        facts = ", ".join(f"{k} {verdict[k]}" for k in ("culprit_rank", "host", "op", "seq") if k in verdict)
+        if facts:
+            lines.append(f"- verdict: {facts}")
+        stack = verdict.get("stack")
+        if isinstance(stack, str) and stack.strip():
+            excerpt = stack.strip().splitlines()[-STACK_LINES:]
+            # Indented four spaces: a Markdown code block, so the frames keep their layout.
+            lines += ["", *("    " + line for line in excerpt)]
+    return "\n".join(lines)
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _seconds(value: Any) -> str:
+    if not is_number(value) or not math.isfinite(value):
+        return "-"
+    return f"{value:.2f} s"
