@@ -138,7 +138,7 @@ class Controller:
         self.state = new
 
     def run(self) -> dict[str, Any]:
-        started = self.started = self.clock()
+        started = self.clock()
         train_s = 0.0
         try:
             self.group.start()
