@@ -13,8 +13,9 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-# Debian packages the tests use: promtool checks the chart's alert rules. policy-rc.d keeps the
-# package from starting a Prometheus service on install (tests start their own, on free ports).
+# Debian packages the tests use: promtool checks the chart's alert rules (policy-rc.d keeps the
+# package from starting a Prometheus service on install: tests start their own, on free ports);
+# chromium renders the run report in a browser test.
 tools: $(TOOLS_STAMP)
 
 $(TOOLS_STAMP): $(STAMP)
@@ -25,6 +26,13 @@ $(TOOLS_STAMP): $(STAMP)
 			rm -f /usr/sbin/policy-rc.d; \
 		else \
 			echo "promtool missing: run 'sudo apt-get install prometheus' (the alert-rule tests need it)"; exit 1; \
+		fi; \
+	fi
+	@if ! command -v chromium >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+		else \
+			echo "chromium missing: run 'sudo apt-get install chromium' (the report's browser test needs it)"; exit 1; \
 		fi; \
 	fi
 	touch $(TOOLS_STAMP)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ringtrain import config
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
-from ringtrain.telemetry import dashboards_command
+from ringtrain.telemetry import dashboards_command, report_command
 
 if TYPE_CHECKING:
     from ringtrain.telemetry.prometheus import RunMetrics
@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     planner_command.add_arguments(plan)
     dashboards = sub.add_parser("dashboards", help="export the Grafana dashboards, or push them and the alert rules")
     dashboards_command.add_arguments(dashboards)
+    report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)")
+    report_command.add_arguments(report)
     return parser
 
 
@@ -50,7 +52,9 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.actors.resume import checkpoint_meta, find_resume_point, open_job_store, store_uri
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.prometheus import new_run_id
+    from ringtrain.telemetry.report import write_report
     from ringtrain.telemetry.rundir import RunDir, default_run_dir
+    from ringtrain.telemetry.tensorboard import TensorBoardSink
 
     run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
     progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
@@ -86,11 +90,18 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
                 resume_from=resume_from,
                 telemetry=telemetry,
                 run_id=run_id,
+                sinks=[TensorBoardSink(run_path)] if job.telemetry.tensorboard else [],
             )
             summary = controller.run()
         finally:
             run_dir.close()
         progress.summary(summary)
+        try:
+            report_path, _ = write_report(run_path)
+            progress.message(f"report: {report_path}")
+        except OSError as exc:
+            # The run's outcome stands; `ringtrain report` can write the page later.
+            print(f"ringtrain: warning: could not write {run_path / 'report.html'}: {exc}", file=sys.stderr)
         ok = summary["status"] == "finished"
         if not ok and cluster.temp_dir:
             progress.message(f"Ray logs of the embedded cluster: {cluster.temp_dir}")
@@ -120,6 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return planner_command.run(args)
         if args.command == "dashboards":
             return dashboards_command.run(args)
+        if args.command == "report":
+            return report_command.run(args)
     except ConfigError as exc:
         print(f"ringtrain: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -116,6 +116,7 @@ class TelemetryConfig:
     progress: bool = True  # one line per step on stdout
     log_every: int = 1
     metrics: bool = True  # Prometheus metrics through Ray's metrics agent
+    tensorboard: bool = True  # event files under <run_dir>/tensorboard
     # The embedded cluster's metrics export port (None: Ray picks one). Keep it outside Ray's
     # worker port range 10002-19999; 8080 is KubeRay's convention.
     metrics_port: Optional[int] = None

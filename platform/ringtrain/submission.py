@@ -176,7 +176,7 @@ class JobsClient:
             yield
         except OSError as exc:  # requests' connection errors are OSErrors
             raise ClusterError(f"lost the Ray job API at {self.address}: {_first_line(exc)}") from None
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # ValueError: a working_dir Ray cannot package
             text = _first_line(exc)
             if submission_id is not None and "status code 404" in text:
                 raise UnknownJobError(f"no job {submission_id} on {self.address} (`ringtrain status` lists them)") from None

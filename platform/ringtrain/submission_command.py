@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ringtrain import config
 from ringtrain.errors import ConfigError, RingtrainError
@@ -23,7 +23,7 @@ STOP_POLL_S = 0.5
 ADDRESS_HELP = f"the cluster's job API (default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, else {DEFAULT_ADDRESS})"
 
 
-def add_arguments(subparsers: Any) -> None:
+def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register submit, status, logs and stop on the CLI's ``add_subparsers()`` object."""
     submit = subparsers.add_parser("submit", help="validate a job here, then run it as a Ray job on a cluster")
     submit.add_argument("job", help="job YAML; its folder becomes the job's working_dir, e.g. jobs/quickstart.yaml")

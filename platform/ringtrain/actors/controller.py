@@ -202,7 +202,7 @@ class Controller:
 
     def _incident(self, kind: str, ranks: tuple[int, ...], step: int, t0: float, *, reason: str) -> Incident:
         incident = Incident(
-            id=len(self.incidents) + 1,
+            id=self.run_dir.num_incidents() + 1,
             kind=kind,
             ranks=ranks,
             detected_at_step=step,

@@ -33,6 +33,11 @@ class RunDir:
         self._metrics.write(json.dumps(record, sort_keys=True) + "\n")
         self._metrics.flush()
 
+    def num_incidents(self) -> int:
+        """Incidents already recorded here (a resumed run continues the numbering)."""
+        folder = self.path / "incidents"
+        return len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+
     def write_incident(self, incident: dict[str, Any]) -> Path:
         folder = self.path / "incidents"
         folder.mkdir(exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 from torch.utils.tensorboard import SummaryWriter
 
@@ -44,7 +44,7 @@ FLUSH_S = 10
 STACK_LINES = 12
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     """A JSON number (bools are ints to Python but not measurements). NaN counts: it is the news."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -93,7 +93,7 @@ class TensorBoardSink:
         self._closed = True
 
     def _open(self, step: Any) -> Optional[SummaryWriter]:
-        if self._closed or not is_number(step):
+        if self._closed or not is_number(step) or not math.isfinite(step):
             return None
         if self._writer is None:
             # Opened on first use, so a run that fails before its first step leaves no empty

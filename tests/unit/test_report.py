@@ -1,0 +1,371 @@
+"""The run report: what report.html shows of a run directory, whole, live, failed or damaged."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from ringtrain.telemetry import report_command
+from ringtrain.telemetry.report import MAX_POINTS, NO_SUMMARY, REPORT_NAME, read_run, write_report
+
+PLATFORM = Path(__file__).resolve().parents[2] / "platform"
+CHARTS = ("loss", "throughput", "step-time", "timeline", "checkpoint", "goodput", "durable", "lr", "grad-norm", "mfu")
+CONFIG = "name: quickstart\ntrain:\n  steps: 6\nmesh:\n  dp: 2\n  cp: 2\n"
+
+
+def step_record(step: int, **changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "step": step,
+        "loss": 5.5 - 0.1 * step,
+        "lr": 3e-3,
+        "grad_norm": 2.0,
+        "tokens": 256,
+        "step_time_s": 0.3,
+        # rank 1 is the straggler
+        "rank_step_time_s": [0.2, 0.35, 0.21, 0.2],
+        "tokens_per_s": 850.0 + step,
+        "dp": 2,
+        "cp": 2,
+        "snapshot_step": step,
+        "snapshot_s": 0.01,
+        "snapshot_bytes": 393043,
+        "rank_memory_bytes": [10**8] * 4,
+        "persist_s": 0.0,
+        "last_durable_step": 0,
+        "goodput": 0.8,
+        "mfu": 0.01,
+    }
+    return {**base, **changes}
+
+
+NAN_INCIDENT: dict[str, Any] = {
+    "id": 1,
+    "kind": "nan",
+    "ranks": [1],
+    "detected_at_step": 3,
+    "detected_at": 1_700_000_000.0,
+    "detect_s": 0.02,
+    "action": "abort",
+    "recover_s": None,
+    "lost_steps": 0,
+    "dp_before": 2,
+    "dp_after": None,
+    "reason": "non-finite loss nan at step 3, first on ranks [1]",
+}
+HANG_INCIDENT: dict[str, Any] = {
+    **NAN_INCIDENT,
+    "id": 2,
+    "kind": "hang",
+    "ranks": [3],
+    "detected_at_step": 5,
+    "action": "shrink",
+    "dp_after": 1,
+    "reason": "no progress for 30 s",
+    "verdict": {
+        "culprit_rank": 3,
+        "host": "node-b",
+        "op": "all_reduce",
+        "seq": 12,
+        "stack": "\n".join(f"frame {i}" for i in range(40)) + "\n  dist.all_reduce(grads)",
+    },
+}
+
+
+def make_run(
+    root: Path,
+    *,
+    steps: int = 2,
+    incidents: tuple[dict[str, Any], ...] = (NAN_INCIDENT,),
+    summary: Optional[dict[str, Any]] = None,
+) -> Path:
+    """A run directory as the nan fault leaves it: steps 1-2 recorded, incident 1 at step 3."""
+    run = root / "run"
+    (run / "incidents").mkdir(parents=True)
+    (run / "config.yaml").write_text(CONFIG)
+    lines = [json.dumps(step_record(s), sort_keys=True) + "\n" for s in range(1, steps + 1)]
+    (run / "metrics.jsonl").write_text("".join(lines))
+    for incident in incidents:
+        (run / "incidents" / f"{incident['id']:04d}-{incident['kind']}.json").write_text(json.dumps(incident))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+FAILED = {"status": "failed", "final_step": 2, "steps": 6, "error": "non-finite loss nan at step 3", "wall_time_s": 4.0}
+
+
+class Page(HTMLParser):
+    """The parts of report.html the tests look at: text, element ids, and each chart's polylines."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.polylines: dict[str, list[int]] = {}  # chart id -> number of points of each polyline
+        self.empty_charts: set[str] = set()
+        self.nonfinite_marks: dict[str, int] = {}
+        self.tags: list[str] = []
+        self.texts: list[str] = []
+        self._chart: Optional[str] = None
+        self._in_empty = False
+        self.feed(text)
+        self.close()
+
+    @property
+    def text(self) -> str:
+        return " ".join(" ".join(self.texts).split())
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, Optional[str]]]) -> None:
+        a = dict(attrs)
+        self.tags.append(tag)
+        if a.get("id"):
+            self.ids.add(str(a["id"]))
+        if tag == "figure" and str(a.get("id", "")).startswith("chart-"):
+            self._chart = str(a["id"])[len("chart-") :]
+            self.polylines[self._chart] = []
+        if self._chart and tag == "polyline":
+            self.polylines[self._chart].append(len(str(a.get("points") or "").split()))
+        if self._chart and tag == "text" and a.get("class") == "empty":
+            self.empty_charts.add(self._chart)
+        if self._chart and tag == "text" and a.get("class") == "nonfinite":
+            self.nonfinite_marks[self._chart] = self.nonfinite_marks.get(self._chart, 0) + 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "figure":
+            self._chart = None
+
+    def handle_data(self, data: str) -> None:
+        self.texts.append(data)
+
+
+def report_of(run: Path) -> tuple[Page, list[str]]:
+    path, warnings = write_report(run)
+    assert path == run / REPORT_NAME
+    return Page(path.read_text(encoding="utf-8")), warnings
+
+
+def test_a_failed_run_shows_curves_ranks_incidents_and_config(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=4, incidents=(NAN_INCIDENT, HANG_INCIDENT), summary=FAILED)
+    page, warnings = report_of(run)
+
+    assert warnings == []
+    assert "Missing or damaged" not in page.text
+    assert set(page.polylines) == set(CHARTS)
+    for chart in CHARTS:
+        assert page.polylines[chart] and all(n >= 2 for n in page.polylines[chart]), chart
+    assert len(page.polylines["step-time"]) == 4 + 1  # one line per rank, and the controller's step
+    assert "Slowest on average: rank 1" in page.text
+    assert "failed" in page.text and "non-finite loss nan at step 3" in page.text
+    # Incidents: listed, linked from the chart markers, with the verdict and the stack's innermost frames.
+    assert {"incident-0001-nan", "incident-0002-hang"} <= page.ids
+    assert "Incident 1: nan" in page.text and "Incident 2: hang" in page.text
+    assert "culprit rank 3" in page.text and "host node-b" in page.text and "op all_reduce" in page.text
+    assert "dist.all_reduce(grads)" in page.text and "frame 39" in page.text and "frame 5 " not in page.text
+    assert "config.yaml" in page.text and "quickstart" in page.text and "details" in page.tags
+
+
+def test_a_run_still_going_has_no_summary_and_a_half_written_line(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=3, incidents=())
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 5.')
+    page, warnings = report_of(run)
+
+    assert warnings == [
+        "metrics.jsonl: the last line (4) is incomplete (still being written, or cut off): ignored",
+        f"summary.json is missing: the run is {NO_SUMMARY}",
+    ]
+    assert [r["step"] for r in read_run(run).records] == [1, 2, 3]
+    assert NO_SUMMARY in page.text and "summary.json is missing" in page.text
+    assert page.polylines["loss"] == [3]
+    assert "None recorded." in page.text
+
+
+# (file, what it now holds or None for deleted, the warning's start)
+DAMAGE = {
+    "no-config": ("config.yaml", None, "config.yaml is missing"),
+    "bad-config": ("config.yaml", "name: [unclosed\n", "config.yaml is not valid YAML"),
+    "no-metrics": ("metrics.jsonl", None, "metrics.jsonl is missing"),
+    "empty-metrics": ("metrics.jsonl", "", "metrics.jsonl is empty"),
+    "bad-summary": ("summary.json", "{oops", "summary.json is not valid JSON"),
+    "bad-incident": ("incidents/0002-crash.json", "{half", "incidents/0002-crash.json is not valid JSON"),
+    "list-incident": ("incidents/0003-hang.json", "[1, 2]", "incidents/0003-hang.json does not hold a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damage_is_named_and_the_rest_still_renders(tmp_path: Path, case: str) -> None:
+    name, content, expected = DAMAGE[case]
+    run = make_run(tmp_path, summary=FAILED)
+    if content is None:
+        (run / name).unlink()
+    else:
+        (run / name).write_text(content)
+    page, warnings = report_of(run)
+
+    assert len(warnings) == 1 and warnings[0].startswith(expected), warnings
+    assert expected in page.text
+    assert "incident-0001-nan" in page.ids  # the good incident is still listed
+    assert set(page.polylines) == set(CHARTS)
+
+
+def test_without_records_the_charts_say_so(tmp_path: Path) -> None:
+    run = make_run(tmp_path, summary=FAILED)
+    (run / "metrics.jsonl").write_text("")
+    page, _ = report_of(run)
+    assert page.empty_charts == set(CHARTS)
+    assert not any(page.polylines.values())
+    assert "steps recorded none" in page.text
+
+
+def test_malformed_lines_and_incomplete_incidents_are_reported_by_name(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=3, summary=FAILED)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[1] = "not json\n"
+    (run / "metrics.jsonl").write_text("".join(lines) + '{"loss": 1.0}\n')
+    (run / "incidents" / "0002-crash.json").write_text(json.dumps({"id": 2, "kind": "crash", "ranks": [0]}))
+    page, warnings = report_of(run)
+
+    assert warnings == [
+        "metrics.jsonl: 2 malformed line(s) skipped (line 2, 4)",
+        "incidents/0002-crash.json lacks detected_at_step, action, reason: listed with what it has",
+    ]
+    assert page.polylines["loss"] == [2]  # steps 1 and 3
+    assert "incident-0002-crash" in page.ids and "Incident 2: crash" in page.text
+
+
+def test_all_text_is_escaped(tmp_path: Path) -> None:
+    hostile = "<script>alert('x')</script><img src=x onerror=alert(1)>"
+    evil_incident = {**NAN_INCIDENT, "reason": hostile, "verdict": {"culprit_rank": hostile, "stack": hostile}}
+    run = make_run(tmp_path, incidents=(evil_incident,), summary={**FAILED, "error": hostile})
+    (run / "config.yaml").write_text(f"name: \"{hostile}\"\nnote: '</pre>{hostile}'\n")
+    (run / "incidents" / '0002-"><b>.json').write_text(json.dumps({**NAN_INCIDENT, "id": 2}))
+    path, _ = write_report(run)
+    text = path.read_text(encoding="utf-8")
+    page = Page(text)
+
+    assert "<script" not in text.lower() and "<img" not in text.lower() and "<b>" not in text
+    assert hostile in page.text  # shown, as text
+    assert "script" not in page.tags and "img" not in page.tags and "b" not in page.tags
+
+
+def test_a_resumed_run_draws_the_later_attempt_of_replayed_steps(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=5, summary=FAILED)
+    with (run / "metrics.jsonl").open("a") as f:
+        for step in (4, 5, 6):
+            f.write(json.dumps(step_record(step, loss=1.0)) + "\n")
+    files = read_run(run)
+    assert [r["step"] for r in files.records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in files.records][3:] == [1.0, 1.0, 1.0]
+    assert files.num_replayed == 2
+
+
+def test_non_finite_values_break_the_line_and_are_marked(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=5, summary=FAILED)
+    records = [step_record(s) for s in range(1, 6)]
+    records[2]["loss"] = math.nan
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    page, warnings = report_of(run)
+    assert warnings == []
+    assert page.polylines["loss"] == [2, 2]
+    assert page.nonfinite_marks == {"loss": 1}
+
+
+def test_a_rank_that_left_the_job_leaves_a_gap(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=0, summary=FAILED)
+    records = [step_record(1), step_record(2, dp=1, rank_step_time_s=[0.2, 0.3]), step_record(3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    page, _ = report_of(run)
+    # ranks 0 and 1 run through; ranks 2 and 3 have single points at steps 1 and 3 (dots, no line)
+    assert page.polylines["step-time"] == [3, 3, 3]
+
+
+def test_a_long_run_is_thinned_but_keeps_its_spikes(tmp_path: Path) -> None:
+    run = make_run(tmp_path, steps=0, incidents=(), summary=FAILED)
+    records = [{"step": s, "step_time_s": 9.0 if s == 4321 else 0.3} for s in range(1, 10_001)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path, _ = write_report(run)
+    page = Page(path.read_text())
+    (points,) = page.polylines["step-time"]
+    assert points <= MAX_POINTS + 2
+    assert path.stat().st_size < 400_000
+    # the spike is the chart's maximum: some vertex sits on the plot's top edge
+    assert any(int(y) <= 30 for y in _ys(path.read_text(), "step-time"))
+
+
+def _ys(text: str, chart: str) -> list[float]:
+    figure = text.split(f'id="chart-{chart}"', 1)[1].split("</figure>", 1)[0]
+    points = figure.split('<polyline points="', 1)[1].split('"', 1)[0]
+    return [float(p.split(",")[1]) for p in points.split()]
+
+
+def test_write_report_refuses_a_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing"):
+        write_report(tmp_path / "missing")
+
+
+def args(run_dir: Path, *, open_it: bool = False) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    report_command.add_arguments(parser)
+    return parser.parse_args([str(run_dir), *(["--open"] if open_it else [])])
+
+
+def test_the_command_exits_2_naming_a_missing_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-run"
+    assert report_command.run(args(missing)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and str(missing) in err and "does not exist" in err
+    (tmp_path / "file").write_text("x")
+    assert report_command.run(args(tmp_path / "file")) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_the_command_prints_the_path_and_the_warnings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_run(tmp_path)
+    assert report_command.run(args(run)) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(run / REPORT_NAME)
+    assert err == f"ringtrain: report: warning: summary.json is missing: the run is {NO_SUMMARY}\n"
+
+
+def test_open_hands_the_file_url_to_the_browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[str] = []
+    monkeypatch.setattr(report_command.webbrowser, "open", lambda url: opened.append(url) or True)
+    run = make_run(tmp_path, summary=FAILED)
+    assert report_command.run(args(run, open_it=True)) == 0
+    assert opened == [(run / REPORT_NAME).resolve().as_uri()]
+
+
+def test_the_report_command_imports_no_torch_or_ray(tmp_path: Path) -> None:
+    """`ringtrain` imports the command at start-up: it must stay light."""
+    code = (
+        "import json, sys\n"
+        "import ringtrain.telemetry.report_command\n"
+        "heavy = ('torch', 'ray', 'tensorboard')\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.partition('.')[0] in heavy)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PLATFORM), "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+def test_a_report_that_cannot_be_written_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(run_dir: Path) -> tuple[Path, list[str]]:
+        raise PermissionError(13, "Permission denied", str(run_dir / "report.html.tmp"))
+
+    monkeypatch.setattr(report_command, "write_report", refuse)
+    assert report_command.run(args(make_run(tmp_path))) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Permission denied" in err
