@@ -1,4 +1,4 @@
-"""`ringtrain` command line: run a job on an embedded or existing Ray cluster, or plan one.
+"""`ringtrain` command line: run, submit, follow and stop jobs; plan layouts; dashboards; reports.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data path, capacity): one line
 naming the key to change, no traceback.
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ringtrain import config
+from ringtrain import config, submission_command
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
 from ringtrain.telemetry import dashboards_command, report_command
@@ -35,12 +37,24 @@ def _parser() -> argparse.ArgumentParser:
     dashboards_command.add_arguments(dashboards)
     report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)")
     report_command.add_arguments(report)
+    submission_command.add_arguments(sub)
     return parser
+
+
+def _stop_on_sigterm() -> None:
+    """Treat SIGTERM (``ray job stop``, Kubernetes) like Ctrl-C: stop cleanly, write the summary."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.train.data import check_data
 
+    _stop_on_sigterm()
     job = config.load(job_path, overrides)
     check_data(job.data.path, job.model.vocab_size)
 
@@ -133,6 +147,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return dashboards_command.run(args)
         if args.command == "report":
             return report_command.run(args)
+        code = submission_command.run(args)
+        if code is not None:
+            return code
     except ConfigError as exc:
         print(f"ringtrain: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -35,7 +35,7 @@ from ringtrain.config import JobConfig
 from ringtrain.errors import ClusterError, RingtrainError
 
 if TYPE_CHECKING:
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobDetails, JobSubmissionClient
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Ray's own variables for the job API's address, most specific first (as the Ray CLI reads them).
@@ -43,7 +43,11 @@ ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 TERMINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 ACTIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
 ID_HASH_CHARS = 10
-QUIET_LOGGERS = ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk", "ray._private.runtime_env.packaging")
+QUIET_LOGGERS = (
+    "ray.dashboard.modules.dashboard_sdk",
+    "ray.dashboard.modules.job.sdk",
+    "ray._private.runtime_env.packaging",
+)
 # Compiled leftovers are never needed on the cluster and differ between machines.
 PACKAGE_EXCLUDES = ["__pycache__/", "*.pyc"]
 
@@ -179,10 +183,12 @@ class JobsClient:
         except (RuntimeError, ValueError) as exc:  # ValueError: a working_dir Ray cannot package
             text = _first_line(exc)
             if submission_id is not None and "status code 404" in text:
-                raise UnknownJobError(f"no job {submission_id} on {self.address} (`ringtrain status` lists them)") from None
+                raise UnknownJobError(
+                    f"no job {submission_id} on {self.address} (`ringtrain status` lists them)"
+                ) from None
             raise SubmissionError(f"the Ray job API at {self.address}: {text}") from None
 
-    def list(self) -> list[JobState]:
+    def jobs(self) -> list[JobState]:
         """Every submitted job, oldest first (drivers started outside the job API have no id)."""
         with self._calls():
             details = self._client.list_jobs()
@@ -195,7 +201,7 @@ class JobsClient:
 
     def choose_id(self, job: JobConfig, requested: Optional[str] = None) -> str:
         """The id for a new submission of ``job``; refuses one that would run the same config twice."""
-        states = {s.submission_id: s for s in self.list()}
+        states = {s.submission_id: s for s in self.jobs()}
         if requested:
             if requested in states:
                 taken = states[requested]
@@ -237,15 +243,17 @@ class JobsClient:
 
     def follow(self, submission_id: str, out: TextIO) -> JobState:
         """Stream the job's output to ``out`` until it ends; returns its final state."""
-        # Asked first: the log stream of an unknown id fails with a handshake error, not a 404.
         import aiohttp
 
+        # Asked first: the log stream of an unknown id fails with a handshake error, not a 404.
         self.state(submission_id)
         with self._calls(submission_id):
             try:
                 asyncio.run(_stream(self._client, submission_id, out))
             except aiohttp.ClientError as exc:
-                raise ClusterError(f"lost the log stream of {submission_id} from {self.address}: {_first_line(exc)}") from None
+                raise ClusterError(
+                    f"lost the log stream of {submission_id} from {self.address}: {_first_line(exc)}"
+                ) from None
         return self.state(submission_id)
 
     def stop(self, submission_id: str) -> bool:
@@ -260,7 +268,8 @@ async def _stream(client: JobSubmissionClient, submission_id: str, out: TextIO) 
         out.flush()
 
 
-def _state(details: Any) -> JobState:
+def _state(details: JobDetails) -> JobState:
+    assert details.submission_id is not None
     return JobState(
         submission_id=details.submission_id,
         status=str(details.status),

@@ -99,7 +99,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     client = JobsClient(resolve_address(args.address))
     if args.submission_id is None:
-        for line in _table(client.list()):
+        for line in _table(client.jobs()):
             print(line)
         return EXIT_OK
     state = client.state(args.submission_id)
@@ -144,7 +144,10 @@ def _follow(client: JobsClient, submission_id: str) -> Optional[JobState]:
     try:
         return client.follow(submission_id, sys.stdout)
     except KeyboardInterrupt:
-        _say(f"ringtrain: stopped following {submission_id}; it keeps running (`ringtrain stop {submission_id}` ends it)")
+        _say(
+            f"ringtrain: stopped following {submission_id}; it keeps running "
+            f"(`ringtrain stop {submission_id}` ends it)"
+        )
         return None
 
 

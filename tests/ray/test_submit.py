@@ -1,0 +1,462 @@
+"""`ringtrain submit|status|logs|stop` and plain `ray job submit` against a real Ray head.
+
+One head is started for the module with the venv's `ray start --head`, on free ports, with its
+own HOME and RAY_TMPDIR; at teardown every process whose environment names that RAY_TMPDIR
+(the head's daemons, job drivers, training workers) is ended by PID and none may be left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator
+
+import psutil
+import pytest
+
+from ringtrain import config
+from ringtrain.submission import (
+    DEFAULT_ADDRESS,
+    base_submission_id,
+    entrypoint,
+    family_ids,
+    next_free_id,
+    resolve_address,
+    runtime_env,
+)
+
+from .test_run_e2e import TORCH_EXTENSIONS_DIR
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = REPO / "jobs"
+QUICKSTART = JOBS / "quickstart.yaml"
+VENV_BIN = Path(sys.executable).parent
+TINY = [
+    "model.dim=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "data.seq_len=64",
+    "train.global_batch=4",
+    "train.steps=3",
+    "cluster.num_cpus=2",
+    "mesh.dp=2",
+    "mesh.cp=2",
+    "checkpoint.persist_every=0",
+]
+LONG = [o for o in TINY if not o.startswith("train.steps=")] + ["train.steps=100000"]
+ID_PATTERN = re.compile(r"ringtrain-quickstart-[0-9a-f]{10}")
+# Ray hands out worker ports from this range; a fixed port inside it could be taken by a worker.
+RAY_WORKER_PORTS = range(10002, 20000)
+HEAD_START_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Head:
+    address: str  # the job API, http://127.0.0.1:<dashboard port>
+    gcs_port: int
+    temp_dir: Path
+    env: dict[str, str]  # for every command run against this head
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports free right now, none in Ray's worker range."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in RAY_WORKER_PORTS and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def processes_using(path: Path) -> list[psutil.Process]:
+    """Live processes started for the head whose RAY_TMPDIR is ``path``.
+
+    Ray workers rename themselves, so the command line is not enough; every process the head
+    started inherits its environment, which names ``path``.
+    """
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if env.get("RAY_TMPDIR") == str(path) or str(path) in " ".join(proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid}: {' '.join(proc.cmdline())[:120]}"
+    except psutil.Error:
+        return f"{proc.pid}: (gone while listed)"
+
+
+def end_processes(path: Path) -> None:
+    """Terminate, then kill, every process of the head, by PID.
+
+    In rounds: a worker the raylet was starting while the first round ran shows up in the next.
+    """
+    for _ in range(3):
+        procs = processes_using(path)
+        if not procs:
+            return
+        for proc in procs:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        # gcs_server and the autoscaler monitor sit out SIGTERM for many seconds.
+        _, alive = psutil.wait_procs(procs, timeout=3)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+
+
+def head_env(home: Path, temp_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        env.pop(name, None)
+    env.update(
+        HOME=str(home),
+        RAY_AUTH_MODE="disabled",
+        RAY_TMPDIR=str(temp_dir),
+        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
+        # Job entrypoints say `python`: it must be this venv's, which has Ray and torch.
+        PATH=os.pathsep.join([str(VENV_BIN), env.get("PATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def job_api_answers(address: str, env: dict[str, str]) -> bool:
+    probe = (
+        "import sys; from ray.job_submission import JobSubmissionClient; "
+        "JobSubmissionClient(sys.argv[1]).list_jobs()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, address], env=env, capture_output=True, text=True, timeout=60
+    )
+    return result.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
+    # Short on purpose: Ray's unix socket paths live below it and must stay under 107 bytes.
+    temp_dir = Path(tempfile.mkdtemp(prefix="rtj-", dir="/tmp"))
+    # Ray records "the current cluster" under $RAY_TMPDIR/ray; this keeps it out of /tmp/ray.
+    (temp_dir / "ray").mkdir()
+    env = head_env(tmp_path_factory.mktemp("home"), temp_dir)
+    gcs, dashboard, client_server, agent, metrics = free_ports(5)
+    command = [
+        str(VENV_BIN / "ray"), "start", "--head",
+        "--port", str(gcs),
+        "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(dashboard),
+        "--include-dashboard", "true",
+        "--ray-client-server-port", str(client_server),
+        "--dashboard-agent-listen-port", str(agent),
+        "--metrics-export-port", str(metrics),
+        "--num-cpus", "4",
+        "--object-store-memory", str(200 * 2**20),
+        "--temp-dir", str(temp_dir),
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HEAD_START_TIMEOUT_S)
+        assert started.returncode == 0, started.stderr[-3000:]
+        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+        while not job_api_answers(address, env):
+            assert time.monotonic() < deadline, f"the job API at {address} did not answer"
+            time.sleep(1)
+        yield Head(address=address, gcs_port=gcs, temp_dir=temp_dir, env=env)
+    finally:
+        end_processes(temp_dir)
+        left = [describe(p) for p in processes_using(temp_dir)]
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert left == []
+
+
+def ringtrain(
+    head: Head, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ringtrain", *args],
+        env=env or head.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def submitted_ids(head: Head) -> set[str]:
+    """Every submission id the cluster knows, straight from Ray's job SDK."""
+    code = (
+        "import json, sys; from ray.job_submission import JobSubmissionClient; "
+        "print(json.dumps([j.submission_id for j in JobSubmissionClient(sys.argv[1]).list_jobs()]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, head.address], env=head.env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {i for i in json.loads(result.stdout.strip().splitlines()[-1]) if i}
+
+
+def status_of(head: Head, submission_id: str) -> str:
+    result = ringtrain(head, "status", submission_id, "--address", head.address)
+    assert result.returncode == 0, result.stderr[-2000:]
+    first = result.stdout.splitlines()[0]
+    assert first.startswith(f"{submission_id}: "), result.stdout
+    return first.split(": ", 1)[1]
+
+
+def wait_until_ended(head: Head, submission_id: str, timeout: float = JOB_TIMEOUT_S) -> str:
+    deadline = time.monotonic() + timeout
+    status = status_of(head, submission_id)
+    while status not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline, f"{submission_id} still {status} after {timeout:g} s"
+        time.sleep(2)
+        status = status_of(head, submission_id)
+    return status
+
+
+def pump(stream: IO[str] | None, lines: queue.Queue[str]) -> None:
+    for line in stream or []:
+        lines.put(line)
+
+
+def wait_for_line(lines: queue.Queue[str], pattern: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no line matching {pattern!r} after {timeout:g} s"
+        try:
+            if re.match(pattern, lines.get(timeout=remaining)):
+                return
+        except queue.Empty:
+            continue
+
+
+def no_training_workers(head: Head, timeout: float) -> bool:
+    """Whether every TrainWorker process of the head is gone within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any("TrainWorker" in describe(p) for p in processes_using(head.temp_dir)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
+def test_the_id_is_the_job_name_and_a_hash_of_the_resolved_config() -> None:
+    plain = base_submission_id(config.load(QUICKSTART))
+    assert re.fullmatch(r"ringtrain-quickstart-[0-9a-f]{10}", plain)
+    # An override equal to the file's value resolves to the same config, hence the same id.
+    assert base_submission_id(config.load(QUICKSTART, ["zero.stage=2"])) == plain
+    assert base_submission_id(config.load(QUICKSTART, ["train.steps=3"])) != plain
+
+
+def test_an_ended_submission_is_resubmitted_under_the_next_suffix() -> None:
+    base = "ringtrain-quickstart-0123456789"
+    assert next_free_id(base, set()) == base
+    assert next_free_id(base, {base}) == f"{base}-2"
+    assert next_free_id(base, {base, f"{base}-2"}) == f"{base}-3"
+    known = {base, f"{base}-2", f"{base}-x", f"{base}-2-0123456789", "raysubmit_abc"}
+    assert family_ids(base, known) == [base, f"{base}-2"]
+
+
+def test_the_job_runs_its_file_from_its_folder_with_this_ringtrain() -> None:
+    assert entrypoint(QUICKSTART, ["train.steps=3", "run_dir=/tmp/a b"]) == (
+        "python -m ringtrain run quickstart.yaml train.steps=3 'run_dir=/tmp/a b'"
+    )
+    env = runtime_env(QUICKSTART)
+    assert env["working_dir"] == str(JOBS)
+    assert env["py_modules"] == [str(REPO / "platform" / "ringtrain")]
+    assert "py_modules" not in runtime_env(QUICKSTART, ship_package=False)
+
+
+def test_the_address_is_the_flag_then_ray_variables_then_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert resolve_address(None) == DEFAULT_ADDRESS == "http://127.0.0.1:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "http://b:8265")
+    assert resolve_address(None) == "http://b:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://a:8265")
+    assert resolve_address(None) == "http://a:8265"
+    assert resolve_address("http://c:8265") == "http://c:8265"
+
+
+def test_submit_runs_the_job_on_the_cluster(head: Head) -> None:
+    submitted = ringtrain(head, "submit", str(QUICKSTART), *TINY, "--address", head.address, "--no-wait")
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    submission_id = submitted.stdout.strip()
+    assert ID_PATTERN.fullmatch(submission_id), submitted.stdout
+    assert f"ringtrain logs {submission_id} --follow" in submitted.stderr
+    assert f"ray job logs {submission_id} --follow" in submitted.stderr
+
+    # RAY_ADDRESS names the cluster when --address is not given.
+    assert wait_until_ended(head, submission_id) == "SUCCEEDED"
+    by_env = ringtrain(head, "status", submission_id, env={**head.env, "RAY_ADDRESS": head.address})
+    assert by_env.returncode == 0 and "SUCCEEDED" in by_env.stdout, by_env.stderr[-2000:]
+
+    logs = ringtrain(head, "logs", submission_id, "--address", head.address)
+    assert logs.returncode == 0, logs.stderr[-2000:]
+    assert "run finished: 3/3 steps" in logs.stdout
+    # The driver joined this head (Ray sets RAY_ADDRESS for it) instead of starting its own.
+    assert "embedded Ray" not in logs.stdout
+    assert re.search(rf"ringtrain: quickstart: dp 2 x cp 2 .*:{head.gcs_port}$", logs.stdout, re.M), logs.stdout
+
+    followed = ringtrain(head, "logs", submission_id, "--follow", "--address", head.address)
+    assert followed.returncode == 0, followed.stderr[-2000:]
+    assert "run finished: 3/3 steps" in followed.stdout
+
+
+def test_the_shipped_package_is_what_the_job_imports(head: Head) -> None:
+    """py_modules puts this ringtrain ahead of any installed one, on the driver and on workers."""
+    probe = (
+        "import ray, ringtrain; ray.init(); print('driver', ringtrain.__file__); "
+        "print('worker', ray.get(ray.remote(lambda: __import__('ringtrain').__file__).remote()))"
+    )
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from ray.job_submission import JobSubmissionClient\n"
+        "from ringtrain import submission\n"
+        "client = JobSubmissionClient(sys.argv[1])\n"
+        "print(client.submit_job(entrypoint=sys.argv[3], runtime_env=submission.runtime_env(Path(sys.argv[2]))))\n"
+    )
+    submitted = subprocess.run(
+        [sys.executable, "-c", code, head.address, str(QUICKSTART), f"python -c {shlex.quote(probe)}"],
+        env=head.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    probe_id = submitted.stdout.strip().splitlines()[-1]
+    assert wait_until_ended(head, probe_id) == "SUCCEEDED"
+    logs = ringtrain(head, "logs", probe_id, "--address", head.address).stdout
+    paths = dict(line.split(" ", 1) for line in logs.splitlines() if line.startswith(("driver ", "worker ")))
+    assert set(paths) == {"driver", "worker"}, logs
+    for path in paths.values():
+        assert "py_modules_files" in path and not path.startswith(str(REPO)), logs
+
+
+def test_plain_ray_job_submit_runs_the_job(head: Head) -> None:
+    result = subprocess.run(
+        [
+            str(VENV_BIN / "ray"), "job", "submit",
+            "--address", head.address,
+            "--working-dir", "jobs",
+            "--", "python", "-m", "ringtrain", "run", "quickstart.yaml", *TINY,
+        ],  # fmt: skip
+        env=head.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S + 60,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "run finished: 3/3 steps" in result.stdout
+    assert "embedded Ray" not in result.stdout
+
+
+def test_stop_ends_a_training_job_and_the_same_config_is_not_run_twice(head: Head, tmp_path: Path) -> None:
+    # Without --no-wait, submit prints the id, then follows the job's output until it ends.
+    with open(tmp_path / "submit.err", "w+") as err:
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "ringtrain", "submit", str(QUICKSTART), *LONG, "--address", head.address],
+            env=head.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        try:
+            lines: queue.Queue[str] = queue.Queue()
+            threading.Thread(target=pump, args=(follower.stdout, lines), daemon=True).start()
+            submission_id = lines.get(timeout=120).strip()
+            assert ID_PATTERN.fullmatch(submission_id), submission_id
+            # The step counter is padded to the width of the total: "step      1/100000".
+            wait_for_line(lines, r"step +1/100000 ", JOB_TIMEOUT_S)
+
+            # The same config again while it trains: refused, nothing submitted.
+            before = submitted_ids(head)
+            again = ringtrain(head, "submit", str(QUICKSTART), *LONG, "--address", head.address, "--no-wait")
+            assert again.returncode == 1, again.stderr[-3000:]
+            assert "already running" in again.stderr and submission_id in again.stderr
+            assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
+            taken = ringtrain(
+                head, "submit", str(QUICKSTART), *LONG,
+                "--submission-id", submission_id, "--address", head.address, "--no-wait",
+            )  # fmt: skip
+            assert taken.returncode == 1 and "already used" in taken.stderr, taken.stderr[-3000:]
+            assert submitted_ids(head) == before
+
+            stopped = ringtrain(head, "stop", submission_id, "--address", head.address)
+            assert stopped.returncode == 0, stopped.stderr[-3000:]
+            assert stopped.stdout.strip() == f"{submission_id}: STOPPED"
+            assert status_of(head, submission_id) == "STOPPED"
+            # The follower sees the job end and reports it as not succeeded.
+            assert follower.wait(timeout=60) == 1
+            err.seek(0)
+            assert f"{submission_id} STOPPED" in err.read()
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+    assert no_training_workers(head, timeout=30)
+
+    # Once it has ended, the same config may run again under the next suffix.
+    resubmitted = ringtrain(head, "submit", str(QUICKSTART), *LONG, "--address", head.address, "--no-wait")
+    assert resubmitted.returncode == 0, resubmitted.stderr[-3000:]
+    assert resubmitted.stdout.strip() == f"{submission_id}-2"
+    stopped = ringtrain(head, "stop", f"{submission_id}-2", "--address", head.address)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == f"{submission_id}-2: STOPPED", stopped.stderr[-3000:]
+
+
+def test_bad_override_is_refused_before_anything_is_submitted(head: Head) -> None:
+    before = submitted_ids(head)
+    result = ringtrain(head, "submit", str(QUICKSTART), *TINY, "mesh.dpx=2", "--address", head.address)
+    assert result.returncode == 2
+    assert "mesh.dpx" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert submitted_ids(head) == before
+
+
+def test_unknown_id_and_unreachable_cluster_are_one_line(head: Head) -> None:
+    unknown = ringtrain(head, "status", "ringtrain-nope-0000000000", "--address", head.address)
+    assert unknown.returncode == 2
+    assert "ringtrain-nope-0000000000" in unknown.stderr and len(unknown.stderr.strip().splitlines()) == 1
+
+    (closed,) = free_ports(1)
+    for args in (["status", "x"], ["submit", str(QUICKSTART), *TINY]):
+        unreachable = ringtrain(head, *args, "--address", f"http://127.0.0.1:{closed}")
+        assert unreachable.returncode == 1, unreachable.stderr[-2000:]
+        assert f"127.0.0.1:{closed}" in unreachable.stderr
+        assert len(unreachable.stderr.strip().splitlines()) == 1 and "Traceback" not in unreachable.stderr
