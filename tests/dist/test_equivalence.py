@@ -8,12 +8,12 @@ within 1e-4 relative and the final parameters within a small absolute tolerance.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import queue
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -59,26 +59,7 @@ def _rank_main(rank: int, world: int, store_path: str, overrides: list[str], res
 def train(overrides: list[str], tmp_path: Path) -> tuple[list[float], dict[str, np.ndarray]]:
     from ringtrain import config
 
-    job = config.load(None, overrides)
-    world = job.world_size
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = tmp_path / f"store-{os.urandom(4).hex()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), overrides, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=240)
-    except queue.Empty:
-        out = RuntimeError(f"no result from {overrides} within 240 s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if isinstance(out, BaseException):
-        raise out
-    return out
+    return run_ranks(_rank_main, config.load(None, overrides).world_size, tmp_path, overrides)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ fresh processes, restores that snapshot and trains the remaining steps.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import queue
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pytest
+
+from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -67,25 +67,7 @@ def _rank_main(
 def run(overrides: list[str], tmp_path: Path, blobs: Optional[list[bytes]] = None):
     from ringtrain import config
 
-    world = config.load(None, overrides).world_size
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = tmp_path / f"store-{os.urandom(4).hex()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, str(store), overrides, blobs, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=240)
-    except queue.Empty:
-        out = RuntimeError(f"no result from {overrides} within 240 s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if isinstance(out, BaseException):
-        raise out
-    return out
+    return run_ranks(_rank_main, config.load(None, overrides).world_size, tmp_path, overrides, blobs)
 
 
 # Stage 1 runs DeepSpeed's stage-1/2 optimizer with the same fragment mapping as stage 2.
