@@ -30,17 +30,21 @@ def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[objec
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     temp_dir = tempfile.mkdtemp(prefix="rth-", dir="/tmp")
-    # Ray records "the current cluster" under its temp root; keep ours out of the shared /tmp/ray.
-    monkeypatch.setenv("RAY_TMPDIR", temp_dir)
-    (Path(temp_dir) / "ray").mkdir()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp_dir, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
     try:
-        yield cluster
+        # Ray records "the current cluster" under its temp root; keep ours out of the shared /tmp/ray.
+        monkeypatch.setenv("RAY_TMPDIR", temp_dir)
+        (Path(temp_dir) / "ray").mkdir()
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": temp_dir, "include_dashboard": False}
+        )
+        try:
+            cluster.add_node(num_cpus=1)
+            ray.init(address=cluster.address, log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
     finally:
-        ray.shutdown()
-        cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
