@@ -208,10 +208,6 @@ def to_yaml(job: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(job))
 
 
-def to_dict(job: JobConfig) -> dict[str, Any]:
-    return dataclasses.asdict(job)
-
-
 def replace(job: JobConfig, overrides: list[str]) -> JobConfig:
     """A copy of ``job`` with dotlist overrides applied and validated."""
     base = OmegaConf.structured(job)

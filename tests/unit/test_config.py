@@ -129,12 +129,6 @@ def test_to_yaml_round_trips_through_load(tmp_path: Path) -> None:
     assert config.load(job_file) == job
 
 
-def test_to_dict_is_plain_nested_dicts() -> None:
-    as_dict = config.to_dict(config.load(None, ["mesh.dp=2", "train.global_batch=4"]))
-    assert as_dict["mesh"] == {"dp": 2, "cp": 1, "ulysses": None}
-    assert isinstance(as_dict["train"], dict)
-
-
 def test_replace_returns_a_validated_copy() -> None:
     job = config.load(None, ["mesh.dp=2", "train.global_batch=4"])
     resized = config.replace(job, ["mesh.dp=4"])

@@ -119,9 +119,6 @@ class WorkerGroup:
     def train_step(self) -> list[StepReport]:
         return self._gather(lambda _, w: w.train_step.remote(), self.job.controllers.step_timeout_s)
 
-    def parameters(self) -> dict[str, Any]:
-        return self._gather(lambda _, w: w.parameters.remote(), self.job.controllers.step_timeout_s)[0]
-
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

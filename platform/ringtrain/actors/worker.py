@@ -53,6 +53,7 @@ class TrainWorker:
         import torch
 
         from ringtrain.train.mesh import init_process_group
+        from ringtrain.train.model import num_params
         from ringtrain.train.trainer import Trainer, set_rank_env
 
         device = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
@@ -72,7 +73,7 @@ class TrainWorker:
             timeout_s=self.job.controllers.step_timeout_s,
         )
         self._trainer = Trainer(self.job, rank=self.rank, device=device, deliver=_HolderDelivery(holders))
-        return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self._trainer.model.parameters())
+        return num_params(self._trainer.model)
 
     def train_step(self) -> StepReport:
         assert self._trainer is not None, "setup() must run before train_step()"
@@ -88,11 +89,6 @@ class TrainWorker:
         """Load a snapshot (every rank's shard, any dp); returns the step to continue after."""
         assert self._trainer is not None
         return self._trainer.restore(blobs)
-
-    def parameters(self) -> dict[str, Any]:
-        """Full fp32 parameters as numpy arrays (collective under ZeRO-3: call on every rank)."""
-        assert self._trainer is not None
-        return {k: v.numpy() for k, v in self._trainer.parameters_fp32().items()}
 
     def shutdown(self) -> None:
         if self._trainer is not None:

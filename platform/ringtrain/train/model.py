@@ -151,4 +151,5 @@ class Transformer(nn.Module):
 
 
 def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameter count; under ZeRO-3 a parameter's local tensor is empty and ``ds_numel`` holds it."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
