@@ -60,7 +60,6 @@ class WorkerGroup:
                 actor_cls.options(
                     num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0),
-                    name=None,
                     max_concurrency=2,  # a diagnostic call can be answered while a step runs
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement_groups[c.replica], placement_group_bundle_index=c.ring_pos
@@ -144,19 +143,20 @@ class WorkerGroup:
         """Call every worker (with its rank), wait for all; the first failure names its rank."""
         import ray
 
-        refs = [call(rank, w) for rank, w in enumerate(self.workers)]
+        rank_of = {call(rank, w): rank for rank, w in enumerate(self.workers)}
+        results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
-        pending = list(refs)
+        pending = list(rank_of)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                stuck = [refs.index(r) for r in pending]
+                stuck = sorted(rank_of[r] for r in pending)
                 raise WorkerError(
                     stuck[0], self._host(stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})", kind="timeout"
                 )
-            ref = done[0]
-            self._call(ref, rank=refs.index(ref), timeout=0)
-        return [ray.get(r) for r in refs]
+            rank = rank_of[done[0]]
+            results[rank] = self._call(done[0], rank=rank, timeout=0)
+        return [results[rank] for rank in range(len(self.workers))]
 
     def _call(self, ref: Any, *, rank: int, timeout: float) -> Any:
         import ray

@@ -9,7 +9,6 @@ checkpoint costs the step loop nothing but the actor calls themselves.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ class Persister:
         self.meta = dict(meta)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist")
         self._pending: list[Future[Persisted]] = []
-        self._lock = threading.Lock()
         self.done: list[Persisted] = []
         self.errors: list[str] = []
 
@@ -52,8 +50,10 @@ class Persister:
 
     def poll(self) -> list[Persisted]:
         """Checkpoints committed since the last call (failures are logged and kept in ``errors``)."""
-        finished = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
+        finished, still_running = [], []
+        for future in self._pending:  # one done() per future: it may finish while we look
+            (finished if future.done() else still_running).append(future)
+        self._pending = still_running
         return self._collect(finished)
 
     def flush(self) -> list[Persisted]:

@@ -111,9 +111,10 @@ class _HolderDelivery:
 
         if self._in_flight:
             ray.get(self._in_flight)
-        self._in_flight = [
-            h.put.remote(snap.rank, snap.step, snap.world_size, snap.blob, snap.checksum) for h in self.holders
-        ]
+        # One copy into the object store for all holders; each keeps its own copy of the bytes,
+        # so the worker's object going away with the worker loses nothing.
+        blob = ray.put(snap.blob)
+        self._in_flight = [h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum) for h in self.holders]
 
 
 def _device_name(device_type: str) -> str:
