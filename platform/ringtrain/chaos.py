@@ -1,7 +1,8 @@
 """Fault plan: which fault to inject on which rank at which step. Inert unless configured.
 
 Used by tests and by users who want to rehearse failures: ``chaos.faults=[{kind: nan, rank: 1,
-step: 3}]``. A fault fires once, at the start of the given step (1-based) on the given rank.
+step: 3}]``. A fault fires once, at the start of the given step (1-based) on the given rank:
+the rank of the world the step runs in, so after a resize it may be another process.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # crash: the worker process exits at once (as if killed); nan: the rank's loss becomes NaN,
-# so its gradients poison the step; slow: the rank sleeps ``seconds`` before the step.
-FAULT_KINDS = ("crash", "nan", "slow")
+# so its gradients poison the step; slow: the rank sleeps ``seconds`` before the step;
+# hang: the rank stops in compute (sleeps ``seconds``, or for good when 0) and never reports.
+FAULT_KINDS = ("crash", "nan", "slow", "hang")
 
 
 @dataclass
@@ -18,15 +20,20 @@ class FaultSpec:
     kind: str = "crash"
     rank: int = 0
     step: int = 1
-    seconds: float = 0.0  # for slow
+    seconds: float = 0.0  # for slow and hang
 
 
 class FaultPlan:
+    """The faults still to fire. A fault fires once per process, so a step re-run after a
+    rollback does not meet the same fault again on the ranks that survived it."""
+
     def __init__(self, faults: list[FaultSpec]) -> None:
         self.faults = list(faults)
 
-    def at(self, rank: int, step: int) -> list[FaultSpec]:
-        return [f for f in self.faults if f.rank == rank and f.step == step]
+    def take(self, rank: int, step: int) -> list[FaultSpec]:
+        due = [f for f in self.faults if f.rank == rank and f.step == step]
+        self.faults = [f for f in self.faults if f not in due]
+        return due
 
     def __bool__(self) -> bool:
         return bool(self.faults)

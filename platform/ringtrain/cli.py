@@ -63,6 +63,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.actors.controller import Controller
     from ringtrain.actors.group import WorkerGroup
     from ringtrain.actors.persister import Persister
+    from ringtrain.actors.recovery import Recovery
     from ringtrain.actors.resume import checkpoint_meta, find_resume_point, open_job_store, store_uri
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.prometheus import new_run_id
@@ -95,9 +96,10 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
             f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
         )
         try:
+            group = WorkerGroup(job, device)
             controller = Controller(
                 job,
-                WorkerGroup(job, device),
+                group,
                 run_dir,
                 progress,
                 persister=persister,
@@ -105,6 +107,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
                 telemetry=telemetry,
                 run_id=run_id,
                 sinks=[TensorBoardSink(run_path)] if job.telemetry.tensorboard else [],
+                elastic=Recovery(group),
             )
             summary = controller.run()
         finally:

@@ -25,6 +25,7 @@ ATTENTION_IMPLS = ("ring", "ulysses", "hybrid")
 ATTENTION_KERNELS = ("auto", "flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "cpu_flash", "math")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
+NAN_POLICIES = ("skip", "retry", "abort")
 STDLIB_CORPUS = "stdlib"
 
 
@@ -58,6 +59,13 @@ class MeshConfig:
     dp: int = 1
     cp: int = 1  # the whole context-parallel degree: ring degree x ulysses degree
     ulysses: Optional[int] = None  # None: 1 for ring, cp for ulysses; hybrid must set it
+    # Elasticity: the unit that comes and goes is a whole replica (one CP ring). The job shrinks
+    # to no fewer than min_dp replicas when ranks are lost and grows back to max_dp (None: dp)
+    # when capacity returns; the global batch never changes.
+    min_dp: int = 1
+    max_dp: Optional[int] = None
+    # Warm spare workers (torch and DeepSpeed loaded, no state) that take a lost rank's seat.
+    spares: int = 0
 
 
 @dataclass
@@ -109,6 +117,18 @@ class ControllersConfig:
     step_timeout_s: float = 600.0
     # How long spawning workers (process start, imports, DeepSpeed init) may take.
     start_timeout_s: float = 300.0
+    # Liveness: while a step runs, every worker is pinged this often on its second concurrency
+    # slot; one that has not answered for heartbeat_timeout_s is declared lost. A dead process
+    # is noticed sooner, through Ray's actor-death notification.
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    # Recoveries (replace, shrink, roll back) a run may make before it gives up.
+    max_recoveries: int = 20
+    # A non-finite loss rolls the step back; then: skip (drop that batch), retry (the same
+    # batch again, for transient faults) or abort.
+    on_nan: str = "skip"
+    # Grow only after spare capacity for another replica has been seen this long (no flapping).
+    grow_after_s: float = 10.0
 
 
 @dataclass
@@ -166,6 +186,10 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         return self.mesh.dp * self.mesh.cp
+
+    @property
+    def max_dp(self) -> int:
+        return self.mesh.max_dp if self.mesh.max_dp is not None else self.mesh.dp
 
     @property
     def last_step(self) -> int:
@@ -309,6 +333,7 @@ def validate(job: JobConfig) -> None:
     if not ck.resume:
         raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")
 
+    _validate_elastic(job)
     if job.controllers.step_timeout_s <= 0:
         raise ConfigError("controllers.step_timeout_s", f"must be > 0 (got {job.controllers.step_timeout_s})")
     if job.controllers.start_timeout_s <= 0:
@@ -338,6 +363,29 @@ def validate(job: JobConfig) -> None:
         _positive(c.num_cpus, "cluster.num_cpus")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job.name):
         raise ConfigError("name", f"{job.name!r} must be letters, digits, '.', '_' or '-' (it names the run directory)")
+
+
+def _validate_elastic(job: JobConfig) -> None:
+    m, c = job.mesh, job.controllers
+    _positive(m.min_dp, "mesh.min_dp")
+    if m.min_dp > m.dp:
+        raise ConfigError("mesh.min_dp", f"{m.min_dp} is larger than mesh.dp={m.dp}")
+    if m.max_dp is not None and m.max_dp < m.dp:
+        raise ConfigError("mesh.max_dp", f"{m.max_dp} is smaller than mesh.dp={m.dp}")
+    if m.spares < 0:
+        raise ConfigError("mesh.spares", f"must be >= 0 (got {m.spares})")
+    for key in ("heartbeat_s", "heartbeat_timeout_s"):
+        if getattr(c, key) <= 0:
+            raise ConfigError(f"controllers.{key}", f"must be > 0 (got {getattr(c, key)})")
+    if c.heartbeat_timeout_s < c.heartbeat_s:
+        raise ConfigError(
+            "controllers.heartbeat_timeout_s", f"{c.heartbeat_timeout_s} is shorter than controllers.heartbeat_s={c.heartbeat_s}"
+        )
+    if c.max_recoveries < 0:
+        raise ConfigError("controllers.max_recoveries", f"must be >= 0 (got {c.max_recoveries})")
+    _one_of(c.on_nan, NAN_POLICIES, "controllers.on_nan")
+    if c.grow_after_s < 0:
+        raise ConfigError("controllers.grow_after_s", f"must be >= 0 (got {c.grow_after_s})")
 
 
 def _validate_cp_layout(job: JobConfig) -> None:

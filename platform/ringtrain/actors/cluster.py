@@ -33,7 +33,7 @@ class ClusterHandle:
 
         if ray.is_initialized():
             ray.shutdown()
-        if self.temp_dir and not keep_logs:
+        if self.temp_dir and not keep_logs and not os.environ.get("RT_KEEP"):
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
@@ -84,12 +84,14 @@ def check_capacity(job: JobConfig, device: str) -> None:
 
     total = ray.cluster_resources()
     for resource, per_worker in worker_resources(job, device).items():
-        need = per_worker * job.world_size
+        workers = job.world_size + job.mesh.spares
+        need = per_worker * workers
         have = total.get(resource, 0.0)
         if need > have:
             per_key = "cluster.gpus_per_worker" if resource == "GPU" else "cluster.cpus_per_worker"
+            spares = f" + mesh.spares={job.mesh.spares}" if job.mesh.spares else ""
             raise CapacityError(
                 "mesh.dp",
-                f"mesh.dp x mesh.cp = {job.mesh.dp} x {job.mesh.cp} = {job.world_size} workers need "
+                f"mesh.dp x mesh.cp{spares} = {job.mesh.dp} x {job.mesh.cp}{spares and f' + {job.mesh.spares}'} = {workers} workers need "
                 f"{need:g} {resource} ({per_key}={per_worker:g}) but the cluster has {have:g}",
             )

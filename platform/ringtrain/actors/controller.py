@@ -1,8 +1,12 @@
 """Controller: the job's state machine, driving the WorkerGroup step by step.
 
-States: starting -> running -> finished | failed | stopped. Every transition is logged with
-the reason behind it, and the run directory records each step and the outcome whatever
-happens: a failed or interrupted run still leaves a summary saying how far it got and why.
+States: starting -> running <-> recovering -> finished | failed | stopped. Every transition is
+logged with the reason behind it, and the run directory records each step and the outcome
+whatever happens: a failed or interrupted run still leaves a summary saying how far it got and
+why. When a step fails, the fault policy (``controllers.faults``) decides and the Recovery
+carries it out; between steps the elastic policy (``controllers.elastic``) grows the job back
+when capacity returns. Each incident is written to ``incidents/`` when it is seen and again
+when training has recovered from it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
+from ringtrain.controllers.elastic import GrowGate, target_dp
+from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, RankOutcome, classify, decide, non_finite
+from ringtrain.controllers.ledger import SampleLedger
 from ringtrain.controllers.snapshots import persist_due
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
@@ -31,6 +38,7 @@ log = logging.getLogger(__name__)
 class RunState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
+    RECOVERING = "recovering"
     FINISHED = "finished"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -38,7 +46,8 @@ class RunState(enum.Enum):
 
 _ALLOWED = {
     RunState.STARTING: {RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
-    RunState.RUNNING: {RunState.FINISHED, RunState.FAILED, RunState.STOPPED},
+    RunState.RUNNING: {RunState.RECOVERING, RunState.FINISHED, RunState.FAILED, RunState.STOPPED},
+    RunState.RECOVERING: {RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
 }
 
 
@@ -51,6 +60,32 @@ class Group(Protocol):
     def snapshot_refs(self, step: int) -> list[Any]: ...
     def restore(self, blobs: list[bytes]) -> int: ...
     def shutdown(self) -> None: ...
+
+
+class StepFailure(Protocol):
+    """What a group raises when a step did not finish on every rank."""
+
+    outcomes: list[RankOutcome]
+    seen_at: float  # clock time the first failure was seen
+    seen_unix: float
+
+
+class Elastic(Protocol):
+    """Carries out recoveries and resizes on the group (``actors.recovery.Recovery``)."""
+
+    failure_type: type[Exception]  # the StepFailure exception type the group raises
+
+    def assess(self, failure: Any) -> list[RankOutcome]: ...
+    def capacity(self, lost: tuple[int, ...]) -> Capacity: ...
+    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Any: ...
+    def rollback(self, *, last_step: int, rejoin: bool) -> int: ...
+    def skip_batch(self) -> range: ...
+    def replenish_spares(self, target: int) -> None: ...
+    def growth_capacity(self) -> int: ...
+    def prepare_growth(self, replicas: int) -> None: ...
+    def growth_ready(self) -> bool: ...
+    def grow(self, *, new_dp: int, last_step: int) -> Any: ...
+    def layout(self) -> dict[str, Any]: ...
 
 
 class Durable(Protocol):
@@ -111,6 +146,7 @@ class Controller:
         telemetry: Optional[RunMetrics] = None,
         sinks: Sequence[Sink] = (),
         run_id: str = "",
+        elastic: Optional[Elastic] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job = job
@@ -122,14 +158,21 @@ class Controller:
         self.telemetry = telemetry
         self.sinks = list(sinks)
         self.run_id = run_id
+        self.elastic = elastic  # None: any failure ends the run
         self.incidents: list[Incident] = []
         self.clock = clock
         self.state = RunState.STARTING
         self.records: list[dict[str, Any]] = []
-        self.samples: set[int] = set()
+        self.ledger = SampleLedger()
+        self.dp = job.mesh.dp
         self.start_step = 0
         self.persist_s = 0.0
         self.error: Optional[str] = None
+        self.resizes: list[dict[str, Any]] = []
+        self._recovering: Optional[tuple[Incident, float]] = None  # awaiting its next completed step
+        self._grow_gate = GrowGate(job.controllers.grow_after_s)
+        self._growing_to: Optional[int] = None
+        self._next_capacity_check = 0.0
 
     def _transition(self, new: RunState, reason: str) -> None:
         if new not in _ALLOWED.get(self.state, set()):
@@ -139,7 +182,6 @@ class Controller:
 
     def run(self) -> dict[str, Any]:
         started = self.clock()
-        train_s = 0.0
         try:
             self.group.start()
             if self.telemetry is not None and self.group.infos:
@@ -148,24 +190,15 @@ class Controller:
                 )
             if self.resume_from is not None:
                 self.start_step = self._resume(self.resume_from)
+            self._write_layout()
             self._transition(
                 RunState.RUNNING,
                 f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "
                 f"from step {self.start_step}",
             )
-            for step in range(self.start_step + 1, self.job.last_step + 1):
-                t0 = self.clock()
-                try:
-                    reports = self.group.train_step()
-                except WorkerError as exc:
-                    kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
-                    self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
-                    raise
-                wall = self.clock() - t0
-                self._check_finite(reports, step, t0)
-                train_s += wall
-                self._maybe_persist(step)
-                self._record(reports, wall, goodput=train_s / max(self.clock() - started, 1e-9))
+            step = self.start_step + 1
+            while step <= self.job.last_step:
+                step = self._step(step, started)
             self._drain(wait=True)
             reason = (
                 f"train.stop_at_step={self.job.last_step} reached"
@@ -186,31 +219,179 @@ class Controller:
                 self.telemetry.finish()
             for sink in self.sinks:
                 sink.close()
-        summary = self._summary(wall_s=self.clock() - started, train_s=train_s)
+        summary = self._summary(wall_s=self.clock() - started)
         self.run_dir.write_summary(summary)
         return summary
 
-    def _check_finite(self, reports: list[StepReport], step: int, t0: float) -> None:
-        if math.isfinite(reports[0].loss):
-            return
-        culprits = tuple(sorted(r.rank for r in reports if not math.isfinite(r.local_loss)))
-        reason = f"non-finite loss {reports[0].loss} at step {step}, first on ranks {list(culprits)}"
-        # Recovery by rollback belongs to the elastic controller; until then the run stops here
-        # rather than train on poisoned weights.
-        self._incident("nan", culprits, step, t0, reason=reason)
-        raise NonFiniteLoss(reason)
+    def _step(self, step: int, started: float) -> int:
+        """Run ``step``; returns the step to run next (an earlier one after a rollback)."""
+        t0 = self.clock()
+        try:
+            reports = self.group.train_step()
+        except WorkerError as exc:  # a group without recovery reports a failed step this way
+            kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
+            self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
+            raise
+        except Exception as exc:
+            if self.elastic is None or not isinstance(exc, self.elastic.failure_type):
+                raise
+            outcomes = self.elastic.assess(exc)
+            failure = classify(outcomes) or Failure(Kind.ERROR, (), str(exc))
+            return self._recover(failure, step, t0, seen_at=exc.seen_at, seen_unix=exc.seen_unix) + 1  # type: ignore[attr-defined]
+        wall = self.clock() - t0
+        nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None
+        if nan is not None:
+            if self.elastic is None:
+                self._incident("nan", nan.ranks, step, t0, reason=nan.reason)
+                raise NonFiniteLoss(nan.reason)
+            return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time()) + 1
+        self._maybe_persist(step)
+        self._record(reports, wall, started)
+        self._finish_recovery()
+        self._maybe_grow(step)
+        return step + 1
 
-    def _incident(self, kind: str, ranks: tuple[int, ...], step: int, t0: float, *, reason: str) -> Incident:
+    # --- recovery ------------------------------------------------------------------------
+
+    def _recover(self, failure: Failure, step: int, t0: float, *, seen_at: float, seen_unix: float) -> int:
+        """Decide and carry out the recovery from ``failure`` seen in ``step``; returns the
+        step training resumes after."""
+        assert self.elastic is not None
+        self._transition(RunState.RECOVERING, failure.reason)
+        capacity = self.elastic.capacity(failure.ranks) if failure.lost_workers else Capacity(0, 0)
+        decision = decide(
+            failure,
+            dp=self.dp,
+            cp=self.job.mesh.cp,
+            min_dp=self.job.mesh.min_dp,
+            capacity=capacity,
+            recoveries=sum(1 for i in self.incidents if i.action != "abort"),
+            max_recoveries=self.job.controllers.max_recoveries,
+            on_nan=self.job.controllers.on_nan,
+        )
+        incident = self._incident(
+            failure.kind.value,
+            failure.ranks,
+            step,
+            t0,
+            reason=f"{failure.reason}; {decision.reason}",
+            action=decision.action.value,
+            detected_at=seen_unix,
+            detect_s=seen_at - t0,
+        )
+        if decision.action is Action.ABORT:
+            raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
+        resumed = self._execute(decision, failure, last_step=step - 1)
+        self._growing_to = None
+        self._grow_gate.reset()
+        struck = self.ledger.rollback(resumed)
+        self.records = [r for r in self.records if r["step"] <= resumed]
+        incident = dataclasses.replace(incident, dp_after=self.dp, lost_steps=len(struck))
+        self._update_incident(incident)
+        self._recovering = (incident, seen_at)
+        self._write_layout()
+        self.progress.message(
+            f"incident {incident.id}: {decision.action.value} done, dp {incident.dp_before} -> {self.dp}, "
+            f"resuming after step {resumed} ({len(struck)} completed steps redone)"
+        )
+        self._transition(RunState.RUNNING, f"resumed after step {resumed}")
+        return resumed
+
+    def _execute(self, decision: Decision, failure: Failure, *, last_step: int) -> int:
+        assert self.elastic is not None
+        if decision.action is Action.ROLLBACK:
+            resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR)
+            if decision.skip_batch:
+                self.ledger.skip(self.elastic.skip_batch())
+            return resumed
+        out = self.elastic.reform(
+            lost=frozenset(failure.ranks), new_dp=decision.dp_after, spares=decision.spares_used, last_step=last_step
+        )
+        self.dp = decision.dp_after
+        self.elastic.replenish_spares(self.job.mesh.spares)
+        return int(out.step)
+
+    def _finish_recovery(self) -> None:
+        """The first step completed after a recovery closes its incident's clock."""
+        if self._recovering is None:
+            return
+        incident, seen_at = self._recovering
+        self._recovering = None
+        incident = dataclasses.replace(incident, recover_s=self.clock() - seen_at)
+        self._update_incident(incident)
+        if self.telemetry is not None:
+            self.telemetry.add(metrics.RECOVERIES, 1)
+            self.telemetry.set(metrics.RECOVERY_SECONDS, incident.recover_s or 0.0)
+            self.telemetry.add(metrics.LOST_STEPS, incident.lost_steps)
+            self.telemetry.set(metrics.DP_SIZE, self.dp)
+
+    def _maybe_grow(self, step: int) -> None:
+        """Between steps: grow back towards max_dp when capacity has returned and stayed."""
+        if self.elastic is None or self.dp >= self.job.max_dp or step >= self.job.last_step:
+            return
+        if self._growing_to is not None:
+            if self.elastic.growth_ready():
+                self._grow(step, self._growing_to)
+            return
+        now = self.clock()
+        if now < self._next_capacity_check:
+            return
+        self._next_capacity_check = now + self.job.controllers.heartbeat_s
+        t = self.job.train
+        possible = target_dp(
+            self.dp + self.elastic.growth_capacity() // self.job.mesh.cp,
+            global_batch=t.global_batch,
+            micro_batch=t.micro_batch,
+            min_dp=self.job.mesh.min_dp,
+            max_dp=self.job.max_dp,
+        )
+        grow_to = self._grow_gate.observe(now, current_dp=self.dp, possible_dp=possible)
+        if grow_to is not None:
+            self.progress.message(f"capacity for dp {grow_to} seen for controllers.grow_after_s: starting {grow_to - self.dp} replica(s)")
+            self.elastic.prepare_growth(grow_to - self.dp)
+            self._growing_to = grow_to
+
+    def _grow(self, step: int, new_dp: int) -> None:
+        assert self.elastic is not None
+        t0 = self.clock()
+        before = self.dp
+        self.elastic.grow(new_dp=new_dp, last_step=step)
+        self.dp = new_dp
+        self._growing_to = None
+        self._grow_gate.reset()
+        event = {"step": step, "dp_before": before, "dp_after": new_dp, "seconds": self.clock() - t0, "at": time.time()}
+        self.resizes.append(event)
+        self._write_layout()
+        if self.telemetry is not None:
+            self.telemetry.set(metrics.DP_SIZE, new_dp)
+        self.progress.message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
+
+    def _write_layout(self) -> None:
+        if self.elastic is not None:
+            self.run_dir.write_workers(self.elastic.layout())
+
+    def _incident(
+        self,
+        kind: str,
+        ranks: tuple[int, ...],
+        step: int,
+        t0: float,
+        *,
+        reason: str,
+        action: str = "abort",
+        detected_at: Optional[float] = None,
+        detect_s: Optional[float] = None,
+    ) -> Incident:
         incident = Incident(
             id=self.run_dir.num_incidents() + 1,
             kind=kind,
             ranks=ranks,
             detected_at_step=step,
-            detected_at=time.time(),
-            detect_s=self.clock() - t0,
-            action="abort",
+            detected_at=detected_at if detected_at is not None else time.time(),
+            detect_s=detect_s if detect_s is not None else self.clock() - t0,
+            action=action,
             reason=reason,
-            dp_before=self.job.mesh.dp,
+            dp_before=self.dp,
         )
         self.incidents.append(incident)
         record = dataclasses.asdict(incident)
@@ -221,6 +402,10 @@ class Controller:
         for sink in self.sinks:
             sink.incident(record)
         return incident
+
+    def _update_incident(self, incident: Incident) -> None:
+        self.incidents = [incident if i.id == incident.id else i for i in self.incidents]
+        self.run_dir.write_incident(dataclasses.asdict(incident))
 
     def _resume(self, checkpoint: LoadedCheckpoint) -> int:
         t0 = self.clock()
@@ -257,26 +442,34 @@ class Controller:
         finally:
             self.persister.close()
 
-    def _record(self, reports: list[StepReport], wall_s: float, *, goodput: float) -> None:
-        record = step_record(reports, dp=self.job.mesh.dp, cp=self.job.mesh.cp, wall_s=wall_s)
+    def _kept_train_s(self) -> float:
+        return sum(r["step_time_s"] for r in self.records)
+
+    def _record(self, reports: list[StepReport], wall_s: float, started: float) -> None:
+        record = step_record(reports, dp=self.dp, cp=self.job.mesh.cp, wall_s=wall_s)
+        record["time"] = time.time()
+        record["generation"] = getattr(self.group, "generation", 1)
         record["persist_s"] = self.persist_s
         record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
+        # Wall time on steps that were kept: a step struck out by a rollback stops counting.
+        goodput = (self._kept_train_s() + wall_s) / max(self.clock() - started, 1e-9)
         record["goodput"] = goodput
         if self.telemetry is not None:
-            record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.job.world_size)
+            record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.dp * self.job.mesh.cp)
             self.telemetry.step(record)
             self.telemetry.goodput(goodput)
         for sink in self.sinks:
             sink.step(record)
-        for r in reports:
-            self.samples.update(r.samples)
+        self.ledger.record(record["step"], tuple(s for r in reports for s in r.samples))
         self.records.append(record)
         self.run_dir.append_metrics(record)
         self.progress.step(record)
 
-    def _summary(self, *, wall_s: float, train_s: float) -> dict[str, Any]:
+    def _summary(self, *, wall_s: float) -> dict[str, Any]:
         last = self.records[-1] if self.records else None
         tokens = sum(r["tokens"] for r in self.records)
+        train_s = self._kept_train_s()
+        ledger = self.ledger.totals()
         return {
             "status": self.state.value,
             "steps": self.job.train.steps,
@@ -288,19 +481,27 @@ class Controller:
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
             "wall_time_s": wall_s,
             "train_time_s": train_s,
-            # Wall time spent on steps that were kept, start-up and checkpoint waits included.
+            # Wall time spent on steps that were kept, start-up, recoveries and checkpoint waits included.
             "goodput": train_s / wall_s if wall_s > 0 else 0.0,
             "run_id": self.run_id,
             "num_params": self.group.num_params,
-            "num_samples": len(self.samples),
-            "dp": self.job.mesh.dp,
+            "num_samples": ledger["samples"],
+            "ledger": ledger,
+            "dp": self.dp,
             "cp": self.job.mesh.cp,
             "resumed_from": self.resume_from.uri if self.resume_from else None,
             "last_durable_step": self.persister.last_durable_step if self.persister else 0,
             "checkpoint_errors": list(self.persister.errors) if self.persister else [],
             "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
-            # Incidents the run recovered from; recovery arrives with the elastic controller.
-            "recoveries": [],
+            "recoveries": [_recovery_entry(i) for i in self.incidents if i.action != "abort"],
+            "resizes": self.resizes,
             "error": self.error,
             "run_dir": str(self.run_dir.path),
         }
+
+
+def _recovery_entry(incident: Incident) -> dict[str, Any]:
+    keys = ("id", "kind", "ranks", "action", "detected_at_step", "detected_at", "detect_s", "recover_s", "lost_steps", "dp_before", "dp_after")
+    entry = {k: getattr(incident, k) for k in keys}
+    entry["ranks"] = list(incident.ranks)
+    return entry

@@ -1,20 +1,29 @@
-"""WorkerGroup: places, spawns, drives and tears down the dp x cp TrainWorker actors.
+"""WorkerGroup: places, spawns, drives and re-forms the dp x cp TrainWorker actors.
 
 One placement group per replica, one bundle per ring position, PACK strategy: a ring's ranks
 land on one node when it fits, so the ring's P2P traffic rides the fastest links, and a
-replica stays the unit that can later come and go as a whole.
+replica stays the unit that comes and goes as a whole. Every actor sits in a *slot* (a bundle
+of a placement group); a slot whose actor died is reused for its replacement, so a restarted
+rank lands where its ring is.
+
+The group has no policy of its own: the Controller decides (``controllers.faults`` and
+``controllers.elastic``) and the group carries it out: ``train_step`` reports how every rank's
+step ended, ``form_world`` moves a set of live workers into a new world, ``spawn`` starts new
+ones in the background.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 from ringtrain.actors.cluster import worker_resources
 from ringtrain.actors.holder import SnapshotHolder
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
+from ringtrain.controllers.faults import Outcome, RankOutcome
 from ringtrain.errors import CapacityError, WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
@@ -23,57 +32,158 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where an actor is placed: a bundle of one of the job's placement groups."""
+
+    pg: Any
+    index: int
+
+
+@dataclass
+class Member:
+    """A live worker actor and where it sits."""
+
+    handle: Any
+    slot: Slot
+    info: Optional[WorkerInfo] = None
+    warm: Any = None  # pending result of warm(), while a spare or a new worker starts
+
+
+class StepFailed(Exception):
+    """A step did not finish on every rank; ``outcomes`` says how each rank's call ended."""
+
+    def __init__(self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float) -> None:
+        super().__init__(", ".join(f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in outcomes if o.outcome is not Outcome.OK))
+        self.outcomes = outcomes
+        self.seen_at = seen_at  # monotonic time the first failure was seen
+        self.seen_unix = seen_unix
+
+
 class WorkerGroup:
     def __init__(self, job: JobConfig, device: str) -> None:
-        self.job = job
+        self.job = job  # the job of the current world: mesh.dp follows resizes
         self.device = device
-        self.topology = Topology(job.mesh.dp, job.mesh.cp, job.ulysses_degree)
+        self.members: list[Member] = []  # index = rank
+        self.spares: list[Member] = []  # warm (or warming) workers with no seat
+        self.growing: list[Member] = []  # workers starting for the next grow
+        self.free_slots: list[Slot] = []  # slots whose actor is gone
         self.placement_groups: list[Any] = []
-        self.workers: list[Any] = []  # actor handles, index = rank
-        self.infos: list[WorkerInfo] = []
         self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
         self.num_params = 0
+        self.generation = 0  # worlds formed so far
+
+    # --- views ---------------------------------------------------------------------------
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.job.mesh.dp, self.job.mesh.cp, self.job.ulysses_degree)
+
+    @property
+    def workers(self) -> list[Any]:
+        return [m.handle for m in self.members]
+
+    @property
+    def infos(self) -> list[WorkerInfo]:
+        return [m.info for m in self.members if m.info is not None]
+
+    def layout(self) -> dict[str, Any]:
+        """Who is who, as written to the run directory's workers.json."""
+        topo = self.topology
+        return {
+            "generation": self.generation,
+            "dp": topo.dp,
+            "cp": topo.cp,
+            "workers": [
+                {
+                    "rank": rank,
+                    "pid": m.info.pid if m.info else None,
+                    "host": m.info.host if m.info else "",
+                    "node_id": m.info.node_id if m.info else "",
+                    "replica": topo.coord(rank).replica,
+                    "ring_pos": topo.coord(rank).ring_pos,
+                }
+                for rank, m in enumerate(self.members)
+            ],
+            "spares": [
+                {"pid": s.info.pid, "host": s.info.host, "node_id": s.info.node_id} for s in self.spares if s.info
+            ],
+        }
+
+    # --- start ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Place and spawn every rank, then join them into one process group."""
+        """Place and spawn every rank and the warm spares, then form the first world."""
         import ray
         from ray.util.placement_group import placement_group
+
+        bundle = worker_resources(self.job, self.device)
+        topo = self.topology
+        self.placement_groups = [
+            placement_group([dict(bundle) for _ in range(topo.cp)], strategy="PACK", name=f"replica-{d}")
+            for d in range(topo.dp)
+        ]
+        if self.job.mesh.spares:
+            self.placement_groups.append(
+                placement_group([dict(bundle) for _ in range(self.job.mesh.spares)], strategy="SPREAD", name="spares")
+            )
+        timeout = self.job.controllers.start_timeout_s
+        ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=len(self.placement_groups), timeout=timeout)
+        if len(ready) < len(self.placement_groups):
+            raise CapacityError(
+                "mesh.dp",
+                f"only {len(ready)} of {len(self.placement_groups)} placement groups ({topo.cp} x {bundle} per replica, "
+                f"mesh.spares={self.job.mesh.spares}) could be placed within controllers.start_timeout_s={timeout:g}",
+            )
+        members = [self._spawn(Slot(self.placement_groups[r // topo.cp], r % topo.cp)) for r in range(topo.world_size)]
+        if self.job.mesh.spares:
+            self.spares = [self._spawn(Slot(self.placement_groups[-1], i)) for i in range(self.job.mesh.spares)]
+        self._wait_warm(members + self.spares, timeout)
+        self.form_world(members, self.job)
+
+    def _spawn(self, slot: Slot) -> Member:
+        """Start a worker actor in ``slot``; it warms up (imports) in the background."""
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = worker_resources(self.job, self.device)
-        self.placement_groups = [
-            placement_group([dict(bundle) for _ in range(self.topology.cp)], strategy="PACK", name=f"replica-{d}")
-            for d in range(self.topology.dp)
-        ]
-        timeout = self.job.controllers.start_timeout_s
-        ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=self.topology.dp, timeout=timeout)
-        if len(ready) < self.topology.dp:
-            raise CapacityError(
-                "mesh.dp",
-                f"only {len(ready)} of {self.topology.dp} replicas ({self.topology.cp} x {bundle} each) "
-                f"could be placed within controllers.start_timeout_s={timeout:g}",
+        handle = (
+            ray.remote(TrainWorker)
+            .options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_concurrency=2,  # heartbeats and snapshot reads are answered while a step runs
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot.pg, placement_group_bundle_index=slot.index),
+                runtime_env={"env_vars": _worker_env(self.device)},
             )
-        actor_cls = ray.remote(TrainWorker)
-        for rank in range(self.topology.world_size):
-            c = self.topology.coord(rank)
-            self.workers.append(
-                actor_cls.options(
-                    num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0),
-                    max_concurrency=2,  # a diagnostic call can be answered while a step runs
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.placement_groups[c.replica], placement_group_bundle_index=c.ring_pos
-                    ),
-                    runtime_env={"env_vars": _worker_env(self.device)},
-                ).remote(self.job, rank, self.device)
-            )
-        self.infos = self._gather(lambda _, w: w.info.remote(), timeout)
-        self._start_holders()
-        host, port = self._call(self.workers[0].create_store.remote(), rank=0, timeout=timeout)
-        counts = self._gather(
-            lambda rank, w: w.setup.remote(host, port, self._holders_of(rank)), timeout
+            .remote(self.job, -1, self.device)
         )
+        return Member(handle, slot, warm=handle.warm.remote())
+
+    def _wait_warm(self, members: list[Member], timeout: float) -> None:
+        for i, m in enumerate(members):
+            if m.info is None:
+                m.info = self._call(m.warm, rank=i, timeout=max(0.001, timeout))
+                m.warm = None
+
+    # --- worlds --------------------------------------------------------------------------
+
+    def form_world(self, members: list[Member], job: JobConfig, snapshot: Optional[list[Any]] = None) -> int:
+        """Make ``members`` ranks 0..n-1 of ``job``'s world; all join together. With ``snapshot``
+        (one pending shard per rank of the snapshot's world), every rank restores it; returns the
+        step restored (0 without one)."""
+        timeout = self.job.controllers.start_timeout_s
+        self.job, self.members = job, members
+        self._wait_warm(members, timeout)
+        self._start_holders()
+        self.generation += 1
+        host, port = self._call(members[0].handle.create_store.remote(job.world_size), rank=0, timeout=timeout)
+        counts = self._gather(lambda rank, w: w.join.remote(job, rank, host, port, self._holders_of(rank)), timeout)
         self.num_params = counts[0]
+        if snapshot is None:
+            return 0
+        steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout)
+        return int(steps[0])
 
     def _start_holders(self) -> None:
         """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
@@ -84,11 +194,12 @@ class WorkerGroup:
             return
         holder_cls = ray.remote(SnapshotHolder)
         for node_id in dict.fromkeys(i.node_id for i in self.infos):
-            self.holders[node_id] = holder_cls.options(
-                num_cpus=0,
-                max_concurrency=4,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-            ).remote(self.job.checkpoint.keep_in_memory)
+            if node_id not in self.holders:
+                self.holders[node_id] = holder_cls.options(
+                    num_cpus=0,
+                    max_concurrency=4,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+                ).remote(self.job.checkpoint.keep_in_memory)
 
     def _holders_of(self, rank: int) -> list[Any]:
         """This node's holder, and a buddy node's when there is one and buddies are on."""
@@ -103,6 +214,158 @@ class WorkerGroup:
                 chosen.append(self.holders[buddy])
         return chosen
 
+    def node_alive(self, node_id: str) -> bool:
+        """Whether ``node_id`` still runs: its holder answers (a dead node takes its holder with
+        it at once, well before the cluster's own health check gives up on the node)."""
+        import ray
+
+        holder = self.holders.get(node_id)
+        if holder is not None:
+            try:
+                ray.get(holder.inventory.remote(), timeout=2.0)
+                return True
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+    def forget_node(self, node_id: str) -> None:
+        self.holders.pop(node_id, None)
+
+    # --- members come and go -------------------------------------------------------------
+
+    def kill(self, members: list[Member], *, reuse_slots: bool = True) -> None:
+        """Stop these actors; their slots become free for replacements (unless their node is
+        gone: Ray would wait for it to come back)."""
+        import ray
+
+        for m in members:
+            try:
+                ray.kill(m.handle, no_restart=True)
+            except Exception:  # already dead: nothing to stop
+                pass
+            if reuse_slots:
+                self.free_slots.append(m.slot)
+
+    def release_unused_placement(self) -> None:
+        """Remove placement groups no worker, spare or free slot uses any more, so the cluster
+        can give their resources to whoever needs them (a returning replica included)."""
+        from ray.util.placement_group import remove_placement_group
+
+        used = {id(m.slot.pg) for m in self.members + self.spares + self.growing} | {id(s.pg) for s in self.free_slots}
+        for pg in [pg for pg in self.placement_groups if id(pg) not in used]:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+            self.placement_groups.remove(pg)
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank and wait for all (names the first rank that fails)."""
+        return self._gather(lambda _, w: getattr(w, method).remote(*args), self.job.controllers.start_timeout_s)
+
+    def restore_refs(self, shards: list[Any]) -> int:
+        """Every rank loads the snapshot whose shards are pending in ``shards``."""
+        steps = self._gather(lambda _, w: w.restore.remote(*shards), self.job.controllers.start_timeout_s)
+        return int(steps[0])
+
+    def spawn(self, count: int) -> list[Member]:
+        """Start ``count`` workers, in free slots first, then in a new PACK placement group."""
+        from ray.util.placement_group import placement_group
+
+        slots = [self.free_slots.pop(0) for _ in range(min(count, len(self.free_slots)))]
+        if len(slots) < count:
+            bundle = worker_resources(self.job, self.device)
+            pg = placement_group([dict(bundle) for _ in range(count - len(slots))], strategy="PACK")
+            self.placement_groups.append(pg)
+            slots += [Slot(pg, i) for i in range(count - len(slots))]
+        return [self._spawn(slot) for slot in slots]
+
+    def free_capacity(self) -> int:
+        """Worker-sized slots a new worker could take now: free slots on live nodes, plus what
+        the cluster has unreserved."""
+        import ray
+
+        bundle = worker_resources(self.job, self.device)
+        available = ray.available_resources()
+        fits = min(int(available.get(k, 0.0) // v) if v > 0 else 10**6 for k, v in bundle.items())
+        return fits + len(self.free_slots)
+
+    def ready(self, members: list[Member]) -> bool:
+        """Whether every one of ``members`` finished warming up (never waits)."""
+        import ray
+
+        pending = [m.warm for m in members if m.warm is not None]
+        if not pending:
+            return True
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        return len(done) == len(pending)
+
+    # --- steps and snapshots -------------------------------------------------------------
+
+    def train_step(self) -> list[StepReport]:
+        """Every rank's report of one step; raises StepFailed with every rank's outcome."""
+        import ray
+
+        c = self.job.controllers
+        refs = {w.train_step.remote(): rank for rank, w in enumerate(self.workers)}
+        results: dict[int, RankOutcome | StepReport] = {}
+        start = time.monotonic()
+        last_seen = {rank: start for rank in range(len(self.members))}
+        pings: dict[Any, int] = {}
+        failed_at: Optional[tuple[float, float]] = None
+        pending = list(refs)
+        while pending:
+            now = time.monotonic()
+            if failed_at is None:
+                deadline = start + c.step_timeout_s
+            else:
+                # After a first failure, the rest settle fast: a peer's death breaks their collectives.
+                deadline = min(start + c.step_timeout_s, failed_at[0] + c.heartbeat_timeout_s)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(c.heartbeat_s, deadline - now)))
+            for ref in done:
+                rank = refs[ref]
+                results[rank] = self._outcome(ref, rank)
+                if failed_at is None and not isinstance(results[rank], StepReport):
+                    failed_at = (time.monotonic(), time.time())
+            now = time.monotonic()
+            for ping in ray.wait(list(pings), num_returns=len(pings), timeout=0)[0] if pings else []:
+                rank = pings.pop(ping)
+                if _answered(ping):
+                    last_seen[rank] = now
+            silent = [refs[r] for r in pending if now - last_seen[refs[r]] > c.heartbeat_timeout_s]
+            if pending and (now >= deadline or silent):
+                for ref in pending:
+                    rank = refs[ref]
+                    if now >= deadline or rank in silent:
+                        why = "stopped answering heartbeats" if rank in silent else f"did not finish within {now - start:.1f} s"
+                        results[rank] = RankOutcome(rank, Outcome.LOST, why)
+                pending = [r for r in pending if refs[r] not in results]
+                if failed_at is None:
+                    failed_at = (now, time.time())
+            waiting = {pings[p] for p in pings}
+            for ref in pending:
+                if refs[ref] not in waiting:
+                    pings[self.workers[refs[ref]].heartbeat.remote()] = refs[ref]
+        if failed_at is not None:
+            outcomes = [
+                r if isinstance(r, RankOutcome) else RankOutcome(rank, Outcome.OK) for rank, r in sorted(results.items())
+            ]
+            raise StepFailed(outcomes, *failed_at)
+        return [results[rank] for rank in range(len(self.members))]  # type: ignore[misc]
+
+    def _outcome(self, ref: Any, rank: int) -> RankOutcome | StepReport:
+        import ray
+
+        try:
+            report = ray.get(ref)
+            assert isinstance(report, StepReport)
+            return report
+        except ray.exceptions.RayActorError as exc:
+            return RankOutcome(rank, Outcome.DIED, type(exc).__name__)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}")
+
     def snapshot_refs(self, step: int) -> list[Any]:
         """Pending results of every rank's ``snapshot(step)``, in rank order; the workers answer
         on their second concurrency slot, so this never waits for the step in flight."""
@@ -111,33 +374,26 @@ class WorkerGroup:
     def restore(self, blobs: list[bytes]) -> int:
         import ray
 
-        ref = ray.put(blobs)  # one copy in the object store, read by every rank
-        steps = self._gather(lambda _, w: w.restore.remote(ref), self.job.controllers.start_timeout_s)
-        return steps[0]
-
-    def train_step(self) -> list[StepReport]:
-        return self._gather(lambda _, w: w.train_step.remote(), self.job.controllers.step_timeout_s)
+        return self.restore_refs([ray.put(b) for b in blobs])  # one copy of each shard for every rank
 
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for handle in self.workers:
+        for handle in [m.handle for m in self.members + self.spares + self.growing] + list(self.holders.values()):
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # already dead: nothing to stop
-                pass
-        for handle in self.holders.values():
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:
                 pass
         for pg in self.placement_groups:
             try:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        self.workers, self.placement_groups, self.holders = [], [], {}
+        self.members, self.spares, self.growing, self.free_slots = [], [], [], []
+        self.placement_groups, self.holders = [], {}
+
+    # --- calls ---------------------------------------------------------------------------
 
     def _gather(self, call: Callable[[int, Any], Any], timeout: float) -> list[Any]:
         """Call every worker (with its rank), wait for all; the first failure names its rank."""
@@ -163,6 +419,8 @@ class WorkerGroup:
 
         try:
             return ray.get(ref, timeout=timeout or None)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerError(rank, self._host(rank), f"no answer within {timeout:g} s", kind="timeout") from None
         except ray.exceptions.RayActorError as exc:
             raise WorkerError(rank, self._host(rank), f"worker process died ({type(exc).__name__})", kind="died") from None
         except ray.exceptions.RayTaskError as exc:
@@ -170,7 +428,8 @@ class WorkerGroup:
             raise WorkerError(rank, self._host(rank), f"{type(cause).__name__}: {_first_line(cause)}") from None
 
     def _host(self, rank: int) -> str:
-        return self.infos[rank].host if rank < len(self.infos) else "?"
+        info = self.members[rank].info if rank < len(self.members) else None
+        return info.host if info else "?"
 
 
 def buddy_node(rank: int, topology: Topology, rank_nodes: list[str], nodes: list[str]) -> Optional[str]:
@@ -183,6 +442,16 @@ def buddy_node(rank: int, topology: Topology, rank_nodes: list[str], nodes: list
         return peer
     others = [n for n in nodes if n != own]
     return others[rank % len(others)] if others else None
+
+
+def _answered(ref: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+        return True
+    except Exception:  # the actor died: its step call reports that
+        return False
 
 
 def _worker_env(device: str) -> dict[str, str]:

@@ -16,16 +16,20 @@ if TYPE_CHECKING:
 class TrainWorker:
     """Owns one device, joins the job's process group, and trains one step per call.
 
-    Construction is cheap (no torch import), so a failed placement costs nothing; the heavy
-    work happens in ``setup``, which all ranks call together because it is collective.
+    Construction is cheap (no torch import), so a failed placement costs nothing. ``join``
+    builds the rank: it is collective, so every rank of a world calls it together, and it can
+    be called again to move a live process into a new world (another rank, another dp) after a
+    failure or a resize. A worker that has not joined yet is a spare; ``warm`` loads torch and
+    DeepSpeed so that taking a seat costs no cold start.
     """
 
     def __init__(self, job: JobConfig, rank: int, device_type: str) -> None:
         self.job = job
         self.rank = rank
         self.device_type = device_type
-        self._store: Any = None  # rank 0's rendezvous store, kept alive for the job
+        self._store: Any = None  # rank 0's rendezvous store, kept alive until the next world's
         self._trainer: Any = None
+        self._connections: dict[int, str] = {}  # sockets this world's process groups opened
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -37,47 +41,87 @@ class TrainWorker:
             device_name=_device_name(self.device_type),
         )
 
-    def create_store(self) -> tuple[str, int]:
-        """Rank 0 only: open the rendezvous store on a free port and say where it is."""
+    def warm(self) -> WorkerInfo:
+        """Import what ``join`` needs (the slow part of a cold start) and say where this runs."""
+        import torch  # noqa: F401
+
+        import ringtrain.train.trainer  # noqa: F401  (pulls DeepSpeed, the model, the data)
+
+        _quiet_deepspeed()
+        return self.info()
+
+    def heartbeat(self) -> int:
+        """Answered on the second concurrency slot while a step runs: the process is alive."""
+        return os.getpid()
+
+    def create_store(self, world_size: int) -> tuple[str, int]:
+        """Rank 0 only: open the world's rendezvous store on a free port and say where it is."""
         from ringtrain.train.mesh import create_store
 
         host = _node_ip()
-        self._store, port = create_store(host, self.job.world_size, self.job.controllers.start_timeout_s)
+        self._store, port = create_store(host, world_size, self.job.controllers.start_timeout_s)
         return host, port
 
-    def setup(self, host: str, port: int, holders: Sequence[Any] = ()) -> int:
-        """Join the process group and build model, engine and data; returns the parameter count.
+    def join(self, job: JobConfig, rank: int, host: str, port: int, holders: Sequence[Any] = ()) -> int:
+        """Become ``rank`` of ``job``'s world: join the process group and build model, engine
+        and data. Any earlier world of this process is left first. Returns the parameter count.
 
         ``holders`` are the SnapshotHolder actors every snapshot of this rank is handed to.
         """
         import torch
 
-        from ringtrain.train.mesh import init_process_group
+        from ringtrain.train.mesh import init_process_group, open_sockets
         from ringtrain.train.model import num_params
         from ringtrain.train.trainer import Trainer, set_rank_env
 
+        self.leave()
+        self.job, self.rank = job, rank
         device = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
         if device.type == "cpu":
             # Ray sets OMP_NUM_THREADS=1 only for actors with num_cpus < 1; be explicit either way.
-            torch.set_num_threads(max(1, int(self.job.cluster.cpus_per_worker)))
+            torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
         else:
             torch.cuda.set_device(device)
-        set_rank_env(rank=self.rank, world_size=self.job.world_size, device=device)
+        set_rank_env(rank=rank, world_size=job.world_size, device=device)
         _quiet_deepspeed()
+        before = open_sockets()
         init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             host=host,
             port=port,
-            rank=self.rank,
-            world_size=self.job.world_size,
-            timeout_s=self.job.controllers.step_timeout_s,
+            rank=rank,
+            world_size=job.world_size,
+            timeout_s=job.controllers.step_timeout_s,
         )
-        self._trainer = Trainer(self.job, rank=self.rank, device=device, deliver=_HolderDelivery(holders))
+        self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
+        self._connections = {fd: s for fd, s in open_sockets().items() if before.get(fd) != s}
         return num_params(self._trainer.model)
 
+    def leave(self) -> None:
+        """Drop this process's rank: snapshots in its memory and its process group go."""
+        if self._trainer is not None:
+            self._trainer.close()
+            self._trainer = None
+
     def train_step(self) -> StepReport:
-        assert self._trainer is not None, "setup() must run before train_step()"
-        return self._trainer.train_step()
+        assert self._trainer is not None, "join() must run before train_step()"
+        try:
+            return self._trainer.train_step()
+        except BaseException:
+            self._break_world()
+            raise
+
+    def _break_world(self) -> None:
+        """Cut this rank off its world at once: peers blocked on it in a collective fail now,
+        not at the process-group timeout, so a failure spreads through the world in
+        milliseconds. The trainer (and its snapshots) stays until the next join, so recovery
+        can still read them."""
+        if self.device_type == "cuda":
+            self._trainer.abort_process_groups()  # NCCL's abort does what it says
+        else:
+            from ringtrain.train.mesh import sever
+
+            sever(self._connections)
 
     def snapshot(self, step: int) -> tuple[bytes, str]:
         """This rank's snapshot of ``step`` and its checksum (waits if still being taken)."""
@@ -85,15 +129,28 @@ class TrainWorker:
         snap = self._trainer.snapshot(step)
         return snap.blob, snap.checksum
 
-    def restore(self, blobs: list[bytes]) -> int:
+    def snapshot_blob(self, step: int) -> bytes:
+        """This rank's snapshot of ``step``, as a restore reads it."""
+        return self.snapshot(step)[0]
+
+    def snapshot_steps(self) -> list[int]:
+        """Steps of the finished snapshots this process holds (none once it left its world)."""
+        if self._trainer is None or self._trainer.snapshotter is None:
+            return []
+        self._trainer.snapshotter.wait()
+        return self._trainer.snapshotter.steps()
+
+    def restore(self, *blobs: bytes) -> int:
         """Load a snapshot (every rank's shard, any dp); returns the step to continue after."""
         assert self._trainer is not None
-        return self._trainer.restore(blobs)
+        return self._trainer.restore(list(blobs))
+
+    def skip_batch(self) -> int:
+        assert self._trainer is not None
+        return self._trainer.skip_batch()
 
     def shutdown(self) -> None:
-        if self._trainer is not None:
-            self._trainer.close()
-            self._trainer = None
+        self.leave()
 
 
 class _HolderDelivery:

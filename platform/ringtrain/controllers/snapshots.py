@@ -44,3 +44,45 @@ def choose_restore_point(candidates: Iterable[Candidate]) -> Optional[Candidate]
 def persist_due(step: int, *, persist_every: int, final_step: int) -> bool:
     """Persist every ``persist_every`` steps, and always the last step of the run."""
     return step == final_step or (persist_every > 0 and step % persist_every == 0)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One place that can hand over snapshot shards: a live worker (PEER) or a node's holder."""
+
+    source: Source
+    location: str  # worker rank or holder node, for logs and for fetching
+    shards: frozenset[tuple[int, int]]  # (step, rank) pairs it holds
+    world_sizes: tuple[tuple[int, int], ...] = ()  # (step, world size of that step's snapshot)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    step: int
+    world_size: int
+    fetch: tuple[tuple[int, str], ...]  # per old rank, in rank order: (rank, location)
+
+
+def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -> Optional[RestorePlan]:
+    """The newest step (at most ``newest``) of which every rank's shard can be fetched from
+    some holding, each shard from the cheapest place that has it; None when no step is whole.
+
+    Shards of one step may come from different places: a survivor's own memory for its rank,
+    a holder for the rank that died.
+    """
+    holdings = sorted(holdings, key=lambda h: h.source)
+    worlds: dict[int, int] = {}
+    for h in holdings:
+        worlds.update(h.world_sizes)
+    for step in sorted(worlds, reverse=True):
+        if newest is not None and step > newest:
+            continue
+        fetch = []
+        for rank in range(worlds[step]):
+            where = next((h.location for h in holdings if (step, rank) in h.shards), None)
+            if where is None:
+                break
+            fetch.append((rank, where))
+        else:
+            return RestorePlan(step, worlds[step], tuple(fetch))
+    return None

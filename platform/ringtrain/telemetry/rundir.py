@@ -45,6 +45,11 @@ class RunDir:
         _atomic_write(path, json.dumps(incident, indent=2, sort_keys=True) + "\n")
         return path
 
+    def write_workers(self, layout: dict[str, Any]) -> None:
+        """Who runs each rank now (pids, hosts, replica and ring position); rewritten on every
+        change of the world, so `kill` and `py-spy` always find the right process."""
+        _atomic_write(self.path / "workers.json", json.dumps(layout, indent=2, sort_keys=True) + "\n")
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
 

@@ -8,6 +8,8 @@ full list from ``Topology`` and keeps its own.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -35,6 +37,46 @@ def create_store(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCP
         host, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
     return store, store.port
+
+
+def open_sockets() -> dict[int, str]:
+    """This process's open sockets: fd -> ``socket:[inode]`` (the inode tells a reused fd apart)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed while we looked
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+def sever(connections: dict[int, str]) -> int:
+    """Shut down the still-open, connected sockets of ``connections``; returns how many.
+
+    Gloo has no working abort: a rank blocked in a collective waits for its peers' bytes until
+    the process-group timeout, even after every peer gave up, because a failed peer keeps its
+    connections open as long as anything references its process groups. Shutting the sockets
+    down makes every peer's pending read fail at once (and this rank's own), which spreads a
+    failure through the world in milliseconds. Listening sockets are left alone: gloo's accept
+    loop treats their shutdown as fatal.
+    """
+    current = open_sockets()
+    done = 0
+    for fd, inode in connections.items():
+        if current.get(fd) != inode:  # gloo closed it, or the fd now names another socket
+            continue
+        sock = socket.socket(fileno=fd)
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the fd stays gloo's to close
+    return done
 
 
 @dataclass

@@ -183,11 +183,12 @@ class ZeroState:
                 p.data.view(-1).copy_(torch.from_numpy(values).to(p.device, p.dtype))
 
 
-def capture_scalars(engine: Any, zero: ZeroState, trainer_step: int) -> dict[str, Any]:
+def capture_scalars(engine: Any, zero: ZeroState, trainer_step: int, data_cursor: int) -> dict[str, Any]:
     """The small, non-tensor part of the state (taken synchronously: microseconds)."""
     scheduler = engine.lr_scheduler
     return {
         "trainer_step": trainer_step,
+        "data_cursor": data_cursor,
         "optimizer_steps": zero.optimizer_steps(),
         "global_steps": int(engine.global_steps),
         "global_samples": int(engine.global_samples),
@@ -196,8 +197,9 @@ def capture_scalars(engine: Any, zero: ZeroState, trainer_step: int) -> dict[str
     }
 
 
-def restore_scalars(engine: Any, zero: ZeroState, scalars: dict[str, Any]) -> int:
-    """Apply ``capture_scalars``'s output; returns the trainer step to continue from."""
+def restore_scalars(engine: Any, zero: ZeroState, scalars: dict[str, Any]) -> tuple[int, int]:
+    """Apply ``capture_scalars``'s output; returns the trainer step to continue from and the
+    data cursor (batches consumed) that goes with it."""
     zero.set_optimizer_steps(scalars["optimizer_steps"])
     engine.global_steps = scalars["global_steps"]
     engine.global_samples = scalars["global_samples"]
@@ -209,7 +211,8 @@ def restore_scalars(engine: Any, zero: ZeroState, scalars: dict[str, Any]) -> in
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr
     torch.set_rng_state(torch.from_numpy(np.frombuffer(bytes.fromhex(scalars["torch_rng"]), dtype=np.uint8).copy()))
-    return int(scalars["trainer_step"])
+    step = int(scalars["trainer_step"])
+    return step, int(scalars.get("data_cursor", step))
 
 
 # --- encoding ---------------------------------------------------------------------------------

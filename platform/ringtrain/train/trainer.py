@@ -107,6 +107,9 @@ class Trainer:
             vocab_size=job.model.vocab_size,
         )
         self.step = 0  # optimizer steps completed
+        # Batches consumed: the step's samples are those of batch ``data_cursor``. It runs ahead
+        # of ``step`` only when a poisoned batch was skipped.
+        self.data_cursor = 0
         self.faults = FaultPlan(job.chaos.faults)
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
         self.snapshotter: Optional[Snapshotter] = None
@@ -126,11 +129,17 @@ class Trainer:
     def _inject_faults(self) -> bool:
         """Apply the chaos plan's faults for the step about to run; True when its loss is poisoned."""
         poison = False
-        for fault in self.faults.at(self.mesh.rank, self.step + 1):
+        for fault in self.faults.take(self.mesh.rank, self.step + 1):
             if fault.kind == "crash":
                 os._exit(70)  # abrupt, like a kill: no cleanup, no exception to report
             elif fault.kind == "slow":
                 time.sleep(fault.seconds)
+            elif fault.kind == "hang":
+                # Stuck in compute: the peers wait in their next collective until the
+                # controller acts (a bounded sleep when seconds is set, else for good).
+                deadline = time.monotonic() + (fault.seconds or float("inf"))
+                while time.monotonic() < deadline:
+                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
             elif fault.kind == "nan":
                 poison = True
         return poison
@@ -152,9 +161,10 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = float(self.engine.get_lr()[0])  # the rate this step uses; the scheduler advances in step()
-        batches = self.data.step_batches(self.step, self.mesh.coord.replica)
+        batches = self.data.step_batches(self.data_cursor, self.mesh.coord.replica)
         losses = [self._micro_step(mb, poison) for mb in batches]
         self.step += 1
+        self.data_cursor += 1
         local_loss = torch.stack(losses).mean()
         loss = all_reduce_mean(local_loss).item()
         grad_norm = self.engine.get_global_grad_norm()
@@ -187,7 +197,7 @@ class Trainer:
         every = self.job.checkpoint.snapshot_every
         # The last step of the run is always captured: it is the one a resume continues from.
         if self.snapshotter is not None and (self.step % every == 0 or self.step == self.job.last_step):
-            self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step))
+            self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step, self.data_cursor))
 
     def last_snapshot(self) -> Optional[Snapshot]:
         """The newest finished snapshot (the one of this step may still be in flight)."""
@@ -209,10 +219,17 @@ class Trainer:
         if self.snapshotter is not None:
             self.snapshotter.wait()  # a copy in flight still reads the state about to be replaced
         self.zero.load(index)
-        self.step = restore_scalars(self.engine, self.zero, index.scalars)
+        self.step, self.data_cursor = restore_scalars(self.engine, self.zero, index.scalars)
         if self.snapshotter is not None:
             self.snapshotter.forget_after(self.step)
         return self.step
+
+    def skip_batch(self) -> int:
+        """Drop the batch the next step would train on (after a rollback past a poisoned one);
+        returns the first sample index of the batch skipped."""
+        first = self.data.plan.replica_samples(self.data_cursor, 0)[0]
+        self.data_cursor += 1
+        return first
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full (unpartitioned) parameters as fp32 CPU tensors; collective under ZeRO-3."""
@@ -228,8 +245,19 @@ class Trainer:
                 out[name] = p.detach().float().cpu().clone()
         return out
 
+    def abort_process_groups(self) -> None:
+        """Abort every process group of this rank: its connections to peers close, so a peer
+        blocked on this rank fails at once; collectives in flight here end with an error."""
+        if dist.is_initialized():
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+
+    def leave_process_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def close(self) -> None:
         if self.snapshotter is not None:
             self.snapshotter.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.leave_process_group()

@@ -1,0 +1,235 @@
+"""Recovery: carries out a fault or elastic decision on the WorkerGroup.
+
+Survivors keep their processes. The state of the step to resume from is gathered before anyone
+leaves the old world: each survivor's own shard from its memory, a lost rank's shard from a
+node holder (its own node's, or the buddy node's when its node is gone), picked by
+``controllers.snapshots.plan_restore``. Then the new world forms (survivors, warm spares and
+new workers join one process group) and every rank loads the snapshot resharded to the new dp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ringtrain.actors.group import Member, StepFailed, WorkerGroup
+from ringtrain.chaos import FaultSpec
+from ringtrain.config import ChaosConfig, JobConfig
+from ringtrain.controllers.elastic import evicted, reseat
+from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
+from ringtrain.controllers.snapshots import Holding, RestorePlan, Source, plan_restore
+from ringtrain.errors import RingtrainError
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryError(RingtrainError):
+    """No way back: no whole snapshot to resume from, or the new world could not form."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int  # the step training continues after
+    dp: int
+    spares_used: int
+    new_workers: int
+
+
+def world_job(job: JobConfig, *, dp: int, fired_through: int) -> JobConfig:
+    """The job for a world of ``dp`` replicas: chaos faults due at or before ``fired_through``
+    (the step that failed) are dropped, so a replacement does not meet them again."""
+    faults = [FaultSpec(**dataclasses.asdict(f)) for f in job.chaos.faults if f.step > fired_through]
+    return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=dp), chaos=ChaosConfig(faults=faults))
+
+
+class Recovery:
+    failure_type = StepFailed
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def layout(self) -> dict[str, Any]:
+        return self.group.layout()
+
+    # --- what happened -------------------------------------------------------------------
+
+    def assess(self, failure: StepFailed) -> list[RankOutcome]:
+        """The step's outcomes, with each dead rank's node checked: gone with it, or still up."""
+        nodes: dict[str, bool] = {}
+        out = []
+        for o in failure.outcomes:
+            if o.outcome is Outcome.DIED:
+                info = self.group.members[o.rank].info
+                node = info.node_id if info else ""
+                if node not in nodes:
+                    nodes[node] = self.group.node_alive(node)
+                o = dataclasses.replace(o, node_alive=nodes[node])
+            out.append(o)
+        return out
+
+    def capacity(self, lost: tuple[int, ...]) -> Capacity:
+        """Warm spares ready now, and slots a new worker could start in: the cluster's free
+        capacity plus the lost ranks' own slots on nodes that are still up."""
+        g = self.group
+        ready = [s for s in g.spares if g.ready([s])]
+        own = 0
+        for rank in lost:
+            info = g.members[rank].info
+            if info is not None and info.node_id in g.holders:
+                own += 1
+        return Capacity(spares=len(ready), free_slots=g.free_capacity() + own)
+
+    # --- where the state comes from ------------------------------------------------------
+
+    def _holdings(self, survivors: dict[int, Member]) -> list[Holding]:
+        world = self.group.topology.world_size
+        timeout = self.group.job.controllers.heartbeat_timeout_s
+        holdings = []
+        peer_refs = {rank: m.handle.snapshot_steps.remote() for rank, m in survivors.items()}
+        holder_refs = {node: h.inventory.remote() for node, h in self.group.holders.items()}
+        for rank, ref in peer_refs.items():
+            steps = _get_or(ref, [], timeout)
+            holdings.append(
+                Holding(Source.PEER, f"peer:{rank}", frozenset((s, rank) for s in steps), tuple((s, world) for s in steps))
+            )
+        for node, ref in holder_refs.items():
+            inventory = _get_or(ref, None, timeout)
+            if inventory is None:  # the node went with its holder
+                self.group.forget_node(node)
+                continue
+            shards = frozenset((step, r) for step, (_, ranks) in inventory.items() for r in ranks)
+            worlds = tuple((step, w) for step, (w, _) in inventory.items())
+            holdings.append(Holding(Source.NODE, f"node:{node}", shards, worlds))
+        return holdings
+
+    def _fetch(self, plan: RestorePlan, survivors: dict[int, Member]) -> list[Any]:
+        """Pending shards of ``plan``'s step, in rank order; waits until every one exists, so
+        the survivors may leave their world (and its memory) afterwards."""
+        import ray
+
+        refs = []
+        for rank, where in plan.fetch:
+            kind, _, name = where.partition(":")
+            if kind == "peer":
+                refs.append(survivors[int(name)].handle.snapshot_blob.remote(plan.step))
+            else:
+                refs.append(self.group.holders[name].get.remote(rank, plan.step))
+        timeout = self.group.job.controllers.start_timeout_s
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        if len(ready) < len(refs):
+            raise RecoveryError(f"the shards of snapshot step {plan.step} could not be read within {timeout:g} s")
+        return refs
+
+    def restore_point(self, survivors: dict[int, Member], *, newest: int) -> tuple[RestorePlan, list[Any]]:
+        plan = plan_restore(self._holdings(survivors), newest=newest)
+        if plan is None:
+            raise RecoveryError(
+                f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders "
+                f"(checkpoint.snapshot_every={self.group.job.checkpoint.snapshot_every})"
+            )
+        return plan, self._fetch(plan, survivors)
+
+    # --- actions -------------------------------------------------------------------------
+
+    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Resumed:
+        """Drop ``lost`` ranks, seat the survivors of the kept replicas in a ``new_dp`` world,
+        fill the empty seats with up to ``spares`` warm spares, then new workers, and resume
+        from the newest whole snapshot at or before ``last_step``."""
+        g = self.group
+        topo = g.topology
+        old = list(g.members)
+        # A lost rank's slot is reused only where its node is still up.
+        alive = {r for r in lost if (old[r].info is not None and old[r].info.node_id in g.holders)} if g.holders else set(lost)
+        g.kill([old[r] for r in sorted(lost) if r in alive])
+        g.kill([old[r] for r in sorted(lost) if r not in alive], reuse_slots=False)
+        survivors = {r: m for r, m in enumerate(old) if r not in lost}
+        plan, shards = self.restore_point(survivors, newest=last_step)
+
+        seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
+        g.kill([old[r] for r in evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)])
+        ready = [s for s in g.spares if g.ready([s])]
+        taken = ready[: min(spares, seats.count(None))]
+        g.spares = [s for s in g.spares if s not in taken]
+        fill = taken + g.spawn(seats.count(None) - len(taken))
+        members = [old[r] if r is not None else fill.pop(0) for r in seats]
+
+        job = world_job(g.job, dp=new_dp, fired_through=last_step + 1)
+        step = g.form_world(members, job, snapshot=shards)
+        g.release_unused_placement()
+        self._forget_after(step)
+        return Resumed(step=step, dp=new_dp, spares_used=len(taken), new_workers=seats.count(None) - len(taken))
+
+    # --- growth --------------------------------------------------------------------------
+
+    def growth_capacity(self) -> int:
+        """Workers that could start now beyond the spares the job keeps."""
+        g = self.group
+        return max(0, g.free_capacity() - max(0, g.job.mesh.spares - len(g.spares)))
+
+    def prepare_growth(self, replicas: int) -> None:
+        """Start the workers of ``replicas`` more replicas (those already starting count); they
+        warm up while training goes on."""
+        g = self.group
+        g.growing += g.spawn(max(0, replicas * g.job.mesh.cp - len(g.growing)))
+
+    def growth_ready(self) -> bool:
+        return bool(self.group.growing) and self.group.ready(self.group.growing)
+
+    def grow(self, *, new_dp: int, last_step: int) -> Resumed:
+        """Add the prepared replicas at the step boundary after ``last_step``: every worker, old
+        and new, loads ``last_step``'s snapshot resharded to ``new_dp``."""
+        g = self.group
+        topo = g.topology
+        old = list(g.members)
+        plan, shards = self.restore_point(dict(enumerate(old)), newest=last_step)
+        if plan.step != last_step:
+            raise RecoveryError(f"the snapshot of step {last_step} is not whole; cannot grow at this step")
+        seats = reseat(dp=topo.dp, cp=topo.cp, lost=frozenset(), new_dp=new_dp)
+        fill = g.growing[: seats.count(None)]
+        g.growing = g.growing[len(fill) :]
+        members = [old[r] if r is not None else fill.pop(0) for r in seats]
+        step = g.form_world(members, world_job(g.job, dp=new_dp, fired_through=last_step), snapshot=shards)
+        return Resumed(step=step, dp=new_dp, spares_used=0, new_workers=seats.count(None))
+
+    # --- in place ----------------------------------------------------------------------
+
+    def skip_batch(self) -> range:
+        """Every rank skips the batch of the step about to run; returns its global samples."""
+        first = self.group.call_all("skip_batch")[0]
+        return range(first, first + self.group.job.train.global_batch)
+
+    def rollback(self, *, last_step: int, rejoin: bool) -> int:
+        """Same workers, state of the newest whole snapshot at or before ``last_step``; with
+        ``rejoin`` the process group is rebuilt first (a failed collective may have broken it)."""
+        g = self.group
+        members = list(g.members)
+        plan, shards = self.restore_point(dict(enumerate(members)), newest=last_step)
+        if rejoin:
+            step = g.form_world(members, world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1), snapshot=shards)
+        else:
+            step = g.restore_refs(shards)
+        self._forget_after(step)
+        return step
+
+    def _forget_after(self, step: int) -> None:
+        """Snapshots newer than ``step`` describe a future that was rolled back."""
+        for holder in self.group.holders.values():
+            holder.drop_after.remote(step)
+
+    def replenish_spares(self, target: int) -> None:
+        """Start spares in the background until ``target`` exist (free slots first)."""
+        g = self.group
+        missing = target - len(g.spares)
+        if missing > 0 and g.free_slots:
+            g.spares += g.spawn(min(missing, len(g.free_slots)))
+
+
+def _get_or(ref: Any, default: Any, timeout: float) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except Exception:  # the actor is gone or does not answer: it holds nothing we can use
+        return default

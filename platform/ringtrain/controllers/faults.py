@@ -1,0 +1,177 @@
+"""Fault policy: what went wrong in a step, and what to do about it. Pure.
+
+A failed step is seen as one outcome per rank. A dead process takes its peers' collectives
+down with it, so the ranks that merely lost a peer report communication errors; the policy
+looks through those to the rank that failed first-hand. Then it picks the cheapest recovery
+that keeps the configured global batch:
+
+- a warm spare takes each lost seat (same dp, no cold start);
+- else the broken replicas are evicted and the job shrinks, when ``mesh.min_dp`` allows (the
+  elastic policy grows it back once replacements are ready, without stopping training);
+- else new workers are started for the lost seats (the job waits for them);
+- an exception in a rank's own code, or a non-finite loss, rolls back to the last snapshot in
+  place; a non-finite loss then skips the poisoned batch or retries it (``controllers.on_nan``);
+- anything beyond ``controllers.max_recoveries``, or with no way forward, aborts the run.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    DIED = "died"  # the process is gone (killed, crashed, its node removed)
+    ERROR = "error"  # the step raised
+    LOST = "lost"  # alive as far as Ray knows, but stopped answering heartbeats or never finished
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank's step call ended."""
+
+    rank: int
+    outcome: Outcome
+    error: str = ""  # "<ExceptionType>: <first line>" for ERROR
+    node_alive: bool = True
+
+
+class Kind(enum.Enum):
+    CRASH = "crash"  # worker processes died
+    NODE_LOST = "node_lost"  # a whole node went with its workers
+    HANG = "hang"  # workers stopped answering or never finished the step
+    ERROR = "error"  # an exception in the step (user code, data, a collective without a dead peer)
+    NAN = "nan"  # a non-finite loss
+
+
+class Action(enum.Enum):
+    REPLACE = "replace"  # fill lost seats (spares or new workers), same dp
+    SHRINK = "shrink"  # evict the replicas with lost ranks
+    ROLLBACK = "rollback"  # same workers, state from the last snapshot
+    ABORT = "abort"
+
+
+# Messages of a collective that failed because a peer went away, not because of this rank.
+_PEER_FAILURE = re.compile(
+    r"connection (closed|reset|refused)|broken pipe|read error|socket|gloo|nccl|"
+    r"timed out|timeout|process ?group|peer|abort",
+    re.IGNORECASE,
+)
+
+
+def is_peer_failure(error: str) -> bool:
+    """True for the errors a rank reports when a collective lost one of its peers."""
+    return bool(_PEER_FAILURE.search(error))
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: Kind
+    ranks: tuple[int, ...]  # the ranks that failed first-hand
+    reason: str
+
+    @property
+    def lost_workers(self) -> bool:
+        """Whether the failed ranks' processes are gone (or must be) and their seats need filling."""
+        return self.kind in (Kind.CRASH, Kind.NODE_LOST, Kind.HANG)
+
+
+def classify(outcomes: Sequence[RankOutcome]) -> Optional[Failure]:
+    """The failure behind a step's outcomes, or None when every rank finished."""
+    by = {o: [r for r in outcomes if r.outcome is o] for o in Outcome}
+    died, lost, errors = by[Outcome.DIED], by[Outcome.LOST], by[Outcome.ERROR]
+    if died:
+        # Ranks still stuck when the others had settled cannot be trusted to join a new world.
+        ranks = tuple(sorted(r.rank for r in died + lost))
+        if any(not r.node_alive for r in died):
+            return Failure(Kind.NODE_LOST, ranks, f"node lost with ranks {list(ranks)}")
+        return Failure(Kind.CRASH, ranks, f"worker process of ranks {list(ranks)} died")
+    if lost:
+        ranks = tuple(sorted(r.rank for r in lost))
+        return Failure(Kind.HANG, ranks, f"ranks {list(ranks)} stopped answering")
+    if errors:
+        own = [r for r in errors if not is_peer_failure(r.error)] or errors
+        ranks = tuple(sorted(r.rank for r in own))
+        return Failure(Kind.ERROR, ranks, f"rank {own[0].rank} raised {own[0].error}")
+    return None
+
+
+def non_finite(losses: dict[int, float], step: int) -> Optional[Failure]:
+    """A NAN failure naming the ranks whose own loss went non-finite, if any did."""
+    bad = tuple(sorted(rank for rank, loss in losses.items() if not math.isfinite(loss)))
+    if not bad:
+        return None
+    return Failure(Kind.NAN, bad, f"non-finite loss at step {step}, first on ranks {list(bad)}")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the cluster offers to fill lost seats right now."""
+
+    spares: int  # warm spare workers ready to join
+    free_slots: int  # worker-sized slots where a new worker could start
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    dp_after: int
+    evict_replicas: tuple[int, ...] = ()
+    spares_used: int = 0  # lost seats filled by warm spares; the rest by new workers
+    skip_batch: bool = False  # after a rollback: drop the batch that poisoned the step
+
+
+def decide(
+    failure: Failure,
+    *,
+    dp: int,
+    cp: int,
+    min_dp: int,
+    capacity: Capacity,
+    recoveries: int,
+    max_recoveries: int,
+    on_nan: str,
+) -> Decision:
+    """The recovery for ``failure`` in a dp x cp job that has already made ``recoveries``."""
+    if recoveries >= max_recoveries:
+        return Decision(Action.ABORT, f"controllers.max_recoveries={max_recoveries} recoveries already made", dp)
+    if failure.kind is Kind.NAN:
+        if on_nan == "abort":
+            return Decision(Action.ABORT, "controllers.on_nan=abort", dp)
+        skip = on_nan == "skip"
+        what = "skip the poisoned batch" if skip else "retry the same batch"
+        return Decision(Action.ROLLBACK, f"roll back to the last snapshot and {what} (controllers.on_nan={on_nan})", dp, skip_batch=skip)
+    if failure.kind is Kind.ERROR:
+        return Decision(Action.ROLLBACK, "roll back to the last snapshot and retry the step in place", dp)
+
+    lost = len(failure.ranks)
+    broken = tuple(sorted({rank // cp for rank in failure.ranks}))
+    if capacity.spares >= lost:
+        return Decision(Action.REPLACE, f"{lost} warm spare(s) take the lost seats", dp, spares_used=lost)
+    if dp - len(broken) >= min_dp:
+        return Decision(
+            Action.SHRINK,
+            f"no warm spare for {lost} lost rank(s): evict replicas {list(broken)}, "
+            f"dp {dp} -> {dp - len(broken)} (mesh.min_dp={min_dp})",
+            dp - len(broken),
+            evict_replicas=broken,
+        )
+    if capacity.spares + capacity.free_slots >= lost:
+        return Decision(
+            Action.REPLACE,
+            f"dp {dp} cannot lose {len(broken)} replica(s) (mesh.min_dp={min_dp}): start new workers "
+            f"for {lost - capacity.spares} lost seat(s)",
+            dp,
+            spares_used=capacity.spares,
+        )
+    return Decision(
+        Action.ABORT,
+        f"{lost} rank(s) lost, no spare or free capacity to replace them and dp {dp} cannot shrink "
+        f"below mesh.min_dp={min_dp}",
+        dp,
+    )
