@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# crash: the worker process exits at once (as if killed); nan: the rank's loss becomes NaN,
-# so its gradients poison the step; slow: the rank sleeps ``seconds`` before the step;
-# hang: the rank stops in compute (sleeps ``seconds``, or for good when 0) and never reports.
+# crash: the worker process exits mid-step, after the forward pass (as if killed); nan: the
+# rank's loss becomes NaN, so its gradients poison the step; slow: the rank sleeps ``seconds``
+# before the step; hang: mid-step, the rank stops in compute (sleeps ``seconds``, or for good
+# when 0) while its peers wait in the step's collectives.
 FAULT_KINDS = ("crash", "nan", "slow", "hang")
 
 

@@ -56,3 +56,4 @@ class Incident:
     recover_s: Optional[float] = None
     lost_steps: int = 0
     verdict: Optional[dict[str, Any]] = None
+    phases: Optional[dict[str, float]] = None  # recovery time by phase (plan, warm, join, restore)

@@ -33,7 +33,7 @@ class ClusterHandle:
 
         if ray.is_initialized():
             ray.shutdown()
-        if self.temp_dir and not keep_logs and not os.environ.get("RT_KEEP"):
+        if self.temp_dir and not keep_logs:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 

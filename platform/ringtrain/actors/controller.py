@@ -237,7 +237,10 @@ class Controller:
                 raise
             outcomes = self.elastic.assess(exc)
             failure = classify(outcomes) or Failure(Kind.ERROR, (), str(exc))
-            return self._recover(failure, step, t0, seen_at=exc.seen_at, seen_unix=exc.seen_unix) + 1  # type: ignore[attr-defined]
+            # How each rank's step ended: the evidence behind the classification.
+            evidence = {"outcomes": [{"rank": o.rank, "outcome": o.outcome.value, "error": o.error, "node_alive": o.node_alive} for o in outcomes]}
+            seen = exc.seen_at, exc.seen_unix  # type: ignore[attr-defined]
+            return self._recover(failure, step, t0, seen_at=seen[0], seen_unix=seen[1], verdict=evidence) + 1
         wall = self.clock() - t0
         nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None
         if nan is not None:
@@ -253,7 +256,9 @@ class Controller:
 
     # --- recovery ------------------------------------------------------------------------
 
-    def _recover(self, failure: Failure, step: int, t0: float, *, seen_at: float, seen_unix: float) -> int:
+    def _recover(
+        self, failure: Failure, step: int, t0: float, *, seen_at: float, seen_unix: float, verdict: Optional[dict[str, Any]] = None
+    ) -> int:
         """Decide and carry out the recovery from ``failure`` seen in ``step``; returns the
         step training resumes after."""
         assert self.elastic is not None
@@ -278,15 +283,16 @@ class Controller:
             action=decision.action.value,
             detected_at=seen_unix,
             detect_s=seen_at - t0,
+            verdict=verdict,
         )
         if decision.action is Action.ABORT:
             raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
-        resumed = self._execute(decision, failure, last_step=step - 1)
+        resumed, phases = self._execute(decision, failure, last_step=step - 1)
         self._growing_to = None
         self._grow_gate.reset()
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
-        incident = dataclasses.replace(incident, dp_after=self.dp, lost_steps=len(struck))
+        incident = dataclasses.replace(incident, dp_after=self.dp, lost_steps=len(struck), phases=phases)
         self._update_incident(incident)
         self._recovering = (incident, seen_at)
         self._write_layout()
@@ -297,19 +303,20 @@ class Controller:
         self._transition(RunState.RUNNING, f"resumed after step {resumed}")
         return resumed
 
-    def _execute(self, decision: Decision, failure: Failure, *, last_step: int) -> int:
+    def _execute(self, decision: Decision, failure: Failure, *, last_step: int) -> tuple[int, Optional[dict[str, float]]]:
+        """Carry out ``decision``; returns the step resumed after and the time of each phase."""
         assert self.elastic is not None
         if decision.action is Action.ROLLBACK:
             resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR)
             if decision.skip_batch:
                 self.ledger.skip(self.elastic.skip_batch())
-            return resumed
+            return resumed, None
         out = self.elastic.reform(
             lost=frozenset(failure.ranks), new_dp=decision.dp_after, spares=decision.spares_used, last_step=last_step
         )
         self.dp = decision.dp_after
         self.elastic.replenish_spares(self.job.mesh.spares)
-        return int(out.step)
+        return int(out.step), dict(out.phases)
 
     def _finish_recovery(self) -> None:
         """The first step completed after a recovery closes its incident's clock."""
@@ -381,6 +388,7 @@ class Controller:
         action: str = "abort",
         detected_at: Optional[float] = None,
         detect_s: Optional[float] = None,
+        verdict: Optional[dict[str, Any]] = None,
     ) -> Incident:
         incident = Incident(
             id=self.run_dir.num_incidents() + 1,
@@ -392,6 +400,7 @@ class Controller:
             action=action,
             reason=reason,
             dp_before=self.dp,
+            verdict=verdict,
         )
         self.incidents.append(incident)
         record = dataclasses.asdict(incident)

@@ -72,6 +72,7 @@ class WorkerGroup:
         self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
         self.num_params = 0
         self.generation = 0  # worlds formed so far
+        self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
 
     # --- views ---------------------------------------------------------------------------
 
@@ -174,15 +175,20 @@ class WorkerGroup:
         step restored (0 without one)."""
         timeout = self.job.controllers.start_timeout_s
         self.job, self.members = job, members
+        t0 = time.monotonic()
         self._wait_warm(members, timeout)
         self._start_holders()
         self.generation += 1
+        t1 = time.monotonic()
         host, port = self._call(members[0].handle.create_store.remote(job.world_size), rank=0, timeout=timeout)
         counts = self._gather(lambda rank, w: w.join.remote(job, rank, host, port, self._holders_of(rank)), timeout)
         self.num_params = counts[0]
+        t2 = time.monotonic()
+        self.phases = {"warm_s": t1 - t0, "join_s": t2 - t1}
         if snapshot is None:
             return 0
         steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout)
+        self.phases["restore_s"] = time.monotonic() - t2
         return int(steps[0])
 
     def _start_holders(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ class Resumed:
     dp: int
     spares_used: int
     new_workers: int
+    phases: dict[str, float]  # seconds per phase: plan (find and fetch the state), warm, join, restore
 
 
 def world_job(job: JobConfig, *, dp: int, fired_through: int) -> JobConfig:
@@ -145,7 +147,9 @@ class Recovery:
         g.kill([old[r] for r in sorted(lost) if r in alive])
         g.kill([old[r] for r in sorted(lost) if r not in alive], reuse_slots=False)
         survivors = {r: m for r, m in enumerate(old) if r not in lost}
+        t0 = time.monotonic()
         plan, shards = self.restore_point(survivors, newest=last_step)
+        plan_s = time.monotonic() - t0
 
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
         g.kill([old[r] for r in evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)])
@@ -159,7 +163,7 @@ class Recovery:
         step = g.form_world(members, job, snapshot=shards)
         g.release_unused_placement()
         self._forget_after(step)
-        return Resumed(step=step, dp=new_dp, spares_used=len(taken), new_workers=seats.count(None) - len(taken))
+        return Resumed(step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases})
 
     # --- growth --------------------------------------------------------------------------
 
@@ -183,7 +187,9 @@ class Recovery:
         g = self.group
         topo = g.topology
         old = list(g.members)
+        t0 = time.monotonic()
         plan, shards = self.restore_point(dict(enumerate(old)), newest=last_step)
+        plan_s = time.monotonic() - t0
         if plan.step != last_step:
             raise RecoveryError(f"the snapshot of step {last_step} is not whole; cannot grow at this step")
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=frozenset(), new_dp=new_dp)
@@ -191,7 +197,7 @@ class Recovery:
         g.growing = g.growing[len(fill) :]
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
         step = g.form_world(members, world_job(g.job, dp=new_dp, fired_through=last_step), snapshot=shards)
-        return Resumed(step=step, dp=new_dp, spares_used=0, new_workers=seats.count(None))
+        return Resumed(step, new_dp, 0, seats.count(None), {"plan_s": plan_s, **g.phases})
 
     # --- in place ----------------------------------------------------------------------
 

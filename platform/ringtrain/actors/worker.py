@@ -42,13 +42,25 @@ class TrainWorker:
         )
 
     def warm(self) -> WorkerInfo:
-        """Import what ``join`` needs (the slow part of a cold start) and say where this runs."""
-        import torch  # noqa: F401
+        """Load what ``join`` and the first step need (the slow part of a cold start: imports,
+        DeepSpeed's op builders, kernels) and say where this worker runs."""
+        import torch
 
-        import ringtrain.train.trainer  # noqa: F401  (pulls DeepSpeed, the model, the data)
+        from ringtrain.train.trainer import warm_up
 
         _quiet_deepspeed()
+        device = self._device()
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, int(self.job.cluster.cpus_per_worker)))
+        else:
+            torch.cuda.set_device(device)
+        warm_up(self.job, device)
         return self.info()
+
+    def _device(self) -> Any:
+        import torch
+
+        return torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
 
     def heartbeat(self) -> int:
         """Answered on the second concurrency slot while a step runs: the process is alive."""
@@ -76,7 +88,7 @@ class TrainWorker:
 
         self.leave()
         self.job, self.rank = job, rank
-        device = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
+        device = self._device()
         if device.type == "cpu":
             # Ray sets OMP_NUM_THREADS=1 only for actors with num_cpus < 1; be explicit either way.
             torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
@@ -116,12 +128,15 @@ class TrainWorker:
         not at the process-group timeout, so a failure spreads through the world in
         milliseconds. The trainer (and its snapshots) stays until the next join, so recovery
         can still read them."""
-        if self.device_type == "cuda":
-            self._trainer.abort_process_groups()  # NCCL's abort does what it says
-        else:
-            from ringtrain.train.mesh import sever
+        try:
+            if self.device_type == "cuda":
+                self._trainer.abort_process_groups()  # NCCL's abort does what it says
+            else:
+                from ringtrain.train.mesh import sever
 
-            sever(self._connections)
+                sever(self._connections)
+        except Exception:  # the step's own error is the one to report
+            pass
 
     def snapshot(self, step: int) -> tuple[bytes, str]:
         """This rank's snapshot of ``step`` and its checksum (waits if still being taken)."""

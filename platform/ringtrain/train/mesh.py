@@ -67,7 +67,10 @@ def sever(connections: dict[int, str]) -> int:
     for fd, inode in connections.items():
         if current.get(fd) != inode:  # gloo closed it, or the fd now names another socket
             continue
-        sock = socket.socket(fileno=fd)
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed since we looked
+            continue
         try:
             if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)

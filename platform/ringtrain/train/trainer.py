@@ -9,17 +9,18 @@ the whole global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ringtrain.chaos import FaultPlan
-from ringtrain.config import JobConfig
+from ringtrain.chaos import FaultPlan, FaultSpec
+from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.status import StepReport
 from ringtrain.topology import Topology
 from ringtrain.train.data import BatchPlan, MicroBatch, ShardedData, load_tokens
@@ -74,6 +75,30 @@ def build_model(job: JobConfig, attention_fn: AttentionFn) -> Transformer:
     )
 
 
+def warm_up(job: JobConfig, device: torch.device) -> None:
+    """Touch everything a rank's first build and first step load lazily (DeepSpeed's and
+    torch's deferred imports, op builders, kernels, the corpus) by training one step of a
+    one-layer copy of the model in a one-rank world of its own. A fresh process spends seconds
+    on these; a warm spare or a new worker that did it in the background joins a world in a
+    fraction of a second."""
+    tiny = dataclasses.replace(
+        job,
+        model=dataclasses.replace(job.model, n_layers=1),
+        mesh=dataclasses.replace(job.mesh, dp=1, cp=1, ulysses=None, min_dp=1, max_dp=None, spares=0),
+        train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None),
+        data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64)),
+        checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0),
+        chaos=ChaosConfig(),
+    )
+    set_rank_env(rank=0, world_size=1, device=device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    trainer = Trainer(tiny, rank=0, device=device)
+    try:
+        trainer.train_step()
+    finally:
+        trainer.close()
+
+
 class Trainer:
     """Everything one rank needs to train; assumes ``torch.distributed`` is initialised."""
 
@@ -126,26 +151,35 @@ class Trainer:
     def _tensor(self, array: object) -> torch.Tensor:
         return torch.as_tensor(array, dtype=torch.long, device=self.device)
 
-    def _inject_faults(self) -> bool:
-        """Apply the chaos plan's faults for the step about to run; True when its loss is poisoned."""
-        poison = False
+    def _inject_faults(self) -> tuple[bool, list[FaultSpec]]:
+        """Take the chaos plan's faults for the step about to run: whether its loss is poisoned,
+        and the faults that strike mid-step. Slow faults delay the step's start here."""
+        poison, mid_step = False, []
         for fault in self.faults.take(self.mesh.rank, self.step + 1):
+            if fault.kind == "slow":
+                time.sleep(fault.seconds)
+            elif fault.kind == "nan":
+                poison = True
+            else:
+                mid_step.append(fault)
+        return poison, mid_step
+
+    @staticmethod
+    def _strike(faults: list[FaultSpec]) -> None:
+        """Crash and hang strike after the forward pass, with the step's collectives under way."""
+        for fault in faults:
             if fault.kind == "crash":
                 os._exit(70)  # abrupt, like a kill: no cleanup, no exception to report
-            elif fault.kind == "slow":
-                time.sleep(fault.seconds)
-            elif fault.kind == "hang":
+            if fault.kind == "hang":
                 # Stuck in compute: the peers wait in their next collective until the
                 # controller acts (a bounded sleep when seconds is set, else for good).
                 deadline = time.monotonic() + (fault.seconds or float("inf"))
                 while time.monotonic() < deadline:
                     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            elif fault.kind == "nan":
-                poison = True
-        return poison
 
-    def _micro_step(self, mb: MicroBatch, poison: bool = False) -> torch.Tensor:
+    def _micro_step(self, mb: MicroBatch, poison: bool = False, strike: Sequence[FaultSpec] = ()) -> torch.Tensor:
         logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
+        self._strike(list(strike))
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), self._tensor(mb.labels).flatten())
         if poison:
             loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
@@ -156,13 +190,13 @@ class Trainer:
         return loss.detach()
 
     def train_step(self) -> StepReport:
-        poison = self._inject_faults() if self.faults else False
+        poison, strike = self._inject_faults() if self.faults else (False, [])
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = float(self.engine.get_lr()[0])  # the rate this step uses; the scheduler advances in step()
         batches = self.data.step_batches(self.data_cursor, self.mesh.coord.replica)
-        losses = [self._micro_step(mb, poison) for mb in batches]
+        losses = [self._micro_step(mb, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)]
         self.step += 1
         self.data_cursor += 1
         local_loss = torch.stack(losses).mean()
