@@ -95,6 +95,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     micro_batch: int = 1
     global_batch: int = 2  # sequences per optimizer step, whatever the dp degree
+    # Data batches never to train on (batch b holds global samples [b, b + 1) x global_batch):
+    # the ones controllers.on_nan=skip dropped, or any a user wants passed over.
+    skip_batches: list[int] = field(default_factory=list)
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
 
 

@@ -33,6 +33,7 @@ class StepReport:
     num_tokens: int
     step_time_s: float
     samples: tuple[int, ...]  # global sample indices this rank's replica trained on (ring_pos 0 only)
+    batch: int = 0  # index of the data batch the step trained on (runs ahead of step after a skip)
     snapshot_step: int = 0  # newest finished in-memory snapshot (0: none yet)
     snapshot_s: float = 0.0  # its latency: copy + encode + checksum, off the critical path
     snapshot_bytes: int = 0

@@ -302,3 +302,97 @@ def test_a_directory_is_not_a_job_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         config.load(tmp_path)
     assert err.value.key == "config"
+
+
+# --- elasticity and fault handling -------------------------------------------------------
+
+
+def test_elastic_defaults() -> None:
+    job = config.load()
+    assert (job.mesh.min_dp, job.mesh.max_dp, job.mesh.spares) == (1, None, 0)
+    c = job.controllers
+    assert (c.heartbeat_s, c.heartbeat_timeout_s, c.max_recoveries, c.on_nan, c.grow_after_s) == (1.0, 10.0, 20, "skip", 10.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "max_dp"),
+    [
+        pytest.param(["mesh.dp=2", "train.global_batch=4"], 2, id="unset-means-dp"),
+        pytest.param(["mesh.dp=2", "train.global_batch=4", "mesh.max_dp=2"], 2, id="equal-to-dp"),
+        pytest.param(["mesh.dp=2", "train.global_batch=4", "mesh.max_dp=4"], 4, id="above-dp"),
+    ],
+)
+def test_max_dp_defaults_to_dp(overrides: list[str], max_dp: int) -> None:
+    assert config.load(None, overrides).max_dp == max_dp
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        pytest.param(["mesh.dp=2", "train.global_batch=4", "mesh.min_dp=2"], "mesh.min_dp", 2, id="min-dp-equal-to-dp"),
+        pytest.param(["mesh.spares=3"], "mesh.spares", 3, id="spares"),
+        pytest.param(
+            ["controllers.heartbeat_s=2", "controllers.heartbeat_timeout_s=2"],
+            "controllers.heartbeat_timeout_s",
+            2.0,
+            id="timeout-equal-to-heartbeat",
+        ),
+        pytest.param(["controllers.heartbeat_s=0.25"], "controllers.heartbeat_s", 0.25, id="sub-second-heartbeat"),
+        pytest.param(["controllers.max_recoveries=0"], "controllers.max_recoveries", 0, id="no-recoveries"),
+        pytest.param(["controllers.grow_after_s=0"], "controllers.grow_after_s", 0.0, id="grow-at-once"),
+        pytest.param(["controllers.on_nan=skip"], "controllers.on_nan", "skip", id="on-nan-skip"),
+        pytest.param(["controllers.on_nan=retry"], "controllers.on_nan", "retry", id="on-nan-retry"),
+        pytest.param(["controllers.on_nan=abort"], "controllers.on_nan", "abort", id="on-nan-abort"),
+    ],
+)
+def test_valid_elastic_settings_load(overrides: list[str], key: str, value: object) -> None:
+    section, name = key.split(".")
+    assert getattr(getattr(config.load(None, overrides), section), name) == value
+
+
+BAD_ELASTIC = [
+    pytest.param(["mesh.min_dp=0"], "mesh.min_dp", id="min-dp-zero"),
+    pytest.param(["mesh.min_dp=-1"], "mesh.min_dp", id="min-dp-negative"),
+    pytest.param(["mesh.dp=2", "train.global_batch=4", "mesh.min_dp=3"], "mesh.min_dp", id="min-dp-above-dp"),
+    pytest.param(["mesh.dp=2", "train.global_batch=4", "mesh.max_dp=1"], "mesh.max_dp", id="max-dp-below-dp"),
+    pytest.param(["mesh.max_dp=two"], "mesh.max_dp", id="max-dp-str"),
+    pytest.param(["mesh.spares=-1"], "mesh.spares", id="spares-negative"),
+    pytest.param(["mesh.spares=1.5"], "mesh.spares", id="spares-float"),
+    pytest.param(["controllers.heartbeat_s=0"], "controllers.heartbeat_s", id="heartbeat-zero"),
+    pytest.param(["controllers.heartbeat_s=-1"], "controllers.heartbeat_s", id="heartbeat-negative"),
+    pytest.param(["controllers.heartbeat_timeout_s=0"], "controllers.heartbeat_timeout_s", id="heartbeat-timeout-zero"),
+    pytest.param(
+        ["controllers.heartbeat_s=5", "controllers.heartbeat_timeout_s=4"],
+        "controllers.heartbeat_timeout_s",
+        id="heartbeat-timeout-below-heartbeat",
+    ),
+    pytest.param(
+        ["controllers.heartbeat_timeout_s=0.5"],
+        "controllers.heartbeat_timeout_s",
+        id="heartbeat-timeout-below-default-heartbeat",
+    ),
+    pytest.param(["controllers.max_recoveries=-1"], "controllers.max_recoveries", id="max-recoveries-negative"),
+    pytest.param(["controllers.max_recoveries=many"], "controllers.max_recoveries", id="max-recoveries-str"),
+    pytest.param(["controllers.on_nan=ignore"], "controllers.on_nan", id="on-nan-unknown"),
+    pytest.param(["controllers.on_nan=Skip"], "controllers.on_nan", id="on-nan-case-matters"),
+    pytest.param(["controllers.grow_after_s=-0.5"], "controllers.grow_after_s", id="grow-after-negative"),
+    pytest.param(["controllers.bogus_s=1"], "controllers.bogus_s", id="unknown-controllers-key"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), BAD_ELASTIC)
+def test_bad_elastic_override_raises_config_error_naming_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config.load(None, overrides)
+    assert err.value.key == key
+    assert str(err.value).startswith(f"{key}: ")
+    assert err.value.reason
+
+
+def test_elastic_errors_say_what_bounds_the_value() -> None:
+    with pytest.raises(ConfigError, match="mesh.dp=2"):
+        config.load(None, ["mesh.dp=2", "train.global_batch=4", "mesh.min_dp=3"])
+    with pytest.raises(ConfigError, match="controllers.heartbeat_s=5"):
+        config.load(None, ["controllers.heartbeat_s=5", "controllers.heartbeat_timeout_s=4"])
+    with pytest.raises(ConfigError, match="skip, retry, abort"):
+        config.load(None, ["controllers.on_nan=ignore"])

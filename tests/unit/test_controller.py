@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,6 +12,7 @@ import pytest
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
+from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
 from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.telemetry.rundir import RunDir
@@ -116,3 +118,552 @@ def test_a_failed_step_records_an_incident_and_fails_the_run(tmp_path: Path, fai
     assert group.shut_down
     # The poisoned step is not in the metrics: nothing after step 2 was kept.
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# --- recovery and elasticity against a scripted fake Elastic ------------------------------
+#
+# The fake world keeps the real data semantics: the group has a data cursor; a step trains the
+# global samples [cursor * G, (cursor + 1) * G) and advances it; replica d of dp reports the
+# contiguous G / dp of them from its ring_pos-0 rank. Snapshots hold the cursor; a rollback or a
+# reform restores the newest snapshot at or before the step asked for (every
+# ``snapshot_every`` steps, so it may be older than the last completed step), and a skip moves
+# the cursor one batch on. Time is a fake clock that only the fakes move.
+
+STEP_S = 1.0  # one step
+DETECT_S = 0.25  # from a failed step's start to the failure being seen
+RECOVER_S = 2.0  # a reform or a rollback
+GROW_S = 0.5  # adding replicas at a step boundary
+UNIX0 = 1.7e9  # the fake's wall clock at clock time 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeStepFailed(Exception):
+    def __init__(self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float) -> None:
+        super().__init__("step failed")
+        self.outcomes = outcomes
+        self.seen_at = seen_at
+        self.seen_unix = seen_unix
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # crash | node_lost | hang | error (the step fails) | nan (the step's loss is NaN)
+    rank: int
+
+
+PEER = "RuntimeError: [gloo] Connection closed by peer"
+
+
+class ElasticGroup:
+    """dp x cp ranks on the real data order; ``faults`` strike once, on the step's next attempt;
+    a ``poisoned`` batch (a data cursor) gives a NaN loss on rank 1 every time it is trained."""
+
+    def __init__(self, job: config.JobConfig, clock: Clock, faults: Optional[dict[int, list[Fault]]] = None,
+                 poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1) -> None:
+        self.num_params = 7
+        self.G, self.dp, self.cp = job.train.global_batch, job.mesh.dp, job.mesh.cp
+        self.clock = clock
+        self.faults = {step: list(fs) for step, fs in (faults or {}).items()}
+        self.poisoned = poisoned
+        self.snapshot_every = snapshot_every
+        self.step, self.cursor = 0, 0
+        self.skipped: set[int] = set()  # batches never to train, as the workers keep them
+        self.snapshots = {0: 0}  # step -> data cursor after it
+        self.attempts: list[int] = []  # every step started, in order
+        self.shut_down = False
+
+    @property
+    def infos(self) -> list[WorkerInfo]:
+        return [WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu") for r in range(self.dp * self.cp)]
+
+    def start(self) -> None:
+        pass
+
+    def train_step(self) -> list[StepReport]:
+        step = self.step + 1
+        self.attempts.append(step)
+        world = self.dp * self.cp
+        pending = self.faults.get(step, [])
+        fault = pending.pop(0) if pending else None
+        if fault is not None and fault.kind != "nan":
+            self.clock.advance(DETECT_S)
+            first_hand = {
+                "crash": RankOutcome(fault.rank, Outcome.DIED),
+                "node_lost": RankOutcome(fault.rank, Outcome.DIED, node_alive=False),
+                "hang": RankOutcome(fault.rank, Outcome.LOST),
+                "error": RankOutcome(fault.rank, Outcome.ERROR, error="ValueError: bad batch"),
+            }[fault.kind]
+            outcomes = [first_hand if r == fault.rank else RankOutcome(r, Outcome.ERROR, error=PEER) for r in range(world)]
+            raise FakeStepFailed(outcomes, self.clock(), UNIX0 + self.clock())
+        self.clock.advance(STEP_S)
+        while self.cursor in self.skipped:
+            self.cursor += 1
+        nan_rank = fault.rank if fault is not None else 1 if self.cursor in self.poisoned else None
+        loss = math.nan if nan_rank is not None else 4.0 / step
+        batch = range(self.cursor * self.G, (self.cursor + 1) * self.G)
+        per = self.G // self.dp
+        reports = []
+        for rank in range(world):
+            replica, ring_pos = divmod(rank, self.cp)
+            reports.append(StepReport(
+                step=step, rank=rank, loss=loss, local_loss=math.nan if rank == nan_rank else 4.0 / step, lr=1e-3,
+                grad_norm=1.0, num_tokens=32, step_time_s=STEP_S, batch=self.cursor,
+                samples=tuple(batch[replica * per:(replica + 1) * per]) if ring_pos == 0 else (),
+            ))
+        self.step, self.cursor = step, self.cursor + 1
+        if step % self.snapshot_every == 0:
+            self.snapshots[step] = self.cursor
+        return reports
+
+    def restore_to(self, newest: int) -> int:
+        step = max(s for s in self.snapshots if s <= newest)
+        self.step, self.cursor = step, self.snapshots[step]
+        self.snapshots = {s: c for s, c in self.snapshots.items() if s <= step}  # a future rolled back
+        return step
+
+    def snapshot_refs(self, step: int) -> list[Any]:
+        return []
+
+    def restore(self, blobs: list[bytes]) -> int:
+        raise AssertionError("not resumed in these tests")
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@dataclass(frozen=True)
+class Reformed:
+    step: int
+    phases: dict[str, float]
+
+
+class FakeElastic:
+    """Carries out decisions on an ElasticGroup and records every call.
+
+    ``capacity_from``: clock time from which ``capacity_replicas`` more replicas' worth of
+    workers are free for growth; ``warm_polls``: how many growth_ready polls answer False before the prepared
+    workers are ready."""
+
+    failure_type = FakeStepFailed
+
+    def __init__(self, group: ElasticGroup, run_dir: Path, *, spares: int = 0, free_slots: int = 0,
+                 capacity_from: Optional[float] = None, capacity_replicas: int = 1, warm_polls: int = 0) -> None:
+        self.group, self.run_dir = group, run_dir
+        self.spares, self.free_slots = spares, free_slots
+        self.capacity_from, self.capacity_replicas, self.warm_polls = capacity_from, capacity_replicas, warm_polls
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.incidents_at_reform: list[dict[str, Any]] = []
+        self.preparing = 0
+
+    def named(self, method: str) -> list[dict[str, Any]]:
+        return [kwargs for name, kwargs in self.calls if name == method]
+
+    def assess(self, failure: FakeStepFailed) -> list[RankOutcome]:
+        self.calls.append(("assess", {}))
+        return list(failure.outcomes)
+
+    def capacity(self, lost: tuple[int, ...]) -> Capacity:
+        self.calls.append(("capacity", {"lost": lost}))
+        return Capacity(self.spares, self.free_slots)
+
+    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Reformed:
+        self.calls.append(("reform", {"lost": lost, "new_dp": new_dp, "spares": spares, "last_step": last_step}))
+        # What the run directory says while the recovery is under way.
+        self.incidents_at_reform += [json.loads(p.read_text()) for p in sorted((self.run_dir / "incidents").glob("*.json"))]
+        step = self.group.restore_to(last_step)
+        self.group.dp = new_dp
+        self.spares -= spares
+        self.group.clock.advance(RECOVER_S)
+        return Reformed(step, {"plan_s": 0.5})
+
+    def rollback(self, *, last_step: int, rejoin: bool) -> int:
+        self.calls.append(("rollback", {"last_step": last_step, "rejoin": rejoin}))
+        step = self.group.restore_to(last_step)
+        self.group.clock.advance(RECOVER_S)
+        return step
+
+    def skip_batch(self, batch: int) -> range:
+        self.calls.append(("skip_batch", {"batch": batch}))
+        g = self.group
+        g.skipped.add(batch)
+        return range(batch * g.G, (batch + 1) * g.G)
+
+    def replenish_spares(self, target: int) -> None:
+        self.calls.append(("replenish_spares", {"target": target}))
+
+    def growth_capacity(self) -> int:
+        self.calls.append(("growth_capacity", {}))
+        now = self.group.clock()
+        free = self.capacity_from is not None and now >= self.capacity_from
+        return self.capacity_replicas * self.group.cp if free else 0
+
+    def prepare_growth(self, replicas: int) -> None:
+        self.calls.append(("prepare_growth", {"replicas": replicas}))
+        self.preparing = replicas
+
+    def growth_ready(self) -> bool:
+        self.calls.append(("growth_ready", {}))
+        if self.warm_polls:
+            self.warm_polls -= 1
+            return False
+        return self.preparing > 0
+
+    def grow(self, *, new_dp: int, last_step: int) -> Reformed:
+        self.calls.append(("grow", {"new_dp": new_dp, "last_step": last_step}))
+        self.group.dp = new_dp
+        self.preparing = 0
+        self.group.clock.advance(GROW_S)
+        return Reformed(last_step, {})
+
+    def layout(self) -> dict[str, Any]:
+        return {"dp": self.group.dp, "ranks": list(range(self.group.dp * self.group.cp))}
+
+
+def elastic_job(*, mesh: Optional[dict[str, Any]] = None, train: Optional[dict[str, Any]] = None,
+                **controllers: Any) -> config.JobConfig:
+    """dp=2 x cp=2, global batch 4 (2 samples per replica), 8 steps, with the given changes.
+    Built in code and validated (config.load's OmegaConf merge alone takes longer than a test may)."""
+    job = config.JobConfig(
+        mesh=config.MeshConfig(**{"dp": 2, "cp": 2, **(mesh or {})}),
+        train=config.TrainConfig(**{"global_batch": 4, "steps": 8, **(train or {})}),
+        controllers=config.ControllersConfig(**controllers),
+    )
+    config.validate(job)
+    return job
+
+
+def elastic_run(
+    tmp_path: Path, job: config.JobConfig, *, faults: Optional[dict[int, list[Fault]]] = None,
+    poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1, **elastic: Any,
+) -> tuple[dict[str, Any], ElasticGroup, FakeElastic]:
+    clock = Clock()
+    group = ElasticGroup(job, clock, faults, poisoned, snapshot_every)
+    fake = FakeElastic(group, tmp_path, **elastic)
+    summary = Controller(job, group, RunDir(tmp_path), elastic=fake, clock=clock).run()
+    return summary, group, fake
+
+
+def incident_files(run_dir: Path) -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "incidents").glob("*.json"))}
+
+
+def whole(steps: int, *, global_batch: int = 4, skipped: int = 0) -> dict[str, int]:
+    """The ledger of a finished run: every sample of every kept step exactly once."""
+    return {"steps": steps, "samples": steps * global_batch, "duplicates": 0, "skipped": skipped, "missing": 0}
+
+
+@pytest.mark.parametrize(
+    "snapshot_every, resumed",
+    # The crash is in step 6, so the last completed step is 5; its newest snapshot is step 5
+    # (every step) or step 3 (every third), which loses steps 4 and 5.
+    [(1, 5), (3, 3)],
+    ids=["restore-last-step", "restore-older-step"],
+)
+def test_a_crash_with_a_warm_spare_replaces_the_rank_and_the_run_finishes(
+    tmp_path: Path, snapshot_every: int, resumed: int
+) -> None:
+    job = elastic_job(mesh={"spares": 1})
+    summary, group, fake = elastic_run(
+        tmp_path, job, faults={6: [Fault("crash", 3)]}, snapshot_every=snapshot_every, spares=1
+    )
+
+    assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 8, 2)
+    assert fake.named("reform") == [{"lost": frozenset({3}), "new_dp": 2, "spares": 1, "last_step": 5}]
+    assert fake.named("replenish_spares") == [{"target": 1}]
+    # Steps 1-6 were attempted, then training went on after the restore point.
+    assert group.attempts == [1, 2, 3, 4, 5, 6, *range(resumed + 1, 9)]
+    # The struck steps were trained again on the same samples: each sample exactly once.
+    assert summary["ledger"] == whole(8)
+    (recovery,) = summary["recoveries"]
+    assert (recovery["kind"], recovery["action"], recovery["ranks"], recovery["detected_at_step"]) == ("crash", "replace", [3], 6)
+    assert (recovery["dp_before"], recovery["dp_after"], recovery["lost_steps"]) == (2, 2, 5 - resumed)
+    # Every step took STEP_S on the fake clock; the crashed attempt DETECT_S, the reform RECOVER_S.
+    steps_run = 5 + (8 - resumed)
+    wall = steps_run * STEP_S + DETECT_S + RECOVER_S
+    assert summary["wall_time_s"] == pytest.approx(wall)
+    assert summary["train_time_s"] == pytest.approx(8 * STEP_S)
+    assert summary["goodput"] == pytest.approx(8 * STEP_S / wall)
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang", "node_lost"])
+def test_a_lost_rank_without_a_spare_shrinks_the_job(tmp_path: Path, kind: str) -> None:
+    job = elastic_job(mesh={"min_dp": 1})
+    summary, group, fake = elastic_run(tmp_path, job, faults={3: [Fault(kind, 2)]})
+
+    # Rank 2 is ring_pos 0 of replica 1 (cp=2): that replica goes, dp 2 -> 1.
+    assert fake.named("capacity") == [{"lost": (2,)}]
+    assert fake.named("reform") == [{"lost": frozenset({2}), "new_dp": 1, "spares": 0, "last_step": 2}]
+    assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 8, 1)
+    (recovery,) = summary["recoveries"]
+    assert (recovery["kind"], recovery["action"], recovery["dp_before"], recovery["dp_after"]) == (kind, "shrink", 2, 1)
+    # The global batch is unchanged: replica 0 now trains all 4 samples of each step.
+    assert summary["ledger"] == whole(8)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["dp"]) for r in lines] == [(1, 2), (2, 2), *((s, 1) for s in range(3, 9))]
+    assert summary["resizes"] == []  # no capacity came back
+    assert json.loads((tmp_path / "workers.json").read_text()) == {"dp": 1, "ranks": [0, 1]}
+
+
+@pytest.mark.parametrize(
+    "spares, free_slots, action, status",
+    [(0, 2, "replace", "finished"), (1, 0, "replace", "finished"), (0, 0, "abort", "failed")],
+    ids=["new-worker", "spare", "nothing"],
+)
+def test_at_min_dp_a_lost_rank_is_replaced_or_the_run_fails(
+    tmp_path: Path, spares: int, free_slots: int, action: str, status: str
+) -> None:
+    job = elastic_job(mesh={"min_dp": 2})
+    summary, _, fake = elastic_run(tmp_path, job, faults={4: [Fault("crash", 1)]}, spares=spares, free_slots=free_slots)
+
+    assert summary["status"] == status
+    (incident,) = incident_files(tmp_path).values()
+    assert (incident["kind"], incident["action"], incident["dp_before"]) == ("crash", action, 2)
+    if status == "finished":
+        assert fake.named("reform") == [{"lost": frozenset({1}), "new_dp": 2, "spares": spares, "last_step": 3}]
+        assert summary["ledger"] == whole(8)
+    else:
+        assert fake.named("reform") == [] and summary["recoveries"] == []
+        assert summary["final_step"] == 3 and "mesh.min_dp=2" in summary["error"]
+        assert summary["ledger"] == whole(3)
+
+
+def test_an_exception_in_a_rank_s_own_code_rolls_back_in_place_and_rejoins(tmp_path: Path) -> None:
+    summary, group, fake = elastic_run(tmp_path, elastic_job(), faults={3: [Fault("error", 1)]})
+
+    assert summary["status"] == "finished" and summary["dp"] == 2
+    assert fake.named("capacity") == [] and fake.named("reform") == []  # no seat to fill
+    assert fake.named("rollback") == [{"last_step": 2, "rejoin": True}]
+    (recovery,) = summary["recoveries"]
+    assert (recovery["kind"], recovery["ranks"], recovery["action"]) == ("error", [1], "rollback")
+    assert group.attempts == [1, 2, 3, 3, 4, 5, 6, 7, 8]
+    assert summary["ledger"] == whole(8)
+
+
+@pytest.mark.parametrize("on_nan", ["skip", "retry"])
+def test_a_nan_rolls_back_then_skips_or_retries_the_batch(tmp_path: Path, on_nan: str) -> None:
+    summary, group, fake = elastic_run(tmp_path, elastic_job(on_nan=on_nan), faults={3: [Fault("nan", 1)]})
+
+    assert summary["status"] == "finished" and summary["final_step"] == 8
+    assert fake.named("rollback") == [{"last_step": 2, "rejoin": False}]
+    (recovery,) = summary["recoveries"]
+    assert (recovery["kind"], recovery["ranks"], recovery["action"], recovery["lost_steps"]) == ("nan", [1], "rollback", 0)
+    assert group.attempts == [1, 2, 3, 3, 4, 5, 6, 7, 8]
+    if on_nan == "skip":
+        # Step 3's batch (cursor 2, samples 8-11) is dropped; steps 3-8 train cursors 3-8.
+        assert len(fake.named("skip_batch")) == 1
+        assert summary["ledger"] == whole(8, skipped=4)
+        lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6, 7, 8]  # the NaN step is not kept
+    else:
+        assert fake.named("skip_batch") == []
+        assert summary["ledger"] == whole(8)
+
+
+def test_a_skipped_poisoned_batch_is_not_met_again(tmp_path: Path) -> None:
+    # Batch 4 (step 5's) gives NaN every time it is trained: skipping it is the way through.
+    summary, _, fake = elastic_run(tmp_path, elastic_job(on_nan="skip"), poisoned=frozenset({4}))
+
+    assert summary["status"] == "finished"
+    assert len(summary["recoveries"]) == 1
+    assert summary["ledger"] == whole(8, skipped=4)
+    # Step 5 NaN'd, rolled back to step 4, then went on with batch 5.
+    assert fake.group.attempts == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+
+
+def test_on_nan_abort_fails_the_run_without_a_rollback(tmp_path: Path) -> None:
+    summary, _, fake = elastic_run(tmp_path, elastic_job(on_nan="abort"), faults={3: [Fault("nan", 0)]})
+
+    assert (summary["status"], summary["final_step"]) == ("failed", 2)
+    assert "controllers.on_nan=abort" in summary["error"]
+    assert fake.named("rollback") == [] and fake.named("skip_batch") == []
+    assert summary["recoveries"] == []
+    ((name, incident),) = incident_files(tmp_path).items()
+    assert name == "0001-nan.json" and (incident["action"], incident["ranks"]) == ("abort", [0])
+
+
+@pytest.mark.parametrize("max_recoveries", [0, 1, 2])
+def test_more_failures_than_max_recoveries_fail_the_run(tmp_path: Path, max_recoveries: int) -> None:
+    # A poisoned batch retried comes back every time: recovery after recovery, until the cap.
+    job = elastic_job(on_nan="retry", max_recoveries=max_recoveries)
+    summary, group, fake = elastic_run(tmp_path, job, poisoned=frozenset({2}))
+
+    assert summary["status"] == "failed"
+    assert f"controllers.max_recoveries={max_recoveries}" in summary["error"]
+    assert len(fake.named("rollback")) == len(summary["recoveries"]) == max_recoveries
+    actions = [i["action"] for i in incident_files(tmp_path).values()]
+    assert actions == ["rollback"] * max_recoveries + ["abort"]
+    assert group.attempts == [1, 2] + [3] * (max_recoveries + 1)
+    assert summary["ledger"] == whole(2)
+
+
+def test_an_incident_is_written_when_seen_and_again_with_recover_s_after_the_next_step(tmp_path: Path) -> None:
+    summary, _, fake = elastic_run(tmp_path, elastic_job(mesh={"spares": 1}), faults={4: [Fault("crash", 3)]}, spares=1)
+
+    # While the reform ran, the incident was already on disk, recovery still open.
+    (at_detection,) = fake.incidents_at_reform
+    assert (at_detection["kind"], at_detection["action"], at_detection["recover_s"], at_detection["dp_after"]) == (
+        "crash", "replace", None, None,
+    )
+    ((name, done),) = incident_files(tmp_path).items()
+    assert name == "0001-crash.json"
+    # Step 4 started at 3.0 and failed at 3.25 (DETECT_S): the reform took RECOVER_S, then the
+    # retried step 4 STEP_S, so training was back 2.0 + 1.0 after the failure was seen.
+    assert done["detect_s"] == pytest.approx(DETECT_S)
+    assert done["detected_at"] == pytest.approx(UNIX0 + 3 * STEP_S + DETECT_S)
+    assert done["recover_s"] == pytest.approx(RECOVER_S + STEP_S)
+    assert (done["dp_after"], done["lost_steps"], done["phases"]) == (2, 0, {"plan_s": 0.5})
+    assert [o["outcome"] for o in done["verdict"]["outcomes"]] == ["error", "error", "error", "died"]
+    assert summary["recoveries"][0]["recover_s"] == pytest.approx(RECOVER_S + STEP_S)
+
+
+def test_workers_json_follows_the_layout_after_each_change(tmp_path: Path) -> None:
+    clock = Clock()
+    job = elastic_job(mesh={"min_dp": 1})
+    group = ElasticGroup(job, clock, {3: [Fault("crash", 3)]})
+    fake = FakeElastic(group, tmp_path)
+    controller = Controller(job, group, RunDir(tmp_path), elastic=fake, clock=clock)
+    layouts: list[dict[str, Any]] = []
+    write_workers = controller.run_dir.write_workers
+
+    def spy(layout: dict[str, Any]) -> None:
+        layouts.append(layout)
+        write_workers(layout)
+
+    controller.run_dir.write_workers = spy  # type: ignore[method-assign]
+    controller.run()
+
+    # Once at the start (dp 2, ranks 0-3), once after the shrink to dp 1.
+    assert layouts == [{"dp": 2, "ranks": [0, 1, 2, 3]}, {"dp": 1, "ranks": [0, 1]}]
+    assert json.loads((tmp_path / "workers.json").read_text()) == layouts[-1]
+
+
+@pytest.mark.parametrize(
+    "heartbeat_s, warm_polls, polls, grown_after",
+    [
+        # The shrink resumes after step 2; capacity is free from t=5.0. Checks every step
+        # (heartbeat 1 s = one step): seen after step 3 (t=5.25), the gate opens 3 s later after
+        # step 6, workers are prepared, ready at the next poll: grown after step 7.
+        (1.0, 0, 4, 7),
+        # Ready only at the third poll: after step 9.
+        (1.0, 2, 4, 9),
+        # Checks every 2 s: after steps 3, 5, 7 (t=5.25, 7.25, 9.25); the gate opens after step 7.
+        (2.0, 0, 3, 8),
+    ],
+    ids=["every-step", "slow-warmup", "every-other-step"],
+)
+def test_after_a_shrink_the_job_grows_back_when_capacity_has_stayed(
+    tmp_path: Path, heartbeat_s: float, warm_polls: int, polls: int, grown_after: int
+) -> None:
+    job = elastic_job(train={"steps": 10}, mesh={"min_dp": 1}, grow_after_s=3.0, heartbeat_s=heartbeat_s)
+    summary, _, fake = elastic_run(
+        tmp_path, job, faults={3: [Fault("crash", 2)]}, capacity_from=5.0, warm_polls=warm_polls
+    )
+
+    assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 10, 2)
+    # Capacity is only looked for while dp < max_dp (= mesh.dp = 2), never once grown back.
+    assert len(fake.named("growth_capacity")) == polls
+    assert fake.named("prepare_growth") == [{"replicas": 1}]
+    assert fake.named("grow") == [{"new_dp": 2, "last_step": grown_after}]
+    (resize,) = summary["resizes"]
+    assert (resize["step"], resize["dp_before"], resize["dp_after"]) == (grown_after, 1, 2)
+    assert resize["seconds"] == pytest.approx(GROW_S)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    dps = [2, 2] + [1] * (grown_after - 2) + [2] * (10 - grown_after)
+    assert [r["dp"] for r in lines] == dps
+    assert summary["ledger"] == whole(10)
+    assert json.loads((tmp_path / "workers.json").read_text())["dp"] == 2
+
+
+def test_no_growth_when_capacity_never_returns(tmp_path: Path) -> None:
+    job = elastic_job(mesh={"min_dp": 1}, grow_after_s=0.0)
+    summary, _, fake = elastic_run(tmp_path, job, faults={3: [Fault("crash", 2)]})
+
+    assert summary["dp"] == 1 and summary["resizes"] == []
+    assert fake.named("prepare_growth") == [] and fake.named("grow") == []
+
+
+@pytest.mark.parametrize(
+    "capacity_replicas, grown",
+    # Global batch 8 allows dp 1, 2, 4 (not 3): one replica's worth of capacity more than dp 2
+    # cannot be used; two replicas' worth grows the job to 4. grow_after_s=0: the first check,
+    # after step 1, opens the gate; the prepared workers are ready at the poll after step 2.
+    [(1, []), (2, [{"new_dp": 4, "last_step": 2}])],
+    ids=["dp-3-not-allowed", "dp-4"],
+)
+def test_a_job_below_max_dp_grows_only_to_an_allowed_dp(tmp_path: Path, capacity_replicas: int, grown: list[dict[str, int]]) -> None:
+    job = elastic_job(mesh={"max_dp": 4}, train={"global_batch": 8}, grow_after_s=0.0)
+    summary, _, fake = elastic_run(tmp_path, job, capacity_from=0.0, capacity_replicas=capacity_replicas)
+
+    assert fake.named("grow") == grown
+    assert summary["dp"] == (4 if grown else 2)
+    assert fake.named("prepare_growth") == ([{"replicas": 2}] if grown else [])
+    assert summary["ledger"] == whole(8, global_batch=8)
+
+
+# --- edge cases: shrink onto an allowed dp, skips behind the restore point, back-to-back failures ---
+
+
+def test_a_shrink_lands_on_a_dp_that_divides_the_global_batch(tmp_path: Path) -> None:
+    # Global batch 8, micro-batch 1: allowed dps are 1, 2, 4. Losing replica 3 of 4 leaves 3
+    # replicas' worth; the largest allowed dp that fits is 2.
+    job = elastic_job(mesh={"dp": 4, "cp": 1, "min_dp": 1}, train={"global_batch": 8})
+    summary, _, fake = elastic_run(tmp_path, job, faults={2: [Fault("crash", 3)]})
+
+    assert [call["new_dp"] for call in fake.named("reform")] == [2]
+    assert summary["dp"] == 2
+    assert summary["ledger"] == whole(8, global_batch=8)
+
+
+def test_on_nan_skip_drops_the_poisoned_batch_even_when_the_restore_point_is_older(tmp_path: Path) -> None:
+    # Snapshots every 3 steps; batch 4 (step 5's) is poisoned. The rollback after step 5 goes back
+    # to step 3 (cursor 3); steps 4.. must then train batches 3, 5, 6, ... with 4 dropped.
+    job = elastic_job(on_nan="skip", max_recoveries=3)
+    summary, _, _ = elastic_run(tmp_path, job, poisoned=frozenset({4}), snapshot_every=3)
+
+    assert summary["status"] == "finished"
+    assert len(summary["recoveries"]) == 1
+    assert summary["ledger"] == whole(8, skipped=4)
+
+
+def test_back_to_back_failures_both_get_recover_s(tmp_path: Path) -> None:
+    summary, _, _ = elastic_run(
+        tmp_path, elastic_job(mesh={"spares": 2}), faults={3: [Fault("crash", 3), Fault("crash", 1)]}, spares=2
+    )
+
+    assert summary["status"] == "finished"
+    first, second = incident_files(tmp_path).values()
+    # Step 3 starts at 2.0 and fails at 2.25; reform to 4.25; the retry fails at 4.5; reform to
+    # 6.5; the second retry completes at 7.5: training is back 5.25 after the first failure.
+    assert second["recover_s"] == pytest.approx(7.5 - 4.5)
+    assert first["recover_s"] == pytest.approx(7.5 - 2.25)
+
+
+class BrokenGroup(ElasticGroup):
+    def train_step(self) -> list[StepReport]:
+        if self.step == 2:
+            raise RuntimeError("a bug in the group")
+        return super().train_step()
+
+
+def test_an_unexpected_exception_still_leaves_a_summary(tmp_path: Path) -> None:
+    job = elastic_job()
+    clock = Clock()
+    group = BrokenGroup(job, clock)
+    try:
+        Controller(job, group, RunDir(tmp_path), elastic=FakeElastic(group, tmp_path), clock=clock).run()
+    except RuntimeError:
+        pass
+
+    assert group.shut_down
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["final_step"]) == ("failed", 2)

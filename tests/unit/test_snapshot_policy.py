@@ -6,7 +6,17 @@ import itertools
 
 import pytest
 
-from ringtrain.controllers.snapshots import Candidate, Source, choose_restore_point, persist_due
+from typing import Optional
+
+from ringtrain.controllers.snapshots import (
+    Candidate,
+    Holding,
+    RestorePlan,
+    Source,
+    choose_restore_point,
+    persist_due,
+    plan_restore,
+)
 
 
 def candidate(source: Source, step: int, ranks: range | set[int] = range(4), world_size: int = 4) -> Candidate:
@@ -101,3 +111,97 @@ def test_persist_every_n_over_a_run() -> None:
     due = [s for s in range(1, 24) if persist_due(s, persist_every=5, final_step=23)]
 
     assert due == [5, 10, 15, 20, 23]
+
+
+# --- plan_restore: shard by shard, across holdings --------------------------------------
+
+
+def holding(source: Source, location: str, shards: dict[int, set[int] | range], worlds: Optional[dict[int, int]] = None) -> Holding:
+    """``shards``: step -> the ranks held; ``worlds``: step -> world size (default 4 for each step held)."""
+    pairs = frozenset((step, rank) for step, ranks in shards.items() for rank in ranks)
+    sizes = worlds if worlds is not None else {step: 4 for step in shards}
+    return Holding(source, location, pairs, tuple(sorted(sizes.items())))
+
+
+def test_one_holding_with_every_shard_of_a_step() -> None:
+    plan = plan_restore([holding(Source.NODE, "node:a", {5: range(4)})])
+
+    assert plan == RestorePlan(5, 4, ((0, "node:a"), (1, "node:a"), (2, "node:a"), (3, "node:a")))
+
+
+def test_the_shards_of_one_step_may_come_from_different_places() -> None:
+    # Survivors 0, 1, 2 hold their own shard; rank 3 died and only its node holder has its shard.
+    peers = [holding(Source.PEER, f"peer:{r}", {7: {r}}) for r in range(3)]
+    node = holding(Source.NODE, "node:b", {7: {2, 3}})
+
+    plan = plan_restore([node, *peers])
+
+    assert plan == RestorePlan(7, 4, ((0, "peer:0"), (1, "peer:1"), (2, "peer:2"), (3, "node:b")))
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(Source)), ids=lambda o: "-".join(s.name for s in o))
+def test_each_shard_comes_from_the_cheapest_place_that_has_it(order: tuple[Source, ...]) -> None:
+    # PEER holds rank 0 only, NODE ranks 0-1, DURABLE all four: 0 from the peer, 1 from the
+    # node, 2-3 from the durable store, whatever order the holdings come in.
+    ranks = {Source.PEER: {0}, Source.NODE: {0, 1}, Source.DURABLE: set(range(4))}
+    holdings = [holding(source, source.name.lower(), {3: ranks[source]}) for source in order]
+
+    plan = plan_restore(holdings)
+
+    assert plan is not None
+    assert plan.fetch == ((0, "peer"), (1, "node"), (2, "durable"), (3, "durable"))
+
+
+def test_the_newest_whole_step_wins_even_when_an_older_one_is_cheaper() -> None:
+    peer = holding(Source.PEER, "peer", {4: range(4)})
+    node = holding(Source.NODE, "node", {5: range(4)})
+
+    plan = plan_restore([peer, node])
+
+    assert plan is not None and (plan.step, {where for _, where in plan.fetch}) == (5, {"node"})
+
+
+def test_a_step_missing_one_shard_everywhere_falls_back_to_an_older_whole_step() -> None:
+    # Step 6: rank 2's shard is nowhere. Step 5 is whole across the two holders.
+    a = holding(Source.NODE, "node:a", {6: {0, 1}, 5: {0, 1}})
+    b = holding(Source.NODE, "node:b", {6: {3}, 5: {2, 3}})
+
+    plan = plan_restore([a, b])
+
+    assert plan == RestorePlan(5, 4, ((0, "node:a"), (1, "node:a"), (2, "node:b"), (3, "node:b")))
+
+
+@pytest.mark.parametrize("newest, step", [(None, 9), (9, 9), (8, 7), (7, 7), (6, None)])
+def test_newest_caps_the_step(newest: Optional[int], step: Optional[int]) -> None:
+    node = holding(Source.NODE, "node", {7: range(4), 9: range(4)})
+
+    plan = plan_restore([node], newest=newest)
+
+    assert (plan.step if plan else None) == step
+
+
+def test_a_step_s_world_size_is_the_one_its_snapshot_was_written_at() -> None:
+    # Step 8 was written by 2 ranks (after a shrink), step 6 by 4: only ranks 0-1 of step 8 needed.
+    node = holding(Source.NODE, "node", {8: {0, 1}, 6: range(4)}, worlds={8: 2, 6: 4})
+
+    assert plan_restore([node]) == RestorePlan(8, 2, ((0, "node"), (1, "node")))
+
+
+@pytest.mark.parametrize(
+    "holdings",
+    [
+        [],
+        [holding(Source.PEER, "peer:0", {5: {0}}), holding(Source.NODE, "node", {5: {1, 2}})],
+        # Shards held, but no holding says how many ranks wrote step 5: it cannot be judged whole.
+        [holding(Source.NODE, "node", {5: range(4)}, worlds={})],
+    ],
+    ids=["no-holdings", "rank-3-nowhere", "unknown-world-size"],
+)
+def test_no_whole_step_means_no_plan(holdings: list[Holding]) -> None:
+    assert plan_restore(holdings) is None
+
+
+def test_holdings_may_come_from_a_one_shot_iterator() -> None:
+    plan = plan_restore(iter([holding(Source.DURABLE, "d", {2: range(4)}), holding(Source.PEER, "p", {2: range(4)})]))
+
+    assert plan is not None and {where for _, where in plan.fetch} == {"p"}

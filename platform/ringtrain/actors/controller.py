@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
-from ringtrain.controllers.elastic import GrowGate, target_dp
+from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
 from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, RankOutcome, classify, decide, non_finite
 from ringtrain.controllers.ledger import SampleLedger
 from ringtrain.controllers.snapshots import persist_due
@@ -79,7 +79,7 @@ class Elastic(Protocol):
     def capacity(self, lost: tuple[int, ...]) -> Capacity: ...
     def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Any: ...
     def rollback(self, *, last_step: int, rejoin: bool) -> int: ...
-    def skip_batch(self) -> range: ...
+    def skip_batch(self, batch: int) -> range: ...
     def replenish_spares(self, target: int) -> None: ...
     def growth_capacity(self) -> int: ...
     def prepare_growth(self, replicas: int) -> None: ...
@@ -169,7 +169,7 @@ class Controller:
         self.persist_s = 0.0
         self.error: Optional[str] = None
         self.resizes: list[dict[str, Any]] = []
-        self._recovering: Optional[tuple[Incident, float]] = None  # awaiting its next completed step
+        self._recovering: list[tuple[Incident, float]] = []  # incidents awaiting their next completed step
         self._grow_gate = GrowGate(job.controllers.grow_after_s)
         self._growing_to: Optional[int] = None
         self._next_capacity_check = 0.0
@@ -212,6 +212,10 @@ class Controller:
         except KeyboardInterrupt:
             self.error = "interrupted"
             self._transition(RunState.STOPPED, "interrupted by the user")
+        except Exception as exc:  # a bug, not a training failure: still leave the run's record
+            log.exception("the controller failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.state = RunState.FAILED
         finally:
             self._close_durable()
             self.group.shutdown()
@@ -247,7 +251,7 @@ class Controller:
             if self.elastic is None:
                 self._incident("nan", nan.ranks, step, t0, reason=nan.reason)
                 raise NonFiniteLoss(nan.reason)
-            return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time()) + 1
+            return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
         self._maybe_persist(step)
         self._record(reports, wall, started)
         self._finish_recovery()
@@ -257,13 +261,22 @@ class Controller:
     # --- recovery ------------------------------------------------------------------------
 
     def _recover(
-        self, failure: Failure, step: int, t0: float, *, seen_at: float, seen_unix: float, verdict: Optional[dict[str, Any]] = None
+        self,
+        failure: Failure,
+        step: int,
+        t0: float,
+        *,
+        seen_at: float,
+        seen_unix: float,
+        verdict: Optional[dict[str, Any]] = None,
+        batch: Optional[int] = None,
     ) -> int:
         """Decide and carry out the recovery from ``failure`` seen in ``step``; returns the
         step training resumes after."""
         assert self.elastic is not None
         self._transition(RunState.RECOVERING, failure.reason)
         capacity = self.elastic.capacity(failure.ranks) if failure.lost_workers else Capacity(0, 0)
+        t = self.job.train
         decision = decide(
             failure,
             dp=self.dp,
@@ -273,6 +286,7 @@ class Controller:
             recoveries=sum(1 for i in self.incidents if i.action != "abort"),
             max_recoveries=self.job.controllers.max_recoveries,
             on_nan=self.job.controllers.on_nan,
+            allowed_dps=allowed_dps(global_batch=t.global_batch, micro_batch=t.micro_batch, min_dp=1, max_dp=self.dp),
         )
         incident = self._incident(
             failure.kind.value,
@@ -287,14 +301,14 @@ class Controller:
         )
         if decision.action is Action.ABORT:
             raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
-        resumed, phases = self._execute(decision, failure, last_step=step - 1)
+        resumed, phases = self._execute(decision, failure, last_step=step - 1, batch=batch)
         self._growing_to = None
         self._grow_gate.reset()
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
         incident = dataclasses.replace(incident, dp_after=self.dp, lost_steps=len(struck), phases=phases)
         self._update_incident(incident)
-        self._recovering = (incident, seen_at)
+        self._recovering.append((incident, seen_at))
         self._write_layout()
         self.progress.message(
             f"incident {incident.id}: {decision.action.value} done, dp {incident.dp_before} -> {self.dp}, "
@@ -303,13 +317,17 @@ class Controller:
         self._transition(RunState.RUNNING, f"resumed after step {resumed}")
         return resumed
 
-    def _execute(self, decision: Decision, failure: Failure, *, last_step: int) -> tuple[int, Optional[dict[str, float]]]:
-        """Carry out ``decision``; returns the step resumed after and the time of each phase."""
+    def _execute(
+        self, decision: Decision, failure: Failure, *, last_step: int, batch: Optional[int]
+    ) -> tuple[int, Optional[dict[str, float]]]:
+        """Carry out ``decision``; returns the step resumed after and the time of each phase.
+        ``batch``: the data batch the failed step trained on (the one a skip drops)."""
         assert self.elastic is not None
         if decision.action is Action.ROLLBACK:
             resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR)
-            if decision.skip_batch:
-                self.ledger.skip(self.elastic.skip_batch())
+            if decision.skip_batch and batch is not None:
+                # Dropped when the data reaches it again: the restore point may lie steps before.
+                self.ledger.skip(self.elastic.skip_batch(batch))
             return resumed, None
         out = self.elastic.reform(
             lost=frozenset(failure.ranks), new_dp=decision.dp_after, spares=decision.spares_used, last_step=last_step
@@ -319,18 +337,17 @@ class Controller:
         return int(out.step), dict(out.phases)
 
     def _finish_recovery(self) -> None:
-        """The first step completed after a recovery closes its incident's clock."""
-        if self._recovering is None:
-            return
-        incident, seen_at = self._recovering
-        self._recovering = None
-        incident = dataclasses.replace(incident, recover_s=self.clock() - seen_at)
-        self._update_incident(incident)
-        if self.telemetry is not None:
-            self.telemetry.add(metrics.RECOVERIES, 1)
-            self.telemetry.set(metrics.RECOVERY_SECONDS, incident.recover_s or 0.0)
-            self.telemetry.add(metrics.LOST_STEPS, incident.lost_steps)
-            self.telemetry.set(metrics.DP_SIZE, self.dp)
+        """The first step completed after a recovery closes its incident's clock (and those of
+        any incident that struck while the job was still recovering)."""
+        for incident, seen_at in self._recovering:
+            incident = dataclasses.replace(incident, recover_s=self.clock() - seen_at)
+            self._update_incident(incident)
+            if self.telemetry is not None:
+                self.telemetry.add(metrics.RECOVERIES, 1)
+                self.telemetry.set(metrics.RECOVERY_SECONDS, incident.recover_s or 0.0)
+                self.telemetry.add(metrics.LOST_STEPS, incident.lost_steps)
+                self.telemetry.set(metrics.DP_SIZE, self.dp)
+        self._recovering = []
 
     def _maybe_grow(self, step: int) -> None:
         """Between steps: grow back towards max_dp when capacity has returned and stayed."""

@@ -136,14 +136,16 @@ class WorkerGroup:
                 f"only {len(ready)} of {len(self.placement_groups)} placement groups ({topo.cp} x {bundle} per replica, "
                 f"mesh.spares={self.job.mesh.spares}) could be placed within controllers.start_timeout_s={timeout:g}",
             )
-        members = [self._spawn(Slot(self.placement_groups[r // topo.cp], r % topo.cp)) for r in range(topo.world_size)]
+        members = [
+            self._spawn(Slot(self.placement_groups[r // topo.cp], r % topo.cp), rehearse=False) for r in range(topo.world_size)
+        ]
         if self.job.mesh.spares:
             self.spares = [self._spawn(Slot(self.placement_groups[-1], i)) for i in range(self.job.mesh.spares)]
         self._wait_warm(members + self.spares, timeout)
         self.form_world(members, self.job)
 
-    def _spawn(self, slot: Slot) -> Member:
-        """Start a worker actor in ``slot``; it warms up (imports) in the background."""
+    def _spawn(self, slot: Slot, *, rehearse: bool = True) -> Member:
+        """Start a worker actor in ``slot``; it warms up in the background (see TrainWorker.warm)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -159,7 +161,7 @@ class WorkerGroup:
             )
             .remote(self.job, -1, self.device)
         )
-        return Member(handle, slot, warm=handle.warm.remote())
+        return Member(handle, slot, warm=handle.warm.remote(rehearse))
 
     def _wait_warm(self, members: list[Member], timeout: float) -> None:
         for i, m in enumerate(members):
@@ -240,8 +242,8 @@ class WorkerGroup:
     # --- members come and go -------------------------------------------------------------
 
     def kill(self, members: list[Member], *, reuse_slots: bool = True) -> None:
-        """Stop these actors; their slots become free for replacements (unless their node is
-        gone: Ray would wait for it to come back)."""
+        """Stop these actors; their slots become free for replacements, except on a node known
+        to be gone (a worker placed there would wait for Ray to move the bundle elsewhere)."""
         import ray
 
         for m in members:
@@ -249,7 +251,8 @@ class WorkerGroup:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # already dead: nothing to stop
                 pass
-            if reuse_slots:
+            on_live_node = not self.holders or (m.info is not None and m.info.node_id in self.holders)
+            if reuse_slots and on_live_node:
                 self.free_slots.append(m.slot)
 
     def release_unused_placement(self) -> None:

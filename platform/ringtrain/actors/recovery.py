@@ -58,16 +58,21 @@ class Recovery:
     # --- what happened -------------------------------------------------------------------
 
     def assess(self, failure: StepFailed) -> list[RankOutcome]:
-        """The step's outcomes, with each dead rank's node checked: gone with it, or still up."""
-        nodes: dict[str, bool] = {}
+        """The step's outcomes, with each dead rank's node checked; a node found gone takes
+        every rank on it, whatever that rank's own call reported."""
+        g = self.group
+        node_of = {rank: (m.info.node_id if m.info else "") for rank, m in enumerate(g.members)}
+        alive: dict[str, bool] = {}
+        for o in failure.outcomes:
+            node = node_of[o.rank]
+            if o.outcome is Outcome.DIED and node not in alive:
+                alive[node] = g.node_alive(node)
+                if not alive[node]:
+                    g.forget_node(node)  # its holder and its slots went with it
         out = []
         for o in failure.outcomes:
-            if o.outcome is Outcome.DIED:
-                info = self.group.members[o.rank].info
-                node = info.node_id if info else ""
-                if node not in nodes:
-                    nodes[node] = self.group.node_alive(node)
-                o = dataclasses.replace(o, node_alive=nodes[node])
+            if alive.get(node_of[o.rank], True) is False:
+                o = dataclasses.replace(o, outcome=Outcome.DIED, node_alive=False, error=o.error or "node lost")
             out.append(o)
         return out
 
@@ -142,10 +147,7 @@ class Recovery:
         g = self.group
         topo = g.topology
         old = list(g.members)
-        # A lost rank's slot is reused only where its node is still up.
-        alive = {r for r in lost if (old[r].info is not None and old[r].info.node_id in g.holders)} if g.holders else set(lost)
-        g.kill([old[r] for r in sorted(lost) if r in alive])
-        g.kill([old[r] for r in sorted(lost) if r not in alive], reuse_slots=False)
+        g.kill([old[r] for r in sorted(lost)])  # slots on live nodes are reused
         survivors = {r: m for r, m in enumerate(old) if r not in lost}
         t0 = time.monotonic()
         plan, shards = self.restore_point(survivors, newest=last_step)
@@ -201,10 +203,14 @@ class Recovery:
 
     # --- in place ----------------------------------------------------------------------
 
-    def skip_batch(self) -> range:
-        """Every rank skips the batch of the step about to run; returns its global samples."""
-        first = self.group.call_all("skip_batch")[0]
-        return range(first, first + self.group.job.train.global_batch)
+    def skip_batch(self, batch: int) -> range:
+        """Every rank, and every worker that joins later, passes over data batch ``batch``;
+        returns its global samples."""
+        g = self.group
+        g.call_all("skip_batch", batch)
+        train = g.job.train
+        g.job = dataclasses.replace(g.job, train=dataclasses.replace(train, skip_batches=[*train.skip_batches, batch]))
+        return range(batch * train.global_batch, (batch + 1) * train.global_batch)
 
     def rollback(self, *, last_step: int, rejoin: bool) -> int:
         """Same workers, state of the newest whole snapshot at or before ``last_step``; with

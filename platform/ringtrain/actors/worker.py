@@ -41,9 +41,11 @@ class TrainWorker:
             device_name=_device_name(self.device_type),
         )
 
-    def warm(self) -> WorkerInfo:
-        """Load what ``join`` and the first step need (the slow part of a cold start: imports,
-        DeepSpeed's op builders, kernels) and say where this worker runs."""
+    def warm(self, rehearse: bool = True) -> WorkerInfo:
+        """Load what ``join`` and the first step need and say where this worker runs. With
+        ``rehearse``, also train one step of a one-layer model alone (the rest of a cold start:
+        DeepSpeed's deferred imports, op builders, kernels), so that joining later is quick;
+        the workers of the first world skip it, as they all pay that cost together anyway."""
         import torch
 
         from ringtrain.train.trainer import warm_up
@@ -54,7 +56,8 @@ class TrainWorker:
             torch.set_num_threads(max(1, int(self.job.cluster.cpus_per_worker)))
         else:
             torch.cuda.set_device(device)
-        warm_up(self.job, device)
+        if rehearse:
+            warm_up(self.job, device)
         return self.info()
 
     def _device(self) -> Any:
@@ -160,9 +163,9 @@ class TrainWorker:
         assert self._trainer is not None
         return self._trainer.restore(list(blobs))
 
-    def skip_batch(self) -> int:
+    def skip_batch(self, batch: int) -> None:
         assert self._trainer is not None
-        return self._trainer.skip_batch()
+        self._trainer.skip_batch(batch)
 
     def shutdown(self) -> None:
         self.leave()

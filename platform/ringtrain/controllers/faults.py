@@ -136,8 +136,13 @@ def decide(
     recoveries: int,
     max_recoveries: int,
     on_nan: str,
+    allowed_dps: Sequence[int] = (),
 ) -> Decision:
-    """The recovery for ``failure`` in a dp x cp job that has already made ``recoveries``."""
+    """The recovery for ``failure`` in a dp x cp job that has already made ``recoveries``.
+
+    ``allowed_dps``: the replica counts the global batch divides into (all when empty); a
+    shrink lands on the largest of them that the surviving replicas can run.
+    """
     if recoveries >= max_recoveries:
         return Decision(Action.ABORT, f"controllers.max_recoveries={max_recoveries} recoveries already made", dp)
     if failure.kind is Kind.NAN:
@@ -153,12 +158,14 @@ def decide(
     broken = tuple(sorted({rank // cp for rank in failure.ranks}))
     if capacity.spares >= lost:
         return Decision(Action.REPLACE, f"{lost} warm spare(s) take the lost seats", dp, spares_used=lost)
-    if dp - len(broken) >= min_dp:
+    fitting = [d for d in (allowed_dps or range(1, dp + 1)) if min_dp <= d <= dp - len(broken)]
+    if fitting:
+        new_dp = max(fitting)
         return Decision(
             Action.SHRINK,
             f"no warm spare for {lost} lost rank(s): evict replicas {list(broken)}, "
-            f"dp {dp} -> {dp - len(broken)} (mesh.min_dp={min_dp})",
-            dp - len(broken),
+            f"dp {dp} -> {new_dp} (mesh.min_dp={min_dp})",
+            new_dp,
             evict_replicas=broken,
         )
     if capacity.spares + capacity.free_slots >= lost:

@@ -135,6 +135,7 @@ class Trainer:
         # Batches consumed: the step's samples are those of batch ``data_cursor``. It runs ahead
         # of ``step`` only when a poisoned batch was skipped.
         self.data_cursor = 0
+        self.skip_batches = set(job.train.skip_batches)
         self.faults = FaultPlan(job.chaos.faults)
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
         self.snapshotter: Optional[Snapshotter] = None
@@ -195,7 +196,10 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         lr = float(self.engine.get_lr()[0])  # the rate this step uses; the scheduler advances in step()
-        batches = self.data.step_batches(self.data_cursor, self.mesh.coord.replica)
+        while self.data_cursor in self.skip_batches:
+            self.data_cursor += 1
+        batch = self.data_cursor
+        batches = self.data.step_batches(batch, self.mesh.coord.replica)
         losses = [self._micro_step(mb, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)]
         self.step += 1
         self.data_cursor += 1
@@ -214,6 +218,7 @@ class Trainer:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             num_tokens=sum(mb.input_ids.size for mb in batches),
             step_time_s=step_time,
+            batch=batch,
             samples=tuple(s for mb in batches for s in mb.samples) if self.mesh.coord.ring_pos == 0 else (),
             snapshot_step=last.step if last else 0,
             snapshot_s=last.total_s if last else 0.0,
@@ -258,12 +263,9 @@ class Trainer:
             self.snapshotter.forget_after(self.step)
         return self.step
 
-    def skip_batch(self) -> int:
-        """Drop the batch the next step would train on (after a rollback past a poisoned one);
-        returns the first sample index of the batch skipped."""
-        first = self.data.plan.replica_samples(self.data_cursor, 0)[0]
-        self.data_cursor += 1
-        return first
+    def skip_batch(self, batch: int) -> None:
+        """Never train on data batch ``batch`` (a poisoned one); the data moves past it."""
+        self.skip_batches.add(batch)
 
     def parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Full (unpartitioned) parameters as fp32 CPU tensors; collective under ZeRO-3."""
