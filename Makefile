@@ -70,6 +70,7 @@ bench: venv
 	PYTHONPATH=platform $(PY) bench/attention.py
 	PYTHONPATH=platform $(PY) bench/checkpoint.py
 	PYTHONPATH=platform $(PY) bench/planner_memory.py
+	PYTHONPATH=platform $(PY) bench/recovery.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

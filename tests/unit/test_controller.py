@@ -301,6 +301,9 @@ class FakeElastic:
     def replenish_spares(self, target: int) -> None:
         self.calls.append(("replenish_spares", {"target": target}))
 
+    def spares_changed(self) -> bool:
+        return False
+
     def growth_capacity(self) -> int:
         self.calls.append(("growth_capacity", {}))
         now = self.group.clock()

@@ -300,14 +300,20 @@ class WorkerGroup:
         return fits + len(self.free_slots)
 
     def ready(self, members: list[Member]) -> bool:
-        """Whether every one of ``members`` finished warming up (never waits)."""
+        """Whether every one of ``members`` finished warming up (never waits); those that did
+        get their WorkerInfo. A worker whose warm-up failed counts as not ready."""
         import ray
 
-        pending = [m.warm for m in members if m.warm is not None]
-        if not pending:
-            return True
-        done, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-        return len(done) == len(pending)
+        pending = [m for m in members if m.warm is not None]
+        if pending:
+            done, _ = ray.wait([m.warm for m in pending], num_returns=len(pending), timeout=0)
+            for m in pending:
+                if m.warm in done:
+                    try:
+                        m.info, m.warm = ray.get(m.warm), None
+                    except Exception:  # it died starting; it stays pending and is never taken
+                        pass
+        return all(m.warm is None for m in members)
 
     # --- steps and snapshots -------------------------------------------------------------
 

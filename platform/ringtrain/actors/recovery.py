@@ -230,6 +230,13 @@ class Recovery:
         for holder in self.group.holders.values():
             holder.drop_after.remote(step)
 
+    def spares_changed(self) -> bool:
+        """Whether a spare finished warming up since the last call (never waits)."""
+        g = self.group
+        before = sum(1 for s in g.spares if s.info is not None)
+        g.ready(g.spares)
+        return sum(1 for s in g.spares if s.info is not None) != before
+
     def replenish_spares(self, target: int) -> None:
         """Start spares in the background until ``target`` exist (free slots first)."""
         g = self.group
