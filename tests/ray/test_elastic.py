@@ -116,7 +116,10 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def wait_for(job: subprocess.Popen[str], run_dir: Path, what: str, done: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+Records = list[dict[str, Any]]
+
+
+def wait_for(job: subprocess.Popen[str], run_dir: Path, what: str, done: Callable[[Records], bool]) -> Records:
     """Poll metrics.jsonl (every 20 ms, bounded) until ``done`` holds; fail if the job ends first."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 """A short job with an injected NaN, end to end: TensorBoard's event files, report.html, the page.
 
-``chaos.faults`` makes rank 1's loss non-finite at step 3: the Controller records incident
-0001-nan and the run fails after steps 1-2. TensorBoard's own reader must find every scalar
+``chaos.faults`` makes rank 1's loss non-finite at step 3 and ``controllers.on_nan=abort`` says
+not to roll back: the Controller records incident 0001-nan and the run fails after steps 1-2. TensorBoard's own reader must find every scalar
 at the right step and the incident at step 3; ``ringtrain run`` writes the report, which
 Chromium must render from disk with its curves drawn and the incident listed.
 """
@@ -25,7 +25,7 @@ from .test_run_e2e import QUICKSTART, REPO, TINY, processes_using, ray_tmp, run_
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-NAN_ON_RANK_1_AT_STEP_3 = "chaos.faults=[{kind: nan, rank: 1, step: 3}]"
+NAN_ON_RANK_1_AT_STEP_3 = ["chaos.faults=[{kind: nan, rank: 1, step: 3}]", "controllers.on_nan=abort"]
 NUM_RANKS = 4  # quickstart's dp 2 x cp 2
 
 
@@ -46,7 +46,7 @@ def report_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 def test_a_nan_fault_shows_in_tensorboard_and_in_the_report(tmp_path: Path, ray_tmp: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(
-        [str(QUICKSTART), *TINY, "train.steps=6", NAN_ON_RANK_1_AT_STEP_3, f"run_dir={run_dir}"],
+        [str(QUICKSTART), *TINY, "train.steps=6", *NAN_ON_RANK_1_AT_STEP_3, f"run_dir={run_dir}"],
         home=tmp_path,
         ray_tmp=ray_tmp,
     )

@@ -89,9 +89,11 @@ def check_capacity(job: JobConfig, device: str) -> None:
         have = total.get(resource, 0.0)
         if need > have:
             per_key = "cluster.gpus_per_worker" if resource == "GPU" else "cluster.cpus_per_worker"
-            spares = f" + mesh.spares={job.mesh.spares}" if job.mesh.spares else ""
+            keys, values = "mesh.dp x mesh.cp", f"{job.mesh.dp} x {job.mesh.cp}"
+            if job.mesh.spares:
+                keys, values = f"{keys} + mesh.spares", f"{values} + {job.mesh.spares}"
             raise CapacityError(
                 "mesh.dp",
-                f"mesh.dp x mesh.cp{spares} = {job.mesh.dp} x {job.mesh.cp}{spares and f' + {job.mesh.spares}'} = {workers} workers need "
+                f"{keys} = {values} = {workers} workers need "
                 f"{need:g} {resource} ({per_key}={per_worker:g}) but the cluster has {have:g}",
             )

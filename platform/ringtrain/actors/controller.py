@@ -243,7 +243,7 @@ class Controller:
             outcomes = self.elastic.assess(exc)
             failure = classify(outcomes) or Failure(Kind.ERROR, (), str(exc))
             # How each rank's step ended: the evidence behind the classification.
-            evidence = {"outcomes": [{"rank": o.rank, "outcome": o.outcome.value, "error": o.error, "node_alive": o.node_alive} for o in outcomes]}
+            evidence = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
             seen = exc.seen_at, exc.seen_unix  # type: ignore[attr-defined]
             return self._recover(failure, step, t0, seen_at=seen[0], seen_unix=seen[1], verdict=evidence) + 1
         wall = self.clock() - t0
@@ -336,12 +336,14 @@ class Controller:
             lost=frozenset(failure.ranks), new_dp=decision.dp_after, spares=decision.spares_used, last_step=last_step
         )
         self.dp = decision.dp_after
-        self.elastic.replenish_spares(self.job.mesh.spares)
         return int(out.step), dict(out.phases)
 
     def _finish_recovery(self) -> None:
         """The first step completed after a recovery closes its incident's clock (and those of
-        any incident that struck while the job was still recovering)."""
+        any incident that struck while the job was still recovering). Only then do replacement
+        spares start, so their warm-up does not compete with the recovery itself."""
+        if self._recovering and self.elastic is not None:
+            self.elastic.replenish_spares(self.job.mesh.spares)
         for incident, seen_at in self._recovering:
             incident = dataclasses.replace(incident, recover_s=self.clock() - seen_at)
             self._update_incident(incident)
@@ -374,7 +376,9 @@ class Controller:
         )
         grow_to = self._grow_gate.observe(now, current_dp=self.dp, possible_dp=possible)
         if grow_to is not None:
-            self.progress.message(f"capacity for dp {grow_to} seen for controllers.grow_after_s: starting {grow_to - self.dp} replica(s)")
+            self.progress.message(
+                f"capacity for dp {grow_to} seen for controllers.grow_after_s: starting {grow_to - self.dp} replica(s)"
+            )
             self.elastic.prepare_growth(grow_to - self.dp)
             self._growing_to = grow_to
 
@@ -530,7 +534,10 @@ class Controller:
 
 
 def _recovery_entry(incident: Incident) -> dict[str, Any]:
-    keys = ("id", "kind", "ranks", "action", "detected_at_step", "detected_at", "detect_s", "recover_s", "lost_steps", "dp_before", "dp_after")
+    keys = (
+        "id", "kind", "ranks", "action", "detected_at_step", "detected_at", "detect_s",
+        "recover_s", "lost_steps", "dp_before", "dp_after",
+    )  # fmt: skip
     entry = {k: getattr(incident, k) for k in keys}
     entry["ranks"] = list(incident.ranks)
     return entry

@@ -54,7 +54,8 @@ class StepFailed(Exception):
     """A step did not finish on every rank; ``outcomes`` says how each rank's call ended."""
 
     def __init__(self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float) -> None:
-        super().__init__(", ".join(f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in outcomes if o.outcome is not Outcome.OK))
+        failed = [f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in outcomes if o.outcome is not Outcome.OK]
+        super().__init__(", ".join(failed))
         self.outcomes = outcomes
         self.seen_at = seen_at  # monotonic time the first failure was seen
         self.seen_unix = seen_unix
@@ -141,8 +142,7 @@ class WorkerGroup:
         ]
         if self.job.mesh.spares:
             self.spares = [self._spawn(Slot(self.placement_groups[-1], i)) for i in range(self.job.mesh.spares)]
-        self._wait_warm(members + self.spares, timeout)
-        self.form_world(members, self.job)
+        self.form_world(members, self.job)  # the spares warm up meanwhile
 
     def _spawn(self, slot: Slot, *, rehearse: bool = True) -> Member:
         """Start a worker actor in ``slot``; it warms up in the background (see TrainWorker.warm)."""
@@ -156,7 +156,9 @@ class WorkerGroup:
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 max_concurrency=2,  # heartbeats and snapshot reads are answered while a step runs
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot.pg, placement_group_bundle_index=slot.index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=slot.pg, placement_group_bundle_index=slot.index
+                ),
                 runtime_env={"env_vars": _worker_env(self.device)},
             )
             .remote(self.job, -1, self.device)

@@ -136,6 +136,7 @@ class Recovery:
                 f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders "
                 f"(checkpoint.snapshot_every={self.group.job.checkpoint.snapshot_every})"
             )
+        log.info("restoring step %d from %s", plan.step, ", ".join(f"rank {r}: {where}" for r, where in plan.fetch))
         return plan, self._fetch(plan, survivors)
 
     # --- actions -------------------------------------------------------------------------

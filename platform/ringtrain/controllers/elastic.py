@@ -18,7 +18,8 @@ def allowed_dps(*, global_batch: int, micro_batch: int, min_dp: int, max_dp: int
 
 def target_dp(replicas: int, *, global_batch: int, micro_batch: int, min_dp: int, max_dp: int) -> Optional[int]:
     """The most replicas that ``replicas`` of capacity can run, or None when even min_dp cannot."""
-    fitting = [dp for dp in allowed_dps(global_batch=global_batch, micro_batch=micro_batch, min_dp=min_dp, max_dp=max_dp) if dp <= replicas]
+    allowed = allowed_dps(global_batch=global_batch, micro_batch=micro_batch, min_dp=min_dp, max_dp=max_dp)
+    fitting = [dp for dp in allowed if dp <= replicas]
     return fitting[-1] if fitting else None
 
 

@@ -150,7 +150,8 @@ def decide(
             return Decision(Action.ABORT, "controllers.on_nan=abort", dp)
         skip = on_nan == "skip"
         what = "skip the poisoned batch" if skip else "retry the same batch"
-        return Decision(Action.ROLLBACK, f"roll back to the last snapshot and {what} (controllers.on_nan={on_nan})", dp, skip_batch=skip)
+        reason = f"roll back to the last snapshot and {what} (controllers.on_nan={on_nan})"
+        return Decision(Action.ROLLBACK, reason, dp, skip_batch=skip)
     if failure.kind is Kind.ERROR:
         return Decision(Action.ROLLBACK, "roll back to the last snapshot and retry the step in place", dp)
 
