@@ -62,8 +62,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
 TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
 WORLD = 4
-RINGTRAIN_SCENARIOS: dict[str, dict[str, int]] = {
-    "shrink": {"mesh.spares": 0, "mesh.min_dp": 1},
+# shrink: grows back 2 s after capacity returns (default 10 s), so kills can come every few steps.
+RINGTRAIN_SCENARIOS: dict[str, dict[str, float]] = {
+    "shrink": {"mesh.spares": 0, "mesh.min_dp": 1, "controllers.grow_after_s": 2},
     "warm_spare": {"mesh.spares": 1},
     "cold_replace": {"mesh.spares": 0, "mesh.min_dp": 2},
 }

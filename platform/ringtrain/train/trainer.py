@@ -166,7 +166,7 @@ class Trainer:
         return poison, mid_step
 
     @staticmethod
-    def _strike(faults: list[FaultSpec]) -> None:
+    def _strike(faults: Sequence[FaultSpec]) -> None:
         """Crash and hang strike after the forward pass, with the step's collectives under way."""
         for fault in faults:
             if fault.kind == "crash":
@@ -180,7 +180,7 @@ class Trainer:
 
     def _micro_step(self, mb: MicroBatch, poison: bool = False, strike: Sequence[FaultSpec] = ()) -> torch.Tensor:
         logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
-        self._strike(list(strike))
+        self._strike(strike)
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), self._tensor(mb.labels).flatten())
         if poison:
             loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
