@@ -87,7 +87,7 @@ def test_run_writes_run_dir_and_leaves_no_process(tmp_path: Path, ray_tmp: Path)
     assert result.returncode == 0, result.stderr[-3000:]
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert config["mesh"] == {"dp": 2, "cp": 2, "ulysses": None}
+    assert config["mesh"] == {"dp": 2, "cp": 2, "ulysses": None, "min_dp": 1, "max_dp": None, "spares": 0}
     assert config["zero"]["stage"] == 2 and config["train"]["steps"] == 3 and config["run_dir"] == str(run_dir)
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
