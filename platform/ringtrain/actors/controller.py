@@ -16,7 +16,7 @@ import enum
 import logging
 import math
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, cast
 
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
@@ -75,7 +75,7 @@ class Elastic(Protocol):
 
     failure_type: type[Exception]  # the StepFailure exception type the group raises
 
-    def assess(self, failure: Any) -> list[RankOutcome]: ...
+    def assess(self, failure: StepFailure) -> list[RankOutcome]: ...
     def capacity(self, lost: tuple[int, ...]) -> Capacity: ...
     def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Any: ...
     def rollback(self, *, last_step: int, rejoin: bool) -> int: ...
@@ -240,12 +240,12 @@ class Controller:
         except Exception as exc:
             if self.elastic is None or not isinstance(exc, self.elastic.failure_type):
                 raise
-            outcomes = self.elastic.assess(exc)
+            failed = cast(StepFailure, exc)
+            outcomes = self.elastic.assess(failed)
             failure = classify(outcomes) or Failure(Kind.ERROR, (), str(exc))
             # How each rank's step ended: the evidence behind the classification.
             evidence = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
-            seen = exc.seen_at, exc.seen_unix  # type: ignore[attr-defined]
-            return self._recover(failure, step, t0, seen_at=seen[0], seen_unix=seen[1], verdict=evidence) + 1
+            return self._recover(failure, step, t0, seen_at=failed.seen_at, seen_unix=failed.seen_unix, verdict=evidence) + 1
         wall = self.clock() - t0
         nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None
         if nan is not None:

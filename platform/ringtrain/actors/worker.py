@@ -109,6 +109,9 @@ class TrainWorker:
             timeout_s=job.controllers.step_timeout_s,
         )
         self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
+        # The sockets that appeared while joining are the world's (gloo pairs, the store client);
+        # should Ray's own threads have opened one meanwhile, severing it on a failure costs
+        # this worker its Ray connection, and it is replaced like a dead one.
         self._connections = {fd: s for fd, s in open_sockets().items() if before.get(fd) != s}
         return num_params(self._trainer.model)
 
