@@ -12,8 +12,10 @@ from dataclasses import dataclass
 # crash: the worker process exits mid-step, after the forward pass (as if killed); nan: the
 # rank's loss becomes NaN, so its gradients poison the step; slow: the rank sleeps ``seconds``
 # before the step; hang: mid-step, the rank stops in compute (sleeps ``seconds``, or for good
-# when 0) while its peers wait in the step's collectives.
-FAULT_KINDS = ("crash", "nan", "slow", "hang")
+# when 0) while its peers wait in the step's collectives; skip_collective: the rank leaves out
+# the step's closing loss all-reduce; wrong_shape: it enters that all-reduce with another shape.
+# The last two leave the other ranks waiting in it.
+FAULT_KINDS = ("crash", "nan", "slow", "hang", "skip_collective", "wrong_shape")
 
 
 @dataclass

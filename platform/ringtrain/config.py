@@ -132,6 +132,9 @@ class ControllersConfig:
     on_nan: str = "skip"
     # Grow only after spare capacity for another replica has been seen this long (no flapping).
     grow_after_s: float = 10.0
+    # A step that has not finished after this long is a stall: every rank's collective records
+    # and stacks are collected, the culprit named, evicted and replaced.
+    hang_timeout_s: float = 300.0
 
 
 @dataclass
@@ -377,7 +380,7 @@ def _validate_elastic(job: JobConfig) -> None:
         raise ConfigError("mesh.max_dp", f"{m.max_dp} is smaller than mesh.dp={m.dp}")
     if m.spares < 0:
         raise ConfigError("mesh.spares", f"must be >= 0 (got {m.spares})")
-    for key in ("heartbeat_s", "heartbeat_timeout_s"):
+    for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s"):
         if getattr(c, key) <= 0:
             raise ConfigError(f"controllers.{key}", f"must be > 0 (got {getattr(c, key)})")
     if c.heartbeat_timeout_s < c.heartbeat_s:

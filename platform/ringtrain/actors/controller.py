@@ -68,6 +68,7 @@ class StepFailure(Protocol):
     outcomes: list[RankOutcome]
     seen_at: float  # clock time the first failure was seen
     seen_unix: float
+    verdict: Optional[dict[str, Any]]  # a stall's diagnosis: the culprit and why
 
 
 class Elastic(Protocol):
@@ -244,7 +245,11 @@ class Controller:
             outcomes = self.elastic.assess(failed)
             failure = classify(outcomes) or Failure(Kind.ERROR, (), str(exc))
             # How each rank's step ended: the evidence behind the classification.
-            evidence = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
+            evidence: dict[str, Any] = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
+            if getattr(failed, "verdict", None):
+                evidence["hang"] = failed.verdict
+                if self.telemetry is not None:
+                    self.telemetry.add(metrics.HANG_VERDICTS, 1)
             return self._recover(failure, step, t0, seen_at=failed.seen_at, seen_unix=failed.seen_unix, verdict=evidence) + 1
         wall = self.clock() - t0
         nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None

@@ -24,6 +24,7 @@ from ringtrain.actors.holder import SnapshotHolder
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
 from ringtrain.controllers.faults import Outcome, RankOutcome
+from ringtrain.controllers.hangs import RankDiagnostics, Verdict, diagnose
 from ringtrain.errors import CapacityError, WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
@@ -51,14 +52,18 @@ class Member:
 
 
 class StepFailed(Exception):
-    """A step did not finish on every rank; ``outcomes`` says how each rank's call ended."""
+    """A step did not finish on every rank; ``outcomes`` says how each rank's call ended, and
+    ``verdict`` (a stall only) who stopped it and why."""
 
-    def __init__(self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float) -> None:
+    def __init__(
+        self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float, verdict: Optional[dict[str, Any]] = None
+    ) -> None:
         failed = [f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in outcomes if o.outcome is not Outcome.OK]
         super().__init__(", ".join(failed))
         self.outcomes = outcomes
         self.seen_at = seen_at  # monotonic time the first failure was seen
         self.seen_unix = seen_unix
+        self.verdict = verdict
 
 
 class WorkerGroup:
@@ -254,7 +259,8 @@ class WorkerGroup:
             except Exception:  # already dead: nothing to stop
                 pass
             on_live_node = not self.holders or (m.info is not None and m.info.node_id in self.holders)
-            if reuse_slots and on_live_node:
+            known = any(s.pg is m.slot.pg and s.index == m.slot.index for s in self.free_slots)
+            if reuse_slots and on_live_node and not known:
                 self.free_slots.append(m.slot)
 
     def release_unused_placement(self) -> None:
@@ -330,6 +336,7 @@ class WorkerGroup:
         last_seen = {rank: start for rank in range(len(self.members))}
         pings: dict[Any, int] = {}
         failed_at: Optional[tuple[float, float]] = None
+        verdict: Optional[Verdict] = None
         pending = list(refs)
         while pending:
             now = time.monotonic()
@@ -349,6 +356,18 @@ class WorkerGroup:
                 rank = pings.pop(ping)
                 if _answered(ping):
                     last_seen[rank] = now
+            if failed_at is None and pending and now - start >= c.hang_timeout_s:
+                # A stall: find who stopped the step, and evict it so the others' collectives fail.
+                verdict = self._diagnose_stall()
+                culprits = verdict.ranks if verdict is not None else tuple(sorted(refs[r] for r in pending))
+                why = verdict.explanation if verdict is not None else f"no progress for {now - start:.1f} s"
+                for rank in culprits:  # its seat is freed when the recovery drops the rank
+                    ray.kill(self.members[rank].handle, no_restart=True)
+                for rank in culprits:
+                    results[rank] = RankOutcome(rank, Outcome.LOST, why)
+                pending = [r for r in pending if refs[r] not in results]
+                failed_at = (time.monotonic(), time.time())
+                continue
             silent = [refs[r] for r in pending if now - last_seen[refs[r]] > c.heartbeat_timeout_s]
             if pending and (now >= deadline or silent):
                 for ref in pending:
@@ -367,8 +386,27 @@ class WorkerGroup:
             outcomes = [
                 r if isinstance(r, RankOutcome) else RankOutcome(rank, Outcome.OK) for rank, r in sorted(results.items())
             ]
-            raise StepFailed(outcomes, *failed_at)
+            raise StepFailed(outcomes, *failed_at, verdict=verdict.to_dict() if verdict is not None else None)
         return [results[rank] for rank in range(len(self.members))]  # type: ignore[misc]
+
+    def _diagnose_stall(self, timeout_s: float = 5.0) -> Optional[Verdict]:
+        """Every rank's collective records and stacks (answered on its second concurrency slot
+        while its step is blocked), and the culprit they point at."""
+        import ray
+
+        topo = self.topology
+        refs = [w.diagnostics.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        found = []
+        for rank, ref in enumerate(refs):
+            c = topo.coord(rank)
+            where = {"replica": c.replica, "ring_pos": c.ring_pos, "host": self._host(rank)}
+            try:
+                d = ray.get(ref, timeout=0)
+                found.append(RankDiagnostics.from_probe(rank, d, busy=bool(d.get("busy", True)), **where))
+            except Exception:  # dead, or too stuck to answer: that is a finding too
+                found.append(RankDiagnostics.unreachable(rank, **where))
+        return diagnose(found)
 
     def _outcome(self, ref: Any, rank: int) -> RankOutcome | StepReport:
         import ray

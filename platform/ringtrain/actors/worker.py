@@ -30,6 +30,7 @@ class TrainWorker:
         self._store: Any = None  # rank 0's rendezvous store, kept alive until the next world's
         self._trainer: Any = None
         self._connections: dict[int, str] = {}  # sockets this world's process groups opened
+        self._busy = False  # a train_step call is running
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -85,6 +86,7 @@ class TrainWorker:
         """
         import torch
 
+        from ringtrain.train import probes
         from ringtrain.train.mesh import init_process_group, open_sockets
         from ringtrain.train.model import num_params
         from ringtrain.train.trainer import Trainer, set_rank_env
@@ -99,6 +101,7 @@ class TrainWorker:
             torch.cuda.set_device(device)
         set_rank_env(rank=rank, world_size=job.world_size, device=device)
         _quiet_deepspeed()
+        probes.arm_flight_recorder()  # torch's own trace of the collectives, read after a stall
         before = open_sockets()
         init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
@@ -108,7 +111,11 @@ class TrainWorker:
             world_size=job.world_size,
             timeout_s=job.controllers.step_timeout_s,
         )
+        # Every collective of the world is recorded, so a stall can be diagnosed; a new world
+        # restarts the per-group sequence numbers.
+        probes.install().reset()
         self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
+        probes.install()  # points the DeepSpeed engine just built at the recorder too
         # The sockets that appeared while joining are the world's (gloo pairs, the store client);
         # should Ray's own threads have opened one meanwhile, severing it on a failure costs
         # this worker its Ray connection, and it is replaced like a dead one.
@@ -123,11 +130,25 @@ class TrainWorker:
 
     def train_step(self) -> StepReport:
         assert self._trainer is not None, "join() must run before train_step()"
+        self._busy = True
         try:
             return self._trainer.train_step()
         except BaseException:
             self._break_world()
             raise
+        finally:
+            self._busy = False
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Answered on the second concurrency slot while a step may be stuck: this rank's
+        recent collectives, where it is now, every thread's stack, and whether it is in a step."""
+        from ringtrain.train import probes
+
+        recorder = probes.active()
+        if recorder is None:
+            return {"records": [], "state": {}, "stacks": probes.snapshot_stacks(), "busy": self._busy}
+        # NCCL's flight recorder sees what the host-side records cannot: kernels still running.
+        return {**recorder.diagnostics(flight_recorder=self.device_type == "cuda"), "busy": self._busy}
 
     def _break_world(self) -> None:
         """Cut this rank off its world at once: peers blocked on it in a collective fail now,

@@ -92,7 +92,8 @@ def classify(outcomes: Sequence[RankOutcome]) -> Optional[Failure]:
         return Failure(Kind.CRASH, ranks, f"worker process of ranks {list(ranks)} died")
     if lost:
         ranks = tuple(sorted(r.rank for r in lost))
-        return Failure(Kind.HANG, ranks, f"ranks {list(ranks)} stopped answering")
+        why = lost[0].error or "stopped answering"
+        return Failure(Kind.HANG, ranks, f"ranks {list(ranks)} stalled the step: {why}")
     if errors:
         own = [r for r in errors if not is_peer_failure(r.error)] or errors
         ranks = tuple(sorted(r.rank for r in own))

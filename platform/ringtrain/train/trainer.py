@@ -204,7 +204,7 @@ class Trainer:
         self.step += 1
         self.data_cursor += 1
         local_loss = torch.stack(losses).mean()
-        loss = all_reduce_mean(local_loss).item()
+        loss = self._global_loss(local_loss, {f.kind for f in strike})
         grad_norm = self.engine.get_global_grad_norm()
         step_time = time.perf_counter() - start
         self._maybe_snapshot()
@@ -225,6 +225,16 @@ class Trainer:
             snapshot_bytes=last.num_bytes if last else 0,
             memory_bytes=self._peak_memory(),
         )
+
+    @staticmethod
+    def _global_loss(local_loss: torch.Tensor, faults: set[str]) -> float:
+        """The step's mean loss over the world, unless a chaos fault tampers with the reduction."""
+        if "skip_collective" in faults:
+            return float(local_loss.item())
+        if "wrong_shape" in faults:
+            dist.all_reduce(torch.zeros(0))  # gloo returns at once; the peers wait for this rank
+            return float(local_loss.item())
+        return float(all_reduce_mean(local_loss).item())
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":
