@@ -49,7 +49,7 @@ run: venv
 	$(VENV)/bin/ringtrain run $(JOB)
 
 test: venv tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
