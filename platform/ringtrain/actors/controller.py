@@ -171,6 +171,7 @@ class Controller:
         self.persist_s = 0.0
         self.error: Optional[str] = None
         self.resizes: list[dict[str, Any]] = []
+        self._kept_s = 0.0  # wall time of the steps kept so far (goodput's numerator)
         self._recovering: list[tuple[Incident, float]] = []  # incidents awaiting their next completed step
         self._grow_gate = GrowGate(job.controllers.grow_after_s)
         self._growing_to: Optional[int] = None
@@ -314,6 +315,7 @@ class Controller:
         self._grow_gate.reset()
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
+        self._kept_s = sum(r["step_time_s"] for r in self.records)
         incident = dataclasses.replace(incident, dp_after=self.dp, lost_steps=len(struck), phases=phases)
         self._update_incident(incident)
         self._recovering.append((incident, seen_at))
@@ -480,9 +482,6 @@ class Controller:
         finally:
             self.persister.close()
 
-    def _kept_train_s(self) -> float:
-        return sum(r["step_time_s"] for r in self.records)
-
     def _record(self, reports: list[StepReport], wall_s: float, started: float) -> None:
         record = step_record(reports, dp=self.dp, cp=self.job.mesh.cp, wall_s=wall_s)
         record["time"] = time.time()
@@ -490,7 +489,8 @@ class Controller:
         record["persist_s"] = self.persist_s
         record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
         # Wall time on steps that were kept: a step struck out by a rollback stops counting.
-        goodput = (self._kept_train_s() + wall_s) / max(self.clock() - started, 1e-9)
+        self._kept_s += wall_s
+        goodput = self._kept_s / max(self.clock() - started, 1e-9)
         record["goodput"] = goodput
         if self.telemetry is not None:
             record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.dp * self.job.mesh.cp)
@@ -506,7 +506,7 @@ class Controller:
     def _summary(self, *, wall_s: float) -> dict[str, Any]:
         last = self.records[-1] if self.records else None
         tokens = sum(r["tokens"] for r in self.records)
-        train_s = self._kept_train_s()
+        train_s = self._kept_s
         ledger = self.ledger.totals()
         return {
             "status": self.state.value,

@@ -229,6 +229,15 @@ class WorkerGroup:
                 chosen.append(self.holders[buddy])
         return chosen
 
+    def on_live_node(self, member: Member) -> bool:
+        """Whether ``member``'s node is not known to be gone (every node with a worker has a
+        holder, until it is found dead; without holders no node is known to be gone)."""
+        return not self.holders or (member.info is not None and member.info.node_id in self.holders)
+
+    def ready_spares(self) -> list[Member]:
+        """The spares that finished warming up (never waits)."""
+        return [s for s in self.spares if self.ready([s])]
+
     def node_alive(self, node_id: str) -> bool:
         """Whether ``node_id`` still runs: its holder answers (a dead node takes its holder with
         it at once, well before the cluster's own health check gives up on the node)."""
@@ -258,9 +267,8 @@ class WorkerGroup:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # already dead: nothing to stop
                 pass
-            on_live_node = not self.holders or (m.info is not None and m.info.node_id in self.holders)
             known = any(s.pg is m.slot.pg and s.index == m.slot.index for s in self.free_slots)
-            if reuse_slots and on_live_node and not known:
+            if reuse_slots and self.on_live_node(m) and not known:
                 self.free_slots.append(m.slot)
 
     def release_unused_placement(self) -> None:

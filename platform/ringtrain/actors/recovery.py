@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringtrain.actors.group import Member, StepFailed, WorkerGroup
-from ringtrain.chaos import FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.controllers.elastic import evicted, reseat
 from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
@@ -42,7 +41,7 @@ class Resumed:
 def world_job(job: JobConfig, *, dp: int, fired_through: int) -> JobConfig:
     """The job for a world of ``dp`` replicas: chaos faults due at or before ``fired_through``
     (the step that failed) are dropped, so a replacement does not meet them again."""
-    faults = [FaultSpec(**dataclasses.asdict(f)) for f in job.chaos.faults if f.step > fired_through]
+    faults = [f for f in job.chaos.faults if f.step > fired_through]
     return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=dp), chaos=ChaosConfig(faults=faults))
 
 
@@ -80,13 +79,8 @@ class Recovery:
         """Warm spares ready now, and slots a new worker could start in: the cluster's free
         capacity plus the lost ranks' own slots on nodes that are still up."""
         g = self.group
-        ready = [s for s in g.spares if g.ready([s])]
-        own = 0
-        for rank in lost:
-            info = g.members[rank].info
-            if info is not None and info.node_id in g.holders:
-                own += 1
-        return Capacity(spares=len(ready), free_slots=g.free_capacity() + own)
+        own = sum(1 for rank in lost if g.on_live_node(g.members[rank]))
+        return Capacity(spares=len(g.ready_spares()), free_slots=g.free_capacity() + own)
 
     # --- where the state comes from ------------------------------------------------------
 
@@ -156,8 +150,7 @@ class Recovery:
 
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
         g.kill([old[r] for r in evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)])
-        ready = [s for s in g.spares if g.ready([s])]
-        taken = ready[: min(spares, seats.count(None))]
+        taken = g.ready_spares()[: min(spares, seats.count(None))]
         g.spares = [s for s in g.spares if s not in taken]
         fill = taken + g.spawn(seats.count(None) - len(taken))
         members = [old[r] if r is not None else fill.pop(0) for r in seats]

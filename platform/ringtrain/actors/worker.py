@@ -47,24 +47,26 @@ class TrainWorker:
         ``rehearse``, also train one step of a one-layer model alone (the rest of a cold start:
         DeepSpeed's deferred imports, op builders, kernels), so that joining later is quick;
         the workers of the first world skip it, as they all pay that cost together anyway."""
-        import torch
-
         from ringtrain.train.trainer import warm_up
 
         _quiet_deepspeed()
-        device = self._device()
-        if device.type == "cpu":
-            torch.set_num_threads(max(1, int(self.job.cluster.cpus_per_worker)))
-        else:
-            torch.cuda.set_device(device)
+        device = self._bind_device(self.job)
         if rehearse:
             warm_up(self.job, device)
         return self.info()
 
-    def _device(self) -> Any:
+    def _bind_device(self, job: JobConfig) -> Any:
+        """This worker's torch device, made current (CUDA) or given its CPU threads."""
         import torch
 
-        return torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
+        if self.device_type == "cuda":
+            device = torch.device("cuda", 0)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+            # Ray sets OMP_NUM_THREADS=1 only for actors with num_cpus < 1; be explicit either way.
+            torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
+        return device
 
     def heartbeat(self) -> int:
         """Answered on the second concurrency slot while a step runs: the process is alive."""
@@ -84,8 +86,6 @@ class TrainWorker:
 
         ``holders`` are the SnapshotHolder actors every snapshot of this rank is handed to.
         """
-        import torch
-
         from ringtrain.train import probes
         from ringtrain.train.mesh import init_process_group, open_sockets
         from ringtrain.train.model import num_params
@@ -93,12 +93,7 @@ class TrainWorker:
 
         self.leave()
         self.job, self.rank = job, rank
-        device = self._device()
-        if device.type == "cpu":
-            # Ray sets OMP_NUM_THREADS=1 only for actors with num_cpus < 1; be explicit either way.
-            torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
-        else:
-            torch.cuda.set_device(device)
+        device = self._bind_device(job)
         set_rank_env(rank=rank, world_size=job.world_size, device=device)
         _quiet_deepspeed()
         probes.arm_flight_recorder()  # torch's own trace of the collectives, read after a stall
