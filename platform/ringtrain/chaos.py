@@ -14,8 +14,12 @@ from dataclasses import dataclass
 # before the step; hang: mid-step, the rank stops in compute (sleeps ``seconds``, or for good
 # when 0) while its peers wait in the step's collectives; skip_collective: the rank leaves out
 # the step's closing loss all-reduce; wrong_shape: it enters that all-reduce with another shape.
-# The last two leave the other ranks waiting in it.
-FAULT_KINDS = ("crash", "nan", "slow", "hang", "skip_collective", "wrong_shape")
+# The last two leave the other ranks waiting in it. bitflip: the rank's device goes bad at the
+# step and stays bad: every SDC probe round it runs from then on has one bit of its GEMM output
+# flipped, and with target=gradients one bit of its gradient contribution to that step flips
+# too (silent: the loss stays finite, every rank applies the corrupted update).
+FAULT_KINDS = ("crash", "nan", "slow", "hang", "skip_collective", "wrong_shape", "bitflip")
+BITFLIP_TARGETS = ("probe", "gradients")
 
 
 @dataclass
@@ -24,6 +28,8 @@ class FaultSpec:
     rank: int = 0
     step: int = 1
     seconds: float = 0.0  # for slow and hang
+    target: str = "probe"  # for bitflip: probe | gradients
+    bit: int = 22  # for bitflip: which bit of an fp32 element (22: the top mantissa bit, up to 2x off)
 
 
 class FaultPlan:

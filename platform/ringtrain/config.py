@@ -18,7 +18,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from ringtrain.chaos import FAULT_KINDS, FaultSpec
+from ringtrain.chaos import BITFLIP_TARGETS, FAULT_KINDS, FaultSpec
 from ringtrain.errors import ConfigError
 
 ATTENTION_IMPLS = ("ring", "ulysses", "hybrid")
@@ -135,6 +135,15 @@ class ControllersConfig:
     # A step that has not finished after this long is a stall: every rank's collective records
     # and stacks are collected, the culprit named, evicted and replaced.
     hang_timeout_s: float = 300.0
+    # Silent-data-corruption scan: every this many steps (0: never) each rank runs fixed-input
+    # probes (GEMM, attention, a collective), compared with its golden values from job start
+    # and across ranks. A rank that fails is evicted (with every rank on its node when
+    # sdc_evict_node) and training rolls back to the newest snapshot at or before the last
+    # clean scan. sdc_cross_rank=false for ranks on different hardware or software, whose
+    # digests need not agree with each other.
+    sdc_every_steps: int = 100
+    sdc_evict_node: bool = False
+    sdc_cross_rank: bool = True
 
 
 @dataclass
@@ -358,6 +367,10 @@ def validate(job: JobConfig) -> None:
             raise ConfigError(f"{key}.step", f"{fault.step} is not a step of 1..train.steps={job.train.steps}")
         if fault.seconds < 0:
             raise ConfigError(f"{key}.seconds", f"must be >= 0 (got {fault.seconds})")
+        if fault.kind == "bitflip":
+            _one_of(fault.target, BITFLIP_TARGETS, f"{key}.target")
+            if not 0 <= fault.bit < 32:
+                raise ConfigError(f"{key}.bit", f"{fault.bit} is not a bit of a 32-bit element (0..31)")
 
     c = job.cluster
     _one_of(c.device, DEVICES, "cluster.device")
@@ -392,6 +405,8 @@ def _validate_elastic(job: JobConfig) -> None:
     _one_of(c.on_nan, NAN_POLICIES, "controllers.on_nan")
     if c.grow_after_s < 0:
         raise ConfigError("controllers.grow_after_s", f"must be >= 0 (got {c.grow_after_s})")
+    if c.sdc_every_steps < 0:
+        raise ConfigError("controllers.sdc_every_steps", f"must be >= 0 (got {c.sdc_every_steps}); 0 turns scans off")
 
 
 def _validate_cp_layout(job: JobConfig) -> None:

@@ -307,6 +307,15 @@ def test_a_directory_is_not_a_job_file(tmp_path: Path) -> None:
 # --- elasticity and fault handling -------------------------------------------------------
 
 
+def test_sdc_defaults_and_a_bitflip_fault() -> None:
+    c = config.load().controllers
+    assert (c.sdc_every_steps, c.sdc_evict_node, c.sdc_cross_rank) == (100, False, True)
+    (fault,) = config.load(None, ["chaos.faults=[{kind: bitflip, rank: 0, step: 3, target: gradients, bit: 30}]"]).chaos.faults
+    assert (fault.kind, fault.step, fault.target, fault.bit) == ("bitflip", 3, "gradients", 30)
+    (fault,) = config.load(None, ["chaos.faults=[{kind: bitflip}]"]).chaos.faults
+    assert (fault.target, fault.bit) == ("probe", 22)
+
+
 def test_elastic_defaults() -> None:
     job = config.load()
     assert (job.mesh.min_dp, job.mesh.max_dp, job.mesh.spares) == (1, None, 0)
@@ -377,6 +386,11 @@ BAD_ELASTIC = [
     pytest.param(["controllers.on_nan=Skip"], "controllers.on_nan", id="on-nan-case-matters"),
     pytest.param(["controllers.grow_after_s=-0.5"], "controllers.grow_after_s", id="grow-after-negative"),
     pytest.param(["controllers.bogus_s=1"], "controllers.bogus_s", id="unknown-controllers-key"),
+    pytest.param(["controllers.sdc_every_steps=-1"], "controllers.sdc_every_steps", id="sdc-every-negative"),
+    pytest.param(["controllers.sdc_evict_node=maybe"], "controllers.sdc_evict_node", id="sdc-evict-node-str"),
+    pytest.param(["chaos.faults=[{kind: bitflip, target: weights}]"], "chaos.faults[0].target", id="bitflip-target"),
+    pytest.param(["chaos.faults=[{kind: bitflip, bit: 32}]"], "chaos.faults[0].bit", id="bitflip-bit-too-high"),
+    pytest.param(["chaos.faults=[{kind: bitflip, bit: -1}]"], "chaos.faults[0].bit", id="bitflip-bit-negative"),
 ]
 
 

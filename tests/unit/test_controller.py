@@ -12,9 +12,11 @@ import pytest
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
+from ringtrain.controllers.elastic import reseat
 from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
 from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
+from ringtrain.checkpoint.retention import retained
 from ringtrain.telemetry.rundir import RunDir
 
 
@@ -48,6 +50,12 @@ class ScriptedGroup:
     def snapshot_refs(self, step: int) -> list[Any]:
         self.snapshot_requests.append(step)
         return [f"ref-{step}-{r}" for r in range(2)]
+
+    def sdc_scan(self) -> dict[int, dict[str, str]]:
+        return {r: {"gemm": "good"} for r in range(2)}
+
+    def pin_snapshots(self, step: int) -> None:
+        pass
 
     def restore(self, blobs: list[bytes]) -> int:
         raise AssertionError("not resumed in these tests")
@@ -156,6 +164,16 @@ class FakeStepFailed(Exception):
 
 
 @dataclass(frozen=True)
+class Corruption:
+    """From the probe round after ``step`` on, ``ranks``' probe digests differ from the rest
+    (``once``: only in that round)."""
+
+    step: int
+    ranks: tuple[int, ...]
+    once: bool = False
+
+
+@dataclass(frozen=True)
 class Fault:
     kind: str  # crash | node_lost | hang | error (the step fails) | nan (the step's loss is NaN)
     rank: int
@@ -169,7 +187,8 @@ class ElasticGroup:
     a ``poisoned`` batch (a data cursor) gives a NaN loss on rank 1 every time it is trained."""
 
     def __init__(self, job: config.JobConfig, clock: Clock, faults: Optional[dict[int, list[Fault]]] = None,
-                 poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1) -> None:
+                 poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1,
+                 corrupt: Optional[Corruption] = None, keep: Optional[int] = None) -> None:
         self.num_params = 7
         self.G, self.dp, self.cp = job.train.global_batch, job.mesh.dp, job.mesh.cp
         self.clock = clock
@@ -181,10 +200,40 @@ class ElasticGroup:
         self.snapshots = {0: 0}  # step -> data cursor after it
         self.attempts: list[int] = []  # every step started, in order
         self.shut_down = False
+        self.corrupt = corrupt
+        self.bad_ranks: set[int] = set()  # ranks whose device went bad (the corruption struck)
+        self.keep = keep  # snapshots held as the workers hold them (None: all)
+        self.pinned: Optional[int] = None
+        self.scanned: list[int] = []  # the step each probe round ran after
+        self.pins: list[int] = []
 
     @property
     def infos(self) -> list[WorkerInfo]:
-        return [WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu") for r in range(self.dp * self.cp)]
+        # One node per replica.
+        return [WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu", node_id=f"node-{r // self.cp}")
+                for r in range(self.dp * self.cp)]
+
+    def sdc_scan(self) -> dict[int, dict[str, str]]:
+        self.scanned.append(self.step)
+        c = self.corrupt
+        struck = c is not None and self.step >= c.step
+        if struck:  # the devices stay bad (they leave with their workers), unless it was ``once``
+            self.bad_ranks |= set(c.ranks)
+            self.corrupt = None
+        found = {r: {"gemm": "bad" if r in self.bad_ranks else "good"} for r in range(self.dp * self.cp)}
+        if struck and c.once:
+            self.bad_ranks -= set(c.ranks)
+        return found
+
+    def pin_snapshots(self, step: int) -> None:
+        self.pins.append(step)
+        self.pinned = step
+        self._trim()
+
+    def _trim(self) -> None:
+        if self.keep is not None:
+            held = retained(self.snapshots, keep=self.keep, pin=self.pinned)
+            self.snapshots = {s: c for s, c in self.snapshots.items() if s in held}
 
     def start(self) -> None:
         pass
@@ -223,6 +272,7 @@ class ElasticGroup:
         self.step, self.cursor = step, self.cursor + 1
         if step % self.snapshot_every == 0:
             self.snapshots[step] = self.cursor
+            self._trim()
         return reports
 
     def restore_to(self, newest: int) -> int:
@@ -245,6 +295,7 @@ class ElasticGroup:
 class Reformed:
     step: int
     phases: dict[str, float]
+    seats: tuple[Optional[int], ...] = ()
 
 
 class FakeElastic:
@@ -272,19 +323,25 @@ class FakeElastic:
         self.calls.append(("assess", {}))
         return list(failure.outcomes)
 
-    def capacity(self, lost: tuple[int, ...]) -> Capacity:
-        self.calls.append(("capacity", {"lost": lost}))
+    def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
+        self.calls.append(("capacity", {"lost": lost, "reuse_slots": reuse_slots}))
         return Capacity(self.spares, self.free_slots)
 
-    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Reformed:
-        self.calls.append(("reform", {"lost": lost, "new_dp": new_dp, "spares": spares, "last_step": last_step}))
+    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int,
+               fired_through: Optional[int] = None, quarantine: bool = False, cordon: bool = False) -> Reformed:
+        self.calls.append(("reform", {"lost": lost, "new_dp": new_dp, "spares": spares, "last_step": last_step,
+                                      "fired_through": fired_through, "quarantine": quarantine, "cordon": cordon}))
         # What the run directory says while the recovery is under way.
         self.incidents_at_reform += [json.loads(p.read_text()) for p in sorted((self.run_dir / "incidents").glob("*.json"))]
-        step = self.group.restore_to(last_step)
-        self.group.dp = new_dp
+        g = self.group
+        step = g.restore_to(last_step)
+        seats = reseat(dp=g.dp, cp=g.cp, lost=lost, new_dp=new_dp)
+        # A bad device leaves with its worker; one that keeps a seat moves with it.
+        g.bad_ranks = {new for new, old in enumerate(seats) if old in g.bad_ranks}
+        g.dp = new_dp
         self.spares -= spares
-        self.group.clock.advance(RECOVER_S)
-        return Reformed(step, {"plan_s": 0.5})
+        g.clock.advance(RECOVER_S)
+        return Reformed(step, {"plan_s": 0.5}, tuple(seats))
 
     def rollback(self, *, last_step: int, rejoin: bool) -> int:
         self.calls.append(("rollback", {"last_step": last_step, "rejoin": rejoin}))
@@ -323,10 +380,11 @@ class FakeElastic:
 
     def grow(self, *, new_dp: int, last_step: int) -> Reformed:
         self.calls.append(("grow", {"new_dp": new_dp, "last_step": last_step}))
+        seats = reseat(dp=self.group.dp, cp=self.group.cp, lost=frozenset(), new_dp=new_dp)
         self.group.dp = new_dp
         self.preparing = 0
         self.group.clock.advance(GROW_S)
-        return Reformed(last_step, {})
+        return Reformed(last_step, {}, tuple(seats))
 
     def layout(self) -> dict[str, Any]:
         return {"dp": self.group.dp, "ranks": list(range(self.group.dp * self.group.cp))}
@@ -347,13 +405,23 @@ def elastic_job(*, mesh: Optional[dict[str, Any]] = None, train: Optional[dict[s
 
 def elastic_run(
     tmp_path: Path, job: config.JobConfig, *, faults: Optional[dict[int, list[Fault]]] = None,
-    poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1, **elastic: Any,
+    poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1, corrupt: Optional[Corruption] = None,
+    keep: Optional[int] = None, **elastic: Any,
 ) -> tuple[dict[str, Any], ElasticGroup, FakeElastic]:
     clock = Clock()
-    group = ElasticGroup(job, clock, faults, poisoned, snapshot_every)
+    group = ElasticGroup(job, clock, faults, poisoned, snapshot_every, corrupt, keep)
     fake = FakeElastic(group, tmp_path, **elastic)
     summary = Controller(job, group, RunDir(tmp_path), elastic=fake, clock=clock).run()
     return summary, group, fake
+
+
+def reform_call(lost: set[int], *, new_dp: int, spares: int, last_step: int, fired_through: Optional[int] = None,
+                quarantine: bool = False, cordon: bool = False) -> dict[str, Any]:
+    """A reform as FakeElastic records it; a failed step's by default (seen in the step after
+    ``last_step``, slots reused)."""
+    return {"lost": frozenset(lost), "new_dp": new_dp, "spares": spares, "last_step": last_step,
+            "fired_through": last_step + 1 if fired_through is None else fired_through,
+            "quarantine": quarantine, "cordon": cordon}
 
 
 def incident_files(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -381,7 +449,7 @@ def test_a_crash_with_a_warm_spare_replaces_the_rank_and_the_run_finishes(
     )
 
     assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 8, 2)
-    assert fake.named("reform") == [{"lost": frozenset({3}), "new_dp": 2, "spares": 1, "last_step": 5}]
+    assert fake.named("reform") == [reform_call({3}, new_dp=2, spares=1, last_step=5)]
     assert fake.named("replenish_spares") == [{"target": 1}]
     # Steps 1-6 were attempted, then training went on after the restore point.
     assert group.attempts == [1, 2, 3, 4, 5, 6, *range(resumed + 1, 9)]
@@ -404,8 +472,8 @@ def test_a_lost_rank_without_a_spare_shrinks_the_job(tmp_path: Path, kind: str) 
     summary, group, fake = elastic_run(tmp_path, job, faults={3: [Fault(kind, 2)]})
 
     # Rank 2 is ring_pos 0 of replica 1 (cp=2): that replica goes, dp 2 -> 1.
-    assert fake.named("capacity") == [{"lost": (2,)}]
-    assert fake.named("reform") == [{"lost": frozenset({2}), "new_dp": 1, "spares": 0, "last_step": 2}]
+    assert fake.named("capacity") == [{"lost": (2,), "reuse_slots": True}]
+    assert fake.named("reform") == [reform_call({2}, new_dp=1, spares=0, last_step=2)]
     assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 8, 1)
     (recovery,) = summary["recoveries"]
     assert (recovery["kind"], recovery["action"], recovery["dp_before"], recovery["dp_after"]) == (kind, "shrink", 2, 1)
@@ -432,7 +500,7 @@ def test_at_min_dp_a_lost_rank_is_replaced_or_the_run_fails(
     (incident,) = incident_files(tmp_path).values()
     assert (incident["kind"], incident["action"], incident["dp_before"]) == ("crash", action, 2)
     if status == "finished":
-        assert fake.named("reform") == [{"lost": frozenset({1}), "new_dp": 2, "spares": spares, "last_step": 3}]
+        assert fake.named("reform") == [reform_call({1}, new_dp=2, spares=spares, last_step=3)]
         assert summary["ledger"] == whole(8)
     else:
         assert fake.named("reform") == [] and summary["recoveries"] == []
@@ -670,3 +738,94 @@ def test_an_unexpected_exception_still_leaves_a_summary(tmp_path: Path) -> None:
     assert group.shut_down
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["status"], summary["final_step"]) == ("failed", 2)
+
+
+# --- silent data corruption -------------------------------------------------------------
+
+
+def test_a_clean_run_scans_on_the_cadence_and_pins_each_clean_scan(tmp_path: Path) -> None:
+    job = elastic_job(sdc_every_steps=3)
+    summary, group, _ = elastic_run(tmp_path, job, keep=2)
+
+    # A baseline round at the start sets the golden values; the last step is always scanned.
+    assert group.scanned == [0, 3, 6, 8] and group.pins == [0, 3, 6, 8]
+    assert summary["sdc"] == {"scans": 4, "last_clean_scan": 8}
+    assert summary["incidents"] == [] and summary["ledger"] == whole(8)
+
+
+@pytest.mark.parametrize("spares, action, dp_after", [(1, "replace", 2), (0, "shrink", 1)])
+def test_a_corrupting_rank_is_evicted_and_training_rolls_back_to_the_last_clean_scan(
+    tmp_path: Path, spares: int, action: str, dp_after: int
+) -> None:
+    job = elastic_job(sdc_every_steps=3, mesh={"spares": spares})
+    # Rank 2's device goes bad in step 4; workers keep 2 snapshots plus the pinned one, so
+    # step 3's snapshot is still there when the scan after step 6 finds the damage.
+    summary, group, fake = elastic_run(tmp_path, job, corrupt=Corruption(4, (2,)), keep=2, spares=spares)
+
+    assert fake.named("capacity") == [{"lost": (2,), "reuse_slots": False}]  # its slot is not used again
+    assert fake.named("reform") == [
+        reform_call({2}, new_dp=dp_after, spares=spares, last_step=3, fired_through=6, quarantine=True)
+    ]
+    (incident,) = incident_files(tmp_path).values()
+    assert (incident["kind"], incident["ranks"], incident["detected_at_step"], incident["action"]) == ("sdc", [2], 6, action)
+    assert incident["lost_steps"] == 3 and incident["recover_s"] is not None
+    sdc = incident["verdict"]["sdc"]
+    assert (sdc["kind"], sdc["ranks"], sdc["probes"]) == ("outlier", [2], ["gemm"])
+    assert incident["verdict"]["last_clean_scan"] == 3
+    # Steps 4-6 trained on the bad device are redone from step 3's state.
+    assert group.attempts == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
+    assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 8, dp_after)
+    assert summary["ledger"] == whole(8)
+    assert summary["sdc"]["last_clean_scan"] == 8 and not group.bad_ranks
+
+
+def test_evicting_the_node_takes_every_rank_on_it(tmp_path: Path) -> None:
+    job = elastic_job(sdc_every_steps=3, sdc_evict_node=True)
+    summary, _, fake = elastic_run(tmp_path, job, corrupt=Corruption(4, (3,)))
+
+    # Ranks 2 and 3 share replica 1's node: both go, and the node is cordoned.
+    assert fake.named("reform") == [
+        reform_call({2, 3}, new_dp=1, spares=0, last_step=3, fired_through=6, quarantine=True, cordon=True)
+    ]
+    (incident,) = summary["incidents"]
+    assert (incident["kind"], incident["ranks"]) == ("sdc", [2, 3])
+    assert summary["status"] == "finished"
+
+
+def test_a_rank_bad_from_the_start_is_evicted_at_the_baseline_scan(tmp_path: Path) -> None:
+    job = elastic_job(sdc_every_steps=3, mesh={"spares": 1})
+    summary, group, fake = elastic_run(tmp_path, job, corrupt=Corruption(0, (1,)), spares=1)
+
+    assert fake.named("reform") == [reform_call({1}, new_dp=2, spares=1, last_step=0, fired_through=0, quarantine=True)]
+    assert summary["incidents"] == [{"id": 1, "kind": "sdc", "ranks": [1], "step": 0}]
+    assert group.attempts == list(range(1, 9)) and summary["ledger"] == whole(8)
+
+
+def test_a_scan_that_names_no_rank_rolls_back_in_place_to_the_last_clean_scan(tmp_path: Path) -> None:
+    job = elastic_job(sdc_every_steps=3)
+    # Every rank's digest changes alike, in one round only (a transient in what they share).
+    summary, group, fake = elastic_run(tmp_path, job, corrupt=Corruption(6, (0, 1, 2, 3), once=True), keep=1)
+
+    assert fake.named("reform") == []
+    assert fake.named("rollback") == [{"last_step": 3, "rejoin": False}]
+    (incident,) = incident_files(tmp_path).values()
+    assert (incident["kind"], incident["ranks"], incident["action"]) == ("sdc", [], "rollback")
+    assert incident["verdict"]["sdc"]["kind"] == "shared"
+    assert group.attempts == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]
+    assert (summary["status"], summary["dp"], summary["ledger"]) == ("finished", 2, whole(8))
+
+
+def test_without_recovery_a_failed_scan_fails_the_run_naming_the_rank(tmp_path: Path) -> None:
+    job = elastic_job(sdc_every_steps=3)
+    clock = Clock()
+    group = ElasticGroup(job, clock, corrupt=Corruption(4, (2,)))
+    summary = Controller(job, group, RunDir(tmp_path), clock=clock).run()
+
+    assert summary["status"] == "failed" and summary["final_step"] == 6
+    assert "silent data corruption" in summary["error"] and "rank 2" in summary["error"]
+    assert summary["incidents"] == [{"id": 1, "kind": "sdc", "ranks": [2], "step": 6}]
+
+
+def test_scans_off_run_no_probe_round(tmp_path: Path) -> None:
+    summary, group, _ = elastic_run(tmp_path, elastic_job(sdc_every_steps=0))
+    assert group.scanned == [] and summary["sdc"] is None

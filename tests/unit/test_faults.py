@@ -152,10 +152,27 @@ def test_errors_of_a_rank_s_own_code(text: str) -> None:
 
 @pytest.mark.parametrize(
     "kind, lost_workers",
-    [(Kind.CRASH, True), (Kind.NODE_LOST, True), (Kind.HANG, True), (Kind.ERROR, False), (Kind.NAN, False)],
+    [(Kind.CRASH, True), (Kind.NODE_LOST, True), (Kind.HANG, True), (Kind.ERROR, False), (Kind.NAN, False), (Kind.SDC, True)],
 )
 def test_which_failures_leave_seats_to_fill(kind: Kind, lost_workers: bool) -> None:
     assert Failure(kind, (0,), "").lost_workers is lost_workers
+
+
+def test_a_corrupting_rank_is_evicted_like_a_lost_one() -> None:
+    spare = decide_for(Failure(Kind.SDC, (2,), "gemm"), spares=1)
+    shrink = decide_for(Failure(Kind.SDC, (2,), "gemm"), dp=4, min_dp=1)
+
+    assert (spare.action, spare.spares_used, spare.dp_after) == (Action.REPLACE, 1, 4)
+    assert (shrink.action, shrink.dp_after, shrink.evict_replicas) == (Action.SHRINK, 3, (1,))  # cp=2
+
+
+def test_a_scan_that_names_no_rank_rolls_back_in_place() -> None:
+    failure = Failure(Kind.SDC, (), "every rank changed alike")
+    decision = decide_for(failure, spares=2)
+
+    assert not failure.lost_workers
+    assert (decision.action, decision.dp_after, decision.spares_used, decision.skip_batch) == (Action.ROLLBACK, 4, 0, False)
+    assert "last clean scan" in decision.reason
 
 
 # --- non_finite -------------------------------------------------------------------------

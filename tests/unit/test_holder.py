@@ -152,3 +152,24 @@ def test_num_bytes_counts_the_blobs_held() -> None:
 
     holder.drop_after(1)
     assert holder.num_bytes() == 30
+
+
+def test_a_pinned_step_outlives_the_keep_window_until_the_next_pin() -> None:
+    holder = SnapshotHolder(keep=2)
+    for step in range(1, 4):
+        holder.put(0, step, 1, b"x", checksum(b"x"))
+    holder.pin(3)
+    for step in range(4, 8):
+        holder.put(0, step, 1, b"x", checksum(b"x"))
+    assert sorted(holder.inventory()) == [3, 6, 7]
+    holder.pin(7)
+    assert sorted(holder.inventory()) == [6, 7]
+
+
+def test_a_pin_between_snapshots_holds_the_newest_before_it() -> None:
+    holder = SnapshotHolder(keep=1)
+    for step in (2, 4, 6, 8):
+        holder.put(1, step, 1, b"x", checksum(b"x"))
+        if step == 4:
+            holder.pin(5)
+    assert sorted(holder.inventory()) == [4, 8]

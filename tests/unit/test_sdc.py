@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ringtrain.controllers.sdc import SdcScanner
+import pytest
+
+from ringtrain.controllers.faults import Kind
+from ringtrain.controllers.sdc import SdcScanner, SdcVerdict, scan_due, sdc_failure
 
 GOOD = {"gemm_float32": "g0", "attention_cpu_flash_float32": "a0", "all_reduce_x4": "c0"}
 
@@ -112,3 +115,45 @@ def test_a_probe_some_ranks_did_not_run_is_judged_among_those_that_did() -> None
     rounds[2]["all_reduce_x4"] = "bad"
     v = scanner.check(1, rounds)
     assert v is not None and v.ranks == (2,) and v.findings[0].basis == "golden"
+
+
+def test_golden_values_move_with_their_workers_when_the_world_re_forms() -> None:
+    scanner = SdcScanner()
+    scanner.check(0, round_of(4))
+    scanner.golden[3] = {"gemm_float32": "g3"}  # tell rank 3's worker apart
+    # Old rank 1 was lost; 3 now sits at rank 1, a new worker at rank 3, and the world stays 4.
+    scanner.reseat([0, 3, 2, None])
+
+    assert scanner.golden == {0: GOOD, 1: {"gemm_float32": "g3"}, 2: GOOD}
+
+
+@pytest.mark.parametrize(
+    "step, every, last_step, due",
+    [(0, 100, 1000, True), (100, 100, 1000, True), (150, 100, 1000, False), (1000, 100, 1000, True),
+     (999, 100, 999, True), (998, 100, 999, False), (100, 0, 1000, False), (1000, 0, 1000, False)],
+)
+def test_scans_run_on_the_cadence_and_after_the_last_step(step: int, every: int, last_step: int, due: bool) -> None:
+    assert scan_due(step, every=every, last_step=last_step) is due
+
+
+def verdict(kind: str, ranks: tuple[int, ...]) -> SdcVerdict:
+    return SdcVerdict(8, kind, ranks, ("gemm_float32",), (), f"step 8: {kind}")
+
+
+NODES = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+
+
+@pytest.mark.parametrize(
+    "found, evict_node, ranks",
+    [
+        (verdict("outlier", (2,)), False, (2,)),
+        (verdict("outlier", (2,)), True, (2, 3)),
+        (verdict("outlier", (1, 4)), True, (0, 1, 4, 5)),
+        (verdict("shared", (0, 1, 2, 3, 4, 5)), True, ()),
+        (verdict("unresolved", (0, 1)), False, ()),
+    ],
+    ids=["rank", "its-node", "two-nodes", "shared-names-none", "unresolved-names-none"],
+)
+def test_a_verdict_becomes_the_failure_to_recover_from(found: SdcVerdict, evict_node: bool, ranks: tuple[int, ...]) -> None:
+    failure = sdc_failure(found, node_of=NODES, evict_node=evict_node)
+    assert (failure.kind, failure.ranks, failure.reason) == (Kind.SDC, ranks, found.explanation)

@@ -8,6 +8,7 @@ import pytest
 
 from typing import Optional
 
+from ringtrain.checkpoint.retention import retained
 from ringtrain.controllers.snapshots import (
     Candidate,
     Holding,
@@ -205,3 +206,18 @@ def test_holdings_may_come_from_a_one_shot_iterator() -> None:
     plan = plan_restore(iter([holding(Source.DURABLE, "d", {2: range(4)}), holding(Source.PEER, "p", {2: range(4)})]))
 
     assert plan is not None and {where for _, where in plan.fetch} == {"p"}
+
+
+@pytest.mark.parametrize(
+    "steps, keep, pin, held",
+    [
+        ([1, 2, 3, 4], 2, None, {3, 4}),
+        ([1, 2, 3, 4], 2, 1, {1, 3, 4}),
+        ([2, 4, 6, 8], 2, 5, {4, 6, 8}),  # the newest at or before the pin
+        ([2, 4, 6, 8], 2, 7, {6, 8}),  # already among the newest
+        ([4, 6], 1, 3, {6}),  # nothing at or before the pin: nothing extra
+        ([], 2, 3, set()),
+    ],
+)
+def test_retention_keeps_the_newest_and_the_pinned_snapshot(steps: list[int], keep: int, pin: Optional[int], held: set[int]) -> None:
+    assert retained(steps, keep=keep, pin=pin) == held

@@ -5,8 +5,10 @@ logged with the reason behind it, and the run directory records each step and th
 whatever happens: a failed or interrupted run still leaves a summary saying how far it got and
 why. When a step fails, the fault policy (``controllers.faults``) decides and the Recovery
 carries it out; between steps the elastic policy (``controllers.elastic``) grows the job back
-when capacity returns. Each incident is written to ``incidents/`` when it is seen and again
-when training has recovered from it.
+when capacity returns, and every ``controllers.sdc_every_steps`` the ranks run the SDC probes
+(``controllers.sdc``): a rank that fails them is evicted and training rolls back to the last
+clean scan. Each incident is written to ``incidents/`` when it is seen and again when training
+has recovered from it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ringtrain.config import JobConfig
 from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
 from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, RankOutcome, classify, decide, non_finite
 from ringtrain.controllers.ledger import SampleLedger
+from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
 from ringtrain.controllers.snapshots import persist_due
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
@@ -59,6 +62,8 @@ class Group(Protocol):
     def train_step(self) -> list[StepReport]: ...
     def snapshot_refs(self, step: int) -> list[Any]: ...
     def restore(self, blobs: list[bytes]) -> int: ...
+    def sdc_scan(self) -> dict[int, dict[str, str]]: ...
+    def pin_snapshots(self, step: int) -> None: ...
     def shutdown(self) -> None: ...
 
 
@@ -77,8 +82,18 @@ class Elastic(Protocol):
     failure_type: type[Exception]  # the StepFailure exception type the group raises
 
     def assess(self, failure: StepFailure) -> list[RankOutcome]: ...
-    def capacity(self, lost: tuple[int, ...]) -> Capacity: ...
-    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Any: ...
+    def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity: ...
+    def reform(
+        self,
+        *,
+        lost: frozenset[int],
+        new_dp: int,
+        spares: int,
+        last_step: int,
+        fired_through: Optional[int] = None,
+        quarantine: bool = False,
+        cordon: bool = False,
+    ) -> Any: ...
     def rollback(self, *, last_step: int, rejoin: bool) -> int: ...
     def skip_batch(self, batch: int) -> range: ...
     def replenish_spares(self, target: int) -> None: ...
@@ -176,6 +191,10 @@ class Controller:
         self._grow_gate = GrowGate(job.controllers.grow_after_s)
         self._growing_to: Optional[int] = None
         self._next_capacity_check = 0.0
+        c = job.controllers
+        self.sdc = SdcScanner(cross_rank=c.sdc_cross_rank) if c.sdc_every_steps > 0 else None
+        self.last_clean_scan = 0  # the newest step the SDC probes vouched for
+        self.scans = 0
 
     def _transition(self, new: RunState, reason: str) -> None:
         if new not in _ALLOWED.get(self.state, set()):
@@ -199,7 +218,10 @@ class Controller:
                 f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "
                 f"from step {self.start_step}",
             )
-            step = self.start_step + 1
+            self.last_clean_scan = self.start_step
+            # The first probe round sets every rank's golden values.
+            resumed = self._scan(self.start_step) if self.sdc is not None else None
+            step = (self.start_step if resumed is None else resumed) + 1
             while step <= self.job.last_step:
                 step = self._step(step, started)
             self._drain(wait=True)
@@ -259,8 +281,12 @@ class Controller:
                 self._incident("nan", nan.ranks, step, t0, reason=nan.reason)
                 raise NonFiniteLoss(nan.reason)
             return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
-        self._maybe_persist(step)
         self._record(reports, wall, started)
+        if self.sdc is not None and scan_due(step, every=self.job.controllers.sdc_every_steps, last_step=self.job.last_step):
+            resumed = self._scan(step)  # before persisting: a corrupt state is not made durable
+            if resumed is not None:
+                return resumed + 1
+        self._maybe_persist(step)
         self._finish_recovery()
         self._maybe_grow(step)
         if self.elastic is not None and self.elastic.spares_changed():
@@ -279,12 +305,15 @@ class Controller:
         seen_unix: float,
         verdict: Optional[dict[str, Any]] = None,
         batch: Optional[int] = None,
+        restore_to: Optional[int] = None,
     ) -> int:
         """Decide and carry out the recovery from ``failure`` seen in ``step``; returns the
-        step training resumes after."""
+        step training resumes after: the newest snapshot at or before ``restore_to`` (default:
+        the step before ``step``)."""
         assert self.elastic is not None
         self._transition(RunState.RECOVERING, failure.reason)
-        capacity = self.elastic.capacity(failure.ranks) if failure.lost_workers else Capacity(0, 0)
+        reuse = failure.kind is not Kind.SDC  # a corrupting device's slot is not used again
+        capacity = self.elastic.capacity(failure.ranks, reuse_slots=reuse) if failure.lost_workers else Capacity(0, 0)
         t = self.job.train
         decision = decide(
             failure,
@@ -310,7 +339,9 @@ class Controller:
         )
         if decision.action is Action.ABORT:
             raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
-        resumed, phases = self._execute(decision, failure, last_step=step - 1, batch=batch)
+        last_step = step - 1 if restore_to is None else restore_to
+        resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
+        self.last_clean_scan = min(self.last_clean_scan, resumed)  # a state from before a clean scan is clean
         self._growing_to = None
         self._grow_gate.reset()
         struck = self.ledger.rollback(resumed)
@@ -328,10 +359,11 @@ class Controller:
         return resumed
 
     def _execute(
-        self, decision: Decision, failure: Failure, *, last_step: int, batch: Optional[int]
+        self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]
     ) -> tuple[int, Optional[dict[str, float]]]:
         """Carry out ``decision``; returns the step resumed after and the time of each phase.
-        ``batch``: the data batch the failed step trained on (the one a skip drops)."""
+        ``last_step``: the newest step to restore; ``fired_through``: the step the failure was
+        seen in; ``batch``: the data batch the failed step trained on (the one a skip drops)."""
         assert self.elastic is not None
         if decision.action is Action.ROLLBACK:
             resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR)
@@ -339,10 +371,19 @@ class Controller:
                 # Dropped when the data reaches it again: the restore point may lie steps before.
                 self.ledger.skip(self.elastic.skip_batch(batch))
             return resumed, None
+        sdc = failure.kind is Kind.SDC
         out = self.elastic.reform(
-            lost=frozenset(failure.ranks), new_dp=decision.dp_after, spares=decision.spares_used, last_step=last_step
+            lost=frozenset(failure.ranks),
+            new_dp=decision.dp_after,
+            spares=decision.spares_used,
+            last_step=last_step,
+            fired_through=fired_through,
+            quarantine=sdc,
+            cordon=sdc and self.job.controllers.sdc_evict_node,
         )
         self.dp = decision.dp_after
+        if self.sdc is not None:
+            self.sdc.reseat(out.seats)  # golden values stay with their workers
         return int(out.step), dict(out.phases)
 
     def _finish_recovery(self) -> None:
@@ -393,7 +434,9 @@ class Controller:
         assert self.elastic is not None
         t0 = self.clock()
         before = self.dp
-        self.elastic.grow(new_dp=new_dp, last_step=step)
+        out = self.elastic.grow(new_dp=new_dp, last_step=step)
+        if self.sdc is not None:
+            self.sdc.reseat(out.seats)
         self.dp = new_dp
         self._growing_to = None
         self._grow_gate.reset()
@@ -403,6 +446,38 @@ class Controller:
         if self.telemetry is not None:
             self.telemetry.set(metrics.DP_SIZE, new_dp)
         self.progress.message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
+
+    # --- silent data corruption ---------------------------------------------------------
+
+    def _scan(self, step: int) -> Optional[int]:
+        """One SDC probe round after ``step``. Clean: the snapshots of ``step`` become the
+        rollback point. A failure is recovered from at once; returns the step resumed after."""
+        assert self.sdc is not None
+        t0 = self.clock()
+        try:
+            digests = self.group.sdc_scan()
+        except WorkerError as exc:  # a rank died or stalled: the next step finds and handles that
+            log.warning("SDC scan after step %d incomplete: %s", step, exc)
+            return None
+        self.scans += 1
+        if self.telemetry is not None:
+            self.telemetry.add(metrics.SDC_PROBES, 1)
+        verdict = self.sdc.check(step, digests)
+        if verdict is None:
+            self.last_clean_scan = step
+            self.group.pin_snapshots(step)
+            return None
+        if self.telemetry is not None:
+            self.telemetry.add(metrics.SDC_FAILURES, 1)
+        node_of = {i: info.node_id for i, info in enumerate(self.group.infos)}
+        failure = sdc_failure(verdict, node_of=node_of, evict_node=self.job.controllers.sdc_evict_node)
+        evidence = {"sdc": verdict.to_dict(), "last_clean_scan": self.last_clean_scan}
+        if self.elastic is None:
+            self._incident("sdc", failure.ranks, step, t0, reason=failure.reason, verdict=evidence)
+            raise RingtrainError(f"silent data corruption: {failure.reason}")
+        return self._recover(
+            failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=self.last_clean_scan
+        )
 
     def _write_layout(self) -> None:
         if self.elastic is not None:
@@ -533,6 +608,7 @@ class Controller:
             "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
             "recoveries": [_recovery_entry(i) for i in self.incidents if i.action != "abort"],
             "resizes": self.resizes,
+            "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
             "error": self.error,
             "run_dir": str(self.run_dir.path),
         }

@@ -31,6 +31,7 @@ from ringtrain.topology import Topology
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NODE_ID_LABEL = "ray.io/node-id"
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class WorkerGroup:
         self.spares: list[Member] = []  # warm (or warming) workers with no seat
         self.growing: list[Member] = []  # workers starting for the next grow
         self.free_slots: list[Slot] = []  # slots whose actor is gone
+        # Slots of ranks evicted for corrupting data: held for the job's lifetime and never
+        # reused, so the device behind them (a bundle keeps its GPU) trains nothing again.
+        self.quarantined: list[Slot] = []
+        self.cordoned: set[str] = set()  # nodes evicted whole: nothing new is placed there
         self.placement_groups: list[Any] = []
         self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
         self.num_params = 0
@@ -271,12 +276,29 @@ class WorkerGroup:
             if reuse_slots and self.on_live_node(m) and not known:
                 self.free_slots.append(m.slot)
 
+    def quarantine(self, members: list[Member]) -> None:
+        """Stop these actors and hold their slots, never to be reused."""
+        self.kill(members, reuse_slots=False)
+        self.quarantined += [m.slot for m in members]
+
+    def cordon(self, nodes: set[str]) -> None:
+        """Place nothing new on ``nodes``: their free slots are dropped, spares and starting
+        workers there stopped, and later placement groups kept off them."""
+        self.cordoned |= nodes
+        self.free_slots = [s for s in self.free_slots if _slot_node(s) not in nodes]
+        gone = [m for m in self.spares + self.growing if (m.info.node_id if m.info else _slot_node(m.slot)) in nodes]
+        self.kill(gone, reuse_slots=False)
+        self.spares = [m for m in self.spares if m not in gone]
+        self.growing = [m for m in self.growing if m not in gone]
+        log.info("cordoned nodes %s (%d spare or starting workers there stopped)", sorted(nodes), len(gone))
+
     def release_unused_placement(self) -> None:
         """Remove placement groups no worker, spare or free slot uses any more, so the cluster
         can give their resources to whoever needs them (a returning replica included)."""
         from ray.util.placement_group import remove_placement_group
 
-        used = {id(m.slot.pg) for m in self.members + self.spares + self.growing} | {id(s.pg) for s in self.free_slots}
+        held = self.free_slots + self.quarantined
+        used = {id(m.slot.pg) for m in self.members + self.spares + self.growing} | {id(s.pg) for s in held}
         for pg in [pg for pg in self.placement_groups if id(pg) not in used]:
             try:
                 remove_placement_group(pg)
@@ -300,10 +322,18 @@ class WorkerGroup:
         slots = [self.free_slots.pop(0) for _ in range(min(count, len(self.free_slots)))]
         if len(slots) < count:
             bundle = worker_resources(self.job, self.device)
-            pg = placement_group([dict(bundle) for _ in range(count - len(slots))], strategy="PACK")
+            n = count - len(slots)
+            pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", bundle_label_selector=self._off_cordoned(n))
             self.placement_groups.append(pg)
             slots += [Slot(pg, i) for i in range(count - len(slots))]
         return [self._spawn(slot) for slot in slots]
+
+    def _off_cordoned(self, bundles: int) -> Optional[list[dict[str, str]]]:
+        """A label selector per bundle that keeps it off the cordoned nodes (Ray labels every
+        node with its id)."""
+        if not self.cordoned:
+            return None
+        return [{NODE_ID_LABEL: f"!in({','.join(sorted(self.cordoned))})"} for _ in range(bundles)]
 
     def free_capacity(self) -> int:
         """Worker-sized slots a new worker could take now: free slots on live nodes, plus what
@@ -429,6 +459,21 @@ class WorkerGroup:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}")
 
+    def sdc_scan(self) -> dict[int, dict[str, str]]:
+        """Every rank runs one SDC probe round together: rank -> probe -> digest. A rank that
+        fails or stalls raises WorkerError (the probes' collective hangs no longer than a step
+        may stall)."""
+        found = self._gather(lambda _, w: w.sdc_probes.remote(), self.job.controllers.hang_timeout_s)
+        return dict(enumerate(found))
+
+    def pin_snapshots(self, step: int) -> None:
+        """Every worker and holder keeps its newest snapshot at or before ``step`` until the next
+        pin: the rollback point should a later scan fail. Not waited for."""
+        for worker in self.workers:
+            worker.pin_snapshot.remote(step)
+        for holder in self.holders.values():
+            holder.pin.remote(step)
+
     def snapshot_refs(self, step: int) -> list[Any]:
         """Pending results of every rank's ``snapshot(step)``, in rank order; the workers answer
         on their second concurrency slot, so this never waits for the step in flight."""
@@ -505,6 +550,16 @@ def buddy_node(rank: int, topology: Topology, rank_nodes: list[str], nodes: list
         return peer
     others = [n for n in nodes if n != own]
     return others[rank % len(others)] if others else None
+
+
+def _slot_node(slot: Slot) -> str:
+    """The node a slot's bundle is placed on ("" when not known)."""
+    import ray
+
+    try:
+        return str(ray.util.placement_group_table(slot.pg)["bundles_to_node_id"].get(slot.index, ""))
+    except Exception:
+        return ""
 
 
 def _answered(ref: Any) -> bool:

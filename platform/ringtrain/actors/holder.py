@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+from ringtrain.checkpoint.retention import retained
 from ringtrain.train.snapshot import checksum
 
 
@@ -18,15 +19,27 @@ class SnapshotHolder:
         self.keep = keep
         self._lock = threading.Lock()
         self._snaps: dict[tuple[int, int], tuple[int, bytes, str]] = {}  # (rank, step) -> (world, blob, sum)
+        self._pinned: Optional[int] = None
 
     def put(self, rank: int, step: int, world_size: int, blob: bytes, digest: str) -> None:
         # A private copy: the caller's buffer belongs to the worker, which may die.
         data = bytes(memoryview(blob))
         with self._lock:
             self._snaps[(rank, step)] = (world_size, data, digest)
-            steps = sorted(s for r, s in self._snaps if r == rank)
-            for old in steps[: -self.keep]:
-                del self._snaps[(rank, old)]
+            self._trim(rank)
+
+    def pin(self, step: int) -> None:
+        """Hold each rank's newest snapshot at or before ``step`` beyond the ``keep`` newest
+        (the last clean SDC scan's), until the next pin."""
+        with self._lock:
+            self._pinned = step
+            for rank in {r for r, _ in self._snaps}:
+                self._trim(rank)
+
+    def _trim(self, rank: int) -> None:
+        keep = retained((s for r, s in self._snaps if r == rank), keep=self.keep, pin=self._pinned)
+        for old in [s for r, s in self._snaps if r == rank and s not in keep]:
+            del self._snaps[(rank, old)]
 
     def inventory(self) -> dict[int, tuple[int, list[int]]]:
         """step -> (world size, ranks held)."""

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ringtrain.actors.group import Member, StepFailed, WorkerGroup
 from ringtrain.config import ChaosConfig, JobConfig
@@ -36,6 +36,7 @@ class Resumed:
     spares_used: int
     new_workers: int
     phases: dict[str, float]  # seconds per phase: plan (find and fetch the state), warm, join, restore
+    seats: tuple[Optional[int], ...] = ()  # new rank -> the old rank seated there (None: a new worker)
 
 
 def world_job(job: JobConfig, *, dp: int, fired_through: int) -> JobConfig:
@@ -75,11 +76,11 @@ class Recovery:
             out.append(o)
         return out
 
-    def capacity(self, lost: tuple[int, ...]) -> Capacity:
+    def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
         """Warm spares ready now, and slots a new worker could start in: the cluster's free
-        capacity plus the lost ranks' own slots on nodes that are still up."""
+        capacity plus (with ``reuse_slots``) the lost ranks' own slots on nodes still up."""
         g = self.group
-        own = sum(1 for rank in lost if g.on_live_node(g.members[rank]))
+        own = sum(1 for rank in lost if g.on_live_node(g.members[rank])) if reuse_slots else 0
         return Capacity(spares=len(g.ready_spares()), free_slots=g.free_capacity() + own)
 
     # --- where the state comes from ------------------------------------------------------
@@ -135,17 +136,40 @@ class Recovery:
 
     # --- actions -------------------------------------------------------------------------
 
-    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int) -> Resumed:
+    def reform(
+        self,
+        *,
+        lost: frozenset[int],
+        new_dp: int,
+        spares: int,
+        last_step: int,
+        fired_through: Optional[int] = None,
+        quarantine: bool = False,
+        cordon: bool = False,
+    ) -> Resumed:
         """Drop ``lost`` ranks, seat the survivors of the kept replicas in a ``new_dp`` world,
         fill the empty seats with up to ``spares`` warm spares, then new workers, and resume
-        from the newest whole snapshot at or before ``last_step``."""
+        from the newest whole snapshot at or before ``last_step`` (0: the initial state).
+
+        ``fired_through``: the step the failure was seen in (default ``last_step + 1``): chaos
+        faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused
+        (their devices corrupted data); ``cordon``: nor is anything placed on their nodes."""
         g = self.group
         topo = g.topology
         old = list(g.members)
-        g.kill([old[r] for r in sorted(lost)])  # slots on live nodes are reused
+        doomed = [old[r] for r in sorted(lost)]
+        if cordon:
+            g.cordon({m.info.node_id for m in doomed if m.info is not None and m.info.node_id})
+        if quarantine:
+            g.quarantine(doomed)
+        else:
+            g.kill(doomed)  # slots on live nodes are reused
         survivors = {r: m for r, m in enumerate(old) if r not in lost}
         t0 = time.monotonic()
-        plan, shards = self.restore_point(survivors, newest=last_step)
+        if last_step == 0:  # nothing trained yet: every rank builds the initial state itself
+            shards = None
+        else:
+            _, shards = self.restore_point(survivors, newest=last_step)
         plan_s = time.monotonic() - t0
 
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
@@ -155,11 +179,13 @@ class Recovery:
         fill = taken + g.spawn(seats.count(None) - len(taken))
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
 
-        job = world_job(g.job, dp=new_dp, fired_through=last_step + 1)
+        job = world_job(g.job, dp=new_dp, fired_through=last_step + 1 if fired_through is None else fired_through)
         step = g.form_world(members, job, snapshot=shards)
         g.release_unused_placement()
         self._forget_after(step)
-        return Resumed(step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases})
+        return Resumed(
+            step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases}, tuple(seats)
+        )
 
     # --- growth --------------------------------------------------------------------------
 
@@ -193,7 +219,7 @@ class Recovery:
         g.growing = g.growing[len(fill) :]
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
         step = g.form_world(members, world_job(g.job, dp=new_dp, fired_through=last_step), snapshot=shards)
-        return Resumed(step, new_dp, 0, seats.count(None), {"plan_s": plan_s, **g.phases})
+        return Resumed(step, new_dp, 0, seats.count(None), {"plan_s": plan_s, **g.phases}, tuple(seats))
 
     # --- in place ----------------------------------------------------------------------
 
@@ -211,7 +237,11 @@ class Recovery:
         ``rejoin`` the process group is rebuilt first (a failed collective may have broken it)."""
         g = self.group
         members = list(g.members)
-        plan, shards = self.restore_point(dict(enumerate(members)), newest=last_step)
+        if last_step == 0:  # back to the initial state, which joining a world builds
+            step = g.form_world(members, world_job(g.job, dp=g.topology.dp, fired_through=1))
+            self._forget_after(step)
+            return step
+        _, shards = self.restore_point(dict(enumerate(members)), newest=last_step)
         if rejoin:
             step = g.form_world(members, world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1), snapshot=shards)
         else:

@@ -134,6 +134,20 @@ class TrainWorker:
         finally:
             self._busy = False
 
+    def sdc_probes(self) -> dict[str, str]:
+        """One SDC probe round (collective: every rank runs it together, between steps)."""
+        assert self._trainer is not None, "join() must run before sdc_probes()"
+        try:
+            return self._trainer.probe_round()
+        except BaseException:
+            self._break_world()
+            raise
+
+    def pin_snapshot(self, step: int) -> None:
+        """Hold the newest snapshot at or before ``step`` (the last clean scan's) in memory."""
+        if self._trainer is not None and self._trainer.snapshotter is not None:
+            self._trainer.snapshotter.pin(step)
+
     def diagnostics(self) -> dict[str, Any]:
         """Answered on the second concurrency slot while a step may be stuck: this rank's
         recent collectives, where it is now, every thread's stack, and whether it is in a step."""

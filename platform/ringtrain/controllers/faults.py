@@ -11,6 +11,9 @@ that keeps the configured global batch:
 - else new workers are started for the lost seats (the job waits for them);
 - an exception in a rank's own code, or a non-finite loss, rolls back to the last snapshot in
   place; a non-finite loss then skips the poisoned batch or retries it (``controllers.on_nan``);
+- a rank that failed an SDC scan is evicted like a lost one (its state is suspect, so the
+  restore point is the last clean scan's, which the caller supplies); a scan that names no rank
+  rolls back in place;
 - anything beyond ``controllers.max_recoveries``, or with no way forward, aborts the run.
 """
 
@@ -46,6 +49,7 @@ class Kind(enum.Enum):
     HANG = "hang"  # workers stopped answering or never finished the step
     ERROR = "error"  # an exception in the step (user code, data, a collective without a dead peer)
     NAN = "nan"  # a non-finite loss
+    SDC = "sdc"  # a rank failed a silent-data-corruption scan
 
 
 class Action(enum.Enum):
@@ -77,7 +81,7 @@ class Failure:
     @property
     def lost_workers(self) -> bool:
         """Whether the failed ranks' processes are gone (or must be) and their seats need filling."""
-        return self.kind in (Kind.CRASH, Kind.NODE_LOST, Kind.HANG)
+        return self.kind in (Kind.CRASH, Kind.NODE_LOST, Kind.HANG) or (self.kind is Kind.SDC and bool(self.ranks))
 
 
 def classify(outcomes: Sequence[RankOutcome]) -> Optional[Failure]:
@@ -155,6 +159,8 @@ def decide(
         return Decision(Action.ROLLBACK, reason, dp, skip_batch=skip)
     if failure.kind is Kind.ERROR:
         return Decision(Action.ROLLBACK, "roll back to the last snapshot and retry the step in place", dp)
+    if failure.kind is Kind.SDC and not failure.ranks:
+        return Decision(Action.ROLLBACK, "no rank can be named: roll back to the last clean scan and scan again", dp)
 
     lost = len(failure.ranks)
     broken = tuple(sorted({rank // cp for rank in failure.ranks}))

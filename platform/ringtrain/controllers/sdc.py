@@ -21,9 +21,11 @@ majority, so a chip that is bad from the start does not make its own corruption 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from ringtrain.controllers.faults import Failure, Kind
 
 BASES = ("majority", "golden", "unresolved")
 KINDS = ("outlier", "shared", "unresolved")
@@ -85,6 +87,11 @@ class SdcScanner:
         for r in ranks:
             self.golden.pop(r, None)
 
+    def reseat(self, seats: Sequence[Optional[int]]) -> None:
+        """The world re-formed: new rank ``i`` is the worker that was rank ``seats[i]`` (None: a
+        new worker). Golden values belong to the worker, so they move with it."""
+        self.golden = {new: self.golden[old] for new, old in enumerate(seats) if old is not None and old in self.golden}
+
     def check(self, step: int, digests: Mapping[int, Mapping[str, str]]) -> Optional[SdcVerdict]:
         """Judge one round (rank -> probe -> digest, taken after ``step``); None when clean."""
         findings: list[Finding] = []
@@ -145,3 +152,21 @@ def _verdict(step: int, findings: list[Finding], reporting: list[int]) -> SdcVer
 
 def _agree(findings: list[Finding], probe: str) -> bool:
     return len({f.digest for f in findings if f.probe == probe}) == 1
+
+
+def scan_due(step: int, *, every: int, last_step: int) -> bool:
+    """Whether the probes run after ``step``: on the cadence, and after the run's last step, so
+    the state a run ends with has been vouched for."""
+    return every > 0 and (step % every == 0 or step == last_step)
+
+
+def sdc_failure(verdict: SdcVerdict, *, node_of: Mapping[int, str], evict_node: bool) -> Failure:
+    """The failure to recover from: the named ranks (with every rank on their nodes when
+    ``evict_node``), or no rank when digests cannot name one (shared, unresolved)."""
+    if verdict.kind != "outlier":
+        return Failure(Kind.SDC, (), verdict.explanation)
+    ranks = set(verdict.ranks)
+    if evict_node:
+        nodes = {node_of[r] for r in verdict.ranks if node_of.get(r)}
+        ranks |= {r for r, node in node_of.items() if node in nodes}
+    return Failure(Kind.SDC, tuple(sorted(ranks)), verdict.explanation)

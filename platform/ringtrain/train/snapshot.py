@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from ringtrain.checkpoint.retention import retained
+
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _MAGIC = b"RTSNAP01"
 
@@ -351,7 +353,8 @@ class Snapshotter:
         self._buffers: list[Optional[list[dict[str, torch.Tensor]]]] = [None, None]
         self._turn = 0
         self._lock = threading.Lock()
-        self.recent: dict[int, Snapshot] = {}  # step -> snapshot, the newest ``keep``
+        self.recent: dict[int, Snapshot] = {}  # step -> snapshot: the newest ``keep``, and the pinned one
+        self.pinned: Optional[int] = None
         self.errors: list[BaseException] = []
 
     def capture(self, step: int, scalars: dict[str, Any]) -> None:
@@ -401,6 +404,18 @@ class Snapshotter:
         with self._lock:
             return sorted(self.recent)
 
+    def pin(self, step: int) -> None:
+        """Hold the newest snapshot at or before ``step`` beyond the ``keep`` newest, until the
+        next pin (see ``retained``)."""
+        with self._lock:
+            self.pinned = step
+            self._trim()
+
+    def _trim(self) -> None:
+        keep = retained(self.recent, keep=self.keep, pin=self.pinned)
+        for old in [s for s in self.recent if s not in keep]:
+            del self.recent[old]
+
     def forget_after(self, step: int) -> None:
         """Drop snapshots newer than ``step``: after a rollback they describe an abandoned future."""
         self.wait()
@@ -438,8 +453,7 @@ class Snapshotter:
         snap = Snapshot(step, self.rank, self.world_size, blob, checksum(blob), copy_s, time.perf_counter() - t0)
         with self._lock:
             self.recent[step] = snap
-            for old in sorted(self.recent)[: -self.keep]:
-                del self.recent[old]
+            self._trim()
         if self.deliver is not None:
             try:
                 self.deliver(snap)

@@ -27,6 +27,7 @@ from ringtrain.train.data import BatchPlan, MicroBatch, ShardedData, load_tokens
 from ringtrain.train.engine import build_engine, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.model import AttentionFn, Transformer
+from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import (
     DeliverFn,
     FragmentIndex,
@@ -137,6 +138,7 @@ class Trainer:
         self.data_cursor = 0
         self.skip_batches = set(job.train.skip_batches)
         self.faults = FaultPlan(job.chaos.faults)
+        self.bad_device: Optional[FaultSpec] = None  # a bitflip fault struck: this device corrupts bits
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
         self.snapshotter: Optional[Snapshotter] = None
         if job.checkpoint.snapshot_every > 0:
@@ -161,9 +163,32 @@ class Trainer:
                 time.sleep(fault.seconds)
             elif fault.kind == "nan":
                 poison = True
+            elif fault.kind == "bitflip":
+                self.bad_device = fault  # and it stays bad: every later probe round shows it
+                if fault.target == "gradients":
+                    self._corrupt_next_gradient(fault.bit)
             else:
                 mid_step.append(fault)
         return poison, mid_step
+
+    def _corrupt_next_gradient(self, bit: int) -> None:
+        """Flip ``bit`` (of an fp32 element; of its top half on 16-bit types) in this rank's next
+        gradient of the first parameter, at its largest element so the damage is real; the
+        gradient reduction then hands the corruption to every rank."""
+        param = next(p for p in self.model.parameters() if p.requires_grad)
+
+        def flip(grad: torch.Tensor) -> torch.Tensor:
+            handle.remove()
+            element = int(grad.detach().reshape(-1).abs().argmax())
+            return flip_bit(grad.contiguous(), element, max(0, bit - (32 - 8 * grad.element_size())))
+
+        handle = param.register_hook(flip)
+
+    def probe_round(self) -> dict[str, str]:
+        """One SDC probe round on this rank: probe name -> digest. Collective (the probe
+        all-reduce runs over the world): every rank of the world calls it together."""
+        flip = BitFlip(probe="gemm_float32", bit=self.bad_device.bit) if self.bad_device is not None else None
+        return digests(run_probes(self.device, kernel=self.job.attention.kernel, flip=flip))
 
     @staticmethod
     def _strike(faults: Sequence[FaultSpec]) -> None:
