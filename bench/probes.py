@@ -18,6 +18,11 @@ spawned processes (FileStore rendezvous), as bench/checkpoint.py does.
   clock cannot resolve on a shared machine.
 - Diagnostics: the time ``recorder.diagnostics()`` takes with a full buffer (what a hang
   report costs a rank, off the training thread).
+- SDC detection latency: with scans every ``--latency-every`` steps, the last rank's device goes
+  bad (its probes show a flipped bit, as chaos ``bitflip`` makes them) at each step between two
+  scans in turn; measured from the start of the bad step to the verdict naming the rank. At the
+  default cadence it follows from the step and round times: the verdict comes with the first
+  scan after the bad step, at most ``--sdc-every`` steps later.
 
 Targets: recorder <= 1.01x step time; probes <= 1% of step time at the default cadence.
 
@@ -62,6 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sdc-every", type=int, default=100, help="steps between SDC probe rounds")
     p.add_argument("--sdc-rounds", type=int, default=10, help="timed probe rounds (median reported)")
     p.add_argument("--calls", type=int, default=2000, help="calls per run of the per-call cost measurement")
+    p.add_argument("--latency-every", type=int, default=4, help="scan cadence of the detection-latency trials")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/probes-<device>.json")
     args = p.parse_args(argv)
@@ -71,7 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
-    total = 2 * args.warmup + args.blocks * args.steps + 8
+    total = 2 * args.warmup + args.blocks * args.steps + args.latency_every**2 + 8
     return [
         "model.vocab_size=256", f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=4",
         "model.n_kv_heads=2", f"data.seq_len={args.seq_len}", f"mesh.dp={args.dp}", f"mesh.cp={args.cp}",
@@ -189,9 +195,48 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
     report = recorder.diagnostics()
     diagnostics_s = time.perf_counter() - t0
     probes.uninstall()
+    latency = _detection_latency(trainer, rank, device, every=args.latency_every)
     return {"rank": rank, "steps": steps, "sdc_s": sdc[1:], "calls_per_step": calls_per_step,
             "per_call_s": fastest[True] - fastest[False],
-            "diagnostics_s": diagnostics_s, "diagnostics_bytes": len(json.dumps(report))}
+            "diagnostics_s": diagnostics_s, "diagnostics_bytes": len(json.dumps(report)), "latency": latency}
+
+
+def _detection_latency(trainer: Any, rank: int, device: Any, *, every: int) -> list[dict[str, Any]]:
+    """Scan every ``every`` steps as the Controller does (each rank's digests gathered, judged by
+    the SdcScanner); in trial k the last rank's device goes bad at the k-th step after a scan.
+    Returns per trial the steps and seconds from the bad step's start to the verdict."""
+    import torch
+    import torch.distributed as dist
+
+    from ringtrain.chaos import FaultSpec
+    from ringtrain.controllers.sdc import SdcScanner
+
+    world = dist.get_world_size()
+    scanner = SdcScanner()
+
+    def scan(step: int) -> Any:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, trainer.probe_round())
+        return scanner.check(step, dict(enumerate(everyone)))
+
+    assert scan(0) is None, "the baseline round disagrees"
+    trials = []
+    for offset in range(1, every + 1):
+        bad_since = 0.0
+        for k in range(1, every + 1):
+            if k == offset:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                bad_since = time.perf_counter()
+                if rank == world - 1:
+                    trainer.bad_device = FaultSpec(kind="bitflip", rank=rank)
+            trainer.train_step()
+        verdict = scan(trainer.step)
+        trials.append({"bad_step_offset": offset, "steps": every - offset + 1,
+                       "seconds": time.perf_counter() - bad_since,
+                       "named": list(verdict.ranks) if verdict is not None else []})
+        trainer.bad_device = None  # the next trial starts on a healthy device
+    return trials
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -253,6 +298,24 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "sdc_every": args.sdc_every,
         "diagnostics_s_max": max(r["diagnostics_s"] for r in ranks),
         "diagnostics_bytes": ranks[0]["diagnostics_bytes"],
+        "detection": _detection_summary(ranks, args, step_s=step_s, round_s=sdc_round),
+    }
+
+
+def _detection_summary(ranks: list[dict[str, Any]], args: argparse.Namespace, *, step_s: float, round_s: float) -> dict[str, Any]:
+    trials = [{**t, "seconds": max(r["latency"][i]["seconds"] for r in ranks)} for i, t in enumerate(ranks[0]["latency"])]
+    bad = len(ranks) - 1
+    every = args.sdc_every
+    return {
+        "measured_every": args.latency_every,
+        "trials": trials,
+        "all_named": all(t["named"] == [bad] for t in trials),
+        "max_steps": max(t["steps"] for t in trials),
+        "mean_s": statistics.fmean(t["seconds"] for t in trials),
+        "max_s": max(t["seconds"] for t in trials),
+        # At the default cadence: the bad step is equally likely to be any of the ``every``.
+        "at_default_cadence": {"sdc_every": every, "max_steps": every, "mean_s": (every + 1) / 2 * step_s + round_s,
+                               "max_s": every * step_s + round_s},
     }
 
 
@@ -283,6 +346,11 @@ def main(argv: list[str]) -> int:
           f"{args.sdc_every} steps: {s['sdc_overhead_at_cadence']:.3%} (target <= {TARGET_SDC:.0%})")
     print(f"diagnostics() with a full buffer: {s['diagnostics_s_max'] * 1e3:.1f} ms, "
           f"{s['diagnostics_bytes'] / 1e6:.2f} MB")
+    d = s["detection"]
+    print(f"SDC detection, scans every {d['measured_every']} steps: {'every' if d['all_named'] else 'NOT every'} "
+          f"bad rank named, within {d['max_steps']} steps; {d['mean_s']:.2f} s mean, {d['max_s']:.2f} s max from the "
+          f"bad step's start; every {args.sdc_every} steps: {d['at_default_cadence']['mean_s']:.1f} s mean, "
+          f"{d['at_default_cadence']['max_s']:.1f} s max")
     if outside is not None:
         print(f"other processes used {outside:.0%} of the machine's {os.cpu_count()} CPUs during the run")
     record = {

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from .test_resume_e2e import final_params, losses
-from .test_run_e2e import REPO, TORCH_EXTENSIONS_DIR, processes_using, run_cli
+from .test_run_e2e import REPO, TORCH_EXTENSIONS_DIR, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -53,19 +53,6 @@ def job_file(folder: Path) -> Path:
     path = folder / "elastic.yaml"
     path.write_text("name: elastic\n")
     return path
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same job without incidents, on an embedded cluster."""
-    home = tmp_path_factory.mktemp("reference")
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rte-", dir="/tmp"))
-    try:
-        result = run_cli([str(job_file(home)), f"run_dir={home / 'run'}", *JOB, "cluster.num_cpus=2"], home=home, ray_tmp=ray_tmp)
-        assert result.returncode == 0, result.stderr[-3000:]
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return home / "run"
 
 
 @pytest.fixture
