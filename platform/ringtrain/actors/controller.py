@@ -341,7 +341,7 @@ class Controller:
             raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
         last_step = step - 1 if restore_to is None else restore_to
         resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
-        self.last_clean_scan = min(self.last_clean_scan, resumed)  # a state from before a clean scan is clean
+        self._repin(min(self.last_clean_scan, resumed))  # a state from before a clean scan is clean
         self._growing_to = None
         self._grow_gate.reset()
         struck = self.ledger.rollback(resumed)
@@ -437,6 +437,7 @@ class Controller:
         out = self.elastic.grow(new_dp=new_dp, last_step=step)
         if self.sdc is not None:
             self.sdc.reseat(out.seats)
+            self._repin(self.last_clean_scan)
         self.dp = new_dp
         self._growing_to = None
         self._grow_gate.reset()
@@ -478,6 +479,13 @@ class Controller:
         return self._recover(
             failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=self.last_clean_scan
         )
+
+    def _repin(self, last_clean: int) -> None:
+        """After a world changed: workers that joined hold no pin yet, and a rollback past the
+        last clean scan moves it back (the holders would otherwise pin a re-trained step)."""
+        self.last_clean_scan = last_clean
+        if self.sdc is not None:
+            self.group.pin_snapshots(last_clean)
 
     def _write_layout(self) -> None:
         if self.elastic is not None:
