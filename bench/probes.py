@@ -18,6 +18,8 @@ spawned processes (FileStore rendezvous), as bench/checkpoint.py does.
   clock cannot resolve on a shared machine.
 - Diagnostics: the time ``recorder.diagnostics()`` takes with a full buffer (what a hang
   report costs a rank, off the training thread).
+- SDC false alarms: ``--clean-rounds`` probe rounds on healthy devices, judged round by round
+  by the SdcScanner as the Controller judges them; every alarm would be a false one.
 - SDC detection latency: with scans every ``--latency-every`` steps, the last rank's device goes
   bad (its probes show a flipped bit, as chaos ``bitflip`` makes them) at each step between two
   scans in turn; measured from the start of the bad step to the verdict naming the rank. At the
@@ -68,6 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sdc-rounds", type=int, default=10, help="timed probe rounds (median reported)")
     p.add_argument("--calls", type=int, default=2000, help="calls per run of the per-call cost measurement")
     p.add_argument("--latency-every", type=int, default=4, help="scan cadence of the detection-latency trials")
+    p.add_argument("--clean-rounds", type=int, default=2000, help="probe rounds of the false-alarm run")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/probes-<device>.json")
     args = p.parse_args(argv)
@@ -195,10 +198,12 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
     report = recorder.diagnostics()
     diagnostics_s = time.perf_counter() - t0
     probes.uninstall()
+    clean = [sdc_probes.digests(sdc_probes.run_probes(device, kernel=job.attention.kernel)) for _ in range(args.clean_rounds)]
     latency = _detection_latency(trainer, rank, device, every=args.latency_every)
     return {"rank": rank, "steps": steps, "sdc_s": sdc[1:], "calls_per_step": calls_per_step,
             "per_call_s": fastest[True] - fastest[False],
-            "diagnostics_s": diagnostics_s, "diagnostics_bytes": len(json.dumps(report)), "latency": latency}
+            "diagnostics_s": diagnostics_s, "diagnostics_bytes": len(json.dumps(report)), "latency": latency,
+            "clean_rounds": clean}
 
 
 def _detection_latency(trainer: Any, rank: int, device: Any, *, every: int) -> list[dict[str, Any]]:
@@ -298,8 +303,18 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "sdc_every": args.sdc_every,
         "diagnostics_s_max": max(r["diagnostics_s"] for r in ranks),
         "diagnostics_bytes": ranks[0]["diagnostics_bytes"],
+        "false_alarms": _false_alarms(ranks),
         "detection": _detection_summary(ranks, args, step_s=step_s, round_s=sdc_round),
     }
+
+
+def _false_alarms(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    from ringtrain.controllers.sdc import SdcScanner
+
+    scanner = SdcScanner()
+    rounds = len(ranks[0]["clean_rounds"])
+    alarms = [v.explanation for i in range(rounds) if (v := scanner.check(i, {r["rank"]: r["clean_rounds"][i] for r in ranks}))]
+    return {"rounds": rounds, "ranks": len(ranks), "alarms": len(alarms), "first": alarms[:3]}
 
 
 def _detection_summary(ranks: list[dict[str, Any]], args: argparse.Namespace, *, step_s: float, round_s: float) -> dict[str, Any]:
@@ -346,6 +361,8 @@ def main(argv: list[str]) -> int:
           f"{args.sdc_every} steps: {s['sdc_overhead_at_cadence']:.3%} (target <= {TARGET_SDC:.0%})")
     print(f"diagnostics() with a full buffer: {s['diagnostics_s_max'] * 1e3:.1f} ms, "
           f"{s['diagnostics_bytes'] / 1e6:.2f} MB")
+    f = s["false_alarms"]
+    print(f"SDC false alarms: {f['alarms']} in {f['rounds']} clean probe rounds on {f['ranks']} ranks")
     d = s["detection"]
     print(f"SDC detection, scans every {d['measured_every']} steps: {'every' if d['all_named'] else 'NOT every'} "
           f"bad rank named, within {d['max_steps']} steps; {d['mean_s']:.2f} s mean, {d['max_s']:.2f} s max from the "
@@ -361,7 +378,8 @@ def main(argv: list[str]) -> int:
         "device_type": device, "torch": torch.__version__, "python": platform.python_version(),
         "config": {"world_size": world, "dp": args.dp, "cp": args.cp, "zero_stage": args.stage, "dim": args.dim,
                    "n_layers": args.layers, "seq_len": args.seq_len, "blocks": args.blocks,
-                   "steps_per_block": args.steps, "sdc_rounds": args.sdc_rounds, "threads_per_rank": 1},
+                   "steps_per_block": args.steps, "sdc_rounds": args.sdc_rounds, "clean_rounds": args.clean_rounds,
+                   "threads_per_rank": 1},
         "targets": {"recorder_ratio": TARGET_RECORDER, "sdc_overhead_at_cadence": TARGET_SDC},
         "machine_load": {"outside_cpu_fraction": outside, "num_cpus": os.cpu_count(), "num_ranks": world},
         **s,

@@ -135,9 +135,9 @@ class ControllersConfig:
     # A step that has not finished after this long is a stall: every rank's collective records
     # and stacks are collected, the culprit named, evicted and replaced.
     hang_timeout_s: float = 300.0
-    # Silent-data-corruption scan: every this many steps (0: never) each rank runs fixed-input
-    # probes (GEMM, attention, a collective), compared with its golden values from job start
-    # and across ranks. A rank that fails is evicted (with every rank on its node when
+    # Silent-data-corruption scan: after the first step, every this many steps (0: never) and
+    # after the last, each rank runs fixed-input probes (GEMM, attention, a collective),
+    # compared with its golden values (its first round) and across ranks. A rank that fails is evicted (with every rank on its node when
     # sdc_evict_node) and training rolls back to the newest snapshot at or before the last
     # clean scan. sdc_cross_rank=false for ranks on different hardware or software, whose
     # digests need not agree with each other.

@@ -38,6 +38,7 @@ class StepReport:
     snapshot_s: float = 0.0  # its latency: copy + encode + checksum, off the critical path
     snapshot_bytes: int = 0
     memory_bytes: int = 0  # peak device memory during the step (CUDA) or peak RSS (CPU)
+    probes: Optional[dict[str, str]] = None  # SDC probe digests, when the step ended with a probe round
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ class ScriptedGroup:
     def start(self) -> None:
         pass
 
-    def train_step(self) -> list[StepReport]:
+    def train_step(self, probe: bool = False) -> list[StepReport]:
         self.step += 1
         if self.step == self.fail_at and self.failure == "died":
             raise WorkerError(1, "h", "worker process died", kind="died")
@@ -43,16 +44,14 @@ class ScriptedGroup:
         loss = math.nan if bad else 5.0 / self.step
         return [
             StepReport(step=self.step, rank=r, loss=loss, local_loss=math.nan if bad and r == 1 else 5.0,
-                       lr=1e-3, grad_norm=1.0, num_tokens=64, step_time_s=0.01, samples=(self.step,) if r == 0 else ())
+                       lr=1e-3, grad_norm=1.0, num_tokens=64, step_time_s=0.01, samples=(self.step,) if r == 0 else (),
+                       probes={"gemm": "good"} if probe else None)
             for r in range(2)
         ]
 
     def snapshot_refs(self, step: int) -> list[Any]:
         self.snapshot_requests.append(step)
         return [f"ref-{step}-{r}" for r in range(2)]
-
-    def sdc_scan(self) -> dict[int, dict[str, str]]:
-        return {r: {"gemm": "good"} for r in range(2)}
 
     def pin_snapshots(self, step: int) -> None:
         pass
@@ -213,7 +212,7 @@ class ElasticGroup:
         return [WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu", node_id=f"node-{r // self.cp}")
                 for r in range(self.dp * self.cp)]
 
-    def sdc_scan(self) -> dict[int, dict[str, str]]:
+    def _probe_round(self) -> dict[int, dict[str, str]]:
         self.scanned.append(self.step)
         c = self.corrupt
         struck = c is not None and self.step >= c.step
@@ -238,7 +237,7 @@ class ElasticGroup:
     def start(self) -> None:
         pass
 
-    def train_step(self) -> list[StepReport]:
+    def train_step(self, probe: bool = False) -> list[StepReport]:
         step = self.step + 1
         self.attempts.append(step)
         world = self.dp * self.cp
@@ -273,6 +272,9 @@ class ElasticGroup:
         if step % self.snapshot_every == 0:
             self.snapshots[step] = self.cursor
             self._trim()
+        if probe:
+            found = self._probe_round()
+            reports = [dataclasses.replace(r, probes=found[r.rank]) for r in reports]
         return reports
 
     def restore_to(self, newest: int) -> int:
@@ -328,9 +330,9 @@ class FakeElastic:
         return Capacity(self.spares, self.free_slots)
 
     def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int,
-               fired_through: Optional[int] = None, quarantine: bool = False, cordon: bool = False) -> Reformed:
+               fired_through: Optional[int] = None, quarantine: bool = False) -> Reformed:
         self.calls.append(("reform", {"lost": lost, "new_dp": new_dp, "spares": spares, "last_step": last_step,
-                                      "fired_through": fired_through, "quarantine": quarantine, "cordon": cordon}))
+                                      "fired_through": fired_through, "quarantine": quarantine}))
         # What the run directory says while the recovery is under way.
         self.incidents_at_reform += [json.loads(p.read_text()) for p in sorted((self.run_dir / "incidents").glob("*.json"))]
         g = self.group
@@ -343,8 +345,11 @@ class FakeElastic:
         g.clock.advance(RECOVER_S)
         return Reformed(step, {"plan_s": 0.5}, tuple(seats))
 
-    def rollback(self, *, last_step: int, rejoin: bool) -> int:
-        self.calls.append(("rollback", {"last_step": last_step, "rejoin": rejoin}))
+    def cordon(self, ranks: tuple[int, ...]) -> None:
+        self.calls.append(("cordon", {"ranks": ranks}))
+
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int:
+        self.calls.append(("rollback", {"last_step": last_step, "rejoin": rejoin, "fired_through": fired_through}))
         step = self.group.restore_to(last_step)
         self.group.clock.advance(RECOVER_S)
         return step
@@ -416,12 +421,11 @@ def elastic_run(
 
 
 def reform_call(lost: set[int], *, new_dp: int, spares: int, last_step: int, fired_through: Optional[int] = None,
-                quarantine: bool = False, cordon: bool = False) -> dict[str, Any]:
+                quarantine: bool = False) -> dict[str, Any]:
     """A reform as FakeElastic records it; a failed step's by default (seen in the step after
     ``last_step``, slots reused)."""
     return {"lost": frozenset(lost), "new_dp": new_dp, "spares": spares, "last_step": last_step,
-            "fired_through": last_step + 1 if fired_through is None else fired_through,
-            "quarantine": quarantine, "cordon": cordon}
+            "fired_through": last_step + 1 if fired_through is None else fired_through, "quarantine": quarantine}
 
 
 def incident_files(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -513,7 +517,7 @@ def test_an_exception_in_a_rank_s_own_code_rolls_back_in_place_and_rejoins(tmp_p
 
     assert summary["status"] == "finished" and summary["dp"] == 2
     assert fake.named("capacity") == [] and fake.named("reform") == []  # no seat to fill
-    assert fake.named("rollback") == [{"last_step": 2, "rejoin": True}]
+    assert fake.named("rollback") == [{"last_step": 2, "rejoin": True, "fired_through": 3}]
     (recovery,) = summary["recoveries"]
     assert (recovery["kind"], recovery["ranks"], recovery["action"]) == ("error", [1], "rollback")
     assert group.attempts == [1, 2, 3, 3, 4, 5, 6, 7, 8]
@@ -525,7 +529,7 @@ def test_a_nan_rolls_back_then_skips_or_retries_the_batch(tmp_path: Path, on_nan
     summary, group, fake = elastic_run(tmp_path, elastic_job(on_nan=on_nan), faults={3: [Fault("nan", 1)]})
 
     assert summary["status"] == "finished" and summary["final_step"] == 8
-    assert fake.named("rollback") == [{"last_step": 2, "rejoin": False}]
+    assert fake.named("rollback") == [{"last_step": 2, "rejoin": False, "fired_through": 3}]
     (recovery,) = summary["recoveries"]
     assert (recovery["kind"], recovery["ranks"], recovery["action"], recovery["lost_steps"]) == ("nan", [1], "rollback", 0)
     assert group.attempts == [1, 2, 3, 3, 4, 5, 6, 7, 8]
@@ -720,7 +724,7 @@ def test_back_to_back_failures_both_get_recover_s(tmp_path: Path) -> None:
 
 
 class BrokenGroup(ElasticGroup):
-    def train_step(self) -> list[StepReport]:
+    def train_step(self, probe: bool = False) -> list[StepReport]:
         if self.step == 2:
             raise RuntimeError("a bug in the group")
         return super().train_step()
@@ -747,8 +751,8 @@ def test_a_clean_run_scans_on_the_cadence_and_pins_each_clean_scan(tmp_path: Pat
     job = elastic_job(sdc_every_steps=3)
     summary, group, _ = elastic_run(tmp_path, job, keep=2)
 
-    # A baseline round at the start sets the golden values; the last step is always scanned.
-    assert group.scanned == [0, 3, 6, 8] and group.pins == [0, 3, 6, 8]
+    # The first step's round sets the golden values; the last step is always scanned.
+    assert group.scanned == [1, 3, 6, 8] and group.pins == [1, 3, 6, 8]
     assert summary["sdc"] == {"scans": 4, "last_clean_scan": 8}
     assert summary["incidents"] == [] and summary["ledger"] == whole(8)
 
@@ -783,22 +787,24 @@ def test_evicting_the_node_takes_every_rank_on_it(tmp_path: Path) -> None:
     job = elastic_job(sdc_every_steps=3, sdc_evict_node=True)
     summary, _, fake = elastic_run(tmp_path, job, corrupt=Corruption(4, (3,)))
 
-    # Ranks 2 and 3 share replica 1's node: both go, and the node is cordoned.
-    assert fake.named("reform") == [
-        reform_call({2, 3}, new_dp=1, spares=0, last_step=3, fired_through=6, quarantine=True, cordon=True)
-    ]
+    # Ranks 2 and 3 share replica 1's node: both go, and the node is cordoned before the
+    # capacity to replace them is counted.
+    assert [name for name, _ in fake.calls if name in ("cordon", "capacity", "reform")] == ["cordon", "capacity", "reform"]
+    assert fake.named("cordon") == [{"ranks": (2, 3)}]
+    assert fake.named("reform") == [reform_call({2, 3}, new_dp=1, spares=0, last_step=3, fired_through=6, quarantine=True)]
     (incident,) = summary["incidents"]
     assert (incident["kind"], incident["ranks"]) == ("sdc", [2, 3])
     assert summary["status"] == "finished"
 
 
-def test_a_rank_bad_from_the_start_is_evicted_at_the_baseline_scan(tmp_path: Path) -> None:
+def test_a_rank_bad_from_the_start_is_evicted_at_the_first_round(tmp_path: Path) -> None:
     job = elastic_job(sdc_every_steps=3, mesh={"spares": 1})
     summary, group, fake = elastic_run(tmp_path, job, corrupt=Corruption(0, (1,)), spares=1)
 
-    assert fake.named("reform") == [reform_call({1}, new_dp=2, spares=1, last_step=0, fired_through=0, quarantine=True)]
-    assert summary["incidents"] == [{"id": 1, "kind": "sdc", "ranks": [1], "step": 0}]
-    assert group.attempts == list(range(1, 9)) and summary["ledger"] == whole(8)
+    # The first step's round finds it; the run starts over from the initial state.
+    assert fake.named("reform") == [reform_call({1}, new_dp=2, spares=1, last_step=0, fired_through=1, quarantine=True)]
+    assert summary["incidents"] == [{"id": 1, "kind": "sdc", "ranks": [1], "step": 1}]
+    assert group.attempts == [1, *range(1, 9)] and summary["ledger"] == whole(8)
 
 
 def test_a_scan_that_names_no_rank_rolls_back_in_place_to_the_last_clean_scan(tmp_path: Path) -> None:
@@ -807,7 +813,7 @@ def test_a_scan_that_names_no_rank_rolls_back_in_place_to_the_last_clean_scan(tm
     summary, group, fake = elastic_run(tmp_path, job, corrupt=Corruption(6, (0, 1, 2, 3), once=True), keep=1)
 
     assert fake.named("reform") == []
-    assert fake.named("rollback") == [{"last_step": 3, "rejoin": False}]
+    assert fake.named("rollback") == [{"last_step": 3, "rejoin": False, "fired_through": 6}]
     (incident,) = incident_files(tmp_path).values()
     assert (incident["kind"], incident["ranks"], incident["action"]) == ("sdc", [], "rollback")
     assert incident["verdict"]["sdc"]["kind"] == "shared"

@@ -59,10 +59,9 @@ class Group(Protocol):
     infos: list[WorkerInfo]
 
     def start(self) -> None: ...
-    def train_step(self) -> list[StepReport]: ...
+    def train_step(self, probe: bool = False) -> list[StepReport]: ...
     def snapshot_refs(self, step: int) -> list[Any]: ...
     def restore(self, blobs: list[bytes]) -> int: ...
-    def sdc_scan(self) -> dict[int, dict[str, str]]: ...
     def pin_snapshots(self, step: int) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -92,9 +91,9 @@ class Elastic(Protocol):
         last_step: int,
         fired_through: Optional[int] = None,
         quarantine: bool = False,
-        cordon: bool = False,
     ) -> Any: ...
-    def rollback(self, *, last_step: int, rejoin: bool) -> int: ...
+    def cordon(self, ranks: tuple[int, ...]) -> None: ...
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int: ...
     def skip_batch(self, batch: int) -> range: ...
     def replenish_spares(self, target: int) -> None: ...
     def spares_changed(self) -> bool: ...
@@ -219,9 +218,7 @@ class Controller:
                 f"from step {self.start_step}",
             )
             self.last_clean_scan = self.start_step
-            # The first probe round sets every rank's golden values.
-            resumed = self._scan(self.start_step) if self.sdc is not None else None
-            step = (self.start_step if resumed is None else resumed) + 1
+            step = self.start_step + 1
             while step <= self.job.last_step:
                 step = self._step(step, started)
             self._drain(wait=True)
@@ -255,8 +252,9 @@ class Controller:
     def _step(self, step: int, started: float) -> int:
         """Run ``step``; returns the step to run next (an earlier one after a rollback)."""
         t0 = self.clock()
+        probe = self._scan_due(step)
         try:
-            reports = self.group.train_step()
+            reports = self.group.train_step(probe=probe)
         except WorkerError as exc:  # a group without recovery reports a failed step this way
             kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
             self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
@@ -282,8 +280,8 @@ class Controller:
                 raise NonFiniteLoss(nan.reason)
             return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
         self._record(reports, wall, started)
-        if self.sdc is not None and scan_due(step, every=self.job.controllers.sdc_every_steps, last_step=self.job.last_step):
-            resumed = self._scan(step)  # before persisting: a corrupt state is not made durable
+        if probe:  # judged before persisting: a state the probes reject is not made durable
+            resumed = self._judge(step, t0, {r.rank: r.probes or {} for r in reports})
             if resumed is not None:
                 return resumed + 1
         self._maybe_persist(step)
@@ -313,6 +311,8 @@ class Controller:
         assert self.elastic is not None
         self._transition(RunState.RECOVERING, failure.reason)
         reuse = failure.kind is not Kind.SDC  # a corrupting device's slot is not used again
+        if failure.kind is Kind.SDC and failure.ranks and self.job.controllers.sdc_evict_node:
+            self.elastic.cordon(failure.ranks)  # first: capacity there no longer counts
         capacity = self.elastic.capacity(failure.ranks, reuse_slots=reuse) if failure.lost_workers else Capacity(0, 0)
         t = self.job.train
         decision = decide(
@@ -366,7 +366,7 @@ class Controller:
         seen in; ``batch``: the data batch the failed step trained on (the one a skip drops)."""
         assert self.elastic is not None
         if decision.action is Action.ROLLBACK:
-            resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR)
+            resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR, fired_through=fired_through)
             if decision.skip_batch and batch is not None:
                 # Dropped when the data reaches it again: the restore point may lie steps before.
                 self.ledger.skip(self.elastic.skip_batch(batch))
@@ -379,7 +379,6 @@ class Controller:
             last_step=last_step,
             fired_through=fired_through,
             quarantine=sdc,
-            cordon=sdc and self.job.controllers.sdc_evict_node,
         )
         self.dp = decision.dp_after
         if self.sdc is not None:
@@ -450,16 +449,17 @@ class Controller:
 
     # --- silent data corruption ---------------------------------------------------------
 
-    def _scan(self, step: int) -> Optional[int]:
-        """One SDC probe round after ``step``. Clean: the snapshots of ``step`` become the
-        rollback point. A failure is recovered from at once; returns the step resumed after."""
+    def _scan_due(self, step: int) -> bool:
+        """Whether ``step`` ends with an SDC probe round: the run's first step (its round sets
+        every rank's golden values), then on the cadence and after the last step."""
+        every = self.job.controllers.sdc_every_steps
+        return self.sdc is not None and (step == self.start_step + 1 or scan_due(step, every=every, last_step=self.job.last_step))
+
+    def _judge(self, step: int, t0: float, digests: dict[int, dict[str, str]]) -> Optional[int]:
+        """Judge the probe round that ended ``step`` (rank -> probe -> digest). Clean: the newest
+        snapshot at or before ``step`` becomes the rollback point. A failure is recovered from
+        at once; returns the step resumed after."""
         assert self.sdc is not None
-        t0 = self.clock()
-        try:
-            digests = self.group.sdc_scan()
-        except WorkerError as exc:  # a rank died or stalled: the next step finds and handles that
-            log.warning("SDC scan after step %d incomplete: %s", step, exc)
-            return None
         self.scans += 1
         if self.telemetry is not None:
             self.telemetry.add(metrics.SDC_PROBES, 1)

@@ -79,6 +79,7 @@ class WorkerGroup:
         # reused, so the device behind them (a bundle keeps its GPU) trains nothing again.
         self.quarantined: list[Slot] = []
         self.cordoned: set[str] = set()  # nodes evicted whole: nothing new is placed there
+        self._pins = 0  # pin_snapshots calls so far
         self.placement_groups: list[Any] = []
         self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
         self.num_params = 0
@@ -363,12 +364,14 @@ class WorkerGroup:
 
     # --- steps and snapshots -------------------------------------------------------------
 
-    def train_step(self) -> list[StepReport]:
-        """Every rank's report of one step; raises StepFailed with every rank's outcome."""
+    def train_step(self, probe: bool = False) -> list[StepReport]:
+        """Every rank's report of one step (with ``probe``, ending in an SDC probe round, so a
+        rank that dies or stalls in it is handled as in any step); raises StepFailed with every
+        rank's outcome."""
         import ray
 
         c = self.job.controllers
-        refs = {w.train_step.remote(): rank for rank, w in enumerate(self.workers)}
+        refs = {w.train_step.remote(probe): rank for rank, w in enumerate(self.workers)}
         results: dict[int, RankOutcome | StepReport] = {}
         start = time.monotonic()
         last_seen = {rank: start for rank in range(len(self.members))}
@@ -459,20 +462,16 @@ class WorkerGroup:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}")
 
-    def sdc_scan(self) -> dict[int, dict[str, str]]:
-        """Every rank runs one SDC probe round together: rank -> probe -> digest. A rank that
-        fails or stalls raises WorkerError (the probes' collective hangs no longer than a step
-        may stall)."""
-        found = self._gather(lambda _, w: w.sdc_probes.remote(), self.job.controllers.hang_timeout_s)
-        return dict(enumerate(found))
-
     def pin_snapshots(self, step: int) -> None:
         """Every worker and holder keeps its newest snapshot at or before ``step`` until the next
-        pin: the rollback point should a later scan fail. Not waited for."""
+        pin: the rollback point should a later scan fail. Not waited for: each pin carries a
+        sequence number, so one overtaken by a later pin (calls to a threaded actor may run out
+        of order) is ignored."""
+        self._pins += 1
         for worker in self.workers:
-            worker.pin_snapshot.remote(step)
+            worker.pin_snapshot.remote(step, self._pins)
         for holder in self.holders.values():
-            holder.pin.remote(step)
+            holder.pin.remote(step, self._pins)
 
     def snapshot_refs(self, step: int) -> list[Any]:
         """Pending results of every rank's ``snapshot(step)``, in rank order; the workers answer

@@ -20,6 +20,7 @@ class SnapshotHolder:
         self._lock = threading.Lock()
         self._snaps: dict[tuple[int, int], tuple[int, bytes, str]] = {}  # (rank, step) -> (world, blob, sum)
         self._pinned: Optional[int] = None
+        self._pin_seq = -1
 
     def put(self, rank: int, step: int, world_size: int, blob: bytes, digest: str) -> None:
         # A private copy: the caller's buffer belongs to the worker, which may die.
@@ -28,10 +29,14 @@ class SnapshotHolder:
             self._snaps[(rank, step)] = (world_size, data, digest)
             self._trim(rank)
 
-    def pin(self, step: int) -> None:
+    def pin(self, step: int, seq: int = 0) -> None:
         """Hold each rank's newest snapshot at or before ``step`` beyond the ``keep`` newest
-        (the last clean SDC scan's), until the next pin."""
+        (the last clean SDC scan's), until the next pin; a pin older than one already applied
+        (lower ``seq``: calls may run out of order) is ignored."""
         with self._lock:
+            if seq < self._pin_seq:
+                return
+            self._pin_seq = seq
             self._pinned = step
             for rank in {r for r, _ in self._snaps}:
                 self._trim(rank)

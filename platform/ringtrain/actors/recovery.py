@@ -125,11 +125,12 @@ class Recovery:
         return refs
 
     def restore_point(self, survivors: dict[int, Member], *, newest: int) -> tuple[RestorePlan, list[Any]]:
-        plan = plan_restore(self._holdings(survivors), newest=newest)
+        holdings = self._holdings(survivors)
+        plan = plan_restore(holdings, newest=newest)
         if plan is None:
             raise RecoveryError(
                 f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders "
-                f"(checkpoint.snapshot_every={self.group.job.checkpoint.snapshot_every})"
+                f"(checkpoint.snapshot_every={self.group.job.checkpoint.snapshot_every}); held: {_held(holdings)}"
             )
         log.info("restoring step %d from %s", plan.step, ", ".join(f"rank {r}: {where}" for r, where in plan.fetch))
         return plan, self._fetch(plan, survivors)
@@ -145,7 +146,6 @@ class Recovery:
         last_step: int,
         fired_through: Optional[int] = None,
         quarantine: bool = False,
-        cordon: bool = False,
     ) -> Resumed:
         """Drop ``lost`` ranks, seat the survivors of the kept replicas in a ``new_dp`` world,
         fill the empty seats with up to ``spares`` warm spares, then new workers, and resume
@@ -153,20 +153,18 @@ class Recovery:
 
         ``fired_through``: the step the failure was seen in (default ``last_step + 1``): chaos
         faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused
-        (their devices corrupted data); ``cordon``: nor is anything placed on their nodes."""
+        (their devices corrupted data)."""
         g = self.group
         topo = g.topology
         old = list(g.members)
         doomed = [old[r] for r in sorted(lost)]
-        if cordon:
-            g.cordon({m.info.node_id for m in doomed if m.info is not None and m.info.node_id})
         if quarantine:
             g.quarantine(doomed)
         else:
             g.kill(doomed)  # slots on live nodes are reused
         survivors = {r: m for r, m in enumerate(old) if r not in lost}
         t0 = time.monotonic()
-        if last_step == 0:  # nothing trained yet: every rank builds the initial state itself
+        if last_step == 0:  # back to the initial state, which joining a world builds
             shards = None
         else:
             _, shards = self.restore_point(survivors, newest=last_step)
@@ -186,6 +184,12 @@ class Recovery:
         return Resumed(
             step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases}, tuple(seats)
         )
+
+    def cordon(self, ranks: tuple[int, ...]) -> None:
+        """Place nothing new on the nodes of ``ranks`` (evicted whole for corrupting data)."""
+        g = self.group
+        infos = [g.members[r].info for r in ranks]
+        g.cordon({info.node_id for info in infos if info is not None and info.node_id})
 
     # --- growth --------------------------------------------------------------------------
 
@@ -232,18 +236,20 @@ class Recovery:
         g.job = dataclasses.replace(g.job, train=dataclasses.replace(train, skip_batches=[*train.skip_batches, batch]))
         return range(batch * train.global_batch, (batch + 1) * train.global_batch)
 
-    def rollback(self, *, last_step: int, rejoin: bool) -> int:
-        """Same workers, state of the newest whole snapshot at or before ``last_step``; with
-        ``rejoin`` the process group is rebuilt first (a failed collective may have broken it)."""
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int:
+        """Same workers, state of the newest whole snapshot at or before ``last_step`` (0: the
+        initial state); with ``rejoin`` the process group is rebuilt first (a failed collective
+        may have broken it). ``fired_through`` as for ``reform``."""
         g = self.group
         members = list(g.members)
+        job = world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1 if fired_through is None else fired_through)
         if last_step == 0:  # back to the initial state, which joining a world builds
-            step = g.form_world(members, world_job(g.job, dp=g.topology.dp, fired_through=1))
+            step = g.form_world(members, job)
             self._forget_after(step)
             return step
         _, shards = self.restore_point(dict(enumerate(members)), newest=last_step)
         if rejoin:
-            step = g.form_world(members, world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1), snapshot=shards)
+            step = g.form_world(members, job, snapshot=shards)
         else:
             step = g.restore_refs(shards)
         self._forget_after(step)
@@ -267,6 +273,17 @@ class Recovery:
         missing = target - len(g.spares)
         if missing > 0 and g.free_slots:
             g.spares += g.spawn(min(missing, len(g.free_slots)))
+
+
+def _held(holdings: list[Holding]) -> str:
+    """What each place holds, for an error message: ``peer:0 {3: [0]}; node:ab12 {2: [0, 1]}``."""
+    parts = []
+    for h in holdings:
+        by_step: dict[int, list[int]] = {}
+        for step, rank in sorted(h.shards):
+            by_step.setdefault(step, []).append(rank)
+        parts.append(f"{h.location[:13]} {by_step}")
+    return "; ".join(parts) or "nothing"
 
 
 def _get_or(ref: Any, default: Any, timeout: float) -> Any:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import threading
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.config import JobConfig
@@ -31,6 +33,9 @@ class TrainWorker:
         self._trainer: Any = None
         self._connections: dict[int, str] = {}  # sockets this world's process groups opened
         self._busy = False  # a train_step call is running
+        self._bad_device: Any = None  # a chaos bitflip struck this process's device: it stays bad
+        self._pin: tuple[int, int] = (0, -1)  # (sequence number, step) of the newest pin_snapshot
+        self._pin_lock = threading.Lock()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -110,6 +115,7 @@ class TrainWorker:
         # restarts the per-group sequence numbers.
         probes.install().reset()
         self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
+        self._trainer.bad_device = self._bad_device  # a new world does not heal the device
         probes.install()  # points the DeepSpeed engine just built at the recorder too
         # The sockets that appeared while joining are the world's (gloo pairs, the store client);
         # should Ray's own threads have opened one meanwhile, severing it on a failure costs
@@ -123,30 +129,34 @@ class TrainWorker:
             self._trainer.close()
             self._trainer = None
 
-    def train_step(self) -> StepReport:
-        assert self._trainer is not None, "join() must run before train_step()"
+    def train_step(self, probe: bool = False) -> StepReport:
+        """One optimizer step; with ``probe``, followed by an SDC probe round (collective, so
+        every rank of the world is asked for one together)."""
+        trainer = self._trainer
+        assert trainer is not None, "join() must run before train_step()"
         self._busy = True
         try:
-            return self._trainer.train_step()
+            report = trainer.train_step()
+            self._bad_device = trainer.bad_device
+            if probe:
+                report = dataclasses.replace(report, probes=trainer.probe_round())
+            return report
         except BaseException:
             self._break_world()
             raise
         finally:
             self._busy = False
 
-    def sdc_probes(self) -> dict[str, str]:
-        """One SDC probe round (collective: every rank runs it together, between steps)."""
-        assert self._trainer is not None, "join() must run before sdc_probes()"
-        try:
-            return self._trainer.probe_round()
-        except BaseException:
-            self._break_world()
-            raise
-
-    def pin_snapshot(self, step: int) -> None:
-        """Hold the newest snapshot at or before ``step`` (the last clean scan's) in memory."""
-        if self._trainer is not None and self._trainer.snapshotter is not None:
-            self._trainer.snapshotter.pin(step)
+    def pin_snapshot(self, step: int, seq: int) -> None:
+        """Hold the newest snapshot at or before ``step`` (the last clean scan's) in memory,
+        unless a later pin (higher ``seq``) already arrived."""
+        with self._pin_lock:
+            if seq <= self._pin[0]:
+                return
+            self._pin = (seq, step)
+            trainer = self._trainer
+        if trainer is not None and trainer.snapshotter is not None:
+            trainer.snapshotter.pin(step)
 
     def diagnostics(self) -> dict[str, Any]:
         """Answered on the second concurrency slot while a step may be stuck: this rank's
@@ -218,7 +228,10 @@ class _HolderDelivery:
         import ray
 
         if self._in_flight:
-            ray.get(self._in_flight)
+            # Waited for, not fetched: a holder that died with its node fails its put, and that
+            # must stop neither this round nor the next from reaching the other holders.
+            pending, self._in_flight = self._in_flight, []
+            ray.wait(pending, num_returns=len(pending))
         # One copy into the object store for all holders; each keeps its own copy of the bytes,
         # so the worker's object going away with the worker loses nothing.
         blob = ray.put(snap.blob)
