@@ -139,6 +139,14 @@ def kept_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir)}
 
 
+def check_matches_reference(run_dir: Path, reference: Path) -> None:
+    """Every kept step's loss and the final parameters are the uninterrupted run's."""
+    assert kept_losses(run_dir) == dict(enumerate(losses(reference), start=1))
+    ref_params = final_params(reference, STEPS)
+    for name, value in final_params(run_dir, STEPS).items():
+        np.testing.assert_allclose(value, ref_params[name], rtol=0, atol=1e-6, err_msg=name)
+
+
 def check_ledger(summary: dict[str, Any], *, skipped: int = 0) -> None:
     assert summary["ledger"] == {
         "steps": STEPS,
@@ -174,10 +182,7 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_training_matches_an_uni
     assert json.loads((run_dir / "workers.json").read_text())["workers"][1]["pid"] == spare
 
     # The same dp throughout, the state restored exactly: the run is the uninterrupted one.
-    assert kept_losses(run_dir) == dict(enumerate(losses(reference), start=1))
-    ref_params = final_params(reference, STEPS)
-    for name, value in final_params(run_dir, STEPS).items():
-        np.testing.assert_allclose(value, ref_params[name], rtol=0, atol=1e-6, err_msg=name)
+    check_matches_reference(run_dir, reference)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["dp"] == 2
     assert [r["id"] for r in summary["recoveries"]] == [1, 2]

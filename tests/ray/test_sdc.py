@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from .test_elastic import JOB, STEPS, check_ledger, incidents, job_file, kept_losses, records
-from .test_resume_e2e import final_params, losses
+from .test_elastic import JOB, STEPS, check_ledger, check_matches_reference, incidents, job_file, records
 from .test_run_e2e import processes_using, ray_tmp, run_cli  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -67,10 +65,7 @@ def test_a_bitflip_is_found_within_one_scan_interval_evicted_and_rolled_back_to_
     assert first_attempt[BAD_STEP]["grad_norm"] != ref[BAD_STEP]["grad_norm"]
     assert first_attempt[BAD_STEP + 1]["loss"] != ref[BAD_STEP + 1]["loss"]
     # And it is gone: every kept step and the final parameters are the uninterrupted run's.
-    assert kept_losses(run_dir) == dict(enumerate(losses(reference), start=1))
-    ref_params = final_params(reference, STEPS)
-    for name, value in final_params(run_dir, STEPS).items():
-        np.testing.assert_allclose(value, ref_params[name], rtol=0, atol=1e-6, err_msg=name)
+    check_matches_reference(run_dir, reference)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["dp"] == 2

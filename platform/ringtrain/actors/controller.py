@@ -452,8 +452,10 @@ class Controller:
     def _scan_due(self, step: int) -> bool:
         """Whether ``step`` ends with an SDC probe round: the run's first step (its round sets
         every rank's golden values), then on the cadence and after the last step."""
+        if self.sdc is None:
+            return False
         every = self.job.controllers.sdc_every_steps
-        return self.sdc is not None and (step == self.start_step + 1 or scan_due(step, every=every, last_step=self.job.last_step))
+        return step == self.start_step + 1 or scan_due(step, every=every, last_step=self.job.last_step)
 
     def _judge(self, step: int, t0: float, digests: dict[int, dict[str, str]]) -> Optional[int]:
         """Judge the probe round that ended ``step`` (rank -> probe -> digest). Clean: the newest
