@@ -69,6 +69,7 @@ class RecordingPersister:
     def __init__(self) -> None:
         self.errors: list[str] = []
         self.submitted: list[int] = []
+        self.discarded: list[int] = []
         self.closed = False
 
     def submit(self, step: int, snapshot_refs: list[Any]) -> None:
@@ -79,6 +80,12 @@ class RecordingPersister:
 
     def flush(self) -> list[Any]:
         return []
+
+    def discard_after(self, step: int) -> list[int]:
+        self.discarded.append(step)
+        gone = [s for s in self.submitted if s > step]
+        self.submitted = [s for s in self.submitted if s <= step]
+        return gone
 
     def close(self) -> None:
         self.closed = True
@@ -835,3 +842,18 @@ def test_without_recovery_a_failed_scan_fails_the_run_naming_the_rank(tmp_path: 
 def test_scans_off_run_no_probe_round(tmp_path: Path) -> None:
     summary, group, _ = elastic_run(tmp_path, elastic_job(sdc_every_steps=0))
     assert group.scanned == [] and summary["sdc"] is None
+
+
+def test_durable_checkpoints_written_after_the_last_clean_scan_are_deleted(tmp_path: Path) -> None:
+    job = elastic_job(sdc_every_steps=3, mesh={"spares": 1})
+    job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, persist_every=2))
+    clock = Clock()
+    group = ElasticGroup(job, clock, corrupt=Corruption(4, (2,)))
+    persister = RecordingPersister()
+    summary = Controller(job, group, RunDir(tmp_path), persister=persister, elastic=FakeElastic(group, tmp_path, spares=1),
+                         clock=clock).run()
+
+    # Step 4's checkpoint held the corrupt state: gone. Step 6's round failed before it was
+    # written. The redone steps 4, 6 and 8 were written afresh.
+    assert summary["status"] == "finished" and persister.discarded == [3]
+    assert persister.submitted == [2, 4, 6, 8]

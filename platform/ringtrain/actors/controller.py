@@ -113,6 +113,7 @@ class Durable(Protocol):
     def submit(self, step: int, snapshot_refs: list[Any]) -> None: ...
     def poll(self) -> list[Any]: ...
     def flush(self) -> list[Any]: ...
+    def discard_after(self, step: int) -> list[int]: ...
     def close(self) -> None: ...
 
 
@@ -342,6 +343,8 @@ class Controller:
         last_step = step - 1 if restore_to is None else restore_to
         resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
         self._repin(min(self.last_clean_scan, resumed))  # a state from before a clean scan is clean
+        if failure.kind is Kind.SDC:
+            self._discard_durable_after(resumed)
         self._growing_to = None
         self._grow_gate.reset()
         struck = self.ledger.rollback(resumed)
@@ -558,6 +561,15 @@ class Controller:
             self.progress.message(
                 f"checkpoint step {persisted.step}: {persisted.num_bytes / 1e6:.1f} MB in {persisted.seconds:.2f} s -> {persisted.uri}"
             )
+
+    def _discard_durable_after(self, step: int) -> None:
+        """Durable checkpoints written after ``step`` hold state the probes have since rejected."""
+        if self.persister is None:
+            return
+        self._drain(wait=True)
+        gone = self.persister.discard_after(step)
+        if gone:
+            self.progress.message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
 
     def _close_durable(self) -> None:
         if self.persister is None:

@@ -61,6 +61,24 @@ class Persister:
         finished, self._pending = self._pending, []
         return self._collect(finished)
 
+    def discard_after(self, step: int) -> list[int]:
+        """Delete the checkpoints this run committed after ``step``: they hold a state found
+        corrupt, which a later resume must not pick up. Waits for writes in flight first (a
+        corrupt one may be among them); a delete that fails is logged and kept in ``errors``.
+        Returns the steps deleted."""
+        self.flush()
+        gone = []
+        for persisted in [p for p in self.done if p.step > step]:
+            try:
+                self.store.delete(persisted.step)
+                gone.append(persisted.step)
+            except Exception as exc:
+                message = f"could not delete checkpoint {persisted.uri}: {type(exc).__name__}: {exc}"
+                log.warning(message)
+                self.errors.append(message)
+        self.done = [p for p in self.done if p.step not in gone]
+        return gone
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
