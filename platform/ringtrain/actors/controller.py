@@ -18,19 +18,21 @@ import enum
 import logging
 import math
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
+from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
+from ringtrain.actors.records import recovery_entry, step_record
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
-from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, RankOutcome, classify, decide, non_finite
+from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, classify, decide, non_finite
 from ringtrain.controllers.ledger import SampleLedger
 from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
 from ringtrain.controllers.snapshots import persist_due
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
 from ringtrain.planner.devices import peak_flops
-from ringtrain.status import Incident, StepReport, WorkerInfo
+from ringtrain.status import Incident, StepReport
 from ringtrain.telemetry.progress import Progress
 from ringtrain.telemetry.prometheus import RunMetrics
 from ringtrain.telemetry.rundir import RunDir
@@ -54,101 +56,8 @@ _ALLOWED = {
 }
 
 
-class Group(Protocol):
-    num_params: int
-    infos: list[WorkerInfo]
-
-    def start(self) -> None: ...
-    def train_step(self, probe: bool = False) -> list[StepReport]: ...
-    def snapshot_refs(self, step: int) -> list[Any]: ...
-    def restore(self, blobs: list[bytes]) -> int: ...
-    def pin_snapshots(self, step: int) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-class StepFailure(Protocol):
-    """What a group raises when a step did not finish on every rank."""
-
-    outcomes: list[RankOutcome]
-    seen_at: float  # clock time the first failure was seen
-    seen_unix: float
-    verdict: Optional[dict[str, Any]]  # a stall's diagnosis: the culprit and why
-
-
-class Elastic(Protocol):
-    """Carries out recoveries and resizes on the group (``actors.recovery.Recovery``)."""
-
-    failure_type: type[Exception]  # the StepFailure exception type the group raises
-
-    def assess(self, failure: StepFailure) -> list[RankOutcome]: ...
-    def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity: ...
-    def reform(
-        self,
-        *,
-        lost: frozenset[int],
-        new_dp: int,
-        spares: int,
-        last_step: int,
-        fired_through: Optional[int] = None,
-        quarantine: bool = False,
-    ) -> Any: ...
-    def cordon(self, ranks: tuple[int, ...]) -> None: ...
-    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int: ...
-    def skip_batch(self, batch: int) -> range: ...
-    def replenish_spares(self, target: int) -> None: ...
-    def spares_changed(self) -> bool: ...
-    def growth_capacity(self) -> int: ...
-    def prepare_growth(self, replicas: int) -> None: ...
-    def growth_ready(self) -> bool: ...
-    def grow(self, *, new_dp: int, last_step: int) -> Any: ...
-    def layout(self) -> dict[str, Any]: ...
-
-
-class Durable(Protocol):
-    """What the Controller needs of a Persister."""
-
-    last_durable_step: int
-    errors: list[str]
-
-    def submit(self, step: int, snapshot_refs: list[Any]) -> None: ...
-    def poll(self) -> list[Any]: ...
-    def flush(self) -> list[Any]: ...
-    def discard_after(self, step: int) -> list[int]: ...
-    def close(self) -> None: ...
-
-
-class Sink(Protocol):
-    """Something that follows the run: TensorBoard, for one."""
-
-    def step(self, record: dict[str, Any]) -> None: ...
-    def incident(self, incident: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
-
-
 # What each kind of worker failure is called in incidents.
 _WORKER_FAILURE_KINDS = {"died": "crash", "error": "crash", "timeout": "hang"}
-
-
-def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -> dict[str, Any]:
-    """One line of metrics.jsonl from every rank's report of a step."""
-    tokens = sum(r.num_tokens for r in reports)
-    by_rank = sorted(reports, key=lambda r: r.rank)
-    return {
-        "step": by_rank[0].step,
-        "loss": by_rank[0].loss,
-        "lr": by_rank[0].lr,
-        "grad_norm": by_rank[0].grad_norm,
-        "tokens": tokens,
-        "step_time_s": wall_s,
-        "rank_step_time_s": [round(r.step_time_s, 6) for r in by_rank],
-        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "dp": dp,
-        "cp": cp,
-        "snapshot_step": min(r.snapshot_step for r in by_rank),
-        "snapshot_s": max(r.snapshot_s for r in by_rank),
-        "snapshot_bytes": sum(r.snapshot_bytes for r in by_rank),
-        "rank_memory_bytes": [r.memory_bytes for r in by_rank],
-    }
 
 
 class Controller:
@@ -628,19 +537,9 @@ class Controller:
             "last_durable_step": self.persister.last_durable_step if self.persister else 0,
             "checkpoint_errors": list(self.persister.errors) if self.persister else [],
             "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
-            "recoveries": [_recovery_entry(i) for i in self.incidents if i.action != "abort"],
+            "recoveries": [recovery_entry(i) for i in self.incidents if i.action != "abort"],
             "resizes": self.resizes,
             "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
             "error": self.error,
             "run_dir": str(self.run_dir.path),
         }
-
-
-def _recovery_entry(incident: Incident) -> dict[str, Any]:
-    keys = (
-        "id", "kind", "ranks", "action", "detected_at_step", "detected_at", "detect_s",
-        "recover_s", "lost_steps", "dp_before", "dp_after",
-    )  # fmt: skip
-    entry = {k: getattr(incident, k) for k in keys}
-    entry["ranks"] = list(incident.ranks)
-    return entry

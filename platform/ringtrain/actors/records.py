@@ -1,0 +1,40 @@
+"""What the run directory records of the run: one metrics.jsonl line per step, and the
+summary's entry for each recovery."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringtrain.status import Incident, StepReport
+
+
+def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -> dict[str, Any]:
+    """One line of metrics.jsonl from every rank's report of a step."""
+    tokens = sum(r.num_tokens for r in reports)
+    by_rank = sorted(reports, key=lambda r: r.rank)
+    return {
+        "step": by_rank[0].step,
+        "loss": by_rank[0].loss,
+        "lr": by_rank[0].lr,
+        "grad_norm": by_rank[0].grad_norm,
+        "tokens": tokens,
+        "step_time_s": wall_s,
+        "rank_step_time_s": [round(r.step_time_s, 6) for r in by_rank],
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "dp": dp,
+        "cp": cp,
+        "snapshot_step": min(r.snapshot_step for r in by_rank),
+        "snapshot_s": max(r.snapshot_s for r in by_rank),
+        "snapshot_bytes": sum(r.snapshot_bytes for r in by_rank),
+        "rank_memory_bytes": [r.memory_bytes for r in by_rank],
+    }
+
+
+def recovery_entry(incident: Incident) -> dict[str, Any]:
+    keys = (
+        "id", "kind", "ranks", "action", "detected_at_step", "detected_at", "detect_s",
+        "recover_s", "lost_steps", "dp_before", "dp_after",
+    )  # fmt: skip
+    entry = {k: getattr(incident, k) for k in keys}
+    entry["ranks"] = list(incident.ranks)
+    return entry
