@@ -220,9 +220,9 @@ class Controller:
         the step before ``step``)."""
         assert self.elastic is not None
         self._transition(RunState.RECOVERING, failure.reason)
-        reuse = failure.kind is not Kind.SDC  # a corrupting device's slot is not used again
-        if failure.kind is Kind.SDC and failure.ranks and self.job.controllers.sdc_evict_node:
+        if failure.suspect_devices and self.job.controllers.sdc_evict_node:
             self.elastic.cordon(failure.ranks)  # first: capacity there no longer counts
+        reuse = not failure.suspect_devices
         capacity = self.elastic.capacity(failure.ranks, reuse_slots=reuse) if failure.lost_workers else Capacity(0, 0)
         t = self.job.train
         decision = decide(
@@ -283,14 +283,13 @@ class Controller:
                 # Dropped when the data reaches it again: the restore point may lie steps before.
                 self.ledger.skip(self.elastic.skip_batch(batch))
             return resumed, None
-        sdc = failure.kind is Kind.SDC
         out = self.elastic.reform(
             lost=frozenset(failure.ranks),
             new_dp=decision.dp_after,
             spares=decision.spares_used,
             last_step=last_step,
             fired_through=fired_through,
-            quarantine=sdc,
+            quarantine=failure.suspect_devices,
         )
         self.dp = decision.dp_after
         if self.sdc is not None:

@@ -34,7 +34,7 @@ class TrainWorker:
         self._connections: dict[int, str] = {}  # sockets this world's process groups opened
         self._busy = False  # a train_step call is running
         self._bad_device: Any = None  # a chaos bitflip struck this process's device: it stays bad
-        self._pin: tuple[int, int] = (0, -1)  # (sequence number, step) of the newest pin_snapshot
+        self._pin_seq = 0  # sequence number of the newest pin_snapshot applied
         self._pin_lock = threading.Lock()
 
     def info(self) -> WorkerInfo:
@@ -151,9 +151,9 @@ class TrainWorker:
         """Hold the newest snapshot at or before ``step`` (the last clean scan's) in memory,
         unless a later pin (higher ``seq``) already arrived."""
         with self._pin_lock:
-            if seq <= self._pin[0]:
+            if seq <= self._pin_seq:
                 return
-            self._pin = (seq, step)
+            self._pin_seq = seq
             trainer = self._trainer
         if trainer is not None and trainer.snapshotter is not None:
             trainer.snapshotter.pin(step)

@@ -83,6 +83,11 @@ class Failure:
         """Whether the failed ranks' processes are gone (or must be) and their seats need filling."""
         return self.kind in (Kind.CRASH, Kind.NODE_LOST, Kind.HANG) or (self.kind is Kind.SDC and bool(self.ranks))
 
+    @property
+    def suspect_devices(self) -> bool:
+        """Whether the failed ranks' devices corrupted data: their slots must not be used again."""
+        return self.kind is Kind.SDC and bool(self.ranks)
+
 
 def classify(outcomes: Sequence[RankOutcome]) -> Optional[Failure]:
     """The failure behind a step's outcomes, or None when every rank finished."""
