@@ -11,12 +11,16 @@
   verdict. The ranks then exit from that thread (their main threads cannot be unblocked).
 - The SDC probes agree bit for bit across ranks and rounds (judged round by round as the
   Controller judges them: not one false alarm; bench/probes.py runs 2000 such rounds), and a
-  flipped bit is named.
+  flipped bit is named. The chaos flip corrupts the probe's own output, so a rank whose
+  arithmetic is wrong (its GEMM, then its attention kernel, one element one ulp off) with no
+  flip hook is named too: the detection does not depend on the probe corrupting itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -24,7 +28,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -35,6 +39,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 SDC_ROUNDS = 100  # a clean run of this many probe rounds must raise no alarm
+BAD_GEMM_RANK = 3  # ranks whose arithmetic goes wrong in the last two rounds (not the flipped ones)
+BAD_ATTENTION_RANK = 0
 WAIT_S = 60.0  # bound on every wait below; the ranks' own process groups time out after it
 TINY = [
     "model.dim=64",
@@ -121,6 +127,60 @@ def test_the_recorder_counts_outer_calls_ends_async_ones_on_wait_and_keeps_error
 # --- a recorded training step, then SDC probe rounds, in one set of processes -----------------
 
 
+def _one_ulp_up(t: Any, index: tuple[int, ...]) -> Any:
+    """A copy of ``t`` with ``t[index]`` moved to the next float up: the smallest wrong answer."""
+    import torch
+
+    out = t.clone()
+    out[index] = torch.nextafter(out[index], torch.tensor(math.inf, dtype=out.dtype))
+    return out
+
+
+@contextlib.contextmanager
+def _gemm_one_ulp_off() -> Iterator[list[str]]:
+    """This process's matrix products come back with one element one ulp off, whichever entry
+    point computes them (``@``, ``matmul``, ``mm``); yields the names of the corrupted calls."""
+    from torch.overrides import TorchFunctionMode
+
+    hits: list[str] = []
+
+    class BadMatrixUnit(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            if name in ("matmul", "__matmul__", "mm"):
+                hits.append(name)
+                out = _one_ulp_up(out, (5, 17))
+            return out
+
+    with BadMatrixUnit():
+        yield hits
+
+
+@contextlib.contextmanager
+def _attention_one_ulp_off(device: Any) -> Iterator[list[str]]:
+    """The attention kernel the probe resolves returns one output element one ulp off (its LSE
+    intact); yields the names of the corrupted kernels."""
+    import torch
+
+    from ringtrain.train.attention.kernels import get_kernel
+
+    kernel = type(get_kernel("auto", device_type=device.type, dtype=torch.float32))
+    original = kernel._forward
+    hits: list[str] = []
+
+    def bad_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out_BQHD, lse, aux = original(self, *args, **kwargs)
+        hits.append(self.name)
+        return _one_ulp_up(out_BQHD, (0, 9, 1, 3)), lse, aux
+
+    kernel._forward = bad_forward  # type: ignore[method-assign]
+    try:
+        yield hits
+    finally:
+        kernel._forward = original  # type: ignore[method-assign]
+
+
 def _train_rank(rank: int, world: int, store_path: str, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
@@ -147,11 +207,16 @@ def _train_rank(rank: int, world: int, store_path: str, results: mp.Queue) -> No
         flips = {2: sdc_probes.BitFlip("gemm_float32", element=17, bit=3),
                  1: sdc_probes.BitFlip("all_reduce_x4", element=5, bit=30)}
         rounds.append(sdc_probes.digests(sdc_probes.run_probes(device, flip=flips.get(rank))))
+        # No flip hook from here on: every rank runs the same round, one rank's arithmetic is wrong.
+        with _gemm_one_ulp_off() if rank == BAD_GEMM_RANK else contextlib.nullcontext([]) as gemm_hits:
+            rounds.append(sdc_probes.digests(sdc_probes.run_probes(device, flip=None)))
+        with _attention_one_ulp_off(device) if rank == BAD_ATTENTION_RANK else contextlib.nullcontext([]) as attn_hits:
+            rounds.append(sdc_probes.digests(sdc_probes.run_probes(device, flip=None)))
 
         probes.uninstall()
         restored = dist.all_reduce is original and torch.distributed.distributed_c10d.all_reduce is original
         out = {"rank": rank, "step": step, "state": state, "rounds": rounds,
-               "restored": restored}
+               "restored": restored, "corrupted": gemm_hits + attn_hits}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, out)
         if rank == 0:
@@ -216,6 +281,31 @@ def test_sdc_probes_agree_across_ranks_and_rounds_and_a_flipped_bit_is_named(tra
     assert verdict.ranks == (1, 2) and verdict.probes == ("all_reduce_x4", "gemm_float32")
     assert {(f.rank, f.probe, f.basis) for f in verdict.findings} == {
         (1, "all_reduce_x4", "majority"), (2, "gemm_float32", "majority")}
+
+
+def test_a_rank_whose_gemm_or_attention_kernel_computes_wrong_is_named(trained: list[dict[str, Any]]) -> None:
+    """No flip hook: the arithmetic the probe measures is wrong on one rank, by one ulp in one element."""
+    from ringtrain.controllers.sdc import SdcScanner
+
+    clean = trained[0]["rounds"][0]
+    (attention,) = [p for p in clean if p.startswith("attention_")]
+    # The corruption ran where it was meant to: once per round (one fp32 GEMM, one attention
+    # block on CPU), on its rank only.
+    assert {r["rank"]: len(r["corrupted"]) for r in trained} == {
+        r: int(r in (BAD_GEMM_RANK, BAD_ATTENTION_RANK)) for r in range(WORLD)}
+
+    scanner = SdcScanner()
+    assert scanner.check(0, {r["rank"]: r["rounds"][0] for r in trained}) is None  # the golden values
+    cases = ((BAD_GEMM_RANK, "gemm_float32"), (BAD_ATTENTION_RANK, attention))
+    for i, (bad, probe) in enumerate(cases, start=SDC_ROUNDS + 1):
+        digests = {r["rank"]: r["rounds"][i] for r in trained}
+        moved = {(r, p) for r, d in digests.items() for p in d if d[p] != clean[p]}
+        assert moved == {(bad, probe)}, f"round {i}: {sorted(moved)} moved"
+        verdict = scanner.check(i, digests)
+        assert verdict is not None and verdict.kind == "outlier", verdict
+        assert verdict.ranks == (bad,) and verdict.probes == (probe,), verdict.explanation
+        (finding,) = verdict.findings
+        assert (finding.rank, finding.basis, finding.expected) == (bad, "majority", clean[probe])
 
 
 # --- injected hangs ----------------------------------------------------------------------------

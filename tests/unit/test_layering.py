@@ -1,6 +1,8 @@
-"""The layer rules of ARCHITECTURE.md, checked on the source with `ast` (nothing is imported).
+"""The layer rules, checked on the source with `ast` (nothing is imported).
 
-Every import counts: module level, inside functions (lazy imports), under ``if TYPE_CHECKING``.
+``LAYERS`` below is the one table of layers; docs/architecture.md mirrors it (a test checks).
+Every module must have a layer, and imports only go downward. Every import counts: module
+level, inside functions (lazy imports), under ``if TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -8,22 +10,44 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-PLATFORM = Path(__file__).resolve().parents[2] / "platform"
+REPO = Path(__file__).resolve().parents[2]
+PLATFORM = REPO / "platform"
 PACKAGE = PLATFORM / "ringtrain"
-L0 = {
-    "ringtrain.config",
-    "ringtrain.errors",
-    "ringtrain.topology",
-    "ringtrain.status",
-    "ringtrain.metrics",
-    "ringtrain.chaos",
+DOC = REPO / "docs" / "architecture.md"
+
+# Module or package -> layer; a package places every module under it, and the longest entry
+# that matches wins (so a package can keep, say, a pure core at L1 and put one module at L3).
+# A new package or top-level module gets a line here and in docs/architecture.md.
+LAYERS: dict[str, int] = {
+    "ringtrain.config": 0,
+    "ringtrain.errors": 0,
+    "ringtrain.topology": 0,
+    "ringtrain.status": 0,
+    "ringtrain.metrics": 0,
+    "ringtrain.chaos": 0,
+    "ringtrain.controllers": 1,
+    "ringtrain.planner": 1,
+    "ringtrain.train": 2,
+    "ringtrain.checkpoint": 2,  # below train, which uses its retention rule
+    "ringtrain.hf": 2,  # Hugging Face config mapping and safetensors I/O
+    "ringtrain.actors": 3,
+    "ringtrain.telemetry": 3,
+    "ringtrain.cli": 4,
+    "ringtrain.submission": 4,
+    "ringtrain.submission_command": 4,
+    "ringtrain.__main__": 4,
 }
+# The package itself holds only its version: L0, and it places nothing beneath it (or every
+# module would have a layer by default).
+ROOT = "ringtrain"
 
 
 def _module_name(path: Path) -> str:
@@ -72,12 +96,29 @@ def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def layer_of(name: str) -> Optional[int]:
+    """The layer of module ``name`` from ``LAYERS`` (the longest matching entry); None if unplaced."""
+    if name == ROOT:
+        return 0
+    matches = [prefix for prefix in LAYERS if _within(name, prefix)]
+    return LAYERS[max(matches, key=len)] if matches else None
+
+
 def _is_l0(name: str) -> bool:
-    return any(_within(name, m) for m in L0)
+    return layer_of(name) == 0
 
 
 def _in_layer(prefix: str) -> list[str]:
     return [m for m in MODULES if _within(m, prefix)]
+
+
+def _at_layer(layer: int) -> list[str]:
+    return [m for m in MODULES if layer_of(m) == layer]
+
+
+def _package(name: str) -> str:
+    """``ringtrain.X`` of ``ringtrain.X.Y...``: what a module may import freely at its own layer."""
+    return ".".join(name.split(".")[:2])
 
 
 def test_the_package_was_found() -> None:
@@ -118,7 +159,44 @@ def test_platform_is_not_a_package() -> None:
     assert not (PLATFORM / "__init__.py").exists()
 
 
-L0_MODULES = sorted(m for m in MODULES if _is_l0(m))
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in MODULES if layer_of(m) is None)
+    assert not unplaced, (
+        f"{', '.join(unplaced)} has no layer: place it (or its package) in LAYERS in "
+        f"tests/unit/test_layering.py and in the table of docs/architecture.md"
+    )
+
+
+def test_the_longest_entry_places_a_module() -> None:
+    assert layer_of("ringtrain.train.attention.ring") == 2 and layer_of("ringtrain.hf.safetensors_io") == 2
+    assert layer_of("ringtrain") == 0 and layer_of("ringtrain.newthing") is None
+    assert layer_of("ringtrain.submission_command") == 4 and layer_of("ringtrain.submissions") is None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) is not None))
+def test_imports_only_go_downward(module: str) -> None:
+    """Among others: the controllers never import train, the actors and telemetry never the cli."""
+    mine = layer_of(module)
+    assert mine is not None
+    bad = {
+        f"{name} (L{theirs})"
+        for name in _imports(module)
+        if _top(name) == ROOT and ((theirs := layer_of(name)) is None or theirs > mine)
+    }
+    assert not bad, f"{module} (L{mine}) imports {sorted(bad)}"
+
+
+def test_the_docs_layer_table_mirrors_this_one() -> None:
+    """docs/architecture.md's rows read ``| L<n> | `module`, `package/`, `package/module.py` ... |``."""
+    documented: dict[str, int] = {}
+    for match in re.finditer(r"^\| L(\d) \| ([^|]*)\|", DOC.read_text(), flags=re.MULTILINE):
+        for name in re.findall(r"`([^`]+)`", match.group(2)):
+            module = name.removesuffix("/").removesuffix(".py").replace("/", ".")
+            documented[f"{ROOT}.{module}"] = int(match.group(1))
+    assert documented == LAYERS, "docs/architecture.md's layer table and LAYERS here must list the same placements"
+
+
+L0_MODULES = sorted(_at_layer(0))
 
 
 def test_the_l0_modules_exist() -> None:
@@ -135,62 +213,38 @@ def test_l0_imports_only_stdlib_omegaconf_and_l0(module: str) -> None:
     bad = {
         name
         for name in _imports(module)
-        if not (
-            _top(name) in sys.stdlib_module_names or _top(name) in L0_THIRD_PARTY or _is_l0(name) or name == "ringtrain"
-        )
+        if not (_top(name) in sys.stdlib_module_names or _top(name) in L0_THIRD_PARTY or _is_l0(name))
     }
     assert not bad, f"{module} (L0) imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", _in_layer("ringtrain.controllers"))
-def test_controllers_import_only_l0_and_stdlib(module: str) -> None:
+@pytest.mark.parametrize("module", _at_layer(1))
+def test_l1_imports_only_stdlib_l0_and_its_own_package(module: str) -> None:
+    """Pure decisions (controllers) and plans for clusters not yet had (planner) import no
+    framework, and L1 packages do not lean on each other."""
     bad = {
         name
         for name in _imports(module)
-        if not (
-            _top(name) in sys.stdlib_module_names
-            or _is_l0(name)
-            or _within(name, "ringtrain.controllers")
-            or name == "ringtrain"
-        )
+        if not (_top(name) in sys.stdlib_module_names or _is_l0(name) or _package(name) == _package(module))
     }
     assert not bad, f"{module} (L1) imports {sorted(bad)}"
 
 
-TRAIN_MAY_NOT_IMPORT = ("ray", "ringtrain.actors", "ringtrain.telemetry", "ringtrain.controllers", "ringtrain.cli")
-
-
-@pytest.mark.parametrize("module", _in_layer("ringtrain.train"))
-def test_train_never_imports_ray_or_higher_layers(module: str) -> None:
-    bad = {name for name in _imports(module) for banned in TRAIN_MAY_NOT_IMPORT if _within(name, banned)}
+@pytest.mark.parametrize("module", _at_layer(2))
+def test_l2_never_imports_ray(module: str) -> None:
+    bad = {name for name in _imports(module) if _top(name) == "ray"}
     assert not bad, f"{module} (L2) imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", _in_layer("ringtrain.planner"))
-def test_the_planner_is_pure(module: str) -> None:
-    """L1 like the controllers: it plans clusters it does not have, so it imports no framework."""
-    bad = {
-        name
-        for name in _imports(module)
-        if not (_top(name) in sys.stdlib_module_names or _is_l0(name) or _within(name, "ringtrain.planner") or name == "ringtrain")
-    }
+@pytest.mark.parametrize("module", _in_layer("ringtrain.train"))
+def test_train_never_imports_the_controllers(module: str) -> None:
+    """They meet through status reports and Decisions, joined by the actors."""
+    bad = {name for name in _imports(module) if _within(name, "ringtrain.controllers")}
     assert not bad, f"{module} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("module", _in_layer("ringtrain.controllers"))
-def test_controllers_never_import_train(module: str) -> None:
-    bad = {name for name in _imports(module) if _within(name, "ringtrain.train")}
-    assert not bad, f"{module} imports {sorted(bad)}"
-
-
-@pytest.mark.parametrize("module", _in_layer("ringtrain.actors") + _in_layer("ringtrain.telemetry"))
-def test_l3_never_imports_the_cli(module: str) -> None:
-    bad = {name for name in _imports(module) if _within(name, "ringtrain.cli")}
-    assert not bad, f"{module} (L3) imports {sorted(bad)}"
-
-
-# The checkpoint store moves bytes: it sits beside the actors (boto3 is an L3 dependency) but
-# knows nothing of training or Ray, so it can be used from a driver, a worker or a tool.
+# The checkpoint store moves bytes: L2 because train uses its retention rule, with boto3 its one
+# dependency; it knows nothing of training or Ray, so a driver, a worker or a tool can use it.
 CHECKPOINT_MAY_NOT_IMPORT = ("torch", "ray", "deepspeed", "ringtrain.train", "ringtrain.actors", "ringtrain.cli")
 
 
