@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ringtrain import config, submission_command
+from ringtrain import config, export_command, submission_command
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
 from ringtrain.telemetry import dashboards_command, report_command
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     dashboards_command.add_arguments(dashboards)
     report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)")
     report_command.add_arguments(report)
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (config.json + safetensors)")
+    export_command.add_arguments(export)
     submission_command.add_arguments(sub)
     return parser
 
@@ -54,9 +56,11 @@ def _stop_on_sigterm() -> None:
 def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.train.data import check_data
 
+    from ringtrain.hf import resolve_job
+
     _stop_on_sigterm()
-    job = config.load(job_path, overrides)
-    check_data(job.data.path, job.model.vocab_size)
+    job = resolve_job(config.load(job_path, overrides))
+    check_data(job.data.path, job.model_int("vocab_size"), job.data.seq_len)
 
     # Ray and torch are imported only once the input is known to be good.
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
@@ -78,6 +82,9 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
 
     cluster = connect(job)
+    # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's
+    # crash handler aborts the process): install ours again so a stop still writes the summary.
+    _stop_on_sigterm()
     ok = False
     try:
         device = resolve_device(job)
@@ -150,6 +157,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return dashboards_command.run(args)
         if args.command == "report":
             return report_command.run(args)
+        if args.command == "export":
+            return export_command.run(args)
         code = submission_command.run(args)
         if code is not None:
             return code

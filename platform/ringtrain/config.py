@@ -31,18 +31,55 @@ STDLIB_CORPUS = "stdlib"
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+    """A Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
-    vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    With ``hf`` set, the shape comes from that Hugging Face folder's ``config.json`` and the
+    weights from its safetensors; a shape key set here must agree with it. Without it, the keys
+    left unset take the small defaults of ``MODEL_DEFAULTS``.
+    """
+
+    hf: str = ""  # a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3)
+    vocab_size: Optional[int] = None
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None  # None: dim / n_heads
     ffn_dim: Optional[int] = None  # None: the SwiGLU default, 8/3 * dim rounded up to 32
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    # Rotary embeddings: theta and Hugging Face's rope_scaling dict (rope_type default, linear,
+    # llama3 or yarn, with its factor and other keys). Set either to extend a model's context.
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[dict[str, Any]] = None
+    norm_eps: Optional[float] = None
+    qkv_bias: Optional[bool] = None  # biases on the q, k and v projections (Qwen2)
+    o_bias: Optional[bool] = None  # a bias on the attention output projection
+    mlp_bias: Optional[bool] = None
+    qk_norm: Optional[bool] = None  # RMSNorm of each head's q and k before RoPE (Qwen3)
+    tie_embeddings: Optional[bool] = None  # the output projection is the embedding matrix
+    # The context the model was pretrained or last trained for (config.json's
+    # max_position_embeddings); an export raises it to what this job trains at.
+    max_position_embeddings: Optional[int] = None
     init_std: float = 0.02
     activation_checkpointing: bool = False
+
+
+# What an unset ModelConfig key means for a model trained from scratch.
+MODEL_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256,
+    "dim": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-5,
+    "qkv_bias": False,
+    "o_bias": False,
+    "mlp_bias": False,
+    "qk_norm": False,
+    "tie_embeddings": False,
+}
+# rope_scaling types a training job can use; "dynamic" rescales by the length seen at inference.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -158,6 +195,30 @@ class TelemetryConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation: next-token loss by position (and optionally passkey retrieval) on held-out data.
+
+    ``ringtrain eval`` fills these from its options; during training, every ``every`` steps
+    and after the last one the Controller evaluates on ``data`` and adds the result to that
+    step's metrics.jsonl record under ``"eval"`` (see ``ringtrain.evaluation.result``).
+    """
+
+    every: int = 0  # evaluate during training every this many steps (0: never)
+    # What data.path takes (stdlib, text, a .bin or 1-D .npy token stream), or a 2-D .npy
+    # whose rows are the sequences, scored as transformers does with labels=input_ids.
+    data: str = ""
+    seq_len: Optional[int] = None  # tokens per window of a stream; None: data.seq_len
+    max_rows: Optional[int] = None  # sequences scored; None: every row of a 2-D .npy, 64 windows of a stream
+    bucket_tokens: int = 1024  # the first position bucket's size; each next one doubles
+    # Passkey retrieval: prompt lengths in tokens (empty: none), where the key hides (0: the
+    # start of the filler, 1: its end) and how many keys per length and depth.
+    passkey: list[int] = field(default_factory=list)
+    passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    passkey_trials: int = 1
+    seed: int = 0  # draws the passkeys
+
+
+@dataclass
 class ChaosConfig:
     faults: list[FaultSpec] = field(default_factory=list)
 
@@ -186,6 +247,7 @@ class JobConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     # Derived values. Properties, not fields, so they can never disagree with the fields.
     @property
@@ -219,8 +281,19 @@ class JobConfig:
     def ffn_dim(self) -> int:
         if self.model.ffn_dim is not None:
             return self.model.ffn_dim
-        hidden = int(8 * self.model.dim / 3)
+        hidden = int(8 * self.model_int("dim") / 3)
         return 32 * ((hidden + 31) // 32)
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.head_dim or self.model_int("dim") // self.model_int("n_heads")
+
+    def model_int(self, key: str) -> int:
+        """A model shape key that must be known by now (resolved from ``model.hf`` or defaults)."""
+        value = getattr(self.model, key)
+        if value is None:
+            raise ConfigError(f"model.{key}", "is not resolved yet: load model.hf first (ringtrain.hf.resolve_job)")
+        return int(value)
 
 
 def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> JobConfig:
@@ -238,8 +311,20 @@ def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = Non
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
     assert isinstance(job, JobConfig)
+    fill_model_defaults(job)
     validate(job)
     return job
+
+
+def fill_model_defaults(job: JobConfig) -> None:
+    """Give a from-scratch model's unset keys their defaults. A model.hf model keeps them unset
+    until its config.json is read (``ringtrain.hf.resolve_job``), so that a key set here can be
+    checked against the checkpoint's."""
+    if job.model.hf:
+        return
+    for key, value in MODEL_DEFAULTS.items():
+        if getattr(job.model, key) is None:
+            setattr(job.model, key, value)
 
 
 def to_yaml(job: JobConfig) -> str:
@@ -257,6 +342,7 @@ def replace(job: JobConfig, overrides: list[str]) -> JobConfig:
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
     assert isinstance(new, JobConfig)
+    fill_model_defaults(new)
     validate(new)
     return new
 
@@ -269,21 +355,7 @@ def validate(job: JobConfig) -> None:
     _one_of(job.attention.kernel, ATTENTION_KERNELS, "attention.kernel")
     _validate_cp_layout(job)
 
-    m = job.model
-    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"):
-        _positive(getattr(m, name), f"model.{name}")
-    if m.ffn_dim is not None:
-        _positive(m.ffn_dim, "model.ffn_dim")
-    if m.dim % m.n_heads:
-        raise ConfigError("model.n_heads", f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError("model.n_heads", f"head dim {m.dim // m.n_heads} must be even for rotary embeddings")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            "model.n_kv_heads", f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
-        )
-    if m.rope_theta <= 0:
-        raise ConfigError("model.rope_theta", f"must be > 0 (got {m.rope_theta})")
+    validate_model(job)
 
     d = job.data
     _positive(d.seq_len, "data.seq_len")
@@ -372,6 +444,8 @@ def validate(job: JobConfig) -> None:
             if not 0 <= fault.bit < 32:
                 raise ConfigError(f"{key}.bit", f"{fault.bit} is not a bit of a 32-bit element (0..31)")
 
+    validate_eval(job.eval)
+
     c = job.cluster
     _one_of(c.device, DEVICES, "cluster.device")
     if c.cpus_per_worker < 0:
@@ -382,6 +456,79 @@ def validate(job: JobConfig) -> None:
         _positive(c.num_cpus, "cluster.num_cpus")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job.name):
         raise ConfigError("name", f"{job.name!r} must be letters, digits, '.', '_' or '-' (it names the run directory)")
+
+
+def validate_eval(e: EvalConfig) -> None:
+    """The eval section's values; whether ``eval.data`` exists is checked where it is read."""
+    if e.every < 0:
+        raise ConfigError("eval.every", f"must be >= 0, 0 turns evaluation off (got {e.every})")
+    if e.every and not e.data:
+        raise ConfigError("eval.data", f"is empty, but eval.every={e.every}: name the data to evaluate on (as data.path takes, or a 2-D .npy)")
+    for key in ("seq_len", "max_rows"):
+        if getattr(e, key) is not None:
+            _positive(getattr(e, key), f"eval.{key}")
+    _positive(e.bucket_tokens, "eval.bucket_tokens")
+    for i, length in enumerate(e.passkey):
+        _positive(length, f"eval.passkey[{i}]")
+    if e.passkey and not e.passkey_depths:
+        raise ConfigError("eval.passkey_depths", "is empty; list where the key hides, e.g. [0, 0.5, 1]")
+    for i, depth in enumerate(e.passkey_depths):
+        if not 0 <= depth <= 1:
+            raise ConfigError(f"eval.passkey_depths[{i}]", f"must be in [0, 1] (got {depth})")
+    _positive(e.passkey_trials, "eval.passkey_trials")
+
+
+def validate_model(job: JobConfig) -> None:
+    """The model's shape and rotary settings; keys still unset (a model.hf model not yet read)
+    are checked once they are known."""
+    m = job.model
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_position_embeddings"):
+        if getattr(m, name) is not None:
+            _positive(getattr(m, name), f"model.{name}")
+    if m.dim is not None and m.n_heads is not None and m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError("model.n_heads", f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if m.dim is not None and m.n_heads is not None and job.head_dim % 2:
+        raise ConfigError("model.n_heads", f"head dim {job.head_dim} must be even for rotary embeddings")
+    if m.n_heads is not None and m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            "model.n_kv_heads", f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}"
+        )
+    if m.rope_theta is not None and m.rope_theta <= 0:
+        raise ConfigError("model.rope_theta", f"must be > 0 (got {m.rope_theta})")
+    if m.norm_eps is not None and m.norm_eps <= 0:
+        raise ConfigError("model.norm_eps", f"must be > 0 (got {m.norm_eps})")
+    if m.rope_scaling is not None:
+        validate_rope_scaling(dict(m.rope_scaling), "model.rope_scaling")
+
+
+# Keys each rope_scaling type needs, beyond rope_type itself.
+_ROPE_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
+def validate_rope_scaling(scaling: dict[str, Any], key: str) -> None:
+    """Hugging Face's rope_scaling schema (``type`` is the older spelling of ``rope_type``)."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "dynamic":
+        raise ConfigError(
+            key, "rope_type 'dynamic' rescales by the length seen at inference time and cannot be trained; "
+            "use linear, llama3 or yarn with the context you train at"
+        )
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(key, f"rope_type {rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+    missing = [k for k in _ROPE_REQUIRED[rope_type] if scaling.get(k) is None]
+    if missing:
+        raise ConfigError(key, f"rope_type {rope_type!r} needs {', '.join(missing)}")
+    factor = scaling.get("factor")
+    if factor is not None and (not isinstance(factor, (int, float)) or factor < 1):
+        raise ConfigError(f"{key}.factor", f"must be a number >= 1 (got {factor!r})")
+    partial = scaling.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ConfigError(f"{key}.partial_rotary_factor", f"partial rotary embeddings are not supported (got {partial})")
 
 
 def _validate_elastic(job: JobConfig) -> None:
@@ -427,7 +574,7 @@ def _validate_cp_layout(job: JobConfig) -> None:
                 "mesh.ulysses", f"attention.impl=hybrid needs 1 < mesh.ulysses < mesh.cp={cp} (got {uly})"
             )
     u = job.ulysses_degree
-    if job.model.n_heads % u:
+    if job.model.n_heads is not None and job.model.n_heads % u:
         raise ConfigError(
             "mesh.ulysses", f"model.n_heads={job.model.n_heads} is not divisible by the ulysses degree {u}"
         )

@@ -14,7 +14,10 @@ from ringtrain.errors import ConfigError
 
 def test_defaults_load_and_equal_the_dataclass_defaults() -> None:
     job = config.load()
-    assert job == JobConfig()
+    expected = JobConfig()
+    config.fill_model_defaults(expected)  # a from-scratch model's unset shape keys
+    assert job == expected
+    assert (job.model.dim, job.model.vocab_size) == (config.MODEL_DEFAULTS["dim"], config.MODEL_DEFAULTS["vocab_size"])
     assert (job.mesh.dp, job.mesh.cp, job.mesh.ulysses) == (1, 1, None)
     assert job.attention.impl == "ring"
     assert job.data.path == config.STDLIB_CORPUS
@@ -31,7 +34,7 @@ def test_yaml_file_then_overrides_merge_in_order(tmp_path: Path) -> None:
     assert job.train.steps == 7  # from the file
     assert job.train.global_batch == 4  # the override beats the file
     assert job.model.dim == 64  # an override of a key the file does not set
-    assert job.model.n_heads == JobConfig().model.n_heads  # untouched: the default
+    assert job.model.n_heads == config.MODEL_DEFAULTS["n_heads"]  # untouched: the default
 
 
 def test_load_accepts_a_string_path(tmp_path: Path) -> None:
@@ -43,7 +46,7 @@ def test_load_accepts_a_string_path(tmp_path: Path) -> None:
 def test_an_empty_yaml_file_means_all_defaults(tmp_path: Path) -> None:
     job_file = tmp_path / "empty.yaml"
     job_file.write_text("")
-    assert config.load(job_file) == JobConfig()
+    assert config.load(job_file) == config.load()
 
 
 def test_override_values_are_converted_to_the_field_type() -> None:

@@ -1,4 +1,9 @@
-"""A Llama-style decoder whose attention is a pluggable context-parallel function.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose attention is a pluggable
+context-parallel function.
+
+One class, driven by ``ModelArgs``: the families differ only in switches (q/k/v biases for Qwen2,
+per-head q/k RMSNorm for Qwen3, tied embeddings, an explicit head dim, the rope scaling type).
+Parameter names are ringtrain's own; ``ringtrain.hf.names`` maps them to Hugging Face's.
 
 Shape legend: B batch, S local sequence (this rank's tokens), H query heads, K key/value heads,
 D head dim, E model dim, V vocab.
@@ -10,12 +15,16 @@ and each token must rotate by its true position.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ringtrain.config import JobConfig
+from ringtrain.train.rope import Rope, build_rope
 
 
 class AttentionFn(Protocol):
@@ -30,6 +39,48 @@ class AttentionFn(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class ModelArgs:
+    """Everything that decides the model's parameters and its forward pass."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Mapping[str, Any]] = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_job(cls, job: JobConfig) -> "ModelArgs":
+        m = job.model
+        return cls(
+            vocab_size=job.model_int("vocab_size"),
+            dim=job.model_int("dim"),
+            n_layers=job.model_int("n_layers"),
+            n_heads=job.model_int("n_heads"),
+            n_kv_heads=job.model_int("n_kv_heads"),
+            head_dim=job.head_dim,
+            ffn_dim=job.ffn_dim,
+            norm_eps=float(m.norm_eps if m.norm_eps is not None else 1e-5),
+            rope_theta=float(m.rope_theta if m.rope_theta is not None else 10000.0),
+            rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
+            qkv_bias=bool(m.qkv_bias),
+            o_bias=bool(m.o_bias),
+            mlp_bias=bool(m.mlp_bias),
+            qk_norm=bool(m.qk_norm),
+            tie_embeddings=bool(m.tie_embeddings),
+        )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -42,13 +93,6 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_cos_sin(position_ids_BS: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [B, S, 1, D/2], in fp32 so long positions keep their precision."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=position_ids_BS.device, dtype=torch.float32) / head_dim)
-    angles = position_ids_BS.float()[..., None] * inv_freq
-    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
-
-
 def apply_rotary(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # The half-split convention (rotate the first half against the second), as in Llama's HF port.
     x1, x2 = x_BSHD.float().chunk(2, dim=-1)
@@ -57,15 +101,18 @@ def apply_rotary(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, attention_fn: AttentionFn) -> None:
+    def __init__(self, args: ModelArgs, attention_fn: AttentionFn) -> None:
         super().__init__()
-        self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        # Qwen3 normalises each head's query and key over the head dim, before the rotation.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.attention_fn = attention_fn
 
     def forward(self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,29 +120,31 @@ class Attention(nn.Module):
         q_BSHD = self.wq(x_BSE).view(B, S, self.n_heads, self.head_dim)
         k_BSKD = self.wk(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
         v_BSKD = self.wv(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BSHD, k_BSKD = self.q_norm(q_BSHD), self.k_norm(k_BSKD)
         q_BSHD, k_BSKD = apply_rotary(q_BSHD, cos, sin), apply_rotary(k_BSKD, cos, sin)
         out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True)
         return self.wo(out_BSHD.reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, eps: float, attention_fn: AttentionFn):
+    def __init__(self, args: ModelArgs, attention_fn: AttentionFn):
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads, attention_fn)
-        self.ffn_norm = RMSNorm(dim, eps)
-        self.feed_forward = FeedForward(dim, ffn_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, attention_fn)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -105,49 +154,50 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(
         self,
+        args: ModelArgs,
         *,
-        vocab_size: int,
-        dim: int,
-        n_layers: int,
-        n_heads: int,
-        n_kv_heads: int,
-        ffn_dim: int,
-        rope_theta: float,
-        norm_eps: float,
-        init_std: float,
         attention_fn: AttentionFn,
+        init_std: Optional[float] = 0.02,
         activation_checkpointing: bool = False,
     ) -> None:
+        """``init_std=None`` skips the random initialisation: the weights are loaded next."""
         super().__init__()
-        self.head_dim = dim // n_heads
-        self.rope_theta = rope_theta
+        self.args = args
+        self.rope: Rope = build_rope(args.head_dim, args.rope_theta, args.rope_scaling)
         self.activation_checkpointing = activation_checkpointing
-        self.tok_embeddings = nn.Embedding(vocab_size, dim)
-        self.layers = nn.ModuleList(
-            Block(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, attention_fn) for _ in range(n_layers)
-        )
-        self.norm = RMSNorm(dim, norm_eps)
-        self.output = nn.Linear(dim, vocab_size, bias=False)
-        self._init_weights(init_std, n_layers)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, attention_fn) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if init_std is not None:
+            self._init_weights(init_std, args.n_layers)
 
     def _init_weights(self, std: float, n_layers: int) -> None:
         for name, p in self.named_parameters():
             if p.dim() < 2:
+                if name.endswith(".bias"):
+                    nn.init.zeros_(p)
                 continue  # norm weights stay at one
             # Residual-branch outputs are scaled down with depth so the residual stream's
             # variance does not grow with the number of layers (GPT-2, section 2.3).
             is_residual_out = name.endswith(("wo.weight", "w2.weight"))
             nn.init.normal_(p, mean=0.0, std=std / (2 * n_layers) ** 0.5 if is_residual_out else std)
 
-    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_cos_sin(position_ids_BS, self.head_dim, self.rope_theta)
+    def hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states [B, S, E], before the output projection."""
+        cos, sin = self.rope.cos_sin(position_ids_BS)
         h_BSE = self.tok_embeddings(input_ids_BS)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 h_BSE = checkpoint(layer, h_BSE, cos, sin, use_reentrant=False)
             else:
                 h_BSE = layer(h_BSE, cos, sin)
-        return self.output(self.norm(h_BSE))
+        return self.norm(h_BSE)
+
+    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(input_ids_BS, position_ids_BS))
 
 
 def num_params(model: nn.Module) -> int:

@@ -1,10 +1,12 @@
 """One rank's training: builds mesh, model, engine and data shard, and runs optimizer steps.
 
-Loss scaling: every CP rank holds the same number of tokens of each sample, so the global mean
-token loss is the mean of the ranks' local means. ZeRO averages gradients over all dp x cp
-ranks (``DeepSpeedMpu``) and scales by 1/grad_accum, so each rank backpropagates its local mean
-and the step's gradient is that of the global mean loss: the same as single-rank training on
-the whole global batch.
+Loss scaling: the step's loss is the mean over all of its N labelled tokens. ZeRO averages
+gradients over all dp x cp ranks (``DeepSpeedMpu``) and scales by 1/grad_accum, so each rank
+backpropagates the sum of its micro-batch's token losses divided by N / (dp x cp x grad_accum)
+= micro_batch x labels per sample / cp (independent of dp, so a resize changes nothing), and
+the step's gradient is that of the global mean loss: the same as single-rank training on the
+whole global batch. With windows every CP rank holds the same number of labels and this is its
+local mean; a row sample's last token has no label, so one rank holds one fewer.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.status import StepReport
 from ringtrain.topology import Topology
-from ringtrain.train.data import BatchPlan, MicroBatch, ShardedData, load_tokens
+from ringtrain.train.data import IGNORE_INDEX, BatchPlan, MicroBatch, ShardedData, load_tokens
 from ringtrain.train.engine import build_engine, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
-from ringtrain.train.model import AttentionFn, Transformer
+from ringtrain.train.model import AttentionFn, ModelArgs, Transformer
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import (
     DeliverFn,
@@ -58,21 +60,14 @@ def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
 
 
 def build_model(job: JobConfig, attention_fn: AttentionFn) -> Transformer:
-    m = job.model
-    # Same seed on every rank: identical initial weights without a broadcast.
+    # Same seed on every rank: identical initial weights without a broadcast. A pretrained
+    # model's weights are loaded after the engine is built, so they are not drawn at all.
     torch.manual_seed(job.train.seed)
     return Transformer(
-        vocab_size=m.vocab_size,
-        dim=m.dim,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        ffn_dim=job.ffn_dim,
-        rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps,
-        init_std=m.init_std,
+        ModelArgs.from_job(job),
         attention_fn=attention_fn,
-        activation_checkpointing=m.activation_checkpointing,
+        init_std=None if job.model.hf else job.model.init_std,
+        activation_checkpointing=job.model.activation_checkpointing,
     )
 
 
@@ -84,10 +79,11 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
     fraction of a second."""
     tiny = dataclasses.replace(
         job,
-        model=dataclasses.replace(job.model, n_layers=1),
+        # The weights of a pretrained model are not needed to warm up: a random copy does.
+        model=dataclasses.replace(job.model, n_layers=1, hf=""),
         mesh=dataclasses.replace(job.mesh, dp=1, cp=1, ulysses=None, min_dp=1, max_dp=None, spares=0),
         train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None),
-        data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64)),
+        data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64), path=_warm_up_data(job.data.path)),
         checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0),
         chaos=ChaosConfig(),
     )
@@ -98,6 +94,13 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
         trainer.train_step()
     finally:
         trainer.close()
+
+
+def _warm_up_data(path: str) -> str:
+    # Row samples have the job's seq_len, not the warm-up's: a byte stream stands in for them.
+    from ringtrain.config import STDLIB_CORPUS
+
+    return STDLIB_CORPUS if path.endswith(".npy") else path
 
 
 class Trainer:
@@ -130,7 +133,7 @@ class Trainer:
             ulysses=topology.ulysses,
             ring_idx=c.ring_idx,
             ulysses_idx=c.ulysses_idx,
-            vocab_size=job.model.vocab_size,
+            vocab_size=job.model_int("vocab_size"),
         )
         self.step = 0  # optimizer steps completed
         # Batches consumed: the step's samples are those of batch ``data_cursor``. It runs ahead
@@ -140,6 +143,8 @@ class Trainer:
         self.faults = FaultPlan(job.chaos.faults)
         self.bad_device: Optional[FaultSpec] = None  # a bitflip fault struck: this device corrupts bits
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
+        if job.model.hf:
+            self.load_pretrained(job.model.hf)
         self.snapshotter: Optional[Snapshotter] = None
         if job.checkpoint.snapshot_every > 0:
             self.snapshotter = Snapshotter(
@@ -150,6 +155,15 @@ class Trainer:
                 deliver=deliver,
                 keep=job.checkpoint.keep_in_memory,
             )
+
+    def load_pretrained(self, folder: str) -> None:
+        """Put a Hugging Face model's weights into this rank's ZeRO state, reading only the
+        fragments this rank keeps; Adam starts from zero moments."""
+        from ringtrain.hf.weights import PretrainedWeights
+
+        weights = PretrainedWeights(folder)
+        weights.check({name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.model.named_parameters()})
+        self.zero.load(weights)
 
     def _tensor(self, array: object) -> torch.Tensor:
         return torch.as_tensor(array, dtype=torch.long, device=self.device)
@@ -203,17 +217,25 @@ class Trainer:
                 while time.monotonic() < deadline:
                     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def _micro_step(self, mb: MicroBatch, poison: bool = False, strike: Sequence[FaultSpec] = ()) -> torch.Tensor:
+    def _micro_step(
+        self, mb: MicroBatch, poison: bool = False, strike: Sequence[FaultSpec] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward and (at the accumulation boundary) the optimizer step of one
+        micro-batch; returns this rank's summed token loss and its number of labels."""
         logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
         self._strike(strike)
-        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), self._tensor(mb.labels).flatten())
+        labels = self._tensor(mb.labels).flatten()
+        loss_sum = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        # The mean number of labels a rank holds per micro-batch (see the module docstring).
+        loss = loss_sum / (len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
         if poison:
             loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
         self.engine.backward(loss)
         if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
             self.snapshotter.fence()  # the optimizer step below changes what the copy reads
         self.engine.step()
-        return loss.detach()
+        count = (labels != IGNORE_INDEX).sum()
+        return (loss_sum * float("nan") if poison else loss_sum).detach(), count
 
     def train_step(self) -> StepReport:
         poison, strike = self._inject_faults() if self.faults else (False, [])
@@ -225,11 +247,14 @@ class Trainer:
             self.data_cursor += 1
         batch = self.data_cursor
         batches = self.data.step_batches(batch, self.mesh.coord.replica)
-        losses = [self._micro_step(mb, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)]
+        sums, counts = zip(*(self._micro_step(mb, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)))
         self.step += 1
         self.data_cursor += 1
-        local_loss = torch.stack(losses).mean()
-        loss = self._global_loss(local_loss, {f.kind for f in strike})
+        local_sum = torch.stack(sums).sum()
+        local_loss = local_sum / torch.stack(counts).sum().clamp(min=1)
+        # The world's mean of sum / (N / world) is the mean over all N labels of the step.
+        labels_per_rank = self.job.train.global_batch * self.data.labels_per_sample / self.mesh.topology.world_size
+        loss = self._global_loss(local_sum / labels_per_rank, {f.kind for f in strike})
         grad_norm = self.engine.get_global_grad_norm()
         step_time = time.perf_counter() - start
         self._maybe_snapshot()
@@ -253,7 +278,7 @@ class Trainer:
 
     @staticmethod
     def _global_loss(local_loss: torch.Tensor, faults: set[str]) -> float:
-        """The step's mean loss over the world, unless a chaos fault tampers with the reduction."""
+        """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""
         if "skip_collective" in faults:
             return float(local_loss.item())
         if "wrong_shape" in faults:

@@ -1,0 +1,297 @@
+"""A durable checkpoint written out as a Hugging Face model folder (``ringtrain export``).
+
+The folder holds ``config.json`` (the source model's, with what training changed: the context
+trained at and its rotary settings; Llama's for a model trained from scratch), the fp32 master
+weights in safetensors files of at most ``max_shard_size`` (with an index when there are
+several), and the source model's tokenizer and ``generation_config.json`` when it had them.
+
+Everything the export needs comes from the checkpoint itself (its meta carries the model
+section, the sequence length and the source's config.json, see ``actors/resume.py``), so it
+runs anywhere the checkpoint can be read, on a CPU and without a world of ranks. It is
+written into a temporary folder next to the destination and renamed into place, so a reader
+never sees half an export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from ringtrain.checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, open_store
+from ringtrain.config import JobConfig, ModelConfig
+from ringtrain.errors import RingtrainError
+from ringtrain.hf.fragments import MasterWeights
+from ringtrain.hf.hfconfig import CONFIG_FILE, hf_config
+from ringtrain.hf.names import to_hf
+from ringtrain.hf.shards import INDEX_FILE, OutputShard, OutputTensor, index, plan_shards
+from ringtrain.train.model import ModelArgs, Transformer
+
+# The meta format actors/resume.py writes (a layer above this one, so the name is repeated).
+CHECKPOINT_FORMAT = "ringtrain-fragments-v1"
+# Files of the source model folder that belong with the weights, copied when present.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# config.json's dtype names -> the export's; float16 has no export dtype (see default_dtype).
+_SOURCE_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+_STEP_URI = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
+RUN_CONFIG = "config.yaml"
+
+Say = Callable[[str], None]
+
+
+class ExportError(RingtrainError):
+    """Bad input to an export; ``subject`` names the argument to change (SOURCE, OUT_DIR, ...)."""
+
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(f"{subject}: {reason}")
+        self.subject = subject
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.subject, self.reason))
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    checkpoint_uri: str
+    step: int
+    dtype: str
+    files: tuple[str, ...]  # every file written, sorted
+    num_tensors: int
+    num_bytes: int  # tensor data
+    num_blob_reads: int  # checkpoint shards read (more than their number under ZeRO-0/3)
+
+
+def export(
+    source: str,
+    out_dir: str | Path,
+    *,
+    dtype: Optional[str] = None,
+    max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
+    hf_source: Optional[str] = None,
+    say: Say = lambda line: None,
+) -> ExportResult:
+    """Write checkpoint ``source`` (a run directory, a checkpoint URI or a store URI) as a
+    Hugging Face folder ``out_dir``; ExportError on bad input, before anything is written."""
+    out = Path(out_dir).expanduser().absolute()
+    _check_destination(out, overwrite)
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    if hf_source is not None and not Path(hf_source).is_dir():
+        raise ExportError("--hf-source", f"no such model folder: {hf_source}")
+    store, loaded = open_checkpoint(source)
+    _check_not_inside(store, out)
+    meta = loaded.meta
+    model = model_config(meta, loaded.uri)
+    source_cfg = meta.get("hf_config") or None
+    if dtype is None:
+        dtype = default_dtype(source_cfg, say)
+    config = hf_config(model, source_cfg, trained_seq_len=int(meta.get("seq_len") or 0), dtype=dtype)
+    tensors = output_tensors(model, DTYPES[dtype])
+    shards = plan_shards(tensors, max_shard_size)
+    say(
+        f"{loaded.uri} (step {loaded.step}): {config['architectures'][0]}, {sum(t.numel for t in tensors):,} "
+        f"parameters, {dtype} -> {out} in {len(shards)} file{'s' if len(shards) > 1 else ''}"
+    )
+    weights = MasterWeights(
+        lambda name: store.load(loaded.step, verify=True).shards[name],  # a fresh map: no shard stays cached
+        sorted(loaded.shards),
+        {t.name: t.shape for t in tensors},
+        say,
+    )
+    tmp = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        for i, shard in enumerate(shards, start=1):
+            _write_shard(tmp, shard, weights, DTYPES[dtype])
+            say(f"[{i}/{len(shards)}] wrote {shard.file}: {len(shard.tensors)} tensors, {shard.num_bytes / 1e6:,.1f} MB")
+        if len(shards) > 1:
+            _write_json(tmp / INDEX_FILE, index(shards))
+        _write_json(tmp / CONFIG_FILE, config)
+        _copy_side_files(tmp, hf_source or meta.get("hf_source"), explicit=hf_source is not None, say=say)
+        files = tuple(sorted(p.name for p in tmp.iterdir()))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(
+        out_dir=out,
+        checkpoint_uri=loaded.uri,
+        step=loaded.step,
+        dtype=dtype,
+        files=files,
+        num_tensors=len(tensors),
+        num_bytes=sum(s.num_bytes for s in shards),
+        num_blob_reads=weights.num_reads,
+    )
+
+
+# --- the source --------------------------------------------------------------------------------
+
+
+def open_checkpoint(source: str) -> tuple[CheckpointStore, LoadedCheckpoint]:
+    """The store and checkpoint ``source`` names: a run directory (its newest valid checkpoint),
+    ``<store>/step-<n>``, or a store (its newest valid checkpoint)."""
+    uri = source
+    if "://" not in source:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise ExportError("SOURCE", f"{source}: no such run directory, checkpoint or checkpoint store")
+        uri = _run_dir_store(path) if (path / RUN_CONFIG).is_file() else str(path.absolute())
+    try:
+        single = _STEP_URI.match(uri)
+        store = open_store(single.group("store") if single else uri)
+        if single:
+            return store, store.load(int(single.group("step")), verify=True)
+        loaded = store.latest_valid(_is_fragment_checkpoint, verify=False)
+    except (CheckpointCorrupt, ValueError) as exc:  # damage, or a URI the store cannot address
+        raise ExportError("SOURCE", str(exc)) from None
+    except Exception as exc:  # these calls only read the source: denied, unreachable, no bucket
+        raise ExportError("SOURCE", f"cannot read {uri}: {type(exc).__name__}: {exc}") from None
+    if loaded is None:
+        why = "; ".join(str(s) for s in store.skipped[:3])
+        raise ExportError("SOURCE", f"no valid checkpoint in {store.uri}" + (f" ({why})" if why else " (it is empty)"))
+    return store, loaded
+
+
+def _run_dir_store(run_dir: Path) -> str:
+    """The checkpoint store of a run: its config's checkpoint.uri, else <run_dir>/checkpoints."""
+    try:
+        saved = yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ExportError("SOURCE", f"{run_dir / RUN_CONFIG} cannot be read: {exc}") from None
+    section = saved.get("checkpoint") if isinstance(saved, dict) else None
+    uri = section.get("uri") if isinstance(section, dict) else None
+    return str(uri) if uri else (run_dir.absolute() / "checkpoints").as_uri()
+
+
+def _is_fragment_checkpoint(meta: Mapping[str, Any]) -> Optional[str]:
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        return f"format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
+    return None
+
+
+def model_config(meta: Mapping[str, Any], uri: str) -> ModelConfig:
+    """The model section a checkpoint was trained with, from its meta."""
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ExportError("SOURCE", f"{uri}: format {meta.get('format')!r} is not a ringtrain checkpoint ({CHECKPOINT_FORMAT})")
+    section = meta.get("model_config")
+    if not isinstance(section, dict):
+        raise ExportError(
+            "SOURCE",
+            f"{uri} was written before checkpoints recorded their model section, which an export needs; "
+            "resume the run for a step to write one that does",
+        )
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in section.items() if k in known})
+
+
+def default_dtype(source_cfg: Optional[Mapping[str, Any]], say: Say) -> str:
+    """The source model's dtype (config.json's ``dtype``, or the older ``torch_dtype``); fp32
+    for a model trained from scratch, and for float16, which bf16 would round differently."""
+    name = (source_cfg or {}).get("dtype") or (source_cfg or {}).get("torch_dtype")
+    if name is None:
+        return "fp32"
+    if name not in _SOURCE_DTYPES:
+        say(f"the source model's dtype {name} is not an export dtype: writing fp32 (--dtype bf16 for half the size)")
+        return "fp32"
+    return _SOURCE_DTYPES[str(name)]
+
+
+# --- the tensors -------------------------------------------------------------------------------
+
+
+def _no_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    raise AssertionError("the export builds the model for its parameter shapes only")
+
+
+def output_tensors(model: ModelConfig, dtype: torch.dtype) -> list[OutputTensor]:
+    """The model's parameters in order, with their Hugging Face names. A tied output projection
+    is the embedding matrix, so it is not a parameter of its own and is not written."""
+    args = ModelArgs.from_job(JobConfig(model=model))
+    with torch.device("meta"):  # shapes without memory
+        net = Transformer(args, attention_fn=_no_attention, init_std=None)
+    size = torch.empty((), dtype=dtype).element_size()
+    return [
+        OutputTensor(name, to_hf(name), tuple(p.shape), p.numel() * size) for name, p in net.named_parameters()
+    ]
+
+
+def _write_shard(folder: Path, shard: OutputShard, weights: MasterWeights, dtype: torch.dtype) -> None:
+    tensors = {t.name: torch.empty(t.shape, dtype=dtype) for t in shard.tensors}
+    weights.gather(tensors)
+    save_file({t.hf_name: tensors[t.name] for t in shard.tensors}, str(folder / shard.file), metadata={"format": "pt"})
+
+
+# --- the destination ---------------------------------------------------------------------------
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError("OUT_DIR", f"{out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError("OUT_DIR", f"{out} is not empty; use --overwrite to replace it")
+
+
+def _check_not_inside(store: CheckpointStore, out: Path) -> None:
+    """An --overwrite of a folder holding the checkpoint would delete what is being exported."""
+    root = getattr(store.backend, "root", None)
+    if isinstance(root, Path) and (root == out or out in root.parents):
+        raise ExportError("OUT_DIR", f"{out} holds the checkpoint store {store.uri}; export somewhere else")
+
+
+def _write_json(path: Path, content: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _copy_side_files(folder: Path, source: Optional[str], *, explicit: bool, say: Say) -> None:
+    if not source:
+        say("no source model folder (trained from scratch): no tokenizer files to copy")
+        return
+    src = Path(source)
+    if not src.is_dir():
+        say(f"the source model folder {source} is gone: no tokenizer or generation_config.json copied (use --hf-source PATH)")
+        return
+    copied = [name for name in SIDE_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copyfile(src / name, folder / name)
+    origin = "--hf-source" if explicit else "the source model folder"
+    say(f"copied {', '.join(copied)} from {origin} {src}" if copied else f"{origin} {src} has no tokenizer or generation files")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put the finished folder in place; a replaced one is moved aside first, then deleted."""
+    for path in tmp.iterdir():  # on disk before the folder becomes visible under its name
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    old: Optional[Path] = None
+    if out.exists():
+        old = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""ringtrain's decoder under context parallelism against transformers' own: each gloo rank runs
+its zigzag shard of the sequence through ring, Ulysses or hybrid attention, and its logits
+equal transformers' logits at the same true positions (fp32, 1e-5 relative). Every
+architecture, with default, llama3 and yarn rotary embeddings, in one spawn per layout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from tests.dist.ranks import run_ranks
+from tests.hf_models import ARCHS
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+SEQ = 64
+LAYOUTS = {
+    "ring-cp2": ("ring", 2, 1),
+    "ulysses-cp2": ("ulysses", 2, 2),
+    "hybrid-cp4": ("hybrid", 4, 2),
+}
+
+
+def _rank_main(rank: int, world: int, store: str, impl: str, ulysses: int, folders: dict[str, str], results: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ringtrain import config
+    from ringtrain.hf import resolve_job
+    from ringtrain.hf.weights import PretrainedWeights, load_full
+    from ringtrain.topology import Topology, sequence_positions
+    from ringtrain.train.attention import build_attention
+    from ringtrain.train.mesh import build_mesh
+    from ringtrain.train.model import ModelArgs, Transformer
+    from tests.hf_models import hf_logits, tokens
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        topology = Topology(1, world, ulysses)
+        mesh = build_mesh(topology, rank)
+        attention = build_attention(impl, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
+        c = mesh.coord
+        pos = torch.tensor(sequence_positions(SEQ, topology.ring, topology.ulysses, c.ring_idx, c.ulysses_idx))
+        ids = tokens(2, SEQ)
+        gaps = {}
+        for name, folder in folders.items():
+            job = resolve_job(config.load(None, [f"model.hf={folder}", f"data.seq_len={SEQ}"]))
+            model = Transformer(ModelArgs.from_job(job), attention_fn=attention, init_std=None)
+            load_full(model, PretrainedWeights(folder))
+            with torch.no_grad():
+                logits = model(ids[:, pos], pos.expand(2, -1))
+            ref, _ = hf_logits(Path(folder), ids)
+            gaps[name] = float((logits - ref[:, pos]).abs().max() / ref.abs().max())
+        gathered: list[dict[str, float]] = [{}] * world
+        dist.all_gather_object(gathered, gaps)
+        if rank == 0:
+            results.put({name: max(g[name] for g in gathered) for name in folders})
+    except BaseException as exc:
+        results.put(exc)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from tests.hf.test_peer import ROPES
+    from tests.hf_models import save_model
+
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for arch in ARCHS:
+        for rope in ("default", "llama3", "yarn"):
+            folder = root / f"{arch}-{rope}"
+            save_model(folder, arch, rope=ROPES[rope], max_position_embeddings=128 if ROPES[rope] else 32)
+            out[f"{arch}-{rope}"] = str(folder)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
+def test_context_parallel_logits_equal_transformers(layout: str, folders: dict[str, str], tmp_path: Path) -> None:
+    impl, cp, ulysses = LAYOUTS[layout]
+    gaps = run_ranks(_rank_main, cp, tmp_path, impl, ulysses, folders)
+    assert set(gaps) == set(folders)
+    worst = max(gaps, key=gaps.get)
+    assert gaps[worst] < 1e-5, f"{worst}: {gaps[worst]:.2e}"
