@@ -14,12 +14,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ringtrain import config, export_command, submission_command
+from ringtrain import config, eval_command, export_command, submission_command
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
 from ringtrain.telemetry import dashboards_command, report_command
 
 if TYPE_CHECKING:
+    from ringtrain.actors.evaluation import EvalPlan
     from ringtrain.telemetry.prometheus import RunMetrics
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -39,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     report_command.add_arguments(report)
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (config.json + safetensors)")
     export_command.add_arguments(export)
+    evaluate = sub.add_parser("eval", help="loss by position (and passkey retrieval) of a run, checkpoint or HF model")
+    eval_command.add_arguments(evaluate)
     submission_command.add_arguments(sub)
     return parser
 
@@ -57,10 +60,14 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.train.data import check_data
 
     from ringtrain.hf import resolve_job
+    from ringtrain.hf.weights import check_pretrained
 
     _stop_on_sigterm()
     job = resolve_job(config.load(job_path, overrides))
+    if job.model.hf:
+        check_pretrained(job)
     check_data(job.data.path, job.model_int("vocab_size"), job.data.seq_len)
+    eval_plan = _eval_plan(job) if job.eval.every else None
 
     # Ray and torch are imported only once the input is known to be good.
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
@@ -115,6 +122,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
                 run_id=run_id,
                 sinks=[TensorBoardSink(run_path)] if job.telemetry.tensorboard else [],
                 elastic=Recovery(group),
+                eval_plan=eval_plan,
             )
             summary = controller.run()
         finally:
@@ -133,6 +141,13 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     finally:
         # Ray's logs are kept when something went wrong: they hold the workers' output.
         cluster.close(keep_logs=not ok)
+
+
+def _eval_plan(job: config.JobConfig) -> "EvalPlan":
+    """eval.data read (and the passkey prompts built) before any cluster starts: bad input exits 2."""
+    from ringtrain.actors.evaluation import model_tokenizer, plan_for
+
+    return plan_for(job, tokenizer=model_tokenizer(job))
 
 
 def run_metrics(job: config.JobConfig, run_id: str) -> "RunMetrics":
@@ -157,6 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return dashboards_command.run(args)
         if args.command == "report":
             return report_command.run(args)
+        if args.command == "eval":
+            return eval_command.run(args)
         if args.command == "export":
             return export_command.run(args)
         code = submission_command.run(args)

@@ -1,0 +1,105 @@
+"""Bad model.hf input stops `ringtrain run` before anything starts: exit 2, one line naming the
+key and the file or tensor, no traceback, no run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from ringtrain import cli
+from tests.hf_models import save_model
+
+Breaker = Callable[[Path], None]
+
+
+def _rewrite_config(**changes: object) -> Breaker:
+    def breaker(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(changes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+    return breaker
+
+
+def _drop_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _reshape_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:-1]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _index_names_missing_shard(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model-00001-of-00002.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+CASES: dict[str, tuple[Breaker, list[str], str]] = {
+    "folder missing": (lambda f: None, ["model.hf=/nonexistent/model"], "no such model folder: /nonexistent/model"),
+    "config.json missing": (lambda f: (f / "config.json").unlink(), [], "config.json is missing"),
+    "config.json not JSON": (lambda f: (f / "config.json").write_text("{not json"), [], "config.json is not valid JSON"),
+    "unsupported architecture": (
+        _rewrite_config(architectures=["GPT2LMHeadModel"]), [], "'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"
+    ),
+    "tensor missing": (_drop_tensor, [], "tensor model.layers.1.mlp.down_proj.weight (for layers.1.feed_forward.w2.weight) is missing"),
+    "tensor of the wrong shape": (_reshape_tensor, [], "tensor model.layers.0.self_attn.k_proj.weight in model.safetensors has shape [31, 64]"),
+    "shard in the index but absent": (_index_names_missing_shard, [], "model-00002-of-00002.safetensors is listed in"),
+    "truncated safetensors": (_truncate, [], "model.safetensors is not a readable safetensors file"),
+    "sliding window below seq_len": (_rewrite_config(sliding_window=32), ["data.seq_len=64"], "data.seq_len: 64 is longer than the sliding window 32"),
+    "unknown rope_scaling type": (
+        _rewrite_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0}), [], "rope_type 'longrope' is not one of"
+    ),
+    "dynamic rope_scaling": (
+        lambda f: None, ["model.rope_scaling={rope_type: dynamic, factor: 2.0}"], "model.rope_scaling: rope_type 'dynamic' rescales"
+    ),
+    "a shape key that contradicts config.json": (lambda f: None, ["model.dim=128"], "model.dim: 128 contradicts"),
+    "token ids beyond the vocabulary": (lambda f: None, ["data.path={bad_rows}"], "data.path: {bad_rows} holds token id 500"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_model_input_exits_2_naming_it(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    breaker, overrides, expected = CASES[case]
+    folder = save_model(tmp_path / "model", "mistral")
+    breaker(folder)
+    bad_rows = tmp_path / "rows.npy"
+    np.save(bad_rows, np.full((4, 64), 500, dtype=np.int32))
+    run_dir = tmp_path / "run"
+    args = [f"model.hf={folder}", "data.seq_len=64", f"run_dir={run_dir}", *[o.replace("{bad_rows}", str(bad_rows)) for o in overrides]]
+
+    capsys.readouterr()  # what making the model printed
+    code = cli.main(["run", str(Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"), *_UNSET_SHAPE, *args])
+
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected.replace("{bad_rows}", str(bad_rows)) in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not run_dir.exists()
+
+
+# The quickstart job sets a from-scratch shape; a model.hf job takes the folder's.
+_UNSET_SHAPE = [f"model.{key}=null" for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads")]
