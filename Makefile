@@ -13,27 +13,28 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-# Debian packages the tests use: promtool checks the chart's alert rules (policy-rc.d keeps the
-# package from starting a Prometheus service on install: tests start their own, on free ports);
-# chromium renders the run report in a browser test.
+# Debian packages the tests use, as command:package: promtool checks the chart's alert rules and
+# the dashboards' PromQL, prometheus scrapes a real run, chromium renders the run report in a
+# browser test, shellcheck lints infra/local-stack.sh. policy-rc.d keeps the prometheus package
+# from starting a service on install: tests start their own, on free ports. Without a tool its
+# checks skip, or fail where CI is set (tests/tools.py). The stamp also depends on this Makefile,
+# so a tool added to the list is installed on machines that ran `make tools` before.
+TOOLS := promtool:prometheus prometheus:prometheus chromium:chromium shellcheck:shellcheck
+
 tools: $(TOOLS_STAMP)
 
-$(TOOLS_STAMP): $(STAMP)
-	@if ! command -v promtool >/dev/null; then \
-		if [ "$$(id -u)" = 0 ]; then \
-			printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
-			rm -f /usr/sbin/policy-rc.d; \
-		else \
-			echo "promtool missing: run 'sudo apt-get install prometheus' (the alert-rule tests need it)"; exit 1; \
+$(TOOLS_STAMP): $(STAMP) Makefile
+	@missing=""; \
+	for tool in $(TOOLS); do \
+		command -v "$${tool%%:*}" >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "missing tools: run 'sudo apt-get install --no-install-recommends$$missing' (tests/tools.py says which checks need them)"; exit 1; \
 		fi; \
-	fi
-	@if ! command -v chromium >/dev/null; then \
-		if [ "$$(id -u)" = 0 ]; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
-		else \
-			echo "chromium missing: run 'sudo apt-get install chromium' (the report's browser test needs it)"; exit 1; \
-		fi; \
+		printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+		status=$$?; rm -f /usr/sbin/policy-rc.d; exit $$status; \
 	fi
 	touch $(TOOLS_STAMP)
 
@@ -51,13 +52,13 @@ run: venv
 test: venv tools
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
-test-unit: venv
+test-unit: venv tools
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-dist: venv
 	$(PY) -m pytest tests/dist $(PYTEST_ARGS)
 
-test-ray: venv
+test-ray: venv tools
 	$(PY) -m pytest tests/ray $(PYTEST_ARGS)
 
 test-gpu: venv

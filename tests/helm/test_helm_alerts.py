@@ -13,6 +13,8 @@ import pytest
 import yaml
 from helmkit import Render
 
+from tests.tools import tool
+
 HERE = Path(__file__).resolve().parent
 UNIT_TESTS = HERE / "alerts_test.yaml"
 ALERTS = {
@@ -48,10 +50,7 @@ def rules(out: Render) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not found (Debian: apt-get install --no-install-recommends prometheus)")
-    return path
+    return tool("promtool")
 
 
 def write_rules(out: Render, directory: Path) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -18,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 from helmkit import CHART, REPO
+
+from tests.tools import tool
 
 INFRA = REPO / "infra"
 SCRIPT = INFRA / "local-stack.sh"
@@ -95,9 +96,7 @@ def test_prometheus_config_scrapes_the_ray_head() -> None:
 
 
 def test_promtool_accepts_the_prometheus_config() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not found (Debian: apt-get install --no-install-recommends prometheus)")
+    promtool = tool("promtool")
     result = subprocess.run(
         [promtool, "check", "config", str(INFRA / "prometheus.yml")],
         check=False,
@@ -120,9 +119,7 @@ def test_local_stack_script_parses_and_never_runs_ray_stop() -> None:
 
 
 def test_local_stack_script_passes_shellcheck() -> None:
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck not found (Debian: apt-get install shellcheck)")
+    shellcheck = tool("shellcheck")
     result = subprocess.run([shellcheck, str(SCRIPT)], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout
 

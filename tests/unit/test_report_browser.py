@@ -17,12 +17,12 @@ import pytest
 from ringtrain import config
 from ringtrain.telemetry.report import write_report
 from ringtrain.telemetry.rundir import RunDir
+from tests.tools import tool
 
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / ".ringtrain-cache" / "artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # Root in a container needs --no-sandbox; the rest keep Chromium from calling home, which a
 # closed network answers with errors that are not the page's.
 FLAGS = [
@@ -59,8 +59,7 @@ class Rendered:
 
 def render_in_chromium(report: Path, screenshot: Path) -> Rendered:
     """Open ``report`` as a file:// URL in headless Chromium; a full-page screenshot to ``screenshot``."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium); the browser test needs it")
+    chromium = tool("chromium")
     from playwright.sync_api import ConsoleMessage, sync_playwright
 
     errors: list[str] = []
@@ -71,7 +70,7 @@ def render_in_chromium(report: Path, screenshot: Path) -> Rendered:
             errors.append(f"console {message.type}: {message.text}")
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        browser = playwright.chromium.launch(executable_path=chromium, args=FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.on("console", on_console)
