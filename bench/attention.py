@@ -11,7 +11,7 @@ that part runs without a GPU too. Without CUDA the timing part is skipped and it
 
     PYTHONPATH=platform python bench/attention.py [--kernel auto] [--seq 8192 ...] [--ring 2 4 8]
 
-Writes bench/results/attention-<device>.json (device, torch and CUDA versions, every timing).
+Writes bench/results/attention-<device>.json (commit, device, torch and CUDA versions, every timing).
 
 Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV heads, D head dim.
 """
@@ -19,8 +19,6 @@ Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV
 from __future__ import annotations
 
 import argparse
-import json
-import platform as host_platform
 import re
 import statistics
 import sys
@@ -36,7 +34,8 @@ from ringtrain.train.attention.merge import merge_partials
 from ringtrain.train.attention.ring import zigzag_block
 from ringtrain.train.attention.zigzag import causal_work
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import RESULTS_DIR, Run  # noqa: E402
 
 
 def balance_report(seqs: list[int], rings: list[int]) -> list[dict[str, Any]]:
@@ -188,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args(argv)
+    run = Run("attention")
 
     balance = balance_report(args.seq, args.ring)
     print("causal work per rank, max/min over ranks (1.00 = balanced):")
@@ -202,19 +202,9 @@ def main(argv: list[str] | None = None) -> int:
 
     timings = bench_gpu(args)
     name = torch.cuda.get_device_name()
-    result = {
-        "device": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": host_platform.python_version(),
-        "config": {k: v for k, v in vars(args).items()},
-        "balance": balance,
-        "timings": timings,
-    }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"attention-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    result = {"config": {k: v for k, v in vars(args).items()}, "balance": balance, "timings": timings}
+    run.write(result, device_type="cuda",
+              out=RESULTS_DIR / f"attention-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}.json")
     return 0
 
 

@@ -29,9 +29,7 @@ GPU machine and is left to a run there.
 from __future__ import annotations
 
 import gc
-import json
 import multiprocessing as mp
-import platform
 import queue
 import sys
 import tempfile
@@ -42,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "planner_memory-cpu.json"
+sys.path.insert(0, str(ROOT / "bench"))
+from record import Run  # noqa: E402
+
 STEPS = 2
 
 # The quickstart model (jobs/quickstart.yaml) and a wider one whose model states weigh more.
@@ -259,26 +259,15 @@ def compare(configs: dict[str, list[str]]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    start = time.perf_counter()
+    run = Run("planner_memory")
     rows = compare({**CONFIGS, **EXTRA_CONFIGS})
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "bench": "planner_memory",
-        "device": "cpu",
-        "dtype": "fp32",
-        "python": platform.python_version(),
-        "steps": STEPS,
-        "wall_s": round(time.perf_counter() - start, 1),
-        "rows": rows,
-    }
-    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{'config':<18} {'predicted MB':>13} {'measured MB':>12} {'ratio':>6} {'w/o buffers':>12}")
     for row in rows:
         print(
             f"{row['config']:<18} {row['predicted']['total'] / 1e6:>13.2f} {row['measured'] / 1e6:>12.2f} "
             f"{row['ratio']:>6.3f} {row['ratio_without_zero_buffers']:>12.3f}"
         )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    run.write({"dtype": "fp32", "steps": STEPS, "rows": rows}, device_type="cpu")
     return 0
 
 

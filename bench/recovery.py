@@ -43,10 +43,8 @@ Writes bench/results/recovery-cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -59,7 +57,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "bench"))
+from record import RESULTS_DIR, Run  # noqa: E402
+
 TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
 WORLD = 4
 # shrink: grows back 2 s after capacity returns (default 10 s), so kills can come every few steps.
@@ -551,9 +551,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker_main(args.worker)
-    import torch
-
-    rng, started = random.Random(args.seed), time.perf_counter()
+    run = Run("recovery")
+    rng = random.Random(args.seed)
     results: dict[str, dict[str, Any]] = {}
     for name in args.scenarios:
         if name == "torchrun":
@@ -569,10 +568,6 @@ def main(argv: list[str]) -> int:
     checks = targets(results)
     print(report(results, ratios, checks))
     record = {
-        "bench": "recovery",
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "python": platform.python_version()},
         "config": {
             "workload": workload(args),
             "ringtrain_scenarios": {n: scenario_overrides(n) for n in args.scenarios if n in RINGTRAIN_SCENARIOS},
@@ -585,11 +580,8 @@ def main(argv: list[str]) -> int:
         "results": results,
         "ratios_vs_torchrun_p50": ratios,
         "targets": checks,
-        "wall_s": round(time.perf_counter() - started, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    run.write(record, device_type="cpu", out=args.out)
     return 0
 
 
