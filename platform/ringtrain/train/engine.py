@@ -30,6 +30,17 @@ def resolve_dtype(job: JobConfig, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[job.train.dtype]
 
 
+def clips_own_gradients(job: JobConfig, dtype: torch.dtype) -> bool:
+    """Whether the platform, not DeepSpeed, takes the gradient norm and clips.
+
+    At ZeRO stage 0 in fp32 DeepSpeed steps the bare torch optimizer: it clips with a norm it
+    then drops (``DeepSpeedEngine.clip_fp32_gradients``) and takes none when clipping is off, so
+    ``get_global_grad_norm()`` is None on every step. Every other path (the ZeRO and 16-bit
+    optimizers) records the pre-clip norm itself.
+    """
+    return job.zero.stage == 0 and dtype == torch.float32
+
+
 def deepspeed_config(job: JobConfig, dtype: torch.dtype) -> dict[str, Any]:
     t, z = job.train, job.zero
     zero: dict[str, Any] = {"stage": z.stage}
@@ -43,7 +54,7 @@ def deepspeed_config(job: JobConfig, dtype: torch.dtype) -> dict[str, Any]:
         "train_batch_size": t.global_batch * job.mesh.cp,
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": job.grad_accum_steps,
-        "gradient_clipping": t.grad_clip,
+        "gradient_clipping": 0.0 if clips_own_gradients(job, dtype) else t.grad_clip,
         "optimizer": {
             "type": "AdamW",
             # torch_adam: torch's own AdamW, so no fused op has to be compiled (CPU and GPU alike).
@@ -70,6 +81,26 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Take the gradient norm and clip to ``max_norm`` (0: no clipping) before each step of
+    ``optimizer``, the way DeepSpeed's stage-0 clipping does (coefficient
+    ``max_norm / (norm + 1e-6)``, capped at 1).
+
+    Stage 0 all-reduces whole gradients, so the local norm is already the global one. The norm
+    is left in ``optimizer._global_grad_norm``, which DeepSpeed's engine copies into
+    ``get_global_grad_norm()`` after every step.
+    """
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        opt._global_grad_norm = norm.item()  # type: ignore[attr-defined]
+
+    optimizer.register_step_pre_hook(hook)
+
+
 def build_engine(model: nn.Module, job: JobConfig, mesh: Mesh, dtype: torch.dtype) -> Any:
     import deepspeed  # heavy; imported where the engine is built, never at module import
 
@@ -91,4 +122,6 @@ def build_engine(model: nn.Module, job: JobConfig, mesh: Mesh, dtype: torch.dtyp
         mpu=DeepSpeedMpu(mesh),
         dist_init_required=False,
     )
+    if clips_own_gradients(job, dtype):
+        clip_before_step(engine.optimizer, t.grad_clip)
     return engine
