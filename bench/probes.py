@@ -20,10 +20,15 @@ spawned processes (FileStore rendezvous), as tests/dist/test_equivalence.py does
   cached functions), on/off/off/on. A step's time is the wall time of ``train_step()``,
   maximum over ranks. The ratio of neighbouring blocks comes with its 95% confidence interval
   (blocks.py): on this shared 2-core machine (four ranks on two cores, other work coming and
-  going) its half-width is several per cent, so it cannot resolve the 1% target; it is
-  reported, with the number of block pairs it would need, and it must not contradict the
-  decision (its lower end must be within the target). The same pairing of the ranks' CPU time
-  is reported too.
+  going) its half-width is many per cent, so it cannot resolve the 1% target (the number of
+  block pairs it would need is reported). Worse, a burst of outside load that lands on one
+  mode's blocks is not the independent noise the interval assumes, so under heavy load the
+  interval itself can sit well away from 1.0 for a recorder that costs a fraction of a per
+  cent. It is reported, not used.
+- The check on the decisive figure: the ranks' CPU time (all threads) per step, paired the
+  same way. It contains the recorder's work and barely moves with outside load; its interval
+  is wide (a few per cent) but must not contradict the decision: its lower end must be within
+  the target.
 - SDC probes: the wall time of one probe round (GEMM, attention block, all-reduce; maximum over
   ranks, since the all-reduce makes them meet), as a fraction of the steps between rounds at a
   cadence of one round every ``--sdc-every`` steps.
@@ -520,11 +525,13 @@ def report(s: dict[str, Any], args: argparse.Namespace, load: dict[str, Any], pa
     lines = [
         f"step: recorder on {on['mean_s']:.4f} s mean ({on['median_s']:.4f} median), off {off['mean_s']:.4f} s "
         f"({off['median_s']:.4f}); {s['collectives_per_step']} collectives per step",
-        f"wall clock ({wall['num_pairs']} on/off block pairs): {wall['ratio']:.3f}x, 95% CI [{wall['ci95'][0]:.3f}, "
-        f"{wall['ci95'][1]:.3f}]: resolves +-{wall['half_width']:.1%}, not the {TARGET_RECORDER - 1:.0%} target "
+        f"wall clock, not used ({wall['num_pairs']} on/off block pairs): {wall['ratio']:.3f}x, 95% CI "
+        f"[{wall['ci95'][0]:.3f}, {wall['ci95'][1]:.3f}]: resolves +-{wall['half_width']:.1%}, not the "
+        f"{TARGET_RECORDER - 1:.0%} target "
         f"(that would take ~{wall['pairs_to_resolve_target']} pairs at this spread); all steps: mean "
         f"{s['recorder_ratio_mean']:.3f}x, median {s['recorder_ratio_median']:.3f}x",
-        f"ranks' CPU time, paired blocks: {cpu['ratio']:.3f}x, 95% CI [{cpu['ci95'][0]:.3f}, {cpu['ci95'][1]:.3f}]",
+        f"ranks' CPU time, paired blocks (the check): {cpu['ratio']:.3f}x, 95% CI [{cpu['ci95'][0]:.3f}, "
+        f"{cpu['ci95'][1]:.3f}]",
         f"per-call microbenchmark (lower bound: hot caches): {s['recorder_per_call_s_microbenchmark'] * 1e6:.1f} us x "
         f"{s['collectives_per_step']} calls = {s['recorder_ratio_from_per_call_cost']:.5f}x step time",
         f"SDC probe round: {s['sdc_round_s'] * 1e3:.1f} ms = {s['sdc_round_over_step']:.2%} of a step; every "
@@ -545,8 +552,8 @@ def report(s: dict[str, Any], args: argparse.Namespace, load: dict[str, Any], pa
         f"{own['cost_per_call_s'] * 1e6:.1f} us x {own['calls_per_step']:.0f} calls, over a {own['step_s']:.3f} s step "
         f"(the fastest block without it): {own['ratio']:.5f}x",
         f"{'PASS' if passed else 'FAIL'}: recorder {own['ratio']:.5f}x {'<=' if own['ratio'] <= TARGET_RECORDER else '>'} "
-        f"{TARGET_RECORDER}, wall-clock CI lower end {wall['ci95'][0]:.3f} "
-        f"{'does not contradict it' if wall['ci95'][0] <= TARGET_RECORDER else 'CONTRADICTS it'}; SDC "
+        f"{TARGET_RECORDER}, CPU-time CI lower end {cpu['ci95'][0]:.3f} "
+        f"{'does not contradict it' if cpu['ci95'][0] <= TARGET_RECORDER else 'CONTRADICTS it'}; SDC "
         f"{s['sdc_overhead_at_cadence']:.3%} {'<=' if s['sdc_overhead_at_cadence'] <= TARGET_SDC else '>'} "
         f"{TARGET_SDC:.0%}; {f['alarms']} false alarms",
     ]
@@ -554,8 +561,8 @@ def report(s: dict[str, Any], args: argparse.Namespace, load: dict[str, Any], pa
 
 
 def verdict(s: dict[str, Any]) -> bool:
-    wall = s["recorder_wall_clock"]["ci95"]
-    return (s["recorder_ratio"] <= TARGET_RECORDER and (wall is None or wall[0] <= TARGET_RECORDER)
+    cpu = s["recorder_ratio_cpu_time"]["ci95"]
+    return (s["recorder_ratio"] <= TARGET_RECORDER and (cpu is None or cpu[0] <= TARGET_RECORDER)
             and s["sdc_overhead_at_cadence"] <= TARGET_SDC and s["false_alarms"]["alarms"] == 0
             and s["detection"]["all_named"])
 
@@ -579,8 +586,9 @@ def main(argv: list[str]) -> int:
                    "clean_rounds": args.clean_rounds, "threads_per_rank": 1},
         "targets": {"recorder_ratio": TARGET_RECORDER, "sdc_overhead_at_cadence": TARGET_SDC},
         "decided_by": {"recorder": "recorder_ratio: 1 + the recorder's own CPU time per step on the training thread "
-                                   "(recorder_own_cpu, slowest rank) over the step time; recorder_wall_clock.ci95[0] "
-                                   "must not exceed the target",
+                                   "(recorder_own_cpu, slowest rank) over the fastest off block's step time; "
+                                   "recorder_ratio_cpu_time.ci95[0] must not exceed the target; "
+                                   "recorder_wall_clock is reported, not used",
                        "sdc": "sdc_overhead_at_cadence, no false alarms, every bad rank named"},
         "passed": passed,
         "machine_load": machine_load,
