@@ -11,12 +11,19 @@ from typing import Any, Callable, Optional
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.hf.hfconfig import read_hf_config
 
 log = logging.getLogger(__name__)
 
 FORMAT = "ringtrain-fragments-v1"
 # Model fields that change the shape of the state; activation checkpointing does not.
-_SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+_SHAPE_FIELDS = (
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+    "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings",
+)
+# Switches added after the first checkpoints were written: a meta without one was written by a
+# model that did not have the feature.
+_SWITCHES = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings")
 _STEP_DIR = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
 
 
@@ -33,11 +40,20 @@ def open_job_store(uri: str, job: JobConfig, key: str = "checkpoint.uri") -> Che
 
 def checkpoint_meta(job: JobConfig) -> dict[str, Any]:
     """What a checkpoint records about the job that wrote it (the dp it was taken at is informative
-    only: fragments load at any dp)."""
+    only: fragments load at any dp).
+
+    ``job`` is resolved (``ringtrain.hf.resolve_job``). Besides the shape a resume checks, the
+    meta carries what ``ringtrain export`` needs to write a Hugging Face folder without the job:
+    the whole model section, the sequence length trained, and the source model's config.json
+    and folder (its tokenizer is copied from there).
+    """
     return {
         "format": FORMAT,
         "job": job.name,
         "model": model_shape(job),
+        "model_config": model_section(job),
+        "hf_config": read_hf_config(job.model.hf) if job.model.hf else None,
+        "hf_source": str(Path(job.model.hf).resolve()) if job.model.hf else None,
         "dp": job.mesh.dp,
         "cp": job.mesh.cp,
         "zero_stage": job.zero.stage,
@@ -46,11 +62,34 @@ def checkpoint_meta(job: JobConfig) -> dict[str, Any]:
     }
 
 
+def model_section(job: JobConfig) -> dict[str, Any]:
+    """``job.model`` as plain data, with the dims a from-scratch job derives filled in."""
+    section = dataclasses.asdict(job.model)
+    section.update(ffn_dim=job.ffn_dim, head_dim=job.head_dim)
+    if job.model.hf:
+        section["hf"] = str(Path(job.model.hf).resolve())
+    return section
+
+
 def model_shape(job: JobConfig) -> dict[str, Any]:
     fields = dataclasses.asdict(job.model)
     shape = {k: fields[k] for k in _SHAPE_FIELDS}
-    shape["ffn_dim"] = job.ffn_dim
+    shape.update(ffn_dim=job.ffn_dim, head_dim=job.head_dim)
+    for key in _SWITCHES:
+        shape[key] = bool(shape[key])
     return shape
+
+
+def _with_old_defaults(shape: Any) -> dict[str, Any]:
+    """A checkpoint's model shape with the keys older checkpoints lack set to what they meant
+    then: no switches, and a head dim of dim / n_heads."""
+    out = dict(shape) if isinstance(shape, dict) else {}
+    for key in _SWITCHES:
+        out.setdefault(key, False)
+    dim, heads = out.get("dim"), out.get("n_heads")
+    if "head_dim" not in out and isinstance(dim, int) and isinstance(heads, int) and heads > 0:
+        out["head_dim"] = dim // heads
+    return out
 
 
 def incompatibility(job: JobConfig) -> Callable[[Any], Optional[str]]:
@@ -60,7 +99,7 @@ def incompatibility(job: JobConfig) -> Callable[[Any], Optional[str]]:
     def check(meta: Any) -> Optional[str]:
         if meta.get("format") != FORMAT:
             return f"format {meta.get('format')!r}, expected {FORMAT!r}"
-        theirs = meta.get("model", {})
+        theirs = _with_old_defaults(meta.get("model", {}))
         diffs = [f"model.{k}={theirs.get(k)} (this job: {v})" for k, v in expected.items() if theirs.get(k) != v]
         return "incompatible model: " + ", ".join(diffs) if diffs else None
 

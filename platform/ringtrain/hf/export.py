@@ -96,7 +96,9 @@ def export(
     say: Say = lambda line: None,
 ) -> ExportResult:
     """Write checkpoint ``source`` (a run directory, a checkpoint URI or a store URI) as a
-    Hugging Face folder ``out_dir``; ExportError on bad input, before anything is written."""
+    Hugging Face folder ``out_dir``. Bad input raises ExportError before anything is written; a
+    blob found damaged or foreign while reading raises CheckpointCorrupt or FragmentError, and
+    the half-written temporary folder is removed."""
     out = Path(out_dir).expanduser().absolute()
     _check_destination(out, overwrite)
     if dtype is not None and dtype not in DTYPES:
@@ -159,7 +161,7 @@ def open_checkpoint(source: str) -> tuple[CheckpointStore, LoadedCheckpoint]:
     uri = source
     if "://" not in source:
         path = Path(source).expanduser()
-        if not path.exists():
+        if not path.exists() and not _STEP_URI.match(source):  # a missing step is named below
             raise ExportError("SOURCE", f"{source}: no such run directory, checkpoint or checkpoint store")
         uri = _run_dir_store(path) if (path / RUN_CONFIG).is_file() else str(path.absolute())
     try:

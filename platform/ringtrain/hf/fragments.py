@@ -19,7 +19,6 @@ skip the blobs that hold nothing they want.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -33,13 +32,6 @@ PARAM_KEY = "param"
 
 class FragmentError(RingtrainError):
     """The checkpoint's fragments do not make up the model its meta describes."""
-
-
-@dataclass(frozen=True)
-class _Piece:
-    name: str
-    start: int
-    numel: int
 
 
 class MasterWeights:
@@ -56,7 +48,7 @@ class MasterWeights:
         self._names = list(blob_names)
         self._shapes = dict(shapes)
         self._say = say
-        self._pieces: dict[str, list[_Piece]] = {}  # blob -> its weight fragments, once read
+        self._holds: dict[str, set[str]] = {}  # blob -> the parameters it has fragments of, once read
         self._last: Optional[tuple[str, DecodedShard]] = None
         self.num_reads = 0
 
@@ -76,7 +68,9 @@ class MasterWeights:
                 name, start, numel = entry["name"], int(entry["start"]), int(entry["numel"])
                 flat = out[name].view(-1)
                 if start < 0 or start + numel > flat.numel():
-                    raise FragmentError(f"{blob}: fragment [{start}, {start + numel}) of {name} lies outside its {flat.numel()} elements")
+                    raise FragmentError(
+                        f"{blob}: fragment [{start}, {start + numel}) of {name} lies outside its {flat.numel()} elements"
+                    )
                 with warnings.catch_warnings():
                     # The blob's bytes are read-only; they are only ever copied from.
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -88,11 +82,11 @@ class MasterWeights:
 
     def _reading_order(self, wanted: set[str]) -> list[str]:
         """Blobs known to hold a wanted tensor (the one in memory first), then unread ones."""
-        known = [b for b in self._names if b in self._pieces and any(p.name in wanted for p in self._pieces[b])]
+        known = [b for b in self._names if b in self._holds and self._holds[b] & wanted]
         if self._last is not None and self._last[0] in known:
             known.remove(self._last[0])
             known.insert(0, self._last[0])
-        return known + [b for b in self._names if b not in self._pieces]
+        return known + [b for b in self._names if b not in self._holds]
 
     def _decode(self, blob: str) -> DecodedShard:
         if self._last is not None and self._last[0] == blob:
@@ -104,7 +98,7 @@ class MasterWeights:
         except SnapshotFormatError as exc:
             raise FragmentError(f"{blob}: {exc}") from None
         self.num_reads += 1
-        pieces = []
+        holds = set()
         for entry in shard.entries:
             if entry["key"] != PARAM_KEY:
                 continue
@@ -112,9 +106,11 @@ class MasterWeights:
             if name not in self._shapes:
                 raise FragmentError(f"{blob} holds parameter {name}, which the checkpoint's model section does not have")
             if tuple(entry["shape"]) != self._shapes[name]:
-                raise FragmentError(f"{blob}: {name} has shape {list(entry['shape'])}, the model section says {list(self._shapes[name])}")
-            pieces.append(_Piece(name, int(entry["start"]), int(entry["numel"])))
-        self._pieces[blob] = pieces
+                raise FragmentError(
+                    f"{blob}: {name} has shape {list(entry['shape'])}, the model section says {list(self._shapes[name])}"
+                )
+            holds.add(name)
+        self._holds[blob] = holds
         self._last = (blob, shard)
         return shard
 
