@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -125,3 +126,43 @@ def build_engine(model: nn.Module, job: JobConfig, mesh: Mesh, dtype: torch.dtyp
     if clips_own_gradients(job, dtype):
         clip_before_step(engine.optimizer, t.grad_clip)
     return engine
+
+
+def partitioned_construction(job: JobConfig, mesh: Mesh, dtype: torch.dtype) -> Any:
+    """The context a model is built in: under ZeRO-3 with pretrained weights, each parameter is
+    partitioned as soon as its module is built (DeepSpeed's ``zero.Init``), so a rank never
+    holds more than its partition, and the weights are read into the partitions next. A model
+    trained from scratch is built whole and partitioned by ``deepspeed.initialize``, because its
+    random initialisation draws every full tensor from the same seed on every rank."""
+    if job.zero.stage != 3 or not job.model.hf:
+        return contextlib.nullcontext()
+    import deepspeed
+    import torch.distributed as dist
+
+    # DeepSpeed's communication layer wraps the existing process group; zero.Init reads the
+    # world from it (and silently assumes a world of one before deepspeed.initialize ran).
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, dist_init_required=False)
+    # The dtype comes from the config's bf16 switch: an explicit ``dtype=`` is overridden by
+    # bf16 on accelerators without fp16 (``Init._set_dtype`` in DeepSpeed 0.19), the CPU among them.
+    return _PartitionOnInit(
+        data_parallel_group=mesh.zero_group, config_dict_or_path=deepspeed_config(job, dtype), mpu=DeepSpeedMpu(mesh)
+    )
+
+
+def _partition_on_init_class() -> type:
+    import deepspeed
+
+    class PartitionOnInit(deepspeed.zero.Init):  # type: ignore[misc, name-defined]
+        """``zero.Init`` without its broadcast of every new parameter from rank 0: the values are
+        loaded into the partitions next, so copying rank 0's would only cost time and make
+        every rank write (and so hold resident) every full tensor."""
+
+        def _zero_init_param(self, param: Any) -> None:
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return PartitionOnInit
+
+
+def _PartitionOnInit(**kwargs: Any) -> Any:
+    return _partition_on_init_class()(**kwargs)

@@ -15,8 +15,9 @@ and each token must rotate by its true position.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Iterator, Mapping, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,30 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
         return self.output(self.hidden(input_ids_BS, position_ids_BS))
+
+
+@contextlib.contextmanager
+def skip_parameter_init() -> Iterator[None]:
+    """Build modules without drawing their initial weights (``torch.nn.init``'s in-place fills
+    become no-ops): for a model whose weights are loaded next. Besides the time, this keeps a
+    tensor's pages untouched until something writes them, so a full tensor that ZeRO-3's
+    ``zero.Init`` partitions right away never becomes resident on the host."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+# The fills torch's layers draw their default weights with (Linear, Embedding reset_parameters).
+_INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_", "zeros_", "ones_")
+
+
+def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def num_params(model: nn.Module) -> int:

@@ -11,6 +11,7 @@ local mean; a row sample's last token has no label, so one rank holds one fewer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -26,9 +27,9 @@ from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.status import StepReport
 from ringtrain.topology import Topology
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, MicroBatch, ShardedData, load_tokens
-from ringtrain.train.engine import build_engine, resolve_dtype
+from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
-from ringtrain.train.model import AttentionFn, ModelArgs, Transformer
+from ringtrain.train.model import AttentionFn, ModelArgs, Transformer, skip_parameter_init
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import (
     DeliverFn,
@@ -63,12 +64,13 @@ def build_model(job: JobConfig, attention_fn: AttentionFn) -> Transformer:
     # Same seed on every rank: identical initial weights without a broadcast. A pretrained
     # model's weights are loaded after the engine is built, so they are not drawn at all.
     torch.manual_seed(job.train.seed)
-    return Transformer(
-        ModelArgs.from_job(job),
-        attention_fn=attention_fn,
-        init_std=None if job.model.hf else job.model.init_std,
-        activation_checkpointing=job.model.activation_checkpointing,
-    )
+    with skip_parameter_init() if job.model.hf else contextlib.nullcontext():
+        return Transformer(
+            ModelArgs.from_job(job),
+            attention_fn=attention_fn,
+            init_std=None if job.model.hf else job.model.init_std,
+            activation_checkpointing=job.model.activation_checkpointing,
+        )
 
 
 def warm_up(job: JobConfig, device: torch.device) -> None:
@@ -121,7 +123,8 @@ class Trainer:
         topology = Topology(job.mesh.dp, job.mesh.cp, job.ulysses_degree)
         self.mesh = build_mesh(topology, rank)
         attention_fn = (attention_factory or default_attention)(job, self.mesh)
-        self.model = build_model(job, attention_fn)
+        with partitioned_construction(job, self.mesh, self.dtype):
+            self.model = build_model(job, attention_fn)
         self.engine = build_engine(self.model, job, self.mesh, self.dtype)
         c = self.mesh.coord
         self.data = ShardedData(
