@@ -60,11 +60,12 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.train.data import check_data
 
     from ringtrain.hf import resolve_job
-    from ringtrain.hf.weights import check_pretrained
 
     _stop_on_sigterm()
     job = resolve_job(config.load(job_path, overrides))
     if job.model.hf:
+        from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
+
         check_pretrained(job)
     check_data(job.data.path, job.model_int("vocab_size"), job.data.seq_len)
     eval_plan = _eval_plan(job) if job.eval.every else None
@@ -160,6 +161,15 @@ def run_metrics(job: config.JobConfig, run_id: str) -> "RunMetrics":
     return RunMetrics(job, run_id, model_flops_per_token=model_flops, peak_flops_per_worker=0.0)
 
 
+def load_job(path: Optional[str], overrides: list[str]) -> config.JobConfig:
+    """The job file with overrides, its model read from ``model.hf`` when that folder is here
+    (a recipe planned on a laptop names a folder only the cluster has: its own keys stand)."""
+    from ringtrain.hf import resolve_job
+
+    job = config.load(path, overrides)
+    return resolve_job(job) if job.model.hf and Path(job.model.hf).is_dir() else job
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -167,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "run":
             return cmd_run(args.job, args.overrides)
         if args.command == "plan":
-            return planner_command.run(args)
+            return planner_command.run(args, load_job=load_job)
         if args.command == "dashboards":
             return dashboards_command.run(args)
         if args.command == "report":

@@ -292,7 +292,7 @@ class JobConfig:
         """A model shape key that must be known by now (resolved from ``model.hf`` or defaults)."""
         value = getattr(self.model, key)
         if value is None:
-            raise ConfigError(f"model.{key}", "is not resolved yet: load model.hf first (ringtrain.hf.resolve_job)")
+            raise ConfigError(f"model.{key}", "is not known: set it, or point model.hf at a model folder holding config.json")
         return int(value)
 
 
@@ -334,6 +334,15 @@ def to_yaml(job: JobConfig) -> str:
 
 def replace(job: JobConfig, overrides: list[str]) -> JobConfig:
     """A copy of ``job`` with dotlist overrides applied and validated."""
+    new = merge(job, overrides)
+    validate(new)
+    return new
+
+
+def merge(job: JobConfig, overrides: list[str]) -> JobConfig:
+    """A copy of ``job`` with dotlist overrides applied, not yet validated: for a caller that
+    derives more keys from the result before validating it (``ringtrain eval`` sizes the batch
+    and the sequence to the mesh the overrides ask for)."""
     base = OmegaConf.structured(job)
     _check_override_syntax(overrides)
     try:
@@ -343,7 +352,6 @@ def replace(job: JobConfig, overrides: list[str]) -> JobConfig:
         raise _as_config_error(exc) from None
     assert isinstance(new, JobConfig)
     fill_model_defaults(new)
-    validate(new)
     return new
 
 

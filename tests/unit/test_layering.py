@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "ringtrain.chaos": 0,
     "ringtrain.controllers": 1,
     "ringtrain.planner": 1,
+    "ringtrain.evaluation": 1,  # pure scoring: position buckets, tallies, passkey prompts
+    "ringtrain.evaluation.tokenizer": 2,  # loads a Hugging Face tokenizer.json
     "ringtrain.train": 2,
     "ringtrain.checkpoint": 2,  # below train, which uses its retention rule
     "ringtrain.hf": 2,  # Hugging Face config mapping and safetensors I/O
@@ -43,6 +45,9 @@ LAYERS: dict[str, int] = {
     "ringtrain.cli": 4,
     "ringtrain.submission": 4,
     "ringtrain.submission_command": 4,
+    "ringtrain.export_command": 4,
+    "ringtrain.eval_command": 4,
+    "ringtrain.eval_source": 4,
     "ringtrain.__main__": 4,
 }
 # The package itself holds only its version: L0, and it places nothing beneath it (or every

@@ -20,6 +20,7 @@ import math
 import time
 from typing import Any, Callable, Optional, Sequence, cast
 
+from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tokenizer, plan_for
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
 from ringtrain.actors.records import recovery_entry, step_record
 from ringtrain.checkpoint import LoadedCheckpoint
@@ -74,6 +75,7 @@ class Controller:
         run_id: str = "",
         elastic: Optional[Elastic] = None,
         clock: Callable[[], float] = time.monotonic,
+        eval_plan: Optional[EvalPlan] = None,
     ) -> None:
         self.job = job
         self.group = group
@@ -104,6 +106,9 @@ class Controller:
         self.sdc = SdcScanner(cross_rank=c.sdc_cross_rank) if c.sdc_every_steps > 0 else None
         self.last_clean_scan = 0  # the newest step the SDC probes vouched for
         self.scans = 0
+        # What eval.every scores (read from eval.data on the first evaluation unless given).
+        self.eval_plan = eval_plan
+        self.last_eval: Optional[dict[str, Any]] = None
 
     def _transition(self, new: RunState, reason: str) -> None:
         if new not in _ALLOWED.get(self.state, set()):
@@ -189,7 +194,7 @@ class Controller:
                 self._incident("nan", nan.ranks, step, t0, reason=nan.reason)
                 raise NonFiniteLoss(nan.reason)
             return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
-        self._record(reports, wall, started)
+        self._record(reports, wall, started, self._maybe_evaluate(step))
         if probe:  # judged before persisting: a state the probes reject is not made durable
             resumed = self._judge(step, t0, {r.rank: r.probes or {} for r in reports})
             if resumed is not None:
@@ -487,8 +492,32 @@ class Controller:
         finally:
             self.persister.close()
 
-    def _record(self, reports: list[StepReport], wall_s: float, started: float) -> None:
+    def _maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
+        """Every eval.every steps and after the last: the eval plan scored on the state after
+        ``step``, for that step's record. Outside the step's timing; a failure in it fails the
+        run (recovery covers training steps only)."""
+        every = self.job.eval.every
+        if not every or (step % every and step != self.job.last_step):
+            return None
+        if self.eval_plan is None:
+            self.eval_plan = plan_for(self.job, tokenizer=model_tokenizer(self.job))
+        t0 = self.clock()
+        found = evaluate(cast(EvalGroup, self.group), self.eval_plan).to_dict()
+        found["seconds"] = self.clock() - t0
+        self.last_eval = {"step": step, **{k: found[k] for k in ("loss", "perplexity", "tokens")}}
+        passkey = found.get("passkey")
+        self.progress.message(
+            f"eval after step {step}: loss {_or_dash(found['loss'], '.4f')}, perplexity {_or_dash(found['perplexity'], '.4g')} "
+            f"over {found['tokens']} tokens" + (f", passkey {passkey['overall']:.0%}" if passkey else "") + f" ({found['seconds']:.1f} s)"
+        )
+        return found
+
+    def _record(
+        self, reports: list[StepReport], wall_s: float, started: float, evaluation: Optional[dict[str, Any]] = None
+    ) -> None:
         record = step_record(reports, dp=self.dp, cp=self.job.mesh.cp, wall_s=wall_s)
+        if evaluation is not None:
+            record["eval"] = evaluation
         record["time"] = time.time()
         record["generation"] = getattr(self.group, "generation", 1)
         record["persist_s"] = self.persist_s
@@ -540,5 +569,10 @@ class Controller:
             "resizes": self.resizes,
             "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
             "error": self.error,
+            "eval": self.last_eval,
             "run_dir": str(self.run_dir.path),
         }
+
+
+def _or_dash(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ringtrain.actors.cluster import worker_resources
 from ringtrain.actors.holder import SnapshotHolder
@@ -28,6 +28,9 @@ from ringtrain.controllers.hangs import RankDiagnostics, Verdict, diagnose
 from ringtrain.errors import CapacityError, WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
+
+if TYPE_CHECKING:
+    from ringtrain.evaluation.tally import LossTally
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -461,6 +464,34 @@ class WorkerGroup:
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}")
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    def evaluate(self, evalset: Any, bucket_tokens: int) -> "LossTally":
+        """Every rank's loss tally of ``evalset`` (an EvalSet), summed: the world's. Between steps."""
+        import ray
+
+        from ringtrain.evaluation.tally import merge_all
+
+        ref = ray.put(evalset)  # one copy in the object store for every rank
+        forwards = -(-evalset.num_rows // self.topology.dp)
+        tallies = self._gather(lambda _, w: w.evaluate.remote(ref, bucket_tokens), self._collective_timeout(forwards))
+        return merge_all(tallies)
+
+    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+        """Greedy continuations (``num_new`` tokens) of ``prompts``, shared out over the replicas."""
+        import ray
+
+        topo = self.topology
+        ref = ray.put(prompts)
+        forwards = -(-len(prompts) // topo.dp) * num_new
+        outputs = self._gather(lambda _, w: w.generate.remote(ref, num_new), self._collective_timeout(forwards))
+        # Every rank of a replica holds its replica's answers; ring position 0 speaks for it.
+        return [ids for d in range(topo.dp) for ids in outputs[topo.rank_of(d, 0)]][: len(prompts)]
+
+    def _collective_timeout(self, forwards: int) -> float:
+        # A forward takes no longer than a training step, which the step timeout bounds.
+        return self.job.controllers.step_timeout_s * max(1, forwards)
 
     def pin_snapshots(self, step: int) -> None:
         """Every worker and holder keeps its newest snapshot at or before ``step`` until the next

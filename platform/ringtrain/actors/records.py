@@ -1,5 +1,11 @@
 """What the run directory records of the run: one metrics.jsonl line per step, and the
-summary's entry for each recovery."""
+summary's entry for each recovery.
+
+A step after which the job evaluated (``eval.every``) carries the result in its line under
+``"eval"``: ``loss``, ``perplexity``, ``tokens``, ``by_position`` (``{start, end, loss, tokens}``
+per bucket), ``passkey`` when configured, and ``seconds`` (``ringtrain.evaluation.result``
+lists every key). One line per step keeps readers that replay a resumed run's steps right.
+"""
 
 from __future__ import annotations
 

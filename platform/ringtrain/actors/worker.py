@@ -6,13 +6,17 @@ import dataclasses
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
 
 if TYPE_CHECKING:
+    from ringtrain.evaluation.tally import LossTally
+    from ringtrain.train.evalset import EvalSet
     from ringtrain.train.snapshot import Snapshot
+
+T = TypeVar("T")
 
 
 class TrainWorker:
@@ -141,6 +145,32 @@ class TrainWorker:
             if probe:
                 report = dataclasses.replace(report, probes=trainer.probe_round())
             return report
+        except BaseException:
+            self._break_world()
+            raise
+        finally:
+            self._busy = False
+
+    def evaluate(self, evalset: "EvalSet", bucket_tokens: int) -> "LossTally":
+        """This rank's loss tally of ``evalset`` (no gradients, the training state untouched).
+        Collective: every rank of the world is asked together, between steps."""
+        from ringtrain.train.evaluator import Evaluator
+
+        return self._collective(lambda trainer: Evaluator.of(trainer).losses(evalset, bucket_tokens))
+
+    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+        """Greedy continuations of this rank's replica's share of ``prompts``; collective."""
+        from ringtrain.train.evaluator import Evaluator
+
+        return self._collective(lambda trainer: Evaluator.of(trainer).generate(prompts, num_new))
+
+    def _collective(self, call: Callable[[Any], T]) -> T:
+        """Run ``call(trainer)``; a failure cuts this rank off its world, as in a step."""
+        trainer = self._trainer
+        assert trainer is not None, "join() must run first"
+        self._busy = True
+        try:
+            return call(trainer)
         except BaseException:
             self._break_world()
             raise

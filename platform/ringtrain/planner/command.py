@@ -13,7 +13,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ringtrain import config
 from ringtrain.config import JobConfig
@@ -71,10 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Execute ``ringtrain plan``; prints the plan and returns the exit code."""
+JobLoader = Callable[[Optional[str], list[str]], JobConfig]
+
+
+def run(args: argparse.Namespace, load_job: JobLoader = config.load) -> int:
+    """Execute ``ringtrain plan``; prints the plan and returns the exit code. ``load_job`` reads
+    the job file (the CLI's also reads a ``model.hf`` folder's config.json when there is one)."""
     try:
-        text = _plan_text(args)
+        text = _plan_text(args, load_job)
     except ConfigError as exc:
         print(f"ringtrain: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -128,7 +132,7 @@ class _Request:
     as_json: bool
 
 
-def _plan_text(args: argparse.Namespace) -> str:
+def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     sources = [
         name for name, given in (("a job file", args.job), ("--model", args.model), ("--params", args.params)) if given
     ]
@@ -137,7 +141,7 @@ def _plan_text(args: argparse.Namespace) -> str:
         raise ConfigError("--model", f"give exactly one of a job file, --model or --params (got {which})")
     if args.overrides and not args.job:
         raise ConfigError(args.overrides[0], "key=value overrides apply to a job file; give one first")
-    job = config.load(args.job, args.overrides) if args.job else None
+    job = load_job(args.job, args.overrides) if args.job else None
 
     device = devices.device(args.gpu_type)
     gpus = _int(args.gpus, "--gpus") if args.gpus is not None else (job.world_size if job else 8)

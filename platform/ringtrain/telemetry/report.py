@@ -21,6 +21,8 @@ from typing import Any, Optional, Sequence, TypeGuard
 
 import yaml
 
+from ringtrain.evaluation.buckets import short_count
+
 REPORT_NAME = "report.html"
 NO_SUMMARY = "still running or ended abruptly"
 # Keys every incident file should have; one that lacks some is still listed, with a warning.
@@ -215,7 +217,7 @@ def render(run: RunFiles) -> str:
     if run.warnings:
         items = "".join(f"<li>{_e(w)}</li>" for w in run.warnings)
         parts.append(f'<section id="warnings" class="warnings"><h2>Missing or damaged</h2><ul>{items}</ul></section>')
-    parts += [_overview(run), _charts(run), _incidents(run), _config(run), "</body></html>\n"]
+    parts += [_overview(run), _charts(run), _evaluation(run), _incidents(run), _config(run), "</body></html>\n"]
     return "\n".join(parts)
 
 
@@ -321,6 +323,80 @@ def _straggler_note(ranks: list[Series]) -> str:
     return f"Slowest on average: {slowest} ({means[slowest]:.3g} s{ratio})."
 
 
+# Evaluations drawn in the loss-by-position chart: the first, the last and some between.
+MAX_EVAL_CURVES = 5
+
+
+def _evaluation(run: RunFiles) -> str:
+    """Evaluations recorded under ``"eval"`` (``eval.every``): loss over steps, loss by position
+    for a few of them, the latest one's buckets, and its passkey accuracy grid."""
+    evals = [(float(r["step"]), r["eval"]) for r in run.records if isinstance(r.get("eval"), dict)]
+    if not evals:
+        return ""
+    cards = []
+    over_steps = [Series("eval loss", [(step, float(e["loss"]) if _number(e.get("loss")) else None) for step, e in evals])]
+    cards.append(_card("eval-loss", "Eval loss", over_steps, "", line_chart(over_steps)))
+    chosen = [evals[round(i * (len(evals) - 1) / (MAX_EVAL_CURVES - 1))] for i in range(MAX_EVAL_CURVES)] if len(evals) > MAX_EVAL_CURVES else evals
+    chosen = list({step: (step, e) for step, e in chosen}.values())
+    labels: dict[float, str] = {}
+    curves = []
+    for step, e in chosen:
+        buckets = [b for b in e.get("by_position") or [] if isinstance(b, dict)]
+        points: list[Point] = []
+        for index, b in enumerate(buckets):
+            labels[float(index)] = f"{_tokens(b.get('start'))}-{_tokens(b.get('end'))}"
+            points.append((float(index), float(b["loss"]) if _number(b.get("loss")) else None))
+        curves.append(Series(f"after step {_fmt(step)}", points))
+    chart = line_chart(curves, xlabel="positions", xticks=sorted(labels.items()))
+    cards.append(_card("eval-position", "Eval loss by position", curves, "Each point: the mean loss of the predictions made at those positions.", chart))
+    step, latest = evals[-1]
+    head = "<tr><th>positions</th><th>loss</th><th>tokens</th></tr>"
+    rows = "".join(
+        f"<tr><td>{_e(_tokens(b.get('start')))}-{_e(_tokens(b.get('end')))}</td><td>{_e(_fmt(b.get('loss')))}</td>"
+        f"<td>{_e(_fmt(b.get('tokens')))}</td></tr>"
+        for b in latest.get("by_position") or []
+        if isinstance(b, dict)
+    )
+    summary = f"After step {_fmt(step)}: loss {_fmt(latest.get('loss'))}, perplexity {_fmt(latest.get('perplexity'))}, {_fmt(latest.get('tokens'))} tokens."
+    parts = [f'<p>{_e(summary)}</p><table class="incidents" id="eval-buckets"><thead>{head}</thead><tbody>{rows}</tbody></table>']
+    passkey = next((e["passkey"] for _, e in reversed(evals) if isinstance(e.get("passkey"), dict)), None)
+    if passkey is not None:
+        parts.append(_passkey_grid(passkey))
+    return f'<section id="evaluation"><h2>Evaluation</h2><div class="grid">{"".join(cards)}</div>{"".join(parts)}</section>'
+
+
+def _card(chart_id: str, title: str, series: Sequence[Series], note: str, chart: str) -> str:
+    legend = "".join(
+        f'<li><span class="swatch" style="border-color:{_color(i, s)}"></span>{_e(s.label)}</li>' for i, s in enumerate(series)
+    )
+    caption = f'<p class="note">{_e(note)}</p>' if note else ""
+    return f'<figure class="chart" id="chart-{chart_id}"><figcaption>{_e(title)}</figcaption>{chart}<ul class="legend">{legend}</ul>{caption}</figure>'
+
+
+def _passkey_grid(passkey: dict[str, Any]) -> str:
+    """Accuracy by prompt length (rows) and depth (columns), each cell shaded by its value."""
+    depths = passkey.get("depths") or []
+    head = "<tr><th>length</th>" + "".join(f"<th>depth {_e(_fmt(d))}</th>" for d in depths) + "<th>all</th></tr>"
+    rows = []
+    accuracy = passkey.get("accuracy") or []
+    by_length = passkey.get("by_length") or {}
+    for length, cells in zip(passkey.get("lengths") or [], accuracy):
+        tds = "".join(
+            f'<td style="background:rgba(44,160,44,{float(c):.2f})">{_e(_percent(c))}</td>' for c in cells
+        )
+        rows.append(f"<tr><th>{_e(_fmt(length))}</th>{tds}<td>{_e(_percent(by_length.get(str(length))))}</td></tr>")
+    trials = passkey.get("trials")
+    return (
+        f'<h3>Passkey retrieval</h3><p class="note">{_e(_fmt(trials))} key(s) per cell; greedy decoding.</p>'
+        f'<table class="incidents" id="passkey-grid"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
+    )
+
+
+def _tokens(value: Any) -> str:
+    """A token position as the buckets are named: 1024 -> 1K."""
+    return short_count(int(value)) if _number(value) else "?"
+
+
 INCIDENT_COLUMNS = ("id", "kind", "step", "ranks", "action", "detect", "recover", "lost steps", "dp", "reason")
 
 
@@ -405,8 +481,15 @@ class Series:
     dashed: bool = False
 
 
-def line_chart(series: Sequence[Series], incidents: Sequence[IncidentFile] = ()) -> str:
-    """An inline SVG of ``series`` over steps, with a vertical marker for each incident."""
+def line_chart(
+    series: Sequence[Series],
+    incidents: Sequence[IncidentFile] = (),
+    *,
+    xlabel: str = "step",
+    xticks: Optional[Sequence[tuple[float, str]]] = None,
+) -> str:
+    """An inline SVG of ``series`` over steps (or what ``xlabel`` names, at ``xticks``: (x,
+    label) pairs), with a vertical marker for each incident."""
     finite = [y for s in series for y in _drawn(s.points)]
     markers = [(i, i.step) for i in incidents if i.step is not None]
     xs = [x for s in series for x, _ in s.points] + [step for _, step in markers]
@@ -430,9 +513,10 @@ def line_chart(series: Sequence[Series], incidents: Sequence[IncidentFile] = ())
     for tick in _ticks(y0, y1, integer=whole):
         out.append(f'<line class="grid" x1="{LEFT}" x2="{right}" y1="{py(tick)}" y2="{py(tick)}"/>')
         out.append(f'<text class="ytick" x="{LEFT - 4}" y="{py(tick) + 3}">{_e(_fmt(tick))}</text>')
-    for tick in _ticks(x0, x1, integer=True):
-        out.append(f'<text class="xtick" x="{px(tick)}" y="{bottom + 14}">{_e(_fmt(tick))}</text>')
-    out.append(f'<text class="xlabel" x="{LEFT + plot_w / 2}" y="{HEIGHT - 4}">step</text>')
+    tick_labels = dict(xticks) if xticks is not None else {tick: _fmt(tick) for tick in _ticks(x0, x1, integer=True)}
+    for tick, text in tick_labels.items():
+        out.append(f'<text class="xtick" x="{px(tick)}" y="{bottom + 14}">{_e(text)}</text>')
+    out.append(f'<text class="xlabel" x="{LEFT + plot_w / 2}" y="{HEIGHT - 4}">{_e(xlabel)}</text>')
     for incident, step in markers:
         x, color = px(step), _kind_color(incident.data.get("kind"))
         tip = f"incident {_fmt(incident.data.get('id'))}: {incident.data.get('kind', '?')} at step {_fmt(step)}"
@@ -456,7 +540,7 @@ def line_chart(series: Sequence[Series], incidents: Sequence[IncidentFile] = ())
         for x, y in points:
             if y is None:
                 continue
-            where = f"{_e(s.label)} at step {_e(_fmt(x))}"
+            where = f"{_e(s.label)} at {_e(xlabel)} {_e(tick_labels.get(x, _fmt(x)))}"
             if not math.isfinite(y):
                 mark = f'<text class="nonfinite" x="{px(x)}" y="{TOP + 12}">'
                 out.append(f"{mark}<title>{where}: {y}</title>&#215;</text>")

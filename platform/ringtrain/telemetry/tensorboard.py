@@ -73,6 +73,10 @@ class TensorBoardSink:
                 for rank, value in enumerate(values):
                     if is_number(value):
                         writer.add_scalar(f"{prefix}/rank_{rank}", float(value), step)
+        evaluation = record.get("eval")
+        if isinstance(evaluation, dict):
+            for tag, value in eval_scalars(evaluation).items():
+                writer.add_scalar(tag, value, step)
 
     def incident(self, incident: dict[str, Any]) -> None:
         writer = self._open(incident.get("detected_at_step"))
@@ -101,6 +105,28 @@ class TensorBoardSink:
             # attempt's incidents at the replayed steps, and those are why the run was resumed.
             self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=FLUSH_S)
         return self._writer
+
+
+def eval_scalars(evaluation: dict[str, Any]) -> dict[str, float]:
+    """A record's ``"eval"`` entry as TensorBoard tags: the totals, one loss per position
+    bucket (``eval/loss_by_position/0001024-0002048``)
+    and the passkey accuracy per prompt length."""
+    out = {f"eval/{key}": float(evaluation[key]) for key in ("loss", "perplexity", "tokens") if is_number(evaluation.get(key))}
+    buckets = evaluation.get("by_position")
+    for entry in buckets if isinstance(buckets, list) else []:
+        if isinstance(entry, dict) and is_number(entry.get("loss")) and is_number(entry.get("end")):
+            out[f"eval/loss_by_position/{_position(entry.get('start'))}-{_position(entry['end'])}"] = float(entry["loss"])
+    passkey = evaluation.get("passkey")
+    by_length = passkey.get("by_length") if isinstance(passkey, dict) else None
+    for length, accuracy in (by_length or {}).items():
+        if is_number(accuracy):
+            out[f"eval/passkey/len_{int(length):07d}"] = float(accuracy)
+    return out
+
+
+def _position(value: Any) -> str:
+    """A token position zero-padded, so TensorBoard's sorted tags keep the buckets in order."""
+    return f"{int(value) if is_number(value) else 0:07d}"
 
 
 def incident_markdown(incident: dict[str, Any]) -> str:

@@ -128,8 +128,9 @@ class DeepSpeedMpu:
     """The model-parallel-unit interface DeepSpeed reads its groups from.
 
     ZeRO sees one data-parallel group of all dp x cp ranks and no sequence parallelism of its
-    own. Each rank's loss is the mean over its tokens, every rank holds the same number of
-    tokens, so averaging gradients over dp x cp gives the gradient of the global mean loss.
+    own. Each rank's loss is its summed token loss over the mean number of labels a rank holds
+    (see train/trainer.py), so averaging gradients over dp x cp gives the gradient of the
+    global mean loss.
     DeepSpeed's own sequence-parallel mode is avoided on purpose: stages 1-2 then *sum* over
     the sequence ranks while stage 3 averages over them, and stage 3's conversion of an
     existing model partitions over the pure-dp group only (``parameter_offload.py``), so the

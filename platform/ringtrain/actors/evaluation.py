@@ -1,0 +1,76 @@
+"""Evaluation on a worker group: what to score (an EvalPlan, read once on the driver) and
+running it over the group's mesh (``evaluate``), for ``ringtrain eval`` and for the Controller's
+evaluations during training alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from ringtrain.config import JobConfig
+from ringtrain.errors import ConfigError
+from ringtrain.evaluation.passkey import PasskeyPrompt, answer_tokens, build_prompts, score
+from ringtrain.evaluation.result import EvalResult
+from ringtrain.evaluation.tally import LossTally
+from ringtrain.evaluation.text import ByteTokenizer, Tokenizer
+from ringtrain.train.evalset import EvalSet, load_eval_set
+
+
+class EvalGroup(Protocol):
+    """What evaluation needs of a worker group (``actors.group.WorkerGroup``)."""
+
+    def evaluate(self, evalset: EvalSet, bucket_tokens: int) -> LossTally: ...
+    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]: ...
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    evalset: EvalSet
+    bucket_tokens: int
+    tokenizer: Tokenizer
+    prompts: tuple[PasskeyPrompt, ...] = ()  # passkey retrieval; empty: none
+    num_new: int = 0  # tokens generated for each prompt
+
+
+def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
+    """The tokenizer of the job's Hugging Face folder, if it has one."""
+    from ringtrain.evaluation.tokenizer import find_tokenizer
+
+    return find_tokenizer(job.model.hf)
+
+
+def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key: str = "eval.data") -> EvalPlan:
+    """Read ``job.eval.data`` and build the passkey prompts; input errors name their key
+    (``data_key`` for the data) before any cluster is asked for anything."""
+    e = job.eval
+    vocab = job.model_int("vocab_size")
+    evalset = load_eval_set(
+        e.data,
+        seq_len=e.seq_len or job.data.seq_len,
+        vocab_size=vocab,
+        max_rows=e.max_rows,
+        token_dtype=job.data.token_dtype,
+        tokenizer=tokenizer,
+        key=data_key,
+    )
+    if not e.passkey:
+        return EvalPlan(evalset, e.bucket_tokens, tokenizer or ByteTokenizer())
+    if tokenizer is None and vocab < ByteTokenizer.vocab_size:
+        raise ConfigError("eval.passkey", f"the model has no tokenizer.json and its vocabulary ({vocab}) cannot hold bytes")
+    text = tokenizer or ByteTokenizer()
+    prompts = build_prompts(text, e.passkey, e.passkey_depths, trials=e.passkey_trials, seed=e.seed)
+    top = max(max(p.ids) for p in prompts)
+    if top >= vocab:
+        raise ConfigError("eval.passkey", f"the tokenizer gives token id {top}, outside the model's vocabulary [0, {vocab})")
+    return EvalPlan(evalset, e.bucket_tokens, text, tuple(prompts), answer_tokens(text, prompts))
+
+
+def evaluate(group: EvalGroup, plan: EvalPlan) -> EvalResult:
+    """Score ``plan`` on the group's mesh; collective over every worker, between steps."""
+    tally = group.evaluate(plan.evalset, plan.bucket_tokens)
+    grid = None
+    if plan.prompts:
+        generated = group.generate([list(p.ids) for p in plan.prompts], plan.num_new)
+        grid = score(plan.tokenizer, plan.prompts, generated)
+    return EvalResult(tally, rows=plan.evalset.num_rows, seq_len=plan.evalset.seq_len, passkey=grid)

@@ -1,0 +1,210 @@
+"""`ringtrain eval SOURCE --data PATH`: a model's next-token loss by position, and optionally
+passkey retrieval, computed on a dp x cp mesh of workers.
+
+SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``eval_source``).
+The workers are the ones training uses (WorkerGroup, TrainWorker, Trainer), so any layout
+training runs evaluates too: ``mesh.dp=2 mesh.cp=4 attention.impl=ring`` and a 128K-token
+``--seq-len`` put each sequence on a ring of 4. ``key=value`` overrides change the job as in
+``ringtrain run``; a run directory's mesh is the default.
+
+Exit codes: 0 done, 1 the evaluation failed, 2 bad input: one line naming the option or key
+to change, before any cluster is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ringtrain import config
+from ringtrain.config import STDLIB_CORPUS, ChaosConfig, JobConfig
+from ringtrain.errors import ConfigError
+from ringtrain.eval_source import EvalSource, resolve_source
+
+if TYPE_CHECKING:
+    from ringtrain.actors.evaluation import EvalPlan
+
+EXIT_OK, EXIT_FAILED = 0, 1
+# eval.* keys -> the option that sets them, so an error names what the user typed.
+FLAGS = {
+    "eval.data": "--data",
+    "eval.seq_len": "--seq-len",
+    "eval.max_rows": "--max-rows",
+    "eval.bucket_tokens": "--bucket-tokens",
+    "eval.passkey": "--passkey",
+    "eval.passkey_depths": "--passkey-depths",
+    "eval.passkey_trials": "--passkey-trials",
+    "eval.seed": "--seed",
+}
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """Options and key=value overrides in any order (``SOURCE --data X mesh.cp=2 --json``):
+    plain argparse stops filling positionals at the first option and rejects the rest."""
+
+    _inner = False
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        if self._inner:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``eval`` subcommand's arguments."""
+    parser.__class__ = _IntermixedParser  # the subparser was made by add_subparsers' class
+    parser.add_argument("source", nargs="?", metavar="SOURCE", help="a run directory, a checkpoint URI or a Hugging Face model folder")
+    parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of token rows")
+    parser.add_argument("--seq-len", type=int, help="tokens per window of a stream (default: the job's data.seq_len)")
+    parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, 64 windows of a stream)")
+    parser.add_argument("--bucket-tokens", type=int, help="the first position bucket's size; each next one doubles (default 1024)")
+    parser.add_argument("--passkey", metavar="LEN[,LEN...]", help="passkey retrieval at these prompt lengths in tokens")
+    parser.add_argument("--passkey-depths", metavar="D[,D...]", help="where the key hides, 0 (start) to 1 (end); default 0,0.25,0.5,0.75,1")
+    parser.add_argument("--passkey-trials", type=int, help="keys per length and depth (default 1)")
+    parser.add_argument("--seed", type=int, help="draws the passkeys (default 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("overrides", nargs="*", help="key=value job overrides, e.g. mesh.dp=2 mesh.cp=2 attention.impl=ring")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``ringtrain eval``; ConfigError (exit 2) for bad input, before any cluster starts."""
+    source, job, plan = prepare(args)
+
+    from ringtrain.actors.cluster import check_capacity, connect, resolve_device
+    from ringtrain.actors.evaluation import evaluate
+    from ringtrain.actors.group import WorkerGroup
+
+    cluster = connect(job)
+    ok = False
+    try:
+        device = resolve_device(job)
+        check_capacity(job, device)
+        _stderr(
+            f"ringtrain eval: {source.where}: {plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens, "
+            f"dp {job.mesh.dp} x cp {job.mesh.cp} ({job.attention.impl}), ZeRO-{job.zero.stage}, {device}"
+        )
+        group = WorkerGroup(job, device)
+        try:
+            group.start()
+            if source.checkpoint is not None:
+                group.restore(source.shards())
+            result = evaluate(group, plan)
+        finally:
+            group.shutdown()
+        ok = True
+    finally:
+        cluster.close(keep_logs=not ok)
+    if args.json:
+        print(json.dumps({"source": source.where, "data": job.eval.data, **result.to_dict()}))
+    else:
+        print(result.table())
+    return EXIT_OK
+
+
+def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"]:
+    """The source, the workers' job and the eval plan: every input check, no cluster."""
+    from ringtrain.actors.evaluation import plan_for
+    from ringtrain.evaluation.tokenizer import find_tokenizer
+
+    if not args.source:
+        raise ConfigError("SOURCE", "is missing: give a run directory, a checkpoint URI or a Hugging Face model folder")
+    if not args.data:
+        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of rows")
+    try:
+        source = resolve_source(args.source)
+        job = _eval_job(source, args)
+        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
+        # The workers' own data source is never read; it only has to be valid at this length.
+        seq_len = _round_up(plan.evalset.seq_len, 2 * job.mesh.cp)
+        job.data = dataclasses.replace(job.data, seq_len=seq_len, path=_worker_data(job.eval.data, plan.evalset, seq_len))
+        job = _checked(job)
+    except ConfigError as exc:
+        raise ConfigError(_flag(exc.key), exc.reason) from None
+    return source, job, plan
+
+
+def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
+    """The source's job with the user's overrides and options, shaped for evaluation: no
+    snapshots, checkpoints, chaos or spares, one sequence per forward."""
+    job = config.merge(source.job, list(args.overrides))
+    e = job.eval
+    job.eval = dataclasses.replace(
+        e,
+        every=0,
+        data=args.data,
+        seq_len=args.seq_len if args.seq_len is not None else (e.seq_len or job.data.seq_len),
+        max_rows=args.max_rows if args.max_rows is not None else e.max_rows,
+        bucket_tokens=args.bucket_tokens if args.bucket_tokens is not None else e.bucket_tokens,
+        passkey=_ints(args.passkey, "--passkey") if args.passkey else e.passkey,
+        passkey_depths=_floats(args.passkey_depths, "--passkey-depths") if args.passkey_depths else e.passkey_depths,
+        passkey_trials=args.passkey_trials if args.passkey_trials is not None else e.passkey_trials,
+        seed=args.seed if args.seed is not None else e.seed,
+    )
+    job.checkpoint = dataclasses.replace(job.checkpoint, snapshot_every=0, persist_every=0, resume="none")
+    job.chaos = ChaosConfig()
+    job.mesh = dataclasses.replace(job.mesh, spares=0, min_dp=1, max_dp=None)
+    # A run's fixed metrics port may be taken by a job still running; Ray picks a free one.
+    job.telemetry = dataclasses.replace(job.telemetry, metrics_port=None)
+    job.train = dataclasses.replace(
+        job.train, micro_batch=1, global_batch=job.mesh.dp, stop_at_step=None, skip_batches=[]
+    )
+    # A length every cp divides, until the eval set says how long its sequences are.
+    job.data = dataclasses.replace(job.data, seq_len=2 * job.mesh.cp)
+    return _checked(job)
+
+
+def _checked(job: JobConfig) -> JobConfig:
+    from ringtrain.hf import resolve_job
+
+    resolved = resolve_job(job)  # reads model.hf's config.json, and validates
+    if not job.model.hf:
+        config.validate(resolved)
+    return resolved
+
+
+def _worker_data(path: str, evalset: Any, seq_len: int) -> str:
+    """A data source the workers' Trainer accepts at ``seq_len``: the eval data itself when it
+    fits (rows of that length, or a stream with windows that long), else the stdlib corpus."""
+    if Path(path).suffix == ".npy":
+        import numpy as np
+
+        shape = np.load(path, mmap_mode="r").shape
+        if len(shape) == 2:
+            return path if shape[1] == seq_len else STDLIB_CORPUS
+    return path if evalset.seq_len == seq_len else STDLIB_CORPUS
+
+
+def _flag(key: str) -> str:
+    """The option behind an eval.* key (``eval.passkey[1]`` -> ``--passkey[1]``); other keys as they are."""
+    base, bracket, index = key.partition("[")
+    return FLAGS[base] + bracket + index if base in FLAGS else key
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(flag, f"{text!r} is not a comma-separated list of whole numbers") from None
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(flag, f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,120 @@
+"""EvalSource: what ``ringtrain eval`` scores, from the SOURCE a user names.
+
+Three kinds: a Hugging Face model folder (``config.json``: the model and its weights), a run
+directory (``config.yaml`` gives the model, its newest durable checkpoint the weights), or a
+checkpoint URI (``file://`` or ``s3://``, a store or one ``step-N`` in it, or a local folder of
+either). A checkpoint carries only the model's shape, so the config beside it is used when the
+store sits in a run directory; elsewhere the model keys not in the checkpoint take their
+defaults, and ``model.*`` overrides set the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from ringtrain import config
+from ringtrain.checkpoint import LoadedCheckpoint
+from ringtrain.config import JobConfig
+from ringtrain.errors import ConfigError, RingtrainError
+
+KEY = "SOURCE"
+_STEP = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
+# Checkpoint meta (actors.resume.checkpoint_meta) -> the model keys it records.
+_META_MODEL_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+
+
+@dataclass(frozen=True)
+class EvalSource:
+    kind: str  # "hf", "run" or "checkpoint"
+    job: JobConfig  # the model's job; model.hf is set only when the weights come from it
+    tokenizer_folder: str  # a Hugging Face folder whose tokenizer.json to use, or ""
+    checkpoint: Optional[LoadedCheckpoint] = None
+    where: str = ""  # what is evaluated, for the user
+
+    def shards(self) -> list[bytes]:
+        """The checkpoint's shards in name order (every rank's, as a restore reads them)."""
+        assert self.checkpoint is not None
+        return [self.checkpoint.shards[name] for name in sorted(self.checkpoint.shards)]
+
+
+def resolve_source(text: str) -> EvalSource:
+    """The model behind SOURCE; a ConfigError naming SOURCE when there is none."""
+    if text.startswith(("file://", "s3://")):
+        return _from_checkpoint(text)
+    path = Path(text)
+    if not path.exists():
+        raise ConfigError(KEY, f"no such run directory, checkpoint or model folder: {text}")
+    if (path / "config.json").is_file():
+        return _from_hf(path)
+    if (path / "config.yaml").is_file():
+        return _from_run(path)
+    if path.is_dir():
+        return _from_checkpoint(path.resolve().as_uri())
+    raise ConfigError(KEY, f"{text} is a file; give a run directory, a checkpoint or a Hugging Face model folder")
+
+
+def _from_hf(folder: Path) -> EvalSource:
+    job = config.load(None, [f"model.hf={folder.resolve()}"])
+    return EvalSource("hf", job, str(folder.resolve()), where=f"Hugging Face model {folder}")
+
+
+def _from_run(run_dir: Path) -> EvalSource:
+    from ringtrain.actors.resume import incompatibility, open_job_store, store_uri
+
+    job = config.load(run_dir / "config.yaml")
+    uri = store_uri(job, run_dir)
+    store = open_job_store(uri, job, key=KEY)
+    try:
+        loaded = store.latest_valid(incompatibility(job))
+    except (RingtrainError, OSError) as exc:
+        raise ConfigError(KEY, f"cannot read the checkpoints of {run_dir} ({uri}): {exc}") from None
+    if loaded is None:
+        raise ConfigError(KEY, f"{run_dir} has no valid durable checkpoint in {uri} (checkpoint.persist_every writes them)")
+    return _with_checkpoint("run", job, loaded, f"run {run_dir}, step {loaded.step}")
+
+
+def _from_checkpoint(uri: str) -> EvalSource:
+    from ringtrain.actors.resume import incompatibility
+    from ringtrain.checkpoint import open_store
+
+    single = _STEP.match(uri)
+    store_at = single.group("store") if single else uri
+    try:
+        store = open_store(store_at)
+        if single:
+            loaded: Optional[LoadedCheckpoint] = store.load(int(single.group("step")), verify=True, eager=True)
+        else:
+            loaded = store.latest_valid()
+    except (RingtrainError, OSError, ValueError) as exc:
+        raise ConfigError(KEY, f"cannot load {uri}: {exc}") from None
+    if loaded is None:
+        raise ConfigError(KEY, f"no valid checkpoint in {uri}")
+    job = _job_beside(store_at) or _job_of_meta(loaded.meta)
+    reason = incompatibility(job)(loaded.meta)
+    if reason:
+        raise ConfigError(KEY, f"{uri}: {reason}")
+    return _with_checkpoint("checkpoint", job, loaded, f"checkpoint {loaded.uri}")
+
+
+def _with_checkpoint(kind: str, job: JobConfig, loaded: LoadedCheckpoint, where: str) -> EvalSource:
+    # The checkpoint holds the weights: a model.hf folder the run started from is not read again
+    # (its tokenizer still is).
+    weights_from_checkpoint = replace(job, model=replace(job.model, hf=""))
+    return EvalSource(kind, weights_from_checkpoint, job.model.hf, loaded, where)
+
+
+def _job_beside(store_uri: str) -> Optional[JobConfig]:
+    """The run's config when the store is a run directory's ``checkpoints`` folder."""
+    if not store_uri.startswith("file://"):
+        return None
+    config_file = Path(store_uri.removeprefix("file://")).parent / "config.yaml"
+    return config.load(config_file) if config_file.is_file() else None
+
+
+def _job_of_meta(meta: Any) -> JobConfig:
+    model = meta.get("model", {}) if hasattr(meta, "get") else {}
+    overrides = [f"model.{k}={model[k]}" for k in _META_MODEL_KEYS if model.get(k) is not None]
+    return config.load(None, overrides)

@@ -1,0 +1,149 @@
+"""EvalSet: the sequences an evaluation scores, as input ids and next-token labels.
+
+Two shapes of source, as in training (``train/data.py``): a 2-D ``.npy`` whose rows are the
+sequences (each row's inputs are the row, its labels the row shifted by one with the last
+ignored: transformers' ``labels=input_ids``), or a stream (a ``.bin`` or 1-D ``.npy`` of token
+ids, or text: its bytes for a byte-level model, its tokens when the model brings a tokenizer)
+cut into ``seq_len + 1``-token windows spread evenly over the whole stream, so the score stands
+for the corpus rather than its first files.
+
+Padding for a mesh happens here too, so that every rank pads alike: each sequence to a multiple
+of ``2 x cp`` (the zigzag layout's chunks) with ignored labels, and the rows to a multiple of
+``dp`` with rows that are all padding, so every replica runs the same number of forwards (ZeRO-3
+gathers parameters over the whole world in each one).
+
+Pure numpy, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ringtrain.config import STDLIB_CORPUS
+from ringtrain.errors import ConfigError
+from ringtrain.evaluation.text import Tokenizer
+from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
+
+DEFAULT_WINDOWS = 64  # windows of a stream scored when no max_rows is given
+PAD_ID = 0  # what padding positions hold; their labels are ignored, so any valid id does
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    inputs: np.ndarray  # [rows, length] int64
+    labels: np.ndarray  # [rows, length] int64; IGNORE_INDEX where nothing is predicted
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.inputs.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.inputs.shape[1])
+
+    @property
+    def num_labels(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def padded(self, *, multiple: int, rows_multiple: int) -> "EvalSet":
+        """Sequences padded to a multiple of ``multiple`` tokens and the rows to a multiple of
+        ``rows_multiple``; padding predicts nothing."""
+        rows = -(-self.num_rows // rows_multiple) * rows_multiple
+        length = -(-self.seq_len // multiple) * multiple
+        inputs = np.full((rows, length), PAD_ID, dtype=np.int64)
+        labels = np.full((rows, length), IGNORE_INDEX, dtype=np.int64)
+        inputs[: self.num_rows, : self.seq_len] = self.inputs
+        labels[: self.num_rows, : self.seq_len] = self.labels
+        return EvalSet(inputs, labels)
+
+    def replica_rows(self, replica: int, dp: int) -> range:
+        """The rows replica ``replica`` of ``dp`` scores: a contiguous share (rows divide by dp)."""
+        share = self.num_rows // dp
+        return range(replica * share, (replica + 1) * share)
+
+
+def rows_set(rows: np.ndarray) -> EvalSet:
+    """Each row a sequence, labelled as transformers labels ``input_ids``."""
+    inputs = np.asarray(rows, dtype=np.int64)
+    labels = np.full_like(inputs, IGNORE_INDEX)
+    labels[:, :-1] = inputs[:, 1:]
+    return EvalSet(inputs, labels)
+
+
+def windows_set(windows: np.ndarray) -> EvalSet:
+    """Windows of ``seq_len + 1`` tokens: inputs the first ``seq_len``, labels the last."""
+    w = np.asarray(windows, dtype=np.int64)
+    return EvalSet(np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:]))
+
+
+def load_eval_set(
+    path: str,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    max_rows: Optional[int] = None,
+    token_dtype: str = "uint16",
+    tokenizer: Optional[Tokenizer] = None,
+    key: str = "eval.data",
+) -> EvalSet:
+    """The sequences of ``path``; errors name ``key``."""
+    if path != STDLIB_CORPUS and not Path(path).exists():
+        raise ConfigError(key, f"no such file or directory: {path}")
+    try:
+        tokens = load_tokens(path, token_dtype)
+    except ConfigError as exc:  # it names data.path; here the data came from elsewhere
+        raise ConfigError(key, exc.reason) from None
+    if tokens.ndim == 2:
+        if tokens.shape[1] < 2:
+            raise ConfigError(key, f"the rows of {path} hold {tokens.shape[1]} token(s): nothing to predict")
+        found = rows_set(tokens[: max_rows or len(tokens)])
+    elif tokenizer is not None and is_byte_corpus(path):
+        found = windows_set(_token_windows(tokens, tokenizer, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
+    else:
+        found = windows_set(_windows(tokens, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
+    top, low = int(found.inputs.max(initial=0)), int(found.inputs.min(initial=0))
+    if top >= vocab_size or low < 0:
+        raise ConfigError(key, f"{path} holds token id {top if top >= vocab_size else low}, outside the model's vocabulary [0, {vocab_size})")
+    return found
+
+
+def _starts(num_tokens: int, span: int, count: int) -> list[int]:
+    """``count`` start offsets spread evenly so each leaves ``span`` tokens."""
+    last = num_tokens - span
+    if count == 1:
+        return [0]
+    return [round(i * last / (count - 1)) for i in range(count)]
+
+
+def _windows(stream: np.ndarray, seq_len: int, count: int, path: str, key: str) -> np.ndarray:
+    span = seq_len + 1
+    available = (stream.size - 1) // seq_len
+    if available < 1:
+        raise ConfigError(key, f"{path} holds {stream.size} tokens, fewer than seq_len + 1 = {span}")
+    return np.stack([np.asarray(stream[s : s + span]) for s in _starts(stream.size, span, min(count, available))])
+
+
+def _token_windows(blob: np.ndarray, tokenizer: Tokenizer, seq_len: int, count: int, path: str, key: str) -> np.ndarray:
+    """Windows of the text's tokens, each tokenized from a byte offset spread over the text."""
+    data = blob.tobytes()
+    span = seq_len + 1
+    sample = tokenizer.encode(data[: 1 << 16].decode("utf-8", errors="ignore"))
+    bytes_per_token = max(1.0, min(len(data), 1 << 16) / max(1, len(sample)))
+    guess = int(span * bytes_per_token * 1.25) + 64
+    windows = []
+    for start in _starts(len(data), min(guess, len(data)), count):
+        size = guess
+        while True:
+            ids = tokenizer.encode(data[start : start + size].decode("utf-8", errors="ignore"))
+            if len(ids) >= span or start + size >= len(data):
+                break
+            size *= 2
+        if len(ids) >= span:
+            windows.append(ids[:span])
+    if not windows:
+        raise ConfigError(key, f"{path} holds fewer than seq_len + 1 = {span} tokens")
+    return np.asarray(windows, dtype=np.int64)

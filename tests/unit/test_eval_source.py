@@ -1,0 +1,68 @@
+"""EvalSource: which model a SOURCE names, and where its config and weights come from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ringtrain import config
+from ringtrain.actors.resume import checkpoint_meta
+from ringtrain.checkpoint import open_store
+from ringtrain.errors import ConfigError
+from ringtrain.eval_source import resolve_source
+from ringtrain.telemetry.rundir import RunDir
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+}  # fmt: skip
+SHAPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.rope_theta=500000"]
+
+
+def _run_with_checkpoints(run_dir: Path, steps: list[int]) -> config.JobConfig:
+    job = config.load(None, [*SHAPE, f"run_dir={run_dir}"])
+    run = RunDir(run_dir)
+    run.write_config(job)
+    run.close()
+    store = open_store((run_dir / "checkpoints").as_uri())
+    for step in steps:
+        store.save(step, {"rank-0": f"shard of step {step}".encode()}, checkpoint_meta(job))
+    return job
+
+
+def test_a_run_directory_gives_its_config_and_newest_checkpoint(tmp_path: Path) -> None:
+    _run_with_checkpoints(tmp_path / "run", [10, 20])
+    source = resolve_source(str(tmp_path / "run"))
+    assert source.kind == "run" and source.checkpoint is not None and source.checkpoint.step == 20
+    assert source.job.model.rope_theta == 500000 and source.job.model.dim == 64  # from config.yaml
+    assert source.shards() == [b"shard of step 20"]
+    assert "step 20" in source.where
+
+
+def test_a_checkpoint_uri_reads_the_config_beside_its_store_or_the_shape_it_records(tmp_path: Path) -> None:
+    _run_with_checkpoints(tmp_path / "run", [10, 20])
+    store = tmp_path / "run" / "checkpoints"
+    one = resolve_source(f"{store.as_uri()}/step-000000010")
+    assert one.kind == "checkpoint" and one.checkpoint is not None and one.checkpoint.step == 10
+    assert one.job.model.rope_theta == 500000  # the run's config.yaml, beside the store
+    assert resolve_source(str(store)).checkpoint.step == 20  # type: ignore[union-attr]
+
+    (tmp_path / "run" / "config.yaml").unlink()
+    alone = resolve_source(store.as_uri())
+    assert alone.job.model.dim == 64 and alone.job.model.n_layers == 2  # from the checkpoint's meta
+    assert alone.job.model.rope_theta == 10000.0  # what the meta does not record takes its default
+
+
+def test_a_hf_folder_is_its_own_weights_and_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    source = resolve_source(str(tmp_path))
+    assert source.kind == "hf" and source.checkpoint is None
+    assert source.job.model.hf == str(tmp_path.resolve()) == source.tokenizer_folder
+
+
+def test_a_file_is_no_source(tmp_path: Path) -> None:
+    (tmp_path / "model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="SOURCE: .* is a file"):
+        resolve_source(str(tmp_path / "model.bin"))
