@@ -20,11 +20,12 @@ spawned processes (FileStore rendezvous), as tests/dist/test_equivalence.py does
   cached functions), on/off/off/on. A step's time is the wall time of ``train_step()``,
   maximum over ranks. The ratio of neighbouring blocks comes with its 95% confidence interval
   (blocks.py): on this shared 2-core machine (four ranks on two cores, other work coming and
-  going) its half-width is many per cent, so it cannot resolve the 1% target (the number of
-  block pairs it would need is reported). Worse, a burst of outside load that lands on one
-  mode's blocks is not the independent noise the interval assumes, so under heavy load the
-  interval itself can sit well away from 1.0 for a recorder that costs a fraction of a per
-  cent. It is reported, not used.
+  going) its half-width at the default 12 blocks is a few per cent when the machine is quiet
+  and tens of per cent under load, so it cannot resolve the 1% target (the number of block
+  pairs it would need at the spread seen is reported). Worse, a burst of outside load that
+  lands on one mode's blocks is not the independent noise the interval assumes, so under heavy
+  load the interval itself can sit well away from 1.0 for a recorder that costs a fraction of
+  a per cent. It is reported, not used.
 - The check on the decisive figure: the ranks' CPU time (all threads) per step, paired the
   same way. It contains the recorder's work and barely moves with outside load; its interval
   is wide (a few per cent) but must not contradict the decision: its lower end must be within
