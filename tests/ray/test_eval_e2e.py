@@ -53,9 +53,10 @@ def assert_buckets_add_up(result: dict[str, Any]) -> None:
     assert math.isclose(total / result["tokens"], result["loss"], rel_tol=1e-9)
 
 
+# Context parallelism is covered without Ray by tests/dist/test_evaluator.py (dp 2 x cp 2 ring,
+# ZeRO-3) and by the training run below; here the CLI end to end, with passkey retrieval.
 MESHES = {
     "one-rank": (["mesh.dp=1", "mesh.cp=1"], ["--passkey", "160,200", "--passkey-depths", "0,0.5,1"]),
-    "ring-of-two": (["mesh.dp=1", "mesh.cp=2", "attention.impl=ring"], []),
 }
 
 
