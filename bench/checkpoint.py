@@ -436,7 +436,7 @@ def report(summary: dict[str, Any], measured: dict[str, Any], target: float, pas
         f"snapshot overhead (decides; step wall time, {wall['num_pairs']} neighbouring on/off block pairs): "
         f"{wall['ratio']:.3f}x, 95% CI [{wall['ci95'][0]:.3f}, {wall['ci95'][1]:.3f}] (resolves "
         f"+-{wall['half_width']:.1%}), median pair {wall['median']:.3f}x",
-        f"{'PASS' if passed else 'FAIL'}: upper end of the 95% CI {wall['ci95'][1]:.3f} "
+        f"{'PASS' if passed else 'FAIL'}: upper end of the 95% CI {wall['ci95'][1]:.4f} "
         f"{'<=' if passed else '>'} target {target:.2f}" + ("" if passed else (
             " (the whole interval is above it)" if wall["ci95"][0] > target
             else " (the interval straddles the target: the overhead cannot be shown to be within it)")),
