@@ -23,8 +23,10 @@ class SnapshotHolder:
         self._pin_seq = -1
 
     def put(self, rank: int, step: int, world_size: int, blob: bytes, digest: str) -> None:
-        # A private copy: the caller's buffer belongs to the worker, which may die.
-        data = bytes(memoryview(blob))
+        # A private copy: a zero-copy buffer would live in the object store, owned by the worker,
+        # which may die. A ``bytes`` object owns its memory already (Ray deserialises one by
+        # copying it out of the store), so it is kept as it is: one copy less per snapshot.
+        data = blob if type(blob) is bytes else bytes(memoryview(blob))
         with self._lock:
             self._snaps[(rank, step)] = (world_size, data, digest)
             self._trim(rank)
