@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 TIMEOUT_S = 240.0
 
@@ -35,3 +36,25 @@ def run_ranks(target: Callable[..., None], world: int, tmp_path: Path, *args: An
     if isinstance(out, BaseException):
         raise out
     return out
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, store: str, results: Any) -> Iterator[None]:
+    """The frame of one rank's body: one torch thread, the environment DeepSpeed reads, a gloo
+    group over the FileStore ``store``; any exception goes to ``results`` (so the test fails at
+    once instead of timing out) and the group is always torn down."""
+    import torch
+    import torch.distributed as dist
+
+    from ringtrain.train.trainer import set_rank_env
+
+    torch.set_num_threads(1)
+    set_rank_env(rank=rank, world_size=world, device=torch.device("cpu"))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        yield
+    except BaseException as exc:
+        results.put(exc)
+        raise
+    finally:
+        dist.destroy_process_group()

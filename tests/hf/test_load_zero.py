@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist.ranks import run_ranks
+from tests.dist.ranks import gloo_rank, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -19,18 +19,13 @@ SEQ = 64
 
 def _rank_main(rank: int, world: int, store: str, folder: str, rows: str, results: mp.Queue) -> None:
     import torch
-    import torch.distributed as dist
 
     from ringtrain import config
     from ringtrain.hf import resolve_job
     from ringtrain.hf.weights import PretrainedWeights
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    set_rank_env(rank=rank, world_size=world, device=device)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store, results):
         weights = PretrainedWeights(folder)
         out = {}
         for stage in (0, 1, 2, 3):
@@ -38,18 +33,13 @@ def _rank_main(rank: int, world: int, store: str, folder: str, rows: str, result
                 f"model.hf={folder}", f"data.path={rows}", f"data.seq_len={SEQ}", "mesh.dp=2", "train.global_batch=2",
                 f"zero.stage={stage}", "checkpoint.snapshot_every=0", "train.lr=1e-30", "train.warmup_steps=0",
             ]))
-            trainer = Trainer(job, rank=rank, device=device)
+            trainer = Trainer(job, rank=rank, device=torch.device("cpu"))
             params = trainer.parameters_fp32()
             mismatched = [n for n, v in params.items() if not torch.equal(v, torch.from_numpy(weights.full(n)))]
             report = trainer.train_step()
             out[stage] = (mismatched, report.loss, report.samples)
         if rank == 0:
             results.put(out)
-    except BaseException as exc:
-        results.put(exc)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_stage_loads_the_file_exactly(tmp_path: Path) -> None:

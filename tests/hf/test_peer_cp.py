@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.ranks import run_ranks
+from tests.dist.ranks import gloo_rank, run_ranks
 from tests.hf_models import ARCHS
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -36,9 +36,7 @@ def _rank_main(rank: int, world: int, store: str, impl: str, ulysses: int, folde
     from ringtrain.train.model import ModelArgs, Transformer
     from tests.hf_models import hf_logits, tokens
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store, results):
         topology = Topology(1, world, ulysses)
         mesh = build_mesh(topology, rank)
         attention = build_attention(impl, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
@@ -58,11 +56,6 @@ def _rank_main(rank: int, world: int, store: str, impl: str, ulysses: int, folde
         dist.all_gather_object(gathered, gaps)
         if rank == 0:
             results.put({name: max(g[name] for g in gathered) for name in folders})
-    except BaseException as exc:
-        results.put(exc)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

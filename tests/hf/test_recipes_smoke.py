@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.dist.ranks import run_ranks
+from tests.dist.ranks import gloo_rank, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -24,21 +24,16 @@ RECIPES = {"llama3-8b-128k.yaml": "llama", "qwen2.5-7b-128k.yaml": "qwen2"}
 
 def _rank_main(rank: int, world: int, store: str, jobs: dict[str, list[str]], results: mp.Queue) -> None:
     import torch
-    import torch.distributed as dist
 
     from ringtrain import config
     from ringtrain.hf import resolve_job
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    set_rank_env(rank=rank, world_size=world, device=device)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store, results):
         out = {}
         for recipe, overrides in jobs.items():
             job = resolve_job(config.load(REPO / "jobs" / recipe, overrides))
-            trainer = Trainer(job, rank=rank, device=device)
+            trainer = Trainer(job, rank=rank, device=torch.device("cpu"))
             reports = [trainer.train_step() for _ in range(STEPS)]
             out[recipe] = {
                 "losses": [r.loss for r in reports], "grad_norms": [r.grad_norm for r in reports],
@@ -46,11 +41,6 @@ def _rank_main(rank: int, world: int, store: str, jobs: dict[str, list[str]], re
             }
         if rank == 0:
             results.put(out)
-    except BaseException as exc:
-        results.put(exc)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _rope(recipe: dict[str, Any]) -> dict[str, Any]:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +21,14 @@ import pytest
 from tests.hf_models import hf_logits, save_model, tokens
 from tests.tiny_tokenizer import save_tokenizer
 
-from .test_run_e2e import QUICKSTART, REPO, TINY, TORCH_EXTENSIONS_DIR, processes_using, ray_tmp  # noqa: F401
+from .test_run_e2e import QUICKSTART, TINY, processes_using, ray_tmp, ringtrain_cli  # noqa: F401
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROWS, LENGTH = 3, 30
 
 
-def ringtrain(args: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    env.update(
-        HOME=str(home),
-        RAY_TMPDIR=str(ray_tmp),
-        RAY_AUTH_MODE="disabled",
-        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
-        PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "ringtrain", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=home
-    )
+ringtrain = ringtrain_cli  # any subcommand: run, eval
 
 
 def assert_buckets_add_up(result: dict[str, Any]) -> None:

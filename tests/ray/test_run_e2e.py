@@ -47,6 +47,11 @@ def ray_tmp() -> Iterator[Path]:
 
 
 def run_cli(args: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``ringtrain run ARGS`` as a user would start it, with the test's own HOME and Ray temp dir."""
+    return ringtrain_cli(["run", *args], home=home, ray_tmp=ray_tmp, timeout=timeout)
+
+
+def ringtrain_cli(argv: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env.update(
@@ -57,7 +62,7 @@ def run_cli(args: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300)
         PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
     )
     return subprocess.run(
-        [sys.executable, "-m", "ringtrain", "run", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=home
+        [sys.executable, "-m", "ringtrain", *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=home
     )
 
 
