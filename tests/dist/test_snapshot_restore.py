@@ -46,9 +46,11 @@ def _rank_main(
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         trainer = Trainer(config.load(None, overrides), rank=rank, device=device)
+        losses, snapshot = [], None
         if blobs is not None:
             assert trainer.restore(blobs) == CUT
-        losses, snapshot = [], None
+            # The restore re-snapshots the state it wrote: the caller compares it with ``blobs``.
+            snapshot = trainer.snapshot(CUT).blob
         while trainer.step < STEPS:
             losses.append(trainer.train_step().loss)
             if trainer.step == CUT and blobs is None:
@@ -86,3 +88,37 @@ def test_resume_is_exact_at_the_same_mesh_and_close_at_another_dp(stage: int, tm
     np.testing.assert_allclose(single_losses, losses[CUT:], rtol=1e-5)
     for name, value in params.items():
         np.testing.assert_allclose(single_params[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+def _payload(blob: bytes) -> dict[tuple[str, str, int], np.ndarray]:
+    from ringtrain.train.snapshot import decode
+
+    shard = decode(blob)
+    return {(e["name"], e["key"], e["start"]): shard.array(e) for e in shard.entries}
+
+
+def test_zero0_bf16_snapshot_holds_the_fp32_master_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Without ZeRO, bf16 puts DeepSpeed's FP16_UnfusedOptimizer around Adam, whose state is
+    keyed by its own fp32 copies of the weights: the snapshot must read (and a restore write)
+    those, not the bf16 model weights."""
+    grid = TINY + ["mesh.dp=2", "mesh.cp=1", "zero.stage=0", "train.dtype=bf16"]
+    losses, shards, params = run(grid, tmp_path)
+    by_key: dict[str, list[np.ndarray]] = {}
+    for blob in shards:
+        for (_, key, _), values in _payload(blob).items():
+            by_key.setdefault(key, []).append(values)
+    # Adam's moments after CUT steps are not zero, and the master is fp32: some of its values
+    # carry bits below bf16's 16.
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert any(np.any(v != 0) for v in by_key[key]), f"{key} is all zeros"
+    assert any(np.any(v.view(np.uint32) & 0xFFFF) for v in by_key["param"]), "the snapshot holds bf16 weights"
+
+    resumed_losses, restored_shards, resumed_params = run(grid, tmp_path, blobs=shards)
+    for saved, restored in zip(shards, restored_shards, strict=True):
+        saved_arrays, restored_arrays = _payload(saved), _payload(restored)
+        assert saved_arrays.keys() == restored_arrays.keys()
+        for where, values in saved_arrays.items():
+            np.testing.assert_array_equal(restored_arrays[where], values, err_msg=str(where))
+    assert resumed_losses == losses[CUT:]
+    for name, value in params.items():
+        np.testing.assert_array_equal(resumed_params[name], value, err_msg=name)

@@ -21,14 +21,16 @@ import math
 import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
 
 from ringtrain.checkpoint.retention import retained
+from ringtrain.errors import ConfigError
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _MAGIC = b"RTSNAP01"
@@ -80,7 +82,13 @@ class ZeroState:
         self.rank = rank
         self.world_size = world_size
         self.optimizer = engine.optimizer
-        self.inner = getattr(self.optimizer, "optimizer", self.optimizer) if stage > 0 else self.optimizer
+        # Stage 0: id(model parameter) -> the fp32 master Adam steps, where that is a separate
+        # tensor (16-bit weights); empty when each parameter is its own master (fp32).
+        self.masters: dict[int, torch.Tensor] = {}
+        if stage == 0:
+            self.inner, self.masters = _stage0_optimizer(self.optimizer)
+        else:
+            self.inner = getattr(self.optimizer, "optimizer", self.optimizer)
 
     def ensure_optimizer_state(self) -> None:
         """Create Adam's state as torch does at its first step, so it can be restored into."""
@@ -94,7 +102,7 @@ class ZeroState:
         """The tensors Adam keeps state for. Not ``inner.param_groups``: ZeRO-3 fills those
         only for the duration of its step."""
         if self.stage == 0:
-            return list(self.model.parameters())
+            return [self._master(p) for p in self.model.parameters()]
         if self.stage in (1, 2):
             return list(self.optimizer.single_partition_of_fp32_groups)
         return list(self.optimizer.fp32_partitioned_groups_flat)
@@ -119,6 +127,9 @@ class ZeroState:
             else:
                 yield from self._stage3(name, p)
 
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        return self.masters.get(id(p), p)
+
     def _views(self, flat: torch.Tensor, offset: int, numel: int) -> dict[str, torch.Tensor]:
         state = self.inner.state[flat]
         return {
@@ -135,7 +146,7 @@ class ZeroState:
         start = 0 if whole else min(n, self.rank * chunk)
         numel = max(0, min(chunk, n - start))
         if numel:
-            yield Fragment(name, tuple(p.shape), start, self._views(p, start, numel))
+            yield Fragment(name, tuple(p.shape), start, self._views(self._master(p), start, numel))
 
     def _stage12(self, name: str, p: torch.Tensor) -> Iterator[Fragment]:
         mapping = getattr(p, "_hp_mapping", None)
@@ -171,9 +182,14 @@ class ZeroState:
 
     def _load_model_weights(self, index: "FragmentIndex") -> None:
         # The weights the forward pass uses are a separate copy of the fp32 master in stages
-        # 1-3 (and the same tensor in stage 0), so they are set from the snapshot too.
+        # 1-3 and in 16-bit stage 0 (the same tensor in fp32 stage 0), so they are set from the
+        # snapshot too, rounded as the optimizer rounds them after its step.
         for name, p in self.model.named_parameters():
-            if self.stage == 3:
+            if self.stage == 0:
+                master = self.masters.get(id(p))
+                if master is not None:
+                    p.data.copy_(master.detach())
+            elif self.stage == 3:
                 per_rank = p.ds_tensor.numel()
                 start = self.optimizer._get_param_partition_rank(p) * per_rank
                 numel = max(0, min(per_rank, p.ds_numel - start))
@@ -183,6 +199,34 @@ class ZeroState:
             elif self.stage in (1, 2):
                 values = index.read(name, "param", 0, p.numel())
                 p.data.view(-1).copy_(torch.from_numpy(values).to(p.device, p.dtype))
+
+
+def _stage0_optimizer(optimizer: Any) -> tuple[Any, dict[int, torch.Tensor]]:
+    """The torch optimizer that holds Adam's state without ZeRO, and the fp32 masters it steps.
+
+    In fp32 DeepSpeed steps the torch optimizer on the model's own parameters. With 16-bit
+    weights it wraps it in ``FP16_UnfusedOptimizer`` (deepspeed/runtime/fp16/unfused_optimizer.py),
+    which steps Adam on fp32 copies (``fp32_groups``, parallel to the model's ``fp16_groups``)
+    and copies them into the model after each step, so Adam's state is keyed by the copies.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, {}
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer) or low is None or high is None:
+        # Any other wrapper (the fused FP16_Optimizer keeps one flat fp32 tensor per group,
+        # say) would need its own reader; refusing beats snapshotting the wrong tensors.
+        raise ConfigError(
+            "zero.stage",
+            f"snapshots cannot read the fp32 master weights of DeepSpeed's {type(optimizer).__name__} "
+            "at stage 0; use zero.stage=1 (or train.dtype=fp32)",
+        )
+    masters = {
+        id(lp): hp
+        for lp_group, hp_group in zip(low, high, strict=True)
+        for lp, hp in zip(lp_group, hp_group, strict=True)
+    }
+    return inner, masters
 
 
 def capture_scalars(engine: Any, zero: ZeroState, trainer_step: int, data_cursor: int) -> dict[str, Any]:
@@ -317,6 +361,50 @@ class FragmentIndex:
 # --- the background copy ------------------------------------------------------------------------
 
 
+class CopyEvent(Protocol):
+    """A point in the copy stream's queue (``torch.cuda.Event``)."""
+
+    def synchronize(self) -> None: ...
+
+
+class CopyStreams(Protocol):
+    """Where the device-to-host copies of a snapshot are queued, and how they are ordered
+    against training's own stream."""
+
+    def copying(self) -> AbstractContextManager[Any]:
+        """Queue the copies issued inside on the side stream, after the work queued so far."""
+        ...
+
+    def record(self) -> CopyEvent:
+        """An event recorded on the side stream now: it completes when the copies are done."""
+        ...
+
+    def hold_compute(self, event: CopyEvent) -> None:
+        """Make training's stream wait for ``event`` before its next kernel."""
+        ...
+
+
+class CudaCopyStreams:
+    """The copy on a side CUDA stream of ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copying(self) -> AbstractContextManager[Any]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def record(self) -> CopyEvent:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def hold_compute(self, event: CopyEvent) -> None:
+        assert isinstance(event, torch.cuda.Event)
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+
 class Snapshotter:
     """Copies this rank's state off the critical path after each optimizer step.
 
@@ -336,16 +424,23 @@ class Snapshotter:
         device: torch.device,
         deliver: Optional[Callable[[Snapshot], None]] = None,
         keep: int = 2,
+        streams: Optional[CopyStreams] = None,
+        executor: Optional[Executor] = None,
     ) -> None:
+        """``streams`` defaults to a side CUDA stream on a CUDA device (none on CPU), and
+        ``executor`` to one background thread; tests pass stand-ins for either."""
         self.zero = zero
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.deliver = deliver
         self.keep = keep
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._copy_done: Optional[Any] = None  # CUDA event of the pending copy
+        # One worker: jobs finish in capture order, so ``recent`` and deliveries stay ordered.
+        self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
+        if streams is None and device.type == "cuda":
+            streams = CudaCopyStreams(device)
+        self._streams = streams
+        self._copy_done: Optional[CopyEvent] = None  # the newest capture's copy, for ``fence``
         self._copied = threading.Event()
         self._copied.set()
         self._pending: Optional[Future[Snapshot]] = None
@@ -368,22 +463,26 @@ class Snapshotter:
         fragments = list(self.zero.fragments())
         buffers = self._host_buffers(slot, fragments)
         t0 = time.perf_counter()
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
+        copy_done: Optional[CopyEvent] = None
+        if self._streams is not None:
+            with self._streams.copying():
                 for frag, host in zip(fragments, buffers):
                     for key, tensor in frag.tensors.items():
                         host[key].copy_(tensor.detach(), non_blocking=True)
-            self._copy_done = torch.cuda.Event()
-            self._copy_done.record(self._stream)
+            copy_done = self._copy_done = self._streams.record()
         else:
             self._copied.clear()
-        self._pending = self._slot_jobs[slot] = self._pool.submit(self._run, step, scalars, fragments, buffers, t0)
+        # The job gets its own event: ``self._copy_done`` may already be the next capture's by
+        # the time the job runs, and its host buffers would then be read before this copy lands.
+        self._pending = self._slot_jobs[slot] = self._pool.submit(
+            self._run, step, scalars, fragments, buffers, t0, copy_done
+        )
 
     def fence(self) -> None:
         """Hold the next state change until the pending copy has left the live tensors."""
-        if self._copy_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._copy_done)
+        if self._streams is not None and self._copy_done is not None:
+            # The side stream runs its copies in order: the newest one done means all are.
+            self._streams.hold_compute(self._copy_done)
         self._copied.wait()
 
     def wait(self) -> Optional[Snapshot]:
@@ -436,11 +535,17 @@ class Snapshotter:
         return cached
 
     def _run(
-        self, step: int, scalars: dict[str, Any], fragments: list[Fragment], buffers: list[dict[str, torch.Tensor]], t0: float
+        self,
+        step: int,
+        scalars: dict[str, Any],
+        fragments: list[Fragment],
+        buffers: list[dict[str, torch.Tensor]],
+        t0: float,
+        copy_done: Optional[CopyEvent],
     ) -> Snapshot:
         try:
-            if self._copy_done is not None:
-                self._copy_done.synchronize()
+            if copy_done is not None:
+                copy_done.synchronize()
             else:
                 for frag, host in zip(fragments, buffers):
                     for key, tensor in frag.tensors.items():

@@ -12,11 +12,18 @@ dim. Tensors are ``[B, Q, H, D]`` and ``[B, S, K, D]``; LSEs are ``[B, H, Q]`` f
 
 Conventions every kernel keeps:
 
-- ``causal`` is top-left aligned (query i sees keys 0..i). Callers only use it on square
-  blocks, where top-left and bottom-right (flash-attn's) alignment agree.
+- ``causal`` only on square blocks (Q == S, refused otherwise): there query i sees keys 0..i
+  under top-left and bottom-right (flash-attn's) alignment alike, and no row is left empty.
+  On a non-square block the two alignments disagree, and flash-attn gives a row that sees no
+  key an LSE of +inf, which the merge would weigh as everything instead of nothing.
 - ``visible_BQS`` (boolean, True = may attend) restricts attention further; only kernels with
   ``supports_mask`` accept it.
 - A query row with no visible key has output 0 and LSE -inf, and receives zero gradient.
+- Head dims: a kernel whose op needs D to be a multiple of ``pad_head_dim_to`` gets q, k, v
+  zero-padded up to one and its results sliced back (as flash-attn's ``FlashAttnFunc`` does);
+  one with a largest D (``KernelSpec.max_head_dim``) is never chosen for a larger one.
+- GQA: a kernel whose op takes fewer K/V heads than query heads (``native_gqa``) gets K/V as
+  they are; any other gets them repeated per query head, and its K/V gradients summed back.
 """
 
 from __future__ import annotations
@@ -59,6 +66,22 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def _pad_head_dim(x: Tensor, multiple: int) -> Tensor:
+    # Zero columns add nothing to q.k, and zero value columns only add output columns that are
+    # sliced off; the scale is passed explicitly, so it stays that of the true head dim.
+    extra = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
+def _check_square_if_causal(causal: bool, q_len: int, k_len: int) -> None:
+    if causal and q_len != k_len:
+        raise ValueError(
+            f"causal attention needs a square block, got {q_len} queries and {k_len} keys: kernels "
+            "align a non-square causal mask differently (flash-attn bottom-right, with LSE +inf for "
+            "rows that see no key), so split the block or pass an explicit mask"
+        )
+
+
 def _allowed_mask(visible_BQS: Optional[Tensor], causal: bool, q_len: int, k_len: int) -> Optional[Tensor]:
     """The full boolean mask (``[Q, S]`` or ``[B, Q, S]``) or None when nothing is masked."""
     if not causal:
@@ -71,15 +94,24 @@ def _allowed_mask(visible_BQS: Optional[Tensor], causal: bool, q_len: int, k_len
 class AttentionKernel:
     """Forward and backward of one attention block; subclasses implement ``_forward``/``_backward``.
 
-    This base class owns what must hold for every kernel: GQA expansion for kernels that lack
-    it, the LSE of rows that see no key, and fp32 LSEs. ``_forward``/``_backward`` take the
-    layouts of ``forward``/``backward``, with KV heads already expanded to H unless
+    This base class owns what must hold for every kernel: square causal blocks, head-dim
+    padding, GQA expansion for kernels that lack it, the LSE of rows that see no key, and fp32
+    LSEs. ``_forward``/``_backward`` take the layouts of ``forward``/``backward``, with the head
+    dim padded to a multiple of ``pad_head_dim_to`` and KV heads already expanded to H unless
     ``native_gqa``.
     """
 
     name: ClassVar[str]
     supports_mask: ClassVar[bool] = False
-    native_gqa: ClassVar[bool] = False
+    pad_head_dim_to: ClassVar[int] = 1
+
+    def __init__(self, *, native_gqa: Optional[bool] = None) -> None:
+        """``native_gqa`` overrides what ``takes_gqa`` says (tests compare both paths)."""
+        self.native_gqa = self.takes_gqa() if native_gqa is None else native_gqa
+
+    def takes_gqa(self) -> bool:
+        """Whether this kernel's op takes fewer K/V heads than query heads as they are."""
+        return False
 
     def forward(
         self,
@@ -92,12 +124,16 @@ class AttentionKernel:
         visible_BQS: Optional[Tensor] = None,
     ) -> BlockOutput:
         self._check_mask(visible_BQS)
+        _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
+        head_dim = q_BQHD.shape[-1]
+        q_BQHD, k_BSKD, v_BSKD = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q_BQHD, k_BSKD, v_BSKD))
         groups = q_BQHD.shape[2] // k_BSKD.shape[2]
         if groups > 1 and not self.native_gqa:
             k_BSKD, v_BSKD = k_BSKD.repeat_interleave(groups, dim=2), v_BSKD.repeat_interleave(groups, dim=2)
         out_BQHD, lse_BHQ, aux = self._forward(
             q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale, visible_BQS=visible_BQS
         )
+        out_BQHD = out_BQHD[..., :head_dim]
         if lse_BHQ.dtype != torch.float64:
             lse_BHQ = lse_BHQ.float()
         if visible_BQS is not None:
@@ -125,24 +161,29 @@ class AttentionKernel:
     ) -> Grads:
         """Gradients of this block for the merged ``out``/``lse`` of its query rows."""
         self._check_mask(visible_BQS)
+        _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
         # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
         # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
         # gets zero gradient through fused and explicit kernels alike.
         lse_BHQ = lse_BHQ.masked_fill(lse_BHQ == -math.inf, math.inf).contiguous()
+        head_dim = q_BQHD.shape[-1]
+        dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD = (
+            _pad_head_dim(t, self.pad_head_dim_to) for t in (dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD)
+        )
         kv_heads = k_BSKD.shape[2]
         groups = q_BQHD.shape[2] // kv_heads
-        expand = groups > 1 and not self.native_gqa
-        if expand:
+        if groups > 1 and not self.native_gqa:
             k_BSKD, v_BSKD = k_BSKD.repeat_interleave(groups, dim=2), v_BSKD.repeat_interleave(groups, dim=2)
         dq, dk, dv = self._backward(
             dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD, lse_BHQ, aux,
             causal=causal, scale=scale, visible_BQS=visible_BQS,
         )
-        if expand:
-            # Each KV head fed ``groups`` query heads; its gradient is the sum over them.
+        if dk.shape[2] != kv_heads:
+            # Each KV head fed ``groups`` query heads; its gradient is the sum over them. Also
+            # taken when a native-GQA op hands back per-query-head gradients.
             dk = dk.unflatten(2, (kv_heads, groups)).sum(dim=3)
             dv = dv.unflatten(2, (kv_heads, groups)).sum(dim=3)
-        return dq, dk, dv
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
     def _check_mask(self, visible_BQS: Optional[Tensor]) -> None:
         if visible_BQS is not None and not self.supports_mask:
@@ -170,7 +211,7 @@ class AttentionKernel:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(native_gqa={self.native_gqa})"
 
 
 class MathKernel(AttentionKernel):
@@ -178,7 +219,9 @@ class MathKernel(AttentionKernel):
 
     name = "math"
     supports_mask = True
-    native_gqa = True
+
+    def takes_gqa(self) -> bool:
+        return True
 
     @staticmethod
     def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -239,7 +282,10 @@ class CpuFlashKernel(AttentionKernel):
 
     name = "cpu_flash"
     supports_mask = True  # as an additive float mask
-    native_gqa = True  # the op broadcasts KV heads with repeat_interleave semantics
+
+    def takes_gqa(self) -> bool:
+        # The op broadcasts KV heads with repeat_interleave semantics and returns K-head grads.
+        return True
 
     @staticmethod
     def _mask(q: Tensor, k: Tensor, causal: bool, visible_BQS: Optional[Tensor]) -> tuple[Optional[Tensor], bool]:
@@ -294,6 +340,10 @@ class SdpaFlashKernel(AttentionKernel):
     """torch's bundled FlashAttention-2 on CUDA (``_scaled_dot_product_flash_attention``)."""
 
     name = "sdpa_flash"
+    pad_head_dim_to = 8  # FlashAttention-2 takes D % 8 == 0; torch's public SDPA pads too
+
+    def takes_gqa(self) -> bool:
+        return sdpa_takes_gqa()
 
     def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, visible_BQS: Optional[Tensor]
@@ -342,6 +392,9 @@ class SdpaEfficientKernel(AttentionKernel):
     """torch's memory-efficient (xFormers/CUTLASS) kernel on CUDA, with ``compute_log_sumexp``."""
 
     name = "sdpa_efficient"
+    # The CUTLASS kernel wants D aligned to 16 bytes on sm80+ (8 half or 4 fp32 elements). It
+    # takes equal head counts only (torch routes GQA around it), so K/V are repeated.
+    pad_head_dim_to = 8
 
     def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, visible_BQS: Optional[Tensor]
@@ -391,6 +444,10 @@ class SdpaCudnnKernel(AttentionKernel):
     """cuDNN's fused attention on CUDA, with ``compute_log_sumexp``."""
 
     name = "sdpa_cudnn"
+    pad_head_dim_to = 8  # cuDNN takes D % 8 == 0
+
+    def takes_gqa(self) -> bool:
+        return sdpa_takes_gqa()
 
     def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, visible_BQS: Optional[Tensor]
@@ -467,7 +524,12 @@ class FlashAttnKernel(AttentionKernel):
     """The ``flash_attn`` package (FlashAttention-2): BSHD layout and GQA natively."""
 
     name = "flash_attn"
-    native_gqa = True
+    # ``_flash_attn_forward``/``_backward`` take D % 8 == 0 and leave the padding to
+    # ``FlashAttnFunc``, which this kernel bypasses to get the LSE.
+    pad_head_dim_to = 8
+
+    def takes_gqa(self) -> bool:
+        return True
 
     def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, visible_BQS: Optional[Tensor]
@@ -538,12 +600,18 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 class KernelSpec:
     devices: Optional[frozenset[str]]  # None: any device
     dtypes: frozenset[torch.dtype]
+    max_head_dim: Optional[int] = None  # None: any; forward and backward alike
 
 
 KERNEL_SPECS: Mapping[str, KernelSpec] = {
-    "flash_attn": KernelSpec(frozenset({"cuda"}), _HALF),
-    "sdpa_flash": KernelSpec(frozenset({"cuda"}), _HALF),
-    "sdpa_cudnn": KernelSpec(frozenset({"cuda"}), _HALF),
+    # FlashAttention-2 (the package and torch's copy): D <= 256 (flash-attn's mha_fwd/mha_bwd,
+    # torch's sdp_utils check_head_dim_size_flash).
+    "flash_attn": KernelSpec(frozenset({"cuda"}), _HALF, max_head_dim=256),
+    "sdpa_flash": KernelSpec(frozenset({"cuda"}), _HALF, max_head_dim=256),
+    # cuDNN: D <= 128 everywhere; 256 only on sm90/sm100 with recent cuDNN and frontend, and its
+    # backward then only at 128, 192/128 or 256 (torch's check_cudnn_tensor_shapes and
+    # check_cudnn_d256_bprop_head_dim), which a pure choice cannot see.
+    "sdpa_cudnn": KernelSpec(frozenset({"cuda"}), _HALF, max_head_dim=128),
     "sdpa_efficient": KernelSpec(frozenset({"cuda"}), _HALF | {torch.float32}),
     "cpu_flash": KernelSpec(frozenset({"cpu"}), _HALF | {torch.float32, torch.float64}),
     "math": KernelSpec(None, _HALF | {torch.float32, torch.float64}),
@@ -565,10 +633,12 @@ NO_LSE: Mapping[str, str] = {
 
 UNAVAILABLE: Mapping[str, str] = {
     "flash_attn": "the flash_attn package is not importable here, or the GPU is older than sm80",
-    "sdpa_flash": "this torch has no flash attention for this GPU (needs sm80 or newer)",
-    "sdpa_cudnn": "cuDNN attention needs cuDNN 9 or newer",
-    "sdpa_efficient": "no CUDA device",
-    "cpu_flash": "this torch has no aten._scaled_dot_product_flash_attention_for_cpu",
+    "sdpa_flash": "this torch has no flash attention for this GPU (needs sm80 or newer), "
+    "or its op's signature is not the one this kernel calls",
+    "sdpa_cudnn": "cuDNN attention needs cuDNN 9 or newer and torch 2.5 or newer (the op's signature differs before)",
+    "sdpa_efficient": "no CUDA device, or this torch's op signature is not the one this kernel calls",
+    "cpu_flash": "this torch has no aten._scaled_dot_product_flash_attention_for_cpu with the signature "
+    "this kernel calls",
     "math": "",
 }
 
@@ -581,30 +651,45 @@ def check_kernel_name(name: str) -> None:
         raise KernelUnavailableError(name, f"unknown; choose one of {', '.join(KERNEL_NAMES)}")
 
 
-def select_kernel(name: str, *, device_type: str, dtype: torch.dtype, available: Collection[str]) -> str:
+def _takes_head_dim(spec: KernelSpec, head_dim: Optional[int]) -> bool:
+    return head_dim is None or spec.max_head_dim is None or head_dim <= spec.max_head_dim
+
+
+def select_kernel(
+    name: str,
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    available: Collection[str],
+    head_dim: Optional[int] = None,
+) -> str:
     """The kernel to run for ``name`` on ``device_type`` with ``dtype`` inputs; pure.
 
     ``available`` is what the runtime offers (``available_kernels``). ``auto`` takes the first
-    fit in ``AUTO_ORDER``; an explicit name that does not fit raises naming why.
+    fit in ``AUTO_ORDER``; an explicit name that does not fit raises naming why. ``head_dim``
+    (None: not known) rules out kernels whose op cannot take it.
     """
     check_kernel_name(name)
 
     def fits(candidate: str) -> bool:
         spec = KERNEL_SPECS[candidate]
         on_device = spec.devices is None or device_type in spec.devices
-        return on_device and dtype in spec.dtypes and candidate in available
+        return on_device and dtype in spec.dtypes and _takes_head_dim(spec, head_dim) and candidate in available
 
     if name == "auto":
         for candidate in AUTO_ORDER.get(device_type, ("math",)):
             if fits(candidate):
                 return candidate
-        raise KernelUnavailableError(name, f"no kernel here runs {dtype} on {device_type}")
+        shape = "" if head_dim is None else f" with head dim {head_dim}"
+        raise KernelUnavailableError(name, f"no kernel here runs {dtype}{shape} on {device_type}")
     spec = KERNEL_SPECS[name]
     if spec.devices is not None and device_type not in spec.devices:
         raise KernelUnavailableError(name, f"runs on {'/'.join(sorted(spec.devices))}, not {device_type}")
     if dtype not in spec.dtypes:
         supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in spec.dtypes))
         raise KernelUnavailableError(name, f"does not take {str(dtype).removeprefix('torch.')} inputs ({supported})")
+    if not _takes_head_dim(spec, head_dim):
+        raise KernelUnavailableError(name, f"takes head dims up to {spec.max_head_dim}, not {head_dim}")
     if name not in available:
         raise KernelUnavailableError(name, UNAVAILABLE[name])
     return name
@@ -618,18 +703,104 @@ def _flash_attn_importable() -> bool:
     return True
 
 
+# The aten ops each torch kernel calls, with the argument names (in order) and the number of
+# results its call is written for. The private ops change between releases (cuDNN's gained
+# ``attn_bias`` and ``compute_log_sumexp`` in torch 2.5); a call written for another signature
+# would put its values in the wrong places, so a kernel whose ops differ is not offered.
+KERNEL_OPS: Mapping[str, Mapping[str, tuple[tuple[str, ...], int]]] = {
+    "sdpa_flash": {
+        "_scaled_dot_product_flash_attention": (
+            ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask", "scale"),
+            9,
+        ),
+        "_scaled_dot_product_flash_attention_backward": (
+            ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+             "dropout_p", "is_causal", "philox_seed", "philox_offset", "scale"),
+            3,
+        ),
+    },
+    "sdpa_efficient": {
+        "_scaled_dot_product_efficient_attention": (
+            ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "scale"),
+            4,
+        ),
+        "_scaled_dot_product_efficient_attention_backward": (
+            ("grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
+             "dropout_p", "grad_input_mask", "is_causal", "scale"),
+            4,
+        ),
+    },
+    "sdpa_cudnn": {
+        "_scaled_dot_product_cudnn_attention": (
+            ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+             "return_debug_mask", "scale"),
+            9,
+        ),
+        "_scaled_dot_product_cudnn_attention_backward": (
+            ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+             "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"),
+            3,
+        ),
+    },
+    "cpu_flash": {
+        "_scaled_dot_product_flash_attention_for_cpu": (
+            ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"),
+            2,
+        ),
+        "_scaled_dot_product_flash_attention_for_cpu_backward": (
+            ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"),
+            3,
+        ),
+    },
+}
+
+SchemaLookup = Callable[[str], Optional[Any]]
+
+
+def aten_schema(op: str) -> Optional[Any]:
+    """The installed torch's schema (``torch.FunctionSchema``) of ``aten::op``, None if absent."""
+    packet = getattr(torch.ops.aten, op, None)
+    return None if packet is None else packet.default._schema
+
+
+def kernel_ops_fit(name: str, schema_of: SchemaLookup = aten_schema) -> bool:
+    """Whether every op kernel ``name`` calls exists with the signature its call is written for."""
+    for op, (arguments, num_returns) in KERNEL_OPS.get(name, {}).items():
+        schema = schema_of(op)
+        if schema is None:
+            return False
+        if tuple(a.name for a in schema.arguments) != arguments or len(schema.returns) != num_returns:
+            return False
+    return True
+
+
+def sdpa_takes_gqa(schema_of: SchemaLookup = aten_schema) -> bool:
+    """Whether this torch's fused CUDA attention ops take fewer K/V heads than query heads.
+
+    From torch 2.5 ``scaled_dot_product_attention(..., enable_gqa=True)`` hands unequal head
+    counts to the FlashAttention-2 op as they are (FA2's kernels read KV head h // G), and the
+    cuDNN op takes them too (torch's shape rules for both backward ops give K/V gradients K
+    heads); the efficient kernel requires equal counts (torch sends GQA to its math path
+    instead). The flag in the public op's schema marks those releases.
+    """
+    schema = schema_of("scaled_dot_product_attention")
+    return schema is not None and any(a.name == "enable_gqa" for a in schema.arguments)
+
+
 @functools.lru_cache(maxsize=None)
 def available_kernels(device_type: str) -> frozenset[str]:
     """Kernels this process can run on ``device_type`` (probed once)."""
     names = {"math"}
-    if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    if device_type == "cpu" and kernel_ops_fit("cpu_flash"):
         names.add("cpu_flash")
     if device_type == "cuda" and torch.cuda.is_available():
-        names.add("sdpa_efficient")
+        if kernel_ops_fit("sdpa_efficient"):
+            names.add("sdpa_efficient")
         ampere_or_newer = torch.cuda.get_device_capability() >= (8, 0)
-        if ampere_or_newer and torch.backends.cuda.is_flash_attention_available():
+        if ampere_or_newer and torch.backends.cuda.is_flash_attention_available() and kernel_ops_fit("sdpa_flash"):
             names.add("sdpa_flash")
-        if torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000:
+        cudnn_9 = torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000
+        if cudnn_9 and kernel_ops_fit("sdpa_cudnn"):
             names.add("sdpa_cudnn")
         if ampere_or_newer and _flash_attn_importable():
             names.add("flash_attn")
@@ -641,9 +812,13 @@ def _instance(name: str) -> AttentionKernel:
     return _KERNEL_CLASSES[name]()
 
 
-def get_kernel(name: str, *, device_type: str, dtype: torch.dtype) -> AttentionKernel:
+def get_kernel(
+    name: str, *, device_type: str, dtype: torch.dtype, head_dim: Optional[int] = None
+) -> AttentionKernel:
     """The kernel ``name`` resolves to for these inputs, or a ``KernelUnavailableError``."""
-    chosen = select_kernel(name, device_type=device_type, dtype=dtype, available=available_kernels(device_type))
+    chosen = select_kernel(
+        name, device_type=device_type, dtype=dtype, available=available_kernels(device_type), head_dim=head_dim
+    )
     return _instance(chosen)
 
 
@@ -651,10 +826,11 @@ KernelArg = Union[str, AttentionKernel]
 
 
 def resolve_kernel(kernel: KernelArg, like: Tensor) -> AttentionKernel:
-    """A kernel object for inputs like ``like``; a name is resolved for its device and dtype."""
+    """A kernel object for inputs like ``like`` [..., D]; a name is resolved for its device,
+    dtype and head dim."""
     if isinstance(kernel, AttentionKernel):
         return kernel
-    return get_kernel(kernel, device_type=like.device.type, dtype=like.dtype)
+    return get_kernel(kernel, device_type=like.device.type, dtype=like.dtype, head_dim=like.shape[-1])
 
 
 MATH = _instance("math")

@@ -1,0 +1,277 @@
+"""Block kernel rules that hold before any GPU is present: which kernel takes which head dim,
+head-dim padding, square causal blocks, op signatures, and GQA without K/V copies."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from ringtrain.train.attention import kernels
+from ringtrain.train.attention.kernels import (
+    KERNEL_OPS,
+    MATH,
+    AttentionKernel,
+    CpuFlashKernel,
+    KernelUnavailableError,
+    MathKernel,
+    SdpaCudnnKernel,
+    SdpaEfficientKernel,
+    SdpaFlashKernel,
+    available_kernels,
+    kernel_ops_fit,
+    sdpa_takes_gqa,
+    select_kernel,
+)
+
+Tensor = torch.Tensor
+CUDA_ALL = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "math"})
+
+
+def _qkvd(
+    heads: int = 4,
+    kv_heads: int = 2,
+    q_len: int = 6,
+    k_len: int = 6,
+    head_dim: int = 8,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    q_shape, kv_shape = (2, q_len, heads, head_dim), (2, k_len, kv_heads, head_dim)
+    q, k, v, dout = (torch.randn(s, generator=gen, dtype=dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    return q, k, v, dout
+
+
+def _both_ways(
+    kernel: AttentionKernel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    *,
+    causal: bool,
+    visible: Optional[Tensor] = None,
+) -> list[Tensor]:
+    """Forward then backward: output, LSE, dq, dk, dv."""
+    scale = q.shape[-1] ** -0.5
+    res = kernel.forward(q, k, v, causal=causal, scale=scale, visible_BQS=visible)
+    grads = kernel.backward(
+        dout, q, k, v, res.out_BQHD, res.lse_BHQ, res.aux, causal=causal, scale=scale, visible_BQS=visible
+    )
+    return [res.out_BQHD, res.lse_BHQ, *grads]
+
+
+# ------------------------------------------------------------------------ head dims (item 3)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "want"),
+    [
+        (40, "flash_attn"),
+        (64, "flash_attn"),
+        (128, "flash_attn"),
+        (256, "flash_attn"),
+        (260, "sdpa_efficient"),
+        (36, "flash_attn"),
+    ],
+)
+def test_auto_never_picks_a_kernel_that_cannot_take_the_head_dim(head_dim: int, want: str) -> None:
+    # 36 is not a multiple of 8: the kernel pads it (see the padding test); 260 is past 256,
+    # which no FlashAttention-2 or cuDNN kernel takes in both directions.
+    got = select_kernel("auto", device_type="cuda", dtype=torch.bfloat16, available=CUDA_ALL, head_dim=head_dim)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "want"),
+    [
+        (40, "sdpa_cudnn"),
+        (64, "sdpa_cudnn"),
+        (128, "sdpa_cudnn"),
+        (256, "sdpa_efficient"),
+        (260, "sdpa_efficient"),
+        (36, "sdpa_cudnn"),
+    ],
+)
+def test_auto_without_flash_skips_cudnn_past_its_head_dim(head_dim: int, want: str) -> None:
+    available = CUDA_ALL - {"flash_attn", "sdpa_flash"}
+    got = select_kernel("auto", device_type="cuda", dtype=torch.bfloat16, available=available, head_dim=head_dim)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("name", "head_dim", "limit"), [("flash_attn", 260, 256), ("sdpa_flash", 264, 256), ("sdpa_cudnn", 256, 128)]
+)
+def test_an_explicit_kernel_refuses_a_head_dim_past_its_limit(name: str, head_dim: int, limit: int) -> None:
+    with pytest.raises(KernelUnavailableError, match=f"head dims up to {limit}, not {head_dim}"):
+        select_kernel(name, device_type="cuda", dtype=torch.bfloat16, available=CUDA_ALL, head_dim=head_dim)
+
+
+def test_no_kernel_left_names_the_head_dim() -> None:
+    with pytest.raises(KernelUnavailableError, match="head dim 512"):
+        select_kernel("auto", device_type="cuda", dtype=torch.bfloat16, available={"flash_attn"}, head_dim=512)
+
+
+def test_resolving_a_name_passes_the_inputs_head_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_get_kernel(name: str, **kwargs: Any) -> AttentionKernel:
+        seen.update(kwargs, name=name)
+        return MATH
+
+    monkeypatch.setattr(kernels, "get_kernel", fake_get_kernel)
+    kernels.resolve_kernel("auto", torch.zeros(1, 4, 2, 36))
+    assert seen == {"name": "auto", "device_type": "cpu", "dtype": torch.float32, "head_dim": 36}
+
+
+class _NeedsMultipleOf8(MathKernel):
+    """Stands in for a fused op that rejects D % 8 != 0 (flash-attn's ``mha_fwd``/``mha_bwd``)."""
+
+    name = "needs8"
+    supports_mask = False
+    pad_head_dim_to = 8
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Any]:
+        assert q.shape[-1] % 8 == 0 and k.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0, "head dim not padded"
+        return super()._forward(q, k, v, **kw)
+
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Any, **kw: Any
+    ) -> Any:
+        assert all(t.shape[-1] % 8 == 0 for t in (dout, q, k, v, out)), "head dim not padded"
+        return super()._backward(dout, q, k, v, out, lse, aux, **kw)
+
+
+@pytest.mark.parametrize("head_dim", [36, 40, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_kernel_that_needs_padding_gets_it_and_gives_unpadded_results(head_dim: int, causal: bool) -> None:
+    q, k, v, dout = _qkvd(head_dim=head_dim)
+    got = _both_ways(_NeedsMultipleOf8(), q, k, v, dout, causal=causal)
+    want = _both_ways(MATH, q, k, v, dout, causal=causal)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+# --------------------------------------------------------------- square causal blocks (item 7)
+
+
+@pytest.mark.parametrize("kernel", [MATH, CpuFlashKernel()], ids=["math", "cpu_flash"])
+def test_causal_needs_a_square_block(kernel: AttentionKernel) -> None:
+    q, k, v, dout = _qkvd(q_len=4, k_len=6)
+    with pytest.raises(ValueError, match="causal attention needs a square block, got 4 queries and 6 keys"):
+        kernel.forward(q, k, v, causal=True, scale=0.3)
+    res = kernel.forward(q, k, v, causal=False, scale=0.3)  # a non-causal one is fine
+    with pytest.raises(ValueError, match="square block"):
+        kernel.backward(dout, q, k, v, res.out_BQHD, res.lse_BHQ, res.aux, causal=True, scale=0.3)
+
+
+# -------------------------------------------------------------------- op signatures (item 8)
+
+
+# torch 2.4's cuDNN ops: no attn_bias, no compute_log_sumexp.
+TORCH_24_CUDNN = {
+    "_scaled_dot_product_cudnn_attention": "aten::_scaled_dot_product_cudnn_attention(Tensor query, Tensor key, "
+    "Tensor value, float dropout_p=0.0, bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> "
+    "(Tensor output, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, "
+    "Tensor philox_seed, Tensor philox_offset, Tensor debug_attn_mask)",
+    "_scaled_dot_product_cudnn_attention_backward": "aten::_scaled_dot_product_cudnn_attention_backward("
+    "Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, "
+    "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, "
+    "float? scale=None) -> (Tensor, Tensor, Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_OPS))
+def test_the_installed_torch_has_the_op_signatures_the_kernels_call(name: str) -> None:
+    assert kernel_ops_fit(name)
+
+
+def test_an_op_with_another_signature_or_none_is_not_offered() -> None:
+    def torch_24(op: str) -> Optional[Any]:
+        text = TORCH_24_CUDNN.get(op)
+        return torch._C.parse_schema(text) if text is not None else kernels.aten_schema(op)
+
+    assert not kernel_ops_fit("sdpa_cudnn", torch_24)
+    assert kernel_ops_fit("sdpa_flash", torch_24)  # unchanged there
+    assert not kernel_ops_fit("cpu_flash", lambda op: None)
+
+
+def test_cpu_flash_is_offered_here() -> None:
+    assert "cpu_flash" in available_kernels("cpu")
+
+
+# ----------------------------------------------------------------- GQA without copies (item 9)
+
+
+def test_torch_routes_gqa_to_its_fused_ops_from_the_enable_gqa_release() -> None:
+    assert sdpa_takes_gqa()  # torch >= 2.5 here
+    before = torch._C.parse_schema(
+        "aten::scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+        "float dropout_p=0.0, bool is_causal=False, *, float? scale=None) -> Tensor"
+    )
+    assert not sdpa_takes_gqa(lambda op: before)
+    assert not sdpa_takes_gqa(lambda op: None)
+
+
+def test_which_kernels_take_kv_heads_as_they_are() -> None:
+    assert SdpaFlashKernel().native_gqa and SdpaCudnnKernel().native_gqa
+    assert not SdpaEfficientKernel().native_gqa  # equal head counts only
+    assert MathKernel().native_gqa and CpuFlashKernel().native_gqa
+
+
+class _Spy(MathKernel):
+    """Records the K/V head count its op is handed; can hand back per-query-head gradients."""
+
+    name = "spy"
+
+    def __init__(self, *, native_gqa: bool, expanded_grads: bool = False) -> None:
+        super().__init__(native_gqa=native_gqa)
+        self.expanded_grads = expanded_grads
+        self.kv_heads_seen: list[int] = []
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Any]:
+        self.kv_heads_seen.append(k.shape[2])
+        return super()._forward(q, k, v, **kw)
+
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Any, **kw: Any
+    ) -> Any:
+        self.kv_heads_seen.append(k.shape[2])
+        if self.expanded_grads:
+            groups = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        return super()._backward(dout, q, k, v, out, lse, aux, **kw)
+
+
+@pytest.mark.parametrize(
+    ("native", "expanded_grads", "heads_seen"), [(True, False, 2), (False, False, 8), (True, True, 2)]
+)
+def test_kv_heads_are_repeated_only_for_a_kernel_without_gqa(
+    native: bool, expanded_grads: bool, heads_seen: int
+) -> None:
+    q, k, v, dout = _qkvd(heads=8, kv_heads=2)
+    spy = _Spy(native_gqa=native, expanded_grads=expanded_grads)
+    got = _both_ways(spy, q, k, v, dout, causal=True)
+    assert spy.kv_heads_seen == [heads_seen, heads_seen]
+    for g, w in zip(got, _both_ways(MATH, q, k, v, dout, causal=True), strict=True):
+        assert g.shape == w.shape  # K/V gradients come back with K heads either way
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kernel_cls", [CpuFlashKernel, MathKernel])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_native_gqa_equals_the_repeat_path_on_cpu(
+    kernel_cls: type[AttentionKernel], masked: bool, dtype: torch.dtype
+) -> None:
+    q, k, v, dout = _qkvd(heads=6, kv_heads=2, dtype=dtype)
+    visible = torch.rand(2, 6, 6, generator=torch.Generator().manual_seed(1)) > 0.4 if masked else None
+    causal = not masked
+    native = _both_ways(kernel_cls(native_gqa=True), q, k, v, dout, causal=causal, visible=visible)
+    repeat = _both_ways(kernel_cls(native_gqa=False), q, k, v, dout, causal=causal, visible=visible)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for n, r in zip(native, repeat, strict=True):
+        assert n.shape == r.shape
+        torch.testing.assert_close(n, r, atol=tol, rtol=0)
