@@ -123,7 +123,7 @@ def rank_backward(
 
 def bench_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     device, dtype = torch.device("cuda"), torch.bfloat16
-    kernel = get_kernel(args.kernel, device_type="cuda", dtype=dtype)
+    kernel = get_kernel(args.kernel, device_type="cuda", dtype=dtype, head_dim=args.head_dim)
     B, H, K, D = args.batch, args.heads, args.kv_heads, args.head_dim
     scale = D**-0.5
     rows = []

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
+from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.hfconfig import read_hf_config
 
 log = logging.getLogger(__name__)
 
-FORMAT = "ringtrain-fragments-v1"
+FORMAT = CHECKPOINT_FORMAT
 # Model fields that change the shape of the state; activation checkpointing does not.
 _SHAPE_FIELDS = (
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",

@@ -16,6 +16,9 @@ from collections.abc import Iterable
 from typing import Optional
 
 MANIFEST_NAME = "manifest.json"
+# What a training checkpoint says it holds (its manifest meta's ``format``): shards that are
+# train/snapshot.py's encoding of each rank's fragments in parameter coordinates.
+CHECKPOINT_FORMAT = "ringtrain-fragments-v1"
 # The file backend writes each object under this prefix first and renames it into place.
 TEMP_PREFIX = ".tmp-"
 STEP_DIGITS = 9

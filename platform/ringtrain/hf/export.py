@@ -29,6 +29,7 @@ import yaml
 from safetensors.torch import save_file
 
 from ringtrain.checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, open_store
+from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
 from ringtrain.config import JobConfig, ModelConfig
 from ringtrain.errors import RingtrainError
 from ringtrain.hf.fragments import MasterWeights
@@ -37,8 +38,6 @@ from ringtrain.hf.names import to_hf
 from ringtrain.hf.shards import INDEX_FILE, OutputShard, OutputTensor, index, plan_shards
 from ringtrain.train.model import ModelArgs, Transformer
 
-# The meta format actors/resume.py writes (a layer above this one, so the name is repeated).
-CHECKPOINT_FORMAT = "ringtrain-fragments-v1"
 # Files of the source model folder that belong with the weights, copied when present.
 SIDE_FILES = (
     "generation_config.json",

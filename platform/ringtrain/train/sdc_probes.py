@@ -120,7 +120,7 @@ def attention_probe(
     keep: bool = False,
 ) -> ProbeResult:
     """One causal attention block through the training kernel; digests its output and LSE."""
-    impl = get_kernel(kernel, device_type=device.type, dtype=dtype)
+    impl = get_kernel(kernel, device_type=device.type, dtype=dtype, head_dim=head_dim)
     q_BQHD = _fixed((1, seq_len, num_heads, head_dim), dtype, str(device), 3)
     k_BSKD = _fixed((1, seq_len, num_kv_heads, head_dim), dtype, str(device), 4)
     v_BSKD = _fixed((1, seq_len, num_kv_heads, head_dim), dtype, str(device), 5)
