@@ -20,8 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from ringtrain.errors import ConfigError
 from ringtrain.hf.names import from_hf, to_hf
-
-INDEX_FILE = "model.safetensors.index.json"
+from ringtrain.hf.shards import INDEX_FILE
 
 
 class PretrainedWeights:
