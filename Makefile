@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv tools run test test-unit test-dist test-ray test-gpu helm-check bench clean
+.PHONY: venv tools run test test-unit test-dist test-ray test-gpu gpu-check helm-check bench clean
 
 venv: $(STAMP)
 
@@ -61,8 +61,37 @@ test-dist: venv
 test-ray: venv tools
 	$(PY) -m pytest tests/ray $(PYTEST_ARGS)
 
+# The GPU tier. Where nvidia-smi sees a GPU, torch must be able to use it (a CPU build or a
+# driver too old fails here rather than skipping every test), and flash-attn is installed as its
+# README says: after torch, without build isolation, so that it compiles against this torch
+# (under isolation pip builds it against a torch of its own choosing, or finds none at all).
+# RINGTRAIN_GPU_STRICT then turns a missing kernel into a failure (tests/gpu/support.py).
+# Without a GPU the tests skip.
+FLASH_ATTN_VERSION ?= 2.8.3.post2
+FLASH_ATTN_MAX_JOBS ?= 4
+
 test-gpu: venv
-	$(PY) -m pytest tests/gpu $(PYTEST_ARGS)
+	@strict=0; \
+	if nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+			echo "test-gpu: nvidia-smi sees a GPU, but torch $$($(PY) -c 'import torch; print(torch.__version__, "built for CUDA", torch.version.cuda)') cannot use it: install torch $(TORCH_VERSION)'s CUDA build for this driver into $(VENV)" >&2; \
+			exit 1; }; \
+		$(PY) -c "import importlib.metadata as m, flash_attn.flash_attn_interface; assert m.version('flash-attn') == '$(FLASH_ATTN_VERSION)'" 2>/dev/null || { \
+			echo "test-gpu: building flash-attn $(FLASH_ATTN_VERSION) against torch (this takes a while)"; \
+			$(PIP) install -q packaging ninja psutil einops setuptools wheel && \
+			MAX_JOBS=$(FLASH_ATTN_MAX_JOBS) $(PIP) install --no-build-isolation --no-deps --no-cache-dir --force-reinstall "flash-attn==$(FLASH_ATTN_VERSION)" && \
+			$(PY) -c "import flash_attn.flash_attn_interface"; } || exit 1; \
+		strict=1; \
+	fi; \
+	RINGTRAIN_GPU_STRICT=$$strict $(PY) -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
+
+# The GPU tier in one command, on a machine with an NVIDIA GPU: the tests above, then the GPU
+# benchmarks, each writing its JSON (device name, git commit) under bench/results/.
+gpu-check: venv
+	@nvidia-smi >/dev/null 2>&1 || { echo "gpu-check: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+	$(MAKE) test-gpu
+	PYTHONPATH=platform $(PY) bench/attention.py
+	PYTHONPATH=platform $(PY) bench/train.py --check
 
 helm-check: venv tools
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)

@@ -460,10 +460,21 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("cluster.cpus_per_worker", f"must be >= 0 (got {c.cpus_per_worker})")
     if c.gpus_per_worker <= 0:
         raise ConfigError("cluster.gpus_per_worker", f"must be > 0 (got {c.gpus_per_worker})")
+    if c.device == "cuda":  # device=auto: resolve_device checks it once the cluster shows its GPUs
+        validate_gpus_per_worker(c.gpus_per_worker)
     if c.num_cpus is not None:
         _positive(c.num_cpus, "cluster.num_cpus")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job.name):
         raise ConfigError("name", f"{job.name!r} must be letters, digits, '.', '_' or '-' (it names the run directory)")
+
+
+def validate_gpus_per_worker(gpus: float) -> None:
+    """On CUDA every worker binds one whole device of its own (the first of the GPUs Ray
+    assigns it): a fraction would let Ray put two ranks on one GPU, which NCCL refuses."""
+    if not (float(gpus).is_integer() and gpus >= 1):
+        raise ConfigError(
+            "cluster.gpus_per_worker", f"must be a whole number >= 1 on CUDA, one device per worker (got {gpus:g})"
+        )
 
 
 def validate_eval(e: EvalConfig) -> None:

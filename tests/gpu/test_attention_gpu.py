@@ -6,15 +6,13 @@ import pytest
 import torch
 
 from ringtrain.train.attention import local_attention
-from ringtrain.train.attention.kernels import MATH, available_kernels, get_kernel
+from ringtrain.train.attention.kernels import MATH, AttentionKernel
 from ringtrain.train.attention.merge import merge_partials
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+from .support import FUSED, MARKS, cuda_kernel
 
-FUSED = ["flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
+pytestmark = MARKS
+
 SCALE = 128**-0.5
 
 
@@ -24,10 +22,8 @@ def _inputs(heads: int, kv_heads: int, seq: int = 256, dtype: torch.dtype = torc
     return [torch.randn(s, generator=gen, device="cuda", dtype=dtype) for s in shapes]
 
 
-def _kernel(name: str) -> object:
-    if name not in available_kernels("cuda"):
-        pytest.skip(f"{name} is not available on this machine")
-    return get_kernel(name, device_type="cuda", dtype=torch.bfloat16)
+def _kernel(name: str) -> AttentionKernel:
+    return cuda_kernel(name, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", FUSED)

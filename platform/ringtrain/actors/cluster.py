@@ -12,10 +12,11 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
-from ringtrain.config import JobConfig
+from ringtrain.config import JobConfig, validate_gpus_per_worker
 from ringtrain.errors import CapacityError, ClusterError
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,50 @@ def connect(job: JobConfig) -> ClusterHandle:
 
 
 def resolve_device(job: JobConfig) -> str:
-    """'cuda' or 'cpu': what the workers will run on, given the config and the cluster."""
+    """'cuda' or 'cpu': what the workers will run on, given the config and the cluster.
+
+    With ``cluster.device=auto`` the device is known only here, so the CUDA-only rule on
+    ``cluster.gpus_per_worker`` is checked here too (``validate`` checks it for an explicit cuda).
+    """
     import ray
 
     if job.cluster.device != "auto":
-        return job.cluster.device
-    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        device = job.cluster.device
+    else:
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    if device == "cuda":
+        validate_gpus_per_worker(job.cluster.gpus_per_worker)
+    return device
+
+
+def cuda_device_index(gpu_ids: Sequence[Union[int, str]], visible_devices: Optional[str]) -> int:
+    """The CUDA index, among the devices this process sees, of the first GPU Ray assigned it.
+
+    ``gpu_ids`` is ``ray.get_gpu_ids()``: the actor's GPUs in the node's numbering (integers,
+    or UUIDs where the node lists its GPUs by UUID). ``visible_devices`` is this process's
+    CUDA_VISIBLE_DEVICES, None when unset. Ray normally narrows that variable to the actor's
+    own GPUs, which makes the answer 0; but with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    set (or a runtime that lists the whole node) every GPU of the node stays visible, and a
+    hard-coded ``cuda:0`` would put every worker on the same device. So the index is the
+    id's position in the visible list, or the id itself when the variable is unset (all
+    devices visible, in the node's order).
+    """
+    if not gpu_ids:
+        raise ValueError(
+            "Ray assigned this worker no GPU (ray.get_gpu_ids() is empty): a CUDA worker needs "
+            "cluster.gpus_per_worker >= 1"
+        )
+    assigned = str(gpu_ids[0]).strip()
+    if visible_devices is None:
+        if not assigned.isdigit():
+            raise ValueError(f"GPU {assigned!r} assigned by Ray is not an index and CUDA_VISIBLE_DEVICES is unset")
+        return int(assigned)
+    visible = [v.strip() for v in visible_devices.split(",") if v.strip()]
+    if assigned not in visible:
+        raise ValueError(
+            f"GPU {assigned!r} assigned by Ray is not among CUDA_VISIBLE_DEVICES={visible_devices!r}"
+        )
+    return visible.index(assigned)
 
 
 def worker_resources(job: JobConfig, device: str) -> dict[str, float]:

@@ -12,6 +12,8 @@ from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
 
 if TYPE_CHECKING:
+    import torch
+
     from ringtrain.evaluation.tally import LossTally
     from ringtrain.train.evalset import EvalSet
     from ringtrain.train.snapshot import Snapshot
@@ -40,6 +42,7 @@ class TrainWorker:
         self._bad_device: Any = None  # a chaos bitflip struck this process's device: it stays bad
         self._pin_seq = 0  # sequence number of the newest pin_snapshot applied
         self._pin_lock = threading.Lock()
+        self._device: Optional[torch.device] = None  # bound by the last warm or join
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -48,7 +51,7 @@ class TrainWorker:
             pid=os.getpid(),
             device=self.device_type,
             node_id=_node_id(),
-            device_name=_device_name(self.device_type),
+            device_name=_device_name(self._device) if self._device is not None else self.device_type,
         )
 
     def warm(self, rehearse: bool = True) -> WorkerInfo:
@@ -56,25 +59,31 @@ class TrainWorker:
         ``rehearse``, also train one step of a one-layer model alone (the rest of a cold start:
         DeepSpeed's deferred imports, op builders, kernels), so that joining later is quick;
         the workers of the first world skip it, as they all pay that cost together anyway."""
+        from ringtrain.train import probes
         from ringtrain.train.trainer import warm_up
 
         _quiet_deepspeed()
         device = self._bind_device(self.job)
+        # torch reads the flight recorder's buffer size when a process group is created, and
+        # the rehearsal creates this process's first one: armed any later, a spare that takes
+        # a seat would have no trace of its collectives to show after a stall.
+        probes.arm_flight_recorder()
         if rehearse:
             warm_up(self.job, device)
         return self.info()
 
-    def _bind_device(self, job: JobConfig) -> Any:
+    def _bind_device(self, job: JobConfig) -> torch.device:
         """This worker's torch device, made current (CUDA) or given its CPU threads."""
         import torch
 
         if self.device_type == "cuda":
-            device = torch.device("cuda", 0)
+            device = torch.device("cuda", _assigned_cuda_index())
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
             # Ray sets OMP_NUM_THREADS=1 only for actors with num_cpus < 1; be explicit either way.
             torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))
+        self._device = device
         return device
 
     def heartbeat(self) -> int:
@@ -114,6 +123,9 @@ class TrainWorker:
             rank=rank,
             world_size=job.world_size,
             timeout_s=job.controllers.step_timeout_s,
+            # NCCL binds its communicators to this device at once, instead of guessing one
+            # from the current device at the first collective.
+            device_id=device if device.type == "cuda" else None,
         )
         # Every collective of the world is recorded, so a stall can be diagnosed; a new world
         # restarts the per-group sequence numbers.
@@ -268,12 +280,24 @@ class _HolderDelivery:
         self._in_flight = [h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum) for h in self.holders]
 
 
-def _device_name(device_type: str) -> str:
-    if device_type != "cuda":
+def _device_name(device: torch.device) -> str:
+    """The bound device's model name ("cpu" on a CPU worker)."""
+    if device.type != "cuda":
         return "cpu"
     import torch
 
-    return str(torch.cuda.get_device_name(0))
+    return str(torch.cuda.get_device_name(device))
+
+
+def _assigned_cuda_index() -> int:
+    """This actor's CUDA device index, from the GPUs Ray assigned it (see ``cuda_device_index``)."""
+    import ray
+
+    from ringtrain.actors.cluster import cuda_device_index
+
+    if not ray.is_initialized():
+        raise RuntimeError("a CUDA TrainWorker runs as a Ray actor with GPUs (cluster.gpus_per_worker >= 1)")
+    return cuda_device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _node_id() -> str:

@@ -22,12 +22,27 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup; Any keeps mypy quiet acros
 
 
 def init_process_group(
-    *, backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float
+    *,
+    backend: str,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device_id: Optional[torch.device] = None,
 ) -> None:
-    """Join the world through rank 0's TCPStore (rank 0 created it on port 0, so no port race)."""
+    """Join the world through rank 0's TCPStore (rank 0 created it on port 0, so no port race).
+
+    ``device_id`` (CUDA only) binds the NCCL communicators to this rank's device up front.
+    """
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,
     )
 
 

@@ -46,11 +46,19 @@ AttentionFactory = Callable[[JobConfig, Mesh], AttentionFn]
 
 
 def set_rank_env(*, rank: int, world_size: int, device: torch.device) -> None:
-    """Environment DeepSpeed reads at import and initialize time; call before building a Trainer."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    """Environment DeepSpeed reads at import and initialize time; call before building a Trainer.
+
+    DeepSpeed's engine makes ``cuda:$LOCAL_RANK`` current and puts itself there, so on CUDA
+    LOCAL_RANK must be the index of this rank's own device, not 0 whatever the device.
+    """
+    if device.type == "cuda" and device.index is None:
+        raise ValueError("set_rank_env needs an indexed CUDA device (cuda:N): LOCAL_RANK names it")
+    # Set outright, never defaulted: an inherited DS_ACCELERATOR=cpu would put DeepSpeed's
+    # engine on the CPU while the model and NCCL are on the GPU (and the reverse on a CPU rank).
+    os.environ["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
+    os.environ["LOCAL_RANK"] = str(device.index) if device.type == "cuda" else "0"
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(device.index or 0)
 
 
 def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
@@ -90,7 +98,10 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
         chaos=ChaosConfig(),
     )
     set_rank_env(rank=0, world_size=1, device=device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
+    )
     trainer = Trainer(tiny, rank=0, device=device)
     try:
         trainer.train_step()
@@ -279,13 +290,15 @@ class Trainer:
             memory_bytes=self._peak_memory(),
         )
 
-    @staticmethod
-    def _global_loss(local_loss: torch.Tensor, faults: set[str]) -> float:
+    def _global_loss(self, local_loss: torch.Tensor, faults: set[str]) -> float:
         """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""
         if "skip_collective" in faults:
             return float(local_loss.item())
         if "wrong_shape" in faults:
-            dist.all_reduce(torch.zeros(0))  # gloo returns at once; the peers wait for this rank
+            # On the rank's own device: NCCL rejects a CPU tensor before anything is sent, which
+            # would fail this rank at once instead of leaving its peers waiting on a mismatched
+            # collective (the stall the fault is there to produce). gloo returns at once.
+            dist.all_reduce(torch.zeros(0, device=self.device))
             return float(local_loss.item())
         return float(all_reduce_mean(local_loss).item())
 

@@ -1,0 +1,100 @@
+"""The snapshotter on CUDA under stress: a capture every step, a slow consumer, and the state
+overwritten right after each fence.
+
+On CUDA the copy of step N is queued on a side stream into pinned host buffers, and ``fence()``
+makes the training stream wait for it before the next optimizer step writes the state. Each
+snapshot must hold exactly the state of its own step: not a later step's values (the copy
+overtaken by the next write), not a mix of two steps (a pinned buffer reused while its encoder
+still reads it), and none may be lost or reordered while delivery lags behind training.
+
+The state is a stand-in for ZeRO's (fragments of fp32 tensors on the device); step s writes
+``base + s`` into it, which is exact in fp32, so every snapshot can be checked bit for bit. Its
+63 MB take milliseconds to copy to the host while the next step's writes are queued within
+microseconds, so a write that did not wait for the copy would land in the middle of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ringtrain.train.snapshot import STATE_KEYS, Fragment, Snapshot, Snapshotter, decode
+
+from .support import MARKS
+
+pytestmark = MARKS
+
+STEPS = 24
+SIZES = {"layer.w": (1024, 2048), "layer.b": (4099,), "head.w": (3, 1024, 1024)}  # odd sizes too
+DELIVERY_S = 0.03  # a holder slower than the step
+
+
+class _State:
+    """What ``Snapshotter`` reads from ZeroState: fragments of live device tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.base = {
+            (name, key): torch.randn(int(np.prod(shape)), generator=gen)
+            for name, shape in SIZES.items()
+            for key in STATE_KEYS
+        }
+        self.base_on_device = {k: v.to(device, copy=True) for k, v in self.base.items()}
+        self.live = {k: v.to(device, copy=True) for k, v in self.base.items()}
+
+    def fragments(self) -> Iterator[Fragment]:
+        for name, shape in SIZES.items():
+            yield Fragment(name, shape, 0, {key: self.live[(name, key)] for key in STATE_KEYS})
+
+    def write_step(self, step: int) -> None:
+        """The optimizer step: every tensor becomes ``base + step``, on the current stream."""
+        for key, tensor in self.live.items():
+            torch.add(self.base_on_device[key], float(step), out=tensor)
+
+    def expected(self, step: int) -> dict[tuple[str, str], bytes]:
+        return {k: (v + float(step)).numpy().astype("<f4").tobytes() for k, v in self.base.items()}
+
+
+def test_every_capture_holds_its_own_step_under_slow_delivery() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = _State(device)
+    delivered: list[Snapshot] = []
+    lock = threading.Lock()
+
+    def deliver(snap: Snapshot) -> None:
+        time.sleep(DELIVERY_S)
+        with lock:
+            delivered.append(snap)
+
+    snapshotter = Snapshotter(
+        state, rank=0, world_size=1, device=device, deliver=deliver, keep=3  # type: ignore[arg-type]
+    )
+    try:
+        state.write_step(0)
+        for step in range(1, STEPS + 1):
+            snapshotter.fence()
+            state.write_step(step)  # right after the fence: the previous copy must be out already
+            snapshotter.capture(step, {"trainer_step": step})
+        snapshotter.wait()
+    finally:
+        snapshotter.close()  # waits for the last deliveries
+    assert not snapshotter.errors, snapshotter.errors
+
+    steps = [snap.step for snap in delivered]
+    assert steps == list(range(1, STEPS + 1)), f"delivered out of order or lost: {steps}"
+    wrong: list[str] = []
+    for snap in delivered:
+        shard = decode(snap.blob)
+        assert shard.step == snap.step and shard.scalars["trainer_step"] == snap.step
+        want = state.expected(snap.step)
+        got: dict[tuple[str, str], Any] = {(e["name"], e["key"]): shard.array(e).tobytes() for e in shard.entries}
+        assert got.keys() == want.keys()
+        wrong += [f"step {snap.step} {key}" for key in want if got[key] != want[key]]
+    assert not wrong, f"{len(wrong)} tensors hold another step's values, e.g. {wrong[:4]}"
+    # The newest ``keep`` stay in memory for recovery.
+    assert snapshotter.steps() == list(range(STEPS - 2, STEPS + 1))
