@@ -144,12 +144,13 @@ def partitioned_construction(job: JobConfig, mesh: Mesh, dtype: torch.dtype) -> 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, dist_init_required=False)
     # The dtype comes from the config's bf16 switch: an explicit ``dtype=`` is overridden by
     # bf16 on accelerators without fp16 (``Init._set_dtype`` in DeepSpeed 0.19), the CPU among them.
-    return _PartitionOnInit(
+    return _partition_on_init_class()(
         data_parallel_group=mesh.zero_group, config_dict_or_path=deepspeed_config(job, dtype), mpu=DeepSpeedMpu(mesh)
     )
 
 
 def _partition_on_init_class() -> type:
+    # Defined on first use: DeepSpeed is imported where an engine is built, never at import.
     import deepspeed
 
     class PartitionOnInit(deepspeed.zero.Init):  # type: ignore[misc, name-defined]
@@ -162,7 +163,3 @@ def _partition_on_init_class() -> type:
             param.partition()
 
     return PartitionOnInit
-
-
-def _PartitionOnInit(**kwargs: Any) -> Any:
-    return _partition_on_init_class()(**kwargs)
