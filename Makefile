@@ -100,6 +100,8 @@ bench: venv
 	PYTHONPATH=platform $(PY) bench/attention.py
 	PYTHONPATH=platform $(PY) bench/checkpoint.py
 	PYTHONPATH=platform $(PY) bench/planner_memory.py
+	PYTHONPATH=platform $(PY) bench/probes.py
+	PYTHONPATH=platform $(PY) bench/hf_load.py
 	PYTHONPATH=platform $(PY) bench/recovery.py
 
 clean:
