@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
-from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
+from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.hfconfig import read_hf_config
@@ -25,7 +24,6 @@ _SHAPE_FIELDS = (
 # Switches added after the first checkpoints were written: a meta without one was written by a
 # model that did not have the feature.
 _SWITCHES = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings")
-_STEP_DIR = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
 
 
 def store_uri(job: JobConfig, run_dir: Path) -> str:
@@ -119,10 +117,9 @@ def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None])
         return None
     uri = store_uri(job, run_dir) if mode == "auto" else mode
     check = incompatibility(job)
-    single = _STEP_DIR.match(uri)
-    store = open_job_store(single.group("store") if single else uri, job, key="checkpoint.resume")
-    if single:
-        step = int(single.group("step"))
+    store_at, step = split_checkpoint_uri(uri)
+    store = open_job_store(store_at, job, key="checkpoint.resume")
+    if step is not None:
         try:
             loaded = store.load(step, verify=True, eager=True)
         except RingtrainError as exc:

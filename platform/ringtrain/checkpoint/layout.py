@@ -23,6 +23,7 @@ CHECKPOINT_FORMAT = "ringtrain-fragments-v1"
 TEMP_PREFIX = ".tmp-"
 STEP_DIGITS = 9
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_CHECKPOINT_URI = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
 # File systems cap one path component at 255 bytes; S3 caps a whole key at 1024 bytes, and the
 # root prefix and step folder take part of that budget.
 _MAX_COMPONENT_BYTES = 255
@@ -53,6 +54,13 @@ def parse_step_dir(name: str) -> Optional[int]:
         return None
     step = int(match.group(1))
     return step if step_dir(step) == name else None
+
+
+def split_checkpoint_uri(uri: str) -> tuple[str, Optional[int]]:
+    """``<store>/step-<n>`` -> (store, n): a URI naming one checkpoint; any other -> (uri, None),
+    a store whose newest valid checkpoint is meant."""
+    match = _CHECKPOINT_URI.match(uri)
+    return (match.group("store"), int(match.group("step"))) if match else (uri, None)
 
 
 def manifest_key(step: int) -> str:

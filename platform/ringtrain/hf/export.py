@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import yaml
 from safetensors.torch import save_file
 
 from ringtrain.checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, open_store
-from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
+from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
 from ringtrain.config import JobConfig, ModelConfig
 from ringtrain.errors import RingtrainError
 from ringtrain.hf.fragments import MasterWeights
@@ -54,7 +53,6 @@ SIDE_FILES = (
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # config.json's dtype names -> the export's; float16 has no export dtype (see default_dtype).
 _SOURCE_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
-_STEP_URI = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
 RUN_CONFIG = "config.yaml"
 
 Say = Callable[[str], None]
@@ -160,14 +158,14 @@ def open_checkpoint(source: str) -> tuple[CheckpointStore, LoadedCheckpoint]:
     uri = source
     if "://" not in source:
         path = Path(source).expanduser()
-        if not path.exists() and not _STEP_URI.match(source):  # a missing step is named below
+        if not path.exists() and split_checkpoint_uri(source)[1] is None:  # a missing step is named below
             raise ExportError("SOURCE", f"{source}: no such run directory, checkpoint or checkpoint store")
         uri = _run_dir_store(path) if (path / RUN_CONFIG).is_file() else str(path.absolute())
     try:
-        single = _STEP_URI.match(uri)
-        store = open_store(single.group("store") if single else uri)
-        if single:
-            return store, store.load(int(single.group("step")), verify=True)
+        store_at, step = split_checkpoint_uri(uri)
+        store = open_store(store_at)
+        if step is not None:
+            return store, store.load(step, verify=True)
         loaded = store.latest_valid(_is_fragment_checkpoint, verify=False)
     except (CheckpointCorrupt, ValueError) as exc:  # damage, or a URI the store cannot address
         raise ExportError("SOURCE", str(exc)) from None
