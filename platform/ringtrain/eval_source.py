@@ -10,18 +10,18 @@ defaults, and ``model.*`` overrides set the rest.
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from ringtrain import config
 from ringtrain.checkpoint import LoadedCheckpoint
+from ringtrain.checkpoint.layout import split_checkpoint_uri
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 
 KEY = "SOURCE"
-_STEP = re.compile(r"^(?P<store>.+)/step-(?P<step>\d+)/?$")
 # Checkpoint meta (actors.resume.checkpoint_meta) -> the model keys it records.
 _META_MODEL_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 
@@ -80,12 +80,11 @@ def _from_checkpoint(uri: str) -> EvalSource:
     from ringtrain.actors.resume import incompatibility
     from ringtrain.checkpoint import open_store
 
-    single = _STEP.match(uri)
-    store_at = single.group("store") if single else uri
+    store_at, step = split_checkpoint_uri(uri)
     try:
         store = open_store(store_at)
-        if single:
-            loaded: Optional[LoadedCheckpoint] = store.load(int(single.group("step")), verify=True, eager=True)
+        if step is not None:
+            loaded: Optional[LoadedCheckpoint] = store.load(step, verify=True, eager=True)
         else:
             loaded = store.latest_valid()
     except (RingtrainError, OSError, ValueError) as exc:
@@ -115,6 +114,15 @@ def _job_beside(store_uri: str) -> Optional[JobConfig]:
 
 
 def _job_of_meta(meta: Any) -> JobConfig:
-    model = meta.get("model", {}) if hasattr(meta, "get") else {}
-    overrides = [f"model.{k}={model[k]}" for k in _META_MODEL_KEYS if model.get(k) is not None]
+    """The job a bare checkpoint was trained with, as far as its meta says: the whole model
+    section (rope scaling and all) when it recorded one, else the shape of older checkpoints."""
+    section = meta.get("model_config") if hasattr(meta, "get") else None
+    model = section if isinstance(section, dict) else (meta.get("model", {}) if hasattr(meta, "get") else {})
+    keys = [k for k in model if k != "hf"] if isinstance(section, dict) else _META_MODEL_KEYS
+    overrides = [f"model.{k}={_dotlist_value(model[k])}" for k in keys if model.get(k) is not None]
     return config.load(None, overrides)
+
+
+def _dotlist_value(value: Any) -> str:
+    # A dict (rope_scaling) in flow style, which an override reads back as a mapping.
+    return json.dumps(value) if isinstance(value, dict) else str(value)

@@ -52,7 +52,7 @@ def test_a_checkpoint_uri_reads_the_config_beside_its_store_or_the_shape_it_reco
     (tmp_path / "run" / "config.yaml").unlink()
     alone = resolve_source(store.as_uri())
     assert alone.job.model.dim == 64 and alone.job.model.n_layers == 2  # from the checkpoint's meta
-    assert alone.job.model.rope_theta == 10000.0  # what the meta does not record takes its default
+    assert alone.job.model.rope_theta == 500000  # the model section the checkpoint records
 
 
 def test_a_hf_folder_is_its_own_weights_and_tokenizer(tmp_path: Path) -> None:
@@ -66,3 +66,15 @@ def test_a_file_is_no_source(tmp_path: Path) -> None:
     (tmp_path / "model.bin").write_bytes(b"")
     with pytest.raises(ConfigError, match="SOURCE: .* is a file"):
         resolve_source(str(tmp_path / "model.bin"))
+
+
+def test_a_bare_checkpoint_keeps_its_whole_model_section() -> None:
+    """Rope scaling and the architecture switches come from the checkpoint's recorded model
+    section: evaluating without them would score another model."""
+    from ringtrain.eval_source import _job_of_meta
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    meta = {"model_config": {"hf": "/gone", "vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                             "head_dim": 24, "ffn_dim": 96, "rope_theta": 40000.0, "rope_scaling": scaling, "qk_norm": True}}
+    model = _job_of_meta(meta).model
+    assert (model.rope_scaling, model.rope_theta, model.head_dim, model.qk_norm, model.hf) == (scaling, 40000.0, 24, True, "")
