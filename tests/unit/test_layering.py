@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.status": 0,
     "ringtrain.metrics": 0,
     "ringtrain.chaos": 0,
+    "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.controllers": 1,
     "ringtrain.planner": 1,
     "ringtrain.evaluation": 1,  # pure scoring: position buckets, tallies, passkey prompts
@@ -42,6 +43,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.hf": 2,  # Hugging Face config mapping and safetensors I/O
     "ringtrain.actors": 3,
     "ringtrain.telemetry": 3,
+    "ringtrain.prepare": 3,  # `ringtrain prepare` on Ray Data
     "ringtrain.cli": 4,
     "ringtrain.submission": 4,
     "ringtrain.submission_command": 4,

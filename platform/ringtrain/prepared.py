@@ -1,0 +1,312 @@
+"""The on-disk format of a prepared dataset (``ringtrain prepare``'s output): names, manifest, checks.
+
+A prepared dataset is a folder (or an ``s3://`` prefix)::
+
+    <root>/manifest.json              written last: its presence means the dataset is complete
+    <root>/shards/00000.tokens.npy    1-D token ids, uint16 when the vocabulary fits, else uint32
+    <root>/shards/00000.docs.npy      1-D int64 document start offsets into that shard's tokens,
+                                      num_documents + 1 long, first 0, last num_tokens
+
+Every document's tokens end with the tokenizer's EOS id (prepare appends it), and a document
+never spans two shards, so a reader can pack or split documents shard by shard. The manifest
+holds no timestamps: the same input and options give the same bytes, manifest included.
+
+This module is plain data (stdlib only): the writer (``prepare/``, Ray) and the reader
+(``train/``, numpy) both build on it, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ringtrain.errors import DataError
+
+FORMAT = "ringtrain-dataset/1"
+MANIFEST_NAME = "manifest.json"
+SHARD_DIR = "shards"
+TOKENS_SUFFIX = ".tokens.npy"
+DOCS_SUFFIX = ".docs.npy"
+DOCS_DTYPE = "int64"
+TOKEN_DTYPES = ("uint16", "uint32")
+# Largest vocabulary whose ids (0 .. vocab_size - 1) all fit in a uint16.
+UINT16_VOCAB_LIMIT = 1 << 16
+
+# The byte-level tokenizer (``--tokenizer bytes``): one token per UTF-8 byte. EOS is the NUL
+# byte: valid UTF-8 text never needs it (JSON and text corpora do not carry it), so it cannot be
+# confused with content, and the vocabulary stays 256, what a byte-level model already has.
+BYTES_TOKENIZER = "bytes"
+BYTES_VOCAB_SIZE = 256
+BYTES_EOS_ID = 0
+
+PathLike = Union[str, Path]
+
+
+def shard_paths(index: int) -> tuple[str, str]:
+    """(tokens, docs) paths of shard ``index``, relative to the dataset root."""
+    if index < 0:
+        raise ValueError(f"shard index must be >= 0, got {index}")
+    stem = f"{SHARD_DIR}/{index:05d}"
+    return stem + TOKENS_SUFFIX, stem + DOCS_SUFFIX
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The narrowest token dtype of the format that holds every id below ``vocab_size``."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return "uint16" if vocab_size <= UINT16_VOCAB_LIMIT else "uint32"
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_remote(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def local_path(uri: PathLike) -> Optional[Path]:
+    """The local folder a dataset URI names (a plain path or ``file://``), None for ``s3://``."""
+    text = str(uri)
+    if is_remote(text):
+        return None
+    return Path(text.removeprefix("file://"))
+
+
+def join(root: str, relative: str) -> str:
+    """``relative`` (a manifest path) under dataset root ``root``, for local paths and URIs alike."""
+    return f"{root.rstrip('/')}/{relative}"
+
+
+def manifest_uri(root: PathLike) -> str:
+    return join(str(root), MANIFEST_NAME)
+
+
+def is_prepared(root: PathLike) -> bool:
+    """Whether local folder ``root`` holds a published dataset (a stat, no read).
+
+    Always False for ``s3://`` (no I/O here): a reader checks the remote manifest itself.
+    """
+    path = local_path(root)
+    return path is not None and (path / MANIFEST_NAME).is_file()
+
+
+# ---- the manifest ---------------------------------------------------------------------------
+
+
+class _Fields:
+    """Typed access to one JSON object of a manifest; errors name the file and the field."""
+
+    def __init__(self, obj: Any, where: str, prefix: str) -> None:
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: {prefix or 'the manifest'} must be a JSON object")
+        self.obj, self.where, self.prefix = obj, where, prefix
+
+    def _fail(self, key: str, reason: str) -> DataError:
+        return DataError(f"{self.where}: field {self.prefix}{key} {reason}")
+
+    def raw(self, key: str) -> Any:
+        if key not in self.obj:
+            raise self._fail(key, "is missing")
+        return self.obj[key]
+
+    def str(self, key: str) -> str:
+        value = self.raw(key)
+        if not isinstance(value, str):
+            raise self._fail(key, f"must be a string, got {value!r}")
+        return value
+
+    def int(self, key: str, minimum: int = 0) -> int:
+        value = self.raw(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._fail(key, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def list(self, key: str) -> list[Any]:
+        value = self.raw(key)
+        if not isinstance(value, list):
+            raise self._fail(key, f"must be a list, got {type(value).__name__}")
+        return value
+
+    def sub(self, value: Any, name: str) -> "_Fields":
+        return _Fields(value, self.where, f"{self.prefix}{name}.")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    name: str  # the tokenizer folder's name, or "bytes"
+    sha256: str  # of tokenizer.json's bytes; "bytes" for the byte-level tokenizer
+    vocab_size: int
+    eos_id: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "tokenizer.") -> "TokenizerInfo":
+        f = _Fields(obj, where, prefix)
+        info = cls(f.str("name"), f.str("sha256"), f.int("vocab_size", 1), f.int("eos_id"))
+        if info.eos_id >= info.vocab_size:
+            raise f._fail("eos_id", f"{info.eos_id} is outside the vocabulary of {info.vocab_size}")
+        return info
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    uri: str  # one input file, as given or expanded from a folder, glob or prefix
+    num_documents: int
+    num_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "num_documents": self.num_documents, "num_tokens": self.num_tokens}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "sources[]." ) -> "SourceInfo":
+        f = _Fields(obj, where, prefix)
+        return cls(f.str("uri"), f.int("num_documents"), f.int("num_tokens"))
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    tokens: str  # path relative to the dataset root, e.g. shards/00000.tokens.npy
+    docs: str
+    num_documents: int
+    num_tokens: int
+    tokens_sha256: str  # of the whole .npy file, header included
+    docs_sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "docs": self.docs,
+            "num_documents": self.num_documents,
+            "num_tokens": self.num_tokens,
+            "sha256": {"tokens": self.tokens_sha256, "docs": self.docs_sha256},
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "shards[]." ) -> "ShardInfo":
+        f = _Fields(obj, where, prefix)
+        sums = f.sub(f.raw("sha256"), "sha256")
+        shard = cls(f.str("tokens"), f.str("docs"), f.int("num_documents", 1), f.int("num_tokens", 1),
+                    sums.str("tokens"), sums.str("docs"))
+        for key in ("tokens", "docs"):
+            path = getattr(shard, key)
+            # Paths stay inside the dataset: a manifest must not point a reader elsewhere.
+            if path.startswith("/") or ".." in path.split("/") or "://" in path:
+                raise f._fail(key, f"must be a path inside the dataset, got {path!r}")
+        return shard
+
+
+@dataclass(frozen=True)
+class SkippedRecord:
+    uri: str
+    line: int  # 1-based line of a JSONL file, row of a Parquet file; 0 for a whole file
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "line": self.line, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "skipped[]." ) -> "SkippedRecord":
+        f = _Fields(obj, where, prefix)
+        return cls(f.str("uri"), f.int("line"), f.str("reason"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    dtype: str
+    num_documents: int
+    num_tokens: int
+    tokenizer: TokenizerInfo
+    sources: list[SourceInfo]
+    shards: list[ShardInfo]
+    skipped: list[SkippedRecord] = field(default_factory=list)
+    num_skipped: int = 0  # may exceed len(skipped): the list is capped, the count is not
+    command: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "dtype": self.dtype,
+            "num_documents": self.num_documents,
+            "num_tokens": self.num_tokens,
+            "tokenizer": self.tokenizer.to_json(),
+            "sources": [s.to_json() for s in self.sources],
+            "shards": [s.to_json() for s in self.shards],
+            "skipped": [s.to_json() for s in self.skipped],
+            "num_skipped": self.num_skipped,
+            "command": list(self.command),
+        }
+
+    def dumps(self) -> str:
+        """The manifest file's text: fixed key order and indentation, so equal manifests are equal bytes."""
+        return json.dumps(self.to_json(), indent=1, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME) -> "Manifest":
+        """Parse and check a manifest; ``where`` (its file or URI) is named in every error."""
+        f = _Fields(obj, where, "")
+        fmt = f.raw("format")
+        if fmt != FORMAT:
+            raise DataError(f"{where}: format {fmt!r} is not {FORMAT!r} (written by another ringtrain version?)")
+        dtype = f.str("dtype")
+        if dtype not in TOKEN_DTYPES:
+            raise f._fail("dtype", f"must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
+        manifest = cls(
+            dtype=dtype,
+            num_documents=f.int("num_documents"),
+            num_tokens=f.int("num_tokens"),
+            tokenizer=TokenizerInfo.from_json(f.raw("tokenizer"), where),
+            sources=[SourceInfo.from_json(s, where, f"sources[{i}].") for i, s in enumerate(f.list("sources"))],
+            shards=[ShardInfo.from_json(s, where, f"shards[{i}].") for i, s in enumerate(f.list("shards"))],
+            skipped=[SkippedRecord.from_json(s, where, f"skipped[{i}].") for i, s in enumerate(f.list("skipped"))],
+            num_skipped=f.int("num_skipped"),
+            command=[str(a) for a in f.list("command")],
+        )
+        manifest._check(where)
+        return manifest
+
+    @classmethod
+    def loads(cls, text: Union[str, bytes], where: str = MANIFEST_NAME) -> "Manifest":
+        try:
+            obj = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DataError(f"{where}: not valid JSON ({exc})") from None
+        return cls.from_json(obj, where)
+
+    @classmethod
+    def load(cls, root: PathLike) -> "Manifest":
+        """The manifest of local dataset ``root`` (a folder, or ``file://``)."""
+        path = local_path(root)
+        if path is None:
+            raise DataError(f"{root}: an s3:// dataset is read through its store, not as a local file")
+        file = path / MANIFEST_NAME
+        try:
+            text = file.read_bytes()
+        except FileNotFoundError:
+            raise DataError(f"{file}: no manifest; {path} is not a prepared dataset (run `ringtrain prepare`)") from None
+        except OSError as exc:
+            raise DataError(f"{file}: cannot read ({exc.strerror})") from None
+        return cls.loads(text, str(file))
+
+    def _check(self, where: str) -> None:
+        """The totals agree with their parts, and the dtype with the vocabulary."""
+        if self.dtype != token_dtype_for(self.tokenizer.vocab_size):
+            raise DataError(f"{where}: dtype {self.dtype} does not match vocab_size {self.tokenizer.vocab_size}")
+        for what, parts in (("shards", self.shards), ("sources", self.sources)):
+            docs = sum(p.num_documents for p in parts)
+            tokens = sum(p.num_tokens for p in parts)
+            if (docs, tokens) != (self.num_documents, self.num_tokens):
+                raise DataError(
+                    f"{where}: {what} add up to {docs} documents and {tokens} tokens, the manifest says "
+                    f"{self.num_documents} and {self.num_tokens}"
+                )
+        if self.num_skipped < len(self.skipped):
+            raise DataError(f"{where}: num_skipped {self.num_skipped} is less than the {len(self.skipped)} listed")
+        for i, shard in enumerate(self.shards):
+            if (shard.tokens, shard.docs) != shard_paths(i):
+                raise DataError(f"{where}: shards[{i}] names {shard.tokens}, expected {shard_paths(i)[0]}")
