@@ -76,8 +76,8 @@ def _ringtrain(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
     from ringtrain.hf.weights import PretrainedWeights
     from ringtrain.train.attention import build_attention
     from ringtrain.train.engine import build_engine, partitioned_construction
-    from ringtrain.train.snapshot import ZeroState
     from ringtrain.train.trainer import build_model
+    from ringtrain.train.zero_state import ZeroState
 
     phases.start()
     with partitioned_construction(job, mesh, torch.float32):
@@ -97,8 +97,8 @@ def _naive(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
     from ringtrain.hf.names import from_hf
     from ringtrain.train.attention import build_attention
     from ringtrain.train.engine import build_engine
-    from ringtrain.train.snapshot import ZeroState
     from ringtrain.train.trainer import build_model
+    from ringtrain.train.zero_state import ZeroState
 
     phases.start()
     model = build_model(job, build_attention("local", "auto", ring_group=None, ulysses_group=None))

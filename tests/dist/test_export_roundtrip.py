@@ -160,7 +160,7 @@ def test_a_trained_export_gives_ringtrains_logits(trained: dict[str, Any], tmp_p
     from ringtrain.hf import resolve_job
     from ringtrain.train.attention import build_attention
     from ringtrain.train.model import ModelArgs, Transformer
-    from ringtrain.train.snapshot import FragmentIndex, decode
+    from ringtrain.checkpoint.wire import FragmentIndex, decode
 
     source, store_path, overrides = trained["trained"]
     out = export(store_path, tmp_path / "out")

@@ -91,7 +91,7 @@ def test_resume_is_exact_at_the_same_mesh_and_close_at_another_dp(stage: int, tm
 
 
 def _payload(blob: bytes) -> dict[tuple[str, str, int], np.ndarray]:
-    from ringtrain.train.snapshot import decode
+    from ringtrain.checkpoint.wire import decode
 
     shard = decode(blob)
     return {(e["name"], e["key"], e["start"]): shard.array(e) for e in shard.entries}

@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringtrain.train.snapshot import STATE_KEYS, Fragment, Snapshot, Snapshotter, decode
+from ringtrain.checkpoint.wire import STATE_KEYS, decode
+from ringtrain.train.snapshot import Snapshot, Snapshotter
+from ringtrain.train.zero_state import Fragment
 
 from .support import MARKS
 

@@ -50,7 +50,7 @@ TINY = [
 
 def _state(blob: bytes) -> dict[tuple[str, str, int], bytes]:
     """A snapshot's tensor payload, (parameter, state key, start) -> raw bytes."""
-    from ringtrain.train.snapshot import decode
+    from ringtrain.checkpoint.wire import decode
 
     shard = decode(blob)
     return {(e["name"], e["key"], e["start"]): shard.array(e).tobytes() for e in shard.entries}

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from ringtrain import config
-from ringtrain.train.snapshot import decode
+from ringtrain.checkpoint.wire import decode
 
 from .test_run_e2e import TORCH_EXTENSIONS_DIR
 

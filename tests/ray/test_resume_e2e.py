@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringtrain.checkpoint import open_store
-from ringtrain.train.snapshot import FragmentIndex, decode
+from ringtrain.checkpoint.wire import FragmentIndex, decode
 
 from .test_run_e2e import QUICKSTART, TINY, processes_using, ray_tmp, run_cli  # noqa: F401  (fixture)
 

@@ -24,6 +24,7 @@ import torch
 from ringtrain import cli, config
 from ringtrain.actors.resume import FORMAT, checkpoint_meta, incompatibility
 from ringtrain.checkpoint import open_store
+from ringtrain.checkpoint.wire import encode
 from ringtrain.config import JobConfig
 from ringtrain.hf import resolve_job
 from ringtrain.hf.export import CHECKPOINT_FORMAT, export
@@ -33,7 +34,7 @@ from ringtrain.hf.shards import INDEX_FILE, SINGLE_FILE, parse_size
 from ringtrain.hf.weights import PretrainedWeights
 from ringtrain.train.attention import build_attention
 from ringtrain.train.model import ModelArgs, Transformer
-from ringtrain.train.snapshot import Fragment, encode
+from ringtrain.train.zero_state import Fragment
 from tests.hf_models import save_model, tokens
 
 SEQ = 32

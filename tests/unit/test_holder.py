@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ringtrain.actors.holder import SnapshotHolder
-from ringtrain.train.snapshot import checksum
+from ringtrain.checkpoint.wire import checksum
 
 
 def blob_of(rank: int, step: int, size: int = 64) -> bytes:

@@ -11,7 +11,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ringtrain.train.snapshot import CopyEvent, Fragment, Snapshotter, decode
+from ringtrain.checkpoint.wire import decode
+from ringtrain.train.snapshot import CopyEvent, Snapshotter
+from ringtrain.train.zero_state import Fragment
 
 
 class FakeEvent:

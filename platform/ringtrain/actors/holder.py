@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from ringtrain.checkpoint.retention import retained
-from ringtrain.train.snapshot import checksum
+from ringtrain.checkpoint.wire import checksum
 
 
 class SnapshotHolder:

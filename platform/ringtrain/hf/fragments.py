@@ -23,8 +23,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ringtrain.checkpoint.wire import DecodedShard, SnapshotFormatError, decode
 from ringtrain.errors import RingtrainError
-from ringtrain.train.snapshot import DecodedShard, SnapshotFormatError, decode
 
 # The state key of the fp32 master weight; exp_avg and exp_avg_sq are Adam's and not exported.
 PARAM_KEY = "param"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ringtrain.chaos import FaultPlan, FaultSpec
+from ringtrain.checkpoint.wire import FragmentIndex, decode
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.status import StepReport
 from ringtrain.topology import Topology
@@ -31,16 +32,8 @@ from ringtrain.train.engine import build_engine, partitioned_construction, resol
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.model import AttentionFn, ModelArgs, Transformer, skip_parameter_init
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
-from ringtrain.train.snapshot import (
-    DeliverFn,
-    FragmentIndex,
-    Snapshot,
-    Snapshotter,
-    ZeroState,
-    capture_scalars,
-    decode,
-    restore_scalars,
-)
+from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
+from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
 
 AttentionFactory = Callable[[JobConfig, Mesh], AttentionFn]
 
