@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ringtrain.actors.cluster import worker_resources
 from ringtrain.actors.holder import SnapshotHolder
+from ringtrain.actors.roster import Member, Slot, WarmDeaths, settle
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
 from ringtrain.controllers.faults import Outcome, RankOutcome
@@ -35,24 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 NODE_ID_LABEL = "ray.io/node-id"
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where an actor is placed: a bundle of one of the job's placement groups."""
-
-    pg: Any
-    index: int
-
-
-@dataclass
-class Member:
-    """A live worker actor and where it sits."""
-
-    handle: Any
-    slot: Slot
-    info: Optional[WorkerInfo] = None
-    warm: Any = None  # pending result of warm(), while a spare or a new worker starts
 
 
 class StepFailed(Exception):
@@ -88,6 +70,7 @@ class WorkerGroup:
         self.num_params = 0
         self.generation = 0  # worlds formed so far
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
+        self.warm_deaths = WarmDeaths()  # workers that died warming up, by slot
 
     # --- views ---------------------------------------------------------------------------
 
@@ -351,19 +334,30 @@ class WorkerGroup:
 
     def ready(self, members: list[Member]) -> bool:
         """Whether every one of ``members`` finished warming up (never waits); those that did
-        get their WorkerInfo. A worker whose warm-up failed counts as not ready."""
-        import ray
+        get their WorkerInfo. One whose warm-up failed is dropped (``drop_dead``) and counts
+        as not ready."""
+        dead = settle(members, _poll_warm)
+        if dead:
+            self.drop_dead(dead)
+        return all(m.warm is None and not m.error for m in members)
 
-        pending = [m for m in members if m.warm is not None]
-        if pending:
-            done, _ = ray.wait([m.warm for m in pending], num_returns=len(pending), timeout=0)
-            for m in pending:
-                if m.warm in done:
-                    try:
-                        m.info, m.warm = ray.get(m.warm), None
-                    except Exception:  # it died starting; it stays pending and is never taken
-                        pass
-        return all(m.warm is None for m in members)
+    def drop_dead(self, dead: list[Member]) -> None:
+        """Remove workers that died warming up from the spares and the workers starting for
+        growth. Each one's slot is freed for a replacement, unless its node is gone or the slot
+        has seen ``roster.MAX_WARM_DEATHS_PER_SLOT`` such deaths (then it is held back, as a
+        quarantined one). Replacements are the caller's to start: see Recovery."""
+        gone = {id(m) for m in dead}
+        for m in dead:
+            _stop_actor(m.handle)
+            node = _slot_node(m.slot)
+            retry = self.warm_deaths.record(m.slot)
+            if not retry:
+                self.quarantined.append(m.slot)
+            elif not node or (node not in self.cordoned and self.node_alive(node)):
+                self.free_slots.append(m.slot)
+            log.warning("a worker died warming up (%s); slot %s reused: %s", m.error, m.slot.index, retry)
+        self.spares = [m for m in self.spares if id(m) not in gone]
+        self.growing = [m for m in self.growing if id(m) not in gone]
 
     # --- steps and snapshots -------------------------------------------------------------
 
@@ -590,6 +584,30 @@ def _slot_node(slot: Slot) -> str:
         return str(ray.util.placement_group_table(slot.pg)["bundles_to_node_id"].get(slot.index, ""))
     except Exception:
         return ""
+
+
+def _poll_warm(refs: list[Any]) -> dict[int, "WorkerInfo | BaseException"]:
+    """The warm() results among ``refs`` that finished, by index (never waits)."""
+    import ray
+
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    finished: dict[int, WorkerInfo | BaseException] = {}
+    for i, ref in enumerate(refs):
+        if ref in done:
+            try:
+                finished[i] = ray.get(ref)
+            except Exception as exc:  # it died starting
+                finished[i] = exc
+    return finished
+
+
+def _stop_actor(handle: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already dead: nothing to stop
+        pass
 
 
 def _answered(ref: Any) -> bool:

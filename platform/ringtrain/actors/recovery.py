@@ -51,6 +51,7 @@ class Recovery:
 
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
+        self._growth_workers = 0  # workers the growth being prepared needs (0: none prepared)
 
     def layout(self) -> dict[str, Any]:
         return self.group.layout()
@@ -202,10 +203,21 @@ class Recovery:
         """Start the workers of ``replicas`` more replicas (those already starting count); they
         warm up while training goes on."""
         g = self.group
-        g.growing += g.spawn(max(0, replicas * g.job.mesh.cp - len(g.growing)))
+        self._growth_workers = replicas * g.job.mesh.cp
+        g.growing += g.spawn(max(0, self._growth_workers - len(g.growing)))
 
     def growth_ready(self) -> bool:
-        return bool(self.group.growing) and self.group.ready(self.group.growing)
+        """Whether the prepared workers are all warm (never waits). One that died warming up
+        is replaced here, so the growth still happens, only later."""
+        g = self.group
+        if not g.growing and not self._growth_workers:
+            return False
+        ready = bool(g.growing) and g.ready(g.growing)
+        missing = self._growth_workers - len(g.growing)
+        if missing > 0:
+            g.growing += g.spawn(missing)
+            return False
+        return ready
 
     def grow(self, *, new_dp: int, last_step: int) -> Resumed:
         """Add the prepared replicas at the step boundary after ``last_step``: every worker, old
@@ -221,6 +233,7 @@ class Recovery:
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=frozenset(), new_dp=new_dp)
         fill = g.growing[: seats.count(None)]
         g.growing = g.growing[len(fill) :]
+        self._growth_workers = 0
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
         step = g.form_world(members, world_job(g.job, dp=new_dp, fired_through=last_step), snapshot=shards)
         return Resumed(step, new_dp, 0, seats.count(None), {"plan_s": plan_s, **g.phases}, tuple(seats))
@@ -261,11 +274,16 @@ class Recovery:
             holder.drop_after.remote(step)
 
     def spares_changed(self) -> bool:
-        """Whether a spare finished warming up since the last call (never waits)."""
+        """Whether a spare finished warming up, or died doing so, since the last call (never
+        waits). A dead one is replaced at once (in its freed slot), so the job keeps its
+        ``mesh.spares``; this runs between steps, never inside a recovery."""
         g = self.group
-        before = sum(1 for s in g.spares if s.info is not None)
+        before = (len(g.spares), sum(1 for s in g.spares if s.info is not None))
         g.ready(g.spares)
-        return sum(1 for s in g.spares if s.info is not None) != before
+        if len(g.spares) < before[0]:
+            self.replenish_spares(g.job.mesh.spares)
+            return True
+        return sum(1 for s in g.spares if s.info is not None) != before[1]
 
     def replenish_spares(self, target: int) -> None:
         """Start spares in the background until ``target`` exist (free slots first)."""
