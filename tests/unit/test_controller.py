@@ -186,6 +186,7 @@ class Fault:
 
 
 PEER = "RuntimeError: [gloo] Connection closed by peer"
+ERROR_FRAME = "ringtrain/train/trainer.py:210 in train_step"  # where a scripted "error" fault raises
 
 
 class ElasticGroup:
@@ -256,7 +257,7 @@ class ElasticGroup:
                 "crash": RankOutcome(fault.rank, Outcome.DIED),
                 "node_lost": RankOutcome(fault.rank, Outcome.DIED, node_alive=False),
                 "hang": RankOutcome(fault.rank, Outcome.LOST),
-                "error": RankOutcome(fault.rank, Outcome.ERROR, error="ValueError: bad batch"),
+                "error": RankOutcome(fault.rank, Outcome.ERROR, error="ValueError: bad batch", where=ERROR_FRAME),
             }[fault.kind]
             outcomes = [first_hand if r == fault.rank else RankOutcome(r, Outcome.ERROR, error=PEER) for r in range(world)]
             raise FakeStepFailed(outcomes, self.clock(), UNIX0 + self.clock())
@@ -857,3 +858,19 @@ def test_durable_checkpoints_written_after_the_last_clean_scan_are_deleted(tmp_p
     # written. The redone steps 4, 6 and 8 were written afresh.
     assert summary["status"] == "finished" and persister.discarded == [3]
     assert persister.submitted == [2, 4, 6, 8]
+
+
+def test_the_same_error_on_the_same_step_twice_stops_the_run_naming_the_frame(tmp_path: Path) -> None:
+    # A deterministic error comes back on the step's retry: one rollback, then the run stops,
+    # well before controllers.max_recoveries (20) runs out.
+    summary, group, fake = elastic_run(tmp_path, elastic_job(), faults={3: [Fault("error", 1)] * 3})
+
+    assert summary["status"] == "failed" and summary["final_step"] == 2
+    assert group.attempts == [1, 2, 3, 3]
+    assert len(fake.named("rollback")) == 1
+    location = summary["error_location"]
+    assert (location["type"], location["message"], location["step"], location["ranks"]) == ("ValueError", "bad batch", 3, [1])
+    assert location["frame"] == ERROR_FRAME and ERROR_FRAME in summary["error"]
+    first, second = incident_files(tmp_path).values()
+    assert (first["action"], second["action"]) == ("rollback", "abort")
+    assert second["verdict"]["error"]["frame"] == ERROR_FRAME and "came back on step 3" in second["reason"]

@@ -28,6 +28,7 @@ from ringtrain.config import JobConfig
 from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
 from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, classify, decide, non_finite
 from ringtrain.controllers.ledger import SampleLedger
+from ringtrain.controllers.repeats import ErrorSignature, RepeatTracker, repeated_reason
 from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
 from ringtrain.controllers.snapshots import persist_due
 from ringtrain import metrics
@@ -96,6 +97,8 @@ class Controller:
         self.start_step = 0
         self.persist_s = 0.0
         self.error: Optional[str] = None
+        self.error_location: Optional[dict[str, Any]] = None  # a repeating error's type, message, frame, step
+        self.repeats = RepeatTracker()
         self.resizes: list[dict[str, Any]] = []
         self._kept_s = 0.0  # wall time of the steps kept so far (goodput's numerator)
         self._recovering: list[tuple[Incident, float]] = []  # incidents awaiting their next completed step
@@ -229,6 +232,9 @@ class Controller:
             self.elastic.cordon(failure.ranks)  # first: capacity there no longer counts
         reuse = not failure.suspect_devices
         capacity = self.elastic.capacity(failure.ranks, reuse_slots=reuse) if failure.lost_workers else Capacity(0, 0)
+        repeated = self._repeated(failure, step)
+        if repeated:
+            verdict = {**(verdict or {}), "error": self.error_location}
         t = self.job.train
         decision = decide(
             failure,
@@ -240,6 +246,7 @@ class Controller:
             max_recoveries=self.job.controllers.max_recoveries,
             on_nan=self.job.controllers.on_nan,
             allowed_dps=allowed_dps(global_batch=t.global_batch, micro_batch=t.micro_batch, min_dp=1, max_dp=self.dp),
+            repeated=repeated,
         )
         incident = self._incident(
             failure.kind.value,
@@ -274,6 +281,19 @@ class Controller:
         )
         self._transition(RunState.RUNNING, f"resumed after step {resumed}")
         return resumed
+
+    def _repeated(self, failure: Failure, step: int) -> str:
+        """Why ``failure`` will not be retried: the same exception on the same step again
+        (``controllers.repeats``); "" for any other failure."""
+        if failure.kind is not Kind.ERROR:
+            return ""
+        signature = ErrorSignature(failure.error or failure.reason, failure.where)
+        occurrences = self.repeats.observe(step, signature)
+        reason = repeated_reason(signature, step, occurrences)
+        if reason is None:
+            return ""
+        self.error_location = {**signature.to_dict(), "step": step, "ranks": list(failure.ranks), "occurrences": occurrences}
+        return reason
 
     def _execute(
         self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]
@@ -569,6 +589,7 @@ class Controller:
             "resizes": self.resizes,
             "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
             "error": self.error,
+            "error_location": self.error_location,
             "eval": self.last_eval,
             "run_dir": str(self.run_dir.path),
         }

@@ -25,6 +25,7 @@ from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
 from ringtrain.controllers.faults import Outcome, RankOutcome
 from ringtrain.controllers.hangs import RankDiagnostics, Verdict, diagnose
+from ringtrain.controllers.repeats import user_frame
 from ringtrain.errors import CapacityError, WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
@@ -457,7 +458,8 @@ class WorkerGroup:
             return RankOutcome(rank, Outcome.DIED, type(exc).__name__)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}")
+            where = user_frame(str(getattr(exc, "traceback_str", "") or ""))
+            return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}", where=where)
 
     # --- evaluation ----------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ that keeps the configured global batch:
 - a rank that failed an SDC scan is evicted like a lost one (its state is suspect, so the
   restore point is the last clean scan's, which the caller supplies); a scan that names no rank
   rolls back in place;
-- anything beyond ``controllers.max_recoveries``, or with no way forward, aborts the run.
+- the same exception again on the same step after a rollback (``controllers.repeats``), anything
+  beyond ``controllers.max_recoveries``, or with no way forward, aborts the run.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class RankOutcome:
     outcome: Outcome
     error: str = ""  # "<ExceptionType>: <first line>" for ERROR
     node_alive: bool = True
+    where: str = ""  # for ERROR: the raising frame in ringtrain or user code (controllers.repeats)
 
 
 class Kind(enum.Enum):
@@ -77,6 +79,8 @@ class Failure:
     kind: Kind
     ranks: tuple[int, ...]  # the ranks that failed first-hand
     reason: str
+    error: str = ""  # for ERROR: the first-hand exception, "<ExceptionType>: <first line>"
+    where: str = ""  # for ERROR: the frame that raised it
 
     @property
     def lost_workers(self) -> bool:
@@ -106,7 +110,8 @@ def classify(outcomes: Sequence[RankOutcome]) -> Optional[Failure]:
     if errors:
         own = [r for r in errors if not is_peer_failure(r.error)] or errors
         ranks = tuple(sorted(r.rank for r in own))
-        return Failure(Kind.ERROR, ranks, f"rank {own[0].rank} raised {own[0].error}")
+        where = f" at {own[0].where}" if own[0].where else ""
+        return Failure(Kind.ERROR, ranks, f"rank {own[0].rank} raised {own[0].error}{where}", own[0].error, own[0].where)
     return None
 
 
@@ -147,12 +152,16 @@ def decide(
     max_recoveries: int,
     on_nan: str,
     allowed_dps: Sequence[int] = (),
+    repeated: str = "",
 ) -> Decision:
     """The recovery for ``failure`` in a dp x cp job that has already made ``recoveries``.
 
     ``allowed_dps``: the replica counts the global batch divides into (all when empty); a
-    shrink lands on the largest of them that the surviving replicas can run.
+    shrink lands on the largest of them that the surviving replicas can run. ``repeated``: why
+    the failure is deterministic (``controllers.repeats``): then it is not retried.
     """
+    if repeated:
+        return Decision(Action.ABORT, repeated, dp)
     if recoveries >= max_recoveries:
         return Decision(Action.ABORT, f"controllers.max_recoveries={max_recoveries} recoveries already made", dp)
     if failure.kind is Kind.NAN:
