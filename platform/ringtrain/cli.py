@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ringtrain import config, eval_command, export_command, submission_command
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.planner import command as planner_command
+from ringtrain.prepare import command as prepare_command
 from ringtrain.telemetry import dashboards_command, report_command
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     export_command.add_arguments(export)
     evaluate = sub.add_parser("eval", help="loss by position (and passkey retrieval) of a run, checkpoint or HF model")
     eval_command.add_arguments(evaluate)
+    prepare = sub.add_parser("prepare", help="tokenize JSONL/Parquet/text corpora into a prepared dataset, on Ray Data")
+    prepare_command.add_arguments(prepare)
     submission_command.add_arguments(sub)
     return parser
 
@@ -185,6 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "eval":
             return eval_command.run(args)
         if args.command == "export":
+        if args.command == "prepare":
+            return prepare_command.main(args, prepare_command.argv_after("prepare", argv))
             return export_command.run(args)
         code = submission_command.run(args)
         if code is not None:

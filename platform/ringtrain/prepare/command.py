@@ -1,0 +1,175 @@
+"""`ringtrain prepare`: its flags, the run from checks to published manifest, progress and summary.
+
+Every input is checked before a cluster starts (sources expand, the tokenizer loads, the output
+is free), so bad input exits 2 within a second. Exit codes follow cli.py: 2 for bad input (one
+line naming the file, line or flag), 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence, TextIO
+
+from ringtrain.errors import DataError
+from ringtrain.prepared import Manifest, SkippedRecord, SourceInfo, token_dtype_for
+
+DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 tokens: large reads, few files
+PROGRESS_EVERY_S = 0.5
+# Flags that change where or how fast prepare runs, never what it writes: left out of the
+# manifest's command so that the manifest, too, is the same bytes at any parallelism.
+_EXECUTION_FLAGS = {"--address": True, "--parallelism": True, "--overwrite": False, "--quiet": False}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("sources", nargs="+", metavar="SRC", help="files, folders, globs or s3:// prefixes: .jsonl[.gz|.zst], .ndjson, .parquet, .txt, .md")
+    parser.add_argument("--tokenizer", required=True, help="a folder with tokenizer.json (a model folder), a tokenizer.json, or 'bytes'")
+    parser.add_argument("--out", required=True, help="output folder, file:// or s3:// prefix")
+    parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text (default: text)")
+    parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed or text-less record stops the run (fail) or is counted and listed in the manifest (skip)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help=f"tokens per shard at most (a longer document gets a shard alone; default {DEFAULT_SHARD_TOKENS})")
+    parser.add_argument("--parallelism", type=int, default=0, help="tokenizer actors (default: the cluster's CPUs); never changes the output")
+    parser.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded cluster (default: all)")
+    parser.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS, else an embedded local one)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def recorded_command(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the execution-only flags (and their values)."""
+    out: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _EXECUTION_FLAGS:
+            skip_value = _EXECUTION_FLAGS[name] and "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+class Progress:
+    """One line of documents/s and tokens/s, redrawn in place on a terminal, every few seconds otherwise."""
+
+    def __init__(self, stream: TextIO, num_sources: int, enabled: bool) -> None:
+        self.stream, self.num_sources, self.enabled = stream, num_sources, enabled
+        self.tty = stream.isatty()
+        self.start = time.monotonic()
+        self._last = 0.0
+        self._every = PROGRESS_EVERY_S if self.tty else 10.0
+
+    def update(self, documents: int, tokens: int, source: int, *, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self._last < self._every):
+            return
+        self._last = now
+        elapsed = max(now - self.start, 1e-9)
+        line = (
+            f"prepare: file {source + 1}/{self.num_sources}  {documents:,} docs  {tokens:,} tokens  "
+            f"{documents / elapsed:,.0f} docs/s  {tokens / elapsed / 1e6:,.2f}M tokens/s"
+        )
+        self.stream.write(("\r" + line + "\033[K" + ("\n" if final else "")) if self.tty else line + "\n")
+        self.stream.flush()
+
+
+@dataclass
+class Summary:
+    manifest: Manifest
+    seconds: float  # the pipeline, from the first row asked for to the manifest published
+    cluster_start_s: float
+
+
+def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stderr) -> Summary:
+    import numpy as np
+
+    from ringtrain.prepare import pipeline, sources, tokenize, writer
+
+    files = sources.expand(list(args.sources))
+    spec = tokenize.resolve(args.tokenizer)
+    output = writer.open_output(args.out, args.overwrite)
+    if args.shard_tokens < 1:
+        from ringtrain.errors import ConfigError
+
+        raise ConfigError("--shard-tokens", f"must be positive, got {args.shard_tokens}")
+    dtype = token_dtype_for(spec.info.vocab_size)
+    job = pipeline.Job(spec, dtype, args.text_field, args.on_bad_record == "skip")
+
+    started = time.monotonic()
+    handle = pipeline.connect(args.address, args.num_cpus or None)
+    cluster_start_s = time.monotonic() - started
+    try:
+        import ray
+
+        # One actor per file at most: a file is the unit of work.
+        parallelism = min(len(files), args.parallelism or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        folder = output.begin()
+        packer = writer.Packer(folder, np.dtype(dtype), args.shard_tokens, output.shard_written)
+        tally = pipeline.Tally(len(files))
+        progress = Progress(stream, len(files), not args.quiet)
+        t0 = time.monotonic()
+        try:
+            for row in pipeline.chunks(files, job, parallelism):
+                got = pipeline.consume(row, job, tally)
+                if got is not None:
+                    packer.add(*got)
+                progress.update(tally.num_documents, tally.num_tokens, tally.last_source)
+            if tally.num_documents == 0:
+                raise DataError(f"{', '.join(args.sources)}: no documents (every record was empty or skipped)")
+            shards = packer.finish()
+            progress.update(tally.num_documents, tally.num_tokens, tally.last_source, final=True)
+            manifest = Manifest(
+                dtype=dtype,
+                num_documents=tally.num_documents,
+                num_tokens=tally.num_tokens,
+                tokenizer=spec.info,
+                sources=[SourceInfo(f.uri, *tally.per_source.get(f.index, [0, 0])) for f in files],
+                shards=shards,
+                skipped=[SkippedRecord(files[s].uri, line, reason) for s, line, reason in tally.skipped],
+                num_skipped=tally.num_skipped,
+                command=["ringtrain", "prepare", *recorded_command(argv)],
+            )
+            output.publish(manifest)
+        except BaseException:
+            packer.discard()
+            output.abort()
+            raise
+        return Summary(manifest, time.monotonic() - t0, cluster_start_s)
+    finally:
+        handle.close()
+
+
+def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
+    m = summary.manifest
+    rate = m.num_tokens / max(summary.seconds, 1e-9)
+    stream.write(
+        f"prepared {m.num_documents:,} documents, {m.num_tokens:,} tokens ({m.dtype}) from {len(m.sources)} files "
+        f"into {len(m.shards)} shards at {out_uri}\n"
+        f"  tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size}, eos {m.tokenizer.eos_id}); "
+        f"{m.num_skipped} records skipped\n"
+        f"  {summary.seconds:.1f} s: {m.num_documents / max(summary.seconds, 1e-9):,.0f} docs/s, "
+        f"{rate / 1e6:.2f}M tokens/s (cluster start {summary.cluster_start_s:.1f} s not included)\n"
+    )
+
+
+def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run and print the summary. A bad record or unreadable file is bad input: exit 2 like a
+    bad flag (cli.main maps ConfigError so); other errors propagate to cli.main."""
+    try:
+        summary = run(args, argv)
+    except DataError as exc:
+        print(f"ringtrain: data error: {exc}", file=sys.stderr)
+        return 2
+    print_summary(summary, args.out, sys.stdout)
+    return 0
+
+
+def argv_after(command: str, argv: Optional[Sequence[str]]) -> list[str]:
+    """The arguments after the subcommand's name (what the manifest records)."""
+    full = list(sys.argv[1:] if argv is None else argv)
+    return full[full.index(command) + 1 :] if command in full else full
+

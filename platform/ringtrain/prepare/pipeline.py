@@ -1,0 +1,203 @@
+"""The Ray Data pipeline of `ringtrain prepare`: files -> tokenizer actors -> ordered shards.
+
+Each source file is one input row; a pool of tokenizer actors reads a file and tokenizes its
+documents in batches (reading and tokenizing in one stage keeps the text itself off the object
+store: only token ids travel). The actors run single-threaded (TOKENIZERS_PARALLELISM=false) so
+N actors use N cores without oversubscribing them. Ray Data keeps the output in input order
+(``preserve_order``), and every chunk carries its documents in file order, so the driver sees
+the documents in (source file index, record index) order whatever the number of actors, and
+cuts shards from that stream (``writer.Packer``): the bytes do not depend on the parallelism.
+
+Bad records are not raised inside the actors: they travel in order with the tokens, so the
+driver reports (or, with ``--on-bad-record skip``, lists) the first one in document order,
+the same one at any parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ringtrain.errors import DataError
+from ringtrain.prepare.sources import BadRecord, SourceFile, fetch, read_records
+from ringtrain.prepare.tokenize import Encoder, TokenizerSpec
+
+# A chunk (one output row) closes at this many documents or characters of text, whichever
+# comes first: enough work per call to hide Ray's per-row cost, small enough to stream.
+CHUNK_DOCUMENTS = 512
+CHUNK_CHARS = 4 << 20
+# Skipped records listed in the manifest; the count covers them all.
+MAX_LISTED_SKIPS = 1000
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every tokenizer actor needs; picklable."""
+
+    tokenizer: TokenizerSpec
+    dtype: str
+    text_field: str
+    skip_bad: bool
+
+
+def _row(src: int, tokens: np.ndarray, lengths: np.ndarray, bad: list[tuple[int, str]], error: str = "") -> dict[str, np.ndarray]:
+    return {
+        "src": np.array([src], dtype=np.int64),
+        "tokens": np.array([tokens.tobytes()], dtype=object),
+        "lengths": np.array([lengths.astype(np.int64).tobytes()], dtype=object),
+        "bad": np.array([json.dumps(bad)], dtype=object),
+        "error": np.array([error], dtype=object),
+    }
+
+
+class FileTokenizer:
+    """A Ray Data actor: one source file in, its documents' tokens out in ordered chunks."""
+
+    def __init__(self, job: Job) -> None:
+        # Before the tokenizer is loaded: its Rust thread pool reads this once.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.job = job
+        self.encoder = Encoder(job.tokenizer, job.dtype)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        for index, uri, kind in zip(batch["index"], batch["uri"], batch["kind"]):
+            yield from self.file(SourceFile(int(index), str(uri), str(kind)))
+
+    def file(self, source: SourceFile) -> Iterator[dict[str, np.ndarray]]:
+        folder = tempfile.mkdtemp(prefix="rt-src-") if source.uri.startswith("s3://") else None
+        texts: list[str] = []
+        bad: list[tuple[int, str]] = []
+        chars = 0
+        try:
+            local = fetch(source.uri, folder) if folder else None
+            for record in read_records(source, self.job.text_field, local):
+                if isinstance(record, BadRecord):
+                    if not self.job.skip_bad:
+                        yield self._chunk(source, texts, bad, f"{source.uri}:{record.line}: {record.reason}")
+                        return
+                    bad.append((record.line, record.reason))
+                    continue
+                if not record:
+                    continue  # an empty text makes no document (it would be a lone EOS)
+                texts.append(record)
+                chars += len(record)
+                if len(texts) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+                    yield self._chunk(source, texts, bad)
+                    texts, bad, chars = [], [], 0
+            yield self._chunk(source, texts, bad)
+        except DataError as exc:
+            yield self._chunk(source, texts, bad, str(exc))
+        finally:
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def _chunk(self, source: SourceFile, texts: list[str], bad: list[tuple[int, str]], error: str = "") -> dict[str, np.ndarray]:
+        tokens, lengths = self.encoder.encode(texts)
+        return _row(source.index, tokens, lengths, bad, error)
+
+
+@dataclass
+class Tally:
+    """What the driver has seen so far: totals, per source, and the skipped records."""
+
+    num_sources: int
+    num_documents: int = 0
+    num_tokens: int = 0
+    num_skipped: int = 0
+    per_source: dict[int, list[int]] = field(default_factory=dict)  # index -> [documents, tokens]
+    skipped: list[tuple[int, int, str]] = field(default_factory=list)  # (source, line, reason)
+    last_source: int = 0
+
+
+def chunks(files: list[SourceFile], job: Job, parallelism: int) -> Iterator[dict[str, Any]]:
+    """The pipeline's output rows in document order (a Ray connection must be up)."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False  # prepare draws its own: documents/s and tokens/s
+    ctx.print_on_execution_start = False
+    # Ray Data logs each execution's start and end at INFO; prepare prints its own summary.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "bars disabled": on purpose
+    items = [{"index": f.index, "uri": f.uri, "kind": f.kind} for f in files]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    with warnings.catch_warnings():
+        # max_restarts=0 is Ray Data's documented way to stop actor restarts; it warns that the
+        # catch-all remote-args path will change, which is not the user's concern.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ds = _tokenize_stage(ds, job, parallelism)
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+        for i in range(len(batch["src"])):
+            yield {key: batch[key][i] for key in batch}
+
+
+def _tokenize_stage(ds: Any, job: Job, parallelism: int) -> Any:
+    import ray.data
+
+    return ds.map_batches(
+        FileTokenizer,
+        fn_constructor_kwargs={"job": job},
+        batch_size=1,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=parallelism),
+        num_cpus=1,
+        # A lost actor fails the run (nothing is published) rather than being restarted.
+        max_restarts=0,
+    )
+
+
+def consume(row: dict[str, Any], job: Job, tally: Tally) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Account for one row; its (tokens, lengths), or DataError for a bad record under ``fail``."""
+    src = int(row["src"])
+    tally.last_source = src
+    for line, reason in json.loads(row["bad"]):
+        tally.num_skipped += 1
+        if len(tally.skipped) < MAX_LISTED_SKIPS:
+            tally.skipped.append((src, int(line), str(reason)))
+    tokens = np.frombuffer(row["tokens"], dtype=job.dtype)
+    lengths = np.frombuffer(row["lengths"], dtype=np.int64)
+    counts = tally.per_source.setdefault(src, [0, 0])
+    counts[0] += int(lengths.size)
+    counts[1] += int(tokens.size)
+    tally.num_documents += int(lengths.size)
+    tally.num_tokens += int(tokens.size)
+    if row["error"]:
+        raise DataError(str(row["error"]))
+    return (tokens, lengths) if lengths.size else None
+
+
+def connect(address: Optional[str], num_cpus: Optional[int]) -> Any:
+    """Join ``address`` (or RAY_ADDRESS), else start an embedded local cluster; the handle to close."""
+    import ray
+
+    from ringtrain.actors.cluster import ClusterHandle
+    from ringtrain.errors import ClusterError
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            return ClusterHandle(address=address, embedded=False, temp_dir=None)
+        # Short path: Ray's unix sockets live under it (see actors/cluster.py).
+        temp_dir = tempfile.mkdtemp(prefix="rt-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or os.cpu_count() or 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            _temp_dir=temp_dir,
+        )
+        return ClusterHandle(address="local", embedded=True, temp_dir=temp_dir)
+    except ConnectionError as exc:
+        raise ClusterError(f"cannot reach the Ray cluster at {address}: {exc}") from None

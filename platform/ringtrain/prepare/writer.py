@@ -1,0 +1,234 @@
+"""Where a prepared dataset is written: token shards packed in document order, staged, then published.
+
+Shards are cut from the ordered stream of documents by a token budget: a shard takes documents
+until the next one would pass ``shard_tokens`` (a document longer than that gets a shard of its
+own), so shard boundaries depend on the documents alone, never on how the work was split.
+Tokens stream to disk as they come: memory holds one shard's document lengths, not its tokens.
+
+Everything goes under a temporary location first (a hidden sibling folder, or a sibling S3
+prefix) and the manifest is written last; a failure removes the staging area and leaves the
+output as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
+
+import numpy as np
+
+from ringtrain.errors import ConfigError
+from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, local_path, shard_paths
+
+OUT_KEY = "--out"
+COPY_CHUNK = 8 << 20
+
+
+def _npy_header(dtype: np.dtype, count: int) -> bytes:
+    """The .npy header np.save writes for a 1-D array of ``count`` elements (format 1.0)."""
+    buffer = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue()
+
+
+def _write_npy(dest: Path, dtype: np.dtype, count: int, body: BinaryIO) -> str:
+    """Write header + ``body``'s bytes to ``dest``; the file's sha256."""
+    digest = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for chunk in (_npy_header(dtype, count),):
+            digest.update(chunk)
+            out.write(chunk)
+        while chunk := body.read(COPY_CHUNK):
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()
+
+
+class ShardBuilder:
+    """One shard under construction: tokens appended to a raw file, document lengths in memory."""
+
+    def __init__(self, folder: Path, index: int, dtype: np.dtype) -> None:
+        self.index, self.dtype, self.folder = index, dtype, folder
+        self.tokens_rel, self.docs_rel = shard_paths(index)
+        self._raw_path = folder / (self.tokens_rel + ".raw")
+        self._raw_path.parent.mkdir(parents=True, exist_ok=True)
+        self._raw = open(self._raw_path, "wb")
+        self._lengths: list[np.ndarray] = []
+        self.num_tokens = 0
+        self.num_documents = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self._raw.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._lengths.append(lengths)
+        self.num_tokens += int(tokens.size)
+        self.num_documents += int(lengths.size)
+
+    def finish(self) -> ShardInfo:
+        """Write the shard's two .npy files (the raw file becomes the tokens' body)."""
+        self._raw.close()
+        with open(self._raw_path, "rb") as raw:
+            tokens_sha = _write_npy(self.folder / self.tokens_rel, self.dtype, self.num_tokens, raw)
+        self._raw_path.unlink()
+        offsets = np.zeros(self.num_documents + 1, dtype=DOCS_DTYPE)
+        np.cumsum(np.concatenate(self._lengths), out=offsets[1:])
+        body = io.BytesIO(offsets.tobytes())
+        docs_sha = _write_npy(self.folder / self.docs_rel, offsets.dtype, offsets.size, body)
+        return ShardInfo(self.tokens_rel, self.docs_rel, self.num_documents, self.num_tokens, tokens_sha, docs_sha)
+
+    def discard(self) -> None:
+        self._raw.close()
+
+
+class Packer:
+    """Documents in order -> shards of at most ``shard_tokens`` tokens; ``on_shard`` gets each finished one."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, on_shard: Callable[[ShardInfo], None]) -> None:
+        if shard_tokens < 1:
+            raise ConfigError("--shard-tokens", f"must be positive, got {shard_tokens}")
+        self.folder, self.dtype, self.shard_tokens, self.on_shard = folder, dtype, shard_tokens, on_shard
+        self.shards: list[ShardInfo] = []
+        self._current: Optional[ShardBuilder] = None
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents ``lengths`` (tokens each, EOS included) laid end to end in ``tokens``."""
+        first, pos = 0, 0
+        while first < lengths.size:
+            shard = self._current or self._open()
+            ends = np.cumsum(lengths[first:])
+            fit = int(np.searchsorted(ends, self.shard_tokens - shard.num_tokens, side="right"))
+            if fit == 0 and shard.num_documents:
+                self._close()
+                continue
+            fit = max(fit, 1)  # a document longer than a whole shard fills one alone
+            size = int(ends[fit - 1])
+            shard.add(tokens[pos : pos + size], lengths[first : first + fit])
+            first, pos = first + fit, pos + size
+            if shard.num_tokens >= self.shard_tokens or first < lengths.size:
+                self._close()
+
+    def finish(self) -> list[ShardInfo]:
+        if self._current is not None and self._current.num_documents:
+            self._close()
+        return self.shards
+
+    def discard(self) -> None:
+        if self._current is not None:
+            self._current.discard()
+
+    def _open(self) -> ShardBuilder:
+        self._current = ShardBuilder(self.folder, len(self.shards), self.dtype)
+        return self._current
+
+    def _close(self) -> None:
+        assert self._current is not None
+        info = self._current.finish()
+        self._current = None
+        self.shards.append(info)
+        self.on_shard(info)
+
+
+class LocalOutput:
+    """A local folder: staged in a hidden sibling folder, published by renaming it into place."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.staging = root.parent / f".{root.name}.partial-{uuid.uuid4().hex[:8]}"
+
+    def exists(self) -> bool:
+        return self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir()))
+
+    def begin(self) -> Path:
+        self.staging.mkdir(parents=True)
+        return self.staging
+
+    def shard_written(self, info: ShardInfo) -> None:
+        """Shards are written in place in the staging folder: nothing to move."""
+
+    def publish(self, manifest: Manifest) -> None:
+        (self.staging / MANIFEST_NAME).write_text(manifest.dumps())
+        old = self.root.parent / f".{self.root.name}.old-{uuid.uuid4().hex[:8]}"
+        if self.root.exists() or self.root.is_symlink():
+            self.root.rename(old)
+        self.staging.rename(self.root)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists():
+            old.unlink()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class S3Output:
+    """An s3:// prefix: shards uploaded under a sibling staging prefix, copied into place, manifest last."""
+
+    def __init__(self, uri: str) -> None:
+        from ringtrain.checkpoint.options import S3Options
+        from ringtrain.checkpoint.s3 import S3Backend, parse_s3_uri
+
+        try:
+            self.bucket, self.prefix = parse_s3_uri(uri)
+        except ValueError:
+            raise ConfigError(OUT_KEY, f"{uri}: expected s3://bucket/prefix") from None
+        if not self.prefix:
+            raise ConfigError(OUT_KEY, f"{uri}: name a prefix inside the bucket, not the bucket itself")
+        self.root = S3Backend(self.bucket, self.prefix, S3Options())
+        self.staging = S3Backend(self.bucket, f"{self.prefix}.partial-{uuid.uuid4().hex[:8]}", S3Options())
+        self._local: Optional[Path] = None
+
+    def exists(self) -> bool:
+        return any(True for _ in self.root.list())
+
+    def begin(self) -> Path:
+        self._local = Path(tempfile.mkdtemp(prefix="rt-prepare-"))
+        return self._local
+
+    def _key(self, backend: Any, rel: str) -> str:
+        return f"{backend.prefix}/{rel}"
+
+    def shard_written(self, info: ShardInfo) -> None:
+        assert self._local is not None
+        for rel in (info.tokens, info.docs):
+            local = self._local / rel
+            self.root.client.upload_file(str(local), self.bucket, self._key(self.staging, rel))
+            local.unlink()  # local disk holds one shard at a time
+
+    def publish(self, manifest: Manifest) -> None:
+        client: Any = self.root.client
+        keep = {MANIFEST_NAME}
+        # Readers never see a manifest naming a half-copied set: the old one goes first.
+        self.root.delete([MANIFEST_NAME])
+        for shard in manifest.shards:
+            for rel in (shard.tokens, shard.docs):
+                keep.add(rel)
+                source = {"Bucket": self.bucket, "Key": self._key(self.staging, rel)}
+                client.copy(source, self.bucket, self._key(self.root, rel))
+        self.root.delete([info.key for info in self.root.list() if info.key not in keep])
+        self.root.put(MANIFEST_NAME, manifest.dumps().encode())
+        self.abort()
+
+    def abort(self) -> None:
+        if self._local is not None:
+            shutil.rmtree(self._local, ignore_errors=True)
+        self.staging.delete_prefix("")
+
+
+Output = LocalOutput | S3Output
+
+
+def open_output(uri: str, overwrite: bool) -> Output:
+    """The output ``uri`` names; refused when it holds anything and ``overwrite`` is off."""
+    path = local_path(uri)
+    output: Output = LocalOutput(path.absolute()) if path is not None else S3Output(uri)
+    if path is not None and path.exists() and not path.is_dir():
+        raise ConfigError(OUT_KEY, f"{uri} is a file, not a folder")
+    if output.exists() and not overwrite:
+        raise ConfigError(OUT_KEY, f"{uri} already exists; pass --overwrite to replace it")
+    return output
