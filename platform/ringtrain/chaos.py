@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 # crash: the worker process exits mid-step, after the forward pass (as if killed); nan: the
 # rank's loss becomes NaN, so its gradients poison the step; slow: the rank sleeps ``seconds``
-# before the step; hang: mid-step, the rank stops in compute (sleeps ``seconds``, or for good
+# before the step (on ``count`` consecutive steps); hang: mid-step, the rank stops in compute (sleeps ``seconds``, or for good
 # when 0) while its peers wait in the step's collectives; skip_collective: the rank leaves out
 # the step's closing loss all-reduce; wrong_shape: it enters that all-reduce with another shape.
 # The last two leave the other ranks waiting in it. bitflip: the rank's device goes bad at the
@@ -30,6 +30,7 @@ class FaultSpec:
     seconds: float = 0.0  # for slow and hang
     target: str = "probe"  # for bitflip: probe | gradients
     bit: int = 22  # for bitflip: which bit of an fp32 element (22: the top mantissa bit, up to 2x off)
+    count: int = 1  # for slow: fire on this many consecutive steps from ``step`` (a persistent straggler)
 
 
 class FaultPlan:
@@ -40,8 +41,9 @@ class FaultPlan:
         self.faults = list(faults)
 
     def take(self, rank: int, step: int) -> list[FaultSpec]:
-        due = [f for f in self.faults if f.rank == rank and f.step == step]
-        self.faults = [f for f in self.faults if f not in due]
+        due = [f for f in self.faults if f.rank == rank and f.step <= step < f.step + max(1, f.count)]
+        # A fault with steps still to come stays; each step of it fires once.
+        self.faults = [f for f in self.faults if f not in due or step + 1 < f.step + max(1, f.count)]
         return due
 
     def __bool__(self) -> bool:

@@ -54,6 +54,10 @@ GOODPUT = Metric("ringtrain_goodput_ratio", "gauge", "Fraction of wall time spen
 SDC_PROBES = Metric("ringtrain_sdc_probes", "counter", "Silent-data-corruption probe rounds run")
 SDC_FAILURES = Metric("ringtrain_sdc_failures", "counter", "Probe rounds that found a mismatch")
 HANG_VERDICTS = Metric("ringtrain_hang_verdicts", "counter", "Hang diagnoses issued")
+RANK_SLOWDOWN = Metric(
+    "ringtrain_rank_slowdown", "gauge", "Each rank's compute time in the last step over its peers' median (stragglers > 1)",
+    LABELS + ("rank",),
+)
 
 INCIDENT_KINDS = ("crash", "node_lost", "hang", "sdc", "nan", "straggler")
 
@@ -78,5 +82,6 @@ ALL = (
     SDC_PROBES,
     SDC_FAILURES,
     HANG_VERDICTS,
+    RANK_SLOWDOWN,
 )
 BY_EXPORTED_NAME = {m.exported: m for m in ALL}

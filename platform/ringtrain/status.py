@@ -39,6 +39,9 @@ class StepReport:
     snapshot_bytes: int = 0
     memory_bytes: int = 0  # peak device memory during the step (CUDA) or peak RSS (CPU)
     probes: Optional[dict[str, str]] = None  # SDC probe digests, when the step ended with a probe round
+    # The step's time outside its collectives (waiting on peers left out): what tells a slow
+    # rank, whose peers wait for it, from the ones that wait (controllers.stragglers).
+    compute_s: float = 0.0
 
 
 @dataclass(frozen=True)

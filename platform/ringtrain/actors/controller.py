@@ -30,6 +30,7 @@ from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Ki
 from ringtrain.controllers.ledger import SampleLedger
 from ringtrain.controllers.repeats import ErrorSignature, RepeatTracker, repeated_reason
 from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
+from ringtrain.controllers.stragglers import StragglerWatch, slowdowns
 from ringtrain.controllers.snapshots import persist_due
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
@@ -99,6 +100,7 @@ class Controller:
         self.error: Optional[str] = None
         self.error_location: Optional[dict[str, Any]] = None  # a repeating error's type, message, frame, step
         self.repeats = RepeatTracker()
+        self.stragglers = StragglerWatch(job.controllers.straggler_factor, job.controllers.straggler_steps)
         self.resizes: list[dict[str, Any]] = []
         self._kept_s = 0.0  # wall time of the steps kept so far (goodput's numerator)
         self._recovering: list[tuple[Incident, float]] = []  # incidents awaiting their next completed step
@@ -202,6 +204,9 @@ class Controller:
             resumed = self._judge(step, t0, {r.rank: r.probes or {} for r in reports})
             if resumed is not None:
                 return resumed + 1
+        resumed = self._watch_stragglers(step, t0, reports)
+        if resumed is not None:
+            return resumed + 1
         self._maybe_persist(step)
         self._finish_recovery()
         self._maybe_grow(step)
@@ -230,7 +235,7 @@ class Controller:
         self._transition(RunState.RECOVERING, failure.reason)
         if failure.suspect_devices and self.job.controllers.sdc_evict_node:
             self.elastic.cordon(failure.ranks)  # first: capacity there no longer counts
-        reuse = not failure.suspect_devices
+        reuse = not failure.quarantine
         capacity = self.elastic.capacity(failure.ranks, reuse_slots=reuse) if failure.lost_workers else Capacity(0, 0)
         repeated = self._repeated(failure, step)
         if repeated:
@@ -242,7 +247,7 @@ class Controller:
             cp=self.job.mesh.cp,
             min_dp=self.job.mesh.min_dp,
             capacity=capacity,
-            recoveries=sum(1 for i in self.incidents if i.action != "abort"),
+            recoveries=sum(1 for i in self.incidents if i.action not in ("abort", "report")),
             max_recoveries=self.job.controllers.max_recoveries,
             on_nan=self.job.controllers.on_nan,
             allowed_dps=allowed_dps(global_batch=t.global_batch, micro_batch=t.micro_batch, min_dp=1, max_dp=self.dp),
@@ -261,6 +266,9 @@ class Controller:
         )
         if decision.action is Action.ABORT:
             raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
+        if decision.action is Action.REPORT:
+            self._transition(RunState.RUNNING, decision.reason)
+            return step if restore_to is None else restore_to
         last_step = step - 1 if restore_to is None else restore_to
         resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
         self._repin(min(self.last_clean_scan, resumed))  # a state from before a clean scan is clean
@@ -268,6 +276,7 @@ class Controller:
             self._discard_durable_after(resumed)
         self._growing_to = None
         self._grow_gate.reset()
+        self.stragglers.reset()
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
         self._kept_s = sum(r["step_time_s"] for r in self.records)
@@ -314,7 +323,7 @@ class Controller:
             spares=decision.spares_used,
             last_step=last_step,
             fired_through=fired_through,
-            quarantine=failure.suspect_devices,
+            quarantine=failure.quarantine,
         )
         self.dp = decision.dp_after
         if self.sdc is not None:
@@ -376,12 +385,40 @@ class Controller:
         self.dp = new_dp
         self._growing_to = None
         self._grow_gate.reset()
+        self.stragglers.reset()
         event = {"step": step, "dp_before": before, "dp_after": new_dp, "seconds": self.clock() - t0, "at": time.time()}
         self.resizes.append(event)
         self._write_layout()
         if self.telemetry is not None:
             self.telemetry.set(metrics.DP_SIZE, new_dp)
         self.progress.message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
+
+    def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[int]:
+        """Export each rank's slowdown; with controllers.on_straggler set, name a persistent
+        straggler (controllers.stragglers) and, with evict, recover from it as from a lost rank
+        whose slot is not reused. Returns the step resumed after an eviction."""
+        compute = {r.rank: r.compute_s for r in reports}
+        if self.telemetry is not None:
+            for rank, ratio in slowdowns(compute).items():
+                self.telemetry.set(metrics.RANK_SLOWDOWN, ratio, rank=str(rank))
+        c = self.job.controllers
+        found = self.stragglers.observe(step, compute) if c.on_straggler != "off" and len(reports) > 1 else None
+        if found is None:
+            return None
+        infos = self.group.infos
+        cp = self.job.mesh.cp
+        where = {"replica": found.rank // cp, "ring_pos": found.rank % cp, "host": infos[found.rank].host if found.rank < len(infos) else "?"}
+        reason = (
+            f"rank {found.rank} (replica {where['replica']}, ring position {where['ring_pos']}, host {where['host']}) computed "
+            f"{found.slowdown:.2f}x its peers' median on steps {list(found.steps)} (controllers.straggler_factor="
+            f"{c.straggler_factor:g}, controllers.straggler_steps={c.straggler_steps})"
+        )
+        evidence = {"straggler": found.to_dict(**where)}
+        if c.on_straggler == "report" or self.elastic is None:
+            self._incident("straggler", (found.rank,), step, t0, reason=reason, action="report", verdict=evidence)
+            return None
+        failure = Failure(Kind.STRAGGLER, (found.rank,), reason)
+        return self._recover(failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=step)
 
     # --- silent data corruption ---------------------------------------------------------
 
@@ -585,7 +622,7 @@ class Controller:
             "last_durable_step": self.persister.last_durable_step if self.persister else 0,
             "checkpoint_errors": list(self.persister.errors) if self.persister else [],
             "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
-            "recoveries": [recovery_entry(i) for i in self.incidents if i.action != "abort"],
+            "recoveries": [recovery_entry(i) for i in self.incidents if i.action not in ("abort", "report")],
             "resizes": self.resizes,
             "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
             "error": self.error,

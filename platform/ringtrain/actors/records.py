@@ -26,6 +26,8 @@ def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -
         "tokens": tokens,
         "step_time_s": wall_s,
         "rank_step_time_s": [round(r.step_time_s, 6) for r in by_rank],
+        # Each rank's time outside the step's collectives: a straggler's is the long one.
+        "rank_compute_s": [round(r.compute_s, 6) for r in by_rank],
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "dp": dp,
         "cp": cp,

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from ringtrain.config import JobConfig
@@ -148,11 +149,19 @@ class TrainWorker:
     def train_step(self, probe: bool = False) -> StepReport:
         """One optimizer step; with ``probe``, followed by an SDC probe round (collective, so
         every rank of the world is asked for one together)."""
+        from ringtrain.train import probes
+
         trainer = self._trainer
         assert trainer is not None, "join() must run before train_step()"
         self._busy = True
         try:
+            recorder = probes.active()
+            blocked_before, started = (recorder.blocked_s() if recorder else 0.0), time.perf_counter()
             report = trainer.train_step()
+            # The whole call (a chaos slow fault's delay included) less the time blocked in
+            # collectives, i.e. waiting on peers: this rank's own share of the step.
+            blocked = (recorder.blocked_s() - blocked_before) if recorder else 0.0
+            report = dataclasses.replace(report, compute_s=max(0.0, time.perf_counter() - started - blocked))
             self._bad_device = trainer.bad_device
             if probe:
                 report = dataclasses.replace(report, probes=trainer.probe_round())

@@ -52,6 +52,7 @@ class Kind(enum.Enum):
     ERROR = "error"  # an exception in the step (user code, data, a collective without a dead peer)
     NAN = "nan"  # a non-finite loss
     SDC = "sdc"  # a rank failed a silent-data-corruption scan
+    STRAGGLER = "straggler"  # a rank persistently slower than its peers (controllers.stragglers)
 
 
 class Action(enum.Enum):
@@ -59,6 +60,7 @@ class Action(enum.Enum):
     SHRINK = "shrink"  # evict the replicas with lost ranks
     ROLLBACK = "rollback"  # same workers, state from the last snapshot
     ABORT = "abort"
+    REPORT = "report"  # nothing done: the incident is a report (a straggler with nowhere to go)
 
 
 # Messages of a collective that failed because a peer went away, not because of this rank.
@@ -85,12 +87,19 @@ class Failure:
     @property
     def lost_workers(self) -> bool:
         """Whether the failed ranks' processes are gone (or must be) and their seats need filling."""
-        return self.kind in (Kind.CRASH, Kind.NODE_LOST, Kind.HANG) or (self.kind is Kind.SDC and bool(self.ranks))
+        return self.kind in (Kind.CRASH, Kind.NODE_LOST, Kind.HANG, Kind.STRAGGLER) or (
+            self.kind is Kind.SDC and bool(self.ranks)
+        )
 
     @property
     def suspect_devices(self) -> bool:
-        """Whether the failed ranks' devices corrupted data: their slots must not be used again."""
+        """Whether the failed ranks' devices corrupted data (their nodes may be cordoned)."""
         return self.kind is Kind.SDC and bool(self.ranks)
+
+    @property
+    def quarantine(self) -> bool:
+        """Whether the failed ranks' slots must not be used again: a corrupting or slow device."""
+        return self.suspect_devices or self.kind is Kind.STRAGGLER
 
 
 def classify(outcomes: Sequence[RankOutcome]) -> Optional[Failure]:
@@ -189,6 +198,11 @@ def decide(
             f"dp {dp} -> {new_dp} (mesh.min_dp={min_dp})",
             new_dp,
             evict_replicas=broken,
+        )
+    if failure.kind is Kind.STRAGGLER:
+        # Slow is not broken: with no spare and no shrink it keeps its seat, and only a report.
+        return Decision(
+            Action.REPORT, f"no warm spare and dp {dp} cannot shrink (mesh.min_dp={min_dp}): the straggler keeps its seat", dp
         )
     if capacity.spares + capacity.free_slots >= lost:
         return Decision(

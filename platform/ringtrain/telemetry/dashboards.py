@@ -461,6 +461,19 @@ def reliability() -> Json:
                 ),
             ),
         ),
+        Row(
+            8,
+            (
+                graph(
+                    "Rank slowdown (stragglers)",
+                    [Query(per_run(m.RANK_SLOWDOWN, "rank"), "{{run_id}} rank {{rank}}")],
+                    m.RANK_SLOWDOWN.help + "; controllers.straggler_factor marks a straggler",
+                    decimals=2,
+                    min=0,
+                    width=24,
+                ),
+            ),
+        ),
     ]
     return dashboard(
         RELIABILITY_UID,

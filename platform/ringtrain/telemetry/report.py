@@ -266,6 +266,9 @@ def _charts(run: RunFiles) -> str:
     records = run.records
     num_ranks = max((len(r.get("rank_step_time_s") or []) for r in records), default=0)
     ranks = [Series(f"rank {rank}", _ranked(records, "rank_step_time_s", rank)) for rank in range(num_ranks)]
+    # Compute time (outside the step's collectives): the straggler is the long one, where step
+    # times are all alike because every rank waits for it.
+    computing = [Series(f"rank {rank}", _ranked(records, "rank_compute_s", rank)) for rank in range(num_ranks)]
 
     def one(label: str, key: str, *, stepped: bool = False) -> list[Series]:
         return [Series(label, _points(records, key), stepped=stepped)]
@@ -279,6 +282,11 @@ def _charts(run: RunFiles) -> str:
             "Step time by rank (s)",
             [*ranks, Series("step (controller)", _points(records, "step_time_s"), dashed=True)],
             _straggler_note(ranks),
+        ),
+        *(
+            [("compute-time", "Compute time by rank (s): slowdown against the median rank", computing, _straggler_note(computing))]
+            if any(v > 0 for s in computing for v in _drawn(s.points))  # runs from before it was measured: none
+            else []
         ),
         (
             "timeline",

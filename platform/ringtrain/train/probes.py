@@ -203,13 +203,14 @@ class _TrackedWork:
         record, recorder = self._call.record, self._call.recorder
         tid = threading.get_ident()
         recorder._inside[tid] = record
+        entered = time.perf_counter()
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException as exc:
             record.error, record.end = repr(exc)[:_ERROR_CHARS], time.time()
             raise
         finally:
-            recorder._left(tid)
+            recorder._left(tid, time.perf_counter() - entered)
         if not self._waited:
             self._waited = True
             self._call.one_done()
@@ -232,6 +233,9 @@ class CollectiveRecorder:
         self._seqs: dict[str, int] = {}
         self._num_issued = 0
         self._inside: dict[int, _Record] = {}  # thread ident -> the record it is blocked in
+        # Seconds each thread has spent blocked in collectives and wait(): a step's time minus
+        # its growth is the step's compute, which tells a straggler from the ranks waiting on it.
+        self._blocked_s: dict[int, float] = {}
         self._last_progress = time.time()
         self._last_thread = ""
         self._groups: weakref.WeakKeyDictionary[Any, tuple[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
@@ -291,6 +295,7 @@ class CollectiveRecorder:
             tid = threading.get_ident()
             self._inside[tid] = record
             self._local.depth = 1
+            entered = time.perf_counter()
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
@@ -298,7 +303,7 @@ class CollectiveRecorder:
                 raise
             finally:
                 self._local.depth = 0
-                self._left(tid)
+                self._left(tid, time.perf_counter() - entered)
             if isinstance(result, dist.Work):
                 return _TrackedWork(result, _AsyncCall(self, record, 1, cuda))
             if isinstance(result, list) and result and all(isinstance(w, dist.Work) for w in result):
@@ -336,10 +341,16 @@ class CollectiveRecorder:
             self._last_thread = thread
         return record
 
-    def _left(self, tid: int) -> None:
-        """The thread ``tid`` returned from a blocking call or ``wait()``."""
+    def _left(self, tid: int, blocked_s: float = 0.0) -> None:
+        """The thread ``tid`` returned from a blocking call or ``wait()`` after ``blocked_s``."""
         self._inside.pop(tid, None)
+        self._blocked_s[tid] = self._blocked_s.get(tid, 0.0) + blocked_s
         self._last_progress = time.time()
+
+    def blocked_s(self) -> float:
+        """Seconds the calling thread has spent blocked in collectives so far (a running total:
+        take the difference over a step)."""
+        return self._blocked_s.get(threading.get_ident(), 0.0)
 
     def _complete(self, record: _Record, cuda: bool) -> None:
         record.end = time.time()
