@@ -20,7 +20,7 @@ DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 tokens: large reads, few fil
 PROGRESS_EVERY_S = 0.5
 # Flags that change where or how fast prepare runs, never what it writes: left out of the
 # manifest's command so that the manifest, too, is the same bytes at any parallelism.
-_EXECUTION_FLAGS = {"--address": True, "--parallelism": True, "--overwrite": False, "--quiet": False}
+_EXECUTION_FLAGS = {"--address": True, "--parallelism": True, "--num-cpus": True, "--overwrite": False, "--quiet": False}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

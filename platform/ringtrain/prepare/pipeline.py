@@ -176,13 +176,26 @@ def consume(row: dict[str, Any], job: Job, tally: Tally) -> Optional[tuple[np.nd
     return (tokens, lengths) if lengths.size else None
 
 
+class _Borrowed:
+    """The caller's own Ray connection: used as it is, and left up."""
+
+    def close(self) -> None:
+        """Not ours to close."""
+
+
 def connect(address: Optional[str], num_cpus: Optional[int]) -> Any:
-    """Join ``address`` (or RAY_ADDRESS), else start an embedded local cluster; the handle to close."""
+    """Join ``address`` (or RAY_ADDRESS), else start an embedded local cluster; the handle to close.
+
+    A process already connected to Ray (a driver calling prepare as a library, a test with one
+    cluster for many runs) keeps its connection: prepare runs there and does not shut it down.
+    """
     import ray
 
     from ringtrain.actors.cluster import ClusterHandle
     from ringtrain.errors import ClusterError
 
+    if ray.is_initialized():
+        return _Borrowed()
     address = address or os.environ.get("RAY_ADDRESS")
     try:
         if address:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import io
 import json
 import os
 import zlib
@@ -124,16 +123,48 @@ def expand(args: list[str]) -> list[SourceFile]:
 # ---- reading one file ------------------------------------------------------------------------
 
 
-def _open_jsonl(path: str) -> IO[bytes]:
-    lower = path.lower()
-    if lower.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if lower.endswith(".zst"):
-        import zstandard
+READ_CHUNK = 1 << 20
 
-        raw = open(path, "rb")
-        return zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)  # type: ignore[no-any-return]
-    return open(path, "rb")
+
+def _zstd_chunks(raw: IO[bytes]) -> Iterator[bytes]:
+    """Decompressed chunks of a zstd file of one or more frames; a frame cut short raises ZstdError
+    (zstandard's stream reader would end quietly, losing the rest of a truncated file)."""
+    import zstandard
+
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    pending = False  # input fed to a frame that has not ended
+    while chunk := raw.read(READ_CHUNK):
+        while chunk:
+            out = dobj.decompress(chunk)
+            pending = not dobj.eof
+            if out:
+                yield out
+            chunk = dobj.unused_data if dobj.eof else b""
+            if dobj.eof:
+                dobj = zstandard.ZstdDecompressor().decompressobj()
+    if pending:
+        raise zstandard.ZstdError("the file ends inside a frame (truncated)")
+
+
+def _chunks(path: str) -> Iterator[bytes]:
+    """The decompressed bytes of a (plain, .gz or .zst) file, in chunks."""
+    lower = path.lower()
+    if lower.endswith(".zst"):
+        with open(path, "rb") as raw:
+            yield from _zstd_chunks(raw)
+        return
+    with gzip.open(path, "rb") if lower.endswith(".gz") else open(path, "rb") as stream:
+        while chunk := stream.read(READ_CHUNK):
+            yield chunk
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    rest = b""
+    for chunk in chunks:
+        *lines, rest = (rest + chunk).split(b"\n")
+        yield from lines
+    if rest:
+        yield rest
 
 
 def _corrupt_errors() -> tuple[type[BaseException], ...]:
@@ -145,11 +176,10 @@ def _corrupt_errors() -> tuple[type[BaseException], ...]:
 def _jsonl(path: str, uri: str, text_field: str) -> Iterator[Record]:
     line_no = 0
     try:
-        with _open_jsonl(path) as raw:
-            for line_no, line in enumerate(io.BufferedReader(raw, 1 << 20), start=1):  # type: ignore[arg-type]
-                if not line.strip():
-                    continue  # blank lines (a trailing newline too) are not records
-                yield _record(line, line_no, text_field)
+        for line_no, line in enumerate(_lines(_chunks(path)), start=1):
+            if not line.strip():
+                continue  # blank lines (a trailing newline too) are not records
+            yield _record(line, line_no, text_field)
     except _corrupt_errors() as exc:
         raise DataError(f"{uri}: corrupt compressed data after line {line_no} ({exc or type(exc).__name__})") from None
     except OSError as exc:

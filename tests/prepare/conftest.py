@@ -1,0 +1,23 @@
+"""Fixtures of the prepare tier: a small stdlib corpus and its BPE tokenizer, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.corpus import build_corpus, save_tokenizer
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of three files (plain JSONL, .jsonl.gz, Parquet) of stdlib documents."""
+    folder = tmp_path_factory.mktemp("corpus")
+    build_corpus(folder, num_modules=24, num_files=3)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model-style folder holding a BPE tokenizer.json trained on the same text (EOS </s> = 2)."""
+    return save_tokenizer(tmp_path_factory.mktemp("tok"), num_modules=24, vocab_size=1024)
