@@ -1,0 +1,67 @@
+"""A persistent straggler, end to end: named from the ranks' compute times and evicted.
+
+Rank 1 sleeps before each step from step STRAGGLER_FROM on (chaos ``slow`` with ``count``), so
+its peers wait for it inside the step's collectives. With ``controllers.on_straggler=evict`` and
+a warm spare, the Controller names it after ``straggler_steps`` slow steps, the spare takes its
+seat (its slot is held back), and the run ends as the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .test_elastic import JOB, check_ledger, check_matches_reference, incidents, job_file, records
+from .test_run_e2e import processes_using, run_cli
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+SLOW_RANK, STRAGGLER_FROM, STRAGGLER_STEPS, SLOW_S = 1, 3, 2, 1.0
+
+
+def test_a_persistent_straggler_is_named_and_its_seat_taken_by_a_spare(tmp_path: Path, reference: Path) -> None:
+    home = tmp_path
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
+    slow = f"{{kind: slow, rank: {SLOW_RANK}, step: {STRAGGLER_FROM}, seconds: {SLOW_S}, count: 10}}"
+    try:
+        result = run_cli(
+            [
+                str(job_file(home)),
+                f"run_dir={home / 'run'}",
+                *JOB,
+                "cluster.num_cpus=3",  # room for the spare; the straggler's slot stays held
+                "mesh.spares=1",
+                "controllers.on_straggler=evict",
+                f"controllers.straggler_steps={STRAGGLER_STEPS}",
+                f"chaos.faults=[{slow}]",
+            ],
+            home=home,
+            ray_tmp=ray_tmp,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert processes_using(ray_tmp) == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    run_dir = home / "run"
+
+    (incident,) = incidents(run_dir)
+    found = incident["verdict"]["straggler"]
+    assert (incident["kind"], incident["ranks"], incident["action"]) == ("straggler", [SLOW_RANK], "replace")
+    # Named within straggler_steps + 1 steps of its first slow one, with where it sits.
+    assert STRAGGLER_FROM + STRAGGLER_STEPS - 1 <= incident["detected_at_step"] <= STRAGGLER_FROM + STRAGGLER_STEPS
+    assert (found["replica"], found["ring_pos"], found["rank"]) == (0, 1, SLOW_RANK) and found["host"]
+    assert found["slowdown"] >= 1.5
+    assert incident["recover_s"] is not None
+    # The compute times say who was slow, where the step times of all ranks look alike.
+    step = next(r for r in records(run_dir) if r["step"] == STRAGGLER_FROM)
+    others = [t for rank, t in enumerate(step["rank_compute_s"]) if rank != SLOW_RANK]
+    assert step["rank_compute_s"][SLOW_RANK] > 1.5 * max(others)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["dp"] == 2
+    check_matches_reference(run_dir, reference)
+    check_ledger(summary)
