@@ -26,7 +26,6 @@ ATTENTION_KERNELS = ("auto", "flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_eff
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NAN_POLICIES = ("skip", "retry", "abort")
-STRAGGLER_POLICIES = ("off", "report", "evict")
 STDLIB_CORPUS = "stdlib"
 
 
@@ -61,7 +60,15 @@ class ModelConfig:
     # max_position_embeddings); an export raises it to what this job trains at.
     max_position_embeddings: Optional[int] = None
     init_std: float = 0.02
-    activation_checkpointing: bool = False
+    # none | full (every layer keeps only its input) | selective (norms and the SwiGLU product
+    # are recomputed, see train/recompute.py); the older true/false mean full/none.
+    activation_checkpointing: str = "none"
+    # The saved activations of this many layers (the first ones) go to host memory in the
+    # forward and come back one layer ahead in the backward (train/offload.py).
+    activation_offload_layers: int = 0
+    # The SwiGLU MLP runs over this many sequence tiles, each recomputed in the backward.
+    mlp_tiles: int = 1
+
 
 
 # What an unset ModelConfig key means for a model trained from scratch.
@@ -81,6 +88,16 @@ MODEL_DEFAULTS: dict[str, Any] = {
 }
 # rope_scaling types a training job can use; "dynamic" rescales by the length seen at inference.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+CHECKPOINTING_MODES = ("none", "full", "selective")
+# The boolean spellings model.activation_checkpointing had before it took a mode.
+_CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}
+
+
+def checkpointing_mode(value: "str | bool") -> str:
+    """``model.activation_checkpointing`` as a mode: true/false (bool or YAML's string) map to full/none."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return _CHECKPOINTING_ALIASES.get(str(value).lower(), str(value))
 
 
 @dataclass
@@ -137,6 +154,9 @@ class TrainConfig:
     # the ones controllers.on_nan=skip dropped, or any a user wants passed over.
     skip_batches: list[int] = field(default_factory=list)
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # Output projection and loss over chunks of this many tokens, each chunk's logits
+    # recomputed in the backward (train/loss.py); 0 materialises the whole [tokens x vocab].
+    loss_chunk_tokens: int = 0
 
 
 @dataclass
@@ -182,13 +202,6 @@ class ControllersConfig:
     sdc_every_steps: int = 100
     sdc_evict_node: bool = False
     sdc_cross_rank: bool = True
-    # Stragglers (controllers.stragglers): a rank whose compute time (its step time outside the
-    # step's collectives) is straggler_factor x its peers' median on straggler_steps consecutive
-    # steps is named in an incident (report); with evict, a warm spare takes its seat (else the
-    # job shrinks) and its slot is never reused. off: not watched (the default, as before).
-    on_straggler: str = "off"
-    straggler_factor: float = 1.5
-    straggler_steps: int = 3
 
 
 @dataclass
@@ -319,6 +332,7 @@ def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = Non
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
     assert isinstance(job, JobConfig)
+    job.model.activation_checkpointing = checkpointing_mode(job.model.activation_checkpointing)
     fill_model_defaults(job)
     validate(job)
     return job
@@ -359,6 +373,7 @@ def merge(job: JobConfig, overrides: list[str]) -> JobConfig:
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
     assert isinstance(new, JobConfig)
+    new.model.activation_checkpointing = checkpointing_mode(new.model.activation_checkpointing)
     fill_model_defaults(new)
     return new
 
@@ -455,8 +470,6 @@ def validate(job: JobConfig) -> None:
             raise ConfigError(f"{key}.step", f"{fault.step} is not a step of 1..train.steps={job.train.steps}")
         if fault.seconds < 0:
             raise ConfigError(f"{key}.seconds", f"must be >= 0 (got {fault.seconds})")
-        if fault.count < 1 or (fault.count > 1 and fault.kind != "slow"):
-            raise ConfigError(f"{key}.count", f"must be >= 1, and above 1 only for kind slow (got {fault.count})")
         if fault.kind == "bitflip":
             _one_of(fault.target, BITFLIP_TARGETS, f"{key}.target")
             if not 0 <= fault.bit < 32:
@@ -528,6 +541,30 @@ def validate_model(job: JobConfig) -> None:
         raise ConfigError("model.norm_eps", f"must be > 0 (got {m.norm_eps})")
     if m.rope_scaling is not None:
         validate_rope_scaling(dict(m.rope_scaling), "model.rope_scaling")
+    validate_memory_savers(job)
+
+
+def validate_memory_savers(job: JobConfig) -> None:
+    """The long-context memory savers and their relations to the model and the mesh; the
+    checks that need n_layers run once it is known (for model.hf, after config.json is read)."""
+    m, t = job.model, job.train
+    _one_of(checkpointing_mode(m.activation_checkpointing), CHECKPOINTING_MODES, "model.activation_checkpointing")
+    if m.activation_offload_layers < 0:
+        raise ConfigError("model.activation_offload_layers", f"must be >= 0, 0 turns offload off (got {m.activation_offload_layers})")
+    if m.n_layers is not None and m.activation_offload_layers > m.n_layers:
+        raise ConfigError(
+            "model.activation_offload_layers",
+            f"{m.activation_offload_layers} is more than the model's model.n_layers={m.n_layers}",
+        )
+    _positive(m.mlp_tiles, "model.mlp_tiles")
+    local_seq = job.data.seq_len // job.mesh.cp if job.mesh.cp >= 1 else job.data.seq_len
+    if local_seq % m.mlp_tiles:
+        raise ConfigError(
+            "model.mlp_tiles",
+            f"{m.mlp_tiles} does not divide the local sequence data.seq_len / mesh.cp = {local_seq}",
+        )
+    if t.loss_chunk_tokens < 0:
+        raise ConfigError("train.loss_chunk_tokens", f"must be >= 1, or 0 to turn chunking off (got {t.loss_chunk_tokens})")
 
 
 # Keys each rope_scaling type needs, beyond rope_type itself.
@@ -583,11 +620,6 @@ def _validate_elastic(job: JobConfig) -> None:
         raise ConfigError("controllers.grow_after_s", f"must be >= 0 (got {c.grow_after_s})")
     if c.sdc_every_steps < 0:
         raise ConfigError("controllers.sdc_every_steps", f"must be >= 0 (got {c.sdc_every_steps}); 0 turns scans off")
-    _one_of(c.on_straggler, STRAGGLER_POLICIES, "controllers.on_straggler")
-    if not c.straggler_factor > 1:
-        raise ConfigError("controllers.straggler_factor", f"must be > 1 (got {c.straggler_factor}): a slowdown against the median rank")
-    if c.straggler_steps < 1:
-        raise ConfigError("controllers.straggler_steps", f"must be >= 1 (got {c.straggler_steps})")
 
 
 def _validate_cp_layout(job: JobConfig) -> None:

@@ -24,7 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ringtrain.config import JobConfig
+from ringtrain.config import JobConfig, checkpointing_mode
+from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
+from ringtrain.train.offload import ActivationOffloader
+from ringtrain.train.recompute import recomputed, tiled
 from ringtrain.train.rope import Rope, build_rope
 
 
@@ -79,6 +82,26 @@ class ModelArgs:
             mlp_bias=bool(m.mlp_bias),
             qk_norm=bool(m.qk_norm),
             tie_embeddings=bool(m.tie_embeddings),
+        )
+
+
+@dataclass(frozen=True)
+class MemorySavers:
+    """How the forward trades compute and transfers for activation memory (none by default)."""
+
+    checkpointing: str = "none"  # none | full | selective (train/recompute.py)
+    offload_layers: int = 0  # the first N layers' saved activations wait in host memory
+    mlp_tiles: int = 1  # SwiGLU over this many sequence tiles, each recomputed
+    loss_chunk_tokens: int = 0  # output projection and loss over chunks of this many tokens
+
+    @classmethod
+    def from_job(cls, job: JobConfig) -> "MemorySavers":
+        m = job.model
+        return cls(
+            checkpointing=checkpointing_mode(m.activation_checkpointing),
+            offload_layers=m.activation_offload_layers,
+            mlp_tiles=m.mlp_tiles,
+            loss_chunk_tokens=job.train.loss_chunk_tokens,
         )
 
 
@@ -140,16 +163,47 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, attention_fn: AttentionFn):
+    def __init__(self, args: ModelArgs, attention_fn: AttentionFn, savers: MemorySavers = MemorySavers()):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, attention_fn)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
+        self.selective = savers.checkpointing == "selective"
+        self.mlp_tiles = savers.mlp_tiles
+
+    def _attention_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self.attention_norm, x) if self.selective else self.attention_norm(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """ffn_norm then SwiGLU; selective recomputes both, tiles recompute the SwiGLU per tile."""
+        if self.selective:
+            return tiled(lambda y: self.feed_forward(self.ffn_norm(y)), x, self.mlp_tiles)
+        if self.mlp_tiles > 1:
+            return tiled(self.feed_forward, self.ffn_norm(x), self.mlp_tiles)
+        return self.feed_forward(self.ffn_norm(x))
+
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.attention(self._attention_norm(x), cos, sin)
+        return x + self._mlp(x)
+
+
+class OutputHead(nn.Linear):
+    """The output projection; given labels, it returns the summed loss instead of the logits, so
+    the chunked loss reads the weight inside this module's call (where ZeRO-3 gathers it)."""
+
+    def __init__(self, dim: int, vocab_size: int, loss_chunk_tokens: int = 0) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        x_TE, labels_T = x.flatten(0, -2), labels.flatten()
+        if self.loss_chunk_tokens > 0:
+            return chunked_cross_entropy_sum(x_TE, self.weight, labels_T, self.loss_chunk_tokens)
+        return full_cross_entropy_sum(x_TE, self.weight, labels_T)
 
 
 class Transformer(nn.Module):
@@ -159,17 +213,22 @@ class Transformer(nn.Module):
         *,
         attention_fn: AttentionFn,
         init_std: Optional[float] = 0.02,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: "bool | str" = False,
+        savers: Optional[MemorySavers] = None,
     ) -> None:
-        """``init_std=None`` skips the random initialisation: the weights are loaded next."""
+        """``init_std=None`` skips the random initialisation: the weights are loaded next.
+        ``activation_checkpointing`` (a mode, or the older bool) is ignored when ``savers`` is given."""
         super().__init__()
         self.args = args
         self.rope: Rope = build_rope(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.activation_checkpointing = activation_checkpointing
+        self.savers = savers or MemorySavers(checkpointing=checkpointing_mode(activation_checkpointing))
+        self.activation_checkpointing = self.savers.checkpointing == "full"
+        # Built on the first forward, on the device the activations are on.
+        self.offloader: Optional[ActivationOffloader] = None
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, attention_fn) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, attention_fn, self.savers) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputHead(args.dim, args.vocab_size, self.savers.loss_chunk_tokens)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if init_std is not None:
@@ -190,15 +249,29 @@ class Transformer(nn.Module):
         """The final normed hidden states [B, S, E], before the output projection."""
         cos, sin = self.rope.cos_sin(position_ids_BS)
         h_BSE = self.tok_embeddings(input_ids_BS)
-        for layer in self.layers:
-            if self.activation_checkpointing and self.training:
-                h_BSE = checkpoint(layer, h_BSE, cos, sin, use_reentrant=False)
-            else:
-                h_BSE = layer(h_BSE, cos, sin)
+        for i, layer in enumerate(self.layers):
+            with self._offload(i, h_BSE.device):
+                if self.activation_checkpointing and self.training:
+                    h_BSE = checkpoint(layer, h_BSE, cos, sin, use_reentrant=False)
+                else:
+                    h_BSE = layer(h_BSE, cos, sin)
         return self.norm(h_BSE)
 
-    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
-        return self.output(self.hidden(input_ids_BS, position_ids_BS))
+    def _offload(self, index: int, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        if index >= self.savers.offload_layers or not self.training:
+            return contextlib.nullcontext()
+        if self.offloader is None or self.offloader.device != device:
+            self.offloader = ActivationOffloader(self.savers.offload_layers, device)
+        return self.offloader.layer(index)
+
+    def forward(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, labels_BS: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The logits [B, S, V]; with labels, the fp32 sum of the loss over labelled tokens
+        (chunked when ``savers.loss_chunk_tokens`` is set), never the whole logits."""
+        if labels_BS is None:
+            return self.output(self.hidden(input_ids_BS, position_ids_BS))
+        return self.output(self.hidden(input_ids_BS, position_ids_BS), labels_BS)
 
 
 @contextlib.contextmanager

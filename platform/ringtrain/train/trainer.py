@@ -30,7 +30,7 @@ from ringtrain.topology import Topology
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, MicroBatch, ShardedData, load_tokens
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
-from ringtrain.train.model import AttentionFn, ModelArgs, Transformer, skip_parameter_init
+from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, skip_parameter_init
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
 from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
@@ -70,7 +70,7 @@ def build_model(job: JobConfig, attention_fn: AttentionFn) -> Transformer:
             ModelArgs.from_job(job),
             attention_fn=attention_fn,
             init_std=None if job.model.hf else job.model.init_std,
-            activation_checkpointing=job.model.activation_checkpointing,
+            savers=MemorySavers.from_job(job),
         )
 
 
@@ -229,10 +229,16 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward and (at the accumulation boundary) the optimizer step of one
         micro-batch; returns this rank's summed token loss and its number of labels."""
-        logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
-        self._strike(strike)
         labels = self._tensor(mb.labels).flatten()
-        loss_sum = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        if self.job.train.loss_chunk_tokens > 0:
+            # The model returns the summed loss itself, chunk by chunk (train/loss.py): the
+            # whole [tokens x vocab] logits never exist. Normalised below exactly as the sum is.
+            loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels)
+            self._strike(strike)
+        else:
+            logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
+            self._strike(strike)
+            loss_sum = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         # The mean number of labels a rank holds per micro-batch (see the module docstring).
         loss = loss_sum / (len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
         if poison:

@@ -1,0 +1,114 @@
+"""The output projection and cross-entropy over chunks of tokens, never the whole [tokens x vocab] logits.
+
+At long context the full-vocabulary logits are the largest single activation: t tokens x V
+vocabulary entries in the activation dtype, plus the fp32 log-softmax and the two gradients
+autograd keeps (t V (p + 12) bytes, see planner/memory.py). ``chunked_cross_entropy_sum``
+computes the same summed loss a chunk of ``chunk_tokens`` tokens at a time: the forward keeps
+only the hidden states it was given, the weight, the labels and one fp32 log-sum-exp per token,
+and the backward recomputes each chunk's logits to form that chunk's gradient. Peak memory of
+the loss is then chunk_tokens x V, whatever t is.
+
+The gradient of a token's loss ``lse(z) - z_y`` with respect to its logits ``z`` is
+``softmax(z) - onehot(y)`` (e.g. Goodfellow et al. 2016, "Deep Learning", section 6.2.2.3);
+a token whose label is IGNORE_INDEX contributes neither loss nor gradient, as in
+``F.cross_entropy(..., ignore_index=IGNORE_INDEX, reduction="sum")``.
+
+The result is the sum over labelled tokens, in fp32: the caller divides it exactly as it divides
+the unchunked sum (trainer.py normalises by the labels of the micro batch across CP ranks).
+
+On CUDA, liger-kernel's fused linear cross-entropy (the ``gpu`` extra) is used when it is
+installed; it chunks by its own rule and computes the gradients during the forward, so it
+needs no recomputation. The torch path here is the fallback and the reference on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ringtrain.train.data import IGNORE_INDEX
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over labelled t of CE(hidden[t] @ weight.T, labels[t]), computed chunk by chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int
+    ) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden_TE.device)
+        lse_T = torch.empty(hidden_TE.shape[0], dtype=torch.float32, device=hidden_TE.device)
+        for start in range(0, hidden_TE.shape[0], chunk_tokens):
+            stop = start + chunk_tokens
+            # The logits in the activation dtype, then fp32, exactly as the unchunked path casts.
+            logits_CV = F.linear(hidden_TE[start:stop], weight_VE).float()
+            labels_C = labels_T[start:stop]
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_T[start:stop] = lse_C
+            valid_C = labels_C != IGNORE_INDEX
+            target_C = logits_CV.gather(1, labels_C.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += torch.where(valid_C, lse_C - target_C, 0.0).sum()
+        ctx.save_for_backward(hidden_TE, weight_VE, labels_T, lse_T)
+        ctx.chunk_tokens = chunk_tokens
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        hidden_TE, weight_VE, labels_T, lse_T = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden_TE) if need_hidden else None
+        # Accumulated in fp32 over chunks: the sum over tokens the unchunked matmul makes at once.
+        grad_weight = torch.zeros(weight_VE.shape, dtype=torch.float32, device=weight_VE.device) if need_weight else None
+        for start in range(0, hidden_TE.shape[0], ctx.chunk_tokens):
+            stop = start + ctx.chunk_tokens
+            h_CE = hidden_TE[start:stop]
+            labels_C = labels_T[start:stop]
+            logits_CV = F.linear(h_CE, weight_VE).float()
+            valid_C = labels_C != IGNORE_INDEX
+            # softmax(z) - onehot(y), zero on ignored tokens, times the incoming gradient.
+            grad_CV = torch.exp(logits_CV - lse_T[start:stop].unsqueeze(1))
+            rows = torch.arange(grad_CV.shape[0], device=grad_CV.device)
+            grad_CV[rows, labels_C.clamp(min=0)] -= 1.0
+            grad_CV *= (valid_C.to(grad_CV.dtype) * grad_out).unsqueeze(1)
+            grad_CV = grad_CV.to(hidden_TE.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad_CV @ weight_VE
+            if grad_weight is not None:
+                grad_weight += (grad_CV.t() @ h_CE).float()
+        return grad_hidden, grad_weight.to(weight_VE.dtype) if grad_weight is not None else None, None, None
+
+
+def chunked_cross_entropy_sum(
+    hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """The fp32 sum of the cross-entropy of ``hidden_TE @ weight_VE.T`` against ``labels_T`` over
+    labelled tokens, materialising at most ``chunk_tokens`` rows of logits at a time."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
+    if hidden_TE.is_cuda and liger_available():
+        return _liger_sum(hidden_TE, weight_VE, labels_T)
+    return _ChunkedLinearCrossEntropy.apply(hidden_TE, weight_VE, labels_T, chunk_tokens)
+
+
+def full_cross_entropy_sum(hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    """The unchunked reference: the whole logits, then ``F.cross_entropy`` (what trainer.py does)."""
+    logits_TV = F.linear(hidden_TE, weight_VE)
+    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def liger_available() -> bool:
+    """Whether liger-kernel's fused linear cross-entropy can be imported (the ``gpu`` extra)."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
+    except Exception:  # not installed, or installed without a usable triton
+        return False
+    return True
+
+
+def _liger_sum(hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_fn(weight_VE, hidden_TE, labels_T).float()
