@@ -23,7 +23,7 @@ from ringtrain.actors.holder import SnapshotHolder
 from ringtrain.actors.roster import Member, Slot, WarmDeaths, settle
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
-from ringtrain.controllers.faults import Outcome, RankOutcome
+from ringtrain.controllers.faults import Outcome, RankOutcome, abort_survivors
 from ringtrain.controllers.hangs import RankDiagnostics, Verdict, diagnose
 from ringtrain.controllers.repeats import user_frame
 from ringtrain.errors import CapacityError, WorkerError
@@ -402,6 +402,9 @@ class WorkerGroup:
                 why = verdict.explanation if verdict is not None else f"no progress for {now - start:.1f} s"
                 for rank in culprits:  # its seat is freed when the recovery drops the rank
                     ray.kill(self.members[rank].handle, no_restart=True)
+                survivors = abort_survivors(device=self.device, pending=[refs[r] for r in pending], evicted=culprits)
+                for rank in survivors:  # not waited for: answered on the worker's second slot
+                    self.workers[rank].abort.remote()
                 for rank in culprits:
                     results[rank] = RankOutcome(rank, Outcome.LOST, why)
                 pending = [r for r in pending if refs[r] not in results]
@@ -624,6 +627,10 @@ def _answered(ref: Any) -> bool:
 
 def _worker_env(device: str) -> dict[str, str]:
     env = {"DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu"}
+    if device == "cuda":
+        # A failed NCCL collective aborts its communicator and raises, without tearing the
+        # process down (2: clean up only): the survivor keeps its snapshots for the recovery.
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     # Quiet the per-process banners; errors still surface through the controller.
     env["PYTHONWARNINGS"] = "ignore"
     return env

@@ -220,6 +220,20 @@ class TrainWorker:
         # NCCL's flight recorder sees what the host-side records cannot: kernels still running.
         return {**recorder.diagnostics(flight_recorder=self.device_type == "cuda"), "busy": self._busy}
 
+    def abort(self) -> str:
+        """Answered on the second concurrency slot while a step may be blocked: leave the
+        world's collectives now (NCCL: abort the process groups; CPU: shut the gloo sockets).
+        The trainer and its snapshots stay, so recovery can read them. Says what was done."""
+        if self._trainer is None:
+            return ""
+        if self.device_type == "cuda":
+            from ringtrain.train.mesh import abort_all
+
+            return abort_all()
+        from ringtrain.train.mesh import sever
+
+        return f"severed {sever(self._connections)} sockets"
+
     def _break_world(self) -> None:
         """Cut this rank off its world at once: peers blocked on it in a collective fail now,
         not at the process-group timeout, so a failure spreads through the world in

@@ -132,6 +132,17 @@ def non_finite(losses: dict[int, float], step: int) -> Optional[Failure]:
     return Failure(Kind.NAN, bad, f"non-finite loss at step {step}, first on ranks {list(bad)}")
 
 
+def abort_survivors(*, device: str, pending: Sequence[int], evicted: Sequence[int]) -> tuple[int, ...]:
+    """The ranks to abort after ``evicted`` were killed in a stall: on CUDA every survivor still
+    in the step, since a dead peer does not fail an NCCL collective (it waits out the process
+    group's timeout) and NCCL has no socket to shut; on CPU none, since a killed gloo peer's
+    sockets close with it and its peers' reads fail at once."""
+    if device != "cuda":
+        return ()
+    gone = set(evicted)
+    return tuple(sorted(r for r in pending if r not in gone))
+
+
 @dataclass(frozen=True)
 class Capacity:
     """What the cluster offers to fill lost seats right now."""

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ringtrain.topology import RankCoord, Topology
 
@@ -65,6 +66,21 @@ def open_sockets() -> dict[int, str]:
         if target.startswith("socket:"):
             found[int(name)] = target
     return found
+
+
+def abort_all() -> str:
+    """Abort every process group of this process, so a collective blocked in it (NCCL) returns
+    with an error now; returns how ("" when there is none). The process, its model and its
+    in-memory snapshots stay: the next world is joined with ``init_process_group``."""
+    if not dist.is_initialized():
+        return ""
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort()
+        return "_abort_process_group"
+    for group in list(c10d._world.pg_map):  # torch without the helper: each group's own abort
+        getattr(group, "abort", lambda: None)()
+    return "abort"
 
 
 def sever(connections: dict[int, str]) -> int:

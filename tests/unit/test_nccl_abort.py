@@ -1,0 +1,59 @@
+"""The NCCL path, checked on CPU: which survivors get an abort after a stall's culprit is
+evicted, what a worker's ``abort`` calls (mocks stand in for NCCL), and the workers' env."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ringtrain.actors import group as group_module
+from ringtrain.actors.worker import TrainWorker
+from ringtrain.controllers.faults import abort_survivors
+from ringtrain.train import mesh
+
+
+def test_on_cuda_every_survivor_still_in_the_step_is_aborted() -> None:
+    assert abort_survivors(device="cuda", pending=[3, 0, 2], evicted=(2,)) == (0, 3)
+    # gloo: the killed culprit's sockets close with it, its peers fail at once.
+    assert abort_survivors(device="cpu", pending=[0, 3], evicted=(2,)) == ()
+
+
+def test_a_cuda_worker_aborts_its_process_groups_and_keeps_its_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(mesh.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(mesh.c10d, "_abort_process_group", lambda: calls.append("abort"), raising=False)
+    worker = TrainWorker.__new__(TrainWorker)
+    trainer = object()
+    worker.device_type, worker._trainer, worker._connections = "cuda", trainer, {}
+    assert worker.abort() == "_abort_process_group" and calls == ["abort"]
+    assert worker._trainer is trainer  # its snapshots stay readable for the recovery
+
+
+def test_without_the_helper_each_group_is_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    aborted: list[str] = []
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def abort(self) -> None:
+            aborted.append(self.name)
+
+    monkeypatch.setattr(mesh.dist, "is_initialized", lambda: True)
+    monkeypatch.delattr(mesh.c10d, "_abort_process_group", raising=False)
+    monkeypatch.setattr(mesh.c10d, "_world", type("World", (), {"pg_map": {Group("world"): None, Group("ring"): None}})())
+    assert mesh.abort_all() == "abort" and aborted == ["world", "ring"]
+
+
+def test_a_worker_outside_any_world_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    worker: Any = TrainWorker.__new__(TrainWorker)
+    worker.device_type, worker._trainer = "cuda", None
+    assert worker.abort() == ""
+    monkeypatch.setattr(mesh.dist, "is_initialized", lambda: False)
+    assert mesh.abort_all() == ""
+
+
+def test_cuda_workers_keep_running_after_a_failed_nccl_collective() -> None:
+    assert group_module._worker_env("cuda")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in group_module._worker_env("cpu")
