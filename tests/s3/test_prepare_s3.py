@@ -1,0 +1,57 @@
+"""`ringtrain prepare` from an s3:// prefix to an s3:// prefix, on the moto server."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ringtrain import cli
+from ringtrain.prepared import Manifest
+from tests.corpus import build_corpus, save_tokenizer
+from tests.ray.test_run_e2e import ringtrain_cli
+
+
+def test_prepare_reads_and_writes_s3(
+    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    files = build_corpus(tmp_path / "corpus", num_modules=12, num_files=4)  # .jsonl, .gz, .parquet, .zst
+    for path in files:
+        s3_client.upload_file(str(path), bucket, f"corpus/{path.name}")
+    s3_client.put_object(Bucket=bucket, Key="corpus-other/ignored.jsonl", Body=b'{"text": "not under corpus/"}\n')
+    tokenizer = save_tokenizer(tmp_path / "tok", num_modules=12, vocab_size=512)
+    out = f"s3://{bucket}/datasets/stdlib"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
+    try:
+        result = ringtrain_cli(["prepare", f"s3://{bucket}/corpus", "--tokenizer", str(tokenizer), "--out", out,
+                                "--shard-tokens", "30000", "--num-cpus", "2"], home=tmp_path, ray_tmp=ray_tmp, timeout=180)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    keys = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"])
+    published = [k for k in keys if k.startswith("datasets/")]
+    assert not [k for k in published if ".partial-" in k]  # the staging prefix is gone
+    body = s3_client.get_object(Bucket=bucket, Key="datasets/stdlib/manifest.json")["Body"].read()
+    manifest = Manifest.loads(body, f"{out}/manifest.json")
+    assert [s.uri for s in manifest.sources] == [f"s3://{bucket}/corpus/{p.name}" for p in sorted(files)]
+    assert len(manifest.shards) > 1 and len(published) == 1 + 2 * len(manifest.shards)
+    for shard in manifest.shards:
+        data = {k: s3_client.get_object(Bucket=bucket, Key=f"datasets/stdlib/{getattr(shard, k)}")["Body"].read()
+                for k in ("tokens", "docs")}
+        assert hashlib.sha256(data["tokens"]).hexdigest() == shard.tokens_sha256
+        assert hashlib.sha256(data["docs"]).hexdigest() == shard.docs_sha256
+        tokens, offsets = np.load(io.BytesIO(data["tokens"])), np.load(io.BytesIO(data["docs"]))
+        assert offsets[-1] == tokens.size and (tokens[offsets[1:] - 1] == manifest.tokenizer.eos_id).all()
+
+    # An existing s3 output is refused before any cluster starts.
+    code = cli.main(["prepare", str(files[0]), "--tokenizer", "bytes", "--out", out])
+    assert code == 2 and capsys.readouterr().err == f"ringtrain: config error: --out: {out} already exists; pass --overwrite to replace it\n"
