@@ -60,9 +60,8 @@ def _stop_on_sigterm() -> None:
 
 
 def cmd_run(job_path: str, overrides: list[str]) -> int:
-    from ringtrain.train.data import check_data
-
     from ringtrain.hf import resolve_job
+    from ringtrain.train.mixture import check_sources
 
     _stop_on_sigterm()
     job = resolve_job(config.load(job_path, overrides))
@@ -70,7 +69,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
         from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
 
         check_pretrained(job)
-    check_data(job.data.path, job.model_int("vocab_size"), job.data.seq_len)
+    check_sources(job)
     eval_plan = _eval_plan(job) if job.eval.every else None
 
     # Ray and torch are imported only once the input is known to be good.
@@ -188,9 +187,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "eval":
             return eval_command.run(args)
         if args.command == "export":
+            return export_command.run(args)
         if args.command == "prepare":
             return prepare_command.main(args, prepare_command.argv_after("prepare", argv))
-            return export_command.run(args)
         code = submission_command.run(args)
         if code is not None:
             return code

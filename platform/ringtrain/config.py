@@ -100,13 +100,36 @@ def checkpointing_mode(value: "str | bool") -> str:
     return _CHECKPOINTING_ALIASES.get(str(value).lower(), str(value))
 
 
+PACKINGS = ("concat", "doc")
+
+
+@dataclass
+class DataSourceConfig:
+    """One prepared dataset of a mixture (``data.sources``)."""
+
+    path: str = ""  # a prepared dataset: a folder, file:// or s3:// prefix holding manifest.json
+    weight: float = 1.0  # share of the samples drawn from this source (weights are normalised)
+    # Windows that start inside a long document (>= long_doc_tokens) are drawn this many times
+    # as often, within this source only, so the mix across sources is unchanged (Fu et al. 2024).
+    long_doc_upsample: float = 1.0
+    long_doc_tokens: int = 4096
+
+
 @dataclass
 class DataConfig:
     # "stdlib": a byte-level corpus of the Python standard library's source, present everywhere.
     # A directory or text file: its bytes. A ``.bin`` file: memory-mapped tokens of token_dtype.
+    # A folder or s3:// prefix with a manifest.json: a prepared dataset (``ringtrain prepare``).
     path: str = STDLIB_CORPUS
     seq_len: int = 2048
     token_dtype: str = "uint16"
+    # Several prepared datasets mixed by weight; when set, data.path is not read.
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    # concat: documents joined with EOS, attention crosses them. doc: attention and positions
+    # restart at every document boundary (needs prepared datasets, which record the boundaries).
+    packing: str = "concat"
+    # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE or the temp dir.
+    cache_dir: str = ""
 
 
 @dataclass
@@ -399,6 +422,7 @@ def validate(job: JobConfig) -> None:
     _one_of(d.token_dtype, ("uint8", "uint16", "uint32"), "data.token_dtype")
     if not d.path:
         raise ConfigError("data.path", "is empty; use 'stdlib' or a path to text files or a .bin token file")
+    validate_data_sources(d)
 
     z = job.zero
     if z.stage not in (0, 1, 2, 3):
@@ -489,6 +513,22 @@ def validate(job: JobConfig) -> None:
         _positive(c.num_cpus, "cluster.num_cpus")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job.name):
         raise ConfigError("name", f"{job.name!r} must be letters, digits, '.', '_' or '-' (it names the run directory)")
+
+
+def validate_data_sources(d: DataConfig) -> None:
+    """Packing and the mixture's sources: paths given, weights and upsampling factors positive."""
+    _one_of(d.packing, PACKINGS, "data.packing")
+    if d.sources and d.path != STDLIB_CORPUS:
+        raise ConfigError("data.sources", f"and data.path={d.path!r} are both set; name the datasets in one of them")
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not s.path:
+            raise ConfigError(f"{key}.path", "is empty; name a prepared dataset (a folder or s3:// prefix)")
+        if not s.weight > 0:
+            raise ConfigError(f"{key}.weight", f"must be > 0 (got {s.weight})")
+        if not s.long_doc_upsample > 0:
+            raise ConfigError(f"{key}.long_doc_upsample", f"must be > 0 (got {s.long_doc_upsample})")
+        _positive(s.long_doc_tokens, f"{key}.long_doc_tokens")
 
 
 def validate_gpus_per_worker(gpus: float) -> None:

@@ -39,6 +39,9 @@ class StepReport:
     snapshot_bytes: int = 0
     memory_bytes: int = 0  # peak device memory during the step (CUDA) or peak RSS (CPU)
     probes: Optional[dict[str, str]] = None  # SDC probe digests, when the step ended with a probe round
+    data_wait_s: float = 0.0  # of step_time_s: waiting for the step's batches (the prefetch fell behind)
+    # (source, document of its first token) of each of ``samples``, for prepared datasets.
+    origins: tuple[tuple[int, int], ...] = ()
     # The step's time outside its collectives (waiting on peers left out): what tells a slow
     # rank, whose peers wait for it, from the ones that wait (controllers.stragglers).
     compute_s: float = 0.0

@@ -589,7 +589,11 @@ class Controller:
             self.telemetry.goodput(goodput)
         for sink in self.sinks:
             sink.step(record)
-        self.ledger.record(record["step"], tuple(s for r in reports for s in r.samples))
+        self.ledger.record(
+            record["step"],
+            tuple(s for r in reports for s in r.samples),
+            tuple(o for r in reports for o in r.origins),
+        )
         self.records.append(record)
         self.run_dir.append_metrics(record)
         self.progress.step(record)

@@ -35,6 +35,8 @@ def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -
         "snapshot_s": max(r.snapshot_s for r in by_rank),
         "snapshot_bytes": sum(r.snapshot_bytes for r in by_rank),
         "rank_memory_bytes": [r.memory_bytes for r in by_rank],
+        # The slowest rank's wait for its batches: what the step lost to data loading.
+        "data_wait_s": max(r.data_wait_s for r in by_rank),
     }
 
 

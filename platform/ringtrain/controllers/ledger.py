@@ -3,7 +3,8 @@
 The proof that failures and resizes lose and repeat nothing: every step's samples are written
 down when the step completes, struck out when a rollback discards the step, and at the end
 each sample of the batches the run consumed must appear exactly once (or be listed as skipped,
-when ``controllers.on_nan=skip`` dropped a poisoned batch).
+when ``controllers.on_nan=skip`` dropped a poisoned batch). With prepared datasets it also
+keeps where each sample came from: its source and the document its window starts in.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ from dataclasses import dataclass, field
 class SampleLedger:
     steps: dict[int, tuple[int, ...]] = field(default_factory=dict)  # kept step -> its samples
     skipped: list[int] = field(default_factory=list)
+    origins: dict[int, tuple[int, int]] = field(default_factory=dict)  # sample -> (source, document)
 
-    def record(self, step: int, samples: tuple[int, ...]) -> None:
+    def record(self, step: int, samples: tuple[int, ...], origins: tuple[tuple[int, int], ...] = ()) -> None:
         self.steps[step] = samples
+        self.origins.update(zip(samples, origins))
+
+    def samples_by_source(self) -> dict[int, int]:
+        """Kept samples per source (prepared datasets only)."""
+        return dict(Counter(self.origins[s][0] for samples in self.steps.values() for s in samples if s in self.origins))
 
     def rollback(self, to_step: int) -> list[int]:
         """Strike out steps after ``to_step``; returns the steps struck."""

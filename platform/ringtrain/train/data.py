@@ -7,10 +7,18 @@ splits those into micro-batches; inside the replica, each CP rank takes its toke
 (``topology.sequence_positions``) of every sample. So a dp change moves samples between
 replicas but never changes the set a step trains on.
 
-Two shapes of source: a 1-D token stream cut into windows of ``seq_len + 1`` tokens (the input
-and its next-token labels), or a 2-D ``.npy`` array whose rows are the samples, each of
+Three shapes of source: a 1-D token stream cut into windows of ``seq_len + 1`` tokens (the
+input and its next-token labels); a 2-D ``.npy`` array whose rows are the samples, each of
 ``seq_len`` tokens, trained on as transformers does with ``labels=input_ids``: the last token
-of a row has no label (``IGNORE_INDEX``).
+of a row has no label (``IGNORE_INDEX``); or a ``SampleSource`` (prepared datasets, mixed:
+``mixture.py``) whose windows may carry document ids.
+
+Document packing (``data.packing: doc``): a window's documents stay apart. Each token carries
+its document's index within the sample, attention is confined to the document, and position
+ids restart at 0 at every document start (the window's first, cut-off document starts at 0
+too). The last token of a document (its EOS) would predict the next document's first token:
+that label is ignored, as transformers' packing with flash-attention does, so no document is
+predicted from another. A sample's number of labels then depends on its documents.
 
 Pure numpy: tensors are made by the caller, on its device.
 """
@@ -19,10 +27,13 @@ from __future__ import annotations
 
 import os
 import sysconfig
+import time
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol, Union
 
 import numpy as np
 
@@ -167,6 +178,37 @@ class MicroBatch:
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
+    doc_ids: Optional[np.ndarray] = None  # document index within the sample, under doc packing
+    origins: tuple[tuple[int, int], ...] = ()  # (source, document of its first token) per sample
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One window of ``seq_len + 1`` tokens from a SampleSource."""
+
+    tokens: np.ndarray  # int64
+    doc_ids: Optional[np.ndarray]  # int64 document index within the window (doc packing), else None
+    origin: tuple[int, int]  # (source index, document index in that source) of the first token
+
+
+class SampleSource(Protocol):
+    """Global sample index -> window; a function of the index and the seed only."""
+
+    packing: str  # "doc" when samples carry document ids
+
+    def sample(self, sample: int) -> Sample: ...
+
+
+def pack_documents(tokens: np.ndarray, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inputs, labels, position ids) of a ``seq_len + 1`` window under document packing."""
+    inputs, labels = tokens[:-1], tokens[1:].copy()
+    doc_in = doc_ids[:-1]
+    labels[doc_ids[1:] != doc_in] = IGNORE_INDEX  # a document's EOS predicts nothing of the next
+    index = np.arange(len(inputs))
+    starts = np.ones(len(inputs), dtype=bool)
+    starts[1:] = doc_in[1:] != doc_in[:-1]
+    first = np.maximum.accumulate(np.where(starts, index, 0))
+    return inputs, labels, index - first
 
 
 class ShardedData:
@@ -174,7 +216,7 @@ class ShardedData:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: Union[np.ndarray, SampleSource],
         *,
         seq_len: int,
         seed: int,
@@ -185,13 +227,19 @@ class ShardedData:
         ulysses_idx: int,
         vocab_size: int,
     ) -> None:
-        self.tokens = tokens
         self.vocab_size = vocab_size
+        self.source: Optional[SampleSource] = None
+        if not isinstance(tokens, np.ndarray):
+            self.source, tokens = tokens, np.zeros(seq_len + 1, dtype=np.int64)
+        # Whether samples carry document ids (and so a number of labels the trainer must count).
+        self.packed_documents = self.source is not None and self.source.packing == "doc"
+        self.tokens = tokens
         self.rows = tokens.ndim == 2
         if self.rows and tokens.shape[1] != seq_len:
             raise DataError(f"data.seq_len is {seq_len}, but the rows of the data hold {tokens.shape[1]} tokens each")
         self.order = SampleOrder(tokens.size, seq_len, seed, num_rows=len(tokens) if self.rows else None)
-        # Next-token predictions per sample: a row's last token predicts nothing.
+        # Next-token predictions per sample: a row's last token predicts nothing. Under document
+        # packing this is an upper bound: the trainer counts the labels of each step.
         self.labels_per_sample = seq_len - 1 if self.rows else seq_len
         self.plan = plan
         self.positions = np.asarray(sequence_positions(seq_len, ring, ulysses, ring_idx, ulysses_idx), dtype=np.int64)
@@ -203,24 +251,72 @@ class ShardedData:
         start = self.order.window(sample) * self.order.seq_len
         return np.asarray(self.tokens[start : start + self.order.seq_len + 1], dtype=np.int64)
 
-    def _inputs_labels(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
+    def _inputs_labels(self, sample: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray], tuple[int, int]]:
+        """(inputs, labels, position ids or None, doc ids or None, origin) of one sample."""
+        if self.source is not None:
+            s = self.source.sample(sample)
+            if s.doc_ids is None:
+                return s.tokens[:-1], s.tokens[1:], None, None, s.origin
+            inputs, labels, positions = pack_documents(s.tokens, s.doc_ids)
+            return inputs, labels, positions, s.doc_ids[:-1], s.origin
         tokens = self.sample_tokens(sample)
         if self.rows:
-            return tokens, np.append(tokens[1:], IGNORE_INDEX)
-        return tokens[:-1], tokens[1:]
+            return tokens, np.append(tokens[1:], IGNORE_INDEX), None, None, (0, -1)
+        return tokens[:-1], tokens[1:], None, None, (0, -1)
 
     def micro_batch(self, samples: list[int]) -> MicroBatch:
-        inputs, labels = (np.stack(a) for a in zip(*(self._inputs_labels(s) for s in samples)))
+        parts = [self._inputs_labels(s) for s in samples]
+        inputs, labels = np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
         # A token file is not scanned up front (it may be terabytes); each batch is checked instead.
         if inputs.max() >= self.vocab_size:
             raise DataError(f"token id {int(inputs.max())} in samples {samples} is >= model.vocab_size={self.vocab_size}")
         pos = self.positions
+        doc_ids = position_ids = None
+        if parts[0][3] is not None:
+            doc_ids = np.stack([p[3] for p in parts])[:, pos]
+            position_ids = np.stack([p[2] for p in parts])[:, pos]
         return MicroBatch(
             samples=tuple(samples),
             input_ids=inputs[:, pos],
             labels=labels[:, pos],
-            position_ids=np.broadcast_to(pos, (len(samples), len(pos))).copy(),
+            position_ids=np.broadcast_to(pos, (len(samples), len(pos))).copy() if position_ids is None else position_ids,
+            doc_ids=doc_ids,
+            origins=tuple(p[4] for p in parts) if self.source is not None else (),
         )
 
     def step_batches(self, step: int, replica: int) -> list[MicroBatch]:
         return [self.micro_batch(mb) for mb in self.plan.micro_batches(step, replica)]
+
+
+class BatchPrefetcher:
+    """Builds the next step's micro-batches on a background thread while this step trains.
+
+    Every build runs on the one worker thread (a miss too), so sample orders, whose shuffles
+    are cached per epoch, are never used from two threads. The guess for the next batch is
+    the one after, past skipped ones; a wrong guess (a rollback, a resize) is only wasted work.
+    """
+
+    def __init__(self, data: ShardedData) -> None:
+        self.data = data
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringtrain-data")
+        self._next: Optional[tuple[tuple[int, int, int], Future[list[MicroBatch]]]] = None
+
+    def get(self, batch: int, replica: int, skip: Collection[int] = ()) -> tuple[list[MicroBatch], float]:
+        """The micro-batches of ``batch`` for ``replica`` and the seconds spent waiting for them."""
+        start = time.perf_counter()
+        key = (batch, replica, self.data.plan.dp)
+        if self._next is not None and self._next[0] == key:
+            future = self._next[1]
+        else:
+            future = self._pool.submit(self.data.step_batches, batch, replica)
+        batches = future.result()
+        waited = time.perf_counter() - start
+        following = batch + 1
+        while following in skip:
+            following += 1
+        nxt = (following, replica, self.data.plan.dp)
+        self._next = (nxt, self._pool.submit(self.data.step_batches, following, replica))
+        return batches, waited
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

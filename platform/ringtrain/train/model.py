@@ -139,7 +139,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.attention_fn = attention_fn
 
-    def forward(self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_BS: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSE.shape
         q_BSHD = self.wq(x_BSE).view(B, S, self.n_heads, self.head_dim)
         k_BSKD = self.wk(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
@@ -147,7 +149,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHD, k_BSKD = self.q_norm(q_BSHD), self.k_norm(k_BSKD)
         q_BSHD, k_BSKD = apply_rotary(q_BSHD, cos, sin), apply_rotary(k_BSKD, cos, sin)
-        out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True)
+        out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True, doc_ids=doc_BS)
         return self.wo(out_BSHD.reshape(B, S, -1))
 
 
@@ -183,9 +185,10 @@ class Block(nn.Module):
             return tiled(self.feed_forward, self.ffn_norm(x), self.mlp_tiles)
         return self.feed_forward(self.ffn_norm(x))
 
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self._attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_BS: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self._attention_norm(x), cos, sin, doc_BS)
         return x + self._mlp(x)
 
 
@@ -245,16 +248,19 @@ class Transformer(nn.Module):
             is_residual_out = name.endswith(("wo.weight", "w2.weight"))
             nn.init.normal_(p, mean=0.0, std=std / (2 * n_layers) ** 0.5 if is_residual_out else std)
 
-    def hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
-        """The final normed hidden states [B, S, E], before the output projection."""
+    def hidden(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, doc_ids_BS: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The final normed hidden states [B, S, E], before the output projection; ``doc_ids_BS``
+        (packed documents) confines attention to each token's document."""
         cos, sin = self.rope.cos_sin(position_ids_BS)
         h_BSE = self.tok_embeddings(input_ids_BS)
         for i, layer in enumerate(self.layers):
             with self._offload(i, h_BSE.device):
                 if self.activation_checkpointing and self.training:
-                    h_BSE = checkpoint(layer, h_BSE, cos, sin, use_reentrant=False)
+                    h_BSE = checkpoint(layer, h_BSE, cos, sin, doc_ids_BS, use_reentrant=False)
                 else:
-                    h_BSE = layer(h_BSE, cos, sin)
+                    h_BSE = layer(h_BSE, cos, sin, doc_ids_BS)
         return self.norm(h_BSE)
 
     def _offload(self, index: int, device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -265,13 +271,18 @@ class Transformer(nn.Module):
         return self.offloader.layer(index)
 
     def forward(
-        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, labels_BS: Optional[torch.Tensor] = None
+        self,
+        input_ids_BS: torch.Tensor,
+        position_ids_BS: torch.Tensor,
+        labels_BS: Optional[torch.Tensor] = None,
+        *,
+        doc_ids_BS: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The logits [B, S, V]; with labels, the fp32 sum of the loss over labelled tokens
         (chunked when ``savers.loss_chunk_tokens`` is set), never the whole logits."""
         if labels_BS is None:
-            return self.output(self.hidden(input_ids_BS, position_ids_BS))
-        return self.output(self.hidden(input_ids_BS, position_ids_BS), labels_BS)
+            return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS))
+        return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS)
 
 
 @contextlib.contextmanager

@@ -27,9 +27,10 @@ from ringtrain.checkpoint.wire import FragmentIndex, decode
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.status import StepReport
 from ringtrain.topology import Topology
-from ringtrain.train.data import IGNORE_INDEX, BatchPlan, MicroBatch, ShardedData, load_tokens
+from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
+from ringtrain.train.mixture import open_samples
 from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, skip_parameter_init
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
@@ -132,7 +133,7 @@ class Trainer:
         self.engine = build_engine(self.model, job, self.mesh, self.dtype)
         c = self.mesh.coord
         self.data = ShardedData(
-            load_tokens(job.data.path, job.data.token_dtype),
+            open_samples(job),
             seq_len=job.data.seq_len,
             seed=job.train.seed,
             plan=BatchPlan(job.train.global_batch, job.mesh.dp, job.train.micro_batch),
@@ -142,6 +143,7 @@ class Trainer:
             ulysses_idx=c.ulysses_idx,
             vocab_size=job.model_int("vocab_size"),
         )
+        self.prefetcher = BatchPrefetcher(self.data)
         self.step = 0  # optimizer steps completed
         # Batches consumed: the step's samples are those of batch ``data_cursor``. It runs ahead
         # of ``step`` only when a poisoned batch was skipped.
@@ -174,6 +176,17 @@ class Trainer:
 
     def _tensor(self, array: object) -> torch.Tensor:
         return torch.as_tensor(array, dtype=torch.long, device=self.device)
+
+    def _docs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """The model's document-id argument under document packing, else nothing."""
+        return {} if mb.doc_ids is None else {"doc_ids_BS": self._tensor(mb.doc_ids)}
+
+    def _count_labels(self, batches: Sequence[MicroBatch]) -> float:
+        """The labels of the whole step, over every rank (one scalar all-reduce)."""
+        local = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches)
+        total = torch.tensor([float(local)], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return max(float(total.item()), 1.0)
 
     def _inject_faults(self) -> tuple[bool, list[FaultSpec]]:
         """Take the chaos plan's faults for the step about to run: whether its loss is poisoned,
@@ -225,7 +238,7 @@ class Trainer:
                     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _micro_step(
-        self, mb: MicroBatch, poison: bool = False, strike: Sequence[FaultSpec] = ()
+        self, mb: MicroBatch, poison: bool = False, strike: Sequence[FaultSpec] = (), norm: Optional[float] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward and (at the accumulation boundary) the optimizer step of one
         micro-batch; returns this rank's summed token loss and its number of labels."""
@@ -233,14 +246,14 @@ class Trainer:
         if self.job.train.loss_chunk_tokens > 0:
             # The model returns the summed loss itself, chunk by chunk (train/loss.py): the
             # whole [tokens x vocab] logits never exist. Normalised below exactly as the sum is.
-            loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels)
+            loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb))
             self._strike(strike)
         else:
-            logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids))
+            logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), **self._docs(mb))
             self._strike(strike)
             loss_sum = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
         # The mean number of labels a rank holds per micro-batch (see the module docstring).
-        loss = loss_sum / (len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
+        loss = loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
         if poison:
             loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
         self.engine.backward(loss)
@@ -259,14 +272,21 @@ class Trainer:
         while self.data_cursor in self.skip_batches:
             self.data_cursor += 1
         batch = self.data_cursor
-        batches = self.data.step_batches(batch, self.mesh.coord.replica)
-        sums, counts = zip(*(self._micro_step(mb, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)))
+        batches, data_wait = self.prefetcher.get(batch, self.mesh.coord.replica, self.skip_batches)
+        world = self.mesh.topology.world_size
+        labels_per_rank, norm = self.job.train.global_batch * self.data.labels_per_sample / world, None
+        if self.data.packed_documents:
+            # Documents drop labels (see data.py): the step's mean is over the labels it has.
+            labels_per_rank = self._count_labels(batches) / world
+            norm = labels_per_rank / len(batches)
+        sums, counts = zip(
+            *(self._micro_step(mb, poison, strike if i == 0 else (), norm) for i, mb in enumerate(batches))
+        )
         self.step += 1
         self.data_cursor += 1
         local_sum = torch.stack(sums).sum()
         local_loss = local_sum / torch.stack(counts).sum().clamp(min=1)
         # The world's mean of sum / (N / world) is the mean over all N labels of the step.
-        labels_per_rank = self.job.train.global_batch * self.data.labels_per_sample / self.mesh.topology.world_size
         loss = self._global_loss(local_sum / labels_per_rank, {f.kind for f in strike})
         grad_norm = self.engine.get_global_grad_norm()
         step_time = time.perf_counter() - start
@@ -281,8 +301,10 @@ class Trainer:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             num_tokens=sum(mb.input_ids.size for mb in batches),
             step_time_s=step_time,
+            data_wait_s=data_wait,
             batch=batch,
             samples=tuple(s for mb in batches for s in mb.samples) if self.mesh.coord.ring_pos == 0 else (),
+            origins=tuple(o for mb in batches for o in mb.origins) if self.mesh.coord.ring_pos == 0 else (),
             snapshot_step=last.step if last else 0,
             snapshot_s=last.total_s if last else 0.0,
             snapshot_bytes=last.num_bytes if last else 0,
@@ -373,6 +395,7 @@ class Trainer:
             dist.destroy_process_group()
 
     def close(self) -> None:
+        self.prefetcher.close()
         if self.snapshotter is not None:
             self.snapshotter.close()
         self.leave_process_group()

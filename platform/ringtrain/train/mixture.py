@@ -1,0 +1,243 @@
+"""Samples drawn from prepared datasets: which source and window each global sample reads.
+
+Everything here is a function of the seed and the global sample index, never of the mesh, so
+the exactly-once ledger, exact resume and elastic resizing work as they do for a token file.
+
+- **Mixing.** Samples are dealt in blocks of ``BLOCK``: each block holds a fixed quota of every
+  source (its weight's share, by largest remainder), in an order shuffled per block. The
+  ``k``-th sample drawn from source j is then ``block * quota_j + (j's earlier slots in the
+  block)``: computed from the index alone in O(BLOCK), with proportions exact per block.
+- **Windows.** A source is one token stream (its documents joined, each ending with EOS) cut
+  into windows of ``seq_len + 1`` tokens, reshuffled every epoch, as for a token file; a lone
+  unweighted source reads exactly the windows a token file of the same stream would.
+- **Long documents.** Fu et al. 2024 ("Data Engineering for Scaling Language Models to 128K
+  Context", per-source length upsampling) raise the share of long documents *within* each
+  source so that the domain mix is unchanged. Here a window whose middle token lies in a
+  document of at least ``long_doc_tokens`` is drawn ``long_doc_upsample`` times per epoch (the
+  fractional part by a fixed seeded draw); the source's share of samples stays its weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from ringtrain.config import JobConfig
+from ringtrain.errors import ConfigError, DataError
+from ringtrain.prepared import is_remote
+from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
+from ringtrain.train.data import Sample, check_data, load_tokens
+
+BLOCK = 1024
+# Stream keys of the generators below, so no two draws share a random stream.
+_MIX_KEY = 0x6D6978
+_UPSAMPLE_KEY = 0x7570
+
+
+def quotas(weights: Sequence[float], block: int = BLOCK) -> np.ndarray:
+    """Slots per block for each source: ``block * w / sum(w)`` rounded by largest remainder."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = block * w / w.sum()
+    out = np.floor(exact).astype(np.int64)
+    # Ties go to the earlier source (stable sort), so the quotas are a function of the weights.
+    order = np.argsort(-(exact - out), kind="stable")
+    out[order[: block - int(out.sum())]] += 1
+    return out
+
+
+class SourceSchedule:
+    """Global sample index -> (source, how many samples that source gave before it)."""
+
+    def __init__(self, weights: Sequence[float], seed: int, block: int = BLOCK) -> None:
+        self.seed = seed
+        self.block = block
+        self.quota = quotas(weights, block)
+        self._layout_base = np.repeat(np.arange(len(self.quota)), self.quota)
+        self._block = -1
+        self._layout = self._rank = np.empty(0, dtype=np.int64)
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        block, slot = divmod(sample, self.block)
+        if block != self._block:
+            rng = np.random.Generator(np.random.PCG64([self.seed, _MIX_KEY, block]))
+            self._layout = rng.permutation(self._layout_base)
+            # Each slot's rank among its source's slots of the block.
+            self._rank = np.empty(self.block, dtype=np.int64)
+            for j in range(len(self.quota)):
+                where = np.flatnonzero(self._layout == j)
+                self._rank[where] = np.arange(len(where))
+            self._block = block
+        j = int(self._layout[slot])
+        return j, block * int(self.quota[j]) + int(self._rank[slot])
+
+
+class WindowOrder:
+    """The k-th draw from one source -> its window, reshuffled every epoch."""
+
+    def __init__(self, num_windows: int, key: Sequence[int], counts: Optional[np.ndarray] = None) -> None:
+        """``key`` seeds the shuffles; ``counts[w]`` is how often window w comes per epoch (1 if None)."""
+        self.key = list(key)
+        self.windows = np.arange(num_windows, dtype=np.int64) if counts is None else np.repeat(np.arange(num_windows), counts)
+        if len(self.windows) == 0:
+            raise DataError("no window is left to draw after data.sources[*].long_doc_upsample")
+        self._epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @property
+    def epoch_size(self) -> int:
+        return len(self.windows)
+
+    def window(self, k: int) -> int:
+        epoch, pos = divmod(k, len(self.windows))
+        if epoch != self._epoch:
+            rng = np.random.Generator(np.random.PCG64([*self.key, epoch]))
+            self._perm = self.windows[rng.permutation(len(self.windows))]
+            self._epoch = epoch
+        return int(self._perm[pos])
+
+
+def long_window_counts(corpus: PreparedCorpus, seq_len: int, num_windows: int, *, upsample: float,
+                       long_tokens: int, key: Sequence[int]) -> np.ndarray:
+    """Draws per epoch of each window: ``upsample`` (in expectation) for long ones, else 1."""
+    lengths = corpus.document_lengths()
+    starts = np.concatenate(([0], np.cumsum(lengths)))
+    middles = np.arange(num_windows, dtype=np.int64) * seq_len + seq_len // 2
+    long = lengths[np.searchsorted(starts, middles, side="right") - 1] >= long_tokens
+    whole, frac = divmod(upsample, 1.0)
+    extra = np.random.Generator(np.random.PCG64([*key, _UPSAMPLE_KEY])).random(num_windows) < frac
+    return np.where(long, int(whole) + extra, 1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    path: str
+    weight: float = 1.0
+    long_doc_upsample: float = 1.0
+    long_doc_tokens: int = 4096
+
+
+class MixedSamples:
+    """Samples of ``seq_len + 1`` tokens from weighted prepared datasets (see the module doc)."""
+
+    def __init__(self, corpora: Sequence[PreparedCorpus], specs: Sequence[SourceSpec], *, seq_len: int, seed: int,
+                 packing: str) -> None:
+        self.corpora = list(corpora)
+        self.seq_len = seq_len
+        self.packing = packing
+        self.schedule = SourceSchedule([s.weight for s in specs], seed) if len(specs) > 1 else None
+        self.orders = []
+        for j, (corpus, spec) in enumerate(zip(self.corpora, specs)):
+            num_windows = (corpus.num_tokens - 1) // seq_len
+            if num_windows < 1:
+                raise DataError(f"{corpus.uri} has {corpus.num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
+            # A lone source keys its shuffles as a token file does, so it reads the same windows.
+            key = [seed] if len(specs) == 1 else [seed, j + 1]
+            counts = None
+            if spec.long_doc_upsample != 1.0:
+                counts = long_window_counts(corpus, seq_len, num_windows, upsample=spec.long_doc_upsample,
+                                            long_tokens=spec.long_doc_tokens, key=key)
+            self.orders.append(WindowOrder(num_windows, key, counts))
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(source, window) of global sample ``sample``."""
+        j, k = self.schedule.locate(sample) if self.schedule is not None else (0, sample)
+        return j, self.orders[j].window(k)
+
+    def sample(self, sample: int) -> Sample:
+        j, window = self.locate(sample)
+        corpus = self.corpora[j]
+        start, stop = window * self.seq_len, window * self.seq_len + self.seq_len + 1
+        doc_ids = None
+        if self.packing == "doc":
+            doc_ids = np.zeros(stop - start, dtype=np.int64)
+            doc_ids[corpus.doc_starts_in(start, stop) - start] = 1
+            doc_ids = np.cumsum(doc_ids)  # 0 for the first (partial) document, then 1, 2, ...
+        return Sample(tokens=corpus.tokens(start, stop), doc_ids=doc_ids, origin=(j, corpus.document_at(start)))
+
+    def close(self) -> None:
+        for corpus in self.corpora:
+            corpus.close()
+
+
+def source_specs(job: JobConfig) -> list[SourceSpec]:
+    """``data.sources``, or ``data.path`` as a lone source."""
+    d = job.data
+    if not d.sources:
+        return [SourceSpec(d.path)]
+    return [SourceSpec(s.path, s.weight, s.long_doc_upsample, s.long_doc_tokens) for s in d.sources]
+
+
+def open_mixture(job: JobConfig) -> MixedSamples:
+    specs = source_specs(job)
+    corpora = [PreparedCorpus(s.path, cache_dir=job.data.cache_dir) for s in specs]
+    return MixedSamples(corpora, specs, seq_len=job.data.seq_len, seed=job.train.seed, packing=job.data.packing)
+
+
+def uses_prepared_data(job: JobConfig) -> bool:
+    return bool(job.data.sources) or is_prepared_path(job.data.path)
+
+
+def open_samples(job: JobConfig) -> Union[np.ndarray, MixedSamples]:
+    """What the trainer reads: the mixture of prepared datasets, or data.path's tokens."""
+    if uses_prepared_data(job):
+        return open_mixture(job)
+    return load_tokens(job.data.path, job.data.token_dtype)
+
+
+def _source_keys(job: JobConfig) -> list[str]:
+    return [f"data.sources[{i}].path" for i in range(len(job.data.sources))] if job.data.sources else ["data.path"]
+
+
+def check_sources(job: JobConfig) -> None:
+    """Raise a ConfigError naming the key when the data cannot feed this model. Prepared datasets:
+    a missing or malformed manifest, a tokenizer other than ``model.hf``'s (or a vocabulary
+    larger than ``model.vocab_size``), datasets of different tokenizers, too few tokens, or a
+    first shard that fails its checksum. Later shards are checked when first read."""
+    if not uses_prepared_data(job):
+        check_data(job.data.path, job.model_int("vocab_size"), job.data.seq_len)
+        if job.data.packing == "doc":
+            raise ConfigError("data.packing", f"doc needs prepared datasets, which record document boundaries; "
+                              f"{job.data.path!r} is not one (make one with `ringtrain prepare`)")
+        return
+    model_tok = _model_tokenizer_sha256(job.model.hf)
+    vocab = job.model_int("vocab_size")
+    first: Optional[tuple[str, str]] = None
+    for key, spec in zip(_source_keys(job), source_specs(job)):
+        try:
+            corpus = PreparedCorpus(spec.path, cache_dir=job.data.cache_dir)
+        except DataError as exc:
+            raise ConfigError(key, str(exc)) from None
+        tok = corpus.manifest.tokenizer
+        try:
+            if model_tok is not None and tok.sha256 != model_tok:
+                raise ConfigError(key, f"{spec.path} was tokenized with {tok.name!r} (tokenizer.json sha256 "
+                                  f"{tok.sha256[:12]}), not model.hf's tokenizer (sha256 {model_tok[:12]}); "
+                                  f"prepare it again with --tokenizer {job.model.hf}")
+            if tok.vocab_size > vocab:
+                raise ConfigError(key, f"{spec.path} has a vocabulary of {tok.vocab_size} tokens ({tok.name!r}), "
+                                  f"more than model.vocab_size={vocab}")
+            if first is not None and tok.sha256 != first[1]:
+                raise ConfigError(key, f"{spec.path} was tokenized with {tok.name!r}, {first[0]} with another "
+                                  "tokenizer; mixed datasets must share one")
+            first = first or (spec.path, tok.sha256)
+            if corpus.num_tokens < job.data.seq_len + 1:
+                raise ConfigError("data.seq_len", f"{job.data.seq_len}, but {spec.path} holds only {corpus.num_tokens} tokens")
+            if not is_remote(spec.path):
+                corpus.shard(0)
+        except DataError as exc:
+            raise ConfigError(key, str(exc)) from None
+        finally:
+            corpus.close()
+
+
+def _model_tokenizer_sha256(hf: str) -> Optional[str]:
+    """sha256 of the model folder's tokenizer.json (what ``ringtrain prepare`` records), if any."""
+    if not hf:
+        return None
+    path = Path(hf) / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
