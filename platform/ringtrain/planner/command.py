@@ -23,7 +23,7 @@ from ringtrain.planner.devices import GB
 from ringtrain.planner.layout import DTYPES, Layout, Workload, layout_of, precision, resolve_dtype, workload_of
 from ringtrain.planner.memory import MemoryEstimate, states_estimate
 from ringtrain.planner.models import PRESETS, preset
-from ringtrain.planner.render import Plan, format_count, plan_record, render, states_table
+from ringtrain.planner.render import Plan, format_count, plan_record, reach_record, render, render_reach, states_table
 from ringtrain.planner.search import (
     MAX_GPUS,
     Candidate,
@@ -33,6 +33,7 @@ from ringtrain.planner.search import (
     evaluate,
     fewest_gpus,
     fits,
+    max_seq_len,
     search,
 )
 from ringtrain.planner.throughput import Assumptions
@@ -69,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flash", action="store_true", help="plan for the unfused 'math' attention kernel")
     parser.add_argument("--top", default="10", help="layouts to list (default 10)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="the longest sequence that fits per layout (with the long-context savers), instead of a plan at --seq-len",
+    )
 
 
 JobLoader = Callable[[Optional[str], list[str]], JobConfig]
@@ -173,6 +179,8 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         model, seq, name = preset(args.model), 0, "JOB.yaml"
     if args.seq_len is not None:
         seq = _int(args.seq_len, "--seq-len")
+    if getattr(args, "max_seq_len", False):
+        return _reach_text(model, dtype, optimizer_bytes, not args.no_flash and (job is None or job.attention.kernel != "math"), request)
     if seq == 0:
         raise ConfigError("--seq-len", "is required with --model")
     if args.global_batch is not None:
@@ -187,6 +195,15 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     if request.as_json:
         return json.dumps(plan_record(plan, top=request.top), indent=2)
     return render(plan, top=request.top)
+
+
+def _reach_text(model: Any, dtype: str, optimizer_bytes: Optional[int], flash: bool, request: _Request) -> str:
+    """``--max-seq-len``: one sequence per replica (the global batch is dp sequences)."""
+    workload = Workload(model, 0, dtype, flash, optimizer_bytes, global_batch=request.cluster.gpus)
+    reach = max_seq_len(workload, request.cluster, request.assume, micro_batch=request.micro_batch)
+    if request.as_json:
+        return json.dumps(reach_record(workload, request.cluster, reach, top=request.top), indent=2)
+    return render_reach(workload, request.cluster, reach, top=request.top)
 
 
 def _make_plan(workload: Workload, request: _Request, job_layout: Optional[Candidate], job_path: str) -> Plan:

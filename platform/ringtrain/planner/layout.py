@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ringtrain.config import JobConfig
+from ringtrain.config import JobConfig, checkpointing_mode
 from ringtrain.errors import ConfigError
 from ringtrain.planner.models import ModelSpec, from_job
 
@@ -57,10 +57,26 @@ class Layout:
     offload_optimizer: bool = False
     offload_params: bool = False
     micro_batch: int = 1
+    # The long-context savers (planner/savers.py); the defaults are none of them. ``checkpointing``
+    # is full recomputation; ``selective`` recomputes the norms and the MLP only.
+    selective: bool = False
+    offload_layers: int = 0  # model.activation_offload_layers
+    mlp_tiles: int = 1  # model.mlp_tiles
+    loss_chunk: int = 0  # train.loss_chunk_tokens
 
     @property
     def cp(self) -> int:
         return self.ring * self.ulysses
+
+    @property
+    def num_savers(self) -> int:
+        """How many of the long-context savers this layout uses (full checkpointing is not one)."""
+        return int(self.selective) + int(self.offload_layers > 0) + int(self.mlp_tiles > 1) + int(self.loss_chunk > 0)
+
+    @property
+    def checkpointing_mode(self) -> str:
+        return "full" if self.checkpointing else "selective" if self.selective else "none"
+
 
     @property
     def world(self) -> int:
@@ -77,6 +93,14 @@ class Layout:
         parts = [f"dp {self.dp} x cp {self.cp} (ring {self.ring} x ulysses {self.ulysses})", f"ZeRO-{self.zero_stage}"]
         if self.checkpointing:
             parts.append("checkpointing")
+        if self.selective:
+            parts.append("selective recompute")
+        if self.loss_chunk:
+            parts.append(f"chunked loss ({self.loss_chunk:,} tokens)")
+        if self.mlp_tiles > 1:
+            parts.append(f"MLP in {self.mlp_tiles} tiles")
+        if self.offload_layers:
+            parts.append(f"{self.offload_layers} layers' activations offloaded")
         if self.offload_optimizer:
             parts.append("optimizer offload")
         if self.offload_params:
@@ -93,8 +117,19 @@ class Layout:
             f"zero.stage={self.zero_stage}",
             f"zero.offload_optimizer={str(self.offload_optimizer).lower()}",
             f"zero.offload_params={str(self.offload_params).lower()}",
-            f"model.activation_checkpointing={str(self.checkpointing).lower()}",
-        ]
+            # true/false as before for full/none, so existing run lines stay as they were.
+            "model.activation_checkpointing=" + ("selective" if self.selective and not self.checkpointing else str(self.checkpointing).lower()),
+        ] + self._saver_overrides()
+
+    def _saver_overrides(self) -> list[str]:
+        out = []
+        if self.offload_layers:
+            out.append(f"model.activation_offload_layers={self.offload_layers}")
+        if self.mlp_tiles > 1:
+            out.append(f"model.mlp_tiles={self.mlp_tiles}")
+        if self.loss_chunk:
+            out.append(f"train.loss_chunk_tokens={self.loss_chunk}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -130,10 +165,14 @@ def layout_of(job: JobConfig) -> Layout:
         ring=job.ring_degree,
         ulysses=job.ulysses_degree,
         zero_stage=job.zero.stage,
-        checkpointing=job.model.activation_checkpointing,
+        checkpointing=checkpointing_mode(job.model.activation_checkpointing) == "full",
         offload_optimizer=job.zero.offload_optimizer,
         offload_params=job.zero.offload_params,
         micro_batch=job.train.micro_batch,
+        selective=checkpointing_mode(job.model.activation_checkpointing) == "selective",
+        offload_layers=job.model.activation_offload_layers,
+        mlp_tiles=job.model.mlp_tiles,
+        loss_chunk=job.train.loss_chunk_tokens,
     )
 
 

@@ -57,6 +57,10 @@ The activation peak is the larger of
 and the peak per GPU is model states + ZeRO buffers + max(activation peak, reduction transient).
 Gradients count as resident at the peak, as they are from the second micro batch of gradient
 accumulation on; a step of a single micro batch peaks up to the gradient bytes lower.
+
+The long-context savers (selective recomputation, tiled MLP, chunked loss, activation offload)
+change the kept layers, the recomputed layer, the SwiGLU working set and the loss terms above as
+planner/savers.py says; offloaded layers' kept bytes count as host memory.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from typing import Optional
 
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec
+from ringtrain.planner.savers import layer_bytes, loss_bytes, resident_layers
 
 # DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
 # stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
@@ -185,6 +190,7 @@ class Activations:
     loss: int  # logits, log-softmax and their gradients at the start of the backward
     loss_peak: int
     backward_peak: int
+    host: int = 0  # offloaded layers' kept bytes, in pinned host memory
 
     @property
     def peak(self) -> int:
@@ -194,27 +200,26 @@ class Activations:
 def activations(model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool) -> Activations:
     """Activation bytes on one rank at the two candidate peaks (see module doc)."""
     t = layout.micro_batch * seq_len // layout.cp
-    h, p, V = model.dim, act_bytes, model.vocab_size
+    h, p = model.dim, act_bytes
     layer = layer_activation_bytes(model, t, layout.ulysses, p)
-    checkpoint = t * p * h
-    kept = model.n_layers * (checkpoint if layout.checkpointing else layer)
+    ffn_half = t * ((4 + 2 * p) * h + 4 * p * model.ffn_dim)
+    saved = layer_bytes(model, layout, t, p, layer, ffn_half)
+    on_device_forward, on_device_backward = resident_layers(model, layout)
+    kept = on_device_forward * saved.kept
     rotary = 4 * t * model.head_dim
-    loss = t * V * (p + 12)
+    loss, logits_kept = loss_bytes(model, layout, t, p)
     loss_peak = kept + t * (4 + 2 * p) * h + rotary + loss
 
     # One layer's backward, the last layer's first (the logits stay referenced meanwhile). The
     # SwiGLU backward holds the incoming gradient and two f-wide gradients beyond what the layer
     # keeps; by the time the attention's backward runs, the layer's FFN half has been freed.
-    layer_now = layer if layout.checkpointing else 0
-    ffn_half = t * ((4 + 2 * p) * h + 4 * p * model.ffn_dim)
-    ffn_work = t * p * (h + 2 * model.ffn_dim)
     c = kv_copies(model.n_kv_heads, layout.ulysses)
     attention_work = t * ((4 + 2 * p) * h + (16 + 6 * p) * model.kv_dim * c)
     if not flash:
         attention_work += score_bytes(model, layout, seq_len)
-    base = kept + layer_now + rotary + t * p * V
-    backward_peak = base + max(ffn_work, attention_work - ffn_half)
-    return Activations(kept, loss, loss_peak, backward_peak)
+    base = on_device_backward * saved.kept + saved.recomputed + rotary + logits_kept
+    backward_peak = base + max(saved.ffn_work, attention_work - saved.ffn_kept)
+    return Activations(kept, loss, loss_peak, backward_peak, host=(model.n_layers - on_device_forward) * saved.kept)
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,7 @@ def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
         optimizer=states.optimizer,
         zero_buffers=buffers.resident,
         activations=max(acts.peak, buffers.reduce_transient),
-        host=states.host,
+        host=states.host + acts.host,
         kept_by_layers=acts.kept,
         logits_and_loss=acts.loss,
     )

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from ringtrain.planner.devices import GB
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate
-from ringtrain.planner.search import Candidate, Cluster
+from ringtrain.planner.search import Candidate, Cluster, Reach
 from ringtrain.planner.throughput import Assumptions
 
 
@@ -162,6 +162,10 @@ def candidate_record(c: Candidate, n_layers: int) -> dict[str, Any]:
             "offload_optimizer": lay.offload_optimizer,
             "offload_params": lay.offload_params,
             "micro_batch": lay.micro_batch,
+            "checkpointing_mode": lay.checkpointing_mode,
+            "activation_offload_layers": lay.offload_layers,
+            "mlp_tiles": lay.mlp_tiles,
+            "loss_chunk_tokens": lay.loss_chunk,
             "overrides": lay.overrides(),
         },
         "fits": c.fits,
@@ -265,3 +269,72 @@ def states_table(rows: list[tuple[Layout, MemoryEstimate, bool, Optional[int]]])
             "  ".join(v.rjust(w) if i not in (1, 7) else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip()
         )
     return out
+
+
+def _host_line(cluster: Cluster) -> str:
+    d = cluster.device
+    return (
+        f"host memory: {_gb(d.host_memory_bytes)} GB per node of {cluster.gpus_per_node} GPUs ({d.name}'s reference "
+        f"system), shared by their offloaded activations and optimizer states; PCIe {_gb(d.pcie_bw)} GB/s per GPU each way"
+    )
+
+
+REACH_COLUMNS = ("#", "max seq", "dp", "cp", "ring", "ulysses", "ZeRO", "savers", "GB/GPU", "host GB/node", "tokens/s")
+
+
+def _savers(lay: Layout) -> str:
+    parts = [lay.checkpointing_mode]
+    if lay.loss_chunk:
+        parts.append(f"loss/{lay.loss_chunk}")
+    if lay.mlp_tiles > 1:
+        parts.append(f"tiles {lay.mlp_tiles}")
+    if lay.offload_layers:
+        parts.append(f"offload {lay.offload_layers}")
+    if lay.offload_optimizer:
+        parts.append("opt offload")
+    return ", ".join(parts)
+
+
+def render_reach(workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int) -> str:
+    """``ringtrain plan --max-seq-len``: the longest sequence per layout, longest first."""
+    w = workload
+    lines = [
+        f"ringtrain plan --max-seq-len: {w.model.name}, {format_count(w.model.num_params)} params, "
+        f"{cluster.gpus} x {cluster.device.name}, {w.dtype}, one sequence per replica",
+        f"assumptions: {_gb(cluster.usable_bytes)} of {_gb(cluster.device.memory_bytes)} GB usable per GPU; "
+        + _host_line(cluster),
+        "",
+    ]
+    if not reach:
+        return "\n".join(lines + ["no layout fits even the shortest sequence tried (2 x cp x 64 tokens)"])
+    rows = []
+    for i, r in enumerate(reach[:top]):
+        c, lay = r.candidate, r.candidate.layout
+        host = c.memory.host * min(cluster.gpus, cluster.gpus_per_node)
+        rows.append(
+            (str(i + 1), f"{r.max_seq_len:,}", str(lay.dp), str(lay.cp), str(lay.ring), str(lay.ulysses),
+             str(lay.zero_stage), _savers(lay), _gb(c.memory.total), _gb(host), f"{c.step.tokens_per_s:,.0f}")
+        )
+    widths = [max(len(r[i]) for r in [REACH_COLUMNS, *rows]) for i in range(len(REACH_COLUMNS))]
+    for r in [REACH_COLUMNS, *rows]:
+        lines.append("  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip())
+    best = reach[0].candidate.layout
+    lines += ["", f"longest: {reach[0].max_seq_len:,} tokens; run: ringtrain run JOB.yaml data.seq_len={reach[0].max_seq_len} {' '.join(best.overrides())}"]
+    return "\n".join(lines)
+
+
+def reach_record(workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int) -> dict[str, Any]:
+    """``--max-seq-len --json``: ``max_seq_len`` per layout, with the host-memory assumption."""
+    n_layers = workload.model.n_layers
+    return {
+        "model": {"name": workload.model.name, "num_params": workload.model.num_params},
+        "dtype": workload.dtype,
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpu_type": cluster.device.name,
+        "usable_bytes_per_gpu": cluster.usable_bytes,
+        "host_memory_bytes_per_node": cluster.device.host_memory_bytes,
+        "pcie_bytes_per_s": cluster.device.pcie_bw,
+        "max_seq_len": reach[0].max_seq_len if reach else 0,
+        "layouts": [{"max_seq_len": r.max_seq_len, **candidate_record(r.candidate, n_layers)} for r in reach[:top]],
+    }

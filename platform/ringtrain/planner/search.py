@@ -8,6 +8,12 @@ A layout is valid when (the same rules ``config.validate`` and the attention cod
   the GPUs of a node, so its groups of consecutive ranks never straddle nodes and their
   all-to-alls stay on NVLink; the ring may span nodes.
 
+Each layout is tried plain, with full checkpointing, and with the long-context savers added
+one after another, cheapest first (``saver_ladder``): selective recomputation, chunked loss,
+tiled MLP under full checkpointing, then every layer's activations offloaded. In a tie on
+speed the layout with fewer savers ranks first, so a saver is chosen only when it is needed
+to fit. ``max_seq_len`` finds, per layout, the longest sequence that fits.
+
 A layout fits when its predicted peak is at most the device's memory less a headroom for the
 CUDA context, NCCL buffers and allocator fragmentation, and its offloaded state fits in the
 node's host memory. When nothing fits, ``advise`` says what would: more GPUs (the fewest that
@@ -24,6 +30,7 @@ from typing import Optional
 from ringtrain.planner.devices import GB, Device
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate, estimate
+from ringtrain.planner.savers import DEFAULT_LOSS_CHUNK, mlp_tiles_for
 from ringtrain.planner.throughput import Assumptions, StepEstimate, estimate_step
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -58,26 +65,47 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(workload: Workload, cluster: Cluster, *, micro_batch: int = 1) -> Iterator[Layout]:
-    """Every valid layout of ``cluster.gpus`` GPUs, each ZeRO stage, with and without checkpointing and offload."""
+def saver_ladder(n_layers: int, tiles: int) -> list[dict[str, object]]:
+    """The checkpointing and saver settings tried for each layout, cheapest first."""
+    chunk = DEFAULT_LOSS_CHUNK
+    return [
+        {"checkpointing": False},
+        {"checkpointing": True},
+        {"checkpointing": False, "selective": True},
+        {"checkpointing": False, "selective": True, "loss_chunk": chunk},
+        {"checkpointing": True, "loss_chunk": chunk},
+        {"checkpointing": True, "loss_chunk": chunk, "mlp_tiles": tiles},
+        {"checkpointing": True, "loss_chunk": chunk, "mlp_tiles": tiles, "offload_layers": n_layers},
+    ]
+
+
+def layouts(
+    workload: Workload, cluster: Cluster, *, micro_batch: int = 1, savers: bool = True
+) -> Iterator[Layout]:
+    """Every valid layout of ``cluster.gpus`` GPUs, each ZeRO stage, with and without checkpointing,
+    optimizer offload and (``savers``) the long-context savers."""
     heads = workload.model.n_heads
     for cp in divisors(cluster.gpus):
         if workload.seq_len % (2 * cp) or workload.global_batch % (cluster.gpus // cp * micro_batch):
             continue
+        local_seq = micro_batch * workload.seq_len // cp
+        # A tiled rung tiles at least in two, so it is never the untiled rung again.
+        tiles = max(2, mlp_tiles_for(workload.model, local_seq)) if local_seq % 2 == 0 else 1
+        ladder = saver_ladder(workload.model.n_layers, tiles)
         for ulysses in divisors(cp):
             if heads % ulysses or cluster.gpus_per_node % ulysses:
                 continue
             for stage in ZERO_STAGES:
-                for checkpointing in (False, True):
+                for rung in ladder if savers else ladder[:2]:
                     for offload in (False, True) if stage >= 1 else (False,):
                         yield Layout(
                             dp=cluster.gpus // cp,
                             ring=cp // ulysses,
                             ulysses=ulysses,
                             zero_stage=stage,
-                            checkpointing=checkpointing,
                             offload_optimizer=offload,
                             micro_batch=micro_batch,
+                            **rung,  # type: ignore[arg-type]
                         )
 
 
@@ -96,16 +124,20 @@ def evaluate(workload: Workload, layout: Layout, cluster: Cluster, assume: Assum
 TIE = 1.01
 
 
-def rank_key(c: Candidate) -> tuple[bool, int, bool, int]:
-    """Fitting first, then faster (to within ``TIE``), then without offload, then less memory."""
+def rank_key(c: Candidate) -> tuple[bool, int, bool, int, int]:
+    """Fitting first, then faster (to within ``TIE``), then without offload, then fewer savers,
+    then less memory."""
     speed_class = math.floor(math.log(c.step.tokens_per_s) / math.log(TIE))
-    return (not c.fits, -speed_class, c.layout.offload_optimizer, c.memory.total)
+    return (not c.fits, -speed_class, c.layout.offload_optimizer, c.layout.num_savers, c.memory.total)
 
 
-def search(workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1) -> list[Candidate]:
+def search(
+    workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1, savers: bool = True
+) -> list[Candidate]:
     """Every valid layout evaluated, best first (see ``rank_key``)."""
     found = [
-        evaluate(workload, layout, cluster, assume) for layout in layouts(workload, cluster, micro_batch=micro_batch)
+        evaluate(workload, layout, cluster, assume)
+        for layout in layouts(workload, cluster, micro_batch=micro_batch, savers=savers)
     ]
     return sorted(found, key=rank_key)
 
@@ -119,14 +151,55 @@ def cluster_sizes(gpus_per_node: int) -> list[int]:
 
 
 def fewest_gpus(
-    workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1
+    workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1, savers: bool = True
 ) -> Optional[Candidate]:
     """The best layout on the smallest of ``cluster_sizes`` that has a fitting layout, if any does."""
     for gpus in cluster_sizes(cluster.gpus_per_node):
-        ranked = search(workload, cluster.with_gpus(gpus), assume, micro_batch=micro_batch)
+        ranked = search(workload, cluster.with_gpus(gpus), assume, micro_batch=micro_batch, savers=savers)
         if ranked and ranked[0].fits:
             return ranked[0]
     return None
+
+
+@dataclass(frozen=True)
+class Reach:
+    """The longest sequence one layout fits, with its estimate there."""
+
+    candidate: Candidate
+    max_seq_len: int
+
+
+def _with_seq(workload: Workload, seq_len: int) -> Workload:
+    return Workload(workload.model, seq_len, workload.dtype, workload.flash, workload.optimizer_bytes, workload.global_batch)
+
+
+def _at(workload: Workload, base: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
+    """``base`` at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
+    from dataclasses import replace
+
+    local = base.micro_batch * seq_len // base.cp
+    layout = replace(base, mlp_tiles=mlp_tiles_for(workload.model, local)) if base.mlp_tiles > 1 else base
+    return evaluate(_with_seq(workload, seq_len), layout, cluster, assume)
+
+
+def max_seq_len(workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1) -> list[Reach]:
+    """Per layout (each saver rung of ``saver_ladder``), the longest sequence that fits, longest
+    first. Sequences are multiples of 2 x cp x 64 (the zigzag split, and tiles up to 64 per rank);
+    the memory estimate grows with the sequence, so a bisection finds the longest."""
+    probe = _with_seq(workload, 2 * cluster.gpus * 64)
+    found: list[Reach] = []
+    for base in layouts(probe, cluster, micro_batch=micro_batch):
+        unit = 2 * base.cp * 64
+        if not _at(workload, base, unit, cluster, assume).fits:
+            continue
+        low, high = 1, 2
+        while _at(workload, base, unit * high, cluster, assume).fits and high < 2**40 // unit:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if _at(workload, base, unit * mid, cluster, assume).fits else (low, mid)
+        found.append(Reach(_at(workload, base, unit * low, cluster, assume), unit * low))
+    return sorted(found, key=lambda r: (-r.max_seq_len, r.candidate.layout.num_savers, r.candidate.memory.total))
 
 
 def smallest(candidates: list[Candidate]) -> Optional[Candidate]:

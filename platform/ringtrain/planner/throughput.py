@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from ringtrain.planner.comm import Traffic, traffic
 from ringtrain.planner.devices import Device
 from ringtrain.planner.layout import Layout, Workload
+from ringtrain.planner.memory import activations
 from ringtrain.planner.models import ModelSpec
+from ringtrain.planner.savers import extra_flops_per_token, offload_exposed_s
 
 HOST_ADAM_BYTES = 80 + 4  # per parameter, plus the P bytes of the copy uploaded (see module doc)
 
@@ -85,6 +87,7 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
     accum = micro_batches(workload, layout)
     tokens = layout.micro_batch * seq // layout.cp
     model_flops, executed_flops = flops_per_token(model, seq, checkpointing=layout.checkpointing)
+    executed_flops += extra_flops_per_token(model, layout)
     flop_rate = device.peak_flops * assume.mfu
     compute = tokens * executed_flops / flop_rate
 
@@ -117,6 +120,11 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
         offload = net.pcie_per_step / (device.pcie_bw * assume.link_efficiency) + host_bytes / (
             device.host_memory_bw * assume.host_memory_efficiency
         )
+
+    if layout.offload_layers:
+        kept_layer = activations(model, layout, seq, prec.act_bytes, flash=workload.flash).host // layout.offload_layers
+        layer_forward = tokens * model_flops / 3 / model.n_layers / flop_rate
+        offload += accum * offload_exposed_s(kept_layer, layout, layer_forward, device.pcie_bw * assume.link_efficiency)
 
     tokens_per_step = accum * layout.dp * layout.micro_batch * seq
     zero = accum * zero_micro + net.zero_per_step / zero_bw

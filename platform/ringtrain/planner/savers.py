@@ -1,0 +1,134 @@
+"""What each long-context memory saver does to a layout's activations, host memory and step time.
+
+Notation as in planner/memory.py: t tokens on a rank, p bytes per activation element, h model
+dim, k KV heads x d = kd, f FFN dim, a heads, V vocabulary, L layers; K MLP tiles, c loss chunk.
+The savers (train/recompute.py, train/offload.py, train/loss.py):
+
+- selective recomputation keeps, per layer, the attention's q, k, v, output and log-sum-exp,
+  the attention norm's input and output and the MLP's input:
+      t [ p (2h + 2kd) + 4a + 3 p h ]  (+ the Ulysses term)
+  instead of ``layer_activation_bytes``; its backward recomputes one layer's norm and MLP, of
+  t/K tokens at a time.
+- tiled MLP: the SwiGLU keeps only its tile inputs (the norm output, kept anyway), so the
+  4 p f t of w1, w3, silu and product leave the kept bytes; one tile's are live in the backward,
+  and the SwiGLU backward's t p (h + 2f) working set shrinks to a tile's.
+- chunked loss: at most c rows of logits exist: c V (p + 12) instead of t V (p + 12), plus
+  one fp32 log-sum-exp per token and the fp32 weight-gradient accumulator 4 V h; nothing of
+  t x V stays referenced through the backward.
+- activation offload of N layers: their kept bytes go to pinned host memory; the device keeps
+  L - N layers' worth at the end of the forward and at most max(L - N, min(N, 2)) layers' in
+  the backward (a layer and the one prefetched ahead of it). Host memory per GPU is N layers'
+  worth. The copies ride PCIe (each way once per micro batch) and overlap a layer's compute;
+  what a layer's compute cannot hide is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringtrain.planner.layout import Layout
+from ringtrain.planner.models import ModelSpec
+
+# The chunk the search gives the chunked loss when it turns it on: 1,024 tokens of a 128K
+# vocabulary are 1.8 GB in bf16 with the fp32 loss terms, a fixed cost whatever the context.
+DEFAULT_LOSS_CHUNK = 1024
+
+
+def ulysses_extra(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int, kv_copies: int) -> int:
+    """Ulysses keeps q, k, v head-sharded after the all-to-all and the output on both sides."""
+    if ulysses <= 1:
+        return 0
+    return tokens * act_bytes * (model.dim + 2 * model.kv_dim * (kv_copies - 1))
+
+
+def mlp_kept(model: ModelSpec, tokens: int, act_bytes: int) -> int:
+    """w1, w3, silu and product outputs: the f-wide tensors the SwiGLU keeps untiled."""
+    return tokens * 4 * act_bytes * model.ffn_dim
+
+
+def selective_layer_bytes(model: ModelSpec, tokens: int, act_bytes: int) -> int:
+    """What a layer keeps under selective recomputation, before the Ulysses term."""
+    h, kd, a, p = model.dim, model.kv_dim, model.n_heads, act_bytes
+    return tokens * (p * (2 * h + 2 * kd) + 4 * a + 3 * p * h)
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """A layer's activations under a layout's savers."""
+
+    kept: int  # kept for the backward, per layer
+    recomputed: int  # live while one layer's recomputed part runs its backward
+    ffn_kept: int  # of ``kept``: the FFN half, freed before the attention's backward
+    ffn_work: int  # the SwiGLU backward's working set beyond what it keeps
+
+
+def layer_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, plain: int, plain_ffn: int) -> LayerBytes:
+    """``plain``: ``layer_activation_bytes`` (no saver); ``plain_ffn``: its FFN half."""
+    p, h, f, K = act_bytes, model.dim, model.ffn_dim, layout.mlp_tiles
+    mlp = mlp_kept(model, tokens, p)
+    tile_mlp = mlp // K
+    ffn_work = tokens * p * (h + 2 * f) // K
+    norm_ffn = tokens * (4 + 2 * p) * h  # the FFN norm's kept bytes (memory.py's (4 + 2p) h)
+    if layout.checkpointing:
+        # The recomputed layer keeps everything but the untiled MLP, which lives a tile at a time.
+        recomputed = plain - mlp + tile_mlp if K > 1 else plain
+        return LayerBytes(tokens * p * h, recomputed, plain_ffn - mlp + tile_mlp, ffn_work)
+    if layout.selective:
+        kept = selective_layer_bytes(model, tokens, p) + (plain - _plain_no_ulysses(model, tokens, p))
+        return LayerBytes(kept, (norm_ffn + mlp) // K, tokens * p * h, ffn_work)
+    if K > 1:
+        return LayerBytes(plain - mlp, tile_mlp, plain_ffn - mlp, ffn_work)
+    return LayerBytes(plain, 0, plain_ffn, ffn_work)
+
+
+def _plain_no_ulysses(model: ModelSpec, tokens: int, act_bytes: int) -> int:
+    h, kd, f, a, p = model.dim, model.kv_dim, model.ffn_dim, model.n_heads, act_bytes
+    return tokens * ((8 + 4 * p) * h + p * (2 * h + 2 * kd) + 4 * a + 4 * p * f)
+
+
+def loss_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> tuple[int, int]:
+    """(the loss's peak at the start of the backward, the logits kept through the backward)."""
+    V, p = model.vocab_size, act_bytes
+    if layout.loss_chunk <= 0:
+        return tokens * V * (p + 12), tokens * p * V
+    rows = min(layout.loss_chunk, tokens)
+    return rows * V * (p + 12) + 4 * tokens + 4 * V * model.dim, 0
+
+
+def resident_layers(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """Layers' worth of kept bytes on the device (end of forward, worst point of the backward)."""
+    L, N = model.n_layers, min(layout.offload_layers, model.n_layers)
+    return L - N, max(L - N, min(N, 2))
+
+
+def extra_flops_per_token(model: ModelSpec, layout: Layout) -> float:
+    """FLOPs per token the savers add: each recomputed MLP forward is 6 h f per layer
+    (three matmuls), a recomputed chunk of logits 2 h V."""
+    mlp_forward = 2.0 * 3 * model.dim * model.ffn_dim * model.n_layers
+    extra = 0.0
+    if layout.selective:
+        extra += mlp_forward
+    if layout.mlp_tiles > 1:
+        extra += mlp_forward  # under full checkpointing the tiles recompute inside the recompute
+    if layout.loss_chunk > 0:
+        extra += 2.0 * model.dim * model.vocab_size
+    return extra
+
+
+def offload_exposed_s(kept_layer: int, layout: Layout, layer_forward_s: float, pcie_bytes_per_s: float) -> float:
+    """Seconds per micro batch the offload's copies are not hidden: each layer's copy out overlaps
+    its forward, its copy back the backward (twice the forward) of the layer after it."""
+    if layout.offload_layers == 0:
+        return 0.0
+    copy = kept_layer / pcie_bytes_per_s
+    return layout.offload_layers * (max(0.0, copy - layer_forward_s) + max(0.0, copy - 2 * layer_forward_s))
+
+
+def mlp_tiles_for(model: ModelSpec, local_seq: int) -> int:
+    """Tiles for a local sequence: about one tile per ``dim`` tokens (ALST's rule, so a tile's
+    f-wide intermediates weigh about what the f x h weights do), a power of two dividing it."""
+    want = max(1, -(-local_seq // model.dim))
+    tiles = 1
+    while tiles < want and local_seq % (2 * tiles) == 0:
+        tiles *= 2
+    return tiles
