@@ -189,7 +189,9 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_training_matches_an_uni
     check_ledger(summary)
 
 
-def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(cluster: Any, tmp_path: Path, reference: Path) -> None:
+def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(
+    cluster: Any, tmp_path: Path, reference: Path, skip_reference: Path
+) -> None:
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]  # one replica per node, nothing spare
     run_dir = tmp_path / "run"
     nan_step = STEPS - 1
@@ -225,4 +227,8 @@ def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(cluste
     ref = losses(reference)
     mine = kept_losses(run_dir)
     np.testing.assert_allclose([mine[s] for s in range(1, nan_step)], ref[: nan_step - 1], rtol=1e-4)
+    # After the skip too: every kept loss is that of a run told to pass over the same batch.
+    skipped = losses(skip_reference)
+    assert len(skipped) == STEPS and len(mine) == STEPS
+    np.testing.assert_allclose([mine[s] for s in range(1, STEPS + 1)], skipped, rtol=1e-4)
     check_ledger(summary, skipped=GLOBAL_BATCH)
