@@ -26,6 +26,7 @@ ATTENTION_KERNELS = ("auto", "flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_eff
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NAN_POLICIES = ("skip", "retry", "abort")
+STRAGGLER_POLICIES = ("off", "report", "evict")
 STDLIB_CORPUS = "stdlib"
 
 
@@ -225,6 +226,13 @@ class ControllersConfig:
     sdc_every_steps: int = 100
     sdc_evict_node: bool = False
     sdc_cross_rank: bool = True
+    # Stragglers (controllers.stragglers): a rank whose compute time (its step time outside the
+    # step's collectives) is straggler_factor x its peers' median on straggler_steps consecutive
+    # steps is named in an incident (report); with evict, a warm spare takes its seat (else the
+    # job shrinks) and its slot is never reused. off: not watched (the default, as before).
+    on_straggler: str = "off"
+    straggler_factor: float = 1.5
+    straggler_steps: int = 3
 
 
 @dataclass
@@ -494,6 +502,8 @@ def validate(job: JobConfig) -> None:
             raise ConfigError(f"{key}.step", f"{fault.step} is not a step of 1..train.steps={job.train.steps}")
         if fault.seconds < 0:
             raise ConfigError(f"{key}.seconds", f"must be >= 0 (got {fault.seconds})")
+        if fault.count < 1 or (fault.count > 1 and fault.kind != "slow"):
+            raise ConfigError(f"{key}.count", f"must be >= 1, and above 1 only for kind slow (got {fault.count})")
         if fault.kind == "bitflip":
             _one_of(fault.target, BITFLIP_TARGETS, f"{key}.target")
             if not 0 <= fault.bit < 32:
@@ -660,6 +670,11 @@ def _validate_elastic(job: JobConfig) -> None:
         raise ConfigError("controllers.grow_after_s", f"must be >= 0 (got {c.grow_after_s})")
     if c.sdc_every_steps < 0:
         raise ConfigError("controllers.sdc_every_steps", f"must be >= 0 (got {c.sdc_every_steps}); 0 turns scans off")
+    _one_of(c.on_straggler, STRAGGLER_POLICIES, "controllers.on_straggler")
+    if not c.straggler_factor > 1:
+        raise ConfigError("controllers.straggler_factor", f"must be > 1 (got {c.straggler_factor}): a slowdown against the median rank")
+    if c.straggler_steps < 1:
+        raise ConfigError("controllers.straggler_steps", f"must be >= 1 (got {c.straggler_steps})")
 
 
 def _validate_cp_layout(job: JobConfig) -> None:
