@@ -15,7 +15,9 @@ from typing import Any, Optional
 import pytest
 
 from ringtrain.telemetry import report_command
-from ringtrain.telemetry.report import MAX_POINTS, NO_SUMMARY, REPORT_NAME, read_run, write_report
+from ringtrain.telemetry.report import REPORT_NAME, write_report
+from ringtrain.telemetry.runfiles import NO_SUMMARY, read_run
+from ringtrain.telemetry.svgchart import MAX_POINTS
 
 PLATFORM = Path(__file__).resolve().parents[2] / "platform"
 CHARTS = ("loss", "throughput", "step-time", "timeline", "checkpoint", "goodput", "durable", "lr", "grad-norm", "mfu")
