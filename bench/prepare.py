@@ -1,0 +1,181 @@
+"""Benchmark: `ringtrain prepare` on Ray Data against single-process tokenizing, and its peak memory.
+
+In one run, over the same JSONL files (stdlib source and docstrings, repeated to size):
+
+- ``prepare``: the command line (``--quiet``), its embedded cluster on this machine's cores.
+  Tokens/s is taken over the pipeline alone (first row to manifest published); the cluster's
+  start-up is reported apart, as is the rate over the whole command.
+- ``threaded``: one process reads the files and calls the ``tokenizers`` ``encode_batch`` on
+  batches of the same size prepare uses, with the library's own Rust threads (all cores): the
+  fastest single-process way. Target: prepare >= 0.9x of it (what Ray Data costs).
+- ``single``: the same loop with TOKENIZERS_PARALLELISM=false. Target: prepare >= 1.5x (it uses
+  more than one core).
+- CPU seconds per token of prepare's whole process tree against the one-thread loop: what Ray
+  costs in work, a figure outside load on a shared machine cannot move much.
+- Peak memory: the summed RSS of prepare's process tree (driver, Ray's daemons, the actors),
+  sampled every 0.1 s, at the corpus and at twice the corpus. Target: the doubled run's peak
+  within 1.15x (memory is bounded by blocks in flight and one shard's offsets, not the corpus).
+
+Each baseline runs in its own process so the tokenizer's thread setting is fresh. Usage:
+``.venv/bin/python bench/prepare.py [--tokens-m 8]`` (a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
+
+from bench.record import Run  # noqa: E402
+from tests.corpus import documents, save_tokenizer, write_jsonl  # noqa: E402
+
+BATCH = 512  # documents per encode_batch call: prepare's CHUNK_DOCUMENTS
+NUM_FILES = 8
+TARGETS = {"vs_threaded": 0.9, "vs_single": 1.5, "memory_doubled": 1.15}
+
+BASELINE = r"""
+import json, sys, time
+from pathlib import Path
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(sys.argv[1])
+t0 = time.perf_counter(); tokens = 0; docs = 0
+for path in sys.argv[2:]:
+    texts = []
+    with open(path, "rb") as f:
+        for line in f:
+            texts.append(json.loads(line)["text"])
+            if len(texts) == %d:
+                tokens += sum(len(e.ids) + 1 for e in tok.encode_batch(texts, add_special_tokens=False)); docs += len(texts); texts = []
+    if texts:
+        tokens += sum(len(e.ids) + 1 for e in tok.encode_batch(texts, add_special_tokens=False)); docs += len(texts)
+print(json.dumps({"tokens": tokens, "documents": docs, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time()}))
+""" % BATCH
+
+
+def make_corpus(folder: Path, copies: int) -> list[Path]:
+    """``copies`` repetitions of the stdlib documents, spread over NUM_FILES plain JSONL files."""
+    records = list(documents(400))
+    files = []
+    per_file = -(-copies * len(records) // NUM_FILES)
+    every = [dict(r, id=f"{c}.{r['id']}") for c in range(copies) for r in records]
+    for i in range(NUM_FILES):
+        files.append(write_jsonl(folder / f"part-{i:03d}.jsonl", every[i * per_file : (i + 1) * per_file]))
+    return files
+
+
+def baseline(tokenizer: Path, files: list[Path], threads: bool) -> dict[str, Any]:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="true" if threads else "false")
+    done = subprocess.run([sys.executable, "-c", BASELINE, str(tokenizer / "tokenizer.json"), *map(str, files)],
+                          env=env, capture_output=True, text=True, check=True)
+    out: dict[str, Any] = json.loads(done.stdout)
+    out["tokens_per_s"] = out["tokens"] / out["seconds"]
+    return out
+
+
+def _tree(pid: int, cpu: dict[int, float]) -> int:
+    """Summed RSS of ``pid`` and its descendants; records each one's CPU seconds so far in ``cpu``."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                total += proc.memory_info().rss
+                times = proc.cpu_times()
+                cpu[proc.pid] = max(cpu.get(proc.pid, 0.0), times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def prepare(tokenizer: Path, corpus: Path, out: Path, work: Path) -> dict[str, Any]:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", HOME=str(work), RAY_TMPDIR=tempfile.mkdtemp(prefix="rtb-", dir="/tmp"))
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "ringtrain", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out", str(out), "--quiet"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    cpu: dict[int, float] = {}
+
+    def sample() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], _tree(proc.pid, cpu))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"prepare failed ({proc.returncode}):\n{stderr[-3000:]}")
+    match = re.search(r"([\d.]+) s: .* \(cluster start ([\d.]+) s", stdout)
+    assert match, stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    seconds, start = float(match.group(1)), float(match.group(2))
+    return {"tokens": manifest["num_tokens"], "documents": manifest["num_documents"], "seconds": seconds,
+            "cluster_start_s": start, "command_wall_s": round(wall, 2), "tokens_per_s": manifest["num_tokens"] / seconds,
+            "tokens_per_s_with_start": manifest["num_tokens"] / wall, "peak_rss_mb": round(peak[0] / 2**20, 1),
+            # every process of the command, Ray's daemons included, start-up included (sampled: a lower bound)
+            "cpu_s": round(sum(cpu.values()), 2)}
+
+
+def verdict(name: str, value: float, target: float, higher: bool = True) -> dict[str, Any]:
+    ok = value >= target if higher else value <= target
+    print(f"{name:<34} {value:6.3f}  target {'>=' if higher else '<='} {target}  {'PASS' if ok else 'FAIL'}")
+    return {"value": round(value, 4), "target": target, "pass": ok}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=3, help="repetitions of the stdlib documents (~2.7M tokens each)")
+    args = parser.parse_args()
+    run = Run("prepare")
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
+        work = Path(tmp)
+        tokenizer = save_tokenizer(work / "tok", num_modules=60, vocab_size=8192)
+        files = make_corpus(work / "corpus", args.copies)
+        double = make_corpus(work / "corpus2", 2 * args.copies)
+        print(f"corpus: {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB in {len(files)} files; tokenizer vocab 8192")
+        result = prepare(tokenizer, work / "corpus", work / "out", work)
+        threaded = baseline(tokenizer, files, threads=True)
+        single = baseline(tokenizer, files, threads=False)
+        doubled = prepare(tokenizer, work / "corpus2", work / "out2", work)
+    assert result["tokens"] == threaded["tokens"] == single["tokens"], (result, threaded, single)
+    for name, r in (("prepare", result), ("threaded encode_batch", threaded), ("single-thread encode_batch", single),
+                    ("prepare, corpus doubled", doubled)):
+        print(f"{name:<28} {r['tokens']:>12,} tokens in {r['seconds']:6.2f} s = {r['tokens_per_s'] / 1e6:5.2f}M tokens/s"
+              + (f"  (cluster start {r['cluster_start_s']:.1f} s; peak RSS {r['peak_rss_mb']:,.0f} MB)" if "peak_rss_mb" in r else ""))
+    # Wall-clock ratios depend on what else the machine runs; CPU seconds per token do not, and
+    # say what Ray costs in work: prepare's whole process tree against the one-thread loop.
+    cpu_ratio = (result["cpu_s"] / result["tokens"]) / (single["cpu_s"] / single["tokens"])
+    print(f"CPU seconds per token, prepare (whole tree, start-up included) / single-thread loop: {cpu_ratio:.2f}")
+    verdicts = {
+        "vs_threaded": verdict("prepare / threaded encode_batch", result["tokens_per_s"] / threaded["tokens_per_s"], TARGETS["vs_threaded"]),
+        "vs_single": verdict("prepare / single-thread", result["tokens_per_s"] / single["tokens_per_s"], TARGETS["vs_single"]),
+        "memory_doubled": verdict("peak RSS at 2x corpus / at 1x", doubled["peak_rss_mb"] / result["peak_rss_mb"],
+                                  TARGETS["memory_doubled"], higher=False),
+    }
+    run.write({"prepare": result, "threaded": threaded, "single": single, "prepare_doubled": doubled,
+               "cpu_per_token_vs_single": round(cpu_ratio, 3), "batch_documents": BATCH, "num_files": NUM_FILES, "verdicts": verdicts}, device_type="cpu")
+    return 0 if all(v["pass"] for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
