@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ringtrain import metrics
-from ringtrain.telemetry import dashboards, dashboards_command
+from ringtrain.telemetry import alerts, dashboards, dashboards_command
 from tests.tools import tool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def variable_selectors() -> list[str]:
     return found
 
 
-ALERT_EXPRESSIONS = [rule.expr for rule in dashboards.ALERT_RULES]
+ALERT_EXPRESSIONS = [rule.expr for rule in alerts.ALERT_RULES]
 ALL_EXPRESSIONS = [expr for _, _, expr in panel_queries()] + variable_selectors() + ALERT_EXPRESSIONS
 
 
@@ -106,7 +106,7 @@ def test_no_stale_dashboard_files(folder: Path) -> None:
 def test_uids_are_fixed_and_unique() -> None:
     uids = [board["uid"] for board in BOARDS.values()]
     assert uids == ["ringtrain-training", "ringtrain-reliability"]
-    rule_uids = [rule.uid for rule in dashboards.ALERT_RULES]
+    rule_uids = [rule.uid for rule in alerts.ALERT_RULES]
     assert len(set(uids + rule_uids)) == len(uids) + len(rule_uids)
 
 
@@ -239,9 +239,9 @@ def test_promtool_does_reject_a_broken_expression(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "could not parse expression" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("rule", dashboards.ALERT_RULES, ids=lambda rule: rule.uid)
-def test_alert_rules_are_complete(rule: dashboards.AlertRule) -> None:
-    body = dashboards.alert_rule(rule, "ds-uid", "folder-uid")
+@pytest.mark.parametrize("rule", alerts.ALERT_RULES, ids=lambda rule: rule.uid)
+def test_alert_rules_are_complete(rule: alerts.AlertRule) -> None:
+    body = alerts.alert_rule(rule, "ds-uid", "folder-uid")
     assert body["uid"] == rule.uid and body["folderUID"] == "folder-uid" and body["ruleGroup"] == "ringtrain"
     ref_ids = [query["refId"] for query in body["data"]]
     assert body["condition"] in ref_ids and len(set(ref_ids)) == len(ref_ids)
@@ -253,7 +253,7 @@ def test_alert_rules_are_complete(rule: dashboards.AlertRule) -> None:
 
 
 def test_alert_rules_cover_progress_loss_goodput_and_sdc() -> None:
-    assert [rule.uid for rule in dashboards.ALERT_RULES] == [
+    assert [rule.uid for rule in alerts.ALERT_RULES] == [
         "ringtrain-no-progress",
         "ringtrain-loss-not-finite",
         "ringtrain-low-goodput",

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from grafana_fake import FakeGrafana
 
-from ringtrain.telemetry import dashboards, dashboards_command, grafana
+from ringtrain.telemetry import alerts, dashboards, dashboards_command, grafana
 
 TOKEN = "secret-token"
 PROMETHEUS = "http://prometheus.monitoring:9090"
 BOARD_UIDS = {"ringtrain-training", "ringtrain-reliability"}
-RULE_UIDS = {rule.uid for rule in dashboards.ALERT_RULES}
+RULE_UIDS = {rule.uid for rule in alerts.ALERT_RULES}
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaTimeoutError, GrafanaUnauthorizedError
 
 from ringtrain.errors import RingtrainError
-from ringtrain.telemetry import dashboards
+from ringtrain.telemetry import alerts, dashboards
 
 Json = dict[str, Any]
 Action = Literal["created", "updated", "unchanged"]
@@ -232,6 +232,6 @@ def push(
     for build in dashboards.DASHBOARDS.values():
         pinned = dashboards.with_datasource(build(), DATASOURCE_UID, DATASOURCE_NAME)
         changes.append(provisioner.dashboard(pinned, folder))
-    for rule in dashboards.ALERT_RULES:
-        changes.append(provisioner.alert_rule(dashboards.alert_rule(rule, DATASOURCE_UID, folder)))
+    for rule in alerts.ALERT_RULES:
+        changes.append(provisioner.alert_rule(alerts.alert_rule(rule, DATASOURCE_UID, folder)))
     return changes
