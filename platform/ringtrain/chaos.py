@@ -18,7 +18,10 @@ from dataclasses import dataclass
 # step and stays bad: every SDC probe round it runs from then on has one bit of its GEMM output
 # flipped, and with target=gradients one bit of its gradient contribution to that step flips
 # too (silent: the loss stays finite, every rank applies the corrupted update).
-FAULT_KINDS = ("crash", "nan", "slow", "hang", "skip_collective", "wrong_shape", "bitflip")
+# crash_restoring: the worker process exits while it loads the snapshot in the recovery from a
+# failure seen at or after ``step`` (a second failure inside a recovery); once per run.
+RESTORING_FAULT = "crash_restoring"
+FAULT_KINDS = ("crash", "nan", "slow", "hang", "skip_collective", "wrong_shape", "bitflip", RESTORING_FAULT)
 BITFLIP_TARGETS = ("probe", "gradients")
 
 
@@ -41,10 +44,17 @@ class FaultPlan:
         self.faults = list(faults)
 
     def take(self, rank: int, step: int) -> list[FaultSpec]:
-        due = [f for f in self.faults if f.rank == rank and f.step <= step < f.step + max(1, f.count)]
+        due = [
+            f for f in self.faults if f.rank == rank and f.step <= step < f.step + max(1, f.count) and f.kind != RESTORING_FAULT
+        ]
         # A fault with steps still to come stays; each step of it fires once.
         self.faults = [f for f in self.faults if f not in due or step + 1 < f.step + max(1, f.count)]
         return due
+
+    def crashes_restoring(self, rank: int) -> bool:
+        """Whether ``rank`` is to die while it restores a snapshot (the recovery's job keeps
+        the fault only while it is due: ``actors.recovery.world_job``)."""
+        return any(f.kind == RESTORING_FAULT and f.rank == rank for f in self.faults)
 
     def __bool__(self) -> bool:
         return bool(self.faults)

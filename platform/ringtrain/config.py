@@ -233,6 +233,10 @@ class ControllersConfig:
     on_straggler: str = "off"
     straggler_factor: float = 1.5
     straggler_steps: int = 3
+    # ZeRO-0 keeps the whole state on every rank: a rank's snapshot shard that had not reached
+    # a holder when the rank died is written again by a survivor from its own copy, so a kill
+    # right after a step costs no redone step (false: restore the newest step held whole).
+    rebuild_from_replicas: bool = True
 
 
 @dataclass

@@ -20,18 +20,18 @@ import math
 import time
 from typing import Any, Callable, Optional, Sequence, cast
 
-from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tokenizer, plan_for
+from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
-from ringtrain.actors.records import recovery_entry, step_record
+from ringtrain.actors.runbook import RunBook
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
 from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, classify, decide, non_finite
 from ringtrain.controllers.ledger import SampleLedger
+from ringtrain.controllers.retries import RecoveryFault, phase_of, retry_recovery
 from ringtrain.controllers.repeats import ErrorSignature, RepeatTracker, repeated_reason
 from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
 from ringtrain.controllers.stragglers import StragglerWatch, slowdowns
-from ringtrain.controllers.snapshots import persist_due
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
 from ringtrain.planner.devices import peak_flops
@@ -55,7 +55,8 @@ class RunState(enum.Enum):
 _ALLOWED = {
     RunState.STARTING: {RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
     RunState.RUNNING: {RunState.RECOVERING, RunState.FINISHED, RunState.FAILED, RunState.STOPPED},
-    RunState.RECOVERING: {RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
+    # A recovery interrupted by another failure starts over (controllers.retries).
+    RunState.RECOVERING: {RunState.RECOVERING, RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
 }
 
 
@@ -63,7 +64,7 @@ _ALLOWED = {
 _WORKER_FAILURE_KINDS = {"died": "crash", "error": "crash", "timeout": "hang"}
 
 
-class Controller:
+class Controller(RunBook):
     def __init__(
         self,
         job: JobConfig,
@@ -114,6 +115,7 @@ class Controller:
         # What eval.every scores (read from eval.data on the first evaluation unless given).
         self.eval_plan = eval_plan
         self.last_eval: Optional[dict[str, Any]] = None
+        self.startup: dict[str, float] = {}  # seconds by start phase, for summary.json
 
     def _transition(self, new: RunState, reason: str) -> None:
         if new not in _ALLOWED.get(self.state, set()):
@@ -125,6 +127,7 @@ class Controller:
         started = self.clock()
         try:
             self.group.start()
+            self.startup = {**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started}
             if self.telemetry is not None and self.group.infos:
                 self.telemetry.peak_flops_per_worker = peak_flops(
                     self.group.infos[0].device_name, cpu_cores=self.job.cluster.cpus_per_worker
@@ -141,6 +144,8 @@ class Controller:
             step = self.start_step + 1
             while step <= self.job.last_step:
                 step = self._step(step, started)
+                if "first_step_s" not in self.startup and self.records:
+                    self.startup["first_step_s"] = self.clock() - started
             self._drain(wait=True)
             reason = (
                 f"train.stop_at_step={self.job.last_step} reached"
@@ -270,7 +275,10 @@ class Controller:
             self._transition(RunState.RUNNING, decision.reason)
             return step if restore_to is None else restore_to
         last_step = step - 1 if restore_to is None else restore_to
-        resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
+        try:
+            resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
+        except WorkerError as exc:  # the world being formed broke: try again from the same point
+            return self._retry(exc, decision, incident, step, t0, last_step=last_step, seen_at=seen_at)
         self._repin(min(self.last_clean_scan, resumed))  # a state from before a clean scan is clean
         if failure.kind is Kind.SDC:
             self._discard_durable_after(resumed)
@@ -289,6 +297,35 @@ class Controller:
             f"resuming after step {resumed} ({len(struck)} completed steps redone)"
         )
         self._transition(RunState.RUNNING, f"resumed after step {resumed}")
+        return resumed
+
+    def _retry(
+        self, exc: WorkerError, decision: Decision, incident: Incident, step: int, t0: float, *, last_step: int, seen_at: float
+    ) -> int:
+        """A worker failed while the recovery of ``incident`` formed its new world: recover
+        again, from the same restore point, as from a failure of that world
+        (``controllers.retries``); the run fails once controllers.max_recoveries is spent."""
+        assert self.elastic is not None
+        if decision.action is not Action.ROLLBACK:
+            self.dp = decision.dp_after  # the world that broke was formed at this dp
+        fault = RecoveryFault(exc.rank, exc.kind, exc.cause, phase_of(getattr(self.group, "phases", {})))
+        attempts = sum(1 for i in self.incidents if i.action not in ("abort", "report"))
+        retry = retry_recovery(
+            fault, incident=incident.id, restore_to=last_step, attempts=attempts, max_recoveries=self.job.controllers.max_recoveries
+        )
+        if retry is None:
+            raise RingtrainError(
+                f"{exc}: during the recovery of incident {incident.id}, with controllers.max_recoveries="
+                f"{self.job.controllers.max_recoveries} recoveries made"
+            ) from exc
+        resumed = self._recover(
+            retry.failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=retry.evidence, restore_to=retry.restore_to
+        )
+        # The interrupted recovery ends with its retry: same restore point, same steps redone.
+        retried = self.incidents[-1] if self.incidents[-1].id != incident.id else incident
+        done = dataclasses.replace(incident, dp_after=self.dp, lost_steps=retried.lost_steps)
+        self._update_incident(done)
+        self._recovering.append((done, seen_at))
         return resumed
 
     def _repeated(self, failure: Failure, step: int) -> str:
@@ -461,180 +498,3 @@ class Controller:
         self.last_clean_scan = last_clean
         if self.sdc is not None:
             self.group.pin_snapshots(last_clean)
-
-    def _write_layout(self) -> None:
-        if self.elastic is not None:
-            self.run_dir.write_workers(self.elastic.layout())
-
-    def _incident(
-        self,
-        kind: str,
-        ranks: tuple[int, ...],
-        step: int,
-        t0: float,
-        *,
-        reason: str,
-        action: str = "abort",
-        detected_at: Optional[float] = None,
-        detect_s: Optional[float] = None,
-        verdict: Optional[dict[str, Any]] = None,
-    ) -> Incident:
-        incident = Incident(
-            id=self.run_dir.num_incidents() + 1,
-            kind=kind,
-            ranks=ranks,
-            detected_at_step=step,
-            detected_at=detected_at if detected_at is not None else time.time(),
-            detect_s=detect_s if detect_s is not None else self.clock() - t0,
-            action=action,
-            reason=reason,
-            dp_before=self.dp,
-            verdict=verdict,
-        )
-        self.incidents.append(incident)
-        record = dataclasses.asdict(incident)
-        path = self.run_dir.write_incident(record)
-        self.progress.message(f"incident {incident.id}: {kind} on ranks {list(ranks)} at step {step}: {reason} ({path})")
-        if self.telemetry is not None:
-            self.telemetry.add(metrics.INCIDENTS, 1, kind=kind)
-        for sink in self.sinks:
-            sink.incident(record)
-        return incident
-
-    def _update_incident(self, incident: Incident) -> None:
-        self.incidents = [incident if i.id == incident.id else i for i in self.incidents]
-        self.run_dir.write_incident(dataclasses.asdict(incident))
-
-    def _resume(self, checkpoint: LoadedCheckpoint) -> int:
-        t0 = self.clock()
-        names = sorted(checkpoint.shards)
-        step = self.group.restore([checkpoint.shards[n] for n in names])
-        self.progress.message(
-            f"resumed from {checkpoint.uri} (step {step}, written at dp {checkpoint.meta.get('dp')}) "
-            f"in {self.clock() - t0:.2f} s"
-        )
-        return step
-
-    def _maybe_persist(self, step: int) -> None:
-        if self.persister is None:
-            return
-        if persist_due(step, persist_every=self.job.checkpoint.persist_every, final_step=self.job.last_step):
-            # Pending results: the workers serve them while they train the next step.
-            self.persister.submit(step, self.group.snapshot_refs(step))
-        self._drain(wait=False)
-
-    def _drain(self, *, wait: bool) -> None:
-        if self.persister is None:
-            return
-        for persisted in self.persister.flush() if wait else self.persister.poll():
-            self.persist_s = persisted.seconds
-            self.progress.message(
-                f"checkpoint step {persisted.step}: {persisted.num_bytes / 1e6:.1f} MB in {persisted.seconds:.2f} s -> {persisted.uri}"
-            )
-
-    def _discard_durable_after(self, step: int) -> None:
-        """Durable checkpoints written after ``step`` hold state the probes have since rejected."""
-        if self.persister is None:
-            return
-        self._drain(wait=True)
-        gone = self.persister.discard_after(step)
-        if gone:
-            self.progress.message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
-
-    def _close_durable(self) -> None:
-        if self.persister is None:
-            return
-        try:
-            self._drain(wait=True)
-        finally:
-            self.persister.close()
-
-    def _maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
-        """Every eval.every steps and after the last: the eval plan scored on the state after
-        ``step``, for that step's record. Outside the step's timing; a failure in it fails the
-        run (recovery covers training steps only)."""
-        every = self.job.eval.every
-        if not every or (step % every and step != self.job.last_step):
-            return None
-        if self.eval_plan is None:
-            self.eval_plan = plan_for(self.job, tokenizer=model_tokenizer(self.job))
-        t0 = self.clock()
-        found = evaluate(cast(EvalGroup, self.group), self.eval_plan).to_dict()
-        found["seconds"] = self.clock() - t0
-        self.last_eval = {"step": step, **{k: found[k] for k in ("loss", "perplexity", "tokens")}}
-        passkey = found.get("passkey")
-        self.progress.message(
-            f"eval after step {step}: loss {_or_dash(found['loss'], '.4f')}, perplexity {_or_dash(found['perplexity'], '.4g')} "
-            f"over {found['tokens']} tokens" + (f", passkey {passkey['overall']:.0%}" if passkey else "") + f" ({found['seconds']:.1f} s)"
-        )
-        return found
-
-    def _record(
-        self, reports: list[StepReport], wall_s: float, started: float, evaluation: Optional[dict[str, Any]] = None
-    ) -> None:
-        record = step_record(reports, dp=self.dp, cp=self.job.mesh.cp, wall_s=wall_s)
-        if evaluation is not None:
-            record["eval"] = evaluation
-        record["time"] = time.time()
-        record["generation"] = getattr(self.group, "generation", 1)
-        record["persist_s"] = self.persist_s
-        record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
-        # Wall time on steps that were kept: a step struck out by a rollback stops counting.
-        self._kept_s += wall_s
-        goodput = self._kept_s / max(self.clock() - started, 1e-9)
-        record["goodput"] = goodput
-        if self.telemetry is not None:
-            record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.dp * self.job.mesh.cp)
-            self.telemetry.step(record)
-            self.telemetry.goodput(goodput)
-        for sink in self.sinks:
-            sink.step(record)
-        self.ledger.record(
-            record["step"],
-            tuple(s for r in reports for s in r.samples),
-            tuple(o for r in reports for o in r.origins),
-        )
-        self.records.append(record)
-        self.run_dir.append_metrics(record)
-        self.progress.step(record)
-
-    def _summary(self, *, wall_s: float) -> dict[str, Any]:
-        last = self.records[-1] if self.records else None
-        tokens = sum(r["tokens"] for r in self.records)
-        train_s = self._kept_s
-        ledger = self.ledger.totals()
-        return {
-            "status": self.state.value,
-            "steps": self.job.train.steps,
-            "start_step": self.start_step,
-            "final_step": last["step"] if last else self.start_step,
-            "initial_loss": self.records[0]["loss"] if self.records else None,
-            "final_loss": last["loss"] if last else None,
-            "tokens": tokens,
-            "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
-            "wall_time_s": wall_s,
-            "train_time_s": train_s,
-            # Wall time spent on steps that were kept, start-up, recoveries and checkpoint waits included.
-            "goodput": train_s / wall_s if wall_s > 0 else 0.0,
-            "run_id": self.run_id,
-            "num_params": self.group.num_params,
-            "num_samples": ledger["samples"],
-            "ledger": ledger,
-            "dp": self.dp,
-            "cp": self.job.mesh.cp,
-            "resumed_from": self.resume_from.uri if self.resume_from else None,
-            "last_durable_step": self.persister.last_durable_step if self.persister else 0,
-            "checkpoint_errors": list(self.persister.errors) if self.persister else [],
-            "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
-            "recoveries": [recovery_entry(i) for i in self.incidents if i.action not in ("abort", "report")],
-            "resizes": self.resizes,
-            "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
-            "error": self.error,
-            "error_location": self.error_location,
-            "eval": self.last_eval,
-            "run_dir": str(self.run_dir.path),
-        }
-
-
-def _or_dash(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)

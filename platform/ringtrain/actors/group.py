@@ -72,6 +72,7 @@ class WorkerGroup:
         self.generation = 0  # worlds formed so far
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
         self.warm_deaths = WarmDeaths()  # workers that died warming up, by slot
+        self.startup: dict[str, float] = {}  # seconds by phase of the first world's start
 
     # --- views ---------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import placement_group
 
+        t0 = time.monotonic()
         bundle = worker_resources(self.job, self.device)
         topo = self.topology
         self.placement_groups = [
@@ -135,12 +137,17 @@ class WorkerGroup:
                 f"only {len(ready)} of {len(self.placement_groups)} placement groups ({topo.cp} x {bundle} per replica, "
                 f"mesh.spares={self.job.mesh.spares}) could be placed within controllers.start_timeout_s={timeout:g}",
             )
+        t1 = time.monotonic()
         members = [
             self._spawn(Slot(self.placement_groups[r // topo.cp], r % topo.cp), rehearse=False) for r in range(topo.world_size)
         ]
         if self.job.mesh.spares:
             self.spares = [self._spawn(Slot(self.placement_groups[-1], i)) for i in range(self.job.mesh.spares)]
+        t2 = time.monotonic()
         self.form_world(members, self.job)  # the spares warm up meanwhile
+        # The start by phase (summary.json's startup): warm is process start and imports, join
+        # the process groups with model, DeepSpeed engine and data built.
+        self.startup = {"placement_s": t1 - t0, "spawn_s": t2 - t1, **self.phases}
 
     def _spawn(self, slot: Slot, *, rehearse: bool = True) -> Member:
         """Start a worker actor in ``slot``; it warms up in the background (see TrainWorker.warm)."""
@@ -177,21 +184,40 @@ class WorkerGroup:
         step restored (0 without one)."""
         timeout = self.job.controllers.start_timeout_s
         self.job, self.members = job, members
+        self.phases = {}  # filled as phases complete: a failure's phase is the first missing
         t0 = time.monotonic()
         self._wait_warm(members, timeout)
         self._start_holders()
         self.generation += 1
         t1 = time.monotonic()
+        self.phases["warm_s"] = t1 - t0
         host, port = self._call(members[0].handle.create_store.remote(job.world_size), rank=0, timeout=timeout)
-        counts = self._gather(lambda rank, w: w.join.remote(job, rank, host, port, self._holders_of(rank)), timeout)
+        counts = self._gather(
+            lambda rank, w: w.join.remote(job, rank, host, port, self._holders_of(rank)), timeout, on_failure=self._abandon_join
+        )
         self.num_params = counts[0]
         t2 = time.monotonic()
-        self.phases = {"warm_s": t1 - t0, "join_s": t2 - t1}
+        self.phases["join_s"] = t2 - t1
         if snapshot is None:
             return 0
-        steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout)
+        steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout, on_failure=self._settle)
         self.phases["restore_s"] = time.monotonic() - t2
         return int(steps[0])
+
+    def _abandon_join(self, pending: list[Any]) -> None:
+        """A rank died while the world was joining: the others wait in rank 0's store for it
+        until the store's timeout. Close the store (rank 0 answers on its second slot) so they
+        fail now, and let their calls end before the next world is formed from them."""
+        _stop_store(self.members[0].handle)
+        self._settle(pending)
+
+    def _settle(self, pending: list[Any]) -> None:
+        """Wait (bounded) for the calls of a world that failed to end: a retry must not find a
+        worker still inside the last attempt's join or restore."""
+        import ray
+
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=self.job.controllers.heartbeat_timeout_s)
 
     def _start_holders(self) -> None:
         """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
@@ -532,8 +558,11 @@ class WorkerGroup:
 
     # --- calls ---------------------------------------------------------------------------
 
-    def _gather(self, call: Callable[[int, Any], Any], timeout: float) -> list[Any]:
-        """Call every worker (with its rank), wait for all; the first failure names its rank."""
+    def _gather(
+        self, call: Callable[[int, Any], Any], timeout: float, on_failure: Optional[Callable[[list[Any]], None]] = None
+    ) -> list[Any]:
+        """Call every worker (with its rank), wait for all; the first failure names its rank.
+        ``on_failure`` is given the calls still pending when one failed, before the error."""
         import ray
 
         rank_of = {call(rank, w): rank for rank, w in enumerate(self.workers)}
@@ -542,13 +571,18 @@ class WorkerGroup:
         pending = list(rank_of)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                stuck = sorted(rank_of[r] for r in pending)
-                raise WorkerError(
-                    stuck[0], self._host(stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})", kind="timeout"
-                )
-            rank = rank_of[done[0]]
-            results[rank] = self._call(done[0], rank=rank, timeout=0)
+            try:
+                if not done:
+                    stuck = sorted(rank_of[r] for r in pending)
+                    raise WorkerError(
+                        stuck[0], self._host(stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})", kind="timeout"
+                    )
+                rank = rank_of[done[0]]
+                results[rank] = self._call(done[0], rank=rank, timeout=0)
+            except WorkerError:
+                if on_failure is not None:
+                    on_failure(pending)
+                raise
         return [results[rank] for rank in range(len(self.workers))]
 
     def _call(self, ref: Any, *, rank: int, timeout: float) -> Any:
@@ -612,6 +646,13 @@ def _stop_actor(handle: Any) -> None:
     try:
         ray.kill(handle, no_restart=True)
     except Exception:  # already dead: nothing to stop
+        pass
+
+
+def _stop_store(handle: Any) -> None:
+    try:
+        handle.drop_store.remote()
+    except Exception:  # rank 0 is gone, and its store with it
         pass
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ringtrain.actors.group import Member, StepFailed, WorkerGroup
+from ringtrain.chaos import RESTORING_FAULT
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.controllers.elastic import evicted, reseat
 from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
-from ringtrain.controllers.snapshots import Holding, RestorePlan, Source, plan_restore
+from ringtrain.controllers.snapshots import REBUILD, Holding, RestorePlan, Source, plan_restore
 from ringtrain.errors import RingtrainError
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,14 @@ class Resumed:
     seats: tuple[Optional[int], ...] = ()  # new rank -> the old rank seated there (None: a new worker)
 
 
-def world_job(job: JobConfig, *, dp: int, fired_through: int) -> JobConfig:
+def world_job(job: JobConfig, *, dp: int, fired_through: int, retry: bool = False) -> JobConfig:
     """The job for a world of ``dp`` replicas: chaos faults due at or before ``fired_through``
-    (the step that failed) are dropped, so a replacement does not meet them again."""
-    faults = [f for f in job.chaos.faults if f.step > fired_through]
+    (the step that failed) are dropped, so a replacement does not meet them again. A
+    ``crash_restoring`` fault that is due strikes the recovery itself, so it stays for the first
+    attempt and is dropped from the retry's (``retry``)."""
+    faults = [
+        f for f in job.chaos.faults if f.step > fired_through or (f.kind == RESTORING_FAULT and not retry)
+    ]
     return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=dp), chaos=ChaosConfig(faults=faults))
 
 
@@ -52,6 +57,10 @@ class Recovery:
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
         self._growth_workers = 0  # workers the growth being prepared needs (0: none prepared)
+        # The restore point of a recovery whose new world has not formed yet: (newest step asked
+        # for, pending shards). Fetched before the old world was left, so a retry after a worker
+        # died while joining or restoring reads the same state (controllers.retries).
+        self._unfinished: Optional[tuple[int, Optional[list[Any]]]] = None
 
     def layout(self) -> dict[str, Any]:
         return self.group.layout()
@@ -91,11 +100,21 @@ class Recovery:
         timeout = self.group.job.controllers.heartbeat_timeout_s
         holdings = []
         peer_refs = {rank: m.handle.snapshot_steps.remote() for rank, m in survivors.items()}
+        job = self.group.job
+        rebuild = job.zero.stage == 0 and job.controllers.rebuild_from_replicas
+        rebuild_refs = {rank: m.handle.rebuildable.remote() for rank, m in survivors.items()} if rebuild else {}
         holder_refs = {node: h.inventory.remote() for node, h in self.group.holders.items()}
         for rank, ref in peer_refs.items():
             steps = _get_or(ref, [], timeout)
+            live = _get_or(rebuild_refs[rank], None, timeout) if rank in rebuild_refs else None
             holdings.append(
-                Holding(Source.PEER, f"peer:{rank}", frozenset((s, rank) for s in steps), tuple((s, world) for s in steps))
+                Holding(
+                    Source.PEER,
+                    f"peer:{rank}",
+                    frozenset((s, rank) for s in steps),
+                    tuple((s, world) for s in steps),
+                    rebuilds=(tuple(live),) if live else (),
+                )
             )
         for node, ref in holder_refs.items():
             inventory = _get_or(ref, None, timeout)
@@ -117,6 +136,8 @@ class Recovery:
             kind, _, name = where.partition(":")
             if kind == "peer":
                 refs.append(survivors[int(name)].handle.snapshot_blob.remote(plan.step))
+            elif kind == REBUILD:
+                refs.append(survivors[int(name.partition(":")[2])].handle.rebuild_shard.remote(rank, plan.step))
             else:
                 refs.append(self.group.holders[name].get.remote(rank, plan.step))
         timeout = self.group.job.controllers.start_timeout_s
@@ -165,10 +186,7 @@ class Recovery:
             g.kill(doomed)  # slots on live nodes are reused
         survivors = {r: m for r, m in enumerate(old) if r not in lost}
         t0 = time.monotonic()
-        if last_step == 0:  # back to the initial state, which joining a world builds
-            shards = None
-        else:
-            _, shards = self.restore_point(survivors, newest=last_step)
+        retry, shards = self._restore_shards(survivors, last_step)
         plan_s = time.monotonic() - t0
 
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
@@ -178,13 +196,25 @@ class Recovery:
         fill = taken + g.spawn(seats.count(None) - len(taken))
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
 
-        job = world_job(g.job, dp=new_dp, fired_through=last_step + 1 if fired_through is None else fired_through)
+        job = world_job(g.job, dp=new_dp, fired_through=last_step + 1 if fired_through is None else fired_through, retry=retry)
         step = g.form_world(members, job, snapshot=shards)
+        self._unfinished = None
         g.release_unused_placement()
         self._forget_after(step)
         return Resumed(
             step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases}, tuple(seats)
         )
+
+    def _restore_shards(self, survivors: dict[int, Member], last_step: int) -> tuple[bool, Optional[list[Any]]]:
+        """Whether this is a retry, and the pending shards of the newest whole snapshot at or
+        before ``last_step`` (None: the initial state). A retry of an unfinished recovery
+        reuses the shards that recovery fetched: the world it was forming may already have
+        overwritten its holders' copies of that step with its own."""
+        if self._unfinished is not None and self._unfinished[0] == last_step:
+            return True, self._unfinished[1]
+        shards = None if last_step == 0 else self.restore_point(survivors, newest=last_step)[1]
+        self._unfinished = (last_step, shards)
+        return False, shards
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
         """Place nothing new on the nodes of ``ranks`` (evicted whole for corrupting data)."""
@@ -255,16 +285,15 @@ class Recovery:
         may have broken it). ``fired_through`` as for ``reform``."""
         g = self.group
         members = list(g.members)
-        job = world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1 if fired_through is None else fired_through)
-        if last_step == 0:  # back to the initial state, which joining a world builds
+        retry, shards = self._restore_shards(dict(enumerate(members)), last_step)
+        job = world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1 if fired_through is None else fired_through, retry=retry)
+        if shards is None:  # back to the initial state, which joining a world builds
             step = g.form_world(members, job)
-            self._forget_after(step)
-            return step
-        _, shards = self.restore_point(dict(enumerate(members)), newest=last_step)
-        if rejoin:
+        elif rejoin:
             step = g.form_world(members, job, snapshot=shards)
         else:
             step = g.restore_refs(shards)
+        self._unfinished = None
         self._forget_after(step)
         return step
 

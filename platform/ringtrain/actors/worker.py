@@ -9,6 +9,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
+from ringtrain.chaos import FaultPlan
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
 
@@ -98,6 +99,12 @@ class TrainWorker:
         host = _node_ip()
         self._store, port = create_store(host, world_size, self.job.controllers.start_timeout_s)
         return host, port
+
+    def drop_store(self) -> None:
+        """Rank 0 only, answered while its join may be blocked: close the world's rendezvous
+        store, so every rank still waiting in it for a peer that died fails now instead of at
+        the store's timeout (the recovery then forms another world)."""
+        self._store = None
 
     def join(self, job: JobConfig, rank: int, host: str, port: int, holders: Sequence[Any] = ()) -> int:
         """Become ``rank`` of ``job``'s world: join the process group and build model, engine
@@ -266,9 +273,42 @@ class TrainWorker:
         self._trainer.snapshotter.wait()
         return self._trainer.snapshotter.steps()
 
+    def rebuildable(self) -> Optional[tuple[int, int]]:
+        """(step, world size) of the newest snapshot whose every rank's shard this rank can
+        write from its live state: under ZeRO-0 every rank holds the whole state, and it is
+        still that step's while no optimizer step ran since (a failed step stops before its
+        optimizer step or after it, and the optimizer's step count tells which). None otherwise."""
+        trainer = self._trainer
+        if trainer is None or trainer.snapshotter is None or trainer.zero.stage != 0:
+            return None
+        trainer.snapshotter.wait()
+        snap = trainer.snapshotter.newest()
+        if snap is None or snap.scalars.get("optimizer_steps") != trainer.zero.optimizer_steps():
+            return None
+        return snap.step, snap.world_size
+
+    def rebuild_shard(self, rank: int, step: int) -> bytes:
+        """Rank ``rank``'s shard of snapshot ``step``, written from this rank's live state (see
+        ``rebuildable``) with this rank's own scalars of that step."""
+        import copy
+
+        from ringtrain.checkpoint.wire import encode
+
+        trainer = self._trainer
+        assert trainer is not None and trainer.snapshotter is not None
+        snap = trainer.snapshotter.get(step)
+        if self.rebuildable() != (step, snap.world_size if snap else -1) or snap is None:
+            raise RuntimeError(f"rank {self.rank} cannot write rank {rank}'s shard of step {step}: its state moved on")
+        zero = copy.copy(trainer.zero)  # the same live tensors, sliced as ``rank`` slices them
+        zero.rank, zero.world_size = rank, snap.world_size
+        arrays = [(f, {k: t.detach().float().cpu().numpy() for k, t in f.tensors.items()}) for f in zero.fragments()]
+        return encode(step, rank, snap.world_size, snap.scalars, arrays)
+
     def restore(self, *blobs: bytes) -> int:
         """Load a snapshot (every rank's shard, any dp); returns the step to continue after."""
         assert self._trainer is not None
+        if FaultPlan(self.job.chaos.faults).crashes_restoring(self.rank):
+            os._exit(1)  # chaos: die inside the recovery, as a killed process would
         return self._trainer.restore(list(blobs))
 
     def skip_batch(self, batch: int) -> None:

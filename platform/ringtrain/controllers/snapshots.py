@@ -54,6 +54,13 @@ class Holding:
     location: str  # worker rank or holder node, for logs and for fetching
     shards: frozenset[tuple[int, int]]  # (step, rank) pairs it holds
     world_sizes: tuple[tuple[int, int], ...] = ()  # (step, world size of that step's snapshot)
+    # (step, world size): a live survivor whose own state is still that step's and holds every
+    # rank's share of it (ZeRO-0 replicates the whole state across ranks), so it can write any
+    # rank's shard of that step; used for shards no holding has (one lost in transit).
+    rebuilds: tuple[tuple[int, int], ...] = ()
+
+
+REBUILD = "rebuild"  # location prefix of a shard a survivor writes from its live state
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,9 @@ def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -
     some holding, each shard from the cheapest place that has it; None when no step is whole.
 
     Shards of one step may come from different places: a survivor's own memory for its rank,
-    a holder for the rank that died.
+    a holder for the rank that died, or (ZeRO-0) a survivor that writes the dead rank's shard
+    from its own replica of the state (``Holding.rebuilds``): then a rank that died before its
+    newest snapshot reached a holder costs no step.
     """
     holdings = sorted(holdings, key=lambda h: h.source)
     worlds: dict[int, int] = {}
@@ -77,9 +86,13 @@ def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -
     for step in sorted(worlds, reverse=True):
         if newest is not None and step > newest:
             continue
+        # A copy beats a rebuild (no work on the survivor), and a rebuild beats an older step.
+        rebuilder = next((h.location for h in holdings if (step, worlds[step]) in h.rebuilds), None)
         fetch = []
         for rank in range(worlds[step]):
             where = next((h.location for h in holdings if (step, rank) in h.shards), None)
+            if where is None and rebuilder is not None:
+                where = f"{REBUILD}:{rebuilder}"
             if where is None:
                 break
             fetch.append((rank, where))

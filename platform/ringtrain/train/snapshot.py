@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -34,6 +34,7 @@ class Snapshot:
     checksum: str  # sha256 of blob
     copy_s: float  # device-to-host copy (the part the next optimizer step waits for)
     total_s: float  # copy + encode + checksum
+    scalars: dict[str, Any] = field(default_factory=dict)  # the non-tensor state encoded in blob
 
     @property
     def num_bytes(self) -> int:
@@ -237,7 +238,7 @@ class Snapshotter:
             self._copied.set()
         arrays = [(frag, {k: b.numpy() for k, b in host.items()}) for frag, host in zip(fragments, buffers)]
         blob = encode(step, self.rank, self.world_size, scalars, arrays)
-        snap = Snapshot(step, self.rank, self.world_size, blob, checksum(blob), copy_s, time.perf_counter() - t0)
+        snap = Snapshot(step, self.rank, self.world_size, blob, checksum(blob), copy_s, time.perf_counter() - t0, scalars)
         with self._lock:
             self.recent[step] = snap
             self._trim()

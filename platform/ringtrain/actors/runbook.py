@@ -1,0 +1,243 @@
+"""RunBook: what the Controller writes down about a run, and the durable copies it keeps.
+
+The run directory's step records (metrics.jsonl), incidents, worker layout and summary, the
+durable checkpoints handed to the Persister, a resume's restore and the evaluations due on the
+step cadence. A mixin of the Controller: the state machine decides, this part keeps the record,
+so each stays readable on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional, cast
+
+from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tokenizer, plan_for
+from ringtrain.actors.protocols import Durable, Elastic, Group, Sink
+from ringtrain.actors.records import recovery_entry, step_record
+from ringtrain.checkpoint import LoadedCheckpoint
+from ringtrain.config import JobConfig
+from ringtrain.controllers.ledger import SampleLedger
+from ringtrain.controllers.sdc import SdcScanner
+from ringtrain.controllers.snapshots import persist_due
+from ringtrain import metrics
+from ringtrain.status import Incident, StepReport
+from ringtrain.telemetry.progress import Progress
+from ringtrain.telemetry.prometheus import RunMetrics
+from ringtrain.telemetry.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class RunBook:
+    """The Controller's records; the attributes are the Controller's (set in its __init__)."""
+
+    job: JobConfig
+    group: Group
+    run_dir: RunDir
+    progress: Progress
+    persister: Optional[Durable]
+    resume_from: Optional[LoadedCheckpoint]
+    telemetry: Optional[RunMetrics]
+    sinks: list[Sink]
+    run_id: str
+    elastic: Optional[Elastic]
+    incidents: list[Incident]
+    clock: Callable[[], float]
+    records: list[dict[str, Any]]
+    ledger: SampleLedger
+    dp: int
+    start_step: int
+    persist_s: float
+    error: Optional[str]
+    error_location: Optional[dict[str, Any]]
+    resizes: list[dict[str, Any]]
+    _kept_s: float
+    last_clean_scan: int
+    scans: int
+    eval_plan: Optional[EvalPlan]
+    last_eval: Optional[dict[str, Any]]
+    startup: dict[str, float]
+    state: Any  # the Controller's RunState
+    sdc: Optional[SdcScanner]
+
+    def _write_layout(self) -> None:
+        if self.elastic is not None:
+            self.run_dir.write_workers(self.elastic.layout())
+
+    def _incident(
+        self,
+        kind: str,
+        ranks: tuple[int, ...],
+        step: int,
+        t0: float,
+        *,
+        reason: str,
+        action: str = "abort",
+        detected_at: Optional[float] = None,
+        detect_s: Optional[float] = None,
+        verdict: Optional[dict[str, Any]] = None,
+    ) -> Incident:
+        incident = Incident(
+            id=self.run_dir.num_incidents() + 1,
+            kind=kind,
+            ranks=ranks,
+            detected_at_step=step,
+            detected_at=detected_at if detected_at is not None else time.time(),
+            detect_s=detect_s if detect_s is not None else self.clock() - t0,
+            action=action,
+            reason=reason,
+            dp_before=self.dp,
+            verdict=verdict,
+        )
+        self.incidents.append(incident)
+        record = dataclasses.asdict(incident)
+        path = self.run_dir.write_incident(record)
+        self.progress.message(f"incident {incident.id}: {kind} on ranks {list(ranks)} at step {step}: {reason} ({path})")
+        if self.telemetry is not None:
+            self.telemetry.add(metrics.INCIDENTS, 1, kind=kind)
+        for sink in self.sinks:
+            sink.incident(record)
+        return incident
+
+    def _update_incident(self, incident: Incident) -> None:
+        self.incidents = [incident if i.id == incident.id else i for i in self.incidents]
+        self.run_dir.write_incident(dataclasses.asdict(incident))
+
+    def _resume(self, checkpoint: LoadedCheckpoint) -> int:
+        t0 = self.clock()
+        names = sorted(checkpoint.shards)
+        step = self.group.restore([checkpoint.shards[n] for n in names])
+        self.progress.message(
+            f"resumed from {checkpoint.uri} (step {step}, written at dp {checkpoint.meta.get('dp')}) "
+            f"in {self.clock() - t0:.2f} s"
+        )
+        return step
+
+    def _maybe_persist(self, step: int) -> None:
+        if self.persister is None:
+            return
+        if persist_due(step, persist_every=self.job.checkpoint.persist_every, final_step=self.job.last_step):
+            # Pending results: the workers serve them while they train the next step.
+            self.persister.submit(step, self.group.snapshot_refs(step))
+        self._drain(wait=False)
+
+    def _drain(self, *, wait: bool) -> None:
+        if self.persister is None:
+            return
+        for persisted in self.persister.flush() if wait else self.persister.poll():
+            self.persist_s = persisted.seconds
+            self.progress.message(
+                f"checkpoint step {persisted.step}: {persisted.num_bytes / 1e6:.1f} MB in {persisted.seconds:.2f} s -> {persisted.uri}"
+            )
+
+    def _discard_durable_after(self, step: int) -> None:
+        """Durable checkpoints written after ``step`` hold state the probes have since rejected."""
+        if self.persister is None:
+            return
+        self._drain(wait=True)
+        gone = self.persister.discard_after(step)
+        if gone:
+            self.progress.message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
+
+    def _close_durable(self) -> None:
+        if self.persister is None:
+            return
+        try:
+            self._drain(wait=True)
+        finally:
+            self.persister.close()
+
+    def _maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
+        """Every eval.every steps and after the last: the eval plan scored on the state after
+        ``step``, for that step's record. Outside the step's timing; a failure in it fails the
+        run (recovery covers training steps only)."""
+        every = self.job.eval.every
+        if not every or (step % every and step != self.job.last_step):
+            return None
+        if self.eval_plan is None:
+            self.eval_plan = plan_for(self.job, tokenizer=model_tokenizer(self.job))
+        t0 = self.clock()
+        found = evaluate(cast(EvalGroup, self.group), self.eval_plan).to_dict()
+        found["seconds"] = self.clock() - t0
+        self.last_eval = {"step": step, **{k: found[k] for k in ("loss", "perplexity", "tokens")}}
+        passkey = found.get("passkey")
+        self.progress.message(
+            f"eval after step {step}: loss {_or_dash(found['loss'], '.4f')}, perplexity {_or_dash(found['perplexity'], '.4g')} "
+            f"over {found['tokens']} tokens" + (f", passkey {passkey['overall']:.0%}" if passkey else "") + f" ({found['seconds']:.1f} s)"
+        )
+        return found
+
+    def _record(
+        self, reports: list[StepReport], wall_s: float, started: float, evaluation: Optional[dict[str, Any]] = None
+    ) -> None:
+        record = step_record(reports, dp=self.dp, cp=self.job.mesh.cp, wall_s=wall_s)
+        if evaluation is not None:
+            record["eval"] = evaluation
+        record["time"] = time.time()
+        record["generation"] = getattr(self.group, "generation", 1)
+        record["persist_s"] = self.persist_s
+        record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
+        # Wall time on steps that were kept: a step struck out by a rollback stops counting.
+        self._kept_s += wall_s
+        goodput = self._kept_s / max(self.clock() - started, 1e-9)
+        record["goodput"] = goodput
+        if self.telemetry is not None:
+            record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.dp * self.job.mesh.cp)
+            self.telemetry.step(record)
+            self.telemetry.goodput(goodput)
+        for sink in self.sinks:
+            sink.step(record)
+        self.ledger.record(
+            record["step"],
+            tuple(s for r in reports for s in r.samples),
+            tuple(o for r in reports for o in r.origins),
+        )
+        self.records.append(record)
+        self.run_dir.append_metrics(record)
+        self.progress.step(record)
+
+    def _summary(self, *, wall_s: float) -> dict[str, Any]:
+        last = self.records[-1] if self.records else None
+        tokens = sum(r["tokens"] for r in self.records)
+        train_s = self._kept_s
+        ledger = self.ledger.totals()
+        return {
+            "status": self.state.value,
+            "steps": self.job.train.steps,
+            "start_step": self.start_step,
+            "final_step": last["step"] if last else self.start_step,
+            "initial_loss": self.records[0]["loss"] if self.records else None,
+            "final_loss": last["loss"] if last else None,
+            "tokens": tokens,
+            "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+            "wall_time_s": wall_s,
+            "train_time_s": train_s,
+            # Wall time spent on steps that were kept, start-up, recoveries and checkpoint waits included.
+            "goodput": train_s / wall_s if wall_s > 0 else 0.0,
+            "run_id": self.run_id,
+            "num_params": self.group.num_params,
+            "num_samples": ledger["samples"],
+            "ledger": ledger,
+            "dp": self.dp,
+            "cp": self.job.mesh.cp,
+            "resumed_from": self.resume_from.uri if self.resume_from else None,
+            "last_durable_step": self.persister.last_durable_step if self.persister else 0,
+            "checkpoint_errors": list(self.persister.errors) if self.persister else [],
+            "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
+            "recoveries": [recovery_entry(i) for i in self.incidents if i.action not in ("abort", "report")],
+            "resizes": self.resizes,
+            "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
+            "error": self.error,
+            "error_location": self.error_location,
+            # From the controller's start: each phase of the workers' start, and the first step done.
+            "startup": self.startup,
+            "eval": self.last_eval,
+            "run_dir": str(self.run_dir.path),
+        }
+
+
+
+def _or_dash(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)

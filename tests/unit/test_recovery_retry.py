@@ -1,0 +1,194 @@
+"""A failure during a recovery: a worker that dies while the new world joins or restores is
+recovered from as a new failure, from the same restore point, not a failed run.
+
+The policy is pure (``controllers.retries``); the Controller runs against the scripted group and
+recovery of ``test_controller`` with a reform that breaks once; the Recovery runs against a
+WorkerGroup whose Ray calls are scripted, to show that the retry reads the same shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from ringtrain import config
+from ringtrain.actors import recovery as recovery_module
+from ringtrain.actors.group import WorkerGroup
+from ringtrain.actors.recovery import Recovery, world_job
+from ringtrain.actors.roster import Member, Slot
+from ringtrain.chaos import FaultPlan, FaultSpec
+from ringtrain.controllers.faults import Kind
+from ringtrain.controllers.retries import RecoveryFault, phase_of, retry_recovery
+from ringtrain.errors import WorkerError
+from ringtrain.status import WorkerInfo
+from tests.unit.test_controller import FakeElastic, Fault, elastic_job, elastic_run, incident_files, reform_call, whole
+
+
+def test_a_worker_dying_in_a_recovery_is_a_failure_of_the_world_being_formed() -> None:
+    fault = RecoveryFault(rank=2, kind="died", cause="worker process died", phase="restore")
+    retry = retry_recovery(fault, incident=1, restore_to=5, attempts=1, max_recoveries=20)
+    assert retry is not None
+    assert (retry.failure.kind, retry.failure.ranks, retry.restore_to) == (Kind.CRASH, (2,), 5)
+    assert "rank 2" in retry.failure.reason and "while restoring" in retry.failure.reason and "incident 1" in retry.failure.reason
+    assert retry.evidence == {"during_recovery": {"incident": 1, "phase": "restore", "restore_to": 5}}
+    assert retry.failure.lost_workers and not retry.failure.quarantine  # its seat is refilled, its slot reused
+    silent = retry_recovery(RecoveryFault(0, "timeout", "no answer", "join"), incident=3, restore_to=0, attempts=1, max_recoveries=2)
+    assert silent is not None and silent.failure.kind is Kind.HANG and "while joining" in silent.failure.reason
+    # Each attempt counts: none left, no retry.
+    assert retry_recovery(fault, incident=1, restore_to=5, attempts=2, max_recoveries=2) is None
+
+
+def test_the_phase_a_world_failed_in_is_the_first_it_did_not_finish() -> None:
+    assert phase_of({}) == "warm"
+    assert phase_of({"warm_s": 0.1}) == "join"
+    assert phase_of({"warm_s": 0.1, "join_s": 0.2}) == "restore"
+
+
+class BreakingElastic(FakeElastic):
+    """FakeElastic whose first ``breaks`` reforms die inside: rank ``rank`` of the world being
+    formed fails in its restore, before any step ran in that world."""
+
+    def __init__(self, *args: Any, breaks: int = 1, rank: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.breaks, self.rank = breaks, rank
+
+    def reform(self, **kwargs: Any) -> Any:
+        out = super().reform(**kwargs)
+        if self.breaks:
+            self.breaks -= 1
+            self.group.phases = {"warm_s": 0.1, "join_s": 0.2}  # as WorkerGroup leaves them
+            raise WorkerError(self.rank, "h", "worker process died (ActorDiedError)", kind="died")
+        return out
+
+
+def breaking_run(tmp_path: Path, job: config.JobConfig, **elastic: Any) -> tuple[dict[str, Any], Any, BreakingElastic]:
+    from ringtrain.actors.controller import Controller
+    from ringtrain.telemetry.rundir import RunDir
+    from tests.unit.test_controller import Clock, ElasticGroup
+
+    clock = Clock()
+    group = ElasticGroup(job, clock, {6: [Fault("crash", 1)]})
+    fake = BreakingElastic(group, tmp_path, **elastic)
+    summary = Controller(job, group, RunDir(tmp_path), elastic=fake, clock=clock).run()
+    return summary, group, fake
+
+
+def test_a_second_death_inside_the_recovery_is_retried_from_the_same_restore_point(tmp_path: Path) -> None:
+    job = elastic_job(mesh={"spares": 1, "min_dp": 2})
+    summary, group, fake = breaking_run(tmp_path, job, spares=1, free_slots=2)
+
+    assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 8, 2)
+    # The spare took rank 1's seat; rank 2 of that world died restoring; a new worker takes
+    # its seat (no spare left, and mesh.min_dp=2 forbids a shrink).
+    first, second = fake.named("reform")
+    assert first == reform_call({1}, new_dp=2, spares=1, last_step=5)
+    assert second["lost"] == frozenset({2}) and second["last_step"] == 5 and second["fired_through"] == 6
+    # Nothing completed was lost, every sample trained once: steps 6-8 ran after the restore.
+    assert group.attempts == [1, 2, 3, 4, 5, 6, 6, 7, 8]
+    assert summary["ledger"] == whole(8)
+    crash, during = incident_files(tmp_path).values()
+    assert (crash["kind"], crash["ranks"], crash["lost_steps"], crash["dp_after"]) == ("crash", [1], 0, summary["dp"])
+    assert crash["recover_s"] is not None  # closed by the first step after the retry
+    assert (during["kind"], during["ranks"], during["lost_steps"]) == ("crash", [2], 0)
+    assert during["verdict"]["during_recovery"] == {"incident": 1, "phase": "restore", "restore_to": 5}
+    assert [r["id"] for r in summary["recoveries"]] == [1, 2]
+
+
+def test_a_recovery_that_keeps_breaking_fails_the_run_at_max_recoveries(tmp_path: Path) -> None:
+    job = elastic_job(mesh={"spares": 1}, max_recoveries=3)
+    summary, _, fake = breaking_run(tmp_path, job, spares=1, free_slots=8, breaks=10)
+
+    assert summary["status"] == "failed"
+    assert "controllers.max_recoveries=3" in summary["error"]
+    assert len(fake.named("reform")) == 3
+    assert {r["last_step"] for r in fake.named("reform")} == {5}
+
+
+# --- the Recovery reads the same shards again ------------------------------------------------
+
+
+class ScriptedWorlds:
+    """A WorkerGroup whose worlds are scripted: ``form_world`` fails ``breaks`` times with rank
+    ``rank`` dead in the restore, and every call's arguments are kept."""
+
+    def __init__(self, g: WorkerGroup, breaks: int, rank: int) -> None:
+        self.g, self.breaks, self.rank = g, breaks, rank
+        self.worlds: list[tuple[list[Member], config.JobConfig, Optional[list[Any]]]] = []
+
+    def form_world(self, members: list[Member], job: config.JobConfig, snapshot: Optional[list[Any]] = None) -> int:
+        self.worlds.append((members, job, snapshot))
+        self.g.job, self.g.members = job, members
+        if self.breaks:
+            self.breaks -= 1
+            self.g.phases = {"warm_s": 0.0, "join_s": 0.0}
+            raise WorkerError(self.rank, "h", "worker process died", kind="died")
+        return 5
+
+
+def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    faults = [FaultSpec(kind="crash_restoring", rank=2, step=1), FaultSpec(kind="nan", rank=0, step=9)]
+    job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2), chaos=config.ChaosConfig(faults=faults))
+    g = WorkerGroup(job, "cpu")
+    info = WorkerInfo(0, "h", 1, "cpu", "n")
+    g.members = [Member(f"a{r}", Slot("pg", r), info=info) for r in range(4)]
+    worlds = ScriptedWorlds(g, breaks=1, rank=2)
+    monkeypatch.setattr(g, "form_world", worlds.form_world)
+    monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: None)
+    monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
+    monkeypatch.setattr(g, "release_unused_placement", lambda: None)
+    r = Recovery(g)
+    plans: list[int] = []
+
+    def restore_point(survivors: dict[int, Member], *, newest: int) -> tuple[Any, list[Any]]:
+        plans.append(newest)
+        return None, [f"shard{newest}-{i}" for i in range(4)]
+
+    monkeypatch.setattr(r, "restore_point", restore_point)
+    monkeypatch.setattr(r, "_forget_after", lambda step: None)
+
+    with pytest.raises(WorkerError):
+        r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5, fired_through=6)
+    resumed = r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5, fired_through=6)
+
+    assert resumed.step == 5
+    assert plans == [5]  # planned once: the retry did not ask the holders again
+    (_, first_job, first_shards), (members, retry_job, retry_shards) = worlds.worlds
+    assert retry_shards == first_shards == [f"shard5-{i}" for i in range(4)]
+    # The chaos fault that struck the recovery is for its first attempt only.
+    assert FaultPlan(first_job.chaos.faults).crashes_restoring(2)
+    assert not FaultPlan(retry_job.chaos.faults).crashes_restoring(2)
+    assert [f.kind for f in retry_job.chaos.faults] == ["nan"]
+    # The next recovery plans afresh.
+    r.reform(lost=frozenset({0}), new_dp=2, spares=0, last_step=7)
+    assert plans == [5, 7]
+
+
+def test_a_restoring_fault_never_fires_as_a_step_fault() -> None:
+    plan = FaultPlan([FaultSpec(kind="crash_restoring", rank=1, step=2)])
+    assert plan.take(1, 2) == [] and plan.crashes_restoring(1) and not plan.crashes_restoring(0)
+    kept = world_job(config.JobConfig(chaos=config.ChaosConfig(faults=plan.faults)), dp=1, fired_through=3)
+    assert [f.kind for f in kept.chaos.faults] == ["crash_restoring"]
+    assert world_job(kept, dp=1, fired_through=3, retry=True).chaos.faults == []
+    assert recovery_module.RESTORING_FAULT == "crash_restoring"
+
+
+# --- a shard lost in transit, written again from a replica (ZeRO-0) ---------------------------
+
+
+def test_a_shard_lost_in_transit_is_rebuilt_by_a_survivor_instead_of_redoing_the_step() -> None:
+    from ringtrain.controllers.snapshots import Holding, Source, plan_restore
+
+    # Rank 1 died right after step 10: its shard of 10 never reached a holder.
+    node = Holding(Source.NODE, "node:a", frozenset({(9, 0), (9, 1), (10, 0)}), ((9, 2), (10, 2)))
+    peer = Holding(Source.PEER, "peer:0", frozenset({(9, 0), (10, 0)}), ((9, 2), (10, 2)))
+    assert plan_restore([node, peer], newest=10).step == 9  # without a rebuild: step 10 redone
+    live = Holding(Source.PEER, "peer:0", peer.shards, peer.world_sizes, rebuilds=((10, 2),))
+    plan = plan_restore([node, live], newest=10)
+    assert plan is not None and plan.step == 10
+    assert plan.fetch == ((0, "peer:0"), (1, "rebuild:peer:0"))
+    # A held copy beats a rebuild; a rebuild of another world's step is no use.
+    assert plan_restore([node, live], newest=9).fetch == ((0, "peer:0"), (1, "node:a"))
+    other = Holding(Source.PEER, "peer:0", peer.shards, peer.world_sizes, rebuilds=((10, 4),))
+    assert plan_restore([node, other], newest=10).step == 9
