@@ -21,8 +21,17 @@ from omegaconf import errors as oc_errors
 from ringtrain.chaos import BITFLIP_TARGETS, FAULT_KINDS, FaultSpec
 from ringtrain.errors import ConfigError
 
+# The attention names, declared once: train/attention keys its registries by them (which
+# function runs each implementation, which class each block kernel is, what each kernel takes),
+# and tests/unit/test_attention_names.py checks that every registry there matches these lists.
+# attention.impl: the context-parallel implementations a job may name.
 ATTENTION_IMPLS = ("ring", "ulysses", "hybrid")
-ATTENTION_KERNELS = ("auto", "flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "cpu_flash", "math")
+# The implementation without context parallelism: the trainer's choice when mesh.cp is 1.
+LOCAL_ATTENTION_IMPL = "local"
+# attention.kernel: "auto" (the fastest block kernel that fits the inputs) or one block kernel.
+AUTO_KERNEL = "auto"
+ATTENTION_BLOCK_KERNELS = ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "cpu_flash", "math")
+ATTENTION_KERNELS = (AUTO_KERNEL, *ATTENTION_BLOCK_KERNELS)
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NAN_POLICIES = ("skip", "retry", "abort")

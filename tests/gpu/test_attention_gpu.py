@@ -1,4 +1,5 @@
-"""CUDA block kernels against the fp32 math kernel: outputs, true LSEs and gradients."""
+"""CUDA block kernels against the math kernel (fp32, or float64 for masked blocks): outputs, true
+LSEs and gradients."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from ringtrain.train.attention import local_attention
-from ringtrain.train.attention.kernels import MATH, AttentionKernel
+from ringtrain.train.attention.blocks import doc_visibility
+from ringtrain.train.attention.kernels import MATH, AttentionKernel, get_kernel, kernel_for_block
 from ringtrain.train.attention.merge import merge_partials
 
 from .support import FUSED, MARKS, cuda_kernel
@@ -64,3 +66,68 @@ def test_auto_local_attention_on_cuda(dtype: torch.dtype) -> None:
     assert out.dtype == dtype and q.grad is not None and q.grad.dtype == dtype
     ref = MATH.forward(q.detach(), k.detach(), v.detach(), causal=True, scale=SCALE)
     torch.testing.assert_close(out.float(), ref.out_BQHD.float(), atol=2e-2, rtol=0)
+
+
+def _packed_doc_ids(batch: int, seq: int) -> torch.Tensor:
+    """[B, S] doc ids: uneven documents on every sample, padding (-1) at the end of the first."""
+    ends = (seq // 5, seq // 2 + 3, seq - 11)
+    doc_BS = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
+    for end in ends:
+        doc_BS[:, end:] += 1
+    doc_BS[0, seq - 7 :] = -1
+    return doc_BS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("q_len", "k_len", "causal"), [(256, 256, True), (256, 256, False), (128, 200, False)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2)])
+def test_masked_block_on_cuda_runs_efficient_and_matches_float64(
+    dtype: torch.dtype, q_len: int, k_len: int, causal: bool, heads: int, kv_heads: int
+) -> None:
+    """A document-masked block (a ring's half block when Q != S) leaves the full-matrix math
+    kernel for the efficient kernel's biased path: output, true LSE and gradients as float64."""
+    efficient = cuda_kernel("sdpa_efficient", dtype)  # skips (fails when strict) if the op is missing
+    chosen = get_kernel("auto", device_type="cuda", dtype=dtype, head_dim=128)
+    q, _, _, dout = _inputs(heads, kv_heads, seq=q_len, dtype=dtype)
+    _, k, v, _ = _inputs(heads, kv_heads, seq=k_len, dtype=dtype)
+    assert kernel_for_block(chosen, masked=True, like=q) is efficient
+    doc_BS = _packed_doc_ids(2, max(q_len, k_len))
+    visible_BQS = doc_visibility(doc_BS[:, :q_len], doc_BS[:, :k_len])
+    got = efficient.forward(q, k, v, causal=causal, scale=SCALE, visible_BQS=visible_BQS)
+    ref_inputs = [t.double() for t in (q, k, v)]
+    want = MATH.forward(*ref_inputs, causal=causal, scale=SCALE, visible_BQS=visible_BQS)
+    assert got.lse_BHQ.dtype == torch.float32 and got.out_BQHD.dtype == dtype
+    atol = 2e-2 if dtype != torch.float32 else 1e-3
+    torch.testing.assert_close(got.lse_BHQ.double(), want.lse_BHQ, atol=atol, rtol=0)  # -inf rows equal too
+    torch.testing.assert_close(got.out_BQHD.double(), want.out_BQHD, atol=atol, rtol=0)
+    grads = efficient.backward(
+        dout, q, k, v, got.out_BQHD, got.lse_BHQ, got.aux, causal=causal, scale=SCALE, visible_BQS=visible_BQS
+    )
+    ref = MATH.backward(
+        dout.double(), *ref_inputs, want.out_BQHD, want.lse_BHQ, None, causal=causal, scale=SCALE,
+        visible_BQS=visible_BQS,
+    )
+    gtol = 5e-2 if dtype != torch.float32 else 5e-3
+    for g, r in zip(grads, ref, strict=True):
+        assert g.shape == r.shape and g.isfinite().all()
+        torch.testing.assert_close(g.double(), r, atol=gtol, rtol=gtol)
+    if q_len == k_len:  # the first sample's last 7 queries are padding: they see no key
+        assert grads[0][0, -7:].abs().max() == 0 and got.out_BQHD[0, -7:].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_local_attention_on_cuda_matches_float64(dtype: torch.dtype) -> None:
+    """``data.packing: doc`` on CUDA end to end: auto kernel, masked blocks, autograd."""
+    q, k, v, dout = (t.requires_grad_() for t in _inputs(8, 2, dtype=dtype))
+    doc_BS = _packed_doc_ids(2, q.shape[1])
+    out = local_attention(q, k, v, causal=True, doc_ids=doc_BS)
+    out.backward(dout)
+    ref_q, ref_k, ref_v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = local_attention(ref_q, ref_k, ref_v, causal=True, doc_ids=doc_BS, kernel="math")
+    ref.backward(dout.double())
+    atol = 2e-2 if dtype != torch.float32 else 1e-3
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+    for got, want in ((q.grad, ref_q.grad), (k.grad, ref_k.grad), (v.grad, ref_v.grad)):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.double(), want, atol=5 * atol, rtol=5 * atol)
+    assert out[0, -7:].abs().max() == 0  # padding rows see nothing

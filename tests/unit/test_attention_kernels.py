@@ -1,14 +1,18 @@
 """Block kernel rules that hold before any GPU is present: which kernel takes which head dim,
-head-dim padding, square causal blocks, op signatures, and GQA without K/V copies."""
+head-dim padding, square causal blocks, op signatures, GQA without K/V copies, and which kernel
+a masked (packed-document) block runs on."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import pytest
 import torch
 
-from ringtrain.train.attention import kernels
+from ringtrain.train.attention import kernels, sdpa_kernels
+from ringtrain.train.attention.block_kernel import BlockCall
+from ringtrain.train.attention.blocks import block_backward, block_forward, doc_visibility
 from ringtrain.train.attention.kernels import (
     KERNEL_OPS,
     MATH,
@@ -20,10 +24,13 @@ from ringtrain.train.attention.kernels import (
     SdpaEfficientKernel,
     SdpaFlashKernel,
     available_kernels,
+    kernel_for_block,
     kernel_ops_fit,
     sdpa_takes_gqa,
+    select_block_kernel,
     select_kernel,
 )
+from ringtrain.train.attention.sdpa_kernels import mask_as_bias
 
 Tensor = torch.Tensor
 CUDA_ALL = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "math"})
@@ -275,3 +282,142 @@ def test_native_gqa_equals_the_repeat_path_on_cpu(
     for n, r in zip(native, repeat, strict=True):
         assert n.shape == r.shape
         torch.testing.assert_close(n, r, atol=tol, rtol=0)
+
+
+# ------------------------------------------------- masked blocks (packed documents) per device
+
+
+@pytest.mark.parametrize(
+    ("chosen", "device", "dtype", "available", "want"),
+    [
+        # CUDA: a masked block leaves the mask-less fused kernel for the efficient one, LSE kept.
+        ("flash_attn", "cuda", torch.bfloat16, CUDA_ALL, "sdpa_efficient"),
+        ("sdpa_flash", "cuda", torch.float16, CUDA_ALL, "sdpa_efficient"),
+        ("sdpa_cudnn", "cuda", torch.bfloat16, CUDA_ALL, "sdpa_efficient"),
+        ("sdpa_efficient", "cuda", torch.float32, CUDA_ALL, "sdpa_efficient"),
+        # ... and to math where the efficient kernel cannot take the inputs or is not here.
+        ("flash_attn", "cuda", torch.float64, CUDA_ALL, "math"),
+        ("flash_attn", "cuda", torch.bfloat16, CUDA_ALL - {"sdpa_efficient"}, "math"),
+        ("math", "cuda", torch.bfloat16, CUDA_ALL, "math"),
+        # CPU: both kernels take masks; anything else goes to math, as before.
+        ("cpu_flash", "cpu", torch.float32, {"cpu_flash", "math"}, "cpu_flash"),
+        ("math", "cpu", torch.float32, {"cpu_flash", "math"}, "math"),
+        ("needs8", "cpu", torch.float32, {"cpu_flash", "math"}, "math"),
+        ("needs8", "mps", torch.float16, {"math"}, "math"),
+    ],
+)
+def test_a_masked_block_runs_on_a_kernel_that_takes_masks(
+    chosen: str, device: str, dtype: torch.dtype, available: frozenset[str], want: str
+) -> None:
+    got = select_block_kernel(chosen, masked=True, device_type=device, dtype=dtype, head_dim=128, available=available)
+    assert got == want
+
+
+@pytest.mark.parametrize("chosen", ["flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "math"])
+def test_an_unmasked_block_keeps_the_chosen_kernel(chosen: str) -> None:
+    got = select_block_kernel(
+        chosen, masked=False, device_type="cuda", dtype=torch.bfloat16, head_dim=128, available=CUDA_ALL
+    )
+    assert got == chosen
+
+
+def test_a_mask_capable_kernel_object_is_kept_for_masked_blocks() -> None:
+    spy = _Spy(native_gqa=True)  # a MathKernel under another name: takes masks, not registered
+    q = torch.zeros(1, 4, 2, 8)
+    assert kernel_for_block(spy, masked=True, like=q) is spy
+    assert kernel_for_block(_NeedsMultipleOf8(), masked=True, like=q) is MATH
+    needs8 = _NeedsMultipleOf8()
+    assert kernel_for_block(needs8, masked=False, like=q) is needs8
+
+
+def test_a_masked_block_through_a_maskless_kernel_equals_math() -> None:
+    q, k, v, dout = _qkvd()
+    doc_BS = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 2, 2]])
+    scale = q.shape[-1] ** -0.5
+    kw = dict(causal=True, scale=scale, q_doc_BQ=doc_BS, k_doc_BS=doc_BS)
+    got = block_forward(_NeedsMultipleOf8(), q, k, v, **kw)
+    want = MATH.forward(q, k, v, causal=True, scale=scale, visible_BQS=doc_visibility(doc_BS, doc_BS))
+    torch.testing.assert_close(got.out_BQHD, want.out_BQHD, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got.lse_BHQ, want.lse_BHQ, atol=1e-12, rtol=0)
+    grads = block_backward(_NeedsMultipleOf8(), dout, q, k, v, got.out_BQHD, got.lse_BHQ, got.aux, **kw)
+    assert all(g.isfinite().all() for g in grads)
+    assert grads[0][0, -1].abs().max() == 0  # the padding token's query gets nothing
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "causal"), [(6, 6, True), (4, 37, False), (5, 16, False)])
+def test_the_efficient_kernels_bias_is_the_mask_with_aligned_strides(q_len: int, k_len: int, causal: bool) -> None:
+    # What the efficient op is handed for a masked block; built on CPU since the op is CUDA-only.
+    gen = torch.Generator().manual_seed(2)
+    q_BHQD, k_BHSD = torch.zeros(2, 6, q_len, 8, dtype=torch.bfloat16), torch.zeros(2, 6, k_len, 8)
+    visible_BQS = torch.rand(2, q_len, k_len, generator=gen) > 0.3
+    bias, is_causal = mask_as_bias(
+        q_BHQD, k_BHSD, BlockCall(causal, 0.1, visible_BQS), align=SdpaEfficientKernel.bias_align, expand_heads=True
+    )
+    assert bias is not None and not is_causal and bias.dtype == torch.bfloat16
+    assert bias.shape == (2, 6, q_len, k_len) and bias.stride(1) == 0 and bias.stride(-1) == 1
+    assert all(s % 16 == 0 for s in bias.stride()[:-1])
+    allowed = visible_BQS & torch.ones(q_len, k_len, dtype=torch.bool).tril() if causal else visible_BQS
+    want = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, -math.inf)
+    assert torch.equal(bias, want[:, None].expand(-1, 6, -1, -1))
+    unmasked, unmasked_causal = mask_as_bias(q_BHQD, k_BHSD, BlockCall(causal, 0.1, None), align=16)
+    assert unmasked is None and unmasked_causal == causal
+
+
+def _fake_efficient_ops(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
+    """CPU stand-ins for the CUDA-only efficient ops (same signatures, the LSE padded to 32
+    rows as the CUTLASS kernel does), so the kernel's plumbing runs here; returns the biases
+    they were handed."""
+    seen: list[Tensor] = []
+
+    def scores(q: Tensor, k: Tensor, bias: Optional[Tensor], is_causal: bool, scale: float) -> Tensor:
+        assert not is_causal or bias is None  # the causal mask travels inside the bias
+        s = q @ k.transpose(-1, -2) * scale
+        if is_causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+        if bias is not None:
+            assert all(stride % 16 == 0 for stride in bias.stride()[:-1]), "bias strides not aligned"
+            seen.append(bias)
+            s = s + bias
+        return s
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], lse_wanted: bool, p: float,
+                is_causal: bool, *, scale: float) -> tuple[Tensor, ...]:
+        assert lse_wanted and q.shape[1] == k.shape[1]  # heads already expanded: no native GQA
+        s = scores(q, k, bias, is_causal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v
+        padded = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
+        return out, padded, torch.tensor(0), torch.tensor(0)
+
+    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], out: Tensor, lse: Tensor,
+                 seed: Tensor, offset: Tensor, p: float, grad_mask: list[bool], is_causal: bool, *,
+                 scale: float) -> tuple[Tensor, ...]:
+        assert lse.shape[-1] % 32 == 0 and grad_mask == [True, True, True, False]
+        s = scores(q, k, bias, is_causal, scale)
+        prob = torch.exp(s - lse[..., : q.shape[2], None])
+        dv = prob.transpose(-1, -2) @ dout
+        ds = prob * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True)) * scale
+        return ds @ k, ds.transpose(-1, -2) @ q, dv, torch.empty(0)
+
+    class Aten:
+        _scaled_dot_product_efficient_attention = staticmethod(forward)
+        _scaled_dot_product_efficient_attention_backward = staticmethod(backward)
+
+    monkeypatch.setattr(sdpa_kernels, "aten", Aten)
+    return seen
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "causal"), [(6, 6, True), (6, 6, False), (4, 37, False)])
+def test_the_efficient_kernels_masked_path_equals_math(
+    monkeypatch: pytest.MonkeyPatch, q_len: int, k_len: int, causal: bool
+) -> None:
+    biases = _fake_efficient_ops(monkeypatch)
+    q, k, v, dout = _qkvd(heads=4, kv_heads=2, q_len=q_len, k_len=k_len, head_dim=12)
+    doc = torch.tensor([[0] * 2 + [1] * 30 + [2] * 3 + [-1] * 2, [3] * 20 + [4] * 17])
+    visible = doc_visibility(doc[:, :q_len], doc[:, :k_len])
+    got = _both_ways(SdpaEfficientKernel(), q, k, v, dout, causal=causal, visible=visible)
+    want = _both_ways(MATH, q, k, v, dout, causal=causal, visible=visible)
+    assert len(biases) == 2  # forward and backward both got the mask
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)

@@ -12,7 +12,8 @@ from typing import Any, Optional
 import torch
 
 from ringtrain.train.attention.blocks import block_backward, block_forward
-from ringtrain.train.attention.kernels import AttentionKernel, KernelArg, default_scale, resolve_kernel
+from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
+from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 
 Tensor = torch.Tensor
 

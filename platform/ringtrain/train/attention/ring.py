@@ -29,7 +29,8 @@ import torch
 
 from ringtrain.train.attention.blocks import block_backward, block_forward
 from ringtrain.train.attention.comm import ProcessGroup, RingExchange, group_size
-from ringtrain.train.attention.kernels import AttentionKernel, KernelArg, default_scale, resolve_kernel
+from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
+from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.local import check_qkv, local_attention
 from ringtrain.train.attention.merge import merge_partials
 

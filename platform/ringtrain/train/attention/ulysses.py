@@ -28,7 +28,8 @@ import torch
 
 from ringtrain.train.attention import comm
 from ringtrain.train.attention.comm import ProcessGroup, group_size
-from ringtrain.train.attention.kernels import KernelArg, default_scale
+from ringtrain.train.attention.block_kernel import default_scale
+from ringtrain.train.attention.kernels import KernelArg
 from ringtrain.train.attention.local import check_qkv, local_attention
 
 Tensor = torch.Tensor

@@ -1,0 +1,335 @@
+"""The block-kernel interface: what one attention block returns, and the rules every kernel keeps.
+
+Context-parallel attention computes attention one block of keys at a time and merges the
+partial results, which needs each block's log-sum-exp (LSE) as well as its output; each
+block's backward then runs against the *merged* output and LSE. So a kernel here is a forward
+that returns ``(out, lse)`` and a backward that takes them back, not a plain attention call,
+and a kernel that cannot return a real LSE is refused by name.
+
+Shape legend: B batch, Q query length of the block, S key length of the block, H query heads,
+K key/value heads (H % K == 0; query head h reads KV head h // (H // K)), G = H // K, D head
+dim. Tensors are ``[B, Q, H, D]`` and ``[B, S, K, D]`` (sequence-major, "BSHD"); LSEs are
+``[B, H, Q]`` fp32. A head-major op takes ``[B, H, Q, D]`` ("BHSD").
+
+Conventions every kernel keeps (``AttentionKernel`` enforces them, so a kernel cannot forget):
+
+- ``causal`` only on square blocks (Q == S, refused otherwise): there query i sees keys 0..i
+  under top-left and bottom-right (flash-attn's) alignment alike, and no row is left empty.
+  On a non-square block the two alignments disagree, and flash-attn gives a row that sees no
+  key an LSE of +inf, which the merge would weigh as everything instead of nothing.
+- ``visible_BQS`` (boolean, True = may attend) restricts attention further; only kernels with
+  ``supports_mask`` accept it.
+- A query row with no visible key has output 0 and LSE -inf, and receives zero gradient.
+- Head dims: a kernel whose op needs D to be a multiple of ``pad_head_dim_to`` gets q, k, v
+  zero-padded up to one and its results sliced back (as flash-attn's ``FlashAttnFunc`` does);
+  one with a largest D (``KernelSpec.max_head_dim``) is never chosen for a larger one.
+- GQA: a kernel whose op takes fewer K/V heads than query heads (``native_gqa``) gets K/V as
+  they are; any other gets them repeated per query head, and its K/V gradients summed back.
+- Layout: a kernel whose op is head-major (``head_major``) gets its inputs transposed to BHSD
+  and its results back here, once, rather than in each kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Optional
+
+import torch
+
+from ringtrain.errors import RingtrainError
+
+Tensor = torch.Tensor
+Grads = tuple[Tensor, Tensor, Tensor]
+# aten op name -> (its argument names in order, its number of results) a kernel's call is written for.
+AtenOps = Mapping[str, tuple[tuple[str, ...], int]]
+SchemaLookup = Callable[[str], Optional[Any]]
+
+HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+class KernelUnavailableError(RingtrainError, ValueError):
+    """An attention kernel was named that cannot run here, or cannot return a log-sum-exp."""
+
+    def __init__(self, kernel: str, reason: str) -> None:
+        super().__init__(f"attention kernel {kernel!r}: {reason}")
+        self.kernel = kernel
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.reason))
+
+
+class BlockOutput(NamedTuple):
+    out_BQHD: Tensor  # in the query's dtype
+    lse_BHQ: Tensor  # fp32 (fp64 for fp64 inputs); -inf where a row sees no key
+    aux: Any  # kernel-private state its backward needs (RNG state, varlen metadata)
+
+
+class BlockCall(NamedTuple):
+    """What one block call is, besides its tensors: the same for its forward and its backward."""
+
+    causal: bool
+    scale: float
+    visible_BQS: Optional[Tensor]
+
+
+class BackwardInputs(NamedTuple):
+    """The tensors a block's backward reads, in one layout (``lse`` is ``[B, H, Q]`` in both)."""
+
+    dout: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+    def head_major(self) -> BackwardInputs:
+        """BSHD -> BHSD for every tensor but the LSE."""
+        dout, q, k, v, out = to_head_major(self.dout, self.q, self.k, self.v, self.out)
+        return BackwardInputs(dout, q, k, v, out, self.lse)
+
+
+def to_head_major(*xs_BSHD: Tensor) -> tuple[Tensor, ...]:
+    """``[B, S, H, D]`` -> ``[B, H, S, D]`` views (the layout torch's fused attention ops take)."""
+    return tuple(x.transpose(1, 2) for x in xs_BSHD)
+
+
+def to_seq_major(*xs_BHSD: Tensor) -> tuple[Tensor, ...]:
+    """``[B, H, S, D]`` -> ``[B, S, H, D]`` views: the inverse of ``to_head_major``."""
+    return tuple(x.transpose(1, 2) for x in xs_BHSD)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Which inputs a kernel takes; ``select_kernel`` reads it without running anything."""
+
+    devices: Optional[frozenset[str]]  # None: any device
+    dtypes: frozenset[torch.dtype]
+    max_head_dim: Optional[int] = None  # None: any; forward and backward alike
+
+    def takes_head_dim(self, head_dim: Optional[int]) -> bool:
+        return head_dim is None or self.max_head_dim is None or head_dim <= self.max_head_dim
+
+
+def aten_schema(op: str) -> Optional[Any]:
+    """The installed torch's schema (``torch.FunctionSchema``) of ``aten::op``, None if absent."""
+    packet = getattr(torch.ops.aten, op, None)
+    return None if packet is None else packet.default._schema
+
+
+def ops_fit(ops: AtenOps, schema_of: SchemaLookup = aten_schema) -> bool:
+    """Whether every op in ``ops`` exists with the signature its call is written for.
+
+    The private ops change between releases (cuDNN's gained ``attn_bias`` and
+    ``compute_log_sumexp`` in torch 2.5); a call written for another signature would put its
+    values in the wrong places, so a kernel whose ops differ is not offered.
+    """
+    for op, (arguments, num_returns) in ops.items():
+        schema = schema_of(op)
+        if schema is None:
+            return False
+        if tuple(a.name for a in schema.arguments) != arguments or len(schema.returns) != num_returns:
+            return False
+    return True
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _pad_head_dim(x: Tensor, multiple: int) -> Tensor:
+    # Zero columns add nothing to q.k, and zero value columns only add output columns that are
+    # sliced off; the scale is passed explicitly, so it stays that of the true head dim.
+    extra = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
+def _check_square_if_causal(causal: bool, q_len: int, k_len: int) -> None:
+    if causal and q_len != k_len:
+        raise ValueError(
+            f"causal attention needs a square block, got {q_len} queries and {k_len} keys: kernels "
+            "align a non-square causal mask differently (flash-attn bottom-right, with LSE +inf for "
+            "rows that see no key), so split the block or pass an explicit mask"
+        )
+
+
+def allowed_mask(visible_BQS: Optional[Tensor], causal: bool, q_len: int, k_len: int) -> Optional[Tensor]:
+    """The full boolean mask (``[Q, S]`` or ``[B, Q, S]``) or None when nothing is masked."""
+    if not causal:
+        return visible_BQS
+    device = visible_BQS.device if visible_BQS is not None else None
+    tril_QS = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+    return tril_QS if visible_BQS is None else visible_BQS & tril_QS
+
+
+def additive_bias(allowed_BQS: Tensor, dtype: torch.dtype, *, align: int = 1) -> Tensor:
+    """``[B, 1, Q, S]`` float bias of ``dtype``: 0 where allowed, -inf elsewhere (broadcast over heads).
+
+    ``align`` > 1 allocates the key dim padded to a multiple of it and returns the S-wide view,
+    so every stride but the last is a multiple of ``align`` (what an op that reads the bias in
+    aligned vectors needs).
+    """
+    B, Q, S = allowed_BQS.shape
+    storage_BQP = torch.zeros((B, Q, S + (-S % align)), dtype=dtype, device=allowed_BQS.device)
+    bias_BQS = storage_BQP[..., :S].masked_fill_(~allowed_BQS, -math.inf)
+    return bias_BQS[:, None]
+
+
+class AttentionKernel:
+    """Forward and backward of one attention block.
+
+    This base class owns what must hold for every kernel: square causal blocks, head-dim
+    padding, GQA expansion for kernels that lack it, the layout its op takes, the LSE of rows
+    that see no key, and fp32 LSEs. A kernel implements ``_op_forward``/``_op_backward`` in
+    its op's layout (BHSD if ``head_major``, else BSHD), with the head dim padded to a multiple
+    of ``pad_head_dim_to`` and KV heads already expanded to H unless ``native_gqa``.
+
+    What selection needs to know about a kernel is declared on its class: ``name`` (one of
+    config's ``ATTENTION_BLOCK_KERNELS``), ``spec``, the aten ``ops`` it calls, ``unavailable``
+    (why it may not run) and ``runs_here``.
+    """
+
+    name: ClassVar[str]
+    spec: ClassVar[KernelSpec]
+    supports_mask: ClassVar[bool] = False
+    pad_head_dim_to: ClassVar[int] = 1
+    head_major: ClassVar[bool] = False
+    ops: ClassVar[AtenOps] = {}
+    unavailable: ClassVar[str] = ""  # why ``runs_here`` may say no, for the error a user sees
+
+    def __init__(self, *, native_gqa: Optional[bool] = None) -> None:
+        """``native_gqa`` overrides what ``takes_gqa`` says (tests compare both paths)."""
+        self.native_gqa = self.takes_gqa() if native_gqa is None else native_gqa
+
+    @classmethod
+    def runs_here(cls, device_type: str) -> bool:
+        """Whether this process can run the kernel on ``device_type`` (probes the runtime)."""
+        return False
+
+    def takes_gqa(self) -> bool:
+        """Whether this kernel's op takes fewer K/V heads than query heads as they are."""
+        return False
+
+    def forward(
+        self,
+        q_BQHD: Tensor,
+        k_BSKD: Tensor,
+        v_BSKD: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        visible_BQS: Optional[Tensor] = None,
+    ) -> BlockOutput:
+        self._check_mask(visible_BQS)
+        _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
+        head_dim = q_BQHD.shape[-1]
+        q_BQHD, k_BSKD, v_BSKD = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q_BQHD, k_BSKD, v_BSKD))
+        groups = q_BQHD.shape[2] // k_BSKD.shape[2]
+        if groups > 1 and not self.native_gqa:
+            k_BSKD, v_BSKD = k_BSKD.repeat_interleave(groups, dim=2), v_BSKD.repeat_interleave(groups, dim=2)
+        out_BQHD, lse_BHQ, aux = self._forward(
+            q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale, visible_BQS=visible_BQS
+        )
+        out_BQHD = out_BQHD[..., :head_dim]
+        if lse_BHQ.dtype != torch.float64:
+            lse_BHQ = lse_BHQ.float()
+        if visible_BQS is not None:
+            # A fused kernel may report LSE 0 rather than -inf for a row whose keys are all
+            # masked (torch's CPU flash kernel does); the merge needs the truth, or that row's
+            # zero output would get real weight.
+            seen_BQ = visible_BQS.any(dim=-1)
+            lse_BHQ = lse_BHQ.masked_fill(~seen_BQ[:, None, :], -math.inf)
+            out_BQHD = out_BQHD.masked_fill(~seen_BQ[:, :, None, None], 0.0)
+        return BlockOutput(out_BQHD, lse_BHQ, aux)
+
+    def backward(
+        self,
+        dout_BQHD: Tensor,
+        q_BQHD: Tensor,
+        k_BSKD: Tensor,
+        v_BSKD: Tensor,
+        out_BQHD: Tensor,
+        lse_BHQ: Tensor,
+        aux: Any,
+        *,
+        causal: bool,
+        scale: float,
+        visible_BQS: Optional[Tensor] = None,
+    ) -> Grads:
+        """Gradients of this block for the merged ``out``/``lse`` of its query rows."""
+        self._check_mask(visible_BQS)
+        _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
+        # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
+        # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
+        # gets zero gradient through fused and explicit kernels alike.
+        lse_BHQ = lse_BHQ.masked_fill(lse_BHQ == -math.inf, math.inf).contiguous()
+        head_dim = q_BQHD.shape[-1]
+        dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD = (
+            _pad_head_dim(t, self.pad_head_dim_to) for t in (dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD)
+        )
+        kv_heads = k_BSKD.shape[2]
+        groups = q_BQHD.shape[2] // kv_heads
+        if groups > 1 and not self.native_gqa:
+            k_BSKD, v_BSKD = k_BSKD.repeat_interleave(groups, dim=2), v_BSKD.repeat_interleave(groups, dim=2)
+        dq, dk, dv = self._backward(
+            dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD, lse_BHQ, aux,
+            causal=causal, scale=scale, visible_BQS=visible_BQS,
+        )
+        if dk.shape[2] != kv_heads:
+            # Each KV head fed ``groups`` query heads; its gradient is the sum over them. Also
+            # taken when a native-GQA op hands back per-query-head gradients.
+            dk = dk.unflatten(2, (kv_heads, groups)).sum(dim=3)
+            dv = dv.unflatten(2, (kv_heads, groups)).sum(dim=3)
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+
+    def _check_mask(self, visible_BQS: Optional[Tensor]) -> None:
+        if visible_BQS is not None and not self.supports_mask:
+            raise ValueError(f"attention kernel {self.name!r} takes no mask; use a mask-capable kernel")
+
+    # The two hooks below see BSHD tensors, padded and GQA-expanded as the class says; they
+    # turn them into the op's layout once, here, and are what tests and probes wrap.
+
+    def _forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, visible_BQS: Optional[Tensor]
+    ) -> tuple[Tensor, Tensor, Any]:
+        call = BlockCall(causal, scale, visible_BQS)
+        if not self.head_major:
+            return self._op_forward(q, k, v, call)
+        q_BHQD, k_BKSD, v_BKSD = to_head_major(q, k, v)
+        out_BHQD, lse_BHQ, aux = self._op_forward(q_BHQD, k_BKSD, v_BKSD, call)
+        return out_BHQD.transpose(1, 2), lse_BHQ, aux
+
+    def _backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        aux: Any,
+        *,
+        causal: bool,
+        scale: float,
+        visible_BQS: Optional[Tensor],
+    ) -> Grads:
+        call = BlockCall(causal, scale, visible_BQS)
+        inputs = BackwardInputs(dout, q, k, v, out, lse)
+        if not self.head_major:
+            return self._op_backward(inputs, aux, call)
+        dq_BHQD, dk_BKSD, dv_BKSD = self._op_backward(inputs.head_major(), aux, call)
+        dq, dk, dv = to_seq_major(dq_BHQD, dk_BKSD, dv_BKSD)
+        return dq, dk, dv
+
+    def _op_forward(self, q: Tensor, k: Tensor, v: Tensor, call: BlockCall) -> tuple[Tensor, Tensor, Any]:
+        """``(out, lse [B, H, Q], aux)`` from the op, in its layout."""
+        raise NotImplementedError
+
+    def _op_backward(self, inputs: BackwardInputs, aux: Any, call: BlockCall) -> Grads:
+        """``(dq, dk, dv)`` from the op, in its layout."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(native_gqa={self.native_gqa})"
