@@ -68,8 +68,9 @@ def write_parquet(path: Path, records: Sequence[dict[str, str]], row_group_size:
     return path
 
 
-def build_corpus(folder: Path, num_modules: int = 24, num_files: int = 3) -> list[Path]:
-    """``num_files`` files of the stdlib documents, mixing JSONL (plain, .gz, .zst) and Parquet."""
+def build_corpus(folder: Path, num_modules: int = 24, num_files: int = 3, row_group_size: int = 256) -> list[Path]:
+    """``num_files`` files of the stdlib documents, mixing JSONL (plain, .gz, .zst) and Parquet
+    (``row_group_size`` rows per group)."""
     records = list(documents(num_modules))
     kinds = [".jsonl", ".jsonl.gz", ".parquet", ".jsonl.zst"]
     per_file = -(-len(records) // num_files)
@@ -77,7 +78,7 @@ def build_corpus(folder: Path, num_modules: int = 24, num_files: int = 3) -> lis
     for i in range(num_files):
         part = records[i * per_file : (i + 1) * per_file]
         path = folder / f"part-{i:03d}{kinds[i % len(kinds)]}"
-        files.append(write_parquet(path, part) if path.suffix == ".parquet" else write_jsonl(path, part))
+        files.append(write_parquet(path, part, row_group_size) if path.suffix == ".parquet" else write_jsonl(path, part))
     return files
 
 

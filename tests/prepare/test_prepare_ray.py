@@ -1,8 +1,9 @@
-"""`ringtrain prepare` end to end on Ray: output format, determinism across parallelism, bad input.
+"""`ringtrain prepare` end to end on Ray: output format, determinism across parallelism and split size.
 
-One in-process Ray cluster serves the module (prepare borrows a connection it finds), and one
-run goes through the real command line with its own embedded cluster: the path users take, and
-the other parallelism the determinism check compares against.
+One in-process Ray cluster serves the module (prepare borrows a connection it finds): the
+reference run at parallelism 1 with whole files, the same corpus at parallelism 2 cut into many
+pieces, and a bad line in a late piece, through real actors. Bad input and the command line's
+exit status are in test_bad_input.py (no cluster needed to check them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import pytest
 from ringtrain import cli
 from ringtrain.prepared import Manifest
 from tests.corpus import write_jsonl
-from tests.ray.test_run_e2e import ringtrain_cli
 
 ray = pytest.importorskip("ray")
 
@@ -84,75 +84,35 @@ def test_the_dataset_holds_every_document_in_order(prepared: Path, corpus: Path,
     assert not [p for p in prepared.parent.iterdir() if p.name.startswith(".")]  # no staging left
 
 
-def test_bytes_are_the_same_at_parallelism_1_and_2(prepared: Path, corpus: Path, tokenizer: Path, tmp_path: Path) -> None:
-    """The command line (its own embedded cluster, 2 actors) rewrites the same output in place."""
+def test_bytes_are_the_same_at_parallelism_1_and_2_and_any_split(
+    prepared: Path, corpus: Path, tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two actors, the plain JSONL in 16 KB ranges and the Parquet in row groups, rewrite the same
+    output in place: the same bytes as one actor reading whole files."""
+    from ringtrain.prepare import sources
+
     copy = tmp_path / "ds"
     shutil.copytree(prepared, copy)
     first = files_of(copy)
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtq-", dir="/tmp"))
-    try:
-        result = ringtrain_cli(["prepare", str(corpus), "--tokenizer", str(tokenizer), "--out", str(prepared),
-                                "--shard-tokens", SHARD_TOKENS, "--parallelism", "2", "--num-cpus", "2", "--overwrite"],
-                               home=tmp_path, ray_tmp=ray_tmp, timeout=180)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "M tokens/s" in result.stdout and "into 4 shards" in result.stdout
+    files = sources.expand([str(corpus)])
+    pieces = sources.plan(files, 16000)
+    per_file = [sum(p.source.index == f.index for p in pieces) for f in files]
+    assert per_file[:2] == [21, 1] and per_file[2] > 1  # plain jsonl in ranges, .gz whole, Parquet's 4 row groups in runs
+    code, out, err = cli.main(["prepare", str(corpus), "--tokenizer", str(tokenizer), "--out", str(prepared), "--shard-tokens", SHARD_TOKENS,
+                               "--parallelism", "2", "--split-bytes", "16000", "--overwrite", "--quiet"]), *capsys.readouterr()
+    assert code == 0, err
+    assert "M tokens/s" in out and "into 4 shards" in out
     assert files_of(prepared) == first
 
 
-@pytest.mark.parametrize("mode", ["fail", "skip"])
-def test_a_malformed_line_fails_or_is_counted(cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str) -> None:
+def test_a_bad_line_in_a_late_piece_names_its_true_line(cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "src"
     write_jsonl(src / "a.jsonl", [{"text": "first"}, {"text": "second"}])
-    (src / "b.jsonl").write_text('{"text": "ok"}\n{"text": "cut\n{"body": "no text"}\n{"text": "last"}\n')
+    lines = [json.dumps({"text": f"document {n}"}) for n in range(1, 301)]
+    lines[256] = '{"text": "cut'  # line 257, in the last of 5 ranges
+    (src / "b.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    code, stdout, err = prepare([str(src), "--tokenizer", "bytes", "--out", str(out), "--on-bad-record", mode], capsys)
-    if mode == "fail":
-        assert (code, err) == (2, f"ringtrain: data error: {src / 'b.jsonl'}:2: malformed JSON (Unterminated string starting at: line 1 column 10 (char 9))\n")
-        assert not out.exists() and list(tmp_path.iterdir()) == [src]
-        return
-    assert code == 0, err
-    manifest = Manifest.load(out)
-    assert (manifest.num_documents, manifest.num_skipped) == (4, 2)
-    assert [(Path(s.uri).name, s.line) for s in manifest.skipped] == [("b.jsonl", 2), ("b.jsonl", 3)]
-    assert "no field 'text'" in manifest.skipped[1].reason and "2 records skipped" in stdout
-
-
-def _bad_inputs(tmp: Path, corpus: Path) -> dict[str, tuple[list[str], str]]:
-    """name -> (arguments, the one line expected on stderr)."""
-    (tmp / "empty").mkdir()
-    (tmp / "empty" / "e.jsonl").write_text("\n")
-    write_jsonl(tmp / "field" / "f.jsonl", [{"text": "a"}, {"content": "b"}])
-    good = write_jsonl(tmp / "gz" / "c.jsonl.gz", [{"text": f"doc {i}"} for i in range(3000)]).read_bytes()
-    (tmp / "gz" / "c.jsonl.gz").write_bytes(good[: len(good) // 2])
-    good = write_jsonl(tmp / "zst" / "c.jsonl.zst", [{"text": f"doc {i}"} for i in range(3000)]).read_bytes()
-    (tmp / "zst" / "c.jsonl.zst").write_bytes(good[:100] + b"\0" * 16 + good[116:])
-    (tmp / "taken").mkdir()
-    (tmp / "taken" / "x").write_text("x")
-    return {
-        "empty": ([str(tmp / "empty")], f"ringtrain: data error: {tmp / 'empty'}: no documents (every record was empty or skipped)"),
-        "field": ([str(tmp / "field")], f"ringtrain: data error: {tmp / 'field' / 'f.jsonl'}:2: no field 'text' (--text-field)"),
-        "gz": ([str(tmp / "gz")], f"ringtrain: data error: {tmp / 'gz' / 'c.jsonl.gz'}: corrupt compressed data after line "),
-        "zst": ([str(tmp / "zst")], f"ringtrain: data error: {tmp / 'zst' / 'c.jsonl.zst'}: corrupt compressed data after line "),
-        "tokenizer": ([str(corpus), "--tokenizer", str(tmp / "no-such-tokenizer")],
-                      f"ringtrain: config error: --tokenizer: {tmp / 'no-such-tokenizer'} does not exist"),
-        "exists": ([str(corpus), "--out", str(tmp / "taken")],
-                   f"ringtrain: config error: --out: {tmp / 'taken'} already exists; pass --overwrite to replace it"),
-    }
-
-
-@pytest.mark.parametrize("case", ["empty", "field", "gz", "zst", "tokenizer", "exists"])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(
-    cluster: None, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
-) -> None:
-    args, expected = _bad_inputs(tmp_path, corpus)[case]
-    if "--tokenizer" not in args:
-        args += ["--tokenizer", "bytes"]
-    if "--out" not in args:
-        args += ["--out", str(tmp_path / "out")]
-    before = sorted(p.name for p in tmp_path.iterdir())
-    code, _, err = prepare(args, capsys)
-    assert code == 2 and err.startswith(expected) and err.count("\n") == 1, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no staging left behind
-    assert not list(tmp_path.rglob("manifest.json"))
+    code = cli.main(["prepare", str(src), "--tokenizer", "bytes", "--out", str(out), "--parallelism", "2", "--split-bytes", "1500", "--quiet"])
+    err = capsys.readouterr().err
+    assert (code, err) == (2, f"ringtrain: data error: {src / 'b.jsonl'}:257: malformed JSON (Unterminated string starting at: line 1 column 10 (char 9))\n")
+    assert not out.exists() and list(tmp_path.iterdir()) == [src]

@@ -13,7 +13,7 @@ import pytest
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare import sources, tokenize, writer
 from ringtrain.prepare.command import recorded_command
-from ringtrain.prepare.pipeline import FileTokenizer, Job
+from ringtrain.prepare.pipeline import Job, PieceTokenizer
 from ringtrain.prepared import (
     Manifest,
     ShardInfo,
@@ -23,7 +23,7 @@ from ringtrain.prepared import (
     shard_paths,
     token_dtype_for,
 )
-from tests.corpus import write_jsonl
+from tests.corpus import write_jsonl, write_parquet
 
 
 def _manifest(**changes: object) -> dict[str, object]:
@@ -73,7 +73,8 @@ def test_sources_expand_in_a_fixed_order(tmp_path: Path) -> None:
 
 
 def _records(path: Path, field: str = "text") -> list[object]:
-    return list(sources.read_records(sources.SourceFile(0, str(path), sources.kind_of(path.name) or ""), field))
+    source = sources.SourceFile(0, str(path), sources.kind_of(path.name) or "")
+    return list(sources.read_records(sources.Piece(0, source), field))
 
 
 def test_bad_records_name_their_line(tmp_path: Path) -> None:
@@ -112,6 +113,8 @@ def test_parquet_without_the_text_column_names_the_flag(tmp_path: Path, corpus: 
     junk.write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match=rf"{junk}: not a readable Parquet file"):
         _records(junk)
+    with pytest.raises(DataError, match=rf"{junk}: not a readable Parquet file"):  # found before any cluster starts
+        sources.plan([sources.SourceFile(0, str(junk), "parquet")], 1 << 20)
 
 
 def test_tokenizer_resolves_eos_hash_and_bad_paths(tokenizer: Path, tmp_path: Path) -> None:
@@ -133,13 +136,54 @@ def test_tokenizer_resolves_eos_hash_and_bad_paths(tokenizer: Path, tmp_path: Pa
 def test_an_actor_reports_the_first_bad_record_in_order(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
     path.write_text('{"text": "ok"}\n{"text": ""}\n{"text": 1}\n{"text": "after"}\n')
-    source = sources.SourceFile(4, str(path), "jsonl")
+    piece = sources.Piece(0, sources.SourceFile(4, str(path), "jsonl"))
     spec = tokenize.resolve("bytes")
-    fail = list(FileTokenizer(Job(spec, "uint16", "text", skip_bad=False)).file(source))
-    assert [r["error"][0] for r in fail] == [f"{path}:3: field 'text' is int, not a string"]
-    skip = list(FileTokenizer(Job(spec, "uint16", "text", skip_bad=True)).file(source))
-    assert [r["error"][0] for r in skip] == [""] and json.loads(skip[0]["bad"][0]) == [[3, "field 'text' is int, not a string"]]
+    fail = list(PieceTokenizer(Job(spec, "uint16", "text", skip_bad=False)).piece(piece))
+    assert [(r["fatal"][0], json.loads(r["bad"][0]), r["lines"][0]) for r in fail] == [(True, [[3, "field 'text' is int, not a string"]], 3)]
+    skip = list(PieceTokenizer(Job(spec, "uint16", "text", skip_bad=True)).piece(piece))
+    assert [(r["fatal"][0], r["error"][0], r["lines"][0]) for r in skip] == [(False, "", 4)]
+    assert json.loads(skip[0]["bad"][0]) == [[3, "field 'text' is int, not a string"]]
     assert np.frombuffer(skip[0]["lengths"][0], dtype=np.int64).tolist() == [3, 6]  # "" made no document
+
+
+LINES = [b'{"a": 1}', b"", b"x" * 37, b"yy", b"", b"", b"z" * 5, b"last-no-newline"]
+
+
+@pytest.mark.parametrize("trailing", [b"", b"\n", b"\n\n"])
+def test_the_line_split_rule_reads_every_line_once(trailing: bytes) -> None:
+    """Every split size, chunk size and range: the ranges' lines, in order, are the file's lines,
+    and each range's line count numbers the next range's lines from the right place."""
+    data = b"\n".join(LINES) + trailing
+    expected = data.split(b"\n")
+    if expected[-1] == b"":
+        expected.pop()  # a final newline ends the last line; it does not start one
+    for split in range(1, len(data) + 2):
+        for chunk in (1, 3, 64):
+            got: list[bytes] = []
+            for start in range(0, len(data), split):
+                tail = data[start:]
+                pieces = (tail[i : i + chunk] for i in range(0, len(tail), chunk))
+                got += list(sources._lines(pieces, start, min(start + split, len(data))))
+            assert got == expected, (split, chunk)
+
+
+def test_a_big_file_is_planned_as_ranges_and_parquet_as_row_groups(tmp_path: Path) -> None:
+    records = [{"id": str(i), "text": f"document {i}"} for i in range(100)]
+    plain = write_jsonl(tmp_path / "a.jsonl", records)
+    packed = write_jsonl(tmp_path / "b.jsonl.gz", [{"text": "x"}])
+    parquet = write_parquet(tmp_path / "c.parquet", records, row_group_size=10)
+    files = sources.expand([str(plain), str(packed), str(parquet)])
+    size = plain.stat().st_size
+    pieces = sources.plan(files, 500)
+    ranges = [(p.start, p.end) for p in pieces if p.source.index == 0]
+    assert ranges == [(a, min(a + 500, size)) for a in range(0, size, 500)] and len(ranges) > 3
+    assert [(p.start, p.end) for p in pieces if p.source.index == 1] == [(0, None)]  # gzip: whole
+    groups = [(p.start, p.end) for p in pieces if p.source.index == 2]
+    assert len(groups) > 1 and groups[0][0] == 0 and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert [p.number for p in pieces] == list(range(len(pieces)))
+    assert [(p.start, p.end) for p in sources.plan(files, 1 << 30) if p.source.index != 1] == [(0, size), (0, groups[-1][1])]
+    with pytest.raises(ConfigError, match="--split-bytes: must be positive"):
+        sources.plan(files, 0)
 
 
 def test_packer_cuts_by_token_budget_and_never_splits_a_document(tmp_path: Path) -> None:
@@ -174,7 +218,8 @@ def test_local_output_is_staged_and_refuses_to_overwrite(tmp_path: Path) -> None
 
 
 def test_the_manifest_command_leaves_out_execution_flags() -> None:
-    argv = ["src", "--tokenizer", "bytes", "--parallelism", "2", "--overwrite", "--address=auto", "--out", "o", "--quiet"]
+    argv = ["src", "--tokenizer", "bytes", "--parallelism", "2", "--overwrite", "--address=auto", "--out", "o", "--quiet",
+            "--split-bytes", "4096"]
     assert recorded_command(argv) == ["src", "--tokenizer", "bytes", "--out", "o"]
 
 

@@ -1,11 +1,16 @@
-"""`ringtrain prepare` from an s3:// prefix to an s3:// prefix, on the moto server."""
+"""`ringtrain prepare` from an s3:// prefix to an s3:// prefix, on the moto server.
+
+Run in this process without a Ray cluster (tests/prepare/serial.py): what is tested here is S3
+(listing, ranged and whole-object reads, staging, publishing), and the actors' code reads the
+objects exactly as on Ray; tests/prepare/test_prepare_ray.py covers the Ray transport.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import io
-import shutil
-import tempfile
+import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,7 @@ import pytest
 from ringtrain import cli
 from ringtrain.prepared import Manifest
 from tests.corpus import build_corpus, save_tokenizer
-from tests.ray.test_run_e2e import ringtrain_cli
+from tests.prepare.serial import run_serially
 
 
 def test_prepare_reads_and_writes_s3(
@@ -23,19 +28,19 @@ def test_prepare_reads_and_writes_s3(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    run_serially(monkeypatch)
     files = build_corpus(tmp_path / "corpus", num_modules=12, num_files=4)  # .jsonl, .gz, .parquet, .zst
     for path in files:
         s3_client.upload_file(str(path), bucket, f"corpus/{path.name}")
     s3_client.put_object(Bucket=bucket, Key="corpus-other/ignored.jsonl", Body=b'{"text": "not under corpus/"}\n')
     tokenizer = save_tokenizer(tmp_path / "tok", num_modules=12, vocab_size=512)
     out = f"s3://{bucket}/datasets/stdlib"
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
-    try:
-        result = ringtrain_cli(["prepare", f"s3://{bucket}/corpus", "--tokenizer", str(tokenizer), "--out", out,
-                                "--shard-tokens", "30000", "--num-cpus", "2"], home=tmp_path, ray_tmp=ray_tmp, timeout=180)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # Plain JSONL in 16 KB ranges (ranged GETs), Parquet read whole (downloaded), .gz/.zst whole.
+    code = cli.main(["prepare", f"s3://{bucket}/corpus", "--tokenizer", str(tokenizer), "--out", out,
+                     "--shard-tokens", "30000", "--split-bytes", "16000", "--parallelism", "1"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-3000:]
+    assert "into " in stdout and "M tokens/s" in stdout
 
     keys = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"])
     published = [k for k in keys if k.startswith("datasets/")]
@@ -43,6 +48,8 @@ def test_prepare_reads_and_writes_s3(
     body = s3_client.get_object(Bucket=bucket, Key="datasets/stdlib/manifest.json")["Body"].read()
     manifest = Manifest.loads(body, f"{out}/manifest.json")
     assert [s.uri for s in manifest.sources] == [f"s3://{bucket}/corpus/{p.name}" for p in sorted(files)]
+    expected = [_num_records(p) for p in sorted(files)]  # every line of the ranged file read once
+    assert [s.num_documents for s in manifest.sources] == expected and files[0].stat().st_size > 3 * 16000
     assert len(manifest.shards) > 1 and len(published) == 1 + 2 * len(manifest.shards)
     for shard in manifest.shards:
         data = {k: s3_client.get_object(Bucket=bucket, Key=f"datasets/stdlib/{getattr(shard, k)}")["Body"].read()
@@ -55,3 +62,18 @@ def test_prepare_reads_and_writes_s3(
     # An existing s3 output is refused before any cluster starts.
     code = cli.main(["prepare", str(files[0]), "--tokenizer", "bytes", "--out", out])
     assert code == 2 and capsys.readouterr().err == f"ringtrain: config error: --out: {out} already exists; pass --overwrite to replace it\n"
+
+
+def _num_records(path: Path) -> int:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        data = zlib.decompress(data, wbits=31)
+    elif path.suffix == ".zst":
+        import zstandard
+
+        data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    return sum(1 for line in data.splitlines() if json.loads(line)["text"])

@@ -1,7 +1,9 @@
 """`ringtrain prepare`: its flags, the run from checks to published manifest, progress and summary.
 
-Every input is checked before a cluster starts (sources expand, the tokenizer loads, the output
-is free), so bad input exits 2 within a second. Exit codes follow cli.py: 2 for bad input (one
+Every input is checked before a cluster starts (sources expand and are cut into pieces, which
+reads Parquet footers; the tokenizer loads; the output is free), so bad input exits 2 within a
+second; what only reading the records can tell (a bad line, a corrupt stream, no documents) is
+found by the actors and reported by the driver in document order. Exit codes follow cli.py: 2 for bad input (one
 line naming the file, line or flag), 1 for anything else.
 """
 
@@ -17,10 +19,15 @@ from ringtrain.errors import DataError
 from ringtrain.prepared import Manifest, SkippedRecord, SourceInfo, token_dtype_for
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 tokens: large reads, few files
+# Work per actor call: seconds of tokenizing, so Ray's per-piece cost is noise, and a 1 GB file
+# already keeps 16 actors busy.
+DEFAULT_SPLIT_BYTES = 64 << 20
 PROGRESS_EVERY_S = 0.5
 # Flags that change where or how fast prepare runs, never what it writes: left out of the
 # manifest's command so that the manifest, too, is the same bytes at any parallelism.
-_EXECUTION_FLAGS = {"--address": True, "--parallelism": True, "--num-cpus": True, "--overwrite": False, "--quiet": False}
+_EXECUTION_FLAGS = {
+    "--address": True, "--parallelism": True, "--num-cpus": True, "--split-bytes": True, "--overwrite": False, "--quiet": False,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed or text-less record stops the run (fail) or is counted and listed in the manifest (skip)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help=f"tokens per shard at most (a longer document gets a shard alone; default {DEFAULT_SHARD_TOKENS})")
+    parser.add_argument(
+        "--split-bytes", type=int, default=DEFAULT_SPLIT_BYTES,
+        help=f"the work of one actor call (default {DEFAULT_SPLIT_BYTES >> 20} MiB): plain JSONL is split into byte ranges at line "
+        "boundaries and Parquet into runs of row groups of about this size, so one big file uses every actor; .gz/.zst "
+        "files (not seekable), .txt/.md files (one document) and s3:// Parquet are read whole by one actor; never changes the output",
+    )
     parser.add_argument("--parallelism", type=int, default=0, help="tokenizer actors (default: the cluster's CPUs); never changes the output")
     parser.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded cluster (default: all)")
     parser.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS, else an embedded local one)")
@@ -89,13 +102,14 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
 
     from ringtrain.prepare import pipeline, sources, tokenize, writer
 
+    from ringtrain.errors import ConfigError
+
+    if args.shard_tokens < 1:
+        raise ConfigError("--shard-tokens", f"must be positive, got {args.shard_tokens}")
     files = sources.expand(list(args.sources))
     spec = tokenize.resolve(args.tokenizer)
     output = writer.open_output(args.out, args.overwrite)
-    if args.shard_tokens < 1:
-        from ringtrain.errors import ConfigError
-
-        raise ConfigError("--shard-tokens", f"must be positive, got {args.shard_tokens}")
+    pieces = sources.plan(files, args.split_bytes)
     dtype = token_dtype_for(spec.info.vocab_size)
     job = pipeline.Job(spec, dtype, args.text_field, args.on_bad_record == "skip")
 
@@ -105,15 +119,15 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
     try:
         import ray
 
-        # One actor per file at most: a file is the unit of work.
-        parallelism = min(len(files), args.parallelism or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        # One actor per piece at most: a piece is the unit of work.
+        parallelism = min(len(pieces), args.parallelism or max(1, int(ray.cluster_resources().get("CPU", 1))))
         folder = output.begin()
         packer = writer.Packer(folder, np.dtype(dtype), args.shard_tokens, output.shard_written)
-        tally = pipeline.Tally(len(files))
+        tally = pipeline.Tally(len(files), [f.uri for f in files])
         progress = Progress(stream, len(files), not args.quiet)
         t0 = time.monotonic()
         try:
-            for row in pipeline.chunks(files, job, parallelism):
+            for row in pipeline.chunks(pieces, job, parallelism):
                 got = pipeline.consume(row, job, tally)
                 if got is not None:
                     packer.add(*got)

@@ -1,16 +1,22 @@
-"""The Ray Data pipeline of `ringtrain prepare`: files -> tokenizer actors -> ordered shards.
+"""The Ray Data pipeline of `ringtrain prepare`: file pieces -> tokenizer actors -> ordered shards.
 
-Each source file is one input row; a pool of tokenizer actors reads a file and tokenizes its
-documents in batches (reading and tokenizing in one stage keeps the text itself off the object
-store: only token ids travel). The actors run single-threaded (TOKENIZERS_PARALLELISM=false) so
-N actors use N cores without oversubscribing them. Ray Data keeps the output in input order
-(``preserve_order``), and every chunk carries its documents in file order, so the driver sees
-the documents in (source file index, record index) order whatever the number of actors, and
-cuts shards from that stream (``writer.Packer``): the bytes do not depend on the parallelism.
+Each piece of a source file (``sources.plan``: a byte range of plain JSONL, a run of Parquet row
+groups, or a whole file) is one input row, so one huge file is spread over every actor. A pool
+of tokenizer actors reads a piece and tokenizes its documents in batches (reading and
+tokenizing in one stage keeps the text itself off the object store: only token ids travel). The
+actors run single-threaded (TOKENIZERS_PARALLELISM=false) so N actors use N cores without
+oversubscribing them. Ray Data keeps the output in input order (``preserve_order``), and every
+chunk carries its documents in piece order, so the driver sees the documents in (source file
+index, record index) order whatever the number of actors or the split size, and cuts shards
+from that stream (``writer.Packer``): the bytes depend on neither.
 
-Bad records are not raised inside the actors: they travel in order with the tokens, so the
-driver reports (or, with ``--on-bad-record skip``, lists) the first one in document order,
-the same one at any parallelism.
+Bad records are not raised inside the actors: they travel in order with the tokens, numbered
+from their piece's first line, so the driver reports (or, with ``--on-bad-record skip``, lists)
+the first one in document order at its true line in the file. Line numbers cost no extra pass
+over the data: each chunk also says how many lines its piece has consumed so far, and the
+driver, which sees a file's pieces in order, adds up those of the pieces before (a pre-pass
+counting newlines would read a multi-GB file, or download an S3 object, on the driver before
+any work starts: the serial step splitting exists to remove).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.errors import DataError
-from ringtrain.prepare.sources import BadRecord, SourceFile, fetch, read_records
+from ringtrain.prepare.sources import BadRecord, LineCounter, Piece, SourceFile, fetch, needs_fetch, read_records
 from ringtrain.prepare.tokenize import Encoder, TokenizerSpec
 
 # A chunk (one output row) closes at this many documents or characters of text, whichever
@@ -49,18 +55,26 @@ class Job:
     skip_bad: bool
 
 
-def _row(src: int, tokens: np.ndarray, lengths: np.ndarray, bad: list[tuple[int, str]], error: str = "") -> dict[str, np.ndarray]:
+def _row(
+    piece: Piece, lines: int, tokens: np.ndarray, lengths: np.ndarray, bad: list[tuple[int, str]], fatal: bool = False, error: str = ""
+) -> dict[str, np.ndarray]:
+    """One output row. ``bad`` lines count from the piece's first line; ``lines``: the lines the
+    piece has consumed so far; ``fatal``: the last bad record stops the run; ``error``: the piece
+    could not be read."""
     return {
-        "src": np.array([src], dtype=np.int64),
+        "src": np.array([piece.source.index], dtype=np.int64),
+        "piece": np.array([piece.number], dtype=np.int64),
+        "lines": np.array([lines], dtype=np.int64),
         "tokens": np.array([tokens.tobytes()], dtype=object),
         "lengths": np.array([lengths.astype(np.int64).tobytes()], dtype=object),
         "bad": np.array([json.dumps(bad)], dtype=object),
+        "fatal": np.array([fatal], dtype=bool),
         "error": np.array([error], dtype=object),
     }
 
 
-class FileTokenizer:
-    """A Ray Data actor: one source file in, its documents' tokens out in ordered chunks."""
+class PieceTokenizer:
+    """A Ray Data actor: one piece of a source file in, its documents' tokens out in ordered chunks."""
 
     def __init__(self, job: Job) -> None:
         # Before the tokenizer is loaded: its Rust thread pool reads this once.
@@ -69,56 +83,75 @@ class FileTokenizer:
         self.encoder = Encoder(job.tokenizer, job.dtype)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        for index, uri, kind in zip(batch["index"], batch["uri"], batch["kind"]):
-            yield from self.file(SourceFile(int(index), str(uri), str(kind)))
+        for i in range(len(batch["number"])):
+            source = SourceFile(int(batch["index"][i]), str(batch["uri"][i]), str(batch["kind"][i]))
+            end = int(batch["end"][i])
+            yield from self.piece(Piece(int(batch["number"][i]), source, int(batch["start"][i]), None if end < 0 else end))
 
-    def file(self, source: SourceFile) -> Iterator[dict[str, np.ndarray]]:
-        folder = tempfile.mkdtemp(prefix="rt-src-") if source.uri.startswith("s3://") else None
+    def piece(self, piece: Piece) -> Iterator[dict[str, np.ndarray]]:
+        folder = tempfile.mkdtemp(prefix="rt-src-") if needs_fetch(piece) else None
+        counter = LineCounter()
         texts: list[str] = []
         bad: list[tuple[int, str]] = []
         chars = 0
         try:
-            local = fetch(source.uri, folder) if folder else None
-            for record in read_records(source, self.job.text_field, local):
+            local = fetch(piece.source.uri, folder) if folder else None
+            for record in read_records(piece, self.job.text_field, local, counter):
                 if isinstance(record, BadRecord):
-                    if not self.job.skip_bad:
-                        yield self._chunk(source, texts, bad, f"{source.uri}:{record.line}: {record.reason}")
-                        return
                     bad.append((record.line, record.reason))
+                    if not self.job.skip_bad:
+                        yield self._chunk(piece, counter, texts, bad, fatal=True)
+                        return
                     continue
                 if not record:
                     continue  # an empty text makes no document (it would be a lone EOS)
                 texts.append(record)
                 chars += len(record)
                 if len(texts) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
-                    yield self._chunk(source, texts, bad)
+                    yield self._chunk(piece, counter, texts, bad)
                     texts, bad, chars = [], [], 0
-            yield self._chunk(source, texts, bad)
+            yield self._chunk(piece, counter, texts, bad)
         except DataError as exc:
-            yield self._chunk(source, texts, bad, str(exc))
+            yield self._chunk(piece, counter, texts, bad, error=str(exc))
         finally:
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def _chunk(self, source: SourceFile, texts: list[str], bad: list[tuple[int, str]], error: str = "") -> dict[str, np.ndarray]:
+    def _chunk(
+        self, piece: Piece, counter: LineCounter, texts: list[str], bad: list[tuple[int, str]], fatal: bool = False, error: str = ""
+    ) -> dict[str, np.ndarray]:
         tokens, lengths = self.encoder.encode(texts)
-        return _row(source.index, tokens, lengths, bad, error)
+        return _row(piece, counter.lines, tokens, lengths, bad, fatal, error)
+
+
+def piece_items(pieces: list[Piece]) -> list[dict[str, Any]]:
+    """The pipeline's input rows (plain columns: Ray Data builds blocks of them)."""
+    return [
+        {"number": p.number, "index": p.source.index, "uri": p.source.uri, "kind": p.source.kind,
+         "start": p.start, "end": -1 if p.end is None else p.end}
+        for p in pieces
+    ]
 
 
 @dataclass
 class Tally:
-    """What the driver has seen so far: totals, per source, and the skipped records."""
+    """What the driver has seen so far: totals, per source, the skipped records, and where in
+    the piece sequence it is (to number a piece's lines from the file's first line)."""
 
     num_sources: int
+    uris: list[str] = field(default_factory=list)  # by source index: bad-record messages name the file
     num_documents: int = 0
     num_tokens: int = 0
     num_skipped: int = 0
     per_source: dict[int, list[int]] = field(default_factory=dict)  # index -> [documents, tokens]
     skipped: list[tuple[int, int, str]] = field(default_factory=list)  # (source, line, reason)
     last_source: int = 0
+    piece: int = -1  # the piece of the rows seen last
+    line_base: int = 0  # lines of the current file before the current piece
+    piece_lines: int = 0  # lines the current piece has consumed so far
 
 
-def chunks(files: list[SourceFile], job: Job, parallelism: int) -> Iterator[dict[str, Any]]:
+def chunks(pieces: list[Piece], job: Job, parallelism: int) -> Iterator[dict[str, Any]]:
     """The pipeline's output rows in document order (a Ray connection must be up)."""
     import ray.data
 
@@ -129,7 +162,7 @@ def chunks(files: list[SourceFile], job: Job, parallelism: int) -> Iterator[dict
     # Ray Data logs each execution's start and end at INFO; prepare prints its own summary.
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "bars disabled": on purpose
-    items = [{"index": f.index, "uri": f.uri, "kind": f.kind} for f in files]
+    items = piece_items(pieces)
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     with warnings.catch_warnings():
         # max_restarts=0 is Ray Data's documented way to stop actor restarts; it warns that the
@@ -145,7 +178,7 @@ def _tokenize_stage(ds: Any, job: Job, parallelism: int) -> Any:
     import ray.data
 
     return ds.map_batches(
-        FileTokenizer,
+        PieceTokenizer,
         fn_constructor_kwargs={"job": job},
         batch_size=1,
         batch_format="numpy",
@@ -158,12 +191,23 @@ def _tokenize_stage(ds: Any, job: Job, parallelism: int) -> Any:
 
 def consume(row: dict[str, Any], job: Job, tally: Tally) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """Account for one row; its (tokens, lengths), or DataError for a bad record under ``fail``."""
-    src = int(row["src"])
+    src, piece = int(row["src"]), int(row["piece"])
+    if piece != tally.piece:
+        # Every piece yields at least one row, in plan order: a gap would misnumber lines.
+        if piece != tally.piece + 1:
+            raise RuntimeError(f"prepare: piece {piece} arrived after piece {tally.piece}")
+        tally.line_base = tally.line_base + tally.piece_lines if src == tally.last_source and tally.piece >= 0 else 0
+        tally.piece = piece
     tally.last_source = src
-    for line, reason in json.loads(row["bad"]):
+    tally.piece_lines = int(row["lines"])
+    bad = [(tally.line_base + int(line), str(reason)) for line, reason in json.loads(row["bad"])]
+    if row["fatal"]:
+        line, reason = bad.pop()
+        raise DataError(f"{tally.uris[src]}:{line}: {reason}")
+    for line, reason in bad:
         tally.num_skipped += 1
         if len(tally.skipped) < MAX_LISTED_SKIPS:
-            tally.skipped.append((src, int(line), str(reason)))
+            tally.skipped.append((src, line, reason))
     tokens = np.frombuffer(row["tokens"], dtype=job.dtype)
     lengths = np.frombuffer(row["lengths"], dtype=np.int64)
     counts = tally.per_source.setdefault(src, [0, 0])

@@ -6,10 +6,17 @@ expand to the files of those kinds under them, sorted, so the document order is 
 the arguments alone. A record that cannot be used (malformed JSON, no text field) is a
 ``BadRecord``: the caller fails on it or skips it. A file that cannot be read at all (corrupt
 compressed stream, unreadable Parquet) raises ``DataError`` naming it.
+
+The unit of parallel work is a ``Piece`` of a file, so one huge file is read by many actors:
+plain JSONL is cut into byte ranges by the line-split rule (below), Parquet into runs of whole
+row groups; compressed JSONL (no seeking into a gzip or zstd stream), text documents (one
+document per file) and S3 Parquet stay one piece. A piece numbers its lines (rows) from 1; the
+driver, which sees the pieces of a file in order, adds the lines of the pieces before it.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -18,7 +25,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
 
@@ -36,6 +43,20 @@ class SourceFile:
     index: int  # position in the expanded, ordered list: the first key of the document order
     uri: str  # a local path (as the user spelled it) or s3://bucket/key
     kind: str  # "jsonl" | "parquet" | "text"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of one source file, read by one actor call.
+
+    Plain JSONL: bytes [start, end) by the line-split rule; Parquet: row groups [start, end);
+    otherwise the whole file (start 0, end None).
+    """
+
+    number: int  # position in the plan: pieces of a file are consecutive, in file order
+    source: SourceFile
+    start: int = 0
+    end: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +141,74 @@ def expand(args: list[str]) -> list[SourceFile]:
     return files
 
 
-# ---- reading one file ------------------------------------------------------------------------
+def splittable(source: SourceFile) -> bool:
+    """Plain JSONL on local disk or S3 (ranged reads), and local Parquet (its footer is read here)."""
+    if source.kind == "jsonl":
+        return kind_of(source.uri) == "jsonl" and source.uri.lower().endswith(JSONL_SUFFIXES)
+    return source.kind == "parquet" and not source.uri.startswith("s3://")
+
+
+@functools.lru_cache(maxsize=None)
+def _s3_client(bucket: str) -> Any:
+    """One boto3 client per bucket and process: making one loads botocore's service models
+    (a few hundred ms), too much to pay per piece."""
+    from ringtrain.checkpoint.options import S3Options
+    from ringtrain.checkpoint.s3 import S3Backend
+
+    return S3Backend(bucket, "", S3Options()).client
+
+
+def _size(uri: str) -> int:
+    if not uri.startswith("s3://"):
+        return os.path.getsize(uri.removeprefix("file://"))
+    from ringtrain.checkpoint.s3 import parse_s3_uri
+
+    bucket, key = parse_s3_uri(uri)
+    try:
+        return int(_s3_client(bucket).head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except Exception as exc:  # botocore's errors share no useful base beyond Exception
+        raise DataError(f"{uri}: cannot stat ({exc})") from None
+
+
+def _row_group_runs(source: SourceFile, split_bytes: int) -> list[tuple[int, int]]:
+    """[first, end) row groups per piece: consecutive groups up to ``split_bytes`` of data each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(source.uri.removeprefix("file://")).metadata
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{source.uri}: not a readable Parquet file ({exc})") from None
+    runs: list[tuple[int, int]] = []
+    first, size = 0, 0
+    for group in range(meta.num_row_groups):
+        size += meta.row_group(group).total_byte_size
+        if size >= split_bytes:
+            runs.append((first, group + 1))
+            first, size = group + 1, 0
+    if first < meta.num_row_groups or not runs:
+        runs.append((first, meta.num_row_groups))
+    return runs
+
+
+def plan(files: list[SourceFile], split_bytes: int) -> list[Piece]:
+    """The pieces of ``files`` in document order: at most ``split_bytes`` of a splittable file each."""
+    if split_bytes < 1:
+        raise ConfigError("--split-bytes", f"must be positive, got {split_bytes}")
+    pieces: list[Piece] = []
+    for source in files:
+        if not splittable(source):
+            pieces.append(Piece(len(pieces), source))
+        elif source.kind == "parquet":
+            pieces += [Piece(len(pieces) + i, source, a, b) for i, (a, b) in enumerate(_row_group_runs(source, split_bytes))]
+        else:
+            size = _size(source.uri)
+            starts = range(0, max(size, 1), split_bytes)
+            pieces += [Piece(len(pieces) + i, source, a, min(a + split_bytes, size)) for i, a in enumerate(starts)]
+    return pieces
+
+
+# ---- reading one piece -----------------------------------------------------------------------
 
 
 READ_CHUNK = 1 << 20
@@ -158,12 +246,54 @@ def _chunks(path: str) -> Iterator[bytes]:
             yield chunk
 
 
-def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def _range_chunks(path: str, uri: str, start: int) -> Iterator[bytes]:
+    """The bytes of a plain file from offset ``start`` to its end, in chunks (stop early at will)."""
+    if uri.startswith("s3://") and path == uri:
+        from ringtrain.checkpoint.s3 import parse_s3_uri
+
+        bucket, key = parse_s3_uri(uri)
+        body = _s3_client(bucket).get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-")["Body"]
+        try:
+            while chunk := body.read(READ_CHUNK):
+                yield chunk
+        finally:
+            body.close()
+        return
+    with open(path, "rb") as stream:
+        stream.seek(start)
+        while chunk := stream.read(READ_CHUNK):
+            yield chunk
+
+
+def _lines(chunks: Iterator[bytes], start: int = 0, end: Optional[int] = None) -> Iterator[bytes]:
+    """The lines of the byte range [start, end) of a file whose bytes from ``start`` are ``chunks``.
+
+    The line-split rule (Hadoop's LineRecordReader): a range that does not begin the file skips
+    through the first newline at or after ``start`` (that line belongs to the range before), and
+    reads every line that starts at or before ``end``, the last one to its newline past ``end``.
+    So adjacent ranges meet at one newline and each line is read exactly once. ``end`` None: to
+    the end of the file.
+    """
+    pos = start  # file offset of the first byte of ``rest``
     rest = b""
+    skipping = start > 0
     for chunk in chunks:
-        *lines, rest = (rest + chunk).split(b"\n")
-        yield from lines
-    if rest:
+        data = rest + chunk
+        if skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                pos, rest = pos + len(data), b""
+                continue
+            pos, data, skipping = pos + cut + 1, data[cut + 1 :], False
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            if end is not None and pos > end:
+                return
+            yield line
+            pos += len(line) + 1
+        if end is not None and pos > end:
+            return  # the rest of the file belongs to later ranges: do not read it
+    if rest and not skipping and (end is None or pos <= end):
         yield rest
 
 
@@ -173,17 +303,29 @@ def _corrupt_errors() -> tuple[type[BaseException], ...]:
     return (gzip.BadGzipFile, EOFError, zlib.error, zstandard.ZstdError)
 
 
-def _jsonl(path: str, uri: str, text_field: str) -> Iterator[Record]:
-    line_no = 0
+class LineCounter:
+    """How many lines (rows) a piece's reader has consumed, blank ones included: the driver adds
+    a piece's total to the line numbers of the file's next piece."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+
+def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter) -> Iterator[Record]:
+    uri = piece.source.uri
+    ranged = splittable(piece.source)
     try:
-        for line_no, line in enumerate(_lines(_chunks(path)), start=1):
+        chunks = _range_chunks(path, uri, piece.start) if ranged else _chunks(path)
+        for line in _lines(chunks, piece.start, piece.end if ranged else None):
+            counter.lines += 1
             if not line.strip():
                 continue  # blank lines (a trailing newline too) are not records
-            yield _record(line, line_no, text_field)
+            yield _record(line, counter.lines, text_field)
     except _corrupt_errors() as exc:
-        raise DataError(f"{uri}: corrupt compressed data after line {line_no} ({exc or type(exc).__name__})") from None
+        raise DataError(f"{uri}: corrupt compressed data after line {counter.lines} ({exc or type(exc).__name__})") from None
     except OSError as exc:
-        raise DataError(f"{uri}: cannot read after line {line_no} ({exc})") from None
+        where = f"bytes {piece.start}-{piece.end}" if piece.start else f"after line {counter.lines}"
+        raise DataError(f"{uri}: cannot read {where} ({exc})") from None
 
 
 def _record(line: bytes, line_no: int, text_field: str) -> Record:
@@ -201,24 +343,30 @@ def _record(line: bytes, line_no: int, text_field: str) -> Record:
     return text
 
 
-def _parquet(path: str, uri: str, text_field: str) -> Iterator[Record]:
+def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter) -> Iterator[Record]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    uri = piece.source.uri
     try:
         pfile = pq.ParquetFile(path)
         if text_field not in pfile.schema_arrow.names:
             raise DataError(f"{uri}: no column {text_field!r} (--text-field); columns: {', '.join(pfile.schema_arrow.names)}")
-        row = 0
-        for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+        end = pfile.metadata.num_row_groups if piece.end is None else piece.end
+        groups = list(range(piece.start, end))
+        for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_field]):
             for value in batch.column(0).to_pylist():
-                row += 1
-                yield value if isinstance(value, str) else BadRecord(row, f"field {text_field!r} is {type(value).__name__}, not a string")
+                counter.lines += 1
+                if isinstance(value, str):
+                    yield value
+                else:
+                    yield BadRecord(counter.lines, f"field {text_field!r} is {type(value).__name__}, not a string")
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{uri}: not a readable Parquet file ({exc})") from None
 
 
-def _text(path: str, uri: str) -> Iterator[Record]:
+def _text(path: str, uri: str, counter: LineCounter) -> Iterator[Record]:
+    counter.lines = 1
     try:
         yield Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -227,29 +375,36 @@ def _text(path: str, uri: str) -> Iterator[Record]:
         raise DataError(f"{uri}: cannot read ({exc})") from None
 
 
-def read_records(source: SourceFile, text_field: str, local: str | None = None) -> Iterator[Record]:
-    """The records of ``source`` in file order: a document's text or a BadRecord.
+def read_records(piece: Piece, text_field: str, local: str | None = None, counter: LineCounter | None = None) -> Iterator[Record]:
+    """The records of ``piece`` in file order: a document's text or a BadRecord (its line counted
+    from the piece's first line). ``counter`` follows the lines consumed.
 
-    ``local`` is where the file's bytes are when they are not at ``source.uri`` (an S3 object
-    downloaded first); errors still name the URI.
+    ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
+    object downloaded first); errors still name the URI.
     """
+    counter = counter or LineCounter()
+    source = piece.source
     path = local or source.uri.removeprefix("file://")
     if source.kind == "jsonl":
-        return _jsonl(path, source.uri, text_field)
+        return _jsonl(piece, path, text_field, counter)
     if source.kind == "parquet":
-        return _parquet(path, source.uri, text_field)
-    return _text(path, source.uri)
+        return _parquet(piece, path, text_field, counter)
+    return _text(path, source.uri, counter)
+
+
+def needs_fetch(piece: Piece) -> bool:
+    """S3 objects read whole are downloaded first; plain JSONL is streamed by ranged GETs."""
+    return piece.source.uri.startswith("s3://") and not splittable(piece.source)
 
 
 def fetch(uri: str, folder: str) -> str:
     """A local copy of S3 object ``uri`` under ``folder``: readers see every source as a file."""
-    from ringtrain.checkpoint.options import S3Options
-    from ringtrain.checkpoint.s3 import S3Backend, parse_s3_uri
+    from ringtrain.checkpoint.s3 import parse_s3_uri
 
     bucket, key = parse_s3_uri(uri)
     dest = os.path.join(folder, os.path.basename(key) or "object")
     try:
-        S3Backend(bucket, "", S3Options()).client.download_file(bucket, key, dest)
+        _s3_client(bucket).download_file(bucket, key, dest)
     except Exception as exc:  # botocore's errors share no useful base beyond Exception
         raise DataError(f"{uri}: cannot download ({exc})") from None
     return dest
