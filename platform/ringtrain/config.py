@@ -80,7 +80,6 @@ class ModelConfig:
     mlp_tiles: int = 1
 
 
-
 # What an unset ModelConfig key means for a model trained from scratch.
 MODEL_DEFAULTS: dict[str, Any] = {
     "vocab_size": 256,
@@ -119,7 +118,7 @@ class DataSourceConfig:
 
     path: str = ""  # a prepared dataset: a folder, file:// or s3:// prefix holding manifest.json
     weight: float = 1.0  # share of the samples drawn from this source (weights are normalised)
-    # Windows that start inside a long document (>= long_doc_tokens) are drawn this many times
+    # Windows whose middle token lies in a long document (>= long_doc_tokens) are drawn this many times
     # as often, within this source only, so the mix across sources is unchanged (Fu et al. 2024).
     long_doc_upsample: float = 1.0
     long_doc_tokens: int = 4096

@@ -11,7 +11,8 @@ Every document's tokens end with the tokenizer's EOS id (prepare appends it), an
 never spans two shards, so a reader can pack or split documents shard by shard. The manifest
 holds no timestamps: the same input and options give the same bytes, manifest included.
 
-This module is plain data (stdlib only): the writer (``prepare/``, Ray) and the reader
+This module is the format and its checks (stdlib only; the one file it reads is a local
+manifest, or a tokenizer file to hash): the writer (``prepare/``, Ray) and the reader
 (``train/``, numpy) both build on it, and neither imports the other.
 """
 
@@ -60,8 +61,10 @@ def token_dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= UINT16_VOCAB_LIMIT else "uint32"
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def tokenizer_sha256(tokenizer_file: PathLike) -> str:
+    """A tokenizer's identity as a manifest records it: the sha256 of its ``tokenizer.json``.
+    ``ringtrain prepare`` records it and ``ringtrain run`` compares it with ``model.hf``'s."""
+    return hashlib.sha256(Path(tokenizer_file).read_bytes()).hexdigest()
 
 
 def is_remote(uri: str) -> bool:

@@ -9,7 +9,6 @@ EOS id to each, so every document ends the same way whatever the tokenizer's tem
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 
 from ringtrain.errors import ConfigError
 from ringtrain.evaluation.tokenizer import TOKENIZER_FILE, HFTokenizer
-from ringtrain.prepared import BYTES_EOS_ID, BYTES_TOKENIZER, BYTES_VOCAB_SIZE, TokenizerInfo
+from ringtrain.prepared import BYTES_EOS_ID, BYTES_TOKENIZER, BYTES_VOCAB_SIZE, TokenizerInfo, tokenizer_sha256
 
 KEY = "--tokenizer"
 # Tried in order when no config file names the EOS token: the spellings of the common families
@@ -89,8 +88,7 @@ def resolve(arg: str) -> TokenizerSpec:
     if eos_id is None or not 0 <= eos_id < tok.vocab_size:
         raise ConfigError(KEY, f"{file}: no EOS token (set eos_token in {file.parent / 'tokenizer_config.json'})")
     name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()
-    return TokenizerSpec(str(file), TokenizerInfo(name, digest, tok.vocab_size, eos_id))
+    return TokenizerSpec(str(file), TokenizerInfo(name, tokenizer_sha256(file), tok.vocab_size, eos_id))
 
 
 class Encoder:

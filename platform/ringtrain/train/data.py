@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -124,8 +124,37 @@ def is_byte_corpus(path: str) -> bool:
     return not (path != STDLIB_CORPUS and Path(path).suffix in (".bin", ".npy"))
 
 
-class SampleOrder:
-    """Global sample index -> window of ``seq_len + 1`` tokens, reshuffled every epoch."""
+class WindowOrder:
+    """The k-th draw from a set of windows -> its window, reshuffled every epoch."""
+
+    def __init__(self, num_windows: int, key: Sequence[int], counts: Optional[np.ndarray] = None) -> None:
+        """``key`` seeds the shuffles; ``counts[w]`` is how often window w comes per epoch (1 if None)."""
+        self.key = list(key)
+        self.windows = np.arange(num_windows, dtype=np.int64) if counts is None else np.repeat(np.arange(num_windows), counts)
+        if len(self.windows) == 0:
+            raise DataError("no window is left to draw after data.sources[*].long_doc_upsample")
+        self._epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @property
+    def epoch_size(self) -> int:
+        return len(self.windows)
+
+    def window(self, k: int) -> int:
+        epoch, pos = divmod(k, len(self.windows))
+        if epoch != self._epoch:
+            rng = np.random.Generator(np.random.PCG64([*self.key, epoch]))
+            self._perm = self.windows[rng.permutation(len(self.windows))]
+            self._epoch = epoch
+        return int(self._perm[pos])
+
+    def epoch_of(self, k: int) -> int:
+        return k // len(self.windows)
+
+
+class SampleOrder(WindowOrder):
+    """Global sample index -> window of ``seq_len + 1`` tokens of a token file, reshuffled every
+    epoch by the seed alone."""
 
     def __init__(self, num_tokens: int, seq_len: int, seed: int, *, num_rows: Optional[int] = None) -> None:
         """Windows of a ``num_tokens`` stream, or ``num_rows`` row samples when given."""
@@ -134,19 +163,7 @@ class SampleOrder:
         self.num_windows = num_rows if num_rows is not None else (num_tokens - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(f"the corpus has {num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
-
-    def window(self, sample: int) -> int:
-        epoch, pos = divmod(sample, self.num_windows)
-        if epoch != self._perm_epoch:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            self._perm = rng.permutation(self.num_windows)
-            self._perm_epoch = epoch
-        return int(self._perm[pos])
-
-    def epoch_of(self, sample: int) -> int:
-        return sample // self.num_windows
+        super().__init__(self.num_windows, [seed])
 
 
 @dataclass(frozen=True)
@@ -198,6 +215,10 @@ class SampleSource(Protocol):
 
     def sample(self, sample: int) -> Sample: ...
 
+    def close(self) -> None:
+        """Release what reading holds (shard readers, fetch threads)."""
+        ...
+
 
 def pack_documents(tokens: np.ndarray, doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(inputs, labels, position ids) of a ``seq_len + 1`` window under document packing."""
@@ -230,6 +251,7 @@ class ShardedData:
         self.vocab_size = vocab_size
         self.source: Optional[SampleSource] = None
         if not isinstance(tokens, np.ndarray):
+            # A sample source orders its own windows; the token-file fields below stay idle.
             self.source, tokens = tokens, np.zeros(seq_len + 1, dtype=np.int64)
         # Whether samples carry document ids (and so a number of labels the trainer must count).
         self.packed_documents = self.source is not None and self.source.packing == "doc"
@@ -287,6 +309,10 @@ class ShardedData:
     def step_batches(self, step: int, replica: int) -> list[MicroBatch]:
         return [self.micro_batch(mb) for mb in self.plan.micro_batches(step, replica)]
 
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
 
 class BatchPrefetcher:
     """Builds the next step's micro-batches on a background thread while this step trains.
@@ -319,4 +345,6 @@ class BatchPrefetcher:
         return batches, waited
 
     def close(self) -> None:
+        """Stop building batches and release the data's readers (each resize builds new ones)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.data.close()

@@ -19,7 +19,6 @@ the exactly-once ledger, exact resume and elastic resizing work as they do for a
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,9 @@ import numpy as np
 
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepared import is_remote
+from ringtrain.prepared import is_remote, tokenizer_sha256
 from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
-from ringtrain.train.data import Sample, check_data, load_tokens
+from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
 
 BLOCK = 1024
 # Stream keys of the generators below, so no two draws share a random stream.
@@ -74,31 +73,6 @@ class SourceSchedule:
             self._block = block
         j = int(self._layout[slot])
         return j, block * int(self.quota[j]) + int(self._rank[slot])
-
-
-class WindowOrder:
-    """The k-th draw from one source -> its window, reshuffled every epoch."""
-
-    def __init__(self, num_windows: int, key: Sequence[int], counts: Optional[np.ndarray] = None) -> None:
-        """``key`` seeds the shuffles; ``counts[w]`` is how often window w comes per epoch (1 if None)."""
-        self.key = list(key)
-        self.windows = np.arange(num_windows, dtype=np.int64) if counts is None else np.repeat(np.arange(num_windows), counts)
-        if len(self.windows) == 0:
-            raise DataError("no window is left to draw after data.sources[*].long_doc_upsample")
-        self._epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
-
-    @property
-    def epoch_size(self) -> int:
-        return len(self.windows)
-
-    def window(self, k: int) -> int:
-        epoch, pos = divmod(k, len(self.windows))
-        if epoch != self._epoch:
-            rng = np.random.Generator(np.random.PCG64([*self.key, epoch]))
-            self._perm = self.windows[rng.permutation(len(self.windows))]
-            self._epoch = epoch
-        return int(self._perm[pos])
 
 
 def long_window_counts(corpus: PreparedCorpus, seq_len: int, num_windows: int, *, upsample: float,
@@ -210,7 +184,7 @@ def check_sources(job: JobConfig) -> None:
     for key, spec in zip(_source_keys(job), source_specs(job)):
         try:
             corpus = PreparedCorpus(spec.path, cache_dir=job.data.cache_dir)
-        except DataError as exc:
+        except (DataError, ValueError, OSError) as exc:  # a bad manifest, URI or store: the key says which
             raise ConfigError(key, str(exc)) from None
         tok = corpus.manifest.tokenizer
         try:
@@ -236,8 +210,13 @@ def check_sources(job: JobConfig) -> None:
 
 
 def _model_tokenizer_sha256(hf: str) -> Optional[str]:
-    """sha256 of the model folder's tokenizer.json (what ``ringtrain prepare`` records), if any."""
+    """The identity of the model folder's tokenizer (as ``ringtrain prepare`` records it), if any."""
     if not hf:
         return None
     path = Path(hf) / "tokenizer.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return tokenizer_sha256(path)
+    except OSError as exc:
+        raise ConfigError("model.hf", f"cannot read {path}: {exc.strerror}") from None

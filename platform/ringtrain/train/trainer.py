@@ -184,7 +184,8 @@ class Trainer:
     def _count_labels(self, batches: Sequence[MicroBatch]) -> float:
         """The labels of the whole step, over every rank (one scalar all-reduce)."""
         local = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches)
-        total = torch.tensor([float(local)], dtype=torch.float64)
+        # On the rank's device: on CUDA the default group is NCCL, which takes no CPU tensors.
+        total = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return max(float(total.item()), 1.0)
 
