@@ -177,6 +177,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _timing_event() -> Any:
+    """A CUDA event recorded now on the current stream, able to time the span to another."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class _AsyncCall:
     """The handles one async call returned; the record ends when the last one has been waited."""
 
@@ -203,6 +210,7 @@ class _TrackedWork:
         record, recorder = self._call.record, self._call.recorder
         tid = threading.get_ident()
         recorder._inside[tid] = record
+        before = _timing_event() if self._call.cuda else None
         entered = time.perf_counter()
         try:
             result = self._work.wait(*args, **kwargs)
@@ -211,6 +219,8 @@ class _TrackedWork:
             raise
         finally:
             recorder._left(tid, time.perf_counter() - entered)
+        if before is not None:
+            recorder._stalled(tid, before, _timing_event())
         if not self._waited:
             self._waited = True
             self._call.one_done()
@@ -236,6 +246,8 @@ class CollectiveRecorder:
         # Seconds each thread has spent blocked in collectives and wait(): a step's time minus
         # its growth is the step's compute, which tells a straggler from the ranks waiting on it.
         self._blocked_s: dict[int, float] = {}
+        # CUDA only: (before, after) timing events around each stall of a thread's stream.
+        self._stalls: dict[int, list[tuple[Any, Any]]] = {}
         self._last_progress = time.time()
         self._last_thread = ""
         self._groups: weakref.WeakKeyDictionary[Any, tuple[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
@@ -295,6 +307,7 @@ class CollectiveRecorder:
             tid = threading.get_ident()
             self._inside[tid] = record
             self._local.depth = 1
+            before = _timing_event() if cuda else None
             entered = time.perf_counter()
             try:
                 result = fn(*args, **kwargs)
@@ -309,6 +322,9 @@ class CollectiveRecorder:
             if isinstance(result, list) and result and all(isinstance(w, dist.Work) for w in result):
                 call = _AsyncCall(self, record, len(result), cuda)
                 return [_TrackedWork(w, call) for w in result]
+            if before is not None:
+                # A blocking call made this stream wait for the collective: time that stall.
+                self._stalled(tid, before, _timing_event())
             self._complete(record, cuda)
             return result
 
@@ -347,10 +363,27 @@ class CollectiveRecorder:
         self._blocked_s[tid] = self._blocked_s.get(tid, 0.0) + blocked_s
         self._last_progress = time.time()
 
+    def _stalled(self, tid: int, before: Any, after: Any) -> None:
+        """The thread's stream waited for a collective between events ``before`` and ``after``."""
+        self._stalls.setdefault(tid, []).append((before, after))
+
     def blocked_s(self) -> float:
         """Seconds the calling thread has spent blocked in collectives so far (a running total:
-        take the difference over a step)."""
-        return self._blocked_s.get(threading.get_ident(), 0.0)
+        take the difference over a step).
+
+        On gloo the thread itself blocks, and the host clock measures it. A CUDA collective
+        returns at once and its stream waits instead, so the host would see the wait later, at
+        the next synchronisation, and count it as compute: there the stream's stalls are timed
+        with CUDA events around each blocking call and ``wait()``, and added here once done
+        (the caller has synchronised: a step ends by reading its loss).
+        """
+        tid = threading.get_ident()
+        stalls = self._stalls.pop(tid, [])
+        if stalls:
+            stalls[-1][1].synchronize()
+            device_s = sum(before.elapsed_time(after) for before, after in stalls) / 1000.0
+            self._blocked_s[tid] = self._blocked_s.get(tid, 0.0) + device_s
+        return self._blocked_s.get(tid, 0.0)
 
     def _complete(self, record: _Record, cuda: bool) -> None:
         record.end = time.time()
