@@ -192,3 +192,58 @@ def test_a_shard_lost_in_transit_is_rebuilt_by_a_survivor_instead_of_redoing_the
     assert plan_restore([node, live], newest=9).fetch == ((0, "peer:0"), (1, "node:a"))
     other = Holding(Source.PEER, "peer:0", peer.shards, peer.world_sizes, rebuilds=((10, 4),))
     assert plan_restore([node, other], newest=10).step == 9
+
+
+def test_a_retry_reads_the_shards_again_when_one_of_their_holders_died(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetched shard lives only where it was made: when the second failure takes a worker
+    that served one, the retry plans the restore again instead of reading a lost object."""
+    from ringtrain.controllers.snapshots import RestorePlan
+
+    job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
+    g = WorkerGroup(job, "cpu")
+    info = WorkerInfo(0, "h", 1, "cpu", "n")
+    g.members = [Member(f"a{r}", Slot("pg", r), info=info) for r in range(4)]
+    g.holders = {"n1": "holder"}
+    worlds = ScriptedWorlds(g, breaks=2, rank=2)
+    monkeypatch.setattr(g, "form_world", worlds.form_world)
+    monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: None)
+    monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
+    monkeypatch.setattr(g, "release_unused_placement", lambda: None)
+    r = Recovery(g)
+    plans: list[tuple[str, ...]] = []
+
+    def restore_point(survivors: dict[int, Member], *, newest: int) -> tuple[RestorePlan, list[Any]]:
+        # Each rank's shard from its own survivor, the lost one's from node n1's holder.
+        where = tuple("node:n1" if rank not in survivors else f"peer:{rank}" for rank in range(4))
+        plans.append(tuple(m.handle for m in survivors.values()))
+        return RestorePlan(newest, 4, tuple(enumerate(where))), [f"shard{len(plans)}-{i}" for i in range(4)]
+
+    monkeypatch.setattr(r, "restore_point", restore_point)
+    monkeypatch.setattr(r, "_forget_after", lambda step: None)
+
+    with pytest.raises(WorkerError):
+        r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5)
+    # The world being formed lost its rank 2, a2, which served rank 2's shard: read again.
+    with pytest.raises(WorkerError):
+        r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+    assert len(plans) == 2 and "a2" not in plans[1]
+    assert worlds.worlds[1][2] == [f"shard2-{i}" for i in range(4)]
+    # The second world loses its rank 2 too, a fresh worker that served nothing (rank 2's shard
+    # came from node n1's holder, which lives): the second plan's shards are read as they are.
+    r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+    assert len(plans) == 2 and worlds.worlds[2][2] == worlds.worlds[1][2]
+
+
+def test_a_retry_reads_the_shards_again_when_the_node_holder_serving_one_is_gone() -> None:
+    from ringtrain.controllers.snapshots import RestorePlan
+
+    g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
+    r = Recovery(g)
+    survivors = {0: Member("a0", Slot("pg", 0))}
+    plan = RestorePlan(5, 2, ((0, "peer:0"), (1, "node:n1")))
+    sources = recovery_module.producers(plan, survivors)
+    assert sources == [survivors[0], "n1"]
+    g.holders = {"n1": "holder"}
+    assert all(r._alive(s, survivors) for s in sources)
+    g.holders = {}  # its node was found dead
+    assert not r._alive("n1", survivors)

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ringtrain.actors.group import Member, StepFailed, WorkerGroup
 from ringtrain.chaos import RESTORING_FAULT
@@ -40,6 +40,24 @@ class Resumed:
     seats: tuple[Optional[int], ...] = ()  # new rank -> the old rank seated there (None: a new worker)
 
 
+# Who serves a shard of a restore plan: a surviving worker, or a node's holder (by node id).
+Producer = Union[Member, str]
+
+
+def producers(plan: RestorePlan, survivors: dict[int, Member]) -> list[Producer]:
+    """The worker or node holder serving each of ``plan.fetch``'s shards, in its order."""
+    out: list[Producer] = []
+    for _, where in plan.fetch:
+        kind, _, name = where.partition(":")
+        if kind == "peer":
+            out.append(survivors[int(name)])
+        elif kind == REBUILD:
+            out.append(survivors[int(name.partition(":")[2])])
+        else:
+            out.append(name)
+    return out
+
+
 def world_job(job: JobConfig, *, dp: int, fired_through: int, retry: bool = False) -> JobConfig:
     """The job for a world of ``dp`` replicas: chaos faults due at or before ``fired_through``
     (the step that failed) are dropped, so a replacement does not meet them again. A
@@ -58,9 +76,10 @@ class Recovery:
         self.group = group
         self._growth_workers = 0  # workers the growth being prepared needs (0: none prepared)
         # The restore point of a recovery whose new world has not formed yet: (newest step asked
-        # for, pending shards). Fetched before the old world was left, so a retry after a worker
-        # died while joining or restoring reads the same state (controllers.retries).
-        self._unfinished: Optional[tuple[int, Optional[list[Any]]]] = None
+        # for, pending shards, who holds each one's only copy). Fetched before the old world was
+        # left, so a retry after a worker died while joining or restoring reads the same state
+        # (controllers.retries), as long as those holders live.
+        self._unfinished: Optional[tuple[int, Optional[list[Any]], list[Producer]]] = None
 
     def layout(self) -> dict[str, Any]:
         return self.group.layout()
@@ -132,14 +151,14 @@ class Recovery:
         import ray
 
         refs = []
-        for rank, where in plan.fetch:
-            kind, _, name = where.partition(":")
+        for (rank, where), producer in zip(plan.fetch, producers(plan, survivors)):
+            kind = where.partition(":")[0]
             if kind == "peer":
-                refs.append(survivors[int(name)].handle.snapshot_blob.remote(plan.step))
+                refs.append(producer.handle.snapshot_blob.remote(plan.step))
             elif kind == REBUILD:
-                refs.append(survivors[int(name.partition(":")[2])].handle.rebuild_shard.remote(rank, plan.step))
+                refs.append(producer.handle.rebuild_shard.remote(rank, plan.step))
             else:
-                refs.append(self.group.holders[name].get.remote(rank, plan.step))
+                refs.append(self.group.holders[producer].get.remote(rank, plan.step))
         timeout = self.group.job.controllers.start_timeout_s
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         if len(ready) < len(refs):
@@ -210,11 +229,25 @@ class Recovery:
         before ``last_step`` (None: the initial state). A retry of an unfinished recovery
         reuses the shards that recovery fetched: the world it was forming may already have
         overwritten its holders' copies of that step with its own."""
-        if self._unfinished is not None and self._unfinished[0] == last_step:
-            return True, self._unfinished[1]
-        shards = None if last_step == 0 else self.restore_point(survivors, newest=last_step)[1]
-        self._unfinished = (last_step, shards)
-        return False, shards
+        retry = self._unfinished is not None and self._unfinished[0] == last_step
+        if self._unfinished is not None and retry:
+            _, shards, sources = self._unfinished
+            if all(self._alive(source, survivors) for source in sources):
+                return True, shards
+            # A fetched shard lives only in its producer's node (an actor call's result is not
+            # re-run): that producer is gone, so the shards are read again from what is left.
+            log.info("a holder of the interrupted recovery's shards is gone: planning step %d's restore again", last_step)
+        shards, sources = None, []
+        if last_step:
+            plan, shards = self.restore_point(survivors, newest=last_step)
+            sources = producers(plan, survivors) if plan is not None else []
+        self._unfinished = (last_step, shards, sources)
+        return retry, shards
+
+    def _alive(self, producer: Producer, survivors: dict[int, Member]) -> bool:
+        if isinstance(producer, str):
+            return producer in self.group.holders  # a node's holder, dropped once found dead
+        return any(producer is m for m in survivors.values())
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
         """Place nothing new on the nodes of ``ranks`` (evicted whole for corrupting data)."""
