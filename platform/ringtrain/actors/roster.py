@@ -69,11 +69,13 @@ class WarmDeaths:
     """Warm-up deaths per slot: a slot is reused until it has seen ``limit`` of them."""
 
     limit: int = MAX_WARM_DEATHS_PER_SLOT
-    counts: dict[tuple[int, int], int] = field(default_factory=dict)
+    counts: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def record(self, slot: Slot) -> bool:
         """Count one death in ``slot``; whether the slot may take another worker."""
-        key = (id(slot.pg), slot.index)
+        # By the placement group's own id: a Python id() is reused once a group is freed, and two
+        # handles of one group have two.
+        key = (str(getattr(slot.pg, "id", slot.pg)), slot.index)
         self.counts[key] = self.counts.get(key, 0) + 1
         return self.counts[key] < self.limit
 
