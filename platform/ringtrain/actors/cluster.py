@@ -39,9 +39,16 @@ class ClusterHandle:
 
 
 def connect(job: JobConfig) -> ClusterHandle:
+    """Join ``cluster.address`` (or RAY_ADDRESS), else start an embedded local cluster."""
+    return connect_to(job.cluster.address, num_cpus=job.cluster.num_cpus, metrics_port=job.telemetry.metrics_port)
+
+
+def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metrics_port: Optional[int] = None) -> ClusterHandle:
+    """Join ``address`` (or RAY_ADDRESS), else start an embedded local cluster of ``num_cpus``
+    (default: this machine's) exporting metrics on ``metrics_port`` (default: Ray's choice)."""
     import ray
 
-    address = job.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     try:
         if address:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
@@ -51,10 +58,10 @@ def connect(job: JobConfig) -> ClusterHandle:
         temp_dir = tempfile.mkdtemp(prefix="rt-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
         ray.init(
             address="local",
-            num_cpus=job.cluster.num_cpus or os.cpu_count() or 1,
+            num_cpus=num_cpus or os.cpu_count() or 1,
             include_dashboard=False,
             log_to_driver=False,
-            _metrics_export_port=job.telemetry.metrics_port,
+            _metrics_export_port=metrics_port,
             logging_level=logging.WARNING,
             _temp_dir=temp_dir,
         )

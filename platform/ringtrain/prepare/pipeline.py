@@ -155,23 +155,33 @@ def chunks(pieces: list[Piece], job: Job, parallelism: int) -> Iterator[dict[str
     """The pipeline's output rows in document order (a Ray connection must be up)."""
     import ray.data
 
+    # Ray Data's settings are process-wide and the connection may be a caller's: each is set
+    # for this pipeline and put back when it ends.
     ctx = ray.data.DataContext.get_current()
+    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start)
+    loggers = {name: logging.getLogger(name) for name in ("ray.data", "ray.data._internal.progress")}
+    levels = {name: logger.level for name, logger in loggers.items()}
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # prepare draws its own: documents/s and tokens/s
     ctx.print_on_execution_start = False
     # Ray Data logs each execution's start and end at INFO; prepare prints its own summary.
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "bars disabled": on purpose
-    items = piece_items(pieces)
-    ds = ray.data.from_items(items, override_num_blocks=len(items))
-    with warnings.catch_warnings():
-        # max_restarts=0 is Ray Data's documented way to stop actor restarts; it warns that the
-        # catch-all remote-args path will change, which is not the user's concern.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ds = _tokenize_stage(ds, job, parallelism)
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
-        for i in range(len(batch["src"])):
-            yield {key: batch[key][i] for key in batch}
+    loggers["ray.data"].setLevel(logging.WARNING)
+    loggers["ray.data._internal.progress"].setLevel(logging.ERROR)  # "bars disabled": on purpose
+    try:
+        items = piece_items(pieces)
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        with warnings.catch_warnings():
+            # max_restarts=0 is Ray Data's documented way to stop actor restarts; it warns that
+            # the catch-all remote-args path will change, which is not the user's concern.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ds = _tokenize_stage(ds, job, parallelism)
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+            for i in range(len(batch["src"])):
+                yield {key: batch[key][i] for key in batch}
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
+        for name, logger in loggers.items():
+            logger.setLevel(levels[name])
 
 
 def _tokenize_stage(ds: Any, job: Job, parallelism: int) -> Any:
@@ -235,26 +245,8 @@ def connect(address: Optional[str], num_cpus: Optional[int]) -> Any:
     """
     import ray
 
-    from ringtrain.actors.cluster import ClusterHandle
-    from ringtrain.errors import ClusterError
+    from ringtrain.actors.cluster import connect_to
 
     if ray.is_initialized():
         return _Borrowed()
-    address = address or os.environ.get("RAY_ADDRESS")
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-            return ClusterHandle(address=address, embedded=False, temp_dir=None)
-        # Short path: Ray's unix sockets live under it (see actors/cluster.py).
-        temp_dir = tempfile.mkdtemp(prefix="rt-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
-        ray.init(
-            address="local",
-            num_cpus=num_cpus or os.cpu_count() or 1,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            _temp_dir=temp_dir,
-        )
-        return ClusterHandle(address="local", embedded=True, temp_dir=temp_dir)
-    except ConnectionError as exc:
-        raise ClusterError(f"cannot reach the Ray cluster at {address}: {exc}") from None
+    return connect_to(address, num_cpus=num_cpus)
