@@ -43,15 +43,19 @@ class Straggler:
         }
 
 
+def peer_medians(compute_s: dict[int, float]) -> dict[int, float]:
+    """Each rank's peers' median compute time (its own for a lone rank)."""
+    return {
+        rank: statistics.median([t for r, t in compute_s.items() if r != rank]) if len(compute_s) > 1 else own
+        for rank, own in compute_s.items()
+    }
+
+
 def slowdowns(compute_s: dict[int, float]) -> dict[int, float]:
     """Each rank's compute time over the median of the other ranks' (1.0 for a lone rank or
     when the peers took no time)."""
-    out = {}
-    for rank, own in compute_s.items():
-        others = [t for r, t in compute_s.items() if r != rank]
-        median = statistics.median(others) if others else 0.0
-        out[rank] = own / median if median > 0 else 1.0
-    return out
+    medians = peer_medians(compute_s) if len(compute_s) > 1 else {r: 0.0 for r in compute_s}
+    return {rank: own / medians[rank] if medians[rank] > 0 else 1.0 for rank, own in compute_s.items()}
 
 
 @dataclass
@@ -71,11 +75,10 @@ class StragglerWatch:
     def observe(self, step: int, compute_s: dict[int, float]) -> Optional[Straggler]:
         """Take one completed step's compute times (rank -> seconds); returns the slowest rank
         whose streak just reached ``steps`` (each streak is named once), else None."""
-        ratios = slowdowns(compute_s)
+        ratios, medians = slowdowns(compute_s), peer_medians(compute_s)
         found: list[Straggler] = []
         for rank, ratio in ratios.items():
-            others = [t for r, t in compute_s.items() if r != rank]
-            median = statistics.median(others) if others else compute_s[rank]
+            median = medians[rank]
             slow = ratio >= self.factor and compute_s[rank] - median >= MIN_EXCESS_S
             if not slow:
                 self._streaks.pop(rank, None)
