@@ -307,7 +307,8 @@ def test_plan_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> No
 def test_plan_says_what_is_needed_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(["--model", "llama3-8b", "--seq-len", "16777216", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
-    assert "no layout of 8 GPUs fits" in out and "needs at least 64 GPUs (--gpus 64)" in out
+    # ZeRO offload (optimizer and parameters) makes 32 GPUs enough, as ALST reports 15M on 32 H100s.
+    assert "no layout of 8 GPUs fits" in out and "needs at least 32 GPUs (--gpus 32)" in out
 
 
 def test_plan_of_a_job_file_and_of_a_parameter_count(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,11 +11,12 @@ import pytest
 
 from ringtrain import config
 from ringtrain.planner import command
-from ringtrain.planner.devices import H100
+from ringtrain.planner.comm import traffic
+from ringtrain.planner.devices import GB, H100
 from ringtrain.planner.layout import Layout, Workload, layout_of
-from ringtrain.planner.memory import estimate
+from ringtrain.planner.memory import OFFLOAD_GRAD_BYTES, estimate
 from ringtrain.planner.models import PRESETS
-from ringtrain.planner.search import Cluster, max_seq_len
+from ringtrain.planner.search import Cluster, layouts, max_seq_len
 from ringtrain.planner.throughput import Assumptions
 
 WORKLOAD = Workload(PRESETS["llama3-8b"], 131072, global_batch=1)
@@ -42,7 +43,10 @@ def test_offload_moves_kept_bytes_to_the_host() -> None:
     ckpt = dataclasses.replace(BASE, checkpointing=True, loss_chunk=1024)
     half = estimate(WORKLOAD, dataclasses.replace(ckpt, offload_layers=16))
     none = estimate(WORKLOAD, ckpt)
-    assert half.host - none.host == none.kept_by_layers // 2 and half.kept_by_layers == none.kept_by_layers // 2
+    # The layers' one pair of rotary tables goes once, however many layers saved it (train/offload.py).
+    rotary = 4 * WORKLOAD.seq_len // BASE.cp * WORKLOAD.model.head_dim
+    assert half.host - none.host == none.kept_by_layers // 2 + rotary
+    assert half.kept_by_layers == none.kept_by_layers // 2
 
 
 def test_chunked_loss_no_longer_grows_with_tokens_times_vocab() -> None:
@@ -90,3 +94,48 @@ def test_max_seq_len_command_prints_the_host_assumption_and_json(capsys: pytest.
     assert record["host_memory_bytes_per_node"] == H100.host_memory_bytes
     assert len(record["layouts"]) == 3 and all(x["max_seq_len"] > 0 for x in record["layouts"])
     assert record["max_seq_len"] == record["layouts"][0]["max_seq_len"]
+
+
+ONE_GPU = Layout(dp=1, ring=1, ulysses=1, zero_stage=3, checkpointing=True, loss_chunk=1024)
+
+
+def test_zero_offload_moves_optimizer_gradients_then_parameters_to_the_host() -> None:
+    n = WORKLOAD.model.num_params
+    plain = estimate(WORKLOAD, ONE_GPU)
+    opt = estimate(WORKLOAD, dataclasses.replace(ONE_GPU, offload_optimizer=True))
+    both = estimate(WORKLOAD, dataclasses.replace(ONE_GPU, offload_optimizer=True, offload_params=True))
+    # fp32 master, momentum and variance, and (stage 3) the reduced gradient partition leave the GPU.
+    assert (opt.optimizer, opt.grads, opt.params) == (0, 0, plain.params)
+    assert opt.host - plain.host == 12 * n + OFFLOAD_GRAD_BYTES * n
+    # The bf16 partition follows; the gathered working set of the layers in flight stays.
+    assert both.params == 0 and both.host - opt.host == 2 * n
+    assert both.zero_buffers == plain.zero_buffers > 0 and both.activations == plain.activations
+
+
+def test_parameter_offload_fetches_every_gather_over_pcie_and_uploads_nothing_per_step() -> None:
+    n, prec = WORKLOAD.model.num_params, WORKLOAD.precision(3)
+    lay = dataclasses.replace(BASE, checkpointing=True, offload_optimizer=True)
+    opt = traffic(WORKLOAD.model, lay, WORKLOAD.seq_len, prec)
+    both = traffic(WORKLOAD.model, dataclasses.replace(lay, offload_params=True), WORKLOAD.seq_len, prec)
+    part = -(-n // lay.world)
+    assert (opt.pcie_per_step, opt.pcie_fetch_per_micro) == ((4 + 2) * part, 0)
+    assert (both.pcie_per_step, both.pcie_fetch_per_micro) == (4 * part, 3 * 2 * part)  # forward, recompute, backward
+
+
+def test_search_tries_parameter_offload_at_stage_3_only_and_with_the_optimizer() -> None:
+    tried = {(lay.zero_stage, lay.offload_optimizer, lay.offload_params) for lay in layouts(WORKLOAD, Cluster(H100, 8))}
+    assert (3, True, True) in tried
+    assert not any(params and (stage < 3 or not opt) for stage, opt, params in tried)
+
+
+def test_one_gpu_reaches_past_alst_only_with_zero_offload_and_within_the_host_budget() -> None:
+    w = dataclasses.replace(WORKLOAD, seq_len=0)
+    reach = max_seq_len(w, Cluster(H100, 1), Assumptions())
+    best = reach[0].candidate.layout
+    assert best.offload_optimizer and best.offload_params and reach[0].max_seq_len >= 500_000
+    without = max(r.max_seq_len for r in reach if not r.candidate.layout.offload_params)
+    assert reach[0].max_seq_len > 1.2 * without
+    # 8B's optimizer, gradients and parameters need 18 B/param = 145 GB of host memory: a node of
+    # 120 GB holds none of the ZeRO offloads (the same budget as the activations').
+    small = Cluster(dataclasses.replace(H100, host_memory_bytes=120 * GB), 1)
+    assert not any(r.candidate.layout.offload_optimizer for r in max_seq_len(w, small, Assumptions()))

@@ -26,7 +26,10 @@ rank, a reduce-scatter or an all-gather (Z-1)/Z M. DeepSpeed (Rajbhandari et al.
              backward (and for the recomputation with checkpointing), reduce-scatter the
              gradients                                    per micro batch (Z-1)/Z ((2|3) P + G) N
 Optimizer offload adds PCIe traffic per step: the fp32 gradient partition down, 4 N / Z, and
-the updated parameters up, P N / Z.
+the updated parameters up, P N / Z (Ren et al. 2021, "ZeRO-Offload", section 4.1). With
+parameter offload too (stage 3; Rajbhandari et al. 2021, "ZeRO-Infinity", section 5) the updated
+parameters stay in host memory instead, and every all-gather of a micro batch first fetches the
+rank's partition over PCIe: (2|3) P N / Z per micro batch, as many gathers as above.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Traffic:
     zero_per_step: int  # once per optimizer step
     zero_gather_per_micro: int  # the part of zero_per_micro that stage 3 can prefetch
     pcie_per_step: int  # optimizer offload
+    pcie_fetch_per_micro: int = 0  # parameter offload: the partition fetched for every gather
 
 
 def ring_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> tuple[int, int]:
@@ -103,7 +107,11 @@ def traffic(model: ModelSpec, layout: Layout, seq_len: int, prec: Precision) -> 
     ring_fwd, ring_bwd = ring_bytes(model, layout, tokens, prec.act_bytes)
     per_micro, per_step, gather = zero_bytes(model.num_params, layout, prec)
     partition = -(-model.num_params // layout.world)
-    pcie = (OFFLOAD_GRAD_BYTES + prec.param_bytes) * partition if layout.offload_optimizer else 0
+    pcie = 0
+    if layout.offload_optimizer:
+        pcie = OFFLOAD_GRAD_BYTES * partition + (0 if layout.offload_params else prec.param_bytes * partition)
+    passes = 3 if layout.checkpointing else 2
+    fetch = passes * prec.param_bytes * partition if layout.offload_params and layout.zero_stage == 3 else 0
     return Traffic(
         ring_forward=ring_fwd,
         ring_backward=ring_bwd,
@@ -112,4 +120,5 @@ def traffic(model: ModelSpec, layout: Layout, seq_len: int, prec: Precision) -> 
         zero_per_step=per_step,
         zero_gather_per_micro=gather,
         pcie_per_step=pcie,
+        pcie_fetch_per_micro=fetch,
     )

@@ -12,8 +12,16 @@ Parameter Models", section 5.1 and Figure 1):
     stage 0: (P + G + K) N          stage 2: P N + (G + K) N / Z
     stage 1: (P + G) N + K N / Z    stage 3: (P + G + K) N / Z
 
-Optimizer offload moves K N / Z, and DeepSpeed's fp32 gradient partition (4 N / Z), to host
-memory; parameter offload (stage 3) moves the P N / Z parameter partition there.
+ZeRO offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training",
+section 4.1; Rajbhandari et al. 2021, "ZeRO-Infinity: Breaking the GPU Memory Wall for Extreme
+Scale Deep Learning", section 5). Optimizer offload moves K N / Z (fp32 master, momentum,
+variance) and DeepSpeed's fp32 gradient partition, 4 N / Z, to host memory; at stages 2 and 3
+the reduced gradients go straight there as each bucket is reduced (ZeRO-Offload's gradient
+offload; DeepSpeed's stage-3 ``grad_partitions_flat_buffer`` lives on the offload device), so
+the GPU keeps no gradient partition, only the reduce bucket; at stage 1 the gradients stay on
+the GPU until the step's reduction. Parameter offload (stage 3) moves the P N / Z parameter
+partition to host memory; the gathered working set of the layers in flight (the ZeRO-3 buffer
+below: the persistent small tensors, the largest module plus the prefetch) stays on the GPU.
 
 ZeRO buffers, at DeepSpeed's defaults (ringtrain keeps them): stages 1-3 stage gradients in a
 contiguous reduce bucket of 5e8 elements of G bytes; stage 3 also keeps every tensor of at most
@@ -123,7 +131,9 @@ def model_states(
     if offload_optimizer:
         host += optimizer + OFFLOAD_GRAD_BYTES * part
         optimizer = 0
-    if offload_params:
+        if zero_stage >= 2:
+            grads = 0  # reduced bucket by bucket into the host partition (module doc)
+    if offload_params and zero_stage == 3:
         host += params
         params = 0
     return ModelStates(params, grads, optimizer, host)
@@ -219,7 +229,10 @@ def activations(model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, 
         attention_work += score_bytes(model, layout, seq_len)
     base = on_device_backward * saved.kept + saved.recomputed + rotary + logits_kept
     backward_peak = base + max(saved.ffn_work, attention_work - saved.ffn_kept)
-    return Activations(kept, loss, loss_peak, backward_peak, host=(model.n_layers - on_device_forward) * saved.kept)
+    # The offloaded layers all save the one pair of rotary tables: train/offload.py keeps one host
+    # copy of a storage however many layers save it.
+    host = (model.n_layers - on_device_forward) * saved.kept + (rotary if on_device_forward < model.n_layers else 0)
+    return Activations(kept, loss, loss_peak, backward_peak, host=host)
 
 
 @dataclass(frozen=True)

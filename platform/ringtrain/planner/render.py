@@ -84,7 +84,7 @@ def _row(rank: str, c: Candidate) -> tuple[str, ...]:
         str(lay.ulysses),
         str(lay.zero_stage),
         "yes" if lay.checkpointing else "no",
-        "optimizer" if lay.offload_optimizer else "-",
+        "opt+params" if lay.offload_params else "optimizer" if lay.offload_optimizer else "-",
         _gb(c.memory.total),
         f"{c.step.tokens_per_s:,.0f}",
         f"{c.step.mfu:.2f}",
@@ -275,7 +275,7 @@ def _host_line(cluster: Cluster) -> str:
     d = cluster.device
     return (
         f"host memory: {_gb(d.host_memory_bytes)} GB per node of {cluster.gpus_per_node} GPUs ({d.name}'s reference "
-        f"system), shared by their offloaded activations and optimizer states; PCIe {_gb(d.pcie_bw)} GB/s per GPU each way"
+        f"system), shared by their offloaded activations, optimizer states and parameters; PCIe {_gb(d.pcie_bw)} GB/s per GPU each way"
     )
 
 
@@ -292,6 +292,8 @@ def _savers(lay: Layout) -> str:
         parts.append(f"offload {lay.offload_layers}")
     if lay.offload_optimizer:
         parts.append("opt offload")
+    if lay.offload_params:
+        parts.append("param offload")
     return ", ".join(parts)
 
 

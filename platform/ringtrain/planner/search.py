@@ -10,9 +10,10 @@ A layout is valid when (the same rules ``config.validate`` and the attention cod
 
 Each layout is tried plain, with full checkpointing, and with the long-context savers added
 one after another, cheapest first (``saver_ladder``): selective recomputation, chunked loss,
-tiled MLP under full checkpointing, then every layer's activations offloaded. In a tie on
-speed the layout with fewer savers ranks first, so a saver is chosen only when it is needed
-to fit. ``max_seq_len`` finds, per layout, the longest sequence that fits.
+tiled MLP under full checkpointing, then every layer's activations offloaded; and each of
+those with ZeRO offload, cheapest first (``zero_offloads``): none, the optimizer (stages 1-3),
+then the parameters too (stage 3). In a tie on speed the layout with less ZeRO offload and
+fewer savers ranks first, so a saver is chosen only when it is needed to fit. ``max_seq_len`` finds, per layout, the longest sequence that fits.
 
 A layout fits when its predicted peak is at most the device's memory less a headroom for the
 CUDA context, NCCL buffers and allocator fragmentation, and its offloaded state fits in the
@@ -79,6 +80,22 @@ def saver_ladder(n_layers: int, tiles: int) -> list[dict[str, object]]:
     ]
 
 
+def zero_offloads(stage: int) -> list[tuple[bool, bool]]:
+    """(offload_optimizer, offload_params) tried at a ZeRO stage, cheapest first. Parameter
+    offload is tried with optimizer offload only: alone it saves P N / Z of the (P + K) N / Z
+    the optimizer's offload saves more cheaply (its traffic is per step, not per gather)."""
+    if stage == 0:
+        return [(False, False)]
+    if stage < 3:
+        return [(False, False), (True, False)]
+    return [(False, False), (True, False), (True, True)]
+
+
+def offload_level(layout: Layout) -> int:
+    """0 none, 1 optimizer, 2 optimizer and parameters: the rank of ``zero_offloads``."""
+    return int(layout.offload_optimizer) + int(layout.offload_params)
+
+
 def layouts(
     workload: Workload, cluster: Cluster, *, micro_batch: int = 1, savers: bool = True
 ) -> Iterator[Layout]:
@@ -97,13 +114,14 @@ def layouts(
                 continue
             for stage in ZERO_STAGES:
                 for rung in ladder if savers else ladder[:2]:
-                    for offload in (False, True) if stage >= 1 else (False,):
+                    for optimizer, params in zero_offloads(stage):
                         yield Layout(
                             dp=cluster.gpus // cp,
                             ring=cp // ulysses,
                             ulysses=ulysses,
                             zero_stage=stage,
-                            offload_optimizer=offload,
+                            offload_optimizer=optimizer,
+                            offload_params=params,
                             micro_batch=micro_batch,
                             **rung,  # type: ignore[arg-type]
                         )
@@ -124,11 +142,11 @@ def evaluate(workload: Workload, layout: Layout, cluster: Cluster, assume: Assum
 TIE = 1.01
 
 
-def rank_key(c: Candidate) -> tuple[bool, int, bool, int, int]:
-    """Fitting first, then faster (to within ``TIE``), then without offload, then fewer savers,
+def rank_key(c: Candidate) -> tuple[bool, int, int, int, int]:
+    """Fitting first, then faster (to within ``TIE``), then less ZeRO offload, then fewer savers,
     then less memory."""
     speed_class = math.floor(math.log(c.step.tokens_per_s) / math.log(TIE))
-    return (not c.fits, -speed_class, c.layout.offload_optimizer, c.layout.num_savers, c.memory.total)
+    return (not c.fits, -speed_class, offload_level(c.layout), c.layout.num_savers, c.memory.total)
 
 
 def search(
@@ -199,7 +217,10 @@ def max_seq_len(workload: Workload, cluster: Cluster, assume: Assumptions, *, mi
             mid = (low + high) // 2
             low, high = (mid, high) if _at(workload, base, unit * mid, cluster, assume).fits else (low, mid)
         found.append(Reach(_at(workload, base, unit * low, cluster, assume), unit * low))
-    return sorted(found, key=lambda r: (-r.max_seq_len, r.candidate.layout.num_savers, r.candidate.memory.total))
+    return sorted(
+        found,
+        key=lambda r: (-r.max_seq_len, offload_level(r.candidate.layout), r.candidate.layout.num_savers, r.candidate.memory.total),
+    )
 
 
 def smallest(candidates: list[Candidate]) -> Optional[Candidate]:

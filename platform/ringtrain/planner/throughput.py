@@ -17,8 +17,14 @@ nominal per-direction bandwidth: NVLink inside a node, InfiniBand across nodes. 
 overlap the block computations (async P2P), so a layer exposes max(0, ring time - attention
 time); Ulysses all-to-alls block; ZeRO collectives block (DeepSpeed's overlap_comm is off for
 stages 1-2 by default) except stage 3's parameter all-gathers, which its prefetching overlaps
-with compute. Optimizer offload adds the PCIe transfer and a host Adam step bound by host
-memory bandwidth. ringtrain's engine asks DeepSpeed for torch's own AdamW (``torch_adam``), on
+with compute. Optimizer offload adds the PCIe transfer (gradients down, parameters up, once per
+step, at the step boundary where nothing overlaps it) and a host Adam step bound by host memory
+bandwidth (ZeRO-Offload's CPU optimizer step; Ren et al. 2021, section 4). Parameter offload
+(ZeRO-Infinity, Rajbhandari et al. 2021, section 5) fetches the rank's partition of each layer
+over PCIe before every all-gather (forward, backward and recomputation); DeepSpeed prefetches
+it ahead of the layer, so it overlaps the micro batch's compute. It shares the PCIe link with
+activation offload: a micro batch exposes at least what the link's total bytes take beyond the
+compute, and at least the activation copies' per-layer exposure. ringtrain's engine asks DeepSpeed for torch's own AdamW (``torch_adam``), on
 the host too; its single-tensor update moves 80 bytes per fp32 parameter (weight decay 8,
 momentum lerp 12, variance mul and addcmul 20, denominator sqrt, div and add 24, addcdiv 16),
 and DeepSpeed then reads the fp32 weight (4) to write the P-byte copy it uploads.
@@ -121,10 +127,14 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
             device.host_memory_bw * assume.host_memory_efficiency
         )
 
+    pcie_bw = device.pcie_bw * assume.link_efficiency
+    activation_exposed, link_s = 0.0, net.pcie_fetch_per_micro / pcie_bw
     if layout.offload_layers:
         kept_layer = activations(model, layout, seq, prec.act_bytes, flash=workload.flash).host // layout.offload_layers
         layer_forward = tokens * model_flops / 3 / model.n_layers / flop_rate
-        offload += accum * offload_exposed_s(kept_layer, layout, layer_forward, device.pcie_bw * assume.link_efficiency)
+        activation_exposed = offload_exposed_s(kept_layer, layout, layer_forward, pcie_bw)
+        link_s += 2 * layout.offload_layers * kept_layer / pcie_bw
+    offload += accum * max(activation_exposed, link_s - compute)
 
     tokens_per_step = accum * layout.dp * layout.micro_batch * seq
     zero = accum * zero_micro + net.zero_per_step / zero_bw
