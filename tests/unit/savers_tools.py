@@ -1,15 +1,34 @@
-"""Shared by the memory-saver tests: a tiny decoder on one CPU rank and a live-storage byte counter."""
+"""Shared by the memory-saver tests: a tiny decoder on one CPU rank, a live-storage byte counter,
+and the ``quiet_cpu`` fixture the saver test modules use."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+import pytest
 import torch
 
 from ringtrain.train.attention import build_attention
 from ringtrain.train.model import MemorySavers, ModelArgs, Transformer
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_cpu() -> Iterator[None]:
+    """One intra-op thread, and the heap so far frozen out of the collector. The tiny ops here are
+    all fixed cost: on a shared, loaded machine a second OpenMP thread spins waiting for a core
+    (measured: 1.4 s of CPU for a 0.02 s gradient check), and every ``gc.collect`` the byte
+    counts need would otherwise walk torch's whole heap (0.2 s each). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.freeze()  # no collection first: whatever garbage exists is collected after ``unfreeze``
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
+
 
 TINY = ModelArgs(
     vocab_size=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=160, norm_eps=1e-5, rope_theta=10000.0

@@ -19,19 +19,21 @@ import torch
 
 from ringtrain.train.model import MemorySavers, Transformer
 from ringtrain.train.offload import DEFAULT_MIN_BYTES, _is_parameter
-from tests.unit.savers_tools import TINY, LiveBytes, batch, grads, tiny_model
+from tests.unit.savers_tools import TINY, LiveBytes, batch, grads, quiet_cpu, tiny_model  # noqa: F401
+
+SEQ = 32  # tokens per row: enough for every saved tensor to clear DEFAULT_MIN_BYTES
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_gradients_are_bitwise_equal_with_and_without_offload(checkpointing: str) -> None:
-    ref = grads(tiny_model(MemorySavers(checkpointing=checkpointing, mlp_tiles=2)))
-    got = grads(tiny_model(MemorySavers(checkpointing=checkpointing, offload_layers=2, mlp_tiles=2)))
+    ref = grads(tiny_model(MemorySavers(checkpointing=checkpointing, mlp_tiles=2)), seq=SEQ)
+    got = grads(tiny_model(MemorySavers(checkpointing=checkpointing, offload_layers=2, mlp_tiles=2)), seq=SEQ)
     assert ref.keys() == got.keys()
     assert all(torch.equal(got[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(got[k], ref[k])]
 
 
 def _device_bytes_after_forward(model: Transformer) -> tuple[int, Any]:
-    ids, pos, labels = batch(64)
+    ids, pos, labels = batch(SEQ)
     gc.collect()
     with LiveBytes() as live:
         loss = model(ids, pos, labels)
@@ -56,7 +58,7 @@ def _saved_only_by(model: Transformer, offloaded: int) -> int:
     for i, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(lambda m, a, i=i: region.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: region.__setitem__(0, "rest"))
-    ids, pos, labels = batch(64)
+    ids, pos, labels = batch(SEQ)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids, pos, labels)
     # Tensors under DEFAULT_MIN_BYTES stay on the device by design (a transfer costs more).
@@ -81,5 +83,21 @@ def test_with_checkpointing_the_layer_inputs_are_what_leaves() -> None:
     full = MemorySavers(checkpointing="full")
     plain, _ = _device_bytes_after_forward(tiny_model(full))
     offloaded, _ = _device_bytes_after_forward(tiny_model(MemorySavers(checkpointing="full", offload_layers=2)))
-    layer_input = 2 * 64 * TINY.dim * 4  # batch x seq x dim fp32
+    layer_input = 2 * SEQ * TINY.dim * 4  # batch x seq x dim fp32
     assert plain - offloaded == 2 * layer_input
+
+
+def test_a_tensor_every_layer_saves_has_one_host_copy() -> None:
+    """The rotary cos/sin tables are saved by every layer (and by every checkpoint): one host copy
+    each, not one per layer, and the host holds exactly the distinct storages the layers saved."""
+    for mode in ("none", "full"):
+        model = tiny_model(MemorySavers(checkpointing=mode, offload_layers=TINY.n_layers))
+        ids, pos, labels = batch(SEQ)
+        cos, _ = model.rope.cos_sin(pos)
+        loss = model(ids, pos, labels)
+        assert model.offloader is not None
+        held = [c.host for c in model.offloader._held()]
+        assert sum(h.shape == cos.shape for h in held) == 2, (mode, [tuple(h.shape) for h in held])
+        assert model.offloader.host_bytes() == model.offloader.saved_bytes
+        loss.backward()
+        assert model.offloader.host_bytes() == 0

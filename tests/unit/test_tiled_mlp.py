@@ -9,7 +9,7 @@ import torch
 from ringtrain.train.model import MemorySavers
 from ringtrain.train.recompute import tiled
 from ringtrain.train.offload import _is_parameter
-from tests.unit.savers_tools import grads, tiny_model
+from tests.unit.savers_tools import grads, quiet_cpu, tiny_model  # noqa: F401
 
 TOL = 1e-6
 

@@ -13,15 +13,19 @@ backward of the one after it (prefetch one layer ahead), and the current stream 
 layer's copy only where it uses it. A layer's device copies are released to autograd as they
 are unpacked; at most two offloaded layers are on the device in the backward.
 
-On CPU there is no second memory: the "host" copies are clones kept in a store of their own
-(``host_bytes``), and ``saved_bytes``/``kept_bytes`` tell what left the graph and what stayed,
-so the saving can be measured on CPU by counting live tensor storage outside that store
-(tests/unit/test_offload.py). The values are bit for bit those saved, so gradients are equal.
+A tensor saved more than once (the normed input of wq, wk and wv inside a layer; the rotary
+cos/sin tables every layer saves) has one host copy: saved tensors are keyed by storage
+identity (storage, offset, dtype, shape, strides, version counter), and a key is only trusted
+while a weak reference to its storage is alive, so a freed storage whose address is reused
+never matches. The host copy is shared by every layer that saved it and released when the last
+of them has been unpacked; a layer fetched while another's copy of the same tensor is still on
+the device reuses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -33,18 +37,23 @@ DEFAULT_MIN_BYTES = 1024
 
 
 @dataclass
+class _Copy:
+    """One saved tensor's host copy, shared by every layer that saved the same storage."""
+
+    host: torch.Tensor
+    users: int = 0  # handles, over all layers, not yet unpacked
+    device: Optional[torch.Tensor] = None  # the fetched copy, while a layer still needs it
+
+
+@dataclass
 class _Layer:
-    """One offloaded layer's saved tensors: host copies, device copies once fetched."""
+    """One offloaded layer's saved tensors: shared host copies, device copies once fetched."""
 
     index: int
-    host: list[torch.Tensor] = field(default_factory=list)
+    copies: list[_Copy] = field(default_factory=list)
     device: Optional[list[torch.Tensor]] = None
     event: Optional[Any] = None  # torch.cuda.Event: the device copies are complete
     pending: int = 0  # handles not yet unpacked
-    # Within a layer's forward, a tensor saved twice (the normed input of wq, wk and wv) is
-    # copied once: (original, slot); the original is held until the layer's forward ends so
-    # its address cannot be reused by another tensor meanwhile.
-    seen: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class ActivationOffloader:
         self.device = device
         self.min_bytes = min_bytes
         self.layers: dict[int, _Layer] = {}
+        # Storage identity -> (weak reference to the storage, its copy): see the module doc.
+        self._copies: dict[tuple[Any, ...], tuple[Any, _Copy]] = {}
         self._stream: Optional[Any] = None
         self.saved_bytes = 0  # moved off the device in the last forward
         self.kept_bytes = 0  # saved inside offloaded layers but left on the device
@@ -79,13 +90,17 @@ class ActivationOffloader:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def _held(self) -> list[_Copy]:
+        unique = {id(c): c for layer in self.layers.values() for c in layer.copies}
+        return list(unique.values())
+
     def host_bytes(self) -> int:
-        """Bytes of host copies held now."""
-        return sum(_nbytes(h) for layer in self.layers.values() for h in layer.host)
+        """Bytes of host copies held now (each shared copy once)."""
+        return sum(_nbytes(c.host) for c in self._held())
 
     def host_storages(self) -> list[torch.UntypedStorage]:
         """The storages of the host copies held now (what a CPU measurement must not count as device)."""
-        return [h.untyped_storage() for layer in self.layers.values() for h in layer.host]
+        return [c.host.untyped_storage() for c in self._held()]
 
     def _side_stream(self) -> Any:
         if self._stream is None:
@@ -100,13 +115,13 @@ class ActivationOffloader:
             return
         if index == 0:
             self.saved_bytes = self.kept_bytes = 0
+            self._copies.clear()
         state = _Layer(index)
         self.layers[index] = state
-        try:
-            with saved_tensors_hooks(lambda t: self._pack(state, t), self._unpack):
-                yield
-        finally:
-            state.seen.clear()
+        with saved_tensors_hooks(lambda t: self._pack(state, t), self._unpack):
+            yield
+        if index == self.num_layers - 1:
+            self._copies.clear()  # the forward's last offloaded layer: no more saves to match
 
     def _pack(self, state: _Layer, t: torch.Tensor) -> Any:
         if _is_parameter(t):
@@ -114,37 +129,51 @@ class ActivationOffloader:
         if t.device != self.device or _nbytes(t) < self.min_bytes:
             self.kept_bytes += _nbytes(t)
             return t  # not worth a transfer
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        if key in state.seen:
-            state.pending += 1
-            return _Handle(state.index, state.seen[key][1])
-        if self.cuda:
-            stream = self._side_stream()
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # the allocator keeps t's memory until the copy is done
+        storage = t.untyped_storage()
+        # The version counter too: a storage written in place between two saves is two values.
+        key = (storage.data_ptr(), storage.nbytes(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride(), t._version)
+        known = self._copies.get(key)
+        if known is not None and known[0]() is storage:
+            copy = known[1]
         else:
-            host = t.detach().clone()
-        state.host.append(host)
-        state.seen[key] = (t, len(state.host) - 1)
+            copy = _Copy(self._copy_out(t))
+            self._copies[key] = (weakref.ref(storage), copy)
+            self.saved_bytes += _nbytes(t)
+        copy.users += 1
         state.pending += 1
-        self.saved_bytes += _nbytes(t)
-        return _Handle(state.index, len(state.host) - 1)
+        if not any(c is copy for c in state.copies):
+            state.copies.append(copy)
+        return _Handle(state.index, next(i for i, c in enumerate(state.copies) if c is copy))
+
+    def _copy_out(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t.detach().clone()
+        stream = self._side_stream()
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # the allocator keeps t's memory until the copy is done
+        return host
 
     def _fetch(self, state: _Layer) -> None:
-        """Start copying a layer's tensors back to the device (on the side stream on CUDA)."""
+        """Start copying a layer's tensors back to the device (on the side stream on CUDA);
+        a copy another layer has fetched and not yet released is reused."""
         if state.device is not None:
             return
         if self.cuda:
             stream = self._side_stream()
             with torch.cuda.stream(stream):
-                state.device = [h.to(self.device, non_blocking=True) for h in state.host]
+                state.device = [self._device_copy(c) for c in state.copies]
                 state.event = torch.cuda.Event()
                 state.event.record(stream)
         else:
-            state.device = [h.clone() for h in state.host]
+            state.device = [self._device_copy(c) for c in state.copies]
+
+    def _device_copy(self, copy: _Copy) -> torch.Tensor:
+        if copy.device is None:
+            copy.device = copy.host.to(self.device, non_blocking=True) if self.cuda else copy.host.clone()
+        return copy.device
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
@@ -161,6 +190,10 @@ class ActivationOffloader:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(state.event)
             out.record_stream(current)
+        copy = state.copies[packed.slot]
+        copy.users -= 1
+        if copy.users == 0:
+            copy.device = None  # autograd holds what it needs; the host copy goes with the last layer
         state.pending -= 1
         if state.pending == 0:
             del self.layers[packed.layer]  # every handle unpacked: autograd holds what it needs
