@@ -139,3 +139,16 @@ def test_one_gpu_reaches_past_alst_only_with_zero_offload_and_within_the_host_bu
     # 120 GB holds none of the ZeRO offloads (the same budget as the activations').
     small = Cluster(dataclasses.replace(H100, host_memory_bytes=120 * GB), 1)
     assert not any(r.candidate.layout.offload_optimizer for r in max_seq_len(w, small, Assumptions()))
+
+
+def test_selective_recomputation_with_tiles_recomputes_the_mlp_once() -> None:
+    """The model recomputes a selective layer's MLP tile by tile, once (train/model.py ``_mlp``);
+    tiles without selective add their own recompute."""
+    from ringtrain.planner.models import preset
+    from ringtrain.planner.savers import extra_flops_per_token
+
+    model = preset("llama3-8b")
+    mlp = 2.0 * 3 * model.dim * model.ffn_dim * model.n_layers
+    flops = {(sel, tiles): extra_flops_per_token(model, Layout(1, 8, 1, 3, False, selective=sel, mlp_tiles=tiles))
+             for sel in (False, True) for tiles in (1, 4)}
+    assert flops == {(False, 1): 0.0, (False, 4): mlp, (True, 1): mlp, (True, 4): mlp}

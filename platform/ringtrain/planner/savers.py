@@ -107,8 +107,8 @@ def extra_flops_per_token(model: ModelSpec, layout: Layout) -> float:
     mlp_forward = 2.0 * 3 * model.dim * model.ffn_dim * model.n_layers
     extra = 0.0
     if layout.selective:
-        extra += mlp_forward
-    if layout.mlp_tiles > 1:
+        extra += mlp_forward  # tiles or not: selective recomputes the MLP once, tile by tile
+    elif layout.mlp_tiles > 1:
         extra += mlp_forward  # under full checkpointing the tiles recompute inside the recompute
     if layout.loss_chunk > 0:
         extra += 2.0 * model.dim * model.vocab_size
