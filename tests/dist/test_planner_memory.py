@@ -37,7 +37,7 @@ def test_predicted_peak_is_within_15_percent_of_measured(name: str, rows: dict[s
 def test_the_configs_cover_stages_attention_and_checkpointing() -> None:
     flat = [item for overrides in planner_memory.CONFIGS.values() for item in overrides]
     assert {f"zero.stage={s}" for s in range(4)} <= set(flat)
-    assert {"attention.impl=ulysses", "attention.kernel=math", "model.activation_checkpointing=true"} <= set(flat)
+    assert {"attention.impl=ulysses", "attention.kernel=math", "model.activation_checkpointing=full"} <= set(flat)
 
 
 # The long-context savers within 10%: three configs cover all four savers alone or combined

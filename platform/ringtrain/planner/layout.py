@@ -69,6 +69,11 @@ class Layout:
         return self.ring * self.ulysses
 
     @property
+    def checkpointing_mode(self) -> str:
+        """``model.activation_checkpointing`` for this layout: full, selective or none."""
+        return "full" if self.checkpointing else "selective" if self.selective else "none"
+
+    @property
     def num_savers(self) -> int:
         """How many of the long-context savers this layout uses (full checkpointing is not one)."""
         return int(self.selective) + int(self.offload_layers > 0) + int(self.mlp_tiles > 1) + int(self.loss_chunk > 0)
@@ -117,8 +122,7 @@ class Layout:
             f"zero.stage={self.zero_stage}",
             f"zero.offload_optimizer={str(self.offload_optimizer).lower()}",
             f"zero.offload_params={str(self.offload_params).lower()}",
-            # true/false as before for full/none, so existing run lines stay as they were.
-            "model.activation_checkpointing=" + ("selective" if self.selective and not self.checkpointing else str(self.checkpointing).lower()),
+            f"model.activation_checkpointing={self.checkpointing_mode}",
         ] + self._saver_overrides()
 
     def _saver_overrides(self) -> list[str]:
