@@ -29,7 +29,6 @@ Writes bench/results/hf_load-cpu.json.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
 
 from bench.record import Run  # noqa: E402
+from tests.dist.ranks import run_ranks  # noqa: E402
 
 WORLD = 4
 TARGET = 0.5  # ringtrain's loading memory / the naive way's
@@ -116,7 +116,7 @@ def _naive(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
 MODES: dict[str, Callable[[Any, Any, int, Phases], None]] = {"ringtrain": _ringtrain, "naive": _naive}
 
 
-def _rank_main(rank: int, store: str, folder: str, mode: str, results: Any) -> None:
+def _rank_main(rank: int, world: int, store: str, folder: str, mode: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -148,22 +148,7 @@ def _rank_main(rank: int, store: str, folder: str, mode: str, results: Any) -> N
 
 
 def _measure(folder: Path, mode: str, tmp: Path) -> list[dict[str, int]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = str(tmp / f"store-{mode}")
-    procs = [ctx.Process(target=_rank_main, args=(r, store, str(folder), mode, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        out = results.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if isinstance(out, BaseException):
-        raise out
-    return out
+    return run_ranks(_rank_main, WORLD, tmp, str(folder), mode, timeout=600)
 
 
 def _save_model(folder: Path) -> int:

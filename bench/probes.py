@@ -63,9 +63,7 @@ import contextlib
 import functools
 import json
 import math
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -78,6 +76,9 @@ TARGET_RECORDER, TARGET_SDC = 1.01, 0.01
 sys.path.insert(0, str(ROOT / "bench"))
 from blocks import OutsideLoad, block_means, paired_ratio, schedule  # noqa: E402
 from record import Run  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from tests.dist.ranks import run_ranks  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -405,24 +406,8 @@ def _detection_latency(trainer: Any, rank: int, device: Any, *, every: int) -> l
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = args.dp * args.cp
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ringtrain-bench-probes-") as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, str(Path(tmp) / "rendezvous"), args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            got = results.get(timeout=args.timeout)
-        except queue.Empty:
-            got = RuntimeError(f"no result from the ranks within {args.timeout} s")
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-    if isinstance(got, BaseException):
-        raise got
+        got = run_ranks(_rank_main, world, Path(tmp), args, timeout=args.timeout)
     return sorted(got, key=lambda r: r["rank"])
 
 

@@ -21,16 +21,15 @@ from typing import Optional
 import numpy as np
 import pytest
 
+from tests.tiny import TINY_MODEL
+
 from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 5
 TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
+    *TINY_MODEL,
     "data.seq_len=64",
     "train.global_batch=4",
     f"train.steps={STEPS}",

@@ -32,6 +32,8 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
+from tests.tiny import TINY_MODEL
+
 from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -43,10 +45,7 @@ BAD_GEMM_RANK = 3  # ranks whose arithmetic goes wrong in the last two rounds (n
 BAD_ATTENTION_RANK = 0
 WAIT_S = 60.0  # bound on every wait below; the ranks' own process groups time out after it
 TINY = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
+    *TINY_MODEL,
     "data.seq_len=64",
     "train.global_batch=4",
     "train.steps=4",

@@ -19,6 +19,8 @@ import psutil
 import pytest
 import yaml
 
+from tests.tiny import TINIEST_MODEL
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,10 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 TORCH_EXTENSIONS_DIR = REPO / ".ringtrain-cache" / "torch_extensions"
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 TINY = [
-    "model.dim=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
+    *TINIEST_MODEL,
     "data.seq_len=64",
     "train.global_batch=4",
     "train.warmup_steps=1",

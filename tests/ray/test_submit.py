@@ -36,6 +36,7 @@ from ringtrain.submission import (
     resolve_address,
     runtime_env,
 )
+from tests.tiny import TINIEST_MODEL
 
 from .test_run_e2e import TORCH_EXTENSIONS_DIR
 
@@ -46,10 +47,7 @@ JOBS = REPO / "jobs"
 QUICKSTART = JOBS / "quickstart.yaml"
 VENV_BIN = Path(sys.executable).parent
 TINY = [
-    "model.dim=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
+    *TINIEST_MODEL,
     "data.seq_len=64",
     "train.global_batch=4",
     "train.steps=3",
