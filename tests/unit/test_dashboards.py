@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ringtrain import metrics
-from ringtrain.telemetry import alerts, dashboards, dashboards_command
+from ringtrain.telemetry import alerts, dashboards, dashboards_command, panels
 from tests.tools import tool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ ALL_EXPRESSIONS = [expr for _, _, expr in panel_queries()] + variable_selectors(
 def test_checked_in_json_is_what_the_generator_writes(folder: Path, name: str) -> None:
     path = folder / name
     assert path.is_file(), f"{path.relative_to(ROOT)} is missing: run `ringtrain dashboards export`"
-    assert path.read_text(encoding="utf-8") == dashboards.render(BOARDS[name]), (
+    assert path.read_text(encoding="utf-8") == panels.render(BOARDS[name]), (
         f"{path.relative_to(ROOT)} drifted from telemetry/dashboards.py: run `ringtrain dashboards export`"
     )
 
@@ -147,9 +147,9 @@ def test_panels_do_not_overlap_and_ids_are_unique(name: str) -> None:
 
 
 def test_the_layout_refuses_a_row_wider_than_the_grid() -> None:
-    wide = dashboards.graph("wide", [dashboards.Query("up")], "", width=13)
+    wide = panels.graph("wide", [panels.Query("up")], "", width=13)
     with pytest.raises(ValueError, match="wider than 24"):
-        dashboards.layout([dashboards.Row(8, (wide, wide))])
+        panels.layout([panels.Row(8, (wide, wide))])
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
@@ -263,7 +263,7 @@ def test_alert_rules_cover_progress_loss_goodput_and_sdc() -> None:
 
 def test_with_datasource_pins_only_the_datasource_variable() -> None:
     board = BOARDS["training.json"]
-    pinned = dashboards.with_datasource(board, "ds-uid", "ds name")
+    pinned = panels.with_datasource(board, "ds-uid", "ds name")
     assert pinned["templating"]["list"][0]["current"] == {"selected": True, "text": "ds name", "value": "ds-uid"}
     assert board["templating"]["list"][0]["current"] == {}
     assert pinned["panels"] == board["panels"]
@@ -280,7 +280,7 @@ def test_export_writes_every_folder_then_reports_unchanged(tmp_path: Path, capsy
     assert _export("--out", str(first), "--out", str(second)) == 0
     for folder in (first, second):
         for name, board in BOARDS.items():
-            assert (folder / name).read_text(encoding="utf-8") == dashboards.render(board)
+            assert (folder / name).read_text(encoding="utf-8") == panels.render(board)
     assert capsys.readouterr().out.count(": created") == 4
     assert _export("--out", str(first), "--out", str(second)) == 0
     assert capsys.readouterr().out.count(": unchanged") == 4

@@ -16,7 +16,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ringtrain.errors import ConfigError
-from ringtrain.telemetry import dashboards
+from ringtrain.telemetry import dashboards, panels
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # The checkout this module sits in: platform/ringtrain/telemetry/ -> the repository root.
@@ -75,7 +75,7 @@ def _export(args: argparse.Namespace) -> int:
     for folder in folders:
         if folder.exists() and not folder.is_dir():
             raise ConfigError("--out", f"{folder} is a file, not a folder")
-    texts = {name: dashboards.render(build()) for name, build in dashboards.DASHBOARDS.items()}
+    texts = {name: panels.render(build()) for name, build in dashboards.DASHBOARDS.items()}
     stale = []
     for folder in folders:
         for name, text in texts.items():

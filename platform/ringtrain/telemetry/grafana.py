@@ -21,7 +21,7 @@ from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaTimeoutError, GrafanaUnauthorizedError
 
 from ringtrain.errors import RingtrainError
-from ringtrain.telemetry import alerts, dashboards
+from ringtrain.telemetry import alerts, dashboards, panels
 
 Json = dict[str, Any]
 Action = Literal["created", "updated", "unchanged"]
@@ -230,7 +230,7 @@ def push(
     changes = [provisioner.folder(folder_title), provisioner.datasource(prometheus_url)]
     folder = folder_uid(folder_title)
     for build in dashboards.DASHBOARDS.values():
-        pinned = dashboards.with_datasource(build(), DATASOURCE_UID, DATASOURCE_NAME)
+        pinned = panels.with_datasource(build(), DATASOURCE_UID, DATASOURCE_NAME)
         changes.append(provisioner.dashboard(pinned, folder))
     for rule in alerts.ALERT_RULES:
         changes.append(provisioner.alert_rule(alerts.alert_rule(rule, DATASOURCE_UID, folder)))
