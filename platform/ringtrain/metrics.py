@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ringtrain.incidents import INCIDENT_KINDS
+
 Kind = Literal["gauge", "counter"]
 LABELS = ("job", "run_id")
 RAY_PREFIX = "ray_"
@@ -46,7 +48,7 @@ PERSIST_SECONDS = Metric("ringtrain_persist_seconds", "gauge", "Latency of the l
 LAST_DURABLE_STEP = Metric("ringtrain_last_durable_step", "gauge", "Newest step committed to the durable store")
 
 # Reliability
-INCIDENTS = Metric("ringtrain_incidents", "counter", "Incidents by kind (crash, node_lost, hang, sdc, nan, straggler)", LABELS + ("kind",))
+INCIDENTS = Metric("ringtrain_incidents", "counter", f"Incidents by kind ({', '.join(INCIDENT_KINDS)})", LABELS + ("kind",))
 RECOVERIES = Metric("ringtrain_recoveries", "counter", "Recoveries completed")
 RECOVERY_SECONDS = Metric("ringtrain_recovery_seconds", "gauge", "Time from detection to the next completed step, last incident")
 LOST_STEPS = Metric("ringtrain_lost_steps", "counter", "Completed steps redone after incidents")
@@ -58,8 +60,6 @@ RANK_SLOWDOWN = Metric(
     "ringtrain_rank_slowdown", "gauge", "Each rank's compute time in the last step over its peers' median (stragglers > 1)",
     LABELS + ("rank",),
 )
-
-INCIDENT_KINDS = ("crash", "node_lost", "hang", "sdc", "nan", "straggler")
 
 ALL = (
     STEP,

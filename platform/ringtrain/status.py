@@ -52,7 +52,7 @@ class Incident:
     """Something that stopped or disturbed training, as written to ``incidents/NNNN-<kind>.json``."""
 
     id: int
-    kind: str  # crash | node_lost | hang | sdc | nan | straggler
+    kind: str  # one of incidents.INCIDENT_KINDS
     ranks: tuple[int, ...]
     detected_at_step: int  # the step that was running when it was seen
     detected_at: float  # unix time

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 from ringtrain import metrics
+from ringtrain.incidents import INCIDENT_KINDS
 from tests.tools import tool
 
 from .test_run_e2e import QUICKSTART, REPO, TINY, processes_using, ray_tmp, run_cli  # noqa: F401  (fixture)
@@ -166,7 +167,7 @@ def test_a_scraped_run_has_every_metric_and_every_dashboard_query_returns_data(
     # the cluster's shutdown may beat to the next scrape.
     assert [(i["kind"], i["step"]) for i in summary["incidents"]] == [("nan", NAN_STEP)]
     by_kind = Counter(i["kind"] for i in summary["incidents"])
-    for kind in metrics.INCIDENT_KINDS:
+    for kind in INCIDENT_KINDS:
         assert scraped_total(base, metrics.INCIDENTS, run_id, start, end, kind=kind) == by_kind[kind], f"incidents of kind {kind}"
     assert scraped_total(base, metrics.RECOVERIES, run_id, start, end) == len(summary["recoveries"]) == 1
     assert scraped_total(base, metrics.LOST_STEPS, run_id, start, end) == sum(r["lost_steps"] for r in summary["recoveries"])

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.status": 0,
     "ringtrain.metrics": 0,
     "ringtrain.chaos": 0,
+    "ringtrain.incidents": 0,
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.controllers": 1,
     "ringtrain.planner": 1,

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ringtrain.incidents import Kind
+
 
 class Outcome(enum.Enum):
     OK = "ok"
@@ -43,16 +45,6 @@ class RankOutcome:
     error: str = ""  # "<ExceptionType>: <first line>" for ERROR
     node_alive: bool = True
     where: str = ""  # for ERROR: the raising frame in ringtrain or user code (controllers.repeats)
-
-
-class Kind(enum.Enum):
-    CRASH = "crash"  # worker processes died
-    NODE_LOST = "node_lost"  # a whole node went with its workers
-    HANG = "hang"  # workers stopped answering or never finished the step
-    ERROR = "error"  # an exception in the step (user code, data, a collective without a dead peer)
-    NAN = "nan"  # a non-finite loss
-    SDC = "sdc"  # a rank failed a silent-data-corruption scan
-    STRAGGLER = "straggler"  # a rank persistently slower than its peers (controllers.stragglers)
 
 
 class Action(enum.Enum):

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ringtrain.controllers.faults import Failure, Kind
+from ringtrain.controllers.faults import Failure
+from ringtrain.incidents import Kind
 
 # How a worker call of the recovery ended (``errors.WorkerError.kind``), as the fault it means:
 # a dead process or one that stopped answering lost its seat; an exception in join or restore

@@ -25,7 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ringtrain.controllers.faults import Failure, Kind
+from ringtrain.controllers.faults import Failure
+from ringtrain.incidents import Kind
 
 BASES = ("majority", "golden", "unresolved")
 KINDS = ("outlier", "shared", "unresolved")

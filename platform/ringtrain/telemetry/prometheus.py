@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from ringtrain import metrics as m
 from ringtrain.config import JobConfig
+from ringtrain.incidents import INCIDENT_KINDS
 
 
 def new_run_id() -> str:
@@ -51,7 +52,7 @@ class RunMetrics:
         self._totals: dict[tuple[m.Metric, str], float] = {}
         for metric in (m.RECOVERIES, m.LOST_STEPS, m.SDC_PROBES, m.SDC_FAILURES, m.HANG_VERDICTS):
             self.add(metric, 0)
-        for kind in m.INCIDENT_KINDS:
+        for kind in INCIDENT_KINDS:
             self.add(m.INCIDENTS, 0, kind=kind)
         self.set(m.GOODPUT, 1.0)
         self.set(m.RECOVERY_SECONDS, 0.0)

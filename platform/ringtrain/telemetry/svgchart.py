@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from ringtrain.incidents import Kind
 from ringtrain.telemetry.runfiles import IncidentFile, incident_anchor, is_number
 
 # Points per series drawn: beyond this a series is thinned to each bucket's min and max, so
@@ -15,12 +16,13 @@ from ringtrain.telemetry.runfiles import IncidentFile, incident_anchor, is_numbe
 MAX_POINTS = 1500
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 KIND_COLORS = {
-    "crash": "#d62728",
-    "node_lost": "#8b0000",
-    "hang": "#ff7f0e",
-    "sdc": "#9467bd",
-    "nan": "#e377c2",
-    "straggler": "#8c564b",
+    Kind.CRASH.value: "#d62728",
+    Kind.NODE_LOST.value: "#8b0000",
+    Kind.HANG.value: "#ff7f0e",
+    Kind.ERROR.value: "#bcbd22",
+    Kind.SDC.value: "#9467bd",
+    Kind.NAN.value: "#e377c2",
+    Kind.STRAGGLER.value: "#8c564b",
 }
 # Chart geometry, in SVG user units (the SVG scales to the page's width).
 WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 640, 240, 60, 14, 14, 34
