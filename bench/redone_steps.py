@@ -8,7 +8,13 @@ and could not be written from elsewhere. ``--rebuild`` on/off compares the ZeRO-
 such a shard from a survivor (``controllers.rebuild_from_replicas``) with restoring the newest
 step held whole.
 
-    PYTHONPATH=platform python bench/redone_steps.py --kills 10 --rebuild on,off
+    PYTHONPATH=platform python bench/redone_steps.py --plan on@0x10,on@50x10,off@0x5
+
+Each run's summary.json carries ``snapshot_transit``: per holder role (node, buddy), the time
+from a step's record to that step's snapshot being readable at the holder (the holders stamp
+each put). A kill later than the window's maximum finds every shard of the step off the dead
+process. The embedded cluster is one node, so only the node holder is measured there;
+``--nodes 2`` runs the same job on a two-node ``ray.cluster_utils.Cluster`` and adds the buddy.
 
 Writes bench/results/redone_steps-cpu.json.
 """
@@ -24,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import quantiles
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +46,13 @@ JOB = [
 ]  # fmt: skip
 
 
-def one_kill(args: argparse.Namespace, rebuild: bool) -> dict[str, Any]:
+def one_kill(args: argparse.Namespace, rebuild: bool, delay_ms: float, address: str = "") -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rt-redone-", dir="/tmp"))
     run_dir = tmp / "run"
     (tmp / "job.yaml").write_text("name: bench-redone\n")
     overrides = [*JOB, f"train.steps={args.kill_after + 3}", f"run_dir={run_dir}",
-                 f"controllers.rebuild_from_replicas={str(rebuild).lower()}", f"cluster.num_cpus={args.num_cpus}"]
+                 f"controllers.rebuild_from_replicas={str(rebuild).lower()}",
+                 f"cluster.address={address}" if address else f"cluster.num_cpus={args.num_cpus}"]
     cmd = [sys.executable, "-m", "ringtrain", "run", str(tmp / "job.yaml"), *overrides]
     proc = launch(cmd, tmp, {"RAY_AUTH_MODE": "disabled", "HOME": str(tmp)}, tmp)
     try:
@@ -55,7 +63,7 @@ def one_kill(args: argparse.Namespace, rebuild: bool) -> dict[str, Any]:
             time.sleep(0.002)
         seen = time.monotonic()
         victim = json.loads((run_dir / "workers.json").read_text())["workers"][1]["pid"]
-        time.sleep(max(0.0, args.delay_ms / 1000 - (time.monotonic() - seen)))
+        time.sleep(max(0.0, delay_ms / 1000 - (time.monotonic() - seen)))
         os.kill(victim, signal.SIGKILL)
         proc.wait(timeout=args.timeout)
         incidents = [json.loads(p.read_text()) for p in sorted((run_dir / "incidents").glob("*.json"))]
@@ -65,29 +73,72 @@ def one_kill(args: argparse.Namespace, rebuild: bool) -> dict[str, Any]:
             "lost_steps": sum(i["lost_steps"] for i in incidents),
             "incidents": [(i["kind"], i["action"], i["detected_at_step"]) for i in incidents],
             "snapshot_s": [r["snapshot_s"] for r in read_jsonl(run_dir / "metrics.jsonl")][-1],
+            "transit": summary.get("snapshot_transit", {}),
+            "startup": summary.get("startup", {}),
         }
     finally:
         stop(proc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def pooled(kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """The transit windows of every step of every run, per holder role, in ms."""
+    out: dict[str, Any] = {}
+    for role in sorted({r for k in kills for r in k["transit"]}):
+        ms = sorted(v for k in kills for v in k["transit"].get(role, {}).get("ms", []))
+        if len(ms) < 2:
+            continue
+        q = quantiles(ms, n=100, method="inclusive")
+        out[role] = {"count": len(ms), "min_ms": ms[0], "p50_ms": q[49], "p90_ms": q[89], "p99_ms": q[98], "max_ms": ms[-1],
+                     "after_record": sum(1 for v in ms if v > 0)}
+    return out
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kills", type=int, default=10)
+    p.add_argument("--plan", default="on@0x10,on@50x10,off@0x5", help="rebuild@delay_ms x kills, comma separated")
     p.add_argument("--kill-after", type=int, default=10)
-    p.add_argument("--delay-ms", type=float, default=50.0)
-    p.add_argument("--rebuild", default="on,off")
     p.add_argument("--num-cpus", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=0, help="run on a ray.cluster_utils.Cluster of this many nodes (0: embedded)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "redone_steps-cpu.json")
     args = p.parse_args(argv)
     run = Run("redone_steps")
-    results: dict[str, Any] = {"kill_after_step": args.kill_after, "delay_ms": args.delay_ms, "scenarios": {}}
-    for mode in [m for m in args.rebuild.split(",") if m]:
-        kills = [one_kill(args, mode == "on") for _ in range(args.kills)]
-        redone = sum(1 for k in kills if k["lost_steps"])
-        results["scenarios"][f"rebuild_{mode}"] = {"kills": kills, "runs_with_redone_steps": redone, "num_kills": len(kills)}
-        print(f"rebuild {mode}: redone steps in {redone} of {len(kills)} kills", flush=True)
+    cluster, address = None, ""
+    if args.nodes:
+        from ray.cluster_utils import Cluster
+
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        for _ in range(args.nodes):
+            cluster.add_node(num_cpus=args.num_cpus // args.nodes)
+        address = cluster.address
+    results: dict[str, Any] = {"kill_after_step": args.kill_after, "nodes": args.nodes or 1, "scenarios": {},
+                               "load_avg_1m": {"start": load()}}
+    try:
+        for item in [x for x in args.plan.split(",") if x]:
+            mode, rest = item.split("@")
+            delay, count = rest.split("x")
+            kills = []
+            for _ in range(int(count)):
+                kills.append(one_kill(args, mode == "on", float(delay), address) | {"load_avg_1m": load()})
+            redone = sum(1 for k in kills if k["lost_steps"])
+            results["scenarios"][f"rebuild_{mode}_delay_{delay}ms"] = {
+                "rebuild": mode == "on", "delay_ms": float(delay), "num_kills": len(kills),
+                "runs_with_redone_steps": redone, "transit": pooled(kills), "kills": kills,
+            }
+            print(f"rebuild {mode}, {delay} ms: redone steps in {redone} of {len(kills)} kills; transit {pooled(kills)}", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+    results["load_avg_1m"]["end"] = load()
+    results["all_transit"] = pooled([k for s in results["scenarios"].values() for k in s["kills"]])
+    if max(results["load_avg_1m"].values()) > 4 or any(k["load_avg_1m"] > 4 for s in results["scenarios"].values() for k in s["kills"]):
+        results["note"] = "machine loaded (1-minute load average above 4 on 2 cores) by other work while this ran"
     run.write(results, device_type="cpu", out=args.out)
     return 0
 

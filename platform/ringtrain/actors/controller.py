@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence, cast
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
 from ringtrain.actors.runbook import RunBook
+from ringtrain.actors.transit import gather_arrivals, transit_window
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
@@ -116,6 +117,7 @@ class Controller(RunBook):
         self.eval_plan = eval_plan
         self.last_eval: Optional[dict[str, Any]] = None
         self.startup: dict[str, float] = {}  # seconds by start phase, for summary.json
+        self.transit: dict[str, Any] = {}  # snapshot transit window by holder role (actors.transit)
 
     def _transition(self, new: RunState, reason: str) -> None:
         if new not in _ALLOWED.get(self.state, set()):
@@ -165,6 +167,9 @@ class Controller(RunBook):
             self.state = RunState.FAILED
         finally:
             self._close_durable()
+            holders = getattr(self.group, "holders", None)
+            if holders:
+                self.transit = transit_window(self.records, gather_arrivals(list(holders.values())))
             self.group.shutdown()
             if self.telemetry is not None:
                 self.telemetry.finish()

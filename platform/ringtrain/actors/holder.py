@@ -8,10 +8,15 @@ plain class made a Ray actor (no CPU reserved) pinned to its node.
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
 from typing import Optional
 
 from ringtrain.checkpoint.retention import retained
 from ringtrain.checkpoint.wire import checksum
+
+
+_MAX_ARRIVALS = 8192
 
 
 class SnapshotHolder:
@@ -21,8 +26,13 @@ class SnapshotHolder:
         self._snaps: dict[tuple[int, int], tuple[int, bytes, str]] = {}  # (rank, step) -> (world, blob, sum)
         self._pinned: Optional[int] = None
         self._pin_seq = -1
+        # (rank, step, role) -> wall time the snapshot became readable here: the transit window
+        # from a step's record to its snapshot being safe (``actors.transit``). Bounded.
+        self._arrivals: OrderedDict[tuple[int, int, str], float] = OrderedDict()
 
-    def put(self, rank: int, step: int, world_size: int, blob: bytes, digest: str) -> None:
+    def put(self, rank: int, step: int, world_size: int, blob: bytes, digest: str, role: str = "node") -> None:
+        """Keep ``blob``; ``role``: whether this holder is on the sender's node (node) or a
+        buddy node's (buddy), for the arrival times."""
         # A private copy: a zero-copy buffer would live in the object store, owned by the worker,
         # which may die. A ``bytes`` object owns its memory already (Ray deserialises one by
         # copying it out of the store), so it is kept as it is: one copy less per snapshot.
@@ -30,6 +40,14 @@ class SnapshotHolder:
         with self._lock:
             self._snaps[(rank, step)] = (world_size, data, digest)
             self._trim(rank)
+            self._arrivals[(rank, step, role)] = time.time()
+            while len(self._arrivals) > _MAX_ARRIVALS:
+                self._arrivals.popitem(last=False)
+
+    def arrivals(self) -> list[tuple[int, int, str, float]]:
+        """(rank, step, role, wall time readable) of the recent puts."""
+        with self._lock:
+            return [(r, s, role, t) for (r, s, role), t in self._arrivals.items()]
 
     def pin(self, step: int, seq: int = 0) -> None:
         """Hold each rank's newest snapshot at or before ``step`` beyond the ``keep`` newest

@@ -59,6 +59,7 @@ class RunBook:
     eval_plan: Optional[EvalPlan]
     last_eval: Optional[dict[str, Any]]
     startup: dict[str, float]
+    transit: dict[str, Any]
     state: Any  # the Controller's RunState
     sdc: Optional[SdcScanner]
 
@@ -233,6 +234,8 @@ class RunBook:
             "error_location": self.error_location,
             # From the controller's start: each phase of the workers' start, and the first step done.
             "startup": self.startup,
+            # Step record -> snapshot readable at the node's holder and the buddy's, in ms.
+            "snapshot_transit": self.transit,
             "eval": self.last_eval,
             "run_dir": str(self.run_dir.path),
         }

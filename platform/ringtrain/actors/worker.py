@@ -340,7 +340,10 @@ class _HolderDelivery:
         # One copy into the object store for all holders; each keeps its own copy of the bytes,
         # so the worker's object going away with the worker loses nothing.
         blob = ray.put(snap.blob)
-        self._in_flight = [h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum) for h in self.holders]
+        self._in_flight = [
+            h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum, "node" if i == 0 else "buddy")
+            for i, h in enumerate(self.holders)
+        ]
 
 
 def _device_name(device: torch.device) -> str:
