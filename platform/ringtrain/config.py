@@ -18,6 +18,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
+from ringtrain import uris
 from ringtrain.chaos import BITFLIP_TARGETS, FAULT_KINDS, FaultSpec
 from ringtrain.errors import ConfigError
 
@@ -490,7 +491,7 @@ def validate(job: JobConfig) -> None:
             "checkpoint.persist_every",
             f"{ck.persist_every} is not a multiple of checkpoint.snapshot_every={ck.snapshot_every}",
         )
-    if ck.uri and not re.match(r"^(file://|s3://|/)", ck.uri):
+    if ck.uri and not (uris.is_known(ck.uri) and (uris.has_scheme(ck.uri) or ck.uri.startswith("/"))):
         raise ConfigError("checkpoint.uri", f"{ck.uri!r} must be file:///absolute/path, /absolute/path or s3://bucket/prefix")
     if not ck.resume:
         raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from ringtrain import config
+from ringtrain import config, uris
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.checkpoint.layout import split_checkpoint_uri
 from ringtrain.config import JobConfig
@@ -42,7 +42,7 @@ class EvalSource:
 
 def resolve_source(text: str) -> EvalSource:
     """The model behind SOURCE; a ConfigError naming SOURCE when there is none."""
-    if text.startswith(("file://", "s3://")):
+    if text.startswith(uris.SCHEMES):
         return _from_checkpoint(text)
     path = Path(text)
     if not path.exists():

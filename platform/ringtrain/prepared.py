@@ -22,9 +22,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from ringtrain.errors import DataError
+from ringtrain.uris import local_path
 
 FORMAT = "ringtrain-dataset/1"
 MANIFEST_NAME = "manifest.json"
@@ -65,18 +66,6 @@ def tokenizer_sha256(tokenizer_file: PathLike) -> str:
     """A tokenizer's identity as a manifest records it: the sha256 of its ``tokenizer.json``.
     ``ringtrain prepare`` records it and ``ringtrain run`` compares it with ``model.hf``'s."""
     return hashlib.sha256(Path(tokenizer_file).read_bytes()).hexdigest()
-
-
-def is_remote(uri: str) -> bool:
-    return uri.startswith("s3://")
-
-
-def local_path(uri: PathLike) -> Optional[Path]:
-    """The local folder a dataset URI names (a plain path or ``file://``), None for ``s3://``."""
-    text = str(uri)
-    if is_remote(text):
-        return None
-    return Path(text.removeprefix("file://"))
 
 
 def join(root: str, relative: str) -> str:

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.metrics": 0,
     "ringtrain.chaos": 0,
     "ringtrain.incidents": 0,
+    "ringtrain.uris": 0,
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.controllers": 1,
     "ringtrain.planner": 1,

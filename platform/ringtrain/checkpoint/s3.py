@@ -23,6 +23,7 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from ringtrain import uris
 from ringtrain.checkpoint.backends import ObjectInfo, ObjectMissing
 from ringtrain.checkpoint.options import S3Options
 
@@ -46,7 +47,7 @@ _TRANSIENT_CODES = frozenset(
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """(bucket, key prefix without a trailing '/') of ``s3://bucket[/prefix]``."""
-    rest = uri[len("s3://") :]
+    rest = uri[len(uris.S3) :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise ValueError(f"checkpoint URI {uri!r}: expected s3://bucket/prefix")

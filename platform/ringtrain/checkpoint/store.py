@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar, Union
 
+from ringtrain import uris
 from ringtrain.checkpoint.backends import FileBackend, ObjectBackend, ObjectInfo, ObjectMissing, file_root
 from ringtrain.checkpoint.layout import (
     MANIFEST_NAME,
@@ -403,7 +404,7 @@ def open_store(
     (``AWS_ENDPOINT_URL``); ``s3_options`` sets part sizes, retries and the listing page size.
     """
     backend: ObjectBackend
-    if uri.startswith("s3://"):
+    if uris.is_s3(uri):
         # Imported here so that file stores never pay for importing boto3.
         from ringtrain.checkpoint.s3 import S3Backend, parse_s3_uri
 
@@ -412,8 +413,8 @@ def open_store(
         if endpoint_url is not None:
             s3 = replace(s3, endpoint_url=endpoint_url)
         backend = S3Backend(bucket, prefix, s3)
-    elif "://" in uri and not uri.startswith("file://"):
-        raise ValueError(f"checkpoint URI {uri!r}: supported schemes are file:// (or a plain path) and s3://")
+    elif not uris.is_known(uri):
+        raise ValueError(f"checkpoint URI {uri!r}: supported schemes are {', '.join(uris.SCHEMES)} (or a plain path)")
     elif endpoint_url is not None or s3_options is not None:
         raise ValueError(f"checkpoint URI {uri!r}: endpoint_url and s3_options apply to s3:// URIs only")
     else:

@@ -24,7 +24,8 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from ringtrain.errors import ConfigError
-from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, local_path, shard_paths
+from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, shard_paths
+from ringtrain.uris import local_path
 
 OUT_KEY = "--out"
 COPY_CHUNK = 8 << 20

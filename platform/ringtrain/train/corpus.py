@@ -28,7 +28,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.errors import DataError
-from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo, is_remote, local_path
+from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo
+from ringtrain.uris import is_s3, local_path
 
 CACHE_ENV = "RINGTRAIN_DATA_CACHE"
 _HASH_CHUNK = 8 << 20
@@ -37,7 +38,7 @@ _HASH_CHUNK = 8 << 20
 def is_prepared_path(path: str) -> bool:
     """Whether ``path`` names a prepared dataset (complete or not): an s3:// prefix, or a folder
     holding a manifest or a ``shards/`` folder (one without a manifest was never finished)."""
-    if is_remote(path):
+    if is_s3(path):
         return True
     local = local_path(path)
     return local is not None and local.is_dir() and ((local / MANIFEST_NAME).exists() or (local / SHARD_DIR).is_dir())
@@ -67,7 +68,7 @@ def _s3_backend(uri: str) -> Any:
 
 def read_manifest(uri: str) -> Manifest:
     """The manifest of the dataset at ``uri``; DataError when it is missing or malformed."""
-    if not is_remote(uri):
+    if not is_s3(uri):
         return Manifest.load(uri)
     from ringtrain.checkpoint.backends import ObjectMissing
 
@@ -96,7 +97,7 @@ class PreparedCorpus:
         docs = np.array([s.num_documents for s in self.shards], dtype=np.int64)
         self.doc_index_starts = np.concatenate(([0], np.cumsum(docs)))  # first document of each shard
         self.num_tokens = int(self.token_starts[-1])
-        self._remote = _s3_backend(self.uri) if is_remote(self.uri) else None
+        self._remote = _s3_backend(self.uri) if is_s3(self.uri) else None
         root = local_path(self.uri)
         cache_key = hashlib.sha256(self.uri.encode()).hexdigest()[:16]
         self._root = root if root is not None else default_cache_dir(cache_dir) / cache_key

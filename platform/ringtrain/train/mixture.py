@@ -28,9 +28,10 @@ import numpy as np
 
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepared import is_remote, tokenizer_sha256
+from ringtrain.prepared import tokenizer_sha256
 from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
+from ringtrain.uris import is_s3
 
 BLOCK = 1024
 # Stream keys of the generators below, so no two draws share a random stream.
@@ -201,7 +202,7 @@ def check_sources(job: JobConfig) -> None:
             first = first or (spec.path, tok.sha256)
             if corpus.num_tokens < job.data.seq_len + 1:
                 raise ConfigError("data.seq_len", f"{job.data.seq_len}, but {spec.path} holds only {corpus.num_tokens} tokens")
-            if not is_remote(spec.path):
+            if not is_s3(spec.path):
                 corpus.shard(0)
         except DataError as exc:
             raise ConfigError(key, str(exc)) from None
