@@ -16,7 +16,7 @@ spawned processes (FileStore rendezvous), as tests/dist/test_equivalence.py does
   plus that cost per step (slowest rank) over the step time of the fastest block without the
   recorder (outside load stretches steps, which would flatter the ratio).
 - Why the wall clock does not decide: blocks of steps with the recorder installed alternate
-  with blocks without it (``probes.uninstall()`` restores torch.distributed and DeepSpeed's
+  with blocks without it (``collectives.uninstall()`` restores torch.distributed and DeepSpeed's
   cached functions), on/off/off/on. A step's time is the wall time of ``train_step()``,
   maximum over ranks. The ratio of neighbouring blocks comes with its 95% confidence interval
   (blocks.py): on this shared 2-core machine (four ranks on two cores, other work coming and
@@ -162,10 +162,10 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
     import torch
     import torch.distributed as dist
 
-    from ringtrain.train import probes, sdc_probes
+    from ringtrain.train import collectives, sdc_probes
     from ringtrain.train.trainer import Trainer
 
-    probes.install()  # before the engine, as a worker does
+    collectives.install()  # before the engine, as a worker does
     trainer = Trainer(job, rank=rank, device=device)
 
     def sync() -> None:
@@ -181,9 +181,9 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
 
     def set_mode(on: bool) -> None:
         if on:
-            probes.install()
+            collectives.install()
         else:
-            probes.uninstall()
+            collectives.uninstall()
 
     for on in (True, False):
         set_mode(on)
@@ -194,10 +194,10 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
     for block, on in enumerate(schedule(args.blocks)):
         set_mode(on)
         for _ in range(args.steps):
-            before = probes.active().state()["num_issued"] if on else 0  # type: ignore[union-attr]
+            before = collectives.active().state()["num_issued"] if on else 0  # type: ignore[union-attr]
             wall, cpu = timed_step()
             if on:
-                calls_per_step = probes.active().state()["num_issued"] - before  # type: ignore[union-attr]
+                calls_per_step = collectives.active().state()["num_issued"] - before  # type: ignore[union-attr]
             steps.append({"block": block, "on": on, "wall_s": wall, "cpu_s": cpu})
 
     metered: list[dict[str, Any]] = []
@@ -206,7 +206,7 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
             with _metered(recorder_on=on) as meters:
                 trainer.train_step()
             metered.append({"block": block, "on": on, **meters.per_step()})
-    probes.install()
+    collectives.install()
 
     # The recorder's cost per call with everything in the caches (a lower bound, see the module
     # docstring): the fastest of several runs of small all-reduces on this rank's one-rank group,
@@ -223,7 +223,7 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
             sync()
             fastest[on] = min(fastest[on], (time.perf_counter() - t0) / args.calls)
 
-    recorder = probes.install()
+    recorder = collectives.install()
     sdc: list[float] = []
     for _ in range(args.sdc_rounds + 1):  # the first round fills the input caches
         sync()
@@ -239,7 +239,7 @@ def _measure(job: Any, rank: int, device: Any, args: argparse.Namespace) -> dict
     t0 = time.perf_counter()
     report = recorder.diagnostics()
     diagnostics_s = time.perf_counter() - t0
-    probes.uninstall()
+    collectives.uninstall()
     clean = [sdc_probes.digests(sdc_probes.run_probes(device, kernel=job.attention.kernel)) for _ in range(args.clean_rounds)]
     latency = _detection_latency(trainer, rank, device, every=args.latency_every)
     return {"rank": rank, "steps": steps, "metered": metered, "sdc_s": sdc[1:], "calls_per_step": calls_per_step,
@@ -304,16 +304,16 @@ class _Meters:
 
     def handles(self, result: Any) -> Any:
         """Time the handles a call returned, above and below the recorder's own tracking."""
-        from ringtrain.train import probes
+        from ringtrain.train import collectives
 
         def one(work: Any) -> Any:
-            if isinstance(work, probes._TrackedWork):
+            if isinstance(work, collectives._TrackedWork):
                 work._work = _MeteredWork(work._work, self.wait_below)
             else:
                 work = _MeteredWork(work, self.wait_below)
             return _MeteredWork(work, self.wait_above)
 
-        handle = (probes._TrackedWork, torch_work())
+        handle = (collectives._TrackedWork, torch_work())
         if isinstance(result, handle):
             return one(result)
         if isinstance(result, list) and result and all(isinstance(w, handle) for w in result):
@@ -338,32 +338,32 @@ def _metered(*, recorder_on: bool) -> Any:
     """Shims below and above the recorder on every function it wraps (with it off, the two
     layers sit on each other, so their own cost shows alone), DeepSpeed's cached references
     included; everything is put back on exit, the recorder uninstalled."""
-    from ringtrain.train import probes
+    from ringtrain.train import collectives
 
     meters = _Meters()
-    originals = dict(probes.install()._originals)  # (module, name) -> the torch function
-    probes.uninstall()
+    originals = dict(collectives.install()._originals)  # (module, name) -> the torch function
+    collectives.uninstall()
     below = {fn: meters.call_below.timed(fn) for fn in set(originals.values())}
     for (module, name), fn in originals.items():
         setattr(module, name, below[fn])
-    probes._rebind_deepspeed(below)
+    collectives._rebind_deepspeed(below)
     if recorder_on:
-        probes.install()  # wraps the shims below, as it would wrap torch
+        collectives.install()  # wraps the shims below, as it would wrap torch
     wrapped = {key: getattr(*key) for key in originals}
     above = {fn: meters.call_above.timed(fn, on_result=meters.handles) for fn in set(wrapped.values())}
     for (module, name), fn in wrapped.items():
         setattr(module, name, above[fn])
-    probes._rebind_deepspeed(above)
+    collectives._rebind_deepspeed(above)
     try:
         yield meters
     finally:
         for (module, name), fn in wrapped.items():
             setattr(module, name, fn)
-        probes._rebind_deepspeed({shim: fn for fn, shim in above.items()})
-        probes.uninstall()
+        collectives._rebind_deepspeed({shim: fn for fn, shim in above.items()})
+        collectives.uninstall()
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
-        probes._rebind_deepspeed({shim: fn for fn, shim in below.items()})
+        collectives._rebind_deepspeed({shim: fn for fn, shim in below.items()})
 
 
 def _detection_latency(trainer: Any, rank: int, device: Any, *, every: int) -> list[dict[str, Any]]:

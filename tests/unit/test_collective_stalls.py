@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from ringtrain.train import probes
+from ringtrain.train import collective_calls, collectives
 
 
 class FakeEvent:
@@ -35,15 +35,15 @@ class FakeEvent:
 
 def _recorder(monkeypatch: pytest.MonkeyPatch, *, cuda: bool, times: list[float]) -> Any:
     FakeEvent.times, FakeEvent.made = iter(times), []
-    monkeypatch.setattr(probes, "_timing_event", FakeEvent)
-    monkeypatch.setattr(probes, "_describe", lambda tensors: ([[4]], "float32", [], cuda))
-    monkeypatch.setattr(probes.CollectiveRecorder, "_complete", lambda self, record, on_cuda: None)
-    recorder = probes.CollectiveRecorder()
+    monkeypatch.setattr(collectives, "_timing_event", FakeEvent)
+    monkeypatch.setattr(collectives, "describe", lambda tensors: ([[4]], "float32", [], cuda))
+    monkeypatch.setattr(collectives.CollectiveRecorder, "_complete", lambda self, record, on_cuda: None)
+    recorder = collectives.CollectiveRecorder()
 
     def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
         return None
 
-    return recorder, recorder._wrap("all_reduce", probes._OPS["all_reduce"], all_reduce)
+    return recorder, recorder._wrap("all_reduce", collective_calls.OPS["all_reduce"], all_reduce)
 
 
 def test_a_cuda_collective_adds_its_stream_stall_to_the_blocked_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,7 +61,7 @@ class TrainWorker:
         ``rehearse``, also train one step of a one-layer model alone (the rest of a cold start:
         DeepSpeed's deferred imports, op builders, kernels), so that joining later is quick;
         the workers of the first world skip it, as they all pay that cost together anyway."""
-        from ringtrain.train import probes
+        from ringtrain.train import forensics
         from ringtrain.train.trainer import warm_up
 
         _quiet_deepspeed()
@@ -69,7 +69,7 @@ class TrainWorker:
         # torch reads the flight recorder's buffer size when a process group is created, and
         # the rehearsal creates this process's first one: armed any later, a spare that takes
         # a seat would have no trace of its collectives to show after a stall.
-        probes.arm_flight_recorder()
+        forensics.arm_flight_recorder()
         if rehearse:
             warm_up(self.job, device)
         return self.info()
@@ -112,7 +112,7 @@ class TrainWorker:
 
         ``holders`` are the SnapshotHolder actors every snapshot of this rank is handed to.
         """
-        from ringtrain.train import probes
+        from ringtrain.train import collectives, forensics
         from ringtrain.train.mesh import init_process_group, open_sockets
         from ringtrain.train.model import num_params
         from ringtrain.train.trainer import Trainer, set_rank_env
@@ -122,7 +122,7 @@ class TrainWorker:
         device = self._bind_device(job)
         set_rank_env(rank=rank, world_size=job.world_size, device=device)
         _quiet_deepspeed()
-        probes.arm_flight_recorder()  # torch's own trace of the collectives, read after a stall
+        forensics.arm_flight_recorder()  # torch's own trace of the collectives, read after a stall
         before = open_sockets()
         init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
@@ -137,10 +137,10 @@ class TrainWorker:
         )
         # Every collective of the world is recorded, so a stall can be diagnosed; a new world
         # restarts the per-group sequence numbers.
-        probes.install().reset()
+        collectives.install().reset()
         self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
         self._trainer.bad_device = self._bad_device  # a new world does not heal the device
-        probes.install()  # points the DeepSpeed engine just built at the recorder too
+        collectives.install()  # points the DeepSpeed engine just built at the recorder too
         # The sockets that appeared while joining are the world's (gloo pairs, the store client);
         # should Ray's own threads have opened one meanwhile, severing it on a failure costs
         # this worker its Ray connection, and it is replaced like a dead one.
@@ -156,13 +156,13 @@ class TrainWorker:
     def train_step(self, probe: bool = False) -> StepReport:
         """One optimizer step; with ``probe``, followed by an SDC probe round (collective, so
         every rank of the world is asked for one together)."""
-        from ringtrain.train import probes
+        from ringtrain.train import collectives
 
         trainer = self._trainer
         assert trainer is not None, "join() must run before train_step()"
         self._busy = True
         try:
-            recorder = probes.active()
+            recorder = collectives.active()
             blocked_before, started = (recorder.blocked_s() if recorder else 0.0), time.perf_counter()
             report = trainer.train_step()
             # The whole call (a chaos slow fault's delay included) less the time blocked in
@@ -219,11 +219,11 @@ class TrainWorker:
     def diagnostics(self) -> dict[str, Any]:
         """Answered on the second concurrency slot while a step may be stuck: this rank's
         recent collectives, where it is now, every thread's stack, and whether it is in a step."""
-        from ringtrain.train import probes
+        from ringtrain.train import collectives, forensics
 
-        recorder = probes.active()
+        recorder = collectives.active()
         if recorder is None:
-            return {"records": [], "state": {}, "stacks": probes.snapshot_stacks(), "busy": self._busy}
+            return {"records": [], "state": {}, "stacks": forensics.snapshot_stacks(), "busy": self._busy}
         # NCCL's flight recorder sees what the host-side records cannot: kernels still running.
         return {**recorder.diagnostics(flight_recorder=self.device_type == "cuda"), "busy": self._busy}
 

@@ -1,6 +1,6 @@
 """Hang diagnosis: from every rank's collective records and stacks, the rank that stopped the job and why.
 
-Input is one ``RankDiagnostics`` per rank, built from what ``ringtrain.train.probes`` reports
+Input is one ``RankDiagnostics`` per rank, built from what ``ringtrain.train.collectives`` reports
 (``RankDiagnostics.from_probe``) or marked unreachable when the rank did not answer. Output is
 a ``Verdict`` naming the culprit rank(s) with their replica, ring position, host, the
 collective in question and a stack excerpt.
@@ -50,7 +50,7 @@ def stalled(last_progress_time: float, now: float, hang_timeout_s: float) -> boo
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective call on one rank, as ``probes`` records it."""
+    """One collective call on one rank, as ``train.collectives`` records it."""
 
     group: str
     group_ranks: tuple[int, ...]
@@ -204,7 +204,7 @@ class Verdict:
         }
 
 
-_LIBRARY_PATHS = ("/torch/", "/deepspeed/", "ringtrain/train/probes.py")
+_LIBRARY_PATHS = ("/torch/", "/deepspeed/", "ringtrain/train/collectives.py", "ringtrain/train/forensics.py")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)(?:\n\s*(?P<code>.*))?')
 
 

@@ -38,88 +38,23 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.util
 import inspect
-import json
-import os
 import sys
 import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ringtrain.train.collective_calls import OPS, OpSpec, describe, site_file
+from ringtrain.train.forensics import flight_recorder_dump, snapshot_stacks
+
 Record = dict[str, Any]
 DEFAULT_CAPACITY = 4096
 _ERROR_CHARS = 300
-
-
-@dataclass(frozen=True)
-class _OpSpec:
-    tensors: tuple[str, ...]  # parameters whose shapes every member of the group must agree on
-    peer: Optional[str] = None  # P2P: the parameter naming the other rank
-
-
-# Gather/scatter record only the tensor every member passes: the list exists on the root only.
-_OPS: dict[str, _OpSpec] = {
-    "all_reduce": _OpSpec(("tensor",)),
-    "all_reduce_coalesced": _OpSpec(("tensors",)),
-    "reduce": _OpSpec(("tensor",)),
-    "broadcast": _OpSpec(("tensor",)),
-    "all_gather": _OpSpec(("tensor_list", "tensor")),
-    "all_gather_into_tensor": _OpSpec(("output_tensor", "input_tensor")),
-    "_all_gather_base": _OpSpec(("output_tensor", "input_tensor")),
-    "all_gather_coalesced": _OpSpec(("output_tensor_lists", "input_tensor_list")),
-    "gather": _OpSpec(("tensor",)),
-    "scatter": _OpSpec(("tensor",)),
-    "reduce_scatter": _OpSpec(("output", "input_list")),
-    "reduce_scatter_tensor": _OpSpec(("output", "input")),
-    "_reduce_scatter_base": _OpSpec(("output", "input")),
-    "all_to_all_single": _OpSpec(("output", "input")),
-    "all_to_all": _OpSpec(("output_tensor_list", "input_tensor_list")),
-    "barrier": _OpSpec(()),
-    "monitored_barrier": _OpSpec(()),
-    "send": _OpSpec(("tensor",), peer="dst"),
-    "recv": _OpSpec(("tensor",), peer="src"),
-    "isend": _OpSpec(("tensor",), peer="dst"),
-    "irecv": _OpSpec(("tensor",), peer="src"),
-    "batch_isend_irecv": _OpSpec(("p2p_op_list",)),
-    "all_gather_object": _OpSpec(()),
-    "broadcast_object_list": _OpSpec(()),
-    "gather_object": _OpSpec(()),
-    "scatter_object_list": _OpSpec(()),
-    "send_object_list": _OpSpec(()),
-    "recv_object_list": _OpSpec(()),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _skipped_locations() -> tuple[frozenset[str], tuple[str, ...]]:
-    """(files, directory prefixes) a call site is never taken from."""
-    roots = [Path(torch.__file__).parent]
-    spec = importlib.util.find_spec("deepspeed")  # located, not imported
-    if spec is not None and spec.submodule_search_locations:
-        roots += [Path(p) for p in spec.submodule_search_locations]
-    files = (Path(__file__), Path(__file__).parent / "attention" / "comm.py")
-    return frozenset(str(p.resolve()) for p in files), tuple(str(p.resolve()) + os.sep for p in roots)
-
-
-def _site_file(filename: str) -> Optional[str]:
-    """The short path a call site shows for ``filename``, or None when sites skip it."""
-    files, roots = _skipped_locations()
-    resolved = str(Path(filename).resolve()) if os.path.isabs(filename) else filename
-    if resolved in files or resolved.startswith(roots):
-        return None
-    parts = Path(filename).parts
-    if "ringtrain" in parts:
-        return "/".join(parts[parts.index("ringtrain"):])
-    return "/".join(parts[-2:])
 
 
 class _Record:
@@ -146,35 +81,6 @@ class _Record:
         out["shapes"] = [list(shape) for shape in self.shapes]
         out["device_done"] = self.device_done()
         return out
-
-
-def _describe(values: list[Any]) -> tuple[list[Any], str, list[int], bool]:
-    """Shapes (``torch.Size``), dtype(s), P2P peers and whether a tensor is on CUDA, of a call's tensors."""
-    if len(values) == 1 and isinstance(values[0], torch.Tensor):  # most calls: one tensor
-        v = values[0]
-        return [v.shape], _dtype_name(v.dtype), [], v.is_cuda
-    shapes: list[Any] = []
-    dtypes: list[str] = []
-    peers: list[int] = []
-    cuda = False
-    todo = list(reversed(values))
-    while todo:
-        v = todo.pop()
-        if isinstance(v, torch.Tensor):
-            shapes.append(v.shape)
-            dtypes.append(_dtype_name(v.dtype))
-            cuda = cuda or v.is_cuda
-        elif isinstance(v, dist.P2POp):
-            todo.append(v.tensor)
-            peers.append(int(v.peer))
-        elif isinstance(v, (list, tuple)):
-            todo.extend(reversed(v))
-    return shapes, ",".join(dict.fromkeys(dtypes)), peers, cuda
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _timing_event() -> Any:
@@ -258,7 +164,7 @@ class CollectiveRecorder:
 
     def _install(self) -> None:
         wrappers: dict[Callable[..., Any], Callable[..., Any]] = {}
-        for name, spec in _OPS.items():
+        for name, spec in OPS.items():
             if not hasattr(c10d, name):  # an op this torch version does not have
                 continue
             original: Callable[..., Any] = getattr(c10d, name)
@@ -281,7 +187,7 @@ class CollectiveRecorder:
         """Point DeepSpeed's backend, if built, at the wrappers (it caches two functions)."""
         _rebind_deepspeed({original: getattr(module, name) for (module, name), original in self._originals.items()})
 
-    def _wrap(self, name: str, spec: _OpSpec, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, name: str, spec: OpSpec, fn: Callable[..., Any]) -> Callable[..., Any]:
         positions = {p: i for i, p in enumerate(inspect.signature(fn).parameters)}
 
         def arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: str) -> Any:
@@ -299,7 +205,7 @@ class CollectiveRecorder:
                 group = ops[0].group if ops else None
             else:
                 group = arg(args, kwargs, "group")
-            shapes, dtype, peers, cuda = _describe([arg(args, kwargs, t) for t in spec.tensors])
+            shapes, dtype, peers, cuda = describe([arg(args, kwargs, t) for t in spec.tensors])
             peer = arg(args, kwargs, spec.peer) if spec.peer is not None else None
             if peer is not None:
                 peers.append(int(peer))
@@ -407,7 +313,7 @@ class CollectiveRecorder:
             try:
                 short = self._site_files[filename]
             except KeyError:
-                short = self._site_files[filename] = _site_file(filename)
+                short = self._site_files[filename] = site_file(filename)
             if short is not None:
                 return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
             frame = frame.f_back
@@ -502,47 +408,3 @@ def uninstall() -> None:
 def active() -> Optional[CollectiveRecorder]:
     """The installed recorder, or None."""
     return _active
-
-
-def snapshot_stacks(*, exclude_current: bool = True) -> dict[str, list[str]]:
-    """Every Python thread's stack, innermost frame last, keyed ``"<name> (<ident>)"``.
-
-    The calling thread is left out by default: it is the diagnostic thread itself.
-    """
-    names = {t.ident: t.name for t in threading.enumerate()}
-    me = threading.get_ident()
-    return {
-        f"{names.get(ident, 'thread')} ({ident})": [line.rstrip("\n") for line in traceback.format_stack(frame)]
-        for ident, frame in sys._current_frames().items()
-        if not (exclude_current and ident == me)
-    }
-
-
-def arm_flight_recorder(entries: int = 2048) -> None:
-    """Turn on torch's flight recorder; must run before the process group is created.
-
-    torch 2.7+ reads ``TORCH_FR_BUFFER_SIZE`` for every backend (gloo included) and warns on the
-    older NCCL-only name, which earlier versions read instead.
-    """
-    modern = hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE" if modern else "TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
-
-
-def flight_recorder_dump(*, only_active: bool = False) -> Optional[dict[str, Any]]:
-    """torch's flight-recorder trace (NCCL's on CUDA, else the CPU one for gloo), or None.
-
-    None when the recorder is not armed, this build lacks it, or no collective ran yet.
-    """
-    c = torch._C._distributed_c10d
-    names = ["_dump_nccl_trace_json", "_dump_fr_trace_json"] if torch.cuda.is_available() else ["_dump_fr_trace_json"]
-    for name in names:
-        dump = getattr(c, name, None)
-        if dump is None:
-            continue
-        try:
-            trace = json.loads(dump(includeCollectives=True, onlyActive=only_active))
-        except Exception:  # no process group yet, or a build whose recorder is off
-            continue
-        if trace.get("entries"):
-            return dict(trace)
-    return None

@@ -61,10 +61,10 @@ def _init(rank: int, store_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ringtrain.train import probes
+    from ringtrain.train import forensics
 
     torch.set_num_threads(1)
-    probes.arm_flight_recorder()
+    forensics.arm_flight_recorder()
     dist.init_process_group(
         "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=WAIT_S),
@@ -78,13 +78,13 @@ def _init(rank: int, store_path: str) -> None:
 def one_rank(tmp_path: Path) -> Any:
     import torch.distributed as dist
 
-    from ringtrain.train import probes
+    from ringtrain.train import collectives
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        yield probes
+        yield collectives
     finally:
-        probes.uninstall()
+        collectives.uninstall()
         dist.destroy_process_group()
 
 
@@ -92,8 +92,8 @@ def test_the_recorder_counts_outer_calls_ends_async_ones_on_wait_and_keeps_error
     import torch
     import torch.distributed as dist
 
-    probes = one_rank
-    recorder = probes.install(capacity=8)
+    collectives = one_rank
+    recorder = collectives.install(capacity=8)
     t = torch.ones(4, 2)
     dist.all_gather_object([None], {"x": 1})  # gathers sizes, then data: one record, not three
     work = dist.all_reduce(t, async_op=True)
@@ -107,7 +107,7 @@ def test_the_recorder_counts_outer_calls_ends_async_ones_on_wait_and_keeps_error
     failed = recorder.records()[-1]
     assert failed["op"] == "broadcast" and "invalid root rank" in failed["error"]
     assert [r["op"] for r in recorder.records()] == ["all_gather_object", "all_reduce", "broadcast"]
-    assert all(r["site"].startswith("dist/test_probes.py:") for r in recorder.records())
+    assert all(r["site"].startswith("dist/test_collectives.py:") for r in recorder.records())
     assert [r["seq"] for r in recorder.records()] == [1, 2, 3] and recorder.records()[0]["group_ranks"] == [0]
 
     for _ in range(10):  # the buffer keeps the newest ``capacity``; the counters go on
@@ -185,7 +185,7 @@ def _train_rank(rank: int, world: int, store_path: str, results: mp.Queue) -> No
     import torch.distributed as dist
 
     from ringtrain import config
-    from ringtrain.train import probes, sdc_probes
+    from ringtrain.train import collectives, sdc_probes
     from ringtrain.train.trainer import Trainer, set_rank_env
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".ringtrain-cache" / "torch_extensions"))
@@ -194,8 +194,8 @@ def _train_rank(rank: int, world: int, store_path: str, results: mp.Queue) -> No
     _init(rank, store_path)
     try:
         original = dist.all_reduce
-        recorder = probes.install()
-        assert probes.install() is recorder and dist.all_reduce is not original
+        recorder = collectives.install()
+        assert collectives.install() is recorder and dist.all_reduce is not original
         trainer = Trainer(config.load(None, TINY), rank=rank, device=device)
         first = recorder.state()["num_issued"]
         trainer.train_step()
@@ -212,7 +212,7 @@ def _train_rank(rank: int, world: int, store_path: str, results: mp.Queue) -> No
         with _attention_one_ulp_off(device) if rank == BAD_ATTENTION_RANK else contextlib.nullcontext([]) as attn_hits:
             rounds.append(sdc_probes.digests(sdc_probes.run_probes(device, flip=None)))
 
-        probes.uninstall()
+        collectives.uninstall()
         restored = dist.all_reduce is original and torch.distributed.distributed_c10d.all_reduce is original
         out = {"rank": rank, "step": step, "state": state, "rounds": rounds,
                "restored": restored, "corrupted": gemm_hits + attn_hits}
@@ -328,7 +328,7 @@ def _hang_rank(
 
     from ringtrain.controllers.hangs import RankDiagnostics, diagnose
     from ringtrain.topology import Topology
-    from ringtrain.train import probes
+    from ringtrain.train import collectives
     from ringtrain.train.attention.comm import RingExchange
     from ringtrain.train.mesh import all_reduce_mean
 
@@ -342,7 +342,7 @@ def _hang_rank(
             return next(g for ranks, g in made if rank in ranks)
 
         dp_group, ring_group = mine(topology.dp_groups()), mine(topology.ring_groups())
-        recorder = probes.install()
+        recorder = collectives.install()
         ring = RingExchange(ring_group)
         kv = torch.full((2, 8), float(rank))
 
