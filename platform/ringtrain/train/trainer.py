@@ -55,6 +55,23 @@ def set_rank_env(*, rank: int, world_size: int, device: torch.device) -> None:
     os.environ["WORLD_SIZE"] = str(world_size)
 
 
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed's communication layer from loading its shared-memory all-reduce op.
+
+    DeepSpeed 0.19's TorchBackend loads that JIT-built op whenever its op table says it is
+    compatible, and reading the table first probes every op builder (compiler runs). The op
+    serves only ``inference_all_reduce``, which training never calls, yet each rank paid the
+    probe and a load under torch's extension-directory lock (serialised across the ranks of a
+    node): seconds per process on a busy host. Naming it incompatible skips both."""
+    import deepspeed.ops
+
+    table = deepspeed.ops.__dict__.get("__compatible_ops__")
+    if table is None:
+        deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+    else:
+        table["deepspeed_shm_comm"] = False
+
+
 def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
     from ringtrain.train.attention import build_attention
 
@@ -128,6 +145,7 @@ class Trainer:
         topology = Topology(job.mesh.dp, job.mesh.cp, job.ulysses_degree)
         self.mesh = build_mesh(topology, rank)
         attention_fn = (attention_factory or default_attention)(job, self.mesh)
+        skip_shm_comm_op()
         with partitioned_construction(job, self.mesh, self.dtype):
             self.model = build_model(job, attention_fn)
         self.engine = build_engine(self.model, job, self.mesh, self.dtype)
