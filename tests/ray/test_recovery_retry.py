@@ -1,8 +1,9 @@
 """A second failure inside a recovery, on a Ray cluster of several nodes on this machine.
 
-Rank 1 crashes mid-step and the warm spare takes its seat; while that new world restores the
+Rank 1 crashes mid-step and a warm spare takes its seat; while that new world restores the
 snapshot, rank 2 dies too (chaos ``crash_restoring``). The recovery is tried again from the same
-restore point with a new worker in rank 2's seat, and the run ends as the uninterrupted one.
+restore point with the second warm spare in rank 2's seat (two spares: no worker starts cold
+inside the test, which keeps it quick), and the run ends as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ def test_a_worker_dying_while_the_recovery_restores_is_retried_and_training_matc
     cluster: Any, tmp_path: Path, reference: Path
 ) -> None:
     for _ in range(3):
-        cluster.add_node(num_cpus=1)  # two replicas of 2 x 0.5 CPU, and the spare
+        cluster.add_node(num_cpus=1)  # two replicas of 2 x 0.5 CPU, and the two spares
     run_dir = tmp_path / "run"
     faults = f"[{{kind: crash, rank: 1, step: {CRASH_STEP}}}, {{kind: crash_restoring, rank: 2, step: {CRASH_STEP}}}]"
-    # min_dp=2: the second seat is filled by a new worker, so the dp (and every loss) stays.
-    job = start_job(cluster, run_dir, tmp_path, "mesh.spares=1", "mesh.min_dp=2", f"chaos.faults={faults}")
+    # min_dp=2: each lost seat is filled (by a spare), so the dp (and every loss) stays.
+    job = start_job(cluster, run_dir, tmp_path, "mesh.spares=2", "mesh.min_dp=2", f"chaos.faults={faults}")
     out = finish(job)
 
     crash, during = incidents(run_dir)
