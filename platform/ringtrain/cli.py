@@ -126,6 +126,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
                 sinks=[TensorBoardSink(run_path)] if job.telemetry.tensorboard else [],
                 elastic=Recovery(group),
                 eval_plan=eval_plan,
+                startup=cluster.startup,
             )
             summary = controller.run()
         finally:

@@ -12,8 +12,9 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ringtrain.config import JobConfig, validate_gpus_per_worker
@@ -27,6 +28,8 @@ class ClusterHandle:
     address: str
     embedded: bool
     temp_dir: Optional[str]
+    # summary.json's startup: the process's start to ray.init's, and ray.init itself
+    startup: dict[str, float] = field(default_factory=dict)
 
     def close(self, *, keep_logs: bool = False) -> None:
         """Disconnect; an embedded cluster's processes end, and its temp dir goes unless kept."""
@@ -40,7 +43,18 @@ class ClusterHandle:
 
 def connect(job: JobConfig) -> ClusterHandle:
     """Join ``cluster.address`` (or RAY_ADDRESS), else start an embedded local cluster."""
-    return connect_to(job.cluster.address, num_cpus=job.cluster.num_cpus, metrics_port=job.telemetry.metrics_port)
+    before = _since_process_start()
+    t0 = time.monotonic()
+    handle = connect_to(job.cluster.address, num_cpus=job.cluster.num_cpus, metrics_port=job.telemetry.metrics_port)
+    handle.startup = {"before_ray_init_s": before, "ray_init_s": time.monotonic() - t0}
+    return handle
+
+
+def _since_process_start() -> float:
+    """Seconds since this process started (psutil comes with Ray)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
 
 
 def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metrics_port: Optional[int] = None) -> ClusterHandle:

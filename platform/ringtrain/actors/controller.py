@@ -80,6 +80,7 @@ class Controller(RunBook):
         elastic: Optional[Elastic] = None,
         clock: Callable[[], float] = time.monotonic,
         eval_plan: Optional[EvalPlan] = None,
+        startup: Optional[dict[str, float]] = None,
     ) -> None:
         self.job = job
         self.group = group
@@ -116,7 +117,8 @@ class Controller(RunBook):
         # What eval.every scores (read from eval.data on the first evaluation unless given).
         self.eval_plan = eval_plan
         self.last_eval: Optional[dict[str, Any]] = None
-        self.startup: dict[str, float] = {}  # seconds by start phase, for summary.json
+        # Seconds by start phase, for summary.json; ``startup``: phases before the controller (ray.init).
+        self.startup: dict[str, float] = dict(startup or {})
         self.transit: dict[str, Any] = {}  # snapshot transit window by holder role (actors.transit)
 
     def _transition(self, new: RunState, reason: str) -> None:
@@ -129,7 +131,7 @@ class Controller(RunBook):
         started = self.clock()
         try:
             self.group.start()
-            self.startup = {**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started}
+            self.startup.update({**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started})
             if self.telemetry is not None and self.group.infos:
                 self.telemetry.peak_flops_per_worker = peak_flops(
                     self.group.infos[0].device_name, cpu_cores=self.job.cluster.cpus_per_worker
