@@ -46,6 +46,10 @@ JOB = [
 ]  # fmt: skip
 
 
+class StartFailed(RuntimeError):
+    """The run never reached the step to kill after: no kill happened."""
+
+
 def one_kill(args: argparse.Namespace, rebuild: bool, delay_ms: float, address: str = "") -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rt-redone-", dir="/tmp"))
     run_dir = tmp / "run"
@@ -59,7 +63,7 @@ def one_kill(args: argparse.Namespace, rebuild: bool, delay_ms: float, address: 
         deadline = time.monotonic() + args.timeout
         while not any(r["step"] >= args.kill_after for r in read_jsonl(run_dir / "metrics.jsonl")):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"no step {args.kill_after}:\n{log_tail(tmp)}")
+                raise StartFailed(f"no step {args.kill_after}:\n{log_tail(tmp)}")
             time.sleep(0.002)
         seen = time.monotonic()
         victim = json.loads((run_dir / "workers.json").read_text())["workers"][1]["pid"]
@@ -105,6 +109,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-cpus", type=int, default=4)
     p.add_argument("--nodes", type=int, default=0, help="run on a ray.cluster_utils.Cluster of this many nodes (0: embedded)")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--max-failed-starts", type=int, default=3, help="runs that never reach the kill step, retried, per scenario")
+    p.add_argument("--keep", action="store_true", help="keep the scenarios already in --out (others are added or replaced)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "redone_steps-cpu.json")
     args = p.parse_args(argv)
     run = Run("redone_steps")
@@ -119,18 +125,26 @@ def main(argv: list[str]) -> int:
         address = cluster.address
     results: dict[str, Any] = {"kill_after_step": args.kill_after, "nodes": args.nodes or 1, "scenarios": {},
                                "load_avg_1m": {"start": load()}}
+    if args.keep and args.out.exists():
+        results["scenarios"] = json.loads(args.out.read_text()).get("scenarios", {})
     try:
         for item in [x for x in args.plan.split(",") if x]:
             mode, rest = item.split("@")
             delay, count = rest.split("x")
-            kills = []
-            for _ in range(int(count)):
-                kills.append(one_kill(args, mode == "on", float(delay), address) | {"load_avg_1m": load()})
+            kills, failed_starts = [], []
+            while len(kills) < int(count):
+                try:
+                    kills.append(one_kill(args, mode == "on", float(delay), address) | {"load_avg_1m": load()})
+                except StartFailed as exc:  # e.g. Ray's node start timing out on a loaded host: not a kill
+                    failed_starts.append(str(exc)[-400:])
+                    if len(failed_starts) > args.max_failed_starts:
+                        raise
             redone = sum(1 for k in kills if k["lost_steps"])
             results["scenarios"][f"rebuild_{mode}_delay_{delay}ms"] = {
                 "rebuild": mode == "on", "delay_ms": float(delay), "num_kills": len(kills),
-                "runs_with_redone_steps": redone, "transit": pooled(kills), "kills": kills,
+                "runs_with_redone_steps": redone, "transit": pooled(kills), "kills": kills, "failed_starts": failed_starts,
             }
+            run.write(results, device_type="cpu", out=args.out)  # after each scenario: a later crash keeps it
             print(f"rebuild {mode}, {delay} ms: redone steps in {redone} of {len(kills)} kills; transit {pooled(kills)}", flush=True)
     finally:
         if cluster is not None:
