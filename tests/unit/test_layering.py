@@ -212,7 +212,7 @@ def test_the_l0_modules_exist() -> None:
     assert {"ringtrain.config", "ringtrain.errors", "ringtrain.topology", "ringtrain.status"} <= set(L0_MODULES)
 
 
-# omegaconf, and PyYAML, which omegaconf itself parses with (config.py reads YAML through it
+# omegaconf, and PyYAML, which omegaconf itself parses with (config/loading.py reads YAML through it
 # to check a job file's shape before OmegaConf sees it).
 L0_THIRD_PARTY = {"omegaconf", "yaml"}
 

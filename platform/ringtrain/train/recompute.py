@@ -48,7 +48,7 @@ def recomputed(fn: TensorFn, x_BSE: torch.Tensor) -> torch.Tensor:
 
 def tiled(fn: TensorFn, x_BSE: torch.Tensor, num_tiles: int) -> torch.Tensor:
     """``fn`` of a position-wise function over ``num_tiles`` sequence tiles, each recomputed in the
-    backward; ``num_tiles`` must divide the sequence (config.py checks ``model.mlp_tiles``)."""
+    backward; ``num_tiles`` must divide the sequence (``config.checks`` checks ``model.mlp_tiles``)."""
     if num_tiles == 1:
         return recomputed(fn, x_BSE)
     if x_BSE.shape[1] % num_tiles:
