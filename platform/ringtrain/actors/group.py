@@ -78,7 +78,7 @@ class WorkerGroup:
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.job.mesh.dp, self.job.mesh.cp, self.job.ulysses_degree)
+        return self.job.topology
 
     @property
     def workers(self) -> list[Any]:

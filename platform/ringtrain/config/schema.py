@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from ringtrain.chaos import FaultSpec
 from ringtrain.errors import ConfigError
+from ringtrain.topology import Topology
 
 # The attention names, declared once: train/attention keys its registries by them (which
 # function runs each implementation, which class each block kernel is, what each kernel takes),
@@ -321,12 +322,17 @@ class JobConfig:
         return self.mesh.cp if self.attention.impl == "ulysses" else 1
 
     @property
+    def topology(self) -> Topology:
+        """The job's dp x cp grid at its configured dp (a resize builds its own)."""
+        return Topology(self.mesh.dp, self.mesh.cp, self.ulysses_degree)
+
+    @property
     def ring_degree(self) -> int:
-        return self.mesh.cp // self.ulysses_degree
+        return self.topology.ring
 
     @property
     def world_size(self) -> int:
-        return self.mesh.dp * self.mesh.cp
+        return self.topology.world_size
 
     @property
     def max_dp(self) -> int:

@@ -26,7 +26,6 @@ from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.checkpoint.wire import FragmentIndex, decode
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.status import StepReport
-from ringtrain.topology import Topology
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
@@ -142,7 +141,7 @@ class Trainer:
         self.job = job
         self.device = device
         self.dtype = resolve_dtype(job, device)
-        topology = Topology(job.mesh.dp, job.mesh.cp, job.ulysses_degree)
+        topology = job.topology
         self.mesh = build_mesh(topology, rank)
         attention_fn = (attention_factory or default_attention)(job, self.mesh)
         skip_shm_comm_op()
