@@ -1,0 +1,194 @@
+"""Benchmark: time from launch to the first completed step, ringtrain against torchrun.
+
+The same 4-rank job on each side: the quickstart model (jobs/quickstart.yaml) at dp 4, cp 1,
+ZeRO-0, gloo on CPU.
+
+- ringtrain: ``python -m ringtrain run jobs/quickstart.yaml ...`` on an embedded Ray cluster, as
+  a user starts it. The first step is done when its line is in metrics.jsonl (the record's
+  ``time``); the phases come from summary.json's ``startup``.
+- torchrun: ``python -m torch.distributed.run --nproc-per-node 4 bench/startup.py --rank-main``:
+  each rank initialises gloo from torchrun's environment, builds ringtrain's Trainer (same model,
+  DeepSpeed engine, data) and trains one step; rank 0 stamps the wall time after it.
+
+Repeats alternate the two sides. Both share one TORCH_EXTENSIONS_DIR (DeepSpeed's CPU comm op
+is built once, not per launch), as a user's ~/.cache/torch_extensions is.
+
+    PYTHONPATH=platform python bench/startup.py --repeats 3
+
+Writes bench/results/startup-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+OVERRIDES = ["mesh.dp=4", "mesh.cp=1", "zero.stage=0", "telemetry.metrics=false", "telemetry.tensorboard=false"]
+TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
+
+
+def _env(tmp: Path, root: Path = ROOT) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env.update(
+        HOME=str(tmp),
+        RAY_AUTH_MODE="disabled",
+        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
+        PYTHONPATH=os.pathsep.join([str(root / "platform"), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def _launch(cmd: list[str], env: dict[str, str], tmp: Path, timeout: float) -> subprocess.Popen[bytes]:
+    """Run ``cmd`` to its end in a session of its own; on a timeout the session is killed."""
+    with open(tmp / "out.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"timed out after {timeout:g} s:\n" + (tmp / "out.log").read_text()[-3000:]) from None
+    return proc
+
+
+def _first_record(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        if line.endswith("}"):
+            return json.loads(line)
+    return None
+
+
+def run_ringtrain(timeout: float, root: Path = ROOT) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="rt-start-", dir="/tmp"))
+    run_dir = tmp / "run"
+    cmd = [sys.executable, "-m", "ringtrain", "run", str(ROOT / "jobs" / "quickstart.yaml"), *OVERRIDES,
+           "train.steps=1", f"run_dir={run_dir}"]  # fmt: skip
+    try:
+        t0 = time.time()
+        proc = _launch(cmd, _env(tmp, root), tmp, timeout)
+        t_exit = time.time()
+        if proc.returncode != 0:
+            raise RuntimeError((tmp / "out.log").read_text()[-3000:])
+        record = _first_record(run_dir / "metrics.jsonl")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert record is not None
+        return {"first_step_s": record["time"] - t0, "exit_s": t_exit - t0, "phases": summary["startup"],
+                "step_wall_s": record.get("wall_s")}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_torchrun(timeout: float) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="rt-start-", dir="/tmp"))
+    out = tmp / "rank0.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+           str(Path(__file__).resolve()), "--rank-main", str(out)]  # fmt: skip
+    env = _env(tmp)
+    env["BENCH_T0"] = repr(time.time())
+    try:
+        t0 = float(env["BENCH_T0"])
+        proc = _launch(cmd, env, tmp, timeout)
+        t_exit = time.time()
+        if proc.returncode != 0:
+            raise RuntimeError((tmp / "out.log").read_text()[-3000:])
+        got = json.loads(out.read_text())
+        return {"first_step_s": got["done"] - t0, "exit_s": t_exit - t0,
+                "phases": {k: got[k] - t0 for k in ("imported", "process_group", "trainer")}}  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rank_main(out: str) -> None:
+    """One torchrun rank: gloo, ringtrain's Trainer for the same job, one step."""
+    t_start = time.time()
+    import torch
+    import torch.distributed as dist
+
+    from ringtrain import config
+    from ringtrain.train.trainer import Trainer, set_rank_env
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    job = config.load(str(ROOT / "jobs" / "quickstart.yaml"), OVERRIDES)
+    torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))  # as a ringtrain worker does
+    device = torch.device("cpu")
+    imported = time.time()
+    set_rank_env(rank=rank, world_size=world, device=device)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    pg = time.time()
+    trainer = Trainer(job, rank=rank, device=device)
+    built = time.time()
+    trainer.train_step()
+    done = time.time()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"start": t_start, "imported": imported, "process_group": pg, "trainer": built, "done": done}))
+    trainer.close()  # leaves the process group too
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--rank-main"]:
+        rank_main(argv[1])
+        return 0
+    from record import RESULTS_DIR, Run
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--label", default="", help="stored with the result (e.g. before/after a change)")
+    p.add_argument("--before-root", type=Path, help="a checkout of the code before a change: its ringtrain runs as a third side")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "startup-cpu.json")
+    args = p.parse_args(argv)
+    run = Run("startup")
+    TORCH_EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
+    sides: dict[str, Any] = {"ringtrain": run_ringtrain, "torchrun": run_torchrun}
+    if args.before_root:
+        sides["ringtrain_before"] = lambda timeout: run_ringtrain(timeout, args.before_root.resolve())
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    load = [os.getloadavg()[0]]
+    for i in range(args.repeats):
+        order = list(sides)[i % len(sides):] + list(sides)[: i % len(sides)]  # each side first in turn
+        for name in order:
+            got = sides[name](args.timeout) | {"load_avg_1m": os.getloadavg()[0]}
+            runs[name].append(got)
+            load.append(got["load_avg_1m"])
+            print(f"{name}: first step {got['first_step_s']:.2f} s after launch (exit {got['exit_s']:.2f} s) {got['phases']}", flush=True)
+    result: dict[str, Any] = {"job": "jobs/quickstart.yaml " + " ".join(OVERRIDES), "label": args.label, "runs": runs}
+    if args.before_root:
+        result["before_commit"] = subprocess.run(["git", "-C", str(args.before_root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for name in sides:
+        result[name] = {"first_step_s": _stats([r["first_step_s"] for r in runs[name]])}
+        phases = sorted({k for r in runs[name] for k in r["phases"]})
+        result[name]["phases_median_s"] = {k: statistics.median(r["phases"][k] for r in runs[name] if k in r["phases"]) for k in phases}
+    result["ratio_ringtrain_to_torchrun"] = result["ringtrain"]["first_step_s"]["median"] / result["torchrun"]["first_step_s"]["median"]
+    result["load_avg_1m"] = {"min": min(load), "max": max(load)}
+    if max(load) > 4:
+        result["note"] = "machine loaded (1-minute load average above 4 on 2 cores) by other work while this ran"
+    if args.before_root:
+        result["ratio_ringtrain_to_before"] = result["ringtrain"]["first_step_s"]["median"] / result["ringtrain_before"]["first_step_s"]["median"]
+    print(f"median first step: ringtrain {result['ringtrain']['first_step_s']['median']:.2f} s, "
+          f"torchrun {result['torchrun']['first_step_s']['median']:.2f} s ({result['ratio_ringtrain_to_torchrun']:.2f}x)")  # fmt: skip
+    run.write(result, device_type="cpu", out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
