@@ -8,7 +8,8 @@ carries it out; between steps the elastic policy (``controllers.elastic``) grows
 when capacity returns, and every ``controllers.sdc_every_steps`` the ranks run the SDC probes
 (``controllers.sdc``): a rank that fails them is evicted and training rolls back to the last
 clean scan. Each incident is written to ``incidents/`` when it is seen and again when training
-has recovered from it.
+has recovered from it. Everything the run shows goes through one list of observers
+(``actors.observers``): the run directory, the console, Prometheus and the sinks (TensorBoard).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from typing import Any, Callable, Optional, Sequence, cast
 
 from ringtrain.actors.evaluation import EvalPlan
+from ringtrain.actors.observers import Observer, run_observers
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
 from ringtrain.actors.runbook import RunBook
 from ringtrain.actors.transit import gather_arrivals, transit_window
@@ -35,7 +37,6 @@ from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
 from ringtrain.controllers.stragglers import StragglerWatch, slowdowns
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
-from ringtrain.planner.devices import peak_flops
 from ringtrain.status import Incident, StepReport
 from ringtrain.telemetry.progress import Progress
 from ringtrain.telemetry.prometheus import RunMetrics
@@ -81,15 +82,18 @@ class Controller(RunBook):
         clock: Callable[[], float] = time.monotonic,
         eval_plan: Optional[EvalPlan] = None,
         startup: Optional[dict[str, float]] = None,
+        observers: Sequence[Observer] = (),
     ) -> None:
+        """``run_dir``, ``progress``, ``telemetry``, ``sinks`` and ``observers``: what follows the
+        run, told in that order (``actors.observers``)."""
         self.job = job
         self.group = group
         self.run_dir = run_dir
-        self.progress = progress or Progress(job.train.steps, enabled=False)
+        self.observers = run_observers(
+            run_dir, progress or Progress(job.train.steps, enabled=False), telemetry, sinks, observers, job=job
+        )
         self.persister = persister
         self.resume_from = resume_from
-        self.telemetry = telemetry
-        self.sinks = list(sinks)
         self.run_id = run_id
         self.elastic = elastic  # None: any failure ends the run
         self.incidents: list[Incident] = []
@@ -132,10 +136,7 @@ class Controller(RunBook):
         try:
             self.group.start()
             self.startup.update({**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started})
-            if self.telemetry is not None and self.group.infos:
-                self.telemetry.peak_flops_per_worker = peak_flops(
-                    self.group.infos[0].device_name, cpu_cores=self.job.cluster.cpus_per_worker
-                )
+            self.observers.on_start(self.group.infos)
             if self.resume_from is not None:
                 self.start_step = self._resume(self.resume_from)
             self._write_layout()
@@ -173,12 +174,9 @@ class Controller(RunBook):
             if holders:
                 self.transit = transit_window(self.records, gather_arrivals(list(holders.values())))
             self.group.shutdown()
-            if self.telemetry is not None:
-                self.telemetry.finish()
-            for sink in self.sinks:
-                sink.close()
+            self.observers.close()
         summary = self._summary(wall_s=self.clock() - started)
-        self.run_dir.write_summary(summary)
+        self.observers.on_summary(summary)
         return summary
 
     def _step(self, step: int, started: float) -> int:
@@ -201,8 +199,7 @@ class Controller(RunBook):
             evidence: dict[str, Any] = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
             if getattr(failed, "verdict", None):
                 evidence["hang"] = failed.verdict
-                if self.telemetry is not None:
-                    self.telemetry.add(metrics.HANG_VERDICTS, 1)
+                self.observers.on_count(metrics.HANG_VERDICTS, 1)
             return self._recover(failure, step, t0, seen_at=failed.seen_at, seen_unix=failed.seen_unix, verdict=evidence) + 1
         wall = self.clock() - t0
         nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None
@@ -299,7 +296,7 @@ class Controller(RunBook):
         self._update_incident(incident)
         self._recovering.append((incident, seen_at))
         self._write_layout()
-        self.progress.message(
+        self.observers.on_message(
             f"incident {incident.id}: {decision.action.value} done, dp {incident.dp_before} -> {self.dp}, "
             f"resuming after step {resumed} ({len(struck)} completed steps redone)"
         )
@@ -383,11 +380,10 @@ class Controller(RunBook):
         for incident, seen_at in self._recovering:
             incident = dataclasses.replace(incident, recover_s=self.clock() - seen_at)
             self._update_incident(incident)
-            if self.telemetry is not None:
-                self.telemetry.add(metrics.RECOVERIES, 1)
-                self.telemetry.set(metrics.RECOVERY_SECONDS, incident.recover_s or 0.0)
-                self.telemetry.add(metrics.LOST_STEPS, incident.lost_steps)
-                self.telemetry.set(metrics.DP_SIZE, self.dp)
+            self.observers.on_count(metrics.RECOVERIES, 1)
+            self.observers.on_gauge(metrics.RECOVERY_SECONDS, incident.recover_s or 0.0)
+            self.observers.on_count(metrics.LOST_STEPS, incident.lost_steps)
+            self.observers.on_gauge(metrics.DP_SIZE, self.dp)
         self._recovering = []
 
     def _maybe_grow(self, step: int) -> None:
@@ -412,7 +408,7 @@ class Controller(RunBook):
         )
         grow_to = self._grow_gate.observe(now, current_dp=self.dp, possible_dp=possible)
         if grow_to is not None:
-            self.progress.message(
+            self.observers.on_message(
                 f"capacity for dp {grow_to} seen for controllers.grow_after_s: starting {grow_to - self.dp} replica(s)"
             )
             self.elastic.prepare_growth(grow_to - self.dp)
@@ -433,18 +429,16 @@ class Controller(RunBook):
         event = {"step": step, "dp_before": before, "dp_after": new_dp, "seconds": self.clock() - t0, "at": time.time()}
         self.resizes.append(event)
         self._write_layout()
-        if self.telemetry is not None:
-            self.telemetry.set(metrics.DP_SIZE, new_dp)
-        self.progress.message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
+        self.observers.on_gauge(metrics.DP_SIZE, new_dp)
+        self.observers.on_message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
 
     def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[int]:
         """Export each rank's slowdown; with controllers.on_straggler set, name a persistent
         straggler (controllers.stragglers) and, with evict, recover from it as from a lost rank
         whose slot is not reused. Returns the step resumed after an eviction."""
         compute = {r.rank: r.compute_s for r in reports}
-        if self.telemetry is not None:
-            for rank, ratio in slowdowns(compute).items():
-                self.telemetry.set(metrics.RANK_SLOWDOWN, ratio, rank=str(rank))
+        for rank, ratio in slowdowns(compute).items():
+            self.observers.on_gauge(metrics.RANK_SLOWDOWN, ratio, rank=str(rank))
         c = self.job.controllers
         found = self.stragglers.observe(step, compute) if c.on_straggler != "off" and len(reports) > 1 else None
         if found is None:
@@ -480,15 +474,13 @@ class Controller(RunBook):
         at once; returns the step resumed after."""
         assert self.sdc is not None
         self.scans += 1
-        if self.telemetry is not None:
-            self.telemetry.add(metrics.SDC_PROBES, 1)
+        self.observers.on_count(metrics.SDC_PROBES, 1)
         verdict = self.sdc.check(step, digests)
         if verdict is None:
             self.last_clean_scan = step
             self.group.pin_snapshots(step)
             return None
-        if self.telemetry is not None:
-            self.telemetry.add(metrics.SDC_FAILURES, 1)
+        self.observers.on_count(metrics.SDC_FAILURES, 1)
         node_of = {i: info.node_id for i, info in enumerate(self.group.infos)}
         failure = sdc_failure(verdict, node_of=node_of, evict_node=self.job.controllers.sdc_evict_node)
         evidence = {"sdc": verdict.to_dict(), "last_clean_scan": self.last_clean_scan}

@@ -1,6 +1,7 @@
 """RunBook: what the Controller writes down about a run, and the durable copies it keeps.
 
-The run directory's step records (metrics.jsonl), incidents, worker layout and summary, the
+The step records (metrics.jsonl), incidents, worker layout and summary, told to the run's
+observers (``actors.observers``: the run directory, the console, Prometheus, TensorBoard), the
 durable checkpoints handed to the Persister, a resume's restore and the evaluations due on the
 step cadence. A mixin of the Controller: the state machine decides, this part keeps the record,
 so each stays readable on its own.
@@ -14,17 +15,15 @@ import time
 from typing import Any, Callable, Optional, cast
 
 from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tokenizer, plan_for
-from ringtrain.actors.protocols import Durable, Elastic, Group, Sink
+from ringtrain.actors.observers import Observers
+from ringtrain.actors.protocols import Durable, Elastic, Group
 from ringtrain.actors.records import recovery_entry, step_record
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.controllers.ledger import SampleLedger
 from ringtrain.controllers.sdc import SdcScanner
 from ringtrain.controllers.snapshots import persist_due
-from ringtrain import metrics
 from ringtrain.status import Incident, StepReport
-from ringtrain.telemetry.progress import Progress
-from ringtrain.telemetry.prometheus import RunMetrics
 from ringtrain.telemetry.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -35,12 +34,10 @@ class RunBook:
 
     job: JobConfig
     group: Group
-    run_dir: RunDir
-    progress: Progress
+    run_dir: RunDir  # read here (incident numbering, its path); written through the observers
+    observers: Observers
     persister: Optional[Durable]
     resume_from: Optional[LoadedCheckpoint]
-    telemetry: Optional[RunMetrics]
-    sinks: list[Sink]
     run_id: str
     elastic: Optional[Elastic]
     incidents: list[Incident]
@@ -65,7 +62,7 @@ class RunBook:
 
     def _write_layout(self) -> None:
         if self.elastic is not None:
-            self.run_dir.write_workers(self.elastic.layout())
+            self.observers.on_layout(self.elastic.layout())
 
     def _incident(
         self,
@@ -93,24 +90,18 @@ class RunBook:
             verdict=verdict,
         )
         self.incidents.append(incident)
-        record = dataclasses.asdict(incident)
-        path = self.run_dir.write_incident(record)
-        self.progress.message(f"incident {incident.id}: {kind} on ranks {list(ranks)} at step {step}: {reason} ({path})")
-        if self.telemetry is not None:
-            self.telemetry.add(metrics.INCIDENTS, 1, kind=kind)
-        for sink in self.sinks:
-            sink.incident(record)
+        self.observers.on_incident(dataclasses.asdict(incident))
         return incident
 
     def _update_incident(self, incident: Incident) -> None:
         self.incidents = [incident if i.id == incident.id else i for i in self.incidents]
-        self.run_dir.write_incident(dataclasses.asdict(incident))
+        self.observers.on_incident_update(dataclasses.asdict(incident))
 
     def _resume(self, checkpoint: LoadedCheckpoint) -> int:
         t0 = self.clock()
         names = sorted(checkpoint.shards)
         step = self.group.restore([checkpoint.shards[n] for n in names])
-        self.progress.message(
+        self.observers.on_message(
             f"resumed from {checkpoint.uri} (step {step}, written at dp {checkpoint.meta.get('dp')}) "
             f"in {self.clock() - t0:.2f} s"
         )
@@ -129,7 +120,7 @@ class RunBook:
             return
         for persisted in self.persister.flush() if wait else self.persister.poll():
             self.persist_s = persisted.seconds
-            self.progress.message(
+            self.observers.on_message(
                 f"checkpoint step {persisted.step}: {persisted.num_bytes / 1e6:.1f} MB in {persisted.seconds:.2f} s -> {persisted.uri}"
             )
 
@@ -140,7 +131,7 @@ class RunBook:
         self._drain(wait=True)
         gone = self.persister.discard_after(step)
         if gone:
-            self.progress.message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
+            self.observers.on_message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
 
     def _close_durable(self) -> None:
         if self.persister is None:
@@ -164,7 +155,7 @@ class RunBook:
         found["seconds"] = self.clock() - t0
         self.last_eval = {"step": step, **{k: found[k] for k in ("loss", "perplexity", "tokens")}}
         passkey = found.get("passkey")
-        self.progress.message(
+        self.observers.on_message(
             f"eval after step {step}: loss {_or_dash(found['loss'], '.4f')}, perplexity {_or_dash(found['perplexity'], '.4g')} "
             f"over {found['tokens']} tokens" + (f", passkey {passkey['overall']:.0%}" if passkey else "") + f" ({found['seconds']:.1f} s)"
         )
@@ -182,22 +173,15 @@ class RunBook:
         record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
         # Wall time on steps that were kept: a step struck out by a rollback stops counting.
         self._kept_s += wall_s
-        goodput = self._kept_s / max(self.clock() - started, 1e-9)
-        record["goodput"] = goodput
-        if self.telemetry is not None:
-            record["mfu"] = self.telemetry.mfu(record["tokens_per_s"], self.dp * self.job.mesh.cp)
-            self.telemetry.step(record)
-            self.telemetry.goodput(goodput)
-        for sink in self.sinks:
-            sink.step(record)
+        record["goodput"] = self._kept_s / max(self.clock() - started, 1e-9)
+        record.update(self.observers.step_fields(record))  # MFU, with the telemetry's model FLOPs
         self.ledger.record(
             record["step"],
             tuple(s for r in reports for s in r.samples),
             tuple(o for r in reports for o in r.origins),
         )
         self.records.append(record)
-        self.run_dir.append_metrics(record)
-        self.progress.step(record)
+        self.observers.on_step(record)
 
     def _summary(self, *, wall_s: float) -> dict[str, Any]:
         last = self.records[-1] if self.records else None

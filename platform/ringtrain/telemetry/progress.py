@@ -1,8 +1,9 @@
-"""Console output while a run goes: one line per step, and a short summary at the end."""
+"""Console output while a run goes: one line per step, a line per incident, and a short summary at the end."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -14,6 +15,14 @@ def step_line(record: dict[str, Any], total_steps: int) -> str:
         f" | {record['step_time_s']:.2f} s/step"
         f" | lr {record['lr']:.2e}"
         f" | dp {record['dp']} x cp {record['cp']}"
+    )
+
+
+def incident_line(incident: dict[str, Any], path: Path) -> str:
+    """An incident as first seen, and the file that holds it."""
+    return (
+        f"incident {incident['id']}: {incident['kind']} on ranks {list(incident['ranks'])} "
+        f"at step {incident['detected_at_step']}: {incident['reason']} ({path})"
     )
 
 

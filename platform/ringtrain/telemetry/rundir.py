@@ -38,10 +38,13 @@ class RunDir:
         folder = self.path / "incidents"
         return len(list(folder.glob("*.json"))) if folder.is_dir() else 0
 
+    def incident_path(self, incident: dict[str, Any]) -> Path:
+        """Where ``write_incident`` keeps ``incident``: one file per incident, by id and kind."""
+        return self.path / "incidents" / f"{incident['id']:04d}-{incident['kind']}.json"
+
     def write_incident(self, incident: dict[str, Any]) -> Path:
-        folder = self.path / "incidents"
-        folder.mkdir(exist_ok=True)
-        path = folder / f"{incident['id']:04d}-{incident['kind']}.json"
+        path = self.incident_path(incident)
+        path.parent.mkdir(exist_ok=True)
         _atomic_write(path, json.dumps(incident, indent=2, sort_keys=True) + "\n")
         return path
 
