@@ -23,7 +23,7 @@ from ringtrain.controllers.faults import Kind
 from ringtrain.controllers.retries import RecoveryFault, phase_of, retry_recovery
 from ringtrain.errors import WorkerError
 from ringtrain.status import WorkerInfo
-from tests.unit.test_controller import FakeElastic, Fault, elastic_job, elastic_run, incident_files, reform_call, whole
+from tests.unit.controller_fakes import FakeElastic, Fault, elastic_job, elastic_run, incident_files, reform_call, whole
 
 
 def test_a_worker_dying_in_a_recovery_is_a_failure_of_the_world_being_formed() -> None:
@@ -66,7 +66,7 @@ class BreakingElastic(FakeElastic):
 def breaking_run(tmp_path: Path, job: config.JobConfig, **elastic: Any) -> tuple[dict[str, Any], Any, BreakingElastic]:
     from ringtrain.actors.controller import Controller
     from ringtrain.telemetry.rundir import RunDir
-    from tests.unit.test_controller import Clock, ElasticGroup
+    from tests.unit.controller_fakes import Clock, ElasticGroup
 
     clock = Clock()
     group = ElasticGroup(job, clock, {6: [Fault("crash", 1)]})

@@ -18,7 +18,7 @@ from ringtrain.controllers.faults import Action, Capacity, Failure, Kind, decide
 from ringtrain.controllers.stragglers import StragglerWatch, slowdowns
 from ringtrain.status import StepReport
 
-from tests.unit.test_controller import ElasticGroup, elastic_job, elastic_run, incident_files, reform_call, whole
+from tests.unit.controller_fakes import ElasticGroup, elastic_job, elastic_run, incident_files, reform_call, whole
 
 FACTOR, STEPS = 1.5, 3
 
@@ -115,7 +115,7 @@ def slow_run(tmp_path: Path, on_straggler: str, **elastic: Any) -> tuple[dict[st
     import ringtrain.actors.controller as controller_module
     from ringtrain.telemetry.rundir import RunDir
 
-    from tests.unit import test_controller as tc
+    from tests.unit import controller_fakes as tc
 
     job = elastic_job(mesh={"spares": elastic.get("spares", 0), "min_dp": elastic.pop("min_dp", 1)},
                       on_straggler=on_straggler, straggler_steps=STEPS)
