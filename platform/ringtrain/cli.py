@@ -83,7 +83,7 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     from ringtrain.telemetry.prometheus import new_run_id
     from ringtrain.telemetry.report import write_report
     from ringtrain.telemetry.rundir import RunDir, default_run_dir
-    from ringtrain.telemetry.tensorboard import TensorBoardSink
+    from ringtrain.telemetry.tensorboard import TensorBoardSink, preload
 
     run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
     progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
@@ -91,6 +91,8 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     resume_from = find_resume_point(job, run_path, progress.message)
     store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
 
+    if job.telemetry.tensorboard:
+        preload()  # torch and tensorboard load while the cluster starts
     cluster = connect(job)
     # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's
     # crash handler aborts the process): install ours again so a stop still writes the summary.

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional, TypeGuard
+import threading
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
-from torch.utils.tensorboard import SummaryWriter
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 # metrics.jsonl key -> TensorBoard tag. The prefix before "/" is the section TensorBoard groups by.
 SCALAR_TAGS: dict[str, str] = {
@@ -49,12 +51,20 @@ def is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def preload() -> threading.Thread:
+    """Import the event writer (torch and tensorboard: seconds) on a thread of its own, so that a
+    driver pays for it while its cluster starts rather than before it, or at the first step."""
+    thread = threading.Thread(target=lambda: __import__("torch.utils.tensorboard"), name="tensorboard-import", daemon=True)
+    thread.start()
+    return thread
+
+
 class TensorBoardSink:
     """Writes one event file per attempt of a run; calls after ``close`` do nothing."""
 
     def __init__(self, run_dir: Path) -> None:
         self.log_dir = run_dir / "tensorboard"
-        self._writer: Optional[SummaryWriter] = None
+        self._writer: Optional["SummaryWriter"] = None
         self._num_incidents = 0
         self._closed = False
 
@@ -96,13 +106,15 @@ class TensorBoardSink:
             self._writer.close()
         self._closed = True
 
-    def _open(self, step: Any) -> Optional[SummaryWriter]:
+    def _open(self, step: Any) -> Optional["SummaryWriter"]:
         if self._closed or not is_number(step) or not math.isfinite(step):
             return None
         if self._writer is None:
             # Opened on first use, so a run that fails before its first step leaves no empty
             # event file. No purge_step on a resumed run: TensorBoard would then drop the earlier
             # attempt's incidents at the replayed steps, and those are why the run was resumed.
+            from torch.utils.tensorboard import SummaryWriter
+
             self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=FLUSH_S)
         return self._writer
 
