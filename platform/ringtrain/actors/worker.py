@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from ringtrain.train.snapshot import Snapshot
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class TrainWorker:
@@ -118,6 +120,10 @@ class TrainWorker:
         from ringtrain.train.trainer import Trainer, set_rank_env
 
         self.leave()
+        # A world this process joined without finishing (a join whose Trainer failed, before
+        # that cleanup existed, or an init_process_group elsewhere) would make this join fail
+        # with "trying to initialize the default process group twice".
+        _leave_default_group(self.device_type, {})
         self.job, self.rank = job, rank
         device = self._bind_device(job)
         set_rank_env(rank=rank, world_size=job.world_size, device=device)
@@ -135,17 +141,37 @@ class TrainWorker:
             # from the current device at the first collective.
             device_id=device if device.type == "cuda" else None,
         )
-        # Every collective of the world is recorded, so a stall can be diagnosed; a new world
-        # restarts the per-group sequence numbers.
-        collectives.install().reset()
-        self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
-        self._trainer.bad_device = self._bad_device  # a new world does not heal the device
-        collectives.install()  # points the DeepSpeed engine just built at the recorder too
+        try:
+            # Every collective of the world is recorded, so a stall can be diagnosed; a new world
+            # restarts the per-group sequence numbers.
+            collectives.install().reset()
+            self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
+            self._trainer.bad_device = self._bad_device  # a new world does not heal the device
+            collectives.install()  # points the DeepSpeed engine just built at the recorder too
+        except BaseException:
+            # The process group formed, the rank did not (a peer died in DeepSpeed's broadcast,
+            # say): leave the group now, so the next join can form another, and close its
+            # sockets, so the peers still building this world fail at once.
+            self._abandon_join(before)
+            raise
         # The sockets that appeared while joining are the world's (gloo pairs, the store client);
         # should Ray's own threads have opened one meanwhile, severing it on a failure costs
         # this worker its Ray connection, and it is replaced like a dead one.
         self._connections = {fd: s for fd, s in open_sockets().items() if before.get(fd) != s}
         return num_params(self._trainer.model)
+
+    def _abandon_join(self, before: dict[int, str]) -> None:
+        """Undo a join that failed after its process group formed; never raises (the join's
+        own error is the one to report)."""
+        from ringtrain.train.mesh import open_sockets
+
+        trainer, self._trainer = self._trainer, None
+        try:
+            _leave_default_group(self.device_type, {fd: s for fd, s in open_sockets().items() if before.get(fd) != s})
+            if trainer is not None:
+                trainer.close()
+        except Exception:
+            log.warning("leaving the process group of a failed join failed", exc_info=True)
 
     def leave(self) -> None:
         """Drop this process's rank: snapshots in its memory and its process group go."""
@@ -317,6 +343,25 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         self.leave()
+
+
+def _leave_default_group(device_type: str, connections: dict[int, str]) -> None:
+    """Leave this process's default process group (and every group made from it), if it has
+    one. ``connections`` (the group's sockets) are shut down first on CPU: a half-built
+    trainer still referencing the groups keeps gloo's connections open, and peers blocked on
+    them would wait out the process-group timeout. On CUDA the groups are aborted, since a
+    destroy may wait on a communicator a dead peer left broken."""
+    import torch.distributed as dist
+
+    from ringtrain.train.mesh import abort_all, sever
+
+    if not dist.is_initialized():
+        return
+    if device_type == "cuda":
+        abort_all()
+        return
+    sever(connections)
+    dist.destroy_process_group()
 
 
 class _HolderDelivery:
