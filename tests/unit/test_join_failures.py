@@ -1,24 +1,32 @@
-"""A join that fails leaves nothing behind.
+"""A join that fails leaves nothing behind, and a world whose join fails is given up at once.
 
-A join whose process group formed but whose Trainer failed (DeepSpeed's broadcast meets
-"Connection closed by peer" when a peer died) leaves that group, so the retry's join can form
-another instead of failing with "trying to initialize the default process group twice". A
-TrainWorker runs as a plain object in a one-rank gloo world (rank 0's TCPStore on port 0, this
-process), with Trainer replaced by a stand-in.
+- The worker: a join whose process group formed but whose Trainer failed (DeepSpeed's broadcast
+  meets "Connection closed by peer" when a peer died) leaves that group, so the retry's join
+  can form another instead of failing with "trying to initialize the default process group
+  twice". A TrainWorker runs as a plain object in a one-rank gloo world (rank 0's TCPStore on
+  port 0, this process), with Trainer replaced by a stand-in.
+- The group: the first failed join ends ``form_world`` at once, with rank 0's store dropped so
+  the other ranks stop waiting in it; their calls are waited for before the next world forms,
+  not before the failure is reported. WorkerGroup's Ray calls are scripted on a fake clock.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from ringtrain import config
+from ringtrain.actors import group as group_module
 from ringtrain.actors import worker as worker_module
+from ringtrain.actors.group import WorkerGroup
+from ringtrain.actors.roster import Member, Slot
 from ringtrain.actors.worker import TrainWorker
+from ringtrain.errors import WorkerError
+from ringtrain.status import WorkerInfo
 from ringtrain.train import collectives
 from ringtrain.train import trainer as trainer_module
 from ringtrain.train.mesh import create_store
@@ -88,3 +96,163 @@ def test_a_join_leaves_a_default_group_left_behind(worker: TrainWorker, monkeypa
     monkeypatch.setattr(trainer_module, "Trainer", TinyTrainer)
     assert join(worker) == 6
     assert dist.get_world_size() == 1 and os.environ["RANK"] == "0"
+
+
+# --- the group gives up a world at its first failed join ----------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1e9 + self.now
+
+
+class Ref:
+    """A pending actor call: ends at ``at`` (fake seconds) with ``result``, or raises ``error``."""
+
+    def __init__(self, name: str, at: float, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self.name, self.at, self.result, self.error = name, at, result, error
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class ScriptedRay:
+    """``ray.wait`` and ``ray.get`` over Refs on a fake clock; every call is logged."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.log: list[str] = []
+
+    def wait(self, refs: list[Ref], *, num_returns: int = 1, timeout: Optional[float] = None, **_: Any) -> tuple[list[Ref], list[Ref]]:
+        self.log.append(f"wait {sorted(r.name for r in refs)} n={num_returns}")
+        times = sorted(r.at for r in refs)
+        target = times[num_returns - 1] if len(times) >= num_returns else float("inf")
+        limit = self.clock.now + timeout if timeout is not None else float("inf")
+        self.clock.now = max(self.clock.now, min(target, limit))
+        ready = sorted((r for r in refs if r.at <= self.clock.now), key=lambda r: r.at)[:num_returns]
+        return ready, [r for r in refs if r not in ready]
+
+    def get(self, ref: Ref, timeout: Optional[float] = None) -> Any:
+        import ray
+
+        if ref.at > self.clock.now:
+            if timeout is not None and ref.at > self.clock.now + timeout:
+                self.clock.now += timeout
+                raise ray.exceptions.GetTimeoutError()
+            self.clock.now = ref.at
+        if ref.error is not None:
+            raise ref.error
+        return ref.result
+
+
+class Method:
+    def __init__(self, worker: "ScriptedWorker", name: str) -> None:
+        self.worker, self.name = worker, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Ref:
+        return self.worker.call(self.name)
+
+
+class ScriptedWorker:
+    """An actor handle whose calls end as ``world`` scripts them."""
+
+    def __init__(self, world: "ScriptedWorlds", rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def __getattr__(self, name: str) -> Method:
+        return Method(self, name)
+
+    def call(self, name: str) -> Ref:
+        return self.world.call(self.rank, name)
+
+
+class ScriptedWorlds:
+    """Joins of four ranks: rank ``dies`` dies 0.1 s into the first world's join; the others stay
+    blocked for ``stuck_s`` (in a collective with a peer that keeps its sockets open), or, with
+    ``released_by_drop``, fail 0.05 s after rank 0's store is dropped. Later worlds join in 0.2 s."""
+
+    def __init__(self, ray: ScriptedRay, dies: int = 3, stuck_s: float = 600.0, released_by_drop: bool = False) -> None:
+        self.ray, self.dies, self.stuck_s, self.released_by_drop = ray, dies, stuck_s, released_by_drop
+        self.dropped_at: Optional[float] = None
+        self.joins: list[Ref] = []
+        self.worlds = 0
+
+    def call(self, rank: int, name: str) -> Ref:
+        import ray
+
+        now = self.ray.clock.now
+        self.ray.log.append(f"{name} {rank}")
+        if name == "create_store":
+            self.worlds += 1
+            self.dropped_at = None
+            return Ref(f"store{self.worlds}", now, ("h", 1234))
+        if name == "drop_store":
+            self.dropped_at = now
+            for ref in self.joins if self.released_by_drop else []:
+                if ref.at > now:
+                    ref.at, ref.error = now + 0.05, RuntimeError("Connection reset by peer")
+            return Ref("drop", now)
+        if name == "join":
+            if self.worlds == 1 and rank == self.dies:
+                ref = Ref(f"join{self.worlds}.{rank}", now + 0.1, error=ray.exceptions.ActorDiedError())
+            elif self.worlds == 1:
+                ref = Ref(f"join{self.worlds}.{rank}", now + self.stuck_s, error=RuntimeError("store timeout"))
+            else:
+                ref = Ref(f"join{self.worlds}.{rank}", now + 0.2, 1000)
+            self.joins.append(ref)
+            return ref
+        raise AssertionError(name)
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerGroup, ScriptedWorlds, ScriptedRay, Clock]:
+    import ray
+
+    clock = Clock()
+    sray = ScriptedRay(clock)
+    monkeypatch.setattr(ray, "wait", sray.wait)
+    monkeypatch.setattr(ray, "get", sray.get)
+    monkeypatch.setattr(group_module, "time", clock)
+    job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
+    g = WorkerGroup(job, "cpu")
+    monkeypatch.setattr(g, "_start_holders", lambda: None)
+    worlds = ScriptedWorlds(sray)
+    info = WorkerInfo(0, "h", 1, "cpu", "n")
+    g.members = [Member(ScriptedWorker(worlds, r), Slot("pg", r), info=info) for r in range(4)]
+    return g, worlds, sray, clock
+
+
+def test_a_death_in_the_join_fails_the_world_at_once(scripted: tuple[WorkerGroup, ScriptedWorlds, ScriptedRay, Clock]) -> None:
+    g, worlds, sray, clock = scripted
+    with pytest.raises(WorkerError) as failed:
+        g.form_world(list(g.members), g.job)
+    assert failed.value.rank == 3 and failed.value.kind == "died"
+    # Seen as it happened: not after the survivors still blocked in the join gave up (the
+    # heartbeat timeout, 10 s, bounded the wait for them).
+    assert clock.now == pytest.approx(0.1)
+    assert "drop_store 0" in sray.log  # the others stop waiting for rank 3 in rank 0's store
+    assert g.phases.keys() == {"warm_s"}  # failed in the join
+
+
+def test_the_next_world_forms_once_the_last_worlds_joins_ended(
+    scripted: tuple[WorkerGroup, ScriptedWorlds, ScriptedRay, Clock],
+) -> None:
+    g, worlds, sray, clock = scripted
+    worlds.released_by_drop = True
+    with pytest.raises(WorkerError):
+        g.form_world(list(g.members), g.job)
+    sray.log.clear()
+    survivors = g.members[:3]
+    g.members = survivors + [Member(ScriptedWorker(worlds, 3), Slot("pg", 3), info=g.members[0].info)]
+    assert g.form_world(g.members, g.job) == 0
+    # The first world's joins still running ended (the store was dropped) before any rank of
+    # the second was asked to join: a worker never runs two joins at once.
+    first_join = next(i for i, line in enumerate(sray.log) if line.startswith("join"))
+    assert any(line.startswith("wait ['join1.0', 'join1.1', 'join1.2']") for line in sray.log[:first_join])
+    assert clock.now == pytest.approx(0.1 + 0.05 + 0.2)

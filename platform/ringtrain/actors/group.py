@@ -73,6 +73,9 @@ class WorkerGroup:
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
         self.warm_deaths = WarmDeaths()  # workers that died warming up, by slot
         self.startup: dict[str, float] = {}  # seconds by phase of the first world's start
+        # Calls of the last world that failed still running when it was given up: waited for
+        # before the next world forms, so no worker is ever asked to join twice at once.
+        self._unsettled: list[Any] = []
 
     # --- views ---------------------------------------------------------------------------
 
@@ -183,6 +186,7 @@ class WorkerGroup:
         (one pending shard per rank of the snapshot's world), every rank restores it; returns the
         step restored (0 without one)."""
         timeout = self.job.controllers.start_timeout_s
+        self._settle()
         self.job, self.members = job, members
         self.phases = {}  # filled as phases complete: a failure's phase is the first missing
         t0 = time.monotonic()
@@ -200,24 +204,35 @@ class WorkerGroup:
         self.phases["join_s"] = t2 - t1
         if snapshot is None:
             return 0
-        steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout, on_failure=self._settle)
+        steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout, on_failure=self._give_up)
         self.phases["restore_s"] = time.monotonic() - t2
         return int(steps[0])
 
     def _abandon_join(self, pending: list[Any]) -> None:
-        """A rank died while the world was joining: the others wait in rank 0's store for it
-        until the store's timeout. Close the store (rank 0 answers on its second slot) so they
-        fail now, and let their calls end before the next world is formed from them."""
+        """A rank failed while the world was joining: the others may wait in rank 0's store
+        for it until the store's timeout. Close the store (rank 0 answers on its second slot)
+        so they fail now, and give the world up at once (``_give_up``)."""
         _stop_store(self.members[0].handle)
-        self._settle(pending)
+        self._give_up(pending)
 
-    def _settle(self, pending: list[Any]) -> None:
-        """Wait (bounded) for the calls of a world that failed to end: a retry must not find a
-        worker still inside the last attempt's join or restore."""
+    def _give_up(self, pending: list[Any]) -> None:
+        """A world failed at its first failed call: the failure is reported now, and the calls
+        still running are waited for only before the next world forms (``_settle``), so a
+        survivor blocked in a collective with a dead peer does not delay the recovery's
+        detection."""
+        self._unsettled = list(pending)
+
+    def _settle(self) -> None:
+        """Wait (bounded) for the calls of the last world that failed to end: a retry must not
+        find a worker still inside the last attempt's join or restore."""
         import ray
 
+        pending, self._unsettled = self._unsettled, []
         if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=self.job.controllers.heartbeat_timeout_s)
+            timeout = self.job.controllers.heartbeat_timeout_s
+            ended, running = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            if running:
+                log.warning("%d calls of the failed world still running after %g s; forming the next", len(running), timeout)
 
     def _start_holders(self) -> None:
         """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
@@ -326,6 +341,7 @@ class WorkerGroup:
 
     def restore_refs(self, shards: list[Any]) -> int:
         """Every rank loads the snapshot whose shards are pending in ``shards``."""
+        self._settle()
         steps = self._gather(lambda _, w: w.restore.remote(*shards), self.job.controllers.start_timeout_s)
         return int(steps[0])
 
