@@ -247,3 +247,71 @@ def test_a_retry_reads_the_shards_again_when_the_node_holder_serving_one_is_gone
     assert all(r._alive(s, survivors) for s in sources)
     g.holders = {}  # its node was found dead
     assert not r._alive("n1", survivors)
+
+
+# --- a straggler's own newest shard counts ------------------------------------------------------
+
+
+def evicting(monkeypatch: pytest.MonkeyPatch) -> tuple[Recovery, list[str], list[Any]]:
+    """A dp 2 x cp 2 Recovery with one ready spare whose Ray side is scripted: every rank asked
+    holds its own shards of steps 5 and 6, node n's holder every shard of step 5 and of 6 all
+    but rank 3's (still in transit). Returns the recovery, the events in order and the plans."""
+    from ringtrain.controllers.snapshots import Holding, Source
+
+    g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
+    info = WorkerInfo(0, "h", 1, "cpu", "n")
+    g.members = [Member(f"a{r}", Slot("pg", r), info=info) for r in range(4)]
+    spare = Member("spare", Slot("spares", 0), info=info)
+    g.spares = [spare]
+    events: list[str] = []
+    plans: list[Any] = []
+    monkeypatch.setattr(g, "ready_spares", lambda: list(g.spares))
+    monkeypatch.setattr(g, "spawn", lambda count: [])
+    monkeypatch.setattr(g, "release_unused_placement", lambda: None)
+    monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: events.append(f"kill {[m.handle for m in members]}") if members else None)
+    monkeypatch.setattr(g, "quarantine", lambda members: events.append(f"quarantine {[m.handle for m in members]}"))
+
+    def form_world(members: list[Member], job: config.JobConfig, snapshot: Optional[list[Any]] = None) -> int:
+        g.job, g.members = job, members
+        events.append(f"form {[m.handle for m in members]}")
+        return int(str(snapshot[0]).split("@")[1]) if snapshot else 0
+
+    monkeypatch.setattr(g, "form_world", form_world)
+    r = Recovery(g)
+
+    def holdings(survivors: dict[int, Member]) -> list[Holding]:
+        events.append(f"holdings {sorted(survivors)}")
+        peers = [Holding(Source.PEER, f"peer:{k}", frozenset({(5, k), (6, k)}), ((5, 4), (6, 4))) for k in survivors]
+        node = frozenset({(5, 0), (5, 1), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2)})
+        return peers + [Holding(Source.NODE, "node:n", node, ((5, 4), (6, 4)))]
+
+    def fetch(plan: Any, survivors: dict[int, Member]) -> list[Any]:
+        plans.append(plan)
+        return [f"{where}@{plan.step}" for _, where in plan.fetch]
+
+    monkeypatch.setattr(r, "_holdings", holdings)
+    monkeypatch.setattr(r, "_fetch", fetch)
+    monkeypatch.setattr(r, "_forget_after", lambda step: None)
+    return r, events, plans
+
+
+def test_a_straggler_eviction_restores_the_step_it_finished_from_its_own_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    r, events, plans = evicting(monkeypatch)
+    # As the Controller evicts a straggler after step 6: restore_to = fired_through = 6.
+    resumed = r.reform(lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=6, quarantine=True)
+
+    assert resumed.step == 6  # no step redone
+    assert plans[0].fetch == ((0, "peer:0"), (1, "peer:1"), (2, "peer:2"), (3, "peer:3"))
+    # Read while it lives, stopped (its slot held) once its shard was fetched, then replaced.
+    assert events == ["holdings [0, 1, 2, 3]", "quarantine ['a3']", "form ['a0', 'a1', 'a2', 'spare']"]
+
+
+def test_a_rank_evicted_for_corrupting_data_is_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    r, events, plans = evicting(monkeypatch)
+    # An SDC scan failed in step 7; the last clean scan was after step 6.
+    resumed = r.reform(lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=7, quarantine=True)
+
+    assert events[:2] == ["quarantine ['a3']", "holdings [0, 1, 2]"]
+    assert resumed.step == 5 and (3, "node:n") in plans[0].fetch  # its shard of 6 was in transit
+    assert recovery_module.evicted_alive(quarantine=True, last_step=6, fired_through=6)
+    assert not recovery_module.evicted_alive(quarantine=False, last_step=6, fired_through=6)  # a retry's dead rank

@@ -69,6 +69,17 @@ def world_job(job: JobConfig, *, dp: int, fired_through: int, retry: bool = Fals
     return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=dp), chaos=ChaosConfig(faults=faults))
 
 
+def evicted_alive(*, quarantine: bool, last_step: int, fired_through: int) -> bool:
+    """Whether the ranks a reform drops are alive, their state that of ``last_step``, and
+    trusted: an eviction between steps (no step failed: the failure was seen in the step
+    restored, ``fired_through == last_step``) of ranks whose slots are quarantined is a
+    straggler's, slow but right. A rank evicted for corrupting data is never read: its scan
+    failed in a step after the restore point (the last clean scan), so ``fired_through`` is
+    later; nor is a rank of a failed step (died, stalled), nor one of a world that broke while
+    it formed (its slot is reused)."""
+    return quarantine and fired_through == last_step
+
+
 class Recovery:
     failure_type = StepFailed
 
@@ -194,19 +205,25 @@ class Recovery:
 
         ``fired_through``: the step the failure was seen in (default ``last_step + 1``): chaos
         faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused
-        (their devices corrupted data)."""
+        (their devices corrupted data, or are slow).
+
+        Lost ranks that are alive with a state to trust (``evicted_alive``: a straggler's) are
+        stopped only once the restore point is fetched: their own newest shards count, so the
+        step they finished is not redone while its copy is still on the way to the holders."""
         g = self.group
         topo = g.topology
         old = list(g.members)
+        fired = last_step + 1 if fired_through is None else fired_through
         doomed = [old[r] for r in sorted(lost)]
-        if quarantine:
-            g.quarantine(doomed)
-        else:
-            g.kill(doomed)  # slots on live nodes are reused
+        readable = evicted_alive(quarantine=quarantine, last_step=last_step, fired_through=fired)
+        if not readable:
+            self._drop(doomed, quarantine=quarantine)
         survivors = {r: m for r, m in enumerate(old) if r not in lost}
         t0 = time.monotonic()
-        retry, shards = self._restore_shards(survivors, last_step)
+        retry, shards = self._restore_shards(dict(enumerate(old)) if readable else survivors, last_step)
         plan_s = time.monotonic() - t0
+        if readable:
+            self._drop(doomed, quarantine=quarantine)
 
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
         g.kill([old[r] for r in evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)])
@@ -215,7 +232,7 @@ class Recovery:
         fill = taken + g.spawn(seats.count(None) - len(taken))
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
 
-        job = world_job(g.job, dp=new_dp, fired_through=last_step + 1 if fired_through is None else fired_through, retry=retry)
+        job = world_job(g.job, dp=new_dp, fired_through=fired, retry=retry)
         step = g.form_world(members, job, snapshot=shards)
         self._unfinished = None
         g.release_unused_placement()
@@ -223,6 +240,12 @@ class Recovery:
         return Resumed(
             step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases}, tuple(seats)
         )
+
+    def _drop(self, members: list[Member], *, quarantine: bool) -> None:
+        if quarantine:
+            self.group.quarantine(members)
+        else:
+            self.group.kill(members)  # slots on live nodes are reused
 
     def _restore_shards(self, survivors: dict[int, Member], last_step: int) -> tuple[bool, Optional[list[Any]]]:
         """Whether this is a retry, and the pending shards of the newest whole snapshot at or
