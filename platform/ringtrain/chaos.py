@@ -18,8 +18,9 @@ from dataclasses import dataclass
 # step and stays bad: every SDC probe round it runs from then on has one bit of its GEMM output
 # flipped, and with target=gradients one bit of its gradient contribution to that step flips
 # too (silent: the loss stays finite, every rank applies the corrupted update).
-# crash_restoring: the worker process exits while it loads the snapshot in the recovery from a
-# failure seen at or after ``step`` (a second failure inside a recovery); once per run.
+# crash_restoring: the worker process exits while it loads the snapshot in the first recovery
+# from a failure seen at or after ``step`` (a second failure inside a recovery): see
+# ``restoring_due``.
 RESTORING_FAULT = "crash_restoring"
 FAULT_KINDS = ("crash", "nan", "slow", "hang", "skip_collective", "wrong_shape", "bitflip", RESTORING_FAULT)
 BITFLIP_TARGETS = ("probe", "gradients")
@@ -51,10 +52,13 @@ class FaultPlan:
         self.faults = [f for f in self.faults if f not in due or step + 1 < f.step + max(1, f.count)]
         return due
 
-    def crashes_restoring(self, rank: int) -> bool:
-        """Whether ``rank`` is to die while it restores a snapshot (the recovery's job keeps
-        the fault only while it is due: ``actors.recovery.world_job``)."""
-        return any(f.kind == RESTORING_FAULT and f.rank == rank for f in self.faults)
+    def restoring_due(self, fired_through: int) -> list[FaultSpec]:
+        """The crash_restoring faults that strike the recovery from a failure seen in step
+        ``fired_through``: those whose step it reached (the recovery's ``fired_through`` is at
+        or after the fault's step). Each strikes one recovery only, the first with a snapshot
+        to restore whose ``fired_through`` reaches its step, and only that recovery's first
+        attempt (not its retry): ``actors.recovery`` takes it out of the job then."""
+        return [f for f in self.faults if f.kind == RESTORING_FAULT and f.step <= fired_through]
 
     def __bool__(self) -> bool:
         return bool(self.faults)

@@ -16,7 +16,7 @@ import pytest
 from ringtrain import config
 from ringtrain.actors import recovery as recovery_module
 from ringtrain.actors.group import WorkerGroup
-from ringtrain.actors.recovery import Recovery, world_job
+from ringtrain.actors.recovery import Recovery
 from ringtrain.actors.roster import Member, Slot
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.controllers.faults import Kind
@@ -116,9 +116,17 @@ class ScriptedWorlds:
     def __init__(self, g: WorkerGroup, breaks: int, rank: int) -> None:
         self.g, self.breaks, self.rank = g, breaks, rank
         self.worlds: list[tuple[list[Member], config.JobConfig, Optional[list[Any]]]] = []
+        self.crashing: list[frozenset[int]] = []  # each world's crash_restoring ranks
 
-    def form_world(self, members: list[Member], job: config.JobConfig, snapshot: Optional[list[Any]] = None) -> int:
+    def form_world(
+        self,
+        members: list[Member],
+        job: config.JobConfig,
+        snapshot: Optional[list[Any]] = None,
+        crash_restoring: frozenset[int] = frozenset(),
+    ) -> int:
         self.worlds.append((members, job, snapshot))
+        self.crashing.append(crash_restoring)
         self.g.job, self.g.members = job, members
         if self.breaks:
             self.breaks -= 1
@@ -157,9 +165,8 @@ def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch
     (_, first_job, first_shards), (members, retry_job, retry_shards) = worlds.worlds
     assert retry_shards == first_shards == [f"shard5-{i}" for i in range(4)]
     # The chaos fault that struck the recovery is for its first attempt only.
-    assert FaultPlan(first_job.chaos.faults).crashes_restoring(2)
-    assert not FaultPlan(retry_job.chaos.faults).crashes_restoring(2)
-    assert [f.kind for f in retry_job.chaos.faults] == ["nan"]
+    assert worlds.crashing == [frozenset({2}), frozenset()]
+    assert [f.kind for f in first_job.chaos.faults] == [f.kind for f in retry_job.chaos.faults] == ["nan"]
     # The next recovery plans afresh.
     r.reform(lost=frozenset({0}), new_dp=2, spares=0, last_step=7)
     assert plans == [5, 7]
@@ -167,11 +174,45 @@ def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch
 
 def test_a_restoring_fault_never_fires_as_a_step_fault() -> None:
     plan = FaultPlan([FaultSpec(kind="crash_restoring", rank=1, step=2)])
-    assert plan.take(1, 2) == [] and plan.crashes_restoring(1) and not plan.crashes_restoring(0)
-    kept = world_job(config.JobConfig(chaos=config.ChaosConfig(faults=plan.faults)), dp=1, fired_through=3)
-    assert [f.kind for f in kept.chaos.faults] == ["crash_restoring"]
-    assert world_job(kept, dp=1, fired_through=3, retry=True).chaos.faults == []
+    assert plan.take(1, 2) == [] and plan.faults
+    assert plan.restoring_due(1) == [] and plan.restoring_due(2) == plan.faults == plan.restoring_due(3)
     assert recovery_module.RESTORING_FAULT == "crash_restoring"
+
+
+def test_a_restoring_fault_strikes_the_first_recovery_from_its_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``{crash_restoring, rank 2, step 30}``: not in the recovery from a failure in step 10,
+    nor in its retry; in the first attempt of the recovery from a failure in step 30 or later
+    (here 31), and in no recovery after."""
+    faults = [FaultSpec(kind="crash_restoring", rank=2, step=30), FaultSpec(kind="crash", rank=0, step=40)]
+    job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2), chaos=config.ChaosConfig(faults=faults))
+    g = WorkerGroup(job, "cpu")
+    info = WorkerInfo(0, "h", 1, "cpu", "n")
+    g.members = [Member(f"a{r}", Slot("pg", r), info=info) for r in range(4)]
+    worlds = ScriptedWorlds(g, breaks=1, rank=1)
+    monkeypatch.setattr(g, "form_world", worlds.form_world)
+    monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: None)
+    monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
+    monkeypatch.setattr(g, "release_unused_placement", lambda: None)
+    r = Recovery(g)
+    monkeypatch.setattr(r, "restore_point", lambda survivors, *, newest: (None, [f"shard{newest}-{i}" for i in range(4)]))
+    monkeypatch.setattr(r, "_forget_after", lambda step: None)
+
+    with pytest.raises(WorkerError):  # the recovery from step 10 breaks once: retried
+        r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10)
+    r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10)
+    assert worlds.crashing == [frozenset(), frozenset()]
+    assert [f.kind for f in g.job.chaos.faults] == ["crash_restoring", "crash"]  # still to come
+    r.reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=30, fired_through=31)
+    assert worlds.crashing[-1] == frozenset({2})
+    assert [f.kind for f in g.job.chaos.faults] == ["crash"]
+    r.reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=40, fired_through=41)
+    assert worlds.crashing[-1] == frozenset()
+    # A rollback in place from step 35 restores on the same workers: struck there, once.
+    g.job = job
+    monkeypatch.setattr(g, "restore_refs", lambda shards, crash_restoring=frozenset(): worlds.crashing.append(crash_restoring) or 34)
+    r.rollback(last_step=34, rejoin=False, fired_through=35)
+    r.rollback(last_step=36, rejoin=False, fired_through=37)
+    assert worlds.crashing[-2:] == [frozenset({2}), frozenset()]
 
 
 # --- a shard lost in transit, written again from a replica (ZeRO-0) ---------------------------
@@ -271,7 +312,7 @@ def evicting(monkeypatch: pytest.MonkeyPatch) -> tuple[Recovery, list[str], list
     monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: events.append(f"kill {[m.handle for m in members]}") if members else None)
     monkeypatch.setattr(g, "quarantine", lambda members: events.append(f"quarantine {[m.handle for m in members]}"))
 
-    def form_world(members: list[Member], job: config.JobConfig, snapshot: Optional[list[Any]] = None) -> int:
+    def form_world(members: list[Member], job: config.JobConfig, snapshot: Optional[list[Any]] = None, **_: Any) -> int:
         g.job, g.members = job, members
         events.append(f"form {[m.handle for m in members]}")
         return int(str(snapshot[0]).split("@")[1]) if snapshot else 0

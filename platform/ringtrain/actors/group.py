@@ -181,10 +181,17 @@ class WorkerGroup:
 
     # --- worlds --------------------------------------------------------------------------
 
-    def form_world(self, members: list[Member], job: JobConfig, snapshot: Optional[list[Any]] = None) -> int:
+    def form_world(
+        self,
+        members: list[Member],
+        job: JobConfig,
+        snapshot: Optional[list[Any]] = None,
+        crash_restoring: frozenset[int] = frozenset(),
+    ) -> int:
         """Make ``members`` ranks 0..n-1 of ``job``'s world; all join together. With ``snapshot``
         (one pending shard per rank of the snapshot's world), every rank restores it; returns the
-        step restored (0 without one)."""
+        step restored (0 without one). ``crash_restoring``: ranks whose process exits as it
+        restores (chaos: a second failure inside the recovery)."""
         timeout = self.job.controllers.start_timeout_s
         self._settle()
         self.job, self.members = job, members
@@ -204,7 +211,9 @@ class WorkerGroup:
         self.phases["join_s"] = t2 - t1
         if snapshot is None:
             return 0
-        steps = self._gather(lambda _, w: w.restore.remote(*snapshot), timeout, on_failure=self._give_up)
+        steps = self._gather(
+            lambda rank, w: w.restore.remote(*snapshot, chaos_exit=rank in crash_restoring), timeout, on_failure=self._give_up
+        )
         self.phases["restore_s"] = time.monotonic() - t2
         return int(steps[0])
 
@@ -339,10 +348,13 @@ class WorkerGroup:
         """Call ``method`` on every rank and wait for all (names the first rank that fails)."""
         return self._gather(lambda _, w: getattr(w, method).remote(*args), self.job.controllers.start_timeout_s)
 
-    def restore_refs(self, shards: list[Any]) -> int:
-        """Every rank loads the snapshot whose shards are pending in ``shards``."""
+    def restore_refs(self, shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
+        """Every rank loads the snapshot whose shards are pending in ``shards`` (``crash_restoring``
+        as for ``form_world``)."""
         self._settle()
-        steps = self._gather(lambda _, w: w.restore.remote(*shards), self.job.controllers.start_timeout_s)
+        steps = self._gather(
+            lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), self.job.controllers.start_timeout_s
+        )
         return int(steps[0])
 
     def spawn(self, count: int) -> list[Member]:

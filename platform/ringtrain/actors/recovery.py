@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ringtrain.actors.group import Member, StepFailed, WorkerGroup
-from ringtrain.chaos import RESTORING_FAULT
+from ringtrain.chaos import RESTORING_FAULT, FaultPlan, FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.controllers.elastic import evicted, reseat
 from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
@@ -58,15 +58,24 @@ def producers(plan: RestorePlan, survivors: dict[int, Member]) -> list[Producer]
     return out
 
 
-def world_job(job: JobConfig, *, dp: int, fired_through: int, retry: bool = False) -> JobConfig:
-    """The job for a world of ``dp`` replicas: chaos faults due at or before ``fired_through``
-    (the step that failed) are dropped, so a replacement does not meet them again. A
-    ``crash_restoring`` fault that is due strikes the recovery itself, so it stays for the first
-    attempt and is dropped from the retry's (``retry``)."""
+def world_job(job: JobConfig, *, dp: int, fired_through: int, restoring: tuple[FaultSpec, ...] = ()) -> JobConfig:
+    """The job for a world of ``dp`` replicas: the step faults due at or before
+    ``fired_through`` (the step that failed) are dropped, so a replacement does not meet them
+    again, and so are the ``restoring`` faults (those that strike the recovery forming this
+    world: ``restoring_crashes``); the other crash_restoring faults wait for their recovery."""
     faults = [
-        f for f in job.chaos.faults if f.step > fired_through or (f.kind == RESTORING_FAULT and not retry)
+        f
+        for f in job.chaos.faults
+        if all(f is not r for r in restoring) and (f.kind == RESTORING_FAULT or f.step > fired_through)
     ]
     return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=dp), chaos=ChaosConfig(faults=faults))
+
+
+def restoring_crashes(job: JobConfig, *, fired_through: int, retry: bool, restores: bool) -> tuple[FaultSpec, ...]:
+    """The crash_restoring faults of ``job`` that strike the recovery from a failure seen in
+    step ``fired_through`` (``FaultPlan.restoring_due``): none in a retry (the first attempt
+    took them) or in a recovery with no snapshot to restore (``restores``: they wait for one)."""
+    return tuple(FaultPlan(job.chaos.faults).restoring_due(fired_through)) if restores and not retry else ()
 
 
 def evicted_alive(*, quarantine: bool, last_step: int, fired_through: int) -> bool:
@@ -232,8 +241,9 @@ class Recovery:
         fill = taken + g.spawn(seats.count(None) - len(taken))
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
 
-        job = world_job(g.job, dp=new_dp, fired_through=fired, retry=retry)
-        step = g.form_world(members, job, snapshot=shards)
+        crashes = restoring_crashes(g.job, fired_through=fired, retry=retry, restores=shards is not None)
+        job = world_job(g.job, dp=new_dp, fired_through=fired, restoring=crashes)
+        step = g.form_world(members, job, snapshot=shards, crash_restoring=frozenset(f.rank for f in crashes))
         self._unfinished = None
         g.release_unused_placement()
         self._forget_after(step)
@@ -342,13 +352,17 @@ class Recovery:
         g = self.group
         members = list(g.members)
         retry, shards = self._restore_shards(dict(enumerate(members)), last_step)
-        job = world_job(g.job, dp=g.topology.dp, fired_through=last_step + 1 if fired_through is None else fired_through, retry=retry)
+        fired = last_step + 1 if fired_through is None else fired_through
+        crashes = restoring_crashes(g.job, fired_through=fired, retry=retry, restores=shards is not None)
+        job = world_job(g.job, dp=g.topology.dp, fired_through=fired, restoring=crashes)
+        crashing = frozenset(f.rank for f in crashes)
         if shards is None:  # back to the initial state, which joining a world builds
             step = g.form_world(members, job)
         elif rejoin:
-            step = g.form_world(members, job, snapshot=shards)
+            step = g.form_world(members, job, snapshot=shards, crash_restoring=crashing)
         else:
-            step = g.restore_refs(shards)
+            g.job = job  # the same world: only the faults that fired leave its job
+            step = g.restore_refs(shards, crash_restoring=crashing)
         self._unfinished = None
         self._forget_after(step)
         return step

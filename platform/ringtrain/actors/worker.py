@@ -10,7 +10,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
-from ringtrain.chaos import FaultPlan
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
 
@@ -330,10 +329,12 @@ class TrainWorker:
         arrays = [(f, {k: t.detach().float().cpu().numpy() for k, t in f.tensors.items()}) for f in zero.fragments()]
         return encode(step, rank, snap.world_size, snap.scalars, arrays)
 
-    def restore(self, *blobs: bytes) -> int:
-        """Load a snapshot (every rank's shard, any dp); returns the step to continue after."""
+    def restore(self, *blobs: bytes, chaos_exit: bool = False) -> int:
+        """Load a snapshot (every rank's shard, any dp); returns the step to continue after.
+        ``chaos_exit``: a crash_restoring fault strikes this rank in this recovery (the recovery
+        decides which: ``actors.recovery.restoring_crashes``)."""
         assert self._trainer is not None
-        if FaultPlan(self.job.chaos.faults).crashes_restoring(self.rank):
+        if chaos_exit:
             os._exit(1)  # chaos: die inside the recovery, as a killed process would
         return self._trainer.restore(list(blobs))
 
