@@ -57,7 +57,7 @@ CONFIGS: dict[str, list[str]] = {
     "ulysses-zero2": QUICKSTART
     + ["data.seq_len=2048", "mesh.dp=1", "mesh.cp=2", "attention.impl=ulysses", "zero.stage=2"],
     "dp2-zero1-ckpt": WIDE
-    + ["data.seq_len=1024", "mesh.dp=2", "mesh.cp=1", "zero.stage=1", "model.activation_checkpointing=true"],
+    + ["data.seq_len=1024", "mesh.dp=2", "mesh.cp=1", "zero.stage=1", "model.activation_checkpointing=full"],
     "dp2-zero3": WIDE + ["data.seq_len=512", "mesh.dp=2", "mesh.cp=1", "zero.stage=3"],
     "ring-math-zero0": QUICKSTART
     + ["data.seq_len=1024", "mesh.dp=1", "mesh.cp=2", "attention.kernel=math", "zero.stage=0"],
@@ -74,7 +74,7 @@ SAVER_CONFIGS: dict[str, list[str]] = {
     "savers-offload": SAVERS_BASE + ["model.activation_offload_layers=2"],
     "savers-all": SAVERS_BASE
     + [
-        "model.activation_checkpointing=true",
+        "model.activation_checkpointing=full",
         "model.mlp_tiles=4",
         "train.loss_chunk_tokens=128",
         "model.activation_offload_layers=4",
