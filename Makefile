@@ -49,11 +49,15 @@ $(STAMP): pyproject.toml
 run: venv
 	$(VENV)/bin/ringtrain run $(JOB)
 
+# Test files run on TEST_WORKERS processes, each file whole on one (its module fixtures, a Ray
+# cluster or a spawned gloo group, are built once); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: venv tools
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-unit: venv tools
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
 test-dist: venv
 	$(PY) -m pytest tests/dist $(PYTEST_ARGS)

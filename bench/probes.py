@@ -374,7 +374,7 @@ def _detection_latency(trainer: Any, rank: int, device: Any, *, every: int) -> l
     import torch.distributed as dist
 
     from ringtrain.chaos import FaultSpec
-    from ringtrain.controllers.sdc import SdcScanner
+    from ringtrain.policies.sdc import SdcScanner
 
     world = dist.get_world_size()
     scanner = SdcScanner()
@@ -479,7 +479,7 @@ def _pairs_needed(wall: dict[str, Any], target: float) -> Optional[int]:
 
 
 def _false_alarms(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    from ringtrain.controllers.sdc import SdcScanner
+    from ringtrain.policies.sdc import SdcScanner
 
     scanner = SdcScanner()
     rounds = len(ranks[0]["clean_rounds"])

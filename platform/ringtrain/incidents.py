@@ -13,7 +13,7 @@ class Kind(enum.Enum):
     ERROR = "error"  # an exception in the step (user code, data, a collective without a dead peer)
     NAN = "nan"  # a non-finite loss
     SDC = "sdc"  # a rank failed a silent-data-corruption scan
-    STRAGGLER = "straggler"  # a rank persistently slower than its peers (controllers.stragglers)
+    STRAGGLER = "straggler"  # a rank persistently slower than its peers (policies.stragglers)
 
 
 # The kinds as written in incident files and metric labels, in declaration order.

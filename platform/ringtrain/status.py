@@ -43,7 +43,7 @@ class StepReport:
     # (source, document of its first token) of each of ``samples``, for prepared datasets.
     origins: tuple[tuple[int, int], ...] = ()
     # The step's time outside its collectives (waiting on peers left out): what tells a slow
-    # rank, whose peers wait for it, from the ones that wait (controllers.stragglers).
+    # rank, whose peers wait for it, from the ones that wait (policies.stragglers).
     compute_s: float = 0.0
 
 

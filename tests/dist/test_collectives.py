@@ -265,7 +265,7 @@ def test_a_training_step_records_every_collective_consistently(trained: list[dic
 
 
 def test_sdc_probes_agree_across_ranks_and_rounds_and_a_flipped_bit_is_named(trained: list[dict[str, Any]]) -> None:
-    from ringtrain.controllers.sdc import SdcScanner
+    from ringtrain.policies.sdc import SdcScanner
 
     clean = [r["rounds"][:SDC_ROUNDS] for r in trained]
     names = set(clean[0][0])
@@ -284,7 +284,7 @@ def test_sdc_probes_agree_across_ranks_and_rounds_and_a_flipped_bit_is_named(tra
 
 def test_a_rank_whose_gemm_or_attention_kernel_computes_wrong_is_named(trained: list[dict[str, Any]]) -> None:
     """No flip hook: the arithmetic the probe measures is wrong on one rank, by one ulp in one element."""
-    from ringtrain.controllers.sdc import SdcScanner
+    from ringtrain.policies.sdc import SdcScanner
 
     clean = trained[0]["rounds"][0]
     (attention,) = [p for p in clean if p.startswith("attention_")]
@@ -326,7 +326,7 @@ def _hang_rank(
     import torch
     import torch.distributed as dist
 
-    from ringtrain.controllers.hangs import RankDiagnostics, diagnose
+    from ringtrain.policies.hangs import RankDiagnostics, diagnose
     from ringtrain.topology import Topology
     from ringtrain.train import collectives
     from ringtrain.train.attention.comm import RingExchange

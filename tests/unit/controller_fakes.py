@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
-from ringtrain.controllers.elastic import reseat
-from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
+from ringtrain.policies.elastic import reseat
+from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
 from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.checkpoint.retention import retained

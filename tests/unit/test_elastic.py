@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 
-from ringtrain.controllers.elastic import GrowGate, allowed_dps, evicted, reseat, target_dp
+from ringtrain.policies.elastic import GrowGate, allowed_dps, evicted, reseat, target_dp
 
 # --- allowed_dps / target_dp ------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import pytest
 
-from ringtrain.controllers.faults import (
+from ringtrain.policies.faults import (
     Action,
     Capacity,
     Decision,

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import pytest
 
-from ringtrain.controllers.hangs import (
+from ringtrain.policies.hangs import (
     KINDS,
     CollectiveRecord,
     RankDiagnostics,

@@ -4,7 +4,7 @@ metric's pre-zeroed series, the report's colours, the policies' enum."""
 from __future__ import annotations
 
 from ringtrain import metrics
-from ringtrain.controllers import faults
+from ringtrain.policies import faults
 from ringtrain.incidents import INCIDENT_KINDS, Kind
 from ringtrain.telemetry.svgchart import KIND_COLORS
 

@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.incidents": 0,
     "ringtrain.uris": 0,
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
-    "ringtrain.controllers": 1,
+    "ringtrain.policies": 1,
     "ringtrain.planner": 1,
     "ringtrain.evaluation": 1,  # pure scoring: position buckets, tallies, passkey prompts
     "ringtrain.evaluation.tokenizer": 2,  # loads a Hugging Face tokenizer.json
@@ -184,7 +184,7 @@ def test_the_longest_entry_places_a_module() -> None:
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) is not None))
 def test_imports_only_go_downward(module: str) -> None:
-    """Among others: the controllers never import train, the actors and telemetry never the cli."""
+    """Among others: the policies never import train, the actors and telemetry never the cli."""
     mine = layer_of(module)
     assert mine is not None
     bad = {
@@ -229,7 +229,7 @@ def test_l0_imports_only_stdlib_omegaconf_and_l0(module: str) -> None:
 
 @pytest.mark.parametrize("module", _at_layer(1))
 def test_l1_imports_only_stdlib_l0_and_its_own_package(module: str) -> None:
-    """Pure decisions (controllers) and plans for clusters not yet had (planner) import no
+    """Pure decisions (policies) and plans for clusters not yet had (planner) import no
     framework, and L1 packages do not lean on each other."""
     bad = {
         name
@@ -246,9 +246,9 @@ def test_l2_never_imports_ray(module: str) -> None:
 
 
 @pytest.mark.parametrize("module", _in_layer("ringtrain.train"))
-def test_train_never_imports_the_controllers(module: str) -> None:
+def test_train_never_imports_the_policies(module: str) -> None:
     """They meet through status reports and Decisions, joined by the actors."""
-    bad = {name for name in _imports(module) if _within(name, "ringtrain.controllers")}
+    bad = {name for name in _imports(module) if _within(name, "ringtrain.policies")}
     assert not bad, f"{module} imports {sorted(bad)}"
 
 
@@ -267,7 +267,7 @@ def test_light_modules_import_no_torch_ray_or_deepspeed(tmp_path: Path) -> None:
     code = (
         "import json, sys\n"
         "import ringtrain.config, ringtrain.errors, ringtrain.topology, ringtrain.status, ringtrain.cli\n"
-        "import ringtrain.controllers.snapshots, ringtrain.metrics, ringtrain.checkpoint\n"
+        "import ringtrain.policies.snapshots, ringtrain.metrics, ringtrain.checkpoint\n"
         "heavy = sorted(m for m in sys.modules if m.partition('.')[0] in ('torch', 'ray', 'deepspeed'))\n"
         "print(json.dumps(heavy))\n"
     )

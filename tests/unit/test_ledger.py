@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.controllers.ledger import SampleLedger
+from ringtrain.policies.ledger import SampleLedger
 
 G = 4
 

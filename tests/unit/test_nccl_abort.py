@@ -9,7 +9,7 @@ import pytest
 
 from ringtrain.actors import group as group_module
 from ringtrain.actors.worker import TrainWorker
-from ringtrain.controllers.faults import abort_survivors
+from ringtrain.policies.faults import abort_survivors
 from ringtrain.train import mesh
 
 

@@ -1,7 +1,7 @@
 """A failure during a recovery: a worker that dies while the new world joins or restores is
 recovered from as a new failure, from the same restore point, not a failed run.
 
-The policy is pure (``controllers.retries``); the Controller runs against the scripted group and
+The policy is pure (``policies.retries``); the Controller runs against the scripted group and
 recovery of ``test_controller`` with a reform that breaks once; the Recovery runs against a
 WorkerGroup whose Ray calls are scripted, to show that the retry reads the same shards.
 """
@@ -19,8 +19,8 @@ from ringtrain.actors.group import WorkerGroup
 from ringtrain.actors.recovery import Recovery
 from ringtrain.actors.roster import Member, Slot
 from ringtrain.chaos import FaultPlan, FaultSpec
-from ringtrain.controllers.faults import Kind
-from ringtrain.controllers.retries import RecoveryFault, phase_of, retry_recovery
+from ringtrain.policies.faults import Kind
+from ringtrain.policies.retries import RecoveryFault, phase_of, retry_recovery
 from ringtrain.errors import WorkerError
 from ringtrain.status import WorkerInfo
 from tests.unit.controller_fakes import FakeElastic, Fault, elastic_job, elastic_run, incident_files, reform_call, whole
@@ -219,7 +219,7 @@ def test_a_restoring_fault_strikes_the_first_recovery_from_its_step_once(monkeyp
 
 
 def test_a_shard_lost_in_transit_is_rebuilt_by_a_survivor_instead_of_redoing_the_step() -> None:
-    from ringtrain.controllers.snapshots import Holding, Source, plan_restore
+    from ringtrain.policies.snapshots import Holding, Source, plan_restore
 
     # Rank 1 died right after step 10: its shard of 10 never reached a holder.
     node = Holding(Source.NODE, "node:a", frozenset({(9, 0), (9, 1), (10, 0)}), ((9, 2), (10, 2)))
@@ -238,7 +238,7 @@ def test_a_shard_lost_in_transit_is_rebuilt_by_a_survivor_instead_of_redoing_the
 def test_a_retry_reads_the_shards_again_when_one_of_their_holders_died(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetched shard lives only where it was made: when the second failure takes a worker
     that served one, the retry plans the restore again instead of reading a lost object."""
-    from ringtrain.controllers.snapshots import RestorePlan
+    from ringtrain.policies.snapshots import RestorePlan
 
     job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
     g = WorkerGroup(job, "cpu")
@@ -276,7 +276,7 @@ def test_a_retry_reads_the_shards_again_when_one_of_their_holders_died(monkeypat
 
 
 def test_a_retry_reads_the_shards_again_when_the_node_holder_serving_one_is_gone() -> None:
-    from ringtrain.controllers.snapshots import RestorePlan
+    from ringtrain.policies.snapshots import RestorePlan
 
     g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
     r = Recovery(g)
@@ -297,7 +297,7 @@ def evicting(monkeypatch: pytest.MonkeyPatch) -> tuple[Recovery, list[str], list
     """A dp 2 x cp 2 Recovery with one ready spare whose Ray side is scripted: every rank asked
     holds its own shards of steps 5 and 6, node n's holder every shard of step 5 and of 6 all
     but rank 3's (still in transit). Returns the recovery, the events in order and the plans."""
-    from ringtrain.controllers.snapshots import Holding, Source
+    from ringtrain.policies.snapshots import Holding, Source
 
     g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
     info = WorkerInfo(0, "h", 1, "cpu", "n")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ringtrain.controllers.faults import Action, Capacity, Failure, Kind, Outcome, RankOutcome, classify, decide
-from ringtrain.controllers.repeats import ErrorSignature, RepeatTracker, repeated_reason, user_frame
+from ringtrain.policies.faults import Action, Capacity, Failure, Kind, Outcome, RankOutcome, classify, decide
+from ringtrain.policies.repeats import ErrorSignature, RepeatTracker, repeated_reason, user_frame
 
 TRACEBACK = """Traceback (most recent call last):
   File "/venv/lib/python3.11/site-packages/ray/_private/worker.py", line 900, in main_loop

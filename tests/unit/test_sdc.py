@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.controllers.faults import Kind
-from ringtrain.controllers.sdc import SdcScanner, SdcVerdict, scan_due, sdc_failure
+from ringtrain.policies.faults import Kind
+from ringtrain.policies.sdc import SdcScanner, SdcVerdict, scan_due, sdc_failure
 
 GOOD = {"gemm_float32": "g0", "attention_cpu_flash_float32": "a0", "all_reduce_x4": "c0"}
 

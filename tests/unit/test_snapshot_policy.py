@@ -9,7 +9,7 @@ import pytest
 from typing import Optional
 
 from ringtrain.checkpoint.retention import retained
-from ringtrain.controllers.snapshots import (
+from ringtrain.policies.snapshots import (
     Candidate,
     Holding,
     RestorePlan,

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import pytest
 
 from ringtrain.chaos import FaultPlan, FaultSpec
-from ringtrain.controllers.faults import Action, Capacity, Failure, Kind, decide
-from ringtrain.controllers.stragglers import StragglerWatch, slowdowns
+from ringtrain.policies.faults import Action, Capacity, Failure, Kind, decide
+from ringtrain.policies.stragglers import StragglerWatch, slowdowns
 from ringtrain.status import StepReport
 
 from tests.unit.controller_fakes import ElasticGroup, elastic_job, elastic_run, incident_files, reform_call, whole

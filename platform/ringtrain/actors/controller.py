@@ -3,10 +3,10 @@
 States: starting -> running <-> recovering -> finished | failed | stopped. Every transition is
 logged with the reason behind it, and the run directory records each step and the outcome
 whatever happens: a failed or interrupted run still leaves a summary saying how far it got and
-why. When a step fails, the fault policy (``controllers.faults``) decides and the Recovery
-carries it out; between steps the elastic policy (``controllers.elastic``) grows the job back
+why. When a step fails, the fault policy (``policies.faults``) decides and the Recovery
+carries it out; between steps the elastic policy (``policies.elastic``) grows the job back
 when capacity returns, and every ``controllers.sdc_every_steps`` the ranks run the SDC probes
-(``controllers.sdc``): a rank that fails them is evicted and training rolls back to the last
+(``policies.sdc``): a rank that fails them is evicted and training rolls back to the last
 clean scan. Each incident is written to ``incidents/`` when it is seen and again when training
 has recovered from it. Everything the run shows goes through one list of observers
 (``actors.observers``): the run directory, the console, Prometheus and the sinks (TensorBoard).
@@ -28,13 +28,13 @@ from ringtrain.actors.runbook import RunBook
 from ringtrain.actors.transit import gather_arrivals, transit_window
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
-from ringtrain.controllers.elastic import GrowGate, allowed_dps, target_dp
-from ringtrain.controllers.faults import Action, Capacity, Decision, Failure, Kind, classify, decide, non_finite
-from ringtrain.controllers.ledger import SampleLedger
-from ringtrain.controllers.retries import RecoveryFault, phase_of, retry_recovery
-from ringtrain.controllers.repeats import ErrorSignature, RepeatTracker, repeated_reason
-from ringtrain.controllers.sdc import SdcScanner, scan_due, sdc_failure
-from ringtrain.controllers.stragglers import StragglerWatch, slowdowns
+from ringtrain.policies.elastic import GrowGate, allowed_dps, target_dp
+from ringtrain.policies.faults import Action, Capacity, Decision, Failure, Kind, classify, decide, non_finite
+from ringtrain.policies.ledger import SampleLedger
+from ringtrain.policies.retries import RecoveryFault, phase_of, retry_recovery
+from ringtrain.policies.repeats import ErrorSignature, RepeatTracker, repeated_reason
+from ringtrain.policies.sdc import SdcScanner, scan_due, sdc_failure
+from ringtrain.policies.stragglers import StragglerWatch, slowdowns
 from ringtrain import metrics
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
 from ringtrain.status import Incident, StepReport
@@ -57,7 +57,7 @@ class RunState(enum.Enum):
 _ALLOWED = {
     RunState.STARTING: {RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
     RunState.RUNNING: {RunState.RECOVERING, RunState.FINISHED, RunState.FAILED, RunState.STOPPED},
-    # A recovery interrupted by another failure starts over (controllers.retries).
+    # A recovery interrupted by another failure starts over (policies.retries).
     RunState.RECOVERING: {RunState.RECOVERING, RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
 }
 
@@ -308,7 +308,7 @@ class Controller(RunBook):
     ) -> int:
         """A worker failed while the recovery of ``incident`` formed its new world: recover
         again, from the same restore point, as from a failure of that world
-        (``controllers.retries``); the run fails once controllers.max_recoveries is spent."""
+        (``policies.retries``); the run fails once controllers.max_recoveries is spent."""
         assert self.elastic is not None
         if decision.action is not Action.ROLLBACK:
             self.dp = decision.dp_after  # the world that broke was formed at this dp
@@ -334,7 +334,7 @@ class Controller(RunBook):
 
     def _repeated(self, failure: Failure, step: int) -> str:
         """Why ``failure`` will not be retried: the same exception on the same step again
-        (``controllers.repeats``); "" for any other failure."""
+        (``policies.repeats``); "" for any other failure."""
         if failure.kind is not Kind.ERROR:
             return ""
         signature = ErrorSignature(failure.error or failure.reason, failure.where)
@@ -434,7 +434,7 @@ class Controller(RunBook):
 
     def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[int]:
         """Export each rank's slowdown; with controllers.on_straggler set, name a persistent
-        straggler (controllers.stragglers) and, with evict, recover from it as from a lost rank
+        straggler (policies.stragglers) and, with evict, recover from it as from a lost rank
         whose slot is not reused. Returns the step resumed after an eviction."""
         compute = {r.rank: r.compute_s for r in reports}
         for rank, ratio in slowdowns(compute).items():

@@ -6,8 +6,8 @@ replica stays the unit that comes and goes as a whole. Every actor sits in a *sl
 of a placement group); a slot whose actor died is reused for its replacement, so a restarted
 rank lands where its ring is.
 
-The group has no policy of its own: the Controller decides (``controllers.faults`` and
-``controllers.elastic``) and the group carries it out: ``train_step`` reports how every rank's
+The group has no policy of its own: the Controller decides (``policies.faults`` and
+``policies.elastic``) and the group carries it out: ``train_step`` reports how every rank's
 step ended, ``form_world`` moves a set of live workers into a new world, ``spawn`` starts new
 ones in the background.
 """
@@ -23,9 +23,9 @@ from ringtrain.actors.holder import SnapshotHolder
 from ringtrain.actors.roster import Member, Slot, WarmDeaths, settle
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
-from ringtrain.controllers.faults import Outcome, RankOutcome, abort_survivors
-from ringtrain.controllers.hangs import RankDiagnostics, Verdict, diagnose
-from ringtrain.controllers.repeats import user_frame
+from ringtrain.policies.faults import Outcome, RankOutcome, abort_survivors
+from ringtrain.policies.hangs import RankDiagnostics, Verdict, diagnose
+from ringtrain.policies.repeats import user_frame
 from ringtrain.errors import CapacityError, WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from ringtrain.controllers.faults import Capacity, RankOutcome
+from ringtrain.policies.faults import Capacity, RankOutcome
 from ringtrain.status import StepReport, WorkerInfo
 
 

@@ -3,7 +3,7 @@
 Survivors keep their processes. The state of the step to resume from is gathered before anyone
 leaves the old world: each survivor's own shard from its memory, a lost rank's shard from a
 node holder (its own node's, or the buddy node's when its node is gone), picked by
-``controllers.snapshots.plan_restore``. Then the new world forms (survivors, warm spares and
+``policies.snapshots.plan_restore``. Then the new world forms (survivors, warm spares and
 new workers join one process group) and every rank loads the snapshot resharded to the new dp.
 """
 
@@ -18,9 +18,9 @@ from typing import Any, Optional, Union
 from ringtrain.actors.group import Member, StepFailed, WorkerGroup
 from ringtrain.chaos import RESTORING_FAULT, FaultPlan, FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
-from ringtrain.controllers.elastic import evicted, reseat
-from ringtrain.controllers.faults import Capacity, Outcome, RankOutcome
-from ringtrain.controllers.snapshots import REBUILD, Holding, RestorePlan, Source, plan_restore
+from ringtrain.policies.elastic import evicted, reseat
+from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
+from ringtrain.policies.snapshots import REBUILD, Holding, RestorePlan, Source, plan_restore
 from ringtrain.errors import RingtrainError
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Recovery:
         # The restore point of a recovery whose new world has not formed yet: (newest step asked
         # for, pending shards, who holds each one's only copy). Fetched before the old world was
         # left, so a retry after a worker died while joining or restoring reads the same state
-        # (controllers.retries), as long as those holders live.
+        # (policies.retries), as long as those holders live.
         self._unfinished: Optional[tuple[int, Optional[list[Any]], list[Producer]]] = None
 
     def layout(self) -> dict[str, Any]:

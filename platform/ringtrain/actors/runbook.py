@@ -20,9 +20,9 @@ from ringtrain.actors.protocols import Durable, Elastic, Group
 from ringtrain.actors.records import recovery_entry, step_record
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
-from ringtrain.controllers.ledger import SampleLedger
-from ringtrain.controllers.sdc import SdcScanner
-from ringtrain.controllers.snapshots import persist_due
+from ringtrain.policies.ledger import SampleLedger
+from ringtrain.policies.sdc import SdcScanner
+from ringtrain.policies.snapshots import persist_due
 from ringtrain.status import Incident, StepReport
 from ringtrain.telemetry.rundir import RunDir
 

@@ -235,7 +235,7 @@ class ControllersConfig:
     sdc_every_steps: int = 100
     sdc_evict_node: bool = False
     sdc_cross_rank: bool = True
-    # Stragglers (controllers.stragglers): a rank whose compute time (its step time outside the
+    # Stragglers (policies.stragglers): a rank whose compute time (its step time outside the
     # step's collectives) is straggler_factor x its peers' median on straggler_steps consecutive
     # steps is named in an incident (report); with evict, a warm spare takes its seat (else the
     # job shrinks) and its slot is never reused. off: not watched (the default, as before).

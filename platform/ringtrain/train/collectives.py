@@ -1,7 +1,7 @@
 """The collective recorder: every torch.distributed call of this process, in a bounded ring buffer.
 
 A hang is diagnosed by comparing what each rank was doing when the job stopped moving; this
-module is the per-rank half of that (``ringtrain.controllers.hangs`` is the other). ``install()``
+module is the per-rank half of that (``ringtrain.policies.hangs`` is the other). ``install()``
 wraps the ``torch.distributed`` functions that the platform (attention ring P2P, Ulysses
 all-to-all, ``mesh.all_reduce_mean``) and DeepSpeed's ``TorchBackend`` call, in both namespaces
 they are reached through (``torch.distributed`` and ``torch.distributed.distributed_c10d``,

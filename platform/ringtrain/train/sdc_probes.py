@@ -3,7 +3,7 @@
 A rank runs these between steps. The inputs are fixed (seeded on the CPU, so every rank and
 every round get the same bits) and the digest is a sha256 of the result's bytes, so identical
 hardware and software must produce identical digests, round after round and rank by rank; the
-comparison itself is ``ringtrain.controllers.sdc``'s job.
+comparison itself is ``ringtrain.policies.sdc``'s job.
 
 - GEMM: the matrix units, fp32 (and bf16 on CUDA).
 - Attention: one block through the attention kernel training uses (``attention.kernels``),

@@ -1,6 +1,6 @@
 """Repeating errors: an exception that comes back on the same step after a rollback. Pure.
 
-A rank's own exception rolls the step back and retries it in place (``controllers.faults``):
+A rank's own exception rolls the step back and retries it in place (``policies.faults``):
 right for a transient fault, wasted for a deterministic one (a bug, a bad sample), which comes
 back on every retry until ``controllers.max_recoveries`` runs out. Two occurrences of the same
 error, told apart by its type, message and the frame that raised it in ringtrain or user code,

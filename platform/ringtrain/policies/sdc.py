@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ringtrain.controllers.faults import Failure
+from ringtrain.policies.faults import Failure
 from ringtrain.incidents import Kind
 
 BASES = ("majority", "golden", "unresolved")

@@ -14,7 +14,7 @@ that keeps the configured global batch:
 - a rank that failed an SDC scan is evicted like a lost one (its state is suspect, so the
   restore point is the last clean scan's, which the caller supplies); a scan that names no rank
   rolls back in place;
-- the same exception again on the same step after a rollback (``controllers.repeats``), anything
+- the same exception again on the same step after a rollback (``policies.repeats``), anything
   beyond ``controllers.max_recoveries``, or with no way forward, aborts the run.
 """
 
@@ -44,7 +44,7 @@ class RankOutcome:
     outcome: Outcome
     error: str = ""  # "<ExceptionType>: <first line>" for ERROR
     node_alive: bool = True
-    where: str = ""  # for ERROR: the raising frame in ringtrain or user code (controllers.repeats)
+    where: str = ""  # for ERROR: the raising frame in ringtrain or user code (policies.repeats)
 
 
 class Action(enum.Enum):
@@ -170,7 +170,7 @@ def decide(
 
     ``allowed_dps``: the replica counts the global batch divides into (all when empty); a
     shrink lands on the largest of them that the surviving replicas can run. ``repeated``: why
-    the failure is deterministic (``controllers.repeats``): then it is not retried.
+    the failure is deterministic (``policies.repeats``): then it is not retried.
     """
     if repeated:
         return Decision(Action.ABORT, repeated, dp)

@@ -5,7 +5,7 @@ snapshot into every rank. A survivor, or the spare or new worker taking a lost s
 in the middle of that: the world it was joining is then broken before it trained anything.
 Nothing of the run's progress is lost with it: the restore point's shards were fetched before
 anyone left the old world (``actors.recovery``), and they stay readable. So the failure is
-treated as a failure of the world being formed: the fault policy (``controllers.faults``) picks
+treated as a failure of the world being formed: the fault policy (``policies.faults``) picks
 the way to fill the new hole (a spare, a shrink, a new worker) and the recovery is carried out
 again from the same restore point. Each attempt is an incident and counts against
 ``controllers.max_recoveries``, so a world that never forms still ends the run.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ringtrain.controllers.faults import Failure
+from ringtrain.policies.faults import Failure
 from ringtrain.incidents import Kind
 
 # How a worker call of the recovery ended (``errors.WorkerError.kind``), as the fault it means:
