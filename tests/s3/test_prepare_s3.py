@@ -1,4 +1,4 @@
-"""`ringtrain prepare` from an s3:// prefix to an s3:// prefix, on the moto server.
+"""`ringtrain prepare` from an s3:// prefix to an s3:// prefix on the moto server, and training from it.
 
 Run in this process without a Ray cluster (tests/prepare/serial.py): what is tested here is S3
 (listing, ranged and whole-object reads, staging, publishing), and the actors' code reads the
@@ -20,7 +20,9 @@ import pytest
 from ringtrain import cli
 from ringtrain.prepared import Manifest
 from tests.corpus import build_corpus, save_tokenizer
+from tests.dist.ranks import gloo_rank, run_ranks
 from tests.prepare.serial import run_serially
+from tests.tiny import TINY_MODEL
 
 
 def test_prepare_reads_and_writes_s3(
@@ -77,3 +79,55 @@ def _num_records(path: Path) -> int:
 
         data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
     return sum(1 for line in data.splitlines() if json.loads(line)["text"])
+
+
+def _train_from_s3(rank: int, world: int, store: str, overrides: list[str], results: Any) -> None:
+    from ringtrain import config
+    from ringtrain.train.trainer import Trainer
+
+    with gloo_rank(rank, world, store, results):
+        import torch
+
+        trainer = Trainer(config.load(None, overrides), rank=rank, device=torch.device("cpu"))
+        losses = [trainer.train_step().loss for _ in range(2)]  # the process group is gloo_rank's to end
+        if rank == 0:
+            results.put(losses)
+
+
+def test_training_reads_a_dataset_prepared_to_s3(
+    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The round trip: prepared to s3://, then checked and read as ``ringtrain run`` does (shards
+    fetched into the node's cache and verified) and trained on for two steps by a real rank."""
+    from ringtrain import config
+    from ringtrain.train.mixture import check_sources, open_samples
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    run_serially(monkeypatch)
+    files = build_corpus(tmp_path / "corpus", num_modules=6, num_files=2)
+    for path in files:
+        s3_client.upload_file(str(path), bucket, f"corpus/{path.name}")
+    out, local = f"s3://{bucket}/datasets/small", tmp_path / "local"
+    for src, dst in ((f"s3://{bucket}/corpus", out), (str(tmp_path / "corpus"), str(local))):
+        assert cli.main(["prepare", src, "--tokenizer", "bytes", "--out", dst, "--shard-tokens", "20000", "--parallelism", "1",
+                         "--quiet"]) == 0
+    capsys.readouterr()
+
+    overrides = [f"data.path={out}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64", "data.packing=doc",
+                 "train.global_batch=2", "train.steps=2", "train.warmup_steps=1", "checkpoint.snapshot_every=0", *TINY_MODEL]
+    job = config.load(None, overrides)
+    check_sources(job)  # ringtrain run's check: manifest, tokenizer, vocabulary
+    remote = open_samples(job)
+    mirror = open_samples(config.load(None, [*overrides[:1], f"data.path={local}", *overrides[2:]]))
+    try:
+        for sample in range(0, 40, 3):  # the same windows, tokens and documents as the local copy
+            a, b = remote.sample(sample), mirror.sample(sample)
+            assert (a.tokens == b.tokens).all() and (a.doc_ids == b.doc_ids).all() and a.origin == b.origin
+    finally:
+        remote.close()
+        mirror.close()
+    assert any((tmp_path / "cache").rglob("*.tokens.npy"))  # fetched into this node's cache
+
+    losses = run_ranks(_train_from_s3, 1, tmp_path, overrides, timeout=180)
+    assert len(losses) == 2 and all(np.isfinite(losses))
