@@ -7,8 +7,8 @@ of a placement group); a slot whose actor died is reused for its replacement, so
 rank lands where its ring is.
 
 The group has no policy of its own: the Controller decides (``policies.faults`` and
-``policies.elastic``) and the group carries it out: ``train_step`` reports how every rank's
-step ended, ``form_world`` moves a set of live workers into a new world, ``spawn`` starts new
+``policies.elastic``), ``policies.stepwatch`` says when a rank of a step is lost or the step
+stalled, and the group carries it out: ``train_step`` reports how every rank's step ended, ``form_world`` moves a set of live workers into a new world, ``spawn`` starts new
 ones in the background.
 """
 
@@ -26,6 +26,7 @@ from ringtrain.config import JobConfig
 from ringtrain.policies.faults import Outcome, RankOutcome, abort_survivors
 from ringtrain.policies.hangs import RankDiagnostics, Verdict, diagnose
 from ringtrain.policies.repeats import user_frame
+from ringtrain.policies.stepwatch import Action, StepWatch
 from ringtrain.errors import CapacityError, WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
@@ -423,66 +424,59 @@ class WorkerGroup:
         import ray
 
         c = self.job.controllers
-        refs = {w.train_step.remote(probe): rank for rank, w in enumerate(self.workers)}
+        watch = StepWatch(
+            range(len(self.members)),
+            time.monotonic(),
+            step_timeout_s=c.step_timeout_s,
+            heartbeat_s=c.heartbeat_s,
+            heartbeat_timeout_s=c.heartbeat_timeout_s,
+            hang_timeout_s=c.hang_timeout_s,
+        )
+        calls = [w.train_step.remote(probe) for w in self.workers]
+        rank_of = {ref: rank for rank, ref in enumerate(calls)}
         results: dict[int, RankOutcome | StepReport] = {}
-        start = time.monotonic()
-        last_seen = {rank: start for rank in range(len(self.members))}
         pings: dict[Any, int] = {}
-        failed_at: Optional[tuple[float, float]] = None
         verdict: Optional[Verdict] = None
-        pending = list(refs)
-        while pending:
-            now = time.monotonic()
-            if failed_at is None:
-                deadline = start + c.step_timeout_s
-            else:
-                # After a first failure, the rest settle fast: a peer's death breaks their collectives.
-                deadline = min(start + c.step_timeout_s, failed_at[0] + c.heartbeat_timeout_s)
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(c.heartbeat_s, deadline - now)))
+        while watch.pending:
+            done, _ = ray.wait([calls[r] for r in watch.pending], num_returns=1, timeout=watch.wait_s(time.monotonic()))
             for ref in done:
-                rank = refs[ref]
+                rank = rank_of[ref]
                 results[rank] = self._outcome(ref, rank)
-                if failed_at is None and not isinstance(results[rank], StepReport):
-                    failed_at = (time.monotonic(), time.time())
+                watch.finished(rank, isinstance(results[rank], StepReport), time.monotonic())
             now = time.monotonic()
             for ping in ray.wait(list(pings), num_returns=len(pings), timeout=0)[0] if pings else []:
                 rank = pings.pop(ping)
                 if _answered(ping):
-                    last_seen[rank] = now
-            if failed_at is None and pending and now - start >= c.hang_timeout_s:
-                # A stall: find who stopped the step, and evict it so the others' collectives fail.
+                    watch.heard(rank, now)
+            decision = watch.check(now)
+            if decision.action is Action.STALL:
+                # Find who stopped the step, and evict it so the others' collectives fail.
                 verdict = self._diagnose_stall()
-                culprits = verdict.ranks if verdict is not None else tuple(sorted(refs[r] for r in pending))
-                why = verdict.explanation if verdict is not None else f"no progress for {now - start:.1f} s"
+                culprits = verdict.ranks if verdict is not None else decision.ranks
+                why = verdict.explanation if verdict is not None else decision.why
                 for rank in culprits:  # its seat is freed when the recovery drops the rank
                     ray.kill(self.members[rank].handle, no_restart=True)
-                survivors = abort_survivors(device=self.device, pending=[refs[r] for r in pending], evicted=culprits)
+                survivors = abort_survivors(device=self.device, pending=list(decision.ranks), evicted=culprits)
                 for rank in survivors:  # not waited for: answered on the worker's second slot
                     self.workers[rank].abort.remote()
                 for rank in culprits:
                     results[rank] = RankOutcome(rank, Outcome.LOST, why)
-                pending = [r for r in pending if refs[r] not in results]
-                failed_at = (time.monotonic(), time.time())
+                watch.lose(culprits, time.monotonic())
                 continue
-            silent = [refs[r] for r in pending if now - last_seen[refs[r]] > c.heartbeat_timeout_s]
-            if pending and (now >= deadline or silent):
-                for ref in pending:
-                    rank = refs[ref]
-                    if now >= deadline or rank in silent:
-                        why = "stopped answering heartbeats" if rank in silent else f"did not finish within {now - start:.1f} s"
-                        results[rank] = RankOutcome(rank, Outcome.LOST, why)
-                pending = [r for r in pending if refs[r] not in results]
-                if failed_at is None:
-                    failed_at = (now, time.time())
-            waiting = {pings[p] for p in pings}
-            for ref in pending:
-                if refs[ref] not in waiting:
-                    pings[self.workers[refs[ref]].heartbeat.remote()] = refs[ref]
-        if failed_at is not None:
+            if decision.action is Action.LOSE:
+                for rank, why in decision.lost:
+                    results[rank] = RankOutcome(rank, Outcome.LOST, why)
+                watch.lose([rank for rank, _ in decision.lost], now)
+            waiting = set(pings.values())
+            for rank in watch.pending:
+                if rank not in waiting:
+                    pings[self.workers[rank].heartbeat.remote()] = rank
+        if watch.failed_at is not None:
             outcomes = [
                 r if isinstance(r, RankOutcome) else RankOutcome(rank, Outcome.OK) for rank, r in sorted(results.items())
             ]
-            raise StepFailed(outcomes, *failed_at, verdict=verdict.to_dict() if verdict is not None else None)
+            seen_unix = time.time() - (time.monotonic() - watch.failed_at)
+            raise StepFailed(outcomes, watch.failed_at, seen_unix, verdict=verdict.to_dict() if verdict is not None else None)
         return [results[rank] for rank in range(len(self.members))]  # type: ignore[misc]
 
     def _diagnose_stall(self, timeout_s: float = 5.0) -> Optional[Verdict]:
