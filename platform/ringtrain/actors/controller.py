@@ -21,10 +21,11 @@ import math
 import time
 from typing import Any, Callable, Optional, Sequence, cast
 
+from ringtrain import metrics
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
-from ringtrain.actors.runbook import RunBook
+from ringtrain.actors.watches import Watches
 from ringtrain.actors.transit import gather_arrivals, transit_window
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
@@ -33,11 +34,10 @@ from ringtrain.policies.faults import Action, Capacity, Decision, Failure, Kind,
 from ringtrain.policies.ledger import SampleLedger
 from ringtrain.policies.retries import RecoveryFault, phase_of, retry_recovery
 from ringtrain.policies.repeats import ErrorSignature, RepeatTracker, repeated_reason
-from ringtrain.policies.sdc import SdcScanner, scan_due, sdc_failure
-from ringtrain.policies.stragglers import StragglerWatch, slowdowns
-from ringtrain import metrics
+from ringtrain.policies.sdc import SdcScanner
+from ringtrain.policies.stragglers import StragglerWatch
 from ringtrain.errors import NonFiniteLoss, RingtrainError, WorkerError
-from ringtrain.status import Incident, StepReport
+from ringtrain.status import Incident
 from ringtrain.telemetry.progress import Progress
 from ringtrain.telemetry.prometheus import RunMetrics
 from ringtrain.telemetry.rundir import RunDir
@@ -66,7 +66,7 @@ _ALLOWED = {
 _WORKER_FAILURE_KINDS = {"died": "crash", "error": "crash", "timeout": "hang"}
 
 
-class Controller(RunBook):
+class Controller(Watches):
     def __init__(
         self,
         job: JobConfig,
@@ -431,69 +431,3 @@ class Controller(RunBook):
         self._write_layout()
         self.observers.on_gauge(metrics.DP_SIZE, new_dp)
         self.observers.on_message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
-
-    def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[int]:
-        """Export each rank's slowdown; with controllers.on_straggler set, name a persistent
-        straggler (policies.stragglers) and, with evict, recover from it as from a lost rank
-        whose slot is not reused. Returns the step resumed after an eviction."""
-        compute = {r.rank: r.compute_s for r in reports}
-        for rank, ratio in slowdowns(compute).items():
-            self.observers.on_gauge(metrics.RANK_SLOWDOWN, ratio, rank=str(rank))
-        c = self.job.controllers
-        found = self.stragglers.observe(step, compute) if c.on_straggler != "off" and len(reports) > 1 else None
-        if found is None:
-            return None
-        infos = self.group.infos
-        cp = self.job.mesh.cp
-        where = {"replica": found.rank // cp, "ring_pos": found.rank % cp, "host": infos[found.rank].host if found.rank < len(infos) else "?"}
-        reason = (
-            f"rank {found.rank} (replica {where['replica']}, ring position {where['ring_pos']}, host {where['host']}) computed "
-            f"{found.slowdown:.2f}x its peers' median on steps {list(found.steps)} (controllers.straggler_factor="
-            f"{c.straggler_factor:g}, controllers.straggler_steps={c.straggler_steps})"
-        )
-        evidence = {"straggler": found.to_dict(**where)}
-        if c.on_straggler == "report" or self.elastic is None:
-            self._incident("straggler", (found.rank,), step, t0, reason=reason, action="report", verdict=evidence)
-            return None
-        failure = Failure(Kind.STRAGGLER, (found.rank,), reason)
-        return self._recover(failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=step)
-
-    # --- silent data corruption ---------------------------------------------------------
-
-    def _scan_due(self, step: int) -> bool:
-        """Whether ``step`` ends with an SDC probe round: the run's first step (its round sets
-        every rank's golden values), then on the cadence and after the last step."""
-        if self.sdc is None:
-            return False
-        every = self.job.controllers.sdc_every_steps
-        return step == self.start_step + 1 or scan_due(step, every=every, last_step=self.job.last_step)
-
-    def _judge(self, step: int, t0: float, digests: dict[int, dict[str, str]]) -> Optional[int]:
-        """Judge the probe round that ended ``step`` (rank -> probe -> digest). Clean: the newest
-        snapshot at or before ``step`` becomes the rollback point. A failure is recovered from
-        at once; returns the step resumed after."""
-        assert self.sdc is not None
-        self.scans += 1
-        self.observers.on_count(metrics.SDC_PROBES, 1)
-        verdict = self.sdc.check(step, digests)
-        if verdict is None:
-            self.last_clean_scan = step
-            self.group.pin_snapshots(step)
-            return None
-        self.observers.on_count(metrics.SDC_FAILURES, 1)
-        node_of = {i: info.node_id for i, info in enumerate(self.group.infos)}
-        failure = sdc_failure(verdict, node_of=node_of, evict_node=self.job.controllers.sdc_evict_node)
-        evidence = {"sdc": verdict.to_dict(), "last_clean_scan": self.last_clean_scan}
-        if self.elastic is None:
-            self._incident("sdc", failure.ranks, step, t0, reason=failure.reason, verdict=evidence)
-            raise RingtrainError(f"silent data corruption: {failure.reason}")
-        return self._recover(
-            failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=self.last_clean_scan
-        )
-
-    def _repin(self, last_clean: int) -> None:
-        """After a world changed: workers that joined hold no pin yet, and a rollback past the
-        last clean scan moves it back (the holders would otherwise pin a re-trained step)."""
-        self.last_clean_scan = last_clean
-        if self.sdc is not None:
-            self.group.pin_snapshots(last_clean)
