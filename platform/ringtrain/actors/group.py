@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ringtrain.actors.cluster import worker_resources
 from ringtrain.actors.holder import SnapshotHolder
-from ringtrain.actors.roster import Member, Slot, WarmDeaths, settle
+from ringtrain.actors.roster import Member, Roster, Slot, WarmDeaths, settle
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
 from ringtrain.policies.faults import Outcome, RankOutcome, abort_survivors
@@ -58,27 +58,55 @@ class WorkerGroup:
     def __init__(self, job: JobConfig, device: str) -> None:
         self.job = job  # the job of the current world: mesh.dp follows resizes
         self.device = device
-        self.members: list[Member] = []  # index = rank
-        self.spares: list[Member] = []  # warm (or warming) workers with no seat
-        self.growing: list[Member] = []  # workers starting for the next grow
-        self.free_slots: list[Slot] = []  # slots whose actor is gone
-        # Slots of ranks evicted for corrupting data: held for the job's lifetime and never
-        # reused, so the device behind them (a bundle keeps its GPU) trains nothing again.
-        self.quarantined: list[Slot] = []
-        self.cordoned: set[str] = set()  # nodes evicted whole: nothing new is placed there
+        self.roster = Roster()  # who sits where; its methods are the only writers of its lists
         self._pins = 0  # pin_snapshots calls so far
         self.placement_groups: list[Any] = []
         self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
         self.num_params = 0
         self.generation = 0  # worlds formed so far
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
-        self.warm_deaths = WarmDeaths()  # workers that died warming up, by slot
         self.startup: dict[str, float] = {}  # seconds by phase of the first world's start
         # Calls of the last world that failed still running when it was given up: waited for
         # before the next world forms, so no worker is ever asked to join twice at once.
         self._unsettled: list[Any] = []
 
     # --- views ---------------------------------------------------------------------------
+
+    @property
+    def members(self) -> list[Member]:
+        return self.roster.members
+
+    @members.setter
+    def members(self, members: list[Member]) -> None:
+        self.roster.seat(members)
+
+    @property
+    def spares(self) -> list[Member]:
+        return self.roster.spares
+
+    @spares.setter
+    def spares(self, spares: list[Member]) -> None:
+        self.roster.spares = spares  # as given (a test's setup); the group itself adds and takes them
+
+    @property
+    def growing(self) -> list[Member]:
+        return self.roster.growing
+
+    @property
+    def free_slots(self) -> list[Slot]:
+        return self.roster.free_slots
+
+    @property
+    def quarantined(self) -> list[Slot]:
+        return self.roster.quarantined
+
+    @property
+    def cordoned(self) -> set[str]:
+        return self.roster.cordoned
+
+    @property
+    def warm_deaths(self) -> WarmDeaths:
+        return self.roster.warm_deaths
 
     @property
     def topology(self) -> Topology:
@@ -146,7 +174,7 @@ class WorkerGroup:
             self._spawn(Slot(self.placement_groups[r // topo.cp], r % topo.cp), rehearse=False) for r in range(topo.world_size)
         ]
         if self.job.mesh.spares:
-            self.spares = [self._spawn(Slot(self.placement_groups[-1], i)) for i in range(self.job.mesh.spares)]
+            self.roster.add_spares([self._spawn(Slot(self.placement_groups[-1], i)) for i in range(self.job.mesh.spares)])
         t2 = time.monotonic()
         self.form_world(members, self.job)  # the spares warm up meanwhile
         # The start by phase (summary.json's startup): warm is process start and imports, join
@@ -195,7 +223,8 @@ class WorkerGroup:
         restores (chaos: a second failure inside the recovery)."""
         timeout = self.job.controllers.start_timeout_s
         self._settle()
-        self.job, self.members = job, members
+        self.job = job
+        self.roster.seat(members)
         self.phases = {}  # filled as phases complete: a failure's phase is the first missing
         t0 = time.monotonic()
         self._wait_warm(members, timeout)
@@ -311,24 +340,19 @@ class WorkerGroup:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # already dead: nothing to stop
                 pass
-            known = any(s.pg is m.slot.pg and s.index == m.slot.index for s in self.free_slots)
-            if reuse_slots and self.on_live_node(m) and not known:
-                self.free_slots.append(m.slot)
+            if reuse_slots and self.on_live_node(m):
+                self.roster.free(m.slot)
 
     def quarantine(self, members: list[Member]) -> None:
         """Stop these actors and hold their slots, never to be reused."""
         self.kill(members, reuse_slots=False)
-        self.quarantined += [m.slot for m in members]
+        self.roster.hold([m.slot for m in members])
 
     def cordon(self, nodes: set[str]) -> None:
         """Place nothing new on ``nodes``: their free slots are dropped, spares and starting
         workers there stopped, and later placement groups kept off them."""
-        self.cordoned |= nodes
-        self.free_slots = [s for s in self.free_slots if _slot_node(s) not in nodes]
-        gone = [m for m in self.spares + self.growing if (m.info.node_id if m.info else _slot_node(m.slot)) in nodes]
+        gone = self.roster.cordon(nodes, lambda m: m.info.node_id if m.info else _slot_node(m.slot), _slot_node)
         self.kill(gone, reuse_slots=False)
-        self.spares = [m for m in self.spares if m not in gone]
-        self.growing = [m for m in self.growing if m not in gone]
         log.info("cordoned nodes %s (%d spare or starting workers there stopped)", sorted(nodes), len(gone))
 
     def release_unused_placement(self) -> None:
@@ -336,8 +360,7 @@ class WorkerGroup:
         can give their resources to whoever needs them (a returning replica included)."""
         from ray.util.placement_group import remove_placement_group
 
-        held = self.free_slots + self.quarantined
-        used = {id(m.slot.pg) for m in self.members + self.spares + self.growing} | {id(s.pg) for s in held}
+        used = {id(s.pg) for s in self.roster.slots_in_use()}
         for pg in [pg for pg in self.placement_groups if id(pg) not in used]:
             try:
                 remove_placement_group(pg)
@@ -362,7 +385,7 @@ class WorkerGroup:
         """Start ``count`` workers, in free slots first, then in a new PACK placement group."""
         from ray.util.placement_group import placement_group
 
-        slots = [self.free_slots.pop(0) for _ in range(min(count, len(self.free_slots)))]
+        slots = self.roster.take_free_slots(count)
         if len(slots) < count:
             bundle = worker_resources(self.job, self.device)
             n = count - len(slots)
@@ -402,18 +425,31 @@ class WorkerGroup:
         growth. Each one's slot is freed for a replacement, unless its node is gone or the slot
         has seen ``roster.MAX_WARM_DEATHS_PER_SLOT`` such deaths (then it is held back, as a
         quarantined one). Replacements are the caller's to start: see Recovery."""
-        gone = {id(m) for m in dead}
         for m in dead:
             _stop_actor(m.handle)
             node = _slot_node(m.slot)
-            retry = self.warm_deaths.record(m.slot)
-            if not retry:
-                self.quarantined.append(m.slot)
-            elif not node or (node not in self.cordoned and self.node_alive(node)):
-                self.free_slots.append(m.slot)
+            retry = self.roster.warm_death(m, reusable=lambda: self._placeable(node))
             log.warning("a worker died warming up (%s); slot %s reused: %s", m.error, m.slot.index, retry)
-        self.spares = [m for m in self.spares if id(m) not in gone]
-        self.growing = [m for m in self.growing if id(m) not in gone]
+
+    def _placeable(self, node: str) -> bool:
+        """Whether a new worker may go on ``node`` ("": not known, so yes)."""
+        return not node or (node not in self.cordoned and self.node_alive(node))
+
+    def add_spares(self, count: int) -> None:
+        """Start ``count`` spares (free slots first); they warm up in the background."""
+        self.roster.add_spares(self.spawn(count))
+
+    def take_spares(self, taken: list[Member]) -> None:
+        """``taken`` (ready spares) leave the spares, to be seated."""
+        self.roster.take_spares(taken)
+
+    def add_growing(self, count: int) -> None:
+        """Start ``count`` workers for the next grow; they warm up while training goes on."""
+        self.roster.add_growing(self.spawn(count))
+
+    def take_growing(self, count: int) -> list[Member]:
+        """Up to ``count`` of the workers started for growth, to be seated."""
+        return self.roster.take_growing(count)
 
     # --- steps and snapshots -------------------------------------------------------------
 
@@ -575,7 +611,7 @@ class WorkerGroup:
                 remove_placement_group(pg)
             except Exception:
                 pass
-        self.members, self.spares, self.growing, self.free_slots = [], [], [], []
+        self.roster.clear()
         self.placement_groups, self.holders = [], {}
 
     # --- calls ---------------------------------------------------------------------------

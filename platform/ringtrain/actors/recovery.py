@@ -237,7 +237,7 @@ class Recovery:
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
         g.kill([old[r] for r in evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)])
         taken = g.ready_spares()[: min(spares, seats.count(None))]
-        g.spares = [s for s in g.spares if s not in taken]
+        g.take_spares(taken)
         fill = taken + g.spawn(seats.count(None) - len(taken))
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
 
@@ -300,7 +300,7 @@ class Recovery:
         warm up while training goes on."""
         g = self.group
         self._growth_workers = replicas * g.job.mesh.cp
-        g.growing += g.spawn(max(0, self._growth_workers - len(g.growing)))
+        g.add_growing(max(0, self._growth_workers - len(g.growing)))
 
     def growth_ready(self) -> bool:
         """Whether the prepared workers are all warm (never waits). One that died warming up
@@ -311,7 +311,7 @@ class Recovery:
         ready = bool(g.growing) and g.ready(g.growing)
         missing = self._growth_workers - len(g.growing)
         if missing > 0:
-            g.growing += g.spawn(missing)
+            g.add_growing(missing)
             return False
         return ready
 
@@ -327,8 +327,7 @@ class Recovery:
         if plan.step != last_step:
             raise RecoveryError(f"the snapshot of step {last_step} is not whole; cannot grow at this step")
         seats = reseat(dp=topo.dp, cp=topo.cp, lost=frozenset(), new_dp=new_dp)
-        fill = g.growing[: seats.count(None)]
-        g.growing = g.growing[len(fill) :]
+        fill = g.take_growing(seats.count(None))
         self._growth_workers = 0
         members = [old[r] if r is not None else fill.pop(0) for r in seats]
         step = g.form_world(members, world_job(g.job, dp=new_dp, fired_through=last_step), snapshot=shards)
@@ -389,7 +388,7 @@ class Recovery:
         g = self.group
         missing = target - len(g.spares)
         if missing > 0 and g.free_slots:
-            g.spares += g.spawn(min(missing, len(g.free_slots)))
+            g.add_spares(min(missing, len(g.free_slots)))
 
 
 def _held(holdings: list[Holding]) -> str:
