@@ -6,6 +6,9 @@ ZeRO-0, gloo on CPU.
 - ringtrain: ``python -m ringtrain run jobs/quickstart.yaml ...`` on an embedded Ray cluster, as
   a user starts it. The first step is done when its line is in metrics.jsonl (the record's
   ``time``); the phases come from summary.json's ``startup``.
+- ringtrain on a running cluster: the same command with RAY_ADDRESS naming a head started once
+  for the bench (``ray start --head``, 4 CPUs), as a job lands on a KubeRay cluster that is up:
+  like torchrun, which finds its machine running, it starts no cluster of its own.
 - torchrun: ``python -m torch.distributed.run --nproc-per-node 4 bench/startup.py --rank-main``:
   each rank initialises gloo from torchrun's environment, builds ringtrain's Trainer (same model,
   DeepSpeed engine, data) and trains one step; rank 0 stamps the wall time after it.
@@ -21,6 +24,7 @@ Writes bench/results/startup-cpu.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -31,10 +35,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
 OVERRIDES = ["mesh.dp=4", "mesh.cp=1", "zero.stage=0", "telemetry.metrics=false", "telemetry.tensorboard=false"]
 TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
@@ -74,14 +78,15 @@ def _first_record(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_ringtrain(timeout: float, root: Path = ROOT) -> dict[str, Any]:
+def run_ringtrain(timeout: float, root: Path = ROOT, head: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """One run; ``head``: the environment that points it at a running cluster (else embedded)."""
     tmp = Path(tempfile.mkdtemp(prefix="rt-start-", dir="/tmp"))
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "ringtrain", "run", str(ROOT / "jobs" / "quickstart.yaml"), *OVERRIDES,
            "train.steps=1", f"run_dir={run_dir}"]  # fmt: skip
     try:
         t0 = time.time()
-        proc = _launch(cmd, _env(tmp, root), tmp, timeout)
+        proc = _launch(cmd, _env(tmp, root) | (head or {}), tmp, timeout)
         t_exit = time.time()
         if proc.returncode != 0:
             raise RuntimeError((tmp / "out.log").read_text()[-3000:])
@@ -140,6 +145,32 @@ def rank_main(out: str) -> None:
     trainer.close()  # leaves the process group too
 
 
+@contextlib.contextmanager
+def running_head() -> Iterator[dict[str, str]]:
+    """A Ray head on free loopback ports for the bench's runs to join; its processes are ended by
+    PID afterwards (tests/ray/test_submit.py's helpers), never by ``ray stop``."""
+    from tests.ray.test_submit import end_processes, free_ports, head_env
+
+    temp_dir = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))  # short: Ray's socket paths live below it
+    (temp_dir / "ray").mkdir()
+    env = head_env(temp_dir, temp_dir)
+    gcs, dashboard, client_server, agent, metrics = free_ports(5)
+    command = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", "--port", str(gcs),
+        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "false",
+        "--ray-client-server-port", str(client_server), "--dashboard-agent-listen-port", str(agent),
+        "--metrics-export-port", str(metrics), "--num-cpus", "4", "--temp-dir", str(temp_dir), "--disable-usage-stats",
+    ]  # fmt: skip
+    try:
+        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        if started.returncode != 0:
+            raise RuntimeError(started.stderr[-3000:])
+        yield {"RAY_ADDRESS": f"127.0.0.1:{gcs}", "RAY_TMPDIR": str(temp_dir)}
+    finally:
+        end_processes(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -159,7 +190,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     run = Run("startup")
     TORCH_EXTENSIONS_DIR.mkdir(parents=True, exist_ok=True)
-    sides: dict[str, Any] = {"ringtrain": run_ringtrain, "torchrun": run_torchrun}
+    with contextlib.ExitStack() as stack:
+        return _compare(args, run, stack)
+
+
+def _compare(args: argparse.Namespace, run: Any, stack: contextlib.ExitStack) -> int:
+    head = stack.enter_context(running_head())
+    sides: dict[str, Any] = {"ringtrain": run_ringtrain, "torchrun": run_torchrun,
+                             "ringtrain_on_cluster": lambda timeout: run_ringtrain(timeout, head=head)}
     if args.before_root:
         sides["ringtrain_before"] = lambda timeout: run_ringtrain(timeout, args.before_root.resolve())
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
@@ -179,13 +217,18 @@ def main(argv: list[str]) -> int:
         phases = sorted({k for r in runs[name] for k in r["phases"]})
         result[name]["phases_median_s"] = {k: statistics.median(r["phases"][k] for r in runs[name] if k in r["phases"]) for k in phases}
     result["ratio_ringtrain_to_torchrun"] = result["ringtrain"]["first_step_s"]["median"] / result["torchrun"]["first_step_s"]["median"]
+    result["ratio_on_cluster_to_torchrun"] = (
+        result["ringtrain_on_cluster"]["first_step_s"]["median"] / result["torchrun"]["first_step_s"]["median"]
+    )
     result["load_avg_1m"] = {"min": min(load), "max": max(load)}
     if max(load) > 4:
         result["note"] = "machine loaded (1-minute load average above 4 on 2 cores) by other work while this ran"
     if args.before_root:
         result["ratio_ringtrain_to_before"] = result["ringtrain"]["first_step_s"]["median"] / result["ringtrain_before"]["first_step_s"]["median"]
     print(f"median first step: ringtrain {result['ringtrain']['first_step_s']['median']:.2f} s, "
-          f"torchrun {result['torchrun']['first_step_s']['median']:.2f} s ({result['ratio_ringtrain_to_torchrun']:.2f}x)")  # fmt: skip
+          f"torchrun {result['torchrun']['first_step_s']['median']:.2f} s ({result['ratio_ringtrain_to_torchrun']:.2f}x); "
+          f"ringtrain on a running cluster {result['ringtrain_on_cluster']['first_step_s']['median']:.2f} s "
+          f"({result['ratio_on_cluster_to_torchrun']:.2f}x)")  # fmt: skip
     run.write(result, device_type="cpu", out=args.out)
     return 0
 
