@@ -10,24 +10,24 @@ The group has no policy of its own: the Controller decides (``policies.faults`` 
 ``policies.elastic``), ``policies.stepwatch`` says when a rank of a step is lost or the step
 stalled, and the group carries it out: ``train_step`` reports how every rank's step ended, ``form_world`` moves a set of live workers into a new world, ``spawn`` starts new
 ones in the background.
+
+The group is the facade its callers use; the work is shared out by noun: ``actors.placement``
+(placement groups, holders, capacity), ``actors.world`` (forming a world, restoring it, the
+calls a failed one left running), ``actors.steps`` (a step watched on every rank), and
+``actors.roster`` (who sits where).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ringtrain.actors.cluster import worker_resources
-from ringtrain.actors.holder import SnapshotHolder
+from ringtrain.actors import placement, steps, world
 from ringtrain.actors.roster import Member, Roster, Slot, WarmDeaths, settle
-from ringtrain.actors.worker import TrainWorker
+from ringtrain.actors.steps import StepFailed, first_line as _first_line
 from ringtrain.config import JobConfig
-from ringtrain.policies.faults import Outcome, RankOutcome, abort_survivors
-from ringtrain.policies.hangs import RankDiagnostics, Verdict, diagnose
-from ringtrain.policies.repeats import user_frame
-from ringtrain.policies.stepwatch import Action, StepWatch
-from ringtrain.errors import CapacityError, WorkerError
+from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
 
@@ -35,23 +35,10 @@ if TYPE_CHECKING:
     from ringtrain.evaluation.tally import LossTally
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-NODE_ID_LABEL = "ray.io/node-id"
+_slot_node = placement.slot_node  # the group's own names for these: tests stand in for them here
+_worker_env = placement.worker_env
 
-
-class StepFailed(Exception):
-    """A step did not finish on every rank; ``outcomes`` says how each rank's call ended, and
-    ``verdict`` (a stall only) who stopped it and why."""
-
-    def __init__(
-        self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float, verdict: Optional[dict[str, Any]] = None
-    ) -> None:
-        failed = [f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in outcomes if o.outcome is not Outcome.OK]
-        super().__init__(", ".join(failed))
-        self.outcomes = outcomes
-        self.seen_at = seen_at  # monotonic time the first failure was seen
-        self.seen_unix = seen_unix
-        self.verdict = verdict
+__all__ = ["Member", "StepFailed", "WorkerGroup"]
 
 
 class WorkerGroup:
@@ -68,7 +55,7 @@ class WorkerGroup:
         self.startup: dict[str, float] = {}  # seconds by phase of the first world's start
         # Calls of the last world that failed still running when it was given up: waited for
         # before the next world forms, so no worker is ever asked to join twice at once.
-        self._unsettled: list[Any] = []
+        self.leftovers = world.Leftovers()
 
     # --- views ---------------------------------------------------------------------------
 
@@ -147,28 +134,9 @@ class WorkerGroup:
 
     def start(self) -> None:
         """Place and spawn every rank and the warm spares, then form the first world."""
-        import ray
-        from ray.util.placement_group import placement_group
-
         t0 = time.monotonic()
-        bundle = worker_resources(self.job, self.device)
         topo = self.topology
-        self.placement_groups = [
-            placement_group([dict(bundle) for _ in range(topo.cp)], strategy="PACK", name=f"replica-{d}")
-            for d in range(topo.dp)
-        ]
-        if self.job.mesh.spares:
-            self.placement_groups.append(
-                placement_group([dict(bundle) for _ in range(self.job.mesh.spares)], strategy="SPREAD", name="spares")
-            )
-        timeout = self.job.controllers.start_timeout_s
-        ready, _ = ray.wait([pg.ready() for pg in self.placement_groups], num_returns=len(self.placement_groups), timeout=timeout)
-        if len(ready) < len(self.placement_groups):
-            raise CapacityError(
-                "mesh.dp",
-                f"only {len(ready)} of {len(self.placement_groups)} placement groups ({topo.cp} x {bundle} per replica, "
-                f"mesh.spares={self.job.mesh.spares}) could be placed within controllers.start_timeout_s={timeout:g}",
-            )
+        self.placement_groups = placement.place_replicas(self.job, self.device)
         t1 = time.monotonic()
         members = [
             self._spawn(Slot(self.placement_groups[r // topo.cp], r % topo.cp), rehearse=False) for r in range(topo.world_size)
@@ -183,23 +151,7 @@ class WorkerGroup:
 
     def _spawn(self, slot: Slot, *, rehearse: bool = True) -> Member:
         """Start a worker actor in ``slot``; it warms up in the background (see TrainWorker.warm)."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle = worker_resources(self.job, self.device)
-        handle = (
-            ray.remote(TrainWorker)
-            .options(
-                num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0),
-                max_concurrency=2,  # heartbeats and snapshot reads are answered while a step runs
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=slot.pg, placement_group_bundle_index=slot.index
-                ),
-                runtime_env={"env_vars": _worker_env(self.device)},
-            )
-            .remote(self.job, -1, self.device)
-        )
+        handle = placement.start_worker(self.job, self.device, slot)
         return Member(handle, slot, warm=handle.warm.remote(rehearse))
 
     def _wait_warm(self, members: list[Member], timeout: float) -> None:
@@ -220,87 +172,21 @@ class WorkerGroup:
         """Make ``members`` ranks 0..n-1 of ``job``'s world; all join together. With ``snapshot``
         (one pending shard per rank of the snapshot's world), every rank restores it; returns the
         step restored (0 without one). ``crash_restoring``: ranks whose process exits as it
-        restores (chaos: a second failure inside the recovery)."""
-        timeout = self.job.controllers.start_timeout_s
-        self._settle()
-        self.job = job
-        self.roster.seat(members)
-        self.phases = {}  # filled as phases complete: a failure's phase is the first missing
-        t0 = time.monotonic()
-        self._wait_warm(members, timeout)
-        self._start_holders()
-        self.generation += 1
-        t1 = time.monotonic()
-        self.phases["warm_s"] = t1 - t0
-        host, port = self._call(members[0].handle.create_store.remote(job.world_size), rank=0, timeout=timeout)
-        counts = self._gather(
-            lambda rank, w: w.join.remote(job, rank, host, port, self._holders_of(rank)), timeout, on_failure=self._abandon_join
-        )
-        self.num_params = counts[0]
-        t2 = time.monotonic()
-        self.phases["join_s"] = t2 - t1
-        if snapshot is None:
-            return 0
-        steps = self._gather(
-            lambda rank, w: w.restore.remote(*snapshot, chaos_exit=rank in crash_restoring), timeout, on_failure=self._give_up
-        )
-        self.phases["restore_s"] = time.monotonic() - t2
-        return int(steps[0])
+        restores (chaos: a second failure inside the recovery). See ``actors.world``."""
+        return world.form_world(self, members, job, snapshot, crash_restoring)
 
-    def _abandon_join(self, pending: list[Any]) -> None:
-        """A rank failed while the world was joining: the others may wait in rank 0's store
-        for it until the store's timeout. Close the store (rank 0 answers on its second slot)
-        so they fail now, and give the world up at once (``_give_up``)."""
-        _stop_store(self.members[0].handle)
-        self._give_up(pending)
-
-    def _give_up(self, pending: list[Any]) -> None:
-        """A world failed at its first failed call: the failure is reported now, and the calls
-        still running are waited for only before the next world forms (``_settle``), so a
-        survivor blocked in a collective with a dead peer does not delay the recovery's
-        detection."""
-        self._unsettled = list(pending)
-
-    def _settle(self) -> None:
-        """Wait (bounded) for the calls of the last world that failed to end: a retry must not
-        find a worker still inside the last attempt's join or restore."""
-        import ray
-
-        pending, self._unsettled = self._unsettled, []
-        if pending:
-            timeout = self.job.controllers.heartbeat_timeout_s
-            ended, running = ray.wait(pending, num_returns=len(pending), timeout=timeout)
-            if running:
-                log.warning("%d calls of the failed world still running after %g s; forming the next", len(running), timeout)
+    def restore_refs(self, shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
+        """Every rank loads the snapshot whose shards are pending in ``shards`` (``crash_restoring``
+        as for ``form_world``)."""
+        return world.restore_refs(self, shards, crash_restoring)
 
     def _start_holders(self) -> None:
         """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        if self.job.checkpoint.snapshot_every == 0:
-            return
-        holder_cls = ray.remote(SnapshotHolder)
-        for node_id in dict.fromkeys(i.node_id for i in self.infos):
-            if node_id not in self.holders:
-                self.holders[node_id] = holder_cls.options(
-                    num_cpus=0,
-                    max_concurrency=4,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                ).remote(self.job.checkpoint.keep_in_memory)
+        placement.start_holders(self.job, self.infos, self.holders)
 
     def _holders_of(self, rank: int) -> list[Any]:
         """This node's holder, and a buddy node's when there is one and buddies are on."""
-        if not self.holders:
-            return []
-        nodes = list(self.holders)
-        own = self.infos[rank].node_id
-        chosen = [self.holders[own]]
-        if self.job.checkpoint.buddy:
-            buddy = buddy_node(rank, self.topology, [i.node_id for i in self.infos], nodes)
-            if buddy is not None:
-                chosen.append(self.holders[buddy])
-        return chosen
+        return placement.holders_of(rank, self.job, self.infos, self.holders)
 
     def on_live_node(self, member: Member) -> bool:
         """Whether ``member``'s node is not known to be gone (every node with a worker has a
@@ -314,16 +200,8 @@ class WorkerGroup:
     def node_alive(self, node_id: str) -> bool:
         """Whether ``node_id`` still runs: its holder answers (a dead node takes its holder with
         it at once, well before the cluster's own health check gives up on the node)."""
-        import ray
+        return placement.node_alive(self.holders, node_id)
 
-        holder = self.holders.get(node_id)
-        if holder is not None:
-            try:
-                ray.get(holder.inventory.remote(), timeout=2.0)
-                return True
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                return False
-        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
     def forget_node(self, node_id: str) -> None:
         self.holders.pop(node_id, None)
@@ -358,58 +236,25 @@ class WorkerGroup:
     def release_unused_placement(self) -> None:
         """Remove placement groups no worker, spare or free slot uses any more, so the cluster
         can give their resources to whoever needs them (a returning replica included)."""
-        from ray.util.placement_group import remove_placement_group
-
-        used = {id(s.pg) for s in self.roster.slots_in_use()}
-        for pg in [pg for pg in self.placement_groups if id(pg) not in used]:
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
-            self.placement_groups.remove(pg)
+        placement.release_unused(self.placement_groups, self.roster.slots_in_use())
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank and wait for all (names the first rank that fails)."""
         return self._gather(lambda _, w: getattr(w, method).remote(*args), self.job.controllers.start_timeout_s)
 
-    def restore_refs(self, shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
-        """Every rank loads the snapshot whose shards are pending in ``shards`` (``crash_restoring``
-        as for ``form_world``)."""
-        self._settle()
-        steps = self._gather(
-            lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), self.job.controllers.start_timeout_s
-        )
-        return int(steps[0])
-
     def spawn(self, count: int) -> list[Member]:
         """Start ``count`` workers, in free slots first, then in a new PACK placement group."""
-        from ray.util.placement_group import placement_group
-
         slots = self.roster.take_free_slots(count)
         if len(slots) < count:
-            bundle = worker_resources(self.job, self.device)
-            n = count - len(slots)
-            pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", bundle_label_selector=self._off_cordoned(n))
+            pg = placement.new_placement_group(self.job, self.device, count - len(slots), self.cordoned)
             self.placement_groups.append(pg)
             slots += [Slot(pg, i) for i in range(count - len(slots))]
         return [self._spawn(slot) for slot in slots]
 
-    def _off_cordoned(self, bundles: int) -> Optional[list[dict[str, str]]]:
-        """A label selector per bundle that keeps it off the cordoned nodes (Ray labels every
-        node with its id)."""
-        if not self.cordoned:
-            return None
-        return [{NODE_ID_LABEL: f"!in({','.join(sorted(self.cordoned))})"} for _ in range(bundles)]
-
     def free_capacity(self) -> int:
         """Worker-sized slots a new worker could take now: free slots on live nodes, plus what
         the cluster has unreserved."""
-        import ray
-
-        bundle = worker_resources(self.job, self.device)
-        available = ray.available_resources()
-        fits = min(int(available.get(k, 0.0) // v) if v > 0 else 10**6 for k, v in bundle.items())
-        return fits + len(self.free_slots)
+        return placement.free_capacity(self.job, self.device, len(self.free_slots))
 
     def ready(self, members: list[Member]) -> bool:
         """Whether every one of ``members`` finished warming up (never waits); those that did
@@ -456,97 +301,8 @@ class WorkerGroup:
     def train_step(self, probe: bool = False) -> list[StepReport]:
         """Every rank's report of one step (with ``probe``, ending in an SDC probe round, so a
         rank that dies or stalls in it is handled as in any step); raises StepFailed with every
-        rank's outcome."""
-        import ray
-
-        c = self.job.controllers
-        watch = StepWatch(
-            range(len(self.members)),
-            time.monotonic(),
-            step_timeout_s=c.step_timeout_s,
-            heartbeat_s=c.heartbeat_s,
-            heartbeat_timeout_s=c.heartbeat_timeout_s,
-            hang_timeout_s=c.hang_timeout_s,
-        )
-        calls = [w.train_step.remote(probe) for w in self.workers]
-        rank_of = {ref: rank for rank, ref in enumerate(calls)}
-        results: dict[int, RankOutcome | StepReport] = {}
-        pings: dict[Any, int] = {}
-        verdict: Optional[Verdict] = None
-        while watch.pending:
-            done, _ = ray.wait([calls[r] for r in watch.pending], num_returns=1, timeout=watch.wait_s(time.monotonic()))
-            for ref in done:
-                rank = rank_of[ref]
-                results[rank] = self._outcome(ref, rank)
-                watch.finished(rank, isinstance(results[rank], StepReport), time.monotonic())
-            now = time.monotonic()
-            for ping in ray.wait(list(pings), num_returns=len(pings), timeout=0)[0] if pings else []:
-                rank = pings.pop(ping)
-                if _answered(ping):
-                    watch.heard(rank, now)
-            decision = watch.check(now)
-            if decision.action is Action.STALL:
-                # Find who stopped the step, and evict it so the others' collectives fail.
-                verdict = self._diagnose_stall()
-                culprits = verdict.ranks if verdict is not None else decision.ranks
-                why = verdict.explanation if verdict is not None else decision.why
-                for rank in culprits:  # its seat is freed when the recovery drops the rank
-                    ray.kill(self.members[rank].handle, no_restart=True)
-                survivors = abort_survivors(device=self.device, pending=list(decision.ranks), evicted=culprits)
-                for rank in survivors:  # not waited for: answered on the worker's second slot
-                    self.workers[rank].abort.remote()
-                for rank in culprits:
-                    results[rank] = RankOutcome(rank, Outcome.LOST, why)
-                watch.lose(culprits, time.monotonic())
-                continue
-            if decision.action is Action.LOSE:
-                for rank, why in decision.lost:
-                    results[rank] = RankOutcome(rank, Outcome.LOST, why)
-                watch.lose([rank for rank, _ in decision.lost], now)
-            waiting = set(pings.values())
-            for rank in watch.pending:
-                if rank not in waiting:
-                    pings[self.workers[rank].heartbeat.remote()] = rank
-        if watch.failed_at is not None:
-            outcomes = [
-                r if isinstance(r, RankOutcome) else RankOutcome(rank, Outcome.OK) for rank, r in sorted(results.items())
-            ]
-            seen_unix = time.time() - (time.monotonic() - watch.failed_at)
-            raise StepFailed(outcomes, watch.failed_at, seen_unix, verdict=verdict.to_dict() if verdict is not None else None)
-        return [results[rank] for rank in range(len(self.members))]  # type: ignore[misc]
-
-    def _diagnose_stall(self, timeout_s: float = 5.0) -> Optional[Verdict]:
-        """Every rank's collective records and stacks (answered on its second concurrency slot
-        while its step is blocked), and the culprit they point at."""
-        import ray
-
-        topo = self.topology
-        refs = [w.diagnostics.remote() for w in self.workers]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        found = []
-        for rank, ref in enumerate(refs):
-            c = topo.coord(rank)
-            where = {"replica": c.replica, "ring_pos": c.ring_pos, "host": self._host(rank)}
-            try:
-                d = ray.get(ref, timeout=0)
-                found.append(RankDiagnostics.from_probe(rank, d, busy=bool(d.get("busy", True)), **where))
-            except Exception:  # dead, or too stuck to answer: that is a finding too
-                found.append(RankDiagnostics.unreachable(rank, **where))
-        return diagnose(found)
-
-    def _outcome(self, ref: Any, rank: int) -> RankOutcome | StepReport:
-        import ray
-
-        try:
-            report = ray.get(ref)
-            assert isinstance(report, StepReport)
-            return report
-        except ray.exceptions.RayActorError as exc:
-            return RankOutcome(rank, Outcome.DIED, type(exc).__name__)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            where = user_frame(str(getattr(exc, "traceback_str", "") or ""))
-            return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {_first_line(cause)}", where=where)
+        rank's outcome (see ``actors.steps``)."""
+        return steps.run_step(self, probe)
 
     # --- evaluation ----------------------------------------------------------------------
 
@@ -661,28 +417,6 @@ class WorkerGroup:
         return info.host if info else "?"
 
 
-def buddy_node(rank: int, topology: Topology, rank_nodes: list[str], nodes: list[str]) -> Optional[str]:
-    """Another node to keep a copy of ``rank``'s snapshots: the node of the same ring position in
-    the next replica when that is elsewhere (spreads the copies evenly), else any other node."""
-    own = rank_nodes[rank]
-    c = topology.coord(rank)
-    peer = rank_nodes[topology.rank_of((c.replica + 1) % topology.dp, c.ring_pos)]
-    if peer != own:
-        return peer
-    others = [n for n in nodes if n != own]
-    return others[rank % len(others)] if others else None
-
-
-def _slot_node(slot: Slot) -> str:
-    """The node a slot's bundle is placed on ("" when not known)."""
-    import ray
-
-    try:
-        return str(ray.util.placement_group_table(slot.pg)["bundles_to_node_id"].get(slot.index, ""))
-    except Exception:
-        return ""
-
-
 def _poll_warm(refs: list[Any]) -> dict[int, "WorkerInfo | BaseException"]:
     """The warm() results among ``refs`` that finished, by index (never waits)."""
     import ray
@@ -705,36 +439,3 @@ def _stop_actor(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # already dead: nothing to stop
         pass
-
-
-def _stop_store(handle: Any) -> None:
-    try:
-        handle.drop_store.remote()
-    except Exception:  # rank 0 is gone, and its store with it
-        pass
-
-
-def _answered(ref: Any) -> bool:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-        return True
-    except Exception:  # the actor died: its step call reports that
-        return False
-
-
-def _worker_env(device: str) -> dict[str, str]:
-    env = {"DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu"}
-    if device == "cuda":
-        # A failed NCCL collective aborts its communicator and raises, without tearing the
-        # process down (2: clean up only): the survivor keeps its snapshots for the recovery.
-        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-    # Quiet the per-process banners; errors still surface through the controller.
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
