@@ -85,7 +85,10 @@ def test_a_nan_fault_shows_in_tensorboard_and_in_the_report(tmp_path: Path, ray_
 
     rendered = render_in_chromium(report, tmp_path / "report-nan-e2e.png")
     drawn = [c for c in CHARTS if c != "mfu" or all(math.isfinite(r.get("mfu", math.nan)) for r in records)]
-    assert_drawn(rendered, report, num_ranks=NUM_RANKS, drawn=drawn)
+    # A real run records each rank's compute time: the page charts it beside the step time.
+    assert all(r.get("rank_compute_s") for r in records)
+    shown = (*CHARTS, "compute-time")
+    assert_drawn(rendered, report, num_ranks=NUM_RANKS, drawn=[*drawn, "compute-time"], charts_shown=shown)
     assert rendered.state["status"] == "failed"
     (row,) = rendered.state["incidentRows"]
     assert row.split("\t")[:5] == ["1", "nan", "3", "1", "abort"]

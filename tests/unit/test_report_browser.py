@@ -88,12 +88,15 @@ def render_in_chromium(report: Path, screenshot: Path) -> Rendered:
     return Rendered(errors, requests, state, screenshot)
 
 
-def assert_drawn(rendered: Rendered, report: Path, *, num_ranks: int, drawn: Sequence[str] = CHARTS) -> None:
-    """The page loaded only itself, logged no error, and drew lines with points in the ``drawn`` charts."""
+def assert_drawn(
+    rendered: Rendered, report: Path, *, num_ranks: int, drawn: Sequence[str] = CHARTS, charts_shown: Sequence[str] = CHARTS
+) -> None:
+    """The page loaded only itself, logged no error, showed ``charts_shown`` and drew lines with
+    points in the ``drawn`` ones."""
     assert rendered.errors == []
     assert rendered.requests == [report.resolve().as_uri()]
     charts = rendered.state["charts"]
-    assert set(charts) == set(CHARTS)
+    assert set(charts) == set(charts_shown)
     for name in drawn:
         assert charts[name], f"chart {name} has no line"
         assert all(points >= 2 and width > 0 for points, width in charts[name]), (name, charts[name])
