@@ -62,10 +62,19 @@ def token_dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= UINT16_VOCAB_LIMIT else "uint32"
 
 
+def sha256_file(path: PathLike, chunk_bytes: int = 8 << 20) -> str:
+    """The sha256 of a file, read in chunks (shards are large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def tokenizer_sha256(tokenizer_file: PathLike) -> str:
     """A tokenizer's identity as a manifest records it: the sha256 of its ``tokenizer.json``.
     ``ringtrain prepare`` records it and ``ringtrain run`` compares it with ``model.hf``'s."""
-    return hashlib.sha256(Path(tokenizer_file).read_bytes()).hexdigest()
+    return sha256_file(tokenizer_file)
 
 
 def join(root: str, relative: str) -> str:

@@ -19,13 +19,12 @@ from ringtrain.planner.layout import Layout, Workload, layout_of, precision, wor
 from ringtrain.planner.memory import (
     activations,
     estimate,
-    kv_copies,
     layer_activation_bytes,
     model_states,
     score_bytes,
     zero_buffers,
 )
-from ringtrain.planner.models import PRESETS, ModelSpec, from_job
+from ringtrain.planner.models import PRESETS, ModelSpec, from_job, kv_copies
 from ringtrain.planner.search import TIE, Cluster, cluster_sizes, fewest_gpus, layouts, search
 from ringtrain.planner.throughput import Assumptions, estimate_step, flops_per_token
 

@@ -7,7 +7,7 @@ its golden values and its peers'). A mixin of the Controller, beside its RunBook
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Callable, Optional
 
 from ringtrain import metrics
 from ringtrain.actors.runbook import RunBook
@@ -23,20 +23,8 @@ class Watches(RunBook):
     """The between-step checks; the attributes are the Controller's (set in its __init__)."""
 
     stragglers: StragglerWatch
+    _recover: Callable[..., int]  # the Controller's: a verdict that evicts recovers through it
 
-    def _recover(
-        self,
-        failure: Failure,
-        step: int,
-        t0: float,
-        *,
-        seen_at: float,
-        seen_unix: float,
-        verdict: Optional[dict[str, Any]] = None,
-        batch: Optional[int] = None,
-        restore_to: Optional[int] = None,
-    ) -> int:
-        raise NotImplementedError  # the Controller's: a verdict that evicts recovers through it
 
     def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[int]:
         """Export each rank's slowdown; with controllers.on_straggler set, name a persistent

@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringtrain.planner.layout import Layout, Precision
-from ringtrain.planner.memory import OFFLOAD_GRAD_BYTES, kv_copies
-from ringtrain.planner.models import ModelSpec
+from ringtrain.planner.memory import OFFLOAD_GRAD_BYTES
+from ringtrain.planner.models import ModelSpec, kv_copies
 
 DKV_BYTES = 4  # the ring's dK/dV accumulators travel in fp32
 

@@ -79,11 +79,6 @@ class Layout:
         return int(self.selective) + int(self.offload_layers > 0) + int(self.mlp_tiles > 1) + int(self.loss_chunk > 0)
 
     @property
-    def checkpointing_mode(self) -> str:
-        return "full" if self.checkpointing else "selective" if self.selective else "none"
-
-
-    @property
     def world(self) -> int:
         return self.dp * self.cp
 

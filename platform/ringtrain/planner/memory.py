@@ -73,13 +73,12 @@ planner/savers.py says; offloaded layers' kept bytes count as host memory.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from ringtrain.planner.layout import Layout, Precision, Workload
-from ringtrain.planner.models import ModelSpec
-from ringtrain.planner.savers import layer_bytes, loss_bytes, resident_layers
+from ringtrain.planner.models import ModelSpec, kv_copies
+from ringtrain.planner.savers import layer_bytes, loss_bytes, resident_layers, ulysses_extra
 
 # DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
 # stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
@@ -174,18 +173,12 @@ def zero_buffers(model: Optional[ModelSpec], num_params: int, zero_stage: int, p
     return ZeroBuffers(bucket, stage3, transient)
 
 
-def kv_copies(n_kv_heads: int, ulysses: int) -> int:
-    """How many times Ulysses replicates each KV head so every rank holds whole KV heads."""
-    return ulysses // math.gcd(n_kv_heads, ulysses)
-
 
 def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int) -> int:
     """Bytes one layer keeps for its backward on a rank holding ``tokens`` tokens (see module doc)."""
     h, kd, f, a, p = model.dim, model.kv_dim, model.ffn_dim, model.n_heads, act_bytes
     per_token = (8 + 4 * p) * h + p * (2 * h + 2 * kd) + 4 * a + 4 * p * f
-    if ulysses > 1:
-        per_token += p * (h + 2 * kd * (kv_copies(model.n_kv_heads, ulysses) - 1))
-    return tokens * per_token
+    return tokens * per_token + ulysses_extra(model, tokens, ulysses, p, kv_copies(model.n_kv_heads, ulysses))
 
 
 def score_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> int:

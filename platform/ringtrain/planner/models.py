@@ -8,6 +8,7 @@ attention (``wq``, ``wk``, ``wv``, ``wo`` without biases) and a SwiGLU feed-forw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ringtrain.config import JobConfig
@@ -64,6 +65,11 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": ModelSpec("llama3-70b", 128256, 8192, 80, 64, 8, 28672),
     "llama3-405b": ModelSpec("llama3-405b", 128256, 16384, 126, 128, 8, 53248),
 }
+
+
+def kv_copies(n_kv_heads: int, ulysses: int) -> int:
+    """How many times Ulysses replicates each KV head so every rank holds whole KV heads."""
+    return ulysses // math.gcd(n_kv_heads, ulysses)
 
 
 def preset(name: str) -> ModelSpec:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringtrain.planner.layout import Layout
-from ringtrain.planner.models import ModelSpec
+from ringtrain.planner.models import ModelSpec, kv_copies
 
 # The chunk the search gives the chunked loss when it turns it on: 1,024 tokens of a 128K
 # vocabulary are 1.8 GB in bf16 with the fp32 loss terms, a fixed cost whatever the context.
@@ -74,16 +74,13 @@ def layer_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, p
         recomputed = plain - mlp + tile_mlp if K > 1 else plain
         return LayerBytes(tokens * p * h, recomputed, plain_ffn - mlp + tile_mlp, ffn_work)
     if layout.selective:
-        kept = selective_layer_bytes(model, tokens, p) + (plain - _plain_no_ulysses(model, tokens, p))
+        # Ulysses' head-sharded q, k, v and output are kept whole: selective recomputes neither.
+        u = layout.ulysses
+        kept = selective_layer_bytes(model, tokens, p) + ulysses_extra(model, tokens, u, p, kv_copies(model.n_kv_heads, u))
         return LayerBytes(kept, (norm_ffn + mlp) // K, tokens * p * h, ffn_work)
     if K > 1:
         return LayerBytes(plain - mlp, tile_mlp, plain_ffn - mlp, ffn_work)
     return LayerBytes(plain, 0, plain_ffn, ffn_work)
-
-
-def _plain_no_ulysses(model: ModelSpec, tokens: int, act_bytes: int) -> int:
-    h, kd, f, a, p = model.dim, model.kv_dim, model.ffn_dim, model.n_heads, act_bytes
-    return tokens * ((8 + 4 * p) * h + p * (2 * h + 2 * kd) + 4 * a + 4 * p * f)
 
 
 def loss_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> tuple[int, int]:

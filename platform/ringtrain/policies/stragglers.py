@@ -51,10 +51,12 @@ def peer_medians(compute_s: dict[int, float]) -> dict[int, float]:
     }
 
 
-def slowdowns(compute_s: dict[int, float]) -> dict[int, float]:
+def slowdowns(compute_s: dict[int, float], medians: Optional[dict[int, float]] = None) -> dict[int, float]:
     """Each rank's compute time over the median of the other ranks' (1.0 for a lone rank or
-    when the peers took no time)."""
-    medians = peer_medians(compute_s) if len(compute_s) > 1 else {r: 0.0 for r in compute_s}
+    when the peers took no time); ``medians``: ``peer_medians(compute_s)`` if already known."""
+    if len(compute_s) <= 1:
+        return {r: 1.0 for r in compute_s}
+    medians = medians if medians is not None else peer_medians(compute_s)
     return {rank: own / medians[rank] if medians[rank] > 0 else 1.0 for rank, own in compute_s.items()}
 
 
@@ -75,7 +77,8 @@ class StragglerWatch:
     def observe(self, step: int, compute_s: dict[int, float]) -> Optional[Straggler]:
         """Take one completed step's compute times (rank -> seconds); returns the slowest rank
         whose streak just reached ``steps`` (each streak is named once), else None."""
-        ratios, medians = slowdowns(compute_s), peer_medians(compute_s)
+        medians = peer_medians(compute_s)
+        ratios = slowdowns(compute_s, medians)
         found: list[Straggler] = []
         for rank, ratio in ratios.items():
             median = medians[rank]

@@ -43,9 +43,9 @@ def _write_npy(dest: Path, dtype: np.dtype, count: int, body: BinaryIO) -> str:
     """Write header + ``body``'s bytes to ``dest``; the file's sha256."""
     digest = hashlib.sha256()
     with open(dest, "wb") as out:
-        for chunk in (_npy_header(dtype, count),):
-            digest.update(chunk)
-            out.write(chunk)
+        header = _npy_header(dtype, count)
+        digest.update(header)
+        out.write(header)
         while chunk := body.read(COPY_CHUNK):
             digest.update(chunk)
             out.write(chunk)

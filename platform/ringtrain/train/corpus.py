@@ -28,11 +28,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.errors import DataError
-from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo
+from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path
 
 CACHE_ENV = "RINGTRAIN_DATA_CACHE"
-_HASH_CHUNK = 8 << 20
 
 
 def is_prepared_path(path: str) -> bool:
@@ -46,14 +45,6 @@ def is_prepared_path(path: str) -> bool:
 
 def default_cache_dir(configured: str = "") -> Path:
     return Path(configured or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "ringtrain-data-cache")
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _s3_backend(uri: str) -> Any:
@@ -157,10 +148,10 @@ class PreparedCorpus:
         if self._remote is None:
             if not path.is_file():
                 raise DataError(f"{self._name(relative)}: shard {index} is missing")
-            if _sha256_file(path) != sha256:
+            if sha256_file(path) != sha256:
                 raise DataError(f"{self._name(relative)}: shard {index} fails its sha256 check against the manifest")
             return path
-        if path.is_file() and _sha256_file(path) == sha256:
+        if path.is_file() and sha256_file(path) == sha256:
             return path
         # Missing, or a cached copy that went bad (a crash mid-write cannot leave one: see below).
         data = self._remote.get(relative)

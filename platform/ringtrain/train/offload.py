@@ -98,10 +98,6 @@ class ActivationOffloader:
         """Bytes of host copies held now (each shared copy once)."""
         return sum(_nbytes(c.host) for c in self._held())
 
-    def host_storages(self) -> list[torch.UntypedStorage]:
-        """The storages of the host copies held now (what a CPU measurement must not count as device)."""
-        return [c.host.untyped_storage() for c in self._held()]
-
     def _side_stream(self) -> Any:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
