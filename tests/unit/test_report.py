@@ -18,51 +18,11 @@ from ringtrain.telemetry import report_command
 from ringtrain.telemetry.report import REPORT_NAME, write_report
 from ringtrain.telemetry.runfiles import NO_SUMMARY, read_run
 from ringtrain.telemetry.svgchart import MAX_POINTS
+from tests.fake_run import FAILED_SUMMARY, NAN_INCIDENT, step_record, step_records, write_run_dir
 
 PLATFORM = Path(__file__).resolve().parents[2] / "platform"
 CHARTS = ("loss", "throughput", "step-time", "timeline", "checkpoint", "goodput", "durable", "lr", "grad-norm", "mfu")
-CONFIG = "name: quickstart\ntrain:\n  steps: 6\nmesh:\n  dp: 2\n  cp: 2\n"
-
-
-def step_record(step: int, **changes: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "step": step,
-        "loss": 5.5 - 0.1 * step,
-        "lr": 3e-3,
-        "grad_norm": 2.0,
-        "tokens": 256,
-        "step_time_s": 0.3,
-        # rank 1 is the straggler
-        "rank_step_time_s": [0.2, 0.35, 0.21, 0.2],
-        "tokens_per_s": 850.0 + step,
-        "dp": 2,
-        "cp": 2,
-        "snapshot_step": step,
-        "snapshot_s": 0.01,
-        "snapshot_bytes": 393043,
-        "rank_memory_bytes": [10**8] * 4,
-        "persist_s": 0.0,
-        "last_durable_step": 0,
-        "goodput": 0.8,
-        "mfu": 0.01,
-    }
-    return {**base, **changes}
-
-
-NAN_INCIDENT: dict[str, Any] = {
-    "id": 1,
-    "kind": "nan",
-    "ranks": [1],
-    "detected_at_step": 3,
-    "detected_at": 1_700_000_000.0,
-    "detect_s": 0.02,
-    "action": "abort",
-    "recover_s": None,
-    "lost_steps": 0,
-    "dp_before": 2,
-    "dp_after": None,
-    "reason": "non-finite loss nan at step 3, first on ranks [1]",
-}
+# The nan run's second incident: a hang whose verdict carries a long stack.
 HANG_INCIDENT: dict[str, Any] = {
     **NAN_INCIDENT,
     "id": 2,
@@ -80,29 +40,6 @@ HANG_INCIDENT: dict[str, Any] = {
         "stack": "\n".join(f"frame {i}" for i in range(40)) + "\n  dist.all_reduce(grads)",
     },
 }
-
-
-def make_run(
-    root: Path,
-    *,
-    steps: int = 2,
-    incidents: tuple[dict[str, Any], ...] = (NAN_INCIDENT,),
-    summary: Optional[dict[str, Any]] = None,
-) -> Path:
-    """A run directory as the nan fault leaves it: steps 1-2 recorded, incident 1 at step 3."""
-    run = root / "run"
-    (run / "incidents").mkdir(parents=True)
-    (run / "config.yaml").write_text(CONFIG)
-    lines = [json.dumps(step_record(s), sort_keys=True) + "\n" for s in range(1, steps + 1)]
-    (run / "metrics.jsonl").write_text("".join(lines))
-    for incident in incidents:
-        (run / "incidents" / f"{incident['id']:04d}-{incident['kind']}.json").write_text(json.dumps(incident))
-    if summary is not None:
-        (run / "summary.json").write_text(json.dumps(summary))
-    return run
-
-
-FAILED = {"status": "failed", "final_step": 2, "steps": 6, "error": "non-finite loss nan at step 3", "wall_time_s": 4.0}
 
 
 class Page(HTMLParser):
@@ -155,7 +92,7 @@ def report_of(run: Path) -> tuple[Page, list[str]]:
 
 
 def test_a_failed_run_shows_curves_ranks_incidents_and_config(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=4, incidents=(NAN_INCIDENT, HANG_INCIDENT), summary=FAILED)
+    run = write_run_dir(tmp_path / "run", steps=4, incidents=(NAN_INCIDENT, HANG_INCIDENT), summary=FAILED_SUMMARY)
     page, warnings = report_of(run)
 
     assert warnings == []
@@ -175,7 +112,7 @@ def test_a_failed_run_shows_curves_ranks_incidents_and_config(tmp_path: Path) ->
 
 
 def test_a_run_still_going_has_no_summary_and_a_half_written_line(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=3, incidents=())
+    run = write_run_dir(tmp_path / "run", steps=3, incidents=())
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "loss": 5.')
     page, warnings = report_of(run)
@@ -205,7 +142,7 @@ DAMAGE = {
 @pytest.mark.parametrize("case", DAMAGE)
 def test_damage_is_named_and_the_rest_still_renders(tmp_path: Path, case: str) -> None:
     name, content, expected = DAMAGE[case]
-    run = make_run(tmp_path, summary=FAILED)
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
     if content is None:
         (run / name).unlink()
     else:
@@ -219,7 +156,7 @@ def test_damage_is_named_and_the_rest_still_renders(tmp_path: Path, case: str) -
 
 
 def test_without_records_the_charts_say_so(tmp_path: Path) -> None:
-    run = make_run(tmp_path, summary=FAILED)
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
     (run / "metrics.jsonl").write_text("")
     page, _ = report_of(run)
     assert page.empty_charts == set(CHARTS)
@@ -228,7 +165,7 @@ def test_without_records_the_charts_say_so(tmp_path: Path) -> None:
 
 
 def test_malformed_lines_and_incomplete_incidents_are_reported_by_name(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=3, summary=FAILED)
+    run = write_run_dir(tmp_path / "run", steps=3, summary=FAILED_SUMMARY)
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     lines[1] = "not json\n"
     (run / "metrics.jsonl").write_text("".join(lines) + '{"loss": 1.0}\n')
@@ -246,7 +183,7 @@ def test_malformed_lines_and_incomplete_incidents_are_reported_by_name(tmp_path:
 def test_all_text_is_escaped(tmp_path: Path) -> None:
     hostile = "<script>alert('x')</script><img src=x onerror=alert(1)>"
     evil_incident = {**NAN_INCIDENT, "reason": hostile, "verdict": {"culprit_rank": hostile, "stack": hostile}}
-    run = make_run(tmp_path, incidents=(evil_incident,), summary={**FAILED, "error": hostile})
+    run = write_run_dir(tmp_path / "run", incidents=(evil_incident,), summary={**FAILED_SUMMARY, "error": hostile})
     (run / "config.yaml").write_text(f"name: \"{hostile}\"\nnote: '</pre>{hostile}'\n")
     (run / "incidents" / '0002-"><b>.json').write_text(json.dumps({**NAN_INCIDENT, "id": 2}))
     path, _ = write_report(run)
@@ -259,10 +196,9 @@ def test_all_text_is_escaped(tmp_path: Path) -> None:
 
 
 def test_a_resumed_run_draws_the_later_attempt_of_replayed_steps(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=5, summary=FAILED)
-    with (run / "metrics.jsonl").open("a") as f:
-        for step in (4, 5, 6):
-            f.write(json.dumps(step_record(step, loss=1.0)) + "\n")
+    # The second attempt resumed from step 3's checkpoint and appended from there on.
+    resumed = [step_record(step, loss=1.0) for step in (4, 5, 6)]
+    run = write_run_dir(tmp_path / "run", records=[*step_records(5), *resumed], summary=FAILED_SUMMARY)
     files = read_run(run)
     assert [r["step"] for r in files.records] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in files.records][3:] == [1.0, 1.0, 1.0]
@@ -270,10 +206,9 @@ def test_a_resumed_run_draws_the_later_attempt_of_replayed_steps(tmp_path: Path)
 
 
 def test_non_finite_values_break_the_line_and_are_marked(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=5, summary=FAILED)
-    records = [step_record(s) for s in range(1, 6)]
+    records = step_records(5)
     records[2]["loss"] = math.nan
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = write_run_dir(tmp_path / "run", records=records, summary=FAILED_SUMMARY)
     page, warnings = report_of(run)
     assert warnings == []
     assert page.polylines["loss"] == [2, 2]
@@ -281,18 +216,16 @@ def test_non_finite_values_break_the_line_and_are_marked(tmp_path: Path) -> None
 
 
 def test_a_rank_that_left_the_job_leaves_a_gap(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=0, summary=FAILED)
     records = [step_record(1), step_record(2, dp=1, rank_step_time_s=[0.2, 0.3]), step_record(3)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = write_run_dir(tmp_path / "run", records=records, summary=FAILED_SUMMARY)
     page, _ = report_of(run)
     # ranks 0 and 1 run through; ranks 2 and 3 have single points at steps 1 and 3 (dots, no line)
     assert page.polylines["step-time"] == [3, 3, 3]
 
 
 def test_a_long_run_is_thinned_but_keeps_its_spikes(tmp_path: Path) -> None:
-    run = make_run(tmp_path, steps=0, incidents=(), summary=FAILED)
     records = [{"step": s, "step_time_s": 9.0 if s == 4321 else 0.3} for s in range(1, 10_001)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = write_run_dir(tmp_path / "run", records=records, incidents=(), summary=FAILED_SUMMARY)
     path, _ = write_report(run)
     page = Page(path.read_text())
     (points,) = page.polylines["step-time"]
@@ -330,7 +263,7 @@ def test_the_command_exits_2_naming_a_missing_run_directory(tmp_path: Path, caps
 
 
 def test_the_command_prints_the_path_and_the_warnings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = make_run(tmp_path)
+    run = write_run_dir(tmp_path / "run")
     assert report_command.run(args(run)) == 0
     out, err = capsys.readouterr()
     assert out.strip() == str(run / REPORT_NAME)
@@ -340,7 +273,7 @@ def test_the_command_prints_the_path_and_the_warnings(tmp_path: Path, capsys: py
 def test_open_hands_the_file_url_to_the_browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
     monkeypatch.setattr(report_command.webbrowser, "open", lambda url: opened.append(url) or True)
-    run = make_run(tmp_path, summary=FAILED)
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
     assert report_command.run(args(run, open_it=True)) == 0
     assert opened == [(run / REPORT_NAME).resolve().as_uri()]
 
@@ -368,6 +301,6 @@ def test_a_report_that_cannot_be_written_exits_1(
         raise PermissionError(13, "Permission denied", str(run_dir / "report.html.tmp"))
 
     monkeypatch.setattr(report_command, "write_report", refuse)
-    assert report_command.run(args(make_run(tmp_path))) == 1
+    assert report_command.run(args(write_run_dir(tmp_path / "run"))) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Permission denied" in err

@@ -16,7 +16,7 @@ import pytest
 
 from ringtrain import config
 from ringtrain.telemetry.report import write_report
-from ringtrain.telemetry.rundir import RunDir
+from tests.fake_run import FAILED_SUMMARY, write_run_dir
 from tests.tools import tool
 
 pytestmark = [pytest.mark.slow]
@@ -106,51 +106,8 @@ def assert_drawn(
 
 def test_a_failed_run_with_a_nan_incident_renders_in_chromium(tmp_path: Path) -> None:
     job = config.load(REPO / "jobs" / "quickstart.yaml", ["train.steps=6", f"run_dir={tmp_path / 'run'}"])
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.write_config(job)
-    for step in (1, 2):
-        run_dir.append_metrics(
-            {
-                "step": step,
-                "loss": 5.5 - 0.1 * step,
-                "lr": 3e-3,
-                "grad_norm": 2.0,
-                "tokens": 256,
-                "step_time_s": 0.3,
-                "rank_step_time_s": [0.2, 0.28, 0.21, 0.2],
-                "tokens_per_s": 850.0,
-                "dp": 2,
-                "cp": 2,
-                "snapshot_step": step,
-                "snapshot_s": 0.01,
-                "snapshot_bytes": 393043,
-                "rank_memory_bytes": [10**8] * 4,
-                "persist_s": 0.0,
-                "last_durable_step": 0,
-                "goodput": 0.5 + 0.1 * step,
-                "mfu": 0.01,
-            }
-        )
-    run_dir.write_incident(
-        {
-            "id": 1,
-            "kind": "nan",
-            "ranks": [1],
-            "detected_at_step": 3,
-            "detected_at": 1_700_000_000.0,
-            "detect_s": 0.02,
-            "action": "abort",
-            "recover_s": None,
-            "lost_steps": 0,
-            "dp_before": 2,
-            "dp_after": None,
-            "reason": "non-finite loss nan at step 3, first on ranks [1]",
-            "verdict": {"culprit_rank": 1, "op": "all_reduce", "seq": 7, "stack": "File 'x.py'\n  loss.backward()"},
-        }
-    )
-    run_dir.write_summary({"status": "failed", "final_step": 2, "steps": 6, "error": "non-finite loss"})
-    run_dir.close()
-    report, warnings = write_report(run_dir.path)
+    run_dir = write_run_dir(tmp_path / "run", config_yaml=config.to_yaml(job), summary=FAILED_SUMMARY)
+    report, warnings = write_report(run_dir)
     assert warnings == []
 
     rendered = render_in_chromium(report, tmp_path / "report-nan-synthetic.png")

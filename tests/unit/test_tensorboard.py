@@ -4,54 +4,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ringtrain.telemetry.tensorboard import INCIDENT_COUNT_TAG, SCALAR_TAGS, TensorBoardSink
-
-
-def record(step: int, **changes: Any) -> dict[str, Any]:
-    """One metrics.jsonl record as the Controller writes it, for a dp 2 x cp 2 job."""
-    base: dict[str, Any] = {
-        "step": step,
-        "loss": 5.0 - 0.5 * step,
-        "lr": 1e-3 * step,
-        "grad_norm": 2.0 / step,
-        "tokens": 256,
-        "step_time_s": 0.25,
-        "rank_step_time_s": [0.2, 0.21 + 0.1 * step, 0.2, 0.19],
-        "tokens_per_s": 1024.0 + step,
-        "dp": 2,
-        "cp": 2,
-        "snapshot_step": step,
-        "snapshot_s": 0.01 * step,
-        "snapshot_bytes": 393043,
-        "rank_memory_bytes": [1000, 2000, 3000, 4000],
-        "persist_s": 0.5,
-        "last_durable_step": step - 1,
-        "goodput": 0.9,
-        "mfu": 0.02,
-    }
-    return {**base, **changes}
-
-
-NAN_INCIDENT: dict[str, Any] = {
-    "id": 1,
-    "kind": "nan",
-    "ranks": [1],
-    "detected_at_step": 3,
-    "detected_at": 1_700_000_000.0,
-    "detect_s": 0.02,
-    "action": "abort",
-    "recover_s": None,
-    "lost_steps": 0,
-    "dp_before": 2,
-    "dp_after": None,
-    "reason": "non-finite loss nan at step 3, first on ranks [1]",
-    "verdict": {"culprit_rank": 1, "op": "all_reduce", "seq": 12, "stack": "frame a\nframe b\nin all_reduce"},
-}
+from tests.fake_run import NAN_INCIDENT, step_record
 
 
 def load(run_dir: Path) -> EventAccumulator:
@@ -66,7 +24,7 @@ def steps_and_values(events: EventAccumulator, tag: str) -> list[tuple[int, floa
 
 def test_every_scalar_is_written_at_its_step(tmp_path: Path) -> None:
     sink = TensorBoardSink(tmp_path)
-    records = [record(1), record(2)]
+    records = [step_record(1), step_record(2)]
     for r in records:
         sink.step(r)
     sink.incident(NAN_INCIDENT)
@@ -106,7 +64,7 @@ def test_the_incident_text_names_kind_ranks_reason_and_verdict(tmp_path: Path) -
 
 def test_absent_values_are_left_out_and_nan_is_kept(tmp_path: Path) -> None:
     sink = TensorBoardSink(tmp_path)
-    partial = record(1, loss=math.nan, mfu=None, goodput="n/a", dp=True)
+    partial = step_record(1, loss=math.nan, mfu=None, goodput="n/a", dp=True)
     del partial["persist_s"], partial["rank_memory_bytes"]
     sink.step(partial)
     sink.close()
@@ -125,9 +83,9 @@ def test_nothing_is_written_before_the_first_step_nor_after_close(tmp_path: Path
     assert not (tmp_path / "tensorboard").exists()
 
     sink = TensorBoardSink(tmp_path)
-    sink.step(record(1))
+    sink.step(step_record(1))
     sink.close()
-    sink.step(record(2))
+    sink.step(step_record(2))
     sink.incident(NAN_INCIDENT)
     sink.close()
     events = load(tmp_path)
