@@ -3,12 +3,13 @@ evicted, what a worker's ``abort`` calls (mocks stand in for NCCL), and the work
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import pytest
 
-from ringtrain.actors import group as group_module
-from ringtrain.actors.worker import TrainWorker
+from ringtrain.actors.worker import TrainWorker, process_env
 from ringtrain.policies.faults import abort_survivors
 from ringtrain.train import mesh
 
@@ -55,5 +56,18 @@ def test_a_worker_outside_any_world_does_nothing(monkeypatch: pytest.MonkeyPatch
 
 
 def test_cuda_workers_keep_running_after_a_failed_nccl_collective() -> None:
-    assert group_module._worker_env("cuda")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in group_module._worker_env("cpu")
+    assert process_env("cuda")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in process_env("cpu")
+
+
+def test_a_worker_in_its_own_process_sets_that_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray starts workers with no runtime_env (to reuse its prestarted processes): the worker
+    # itself must set what process_env says, before DeepSpeed or NCCL read it.
+    from ringtrain import config
+
+    monkeypatch.setattr(os, "environ", dict(os.environ, DS_ACCELERATOR="cpu"))
+    with warnings.catch_warnings():
+        TrainWorker(config.load(None, []), -1, "cuda", own_process=True)
+        assert warnings.filters[0][0] == "ignore"
+    assert {k: os.environ[k] for k in process_env("cuda")} == process_env("cuda")
+

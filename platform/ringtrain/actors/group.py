@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _slot_node = placement.slot_node  # the group's own names for these: tests stand in for them here
-_worker_env = placement.worker_env
 
 __all__ = ["Member", "StepFailed", "WorkerGroup"]
 

@@ -6,8 +6,10 @@ a SPREAD group of their own; workers started later (replacements, spares, growth
 group kept off cordoned nodes. One SnapshotHolder per node that runs a worker keeps copies of
 its ranks' snapshots, and a buddy node's holder a second copy.
 
-Workers are started into their slots here too (``start_worker``), with the process
-environment they need (``worker_env``).
+Workers are started into their slots here too (``start_worker``). They carry no runtime
+environment of their own, so Ray can hand each one a worker process it prestarted (Python and
+Ray already loaded: a second or more per worker at start); the worker sets its process
+environment itself (``worker.process_env``).
 
 Plain functions over what the WorkerGroup owns (its ``placement_groups`` list and ``holders``
 dict, node id -> holder): the group decides when, these say how.
@@ -67,21 +69,9 @@ def start_worker(job: JobConfig, device: str, slot: Slot) -> Any:
             num_gpus=bundle.get("GPU", 0),
             max_concurrency=2,  # heartbeats and snapshot reads are answered while a step runs
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=slot.pg, placement_group_bundle_index=slot.index),
-            runtime_env={"env_vars": worker_env(device)},
         )
-        .remote(job, -1, device)
+        .remote(job, -1, device, own_process=True)
     )
-
-
-def worker_env(device: str) -> dict[str, str]:
-    env = {"DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu"}
-    if device == "cuda":
-        # A failed NCCL collective aborts its communicator and raises, without tearing the
-        # process down (2: clean up only): the survivor keeps its snapshots for the recovery.
-        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-    # Quiet the per-process banners; errors still surface through the controller.
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
 
 
 def new_placement_group(job: JobConfig, device: str, bundles: int, cordoned: set[str]) -> Any:

@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from ringtrain.config import JobConfig
@@ -24,6 +25,19 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+def process_env(device_type: str) -> dict[str, str]:
+    """The environment variables a worker process runs with."""
+    env = {"DS_ACCELERATOR": "cuda" if device_type == "cuda" else "cpu"}
+    if device_type == "cuda":
+        # A failed NCCL collective aborts its communicator and raises, without tearing the
+        # process down (2: clean up only): the survivor keeps its snapshots for the recovery.
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    # Quiet the per-process banners (inherited by any subprocess); errors still surface
+    # through the controller.
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
 class TrainWorker:
     """Owns one device, joins the job's process group, and trains one step per call.
 
@@ -34,7 +48,13 @@ class TrainWorker:
     DeepSpeed so that taking a seat costs no cold start.
     """
 
-    def __init__(self, job: JobConfig, rank: int, device_type: str) -> None:
+    def __init__(self, job: JobConfig, rank: int, device_type: str, own_process: bool = False) -> None:
+        if own_process:
+            # An actor's process is its own: set its environment before anything reads it
+            # (DeepSpeed picks its accelerator on import). Set here rather than as a Ray
+            # runtime_env, which would make Ray start a fresh process instead of a prestarted one.
+            os.environ.update(process_env(device_type))
+            warnings.simplefilter("ignore")
         self.job = job
         self.rank = rank
         self.device_type = device_type
