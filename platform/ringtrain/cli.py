@@ -109,9 +109,10 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
         persister = Persister(store, checkpoint_meta(job)) if store is not None else None
         run_id = new_run_id()
         telemetry = run_metrics(job, run_id) if job.telemetry.metrics else None
+        topo = job.topology
         progress.message(
-            f"ringtrain: {job.name}: dp {job.mesh.dp} x cp {job.mesh.cp} ({job.attention.impl}, "
-            f"ring {job.ring_degree} x ulysses {job.ulysses_degree}), ZeRO-{job.zero.stage}, "
+            f"ringtrain: {job.name}: dp {topo.dp} x cp {topo.cp} ({job.attention.impl}, "
+            f"ring {topo.ring} x ulysses {topo.ulysses}), ZeRO-{job.zero.stage}, "
             f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
         )
         try:

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         check_capacity(job, device)
         _stderr(
             f"ringtrain eval: {source.where}: {plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens, "
-            f"dp {job.mesh.dp} x cp {job.mesh.cp} ({job.attention.impl}), ZeRO-{job.zero.stage}, {device}"
+            f"dp {job.topology.dp} x cp {job.topology.cp} ({job.attention.impl}), ZeRO-{job.zero.stage}, {device}"
         )
         group = WorkerGroup(job, device)
         try:
@@ -123,7 +123,7 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         job = _eval_job(source, args)
         plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
         # The workers' own data source is never read; it only has to be valid at this length.
-        seq_len = _round_up(plan.evalset.seq_len, 2 * job.mesh.cp)
+        seq_len = _round_up(plan.evalset.seq_len, 2 * job.topology.cp)
         job.data = dataclasses.replace(job.data, seq_len=seq_len, path=_worker_data(job.eval.data, plan.evalset, seq_len))
         job = _checked(job)
     except ConfigError as exc:

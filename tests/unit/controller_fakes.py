@@ -21,6 +21,7 @@ from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.checkpoint.retention import retained
 from ringtrain.telemetry.rundir import RunDir
+from ringtrain.topology import Topology
 
 
 class ScriptedGroup:
@@ -29,6 +30,7 @@ class ScriptedGroup:
     def __init__(self, *, fail_at: Optional[int] = None, failure: str = "nan") -> None:
         self.num_params = 123
         self.infos = [WorkerInfo(rank=r, host="h", pid=r, device="cpu") for r in range(2)]
+        self.topology = Topology(dp=2, cp=1)  # the world of job()'s mesh.dp=2
         self.fail_at = fail_at
         self.failure = failure
         self.step = 0
@@ -177,6 +179,10 @@ class ElasticGroup:
         self.pinned: Optional[int] = None
         self.scanned: list[int] = []  # the step each probe round ran after
         self.pins: list[int] = []
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.dp, self.cp)  # dp follows the FakeElastic's reforms and grows
 
     @property
     def infos(self) -> list[WorkerInfo]:

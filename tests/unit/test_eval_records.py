@@ -18,6 +18,7 @@ from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.telemetry.report import write_report
 from ringtrain.telemetry.rundir import RunDir
 from ringtrain.telemetry.tensorboard import TensorBoardSink, eval_scalars
+from ringtrain.topology import Topology
 from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.evalset import EvalSet
 
@@ -31,6 +32,7 @@ class EvaluatingGroup:
     def __init__(self) -> None:
         self.num_params = 1
         self.infos = [WorkerInfo(rank=0, host="h", pid=1, device="cpu")]
+        self.topology = Topology(dp=1, cp=1)
         self.step = 0
         self.evaluated_after: list[int] = []
 

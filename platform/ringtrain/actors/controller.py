@@ -101,7 +101,6 @@ class Controller(Watches):
         self.state = RunState.STARTING
         self.records: list[dict[str, Any]] = []
         self.ledger = SampleLedger()
-        self.dp = job.mesh.dp
         self.start_step = 0
         self.persist_s = 0.0
         self.error: Optional[str] = None
@@ -253,7 +252,7 @@ class Controller(Watches):
         decision = decide(
             failure,
             dp=self.dp,
-            cp=self.job.mesh.cp,
+            cp=self.topology.cp,
             min_dp=self.job.mesh.min_dp,
             capacity=capacity,
             recoveries=sum(1 for i in self.incidents if i.action not in ("abort", "report")),
@@ -310,8 +309,7 @@ class Controller(Watches):
         again, from the same restore point, as from a failure of that world
         (``policies.retries``); the run fails once controllers.max_recoveries is spent."""
         assert self.elastic is not None
-        if decision.action is not Action.ROLLBACK:
-            self.dp = decision.dp_after  # the world that broke was formed at this dp
+        # self.dp is already that of the world that broke: the group took it on as it began forming.
         fault = RecoveryFault(exc.rank, exc.kind, exc.cause, phase_of(getattr(self.group, "phases", {})))
         attempts = sum(1 for i in self.incidents if i.action not in ("abort", "report"))
         retry = retry_recovery(
@@ -366,7 +364,6 @@ class Controller(Watches):
             fired_through=fired_through,
             quarantine=failure.quarantine,
         )
-        self.dp = decision.dp_after
         if self.sdc is not None:
             self.sdc.reseat(out.seats)  # golden values stay with their workers
         return int(out.step), dict(out.phases)
@@ -400,7 +397,7 @@ class Controller(Watches):
         self._next_capacity_check = now + self.job.controllers.heartbeat_s
         t = self.job.train
         possible = target_dp(
-            self.dp + self.elastic.growth_capacity() // self.job.mesh.cp,
+            self.dp + self.elastic.growth_capacity() // self.topology.cp,
             global_batch=t.global_batch,
             micro_batch=t.micro_batch,
             min_dp=self.job.mesh.min_dp,
@@ -422,7 +419,6 @@ class Controller(Watches):
         if self.sdc is not None:
             self.sdc.reseat(out.seats)
             self._repin(self.last_clean_scan)
-        self.dp = new_dp
         self._growing_to = None
         self._grow_gate.reset()
         self.stragglers.reset()

@@ -96,6 +96,8 @@ class WorkerGroup:
 
     @property
     def topology(self) -> Topology:
+        """The grid of the world formed last: the one holder of the current dp (``self.job``'s
+        mesh.dp, which forming a world sets); the Controller reads it from here."""
         return self.job.topology
 
     @property

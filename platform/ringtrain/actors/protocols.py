@@ -10,11 +10,18 @@ from typing import Any, Optional, Protocol
 
 from ringtrain.policies.faults import Capacity, RankOutcome
 from ringtrain.status import StepReport, WorkerInfo
+from ringtrain.topology import Topology
 
 
 class Group(Protocol):
     num_params: int
     infos: list[WorkerInfo]
+
+    @property
+    def topology(self) -> Topology:
+        """The dp x cp grid of the world the group formed last: the one holder of the current
+        dp, which a recovery or a grow changes when it forms its world."""
+        ...
 
     def start(self) -> None: ...
     def train_step(self, probe: bool = False) -> list[StepReport]: ...

@@ -299,7 +299,7 @@ class Recovery:
         """Start the workers of ``replicas`` more replicas (those already starting count); they
         warm up while training goes on."""
         g = self.group
-        self._growth_workers = replicas * g.job.mesh.cp
+        self._growth_workers = replicas * g.topology.cp
         g.add_growing(max(0, self._growth_workers - len(g.growing)))
 
     def growth_ready(self) -> bool:

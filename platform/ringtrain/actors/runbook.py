@@ -25,6 +25,7 @@ from ringtrain.policies.sdc import SdcScanner
 from ringtrain.policies.snapshots import persist_due
 from ringtrain.status import Incident, StepReport
 from ringtrain.telemetry.rundir import RunDir
+from ringtrain.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ class RunBook:
     clock: Callable[[], float]
     records: list[dict[str, Any]]
     ledger: SampleLedger
-    dp: int
     start_step: int
     persist_s: float
     error: Optional[str]
@@ -59,6 +59,17 @@ class RunBook:
     transit: dict[str, Any]
     state: Any  # the Controller's RunState
     sdc: Optional[SdcScanner]
+
+    @property
+    def topology(self) -> Topology:
+        """The grid of the world training runs in now: the group's, which changes when a
+        recovery or a grow forms a new world (a world that broke forming counts: it is the one
+        a retry recovers from)."""
+        return self.group.topology
+
+    @property
+    def dp(self) -> int:
+        return self.topology.dp
 
     def _write_layout(self) -> None:
         if self.elastic is not None:
@@ -164,7 +175,7 @@ class RunBook:
     def _record(
         self, reports: list[StepReport], wall_s: float, started: float, evaluation: Optional[dict[str, Any]] = None
     ) -> None:
-        record = step_record(reports, dp=self.dp, cp=self.job.mesh.cp, wall_s=wall_s)
+        record = step_record(reports, dp=self.dp, cp=self.topology.cp, wall_s=wall_s)
         if evaluation is not None:
             record["eval"] = evaluation
         record["time"] = time.time()
@@ -206,7 +217,7 @@ class RunBook:
             "num_samples": ledger["samples"],
             "ledger": ledger,
             "dp": self.dp,
-            "cp": self.job.mesh.cp,
+            "cp": self.topology.cp,
             "resumed_from": self.resume_from.uri if self.resume_from else None,
             "last_durable_step": self.persister.last_durable_step if self.persister else 0,
             "checkpoint_errors": list(self.persister.errors) if self.persister else [],

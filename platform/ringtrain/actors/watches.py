@@ -38,8 +38,8 @@ class Watches(RunBook):
         if found is None:
             return None
         infos = self.group.infos
-        cp = self.job.mesh.cp
-        where = {"replica": found.rank // cp, "ring_pos": found.rank % cp, "host": infos[found.rank].host if found.rank < len(infos) else "?"}
+        at = self.topology.coord(found.rank)
+        where = {"replica": at.replica, "ring_pos": at.ring_pos, "host": infos[found.rank].host if found.rank < len(infos) else "?"}
         reason = (
             f"rank {found.rank} (replica {where['replica']}, ring position {where['ring_pos']}, host {where['host']}) computed "
             f"{found.slowdown:.2f}x its peers' median on steps {list(found.steps)} (controllers.straggler_factor="

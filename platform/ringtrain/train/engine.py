@@ -52,7 +52,7 @@ def deepspeed_config(job: JobConfig, dtype: torch.dtype) -> dict[str, Any]:
     # DeepSpeed's data-parallel world is all dp x cp ranks (see DeepSpeedMpu); to it, a sample
     # is one rank's share of a sequence, so its batch size counts cp shares per sequence.
     return {
-        "train_batch_size": t.global_batch * job.mesh.cp,
+        "train_batch_size": t.global_batch * job.topology.cp,
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": job.grad_accum_steps,
         "gradient_clipping": 0.0 if clips_own_gradients(job, dtype) else t.grad_clip,

@@ -74,7 +74,7 @@ def skip_shm_comm_op() -> None:
 def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
     from ringtrain.train.attention import build_attention
 
-    impl = job.attention.impl if job.mesh.cp > 1 else "local"
+    impl = job.attention.impl if mesh.topology.cp > 1 else "local"
     return build_attention(impl, job.attention.kernel, ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
 
 
@@ -153,7 +153,7 @@ class Trainer:
             open_samples(job),
             seq_len=job.data.seq_len,
             seed=job.train.seed,
-            plan=BatchPlan(job.train.global_batch, job.mesh.dp, job.train.micro_batch),
+            plan=BatchPlan(job.train.global_batch, topology.dp, job.train.micro_batch),
             ring=topology.ring,
             ulysses=topology.ulysses,
             ring_idx=c.ring_idx,
