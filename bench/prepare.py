@@ -5,21 +5,26 @@ In one run, over the same JSONL files (stdlib source and docstrings, repeated to
 - ``prepare``: the command line (``--quiet``), its embedded cluster on this machine's cores.
   Tokens/s is taken over the pipeline alone (first row to manifest published); the cluster's
   start-up is reported apart, as is the rate over the whole command.
-- ``threaded``: one process reads the files and calls the ``tokenizers`` ``encode_batch`` on
-  batches of the same size prepare uses, with the library's own Rust threads (all cores): the
-  fastest single-process way. Target: prepare >= 0.9x of it (what Ray Data costs), at steady
-  state: the rate between the corpus and the doubled corpus, past the pipeline's fixed start
-  (its actors spawning and loading the tokenizer), which is reported, as is the whole-run ratio.
+- ``threaded``: one process reads the files and encodes batches of the same size prepare uses
+  with the call prepare makes (``tokenizers``' ``encode_batch_fast``: ``encode_batch`` without
+  the character offsets), on the library's own Rust threads (all cores): the fastest
+  single-process way. Target: prepare >= 0.9x of it (what Ray Data costs), at steady state:
+  the rate between the corpus and the doubled corpus, past the pipeline's fixed start (its
+  actors spawning and loading the tokenizer), which is reported, as is the whole-run ratio.
 - ``single``: the same loop with TOKENIZERS_PARALLELISM=false. Target: prepare >= 1.5x (it uses
   more than one core).
+- ``threaded_encode_batch``: the threaded loop with ``encode_batch``, for reference (what a
+  loop that keeps the offsets costs; no target).
 - CPU seconds per token of prepare's whole process tree against the one-thread loop: what Ray
   costs in work, a figure outside load on a shared machine cannot move much.
 - Peak memory: the summed RSS of prepare's process tree (driver, Ray's daemons, the actors),
   sampled every 0.1 s, at the corpus and at twice the corpus. Target: the doubled run's peak
   within 1.15x (memory is bounded by blocks in flight and one shard's offsets, not the corpus).
 
-Each baseline runs in its own process so the tokenizer's thread setting is fresh. Usage:
-``.venv/bin/python bench/prepare.py [--copies 6]`` (a minute on 2 cores).
+Each baseline runs in its own process so the tokenizer's thread setting is fresh. The whole
+set runs ``--rounds`` times, interleaved, and each ratio is the median over the rounds: a
+2-core machine shared with other work moves single timings by a third.
+Usage: ``.venv/bin/python bench/prepare.py [--copies 6] [--rounds 3]`` (a minute a round on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +48,7 @@ sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
 from bench.record import Run  # noqa: E402
 from tests.corpus import documents, save_tokenizer, write_jsonl  # noqa: E402
 
-BATCH = 512  # documents per encode_batch call: prepare's CHUNK_DOCUMENTS
+BATCH = 512  # documents per encode call: prepare's CHUNK_DOCUMENTS
 NUM_FILES = 8
 TARGETS = {"vs_threaded": 0.9, "vs_single": 1.5, "memory_doubled": 1.15}
 
@@ -51,16 +57,17 @@ import json, sys, time
 from pathlib import Path
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(sys.argv[1])
+encode = getattr(tok, sys.argv[2])
 t0 = time.perf_counter(); tokens = 0; docs = 0
-for path in sys.argv[2:]:
+for path in sys.argv[3:]:
     texts = []
     with open(path, "rb") as f:
         for line in f:
             texts.append(json.loads(line)["text"])
             if len(texts) == %d:
-                tokens += sum(len(e.ids) + 1 for e in tok.encode_batch(texts, add_special_tokens=False)); docs += len(texts); texts = []
+                tokens += sum(len(e.ids) + 1 for e in encode(texts, add_special_tokens=False)); docs += len(texts); texts = []
     if texts:
-        tokens += sum(len(e.ids) + 1 for e in tok.encode_batch(texts, add_special_tokens=False)); docs += len(texts)
+        tokens += sum(len(e.ids) + 1 for e in encode(texts, add_special_tokens=False)); docs += len(texts)
 print(json.dumps({"tokens": tokens, "documents": docs, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time()}))
 """ % BATCH
 
@@ -76,9 +83,9 @@ def make_corpus(folder: Path, copies: int) -> list[Path]:
     return files
 
 
-def baseline(tokenizer: Path, files: list[Path], threads: bool) -> dict[str, Any]:
+def baseline(tokenizer: Path, files: list[Path], threads: bool, call: str = "encode_batch_fast") -> dict[str, Any]:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="true" if threads else "false")
-    done = subprocess.run([sys.executable, "-c", BASELINE, str(tokenizer / "tokenizer.json"), *map(str, files)],
+    done = subprocess.run([sys.executable, "-c", BASELINE, str(tokenizer / "tokenizer.json"), call, *map(str, files)],
                           env=env, capture_output=True, text=True, check=True)
     out: dict[str, Any] = json.loads(done.stdout)
     out["tokens_per_s"] = out["tokens"] / out["seconds"]
@@ -144,49 +151,71 @@ def verdict(name: str, value: float, target: float, higher: bool = True) -> dict
     return {"value": round(value, 4), "target": target, "pass": ok}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copies", type=int, default=6, help="repetitions of the stdlib documents (~2.7M tokens each)")
-    args = parser.parse_args()
-    run = Run("prepare")
-    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
-        work = Path(tmp)
-        tokenizer = save_tokenizer(work / "tok", num_modules=60, vocab_size=8192)
-        files = make_corpus(work / "corpus", args.copies)
-        double = make_corpus(work / "corpus2", 2 * args.copies)
-        print(f"corpus: {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB in {len(files)} files; tokenizer vocab 8192")
-        result = prepare(tokenizer, work / "corpus", work / "out", work)
-        threaded = baseline(tokenizer, files, threads=True)
-        single = baseline(tokenizer, files, threads=False)
-        doubled = prepare(tokenizer, work / "corpus2", work / "out2", work)
-    assert result["tokens"] == threaded["tokens"] == single["tokens"], (result, threaded, single)
-    for name, r in (("prepare", result), ("threaded encode_batch", threaded), ("single-thread encode_batch", single),
-                    ("prepare, corpus doubled", doubled)):
-        print(f"{name:<28} {r['tokens']:>12,} tokens in {r['seconds']:6.2f} s = {r['tokens_per_s'] / 1e6:5.2f}M tokens/s"
+def one_round(tokenizer: Path, files: list[Path], work: Path, number: int) -> dict[str, Any]:
+    """Every side once, over the corpus (and prepare over the doubled corpus too), with the round's ratios."""
+    result = prepare(tokenizer, work / "corpus", work / f"out-{number}", work)
+    threaded = baseline(tokenizer, files, threads=True)
+    single = baseline(tokenizer, files, threads=False)
+    reference = baseline(tokenizer, files, threads=True, call="encode_batch")
+    doubled = prepare(tokenizer, work / "corpus2", work / f"out2-{number}", work)
+    assert result["tokens"] == threaded["tokens"] == single["tokens"] == reference["tokens"], (result, threaded, single)
+    for name, r in (("prepare", result), ("threaded encode_batch_fast", threaded), ("single-thread encode_batch_fast", single),
+                    ("threaded encode_batch", reference), ("prepare, corpus doubled", doubled)):
+        print(f"  {name:<31} {r['tokens']:>12,} tokens in {r['seconds']:6.2f} s = {r['tokens_per_s'] / 1e6:5.2f}M tokens/s"
               + (f"  (cluster start {r['cluster_start_s']:.1f} s; peak RSS {r['peak_rss_mb']:,.0f} MB)" if "peak_rss_mb" in r else ""))
-    # Wall-clock ratios depend on what else the machine runs; CPU seconds per token do not, and
-    # say what Ray costs in work: prepare's whole process tree against the one-thread loop.
-    cpu_ratio = (result["cpu_s"] / result["tokens"]) / (single["cpu_s"] / single["tokens"])
-    print(f"CPU seconds per token, prepare (whole tree, start-up included) / single-thread loop: {cpu_ratio:.2f}")
     # The pipeline has a fixed start of its own (the actor pool spawning, each actor loading the
     # tokenizer) beside the cluster's: the rate between the run and the doubled run is what each
     # further token costs, the figure that holds at corpus scale; both are reported.
     steady = (doubled["tokens"] - result["tokens"]) / max(1e-9, doubled["seconds"] - result["seconds"])
-    fixed_s = result["seconds"] - result["tokens"] / steady
-    print(f"prepare, steady state (2x - 1x)  {steady / 1e6:5.2f}M tokens/s after a pipeline start of {fixed_s:.1f} s")
-    print(f"whole-run ratios: prepare / threaded {result['tokens_per_s'] / threaded['tokens_per_s']:.3f}, "
-          f"/ single-thread {result['tokens_per_s'] / single['tokens_per_s']:.3f}")
-    verdicts = {
-        "vs_threaded": verdict("prepare (steady) / threaded", steady / threaded["tokens_per_s"], TARGETS["vs_threaded"]),
-        "vs_single": verdict("prepare (steady) / single-thread", steady / single["tokens_per_s"], TARGETS["vs_single"]),
-        "memory_doubled": verdict("peak RSS at 2x corpus / at 1x", doubled["peak_rss_mb"] / result["peak_rss_mb"],
-                                  TARGETS["memory_doubled"], higher=False),
+    return {
+        "prepare": result, "threaded": threaded, "single": single, "threaded_encode_batch": reference, "prepare_doubled": doubled,
+        "steady_tokens_per_s": round(steady),
+        "pipeline_start_s": round(result["seconds"] - result["tokens"] / steady, 2),
+        "vs_threaded": steady / threaded["tokens_per_s"],
+        "vs_single": steady / single["tokens_per_s"],
+        "vs_threaded_encode_batch": steady / reference["tokens_per_s"],
+        "whole_run_vs_threaded": result["tokens_per_s"] / threaded["tokens_per_s"],
+        "whole_run_vs_single": result["tokens_per_s"] / single["tokens_per_s"],
+        # Wall-clock ratios depend on what else the machine runs; CPU seconds per token do not,
+        # and say what Ray costs in work: prepare's whole process tree against the one-thread loop.
+        "cpu_per_token_vs_single": (result["cpu_s"] / result["tokens"]) / (single["cpu_s"] / single["tokens"]),
+        "memory_doubled": doubled["peak_rss_mb"] / result["peak_rss_mb"],
     }
-    run.write({"prepare": result, "threaded": threaded, "single": single, "prepare_doubled": doubled,
-               "steady_tokens_per_s": round(steady), "pipeline_start_s": round(fixed_s, 2),
-               "whole_run_vs_threaded": round(result["tokens_per_s"] / threaded["tokens_per_s"], 4),
-               "whole_run_vs_single": round(result["tokens_per_s"] / single["tokens_per_s"], 4),
-               "cpu_per_token_vs_single": round(cpu_ratio, 3), "batch_documents": BATCH, "num_files": NUM_FILES, "verdicts": verdicts}, device_type="cpu")
+
+
+RATIOS = ("vs_threaded", "vs_single", "vs_threaded_encode_batch", "whole_run_vs_threaded", "whole_run_vs_single",
+          "cpu_per_token_vs_single", "memory_doubled")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=6, help="repetitions of the stdlib documents (~1.2M tokens each)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every side; ratios are their medians")
+    args = parser.parse_args()
+    run = Run("prepare")
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
+        work = Path(tmp)
+        tokenizer = save_tokenizer(work / "tok", num_modules=60, vocab_size=8192)
+        files = make_corpus(work / "corpus", args.copies)
+        make_corpus(work / "corpus2", 2 * args.copies)
+        print(f"corpus: {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB in {len(files)} files; tokenizer vocab 8192")
+        for number in range(args.rounds):
+            print(f"round {number + 1} of {args.rounds}")
+            rounds.append(one_round(tokenizer, files, work, number))
+    medians = {name: statistics.median(r[name] for r in rounds) for name in RATIOS}
+    print(f"medians over {len(rounds)} rounds:")
+    print(f"  whole-run ratios: prepare / threaded {medians['whole_run_vs_threaded']:.3f}, "
+          f"/ single-thread {medians['whole_run_vs_single']:.3f}")
+    print(f"  steady state / threaded encode_batch (offsets kept, no target): {medians['vs_threaded_encode_batch']:.3f}")
+    print(f"  CPU seconds per token, prepare (whole tree, start-up included) / single-thread loop: {medians['cpu_per_token_vs_single']:.2f}")
+    verdicts = {
+        "vs_threaded": verdict("prepare (steady) / threaded", medians["vs_threaded"], TARGETS["vs_threaded"]),
+        "vs_single": verdict("prepare (steady) / single-thread", medians["vs_single"], TARGETS["vs_single"]),
+        "memory_doubled": verdict("peak RSS at 2x corpus / at 1x", medians["memory_doubled"], TARGETS["memory_doubled"], higher=False),
+    }
+    run.write({"rounds": rounds, "medians": {k: round(v, 4) for k, v in medians.items()}, "batch_documents": BATCH,
+               "num_files": NUM_FILES, "copies": args.copies, "verdicts": verdicts}, device_type="cpu")
     return 0 if all(v["pass"] for v in verdicts.values()) else 1
 
 

@@ -38,7 +38,9 @@ class BatchTokenizer(HFTokenizer):
     """A Hugging Face tokenizer that also encodes a batch and finds its EOS id."""
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # The same ids as encode_batch without the character offsets prepare never reads:
+        # about a fifth less work per token.
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def token_id(self, token: str) -> Optional[int]:
         found = self._tok.token_to_id(token)
