@@ -42,10 +42,11 @@ ringtrain: ``python -m ringtrain run <job.yaml> key=value ...`` on an embedded R
   per run, so one run per kill; the process dies on its own, so the time is taken from its
   detection (the first kill's detect_s says how late detection is) to the next step.
 - ``straggler`` (one warm spare, ``controllers.on_straggler=evict``, 10 logical CPUs: every
-  eviction holds a slot back): ``--kills`` chaos ``slow`` faults (a random rank sleeps
-  ``--slow-s`` before each of ``--slow-count`` consecutive steps), from step first-kill + 1,
-  every ``--straggler-every`` steps. Per event: the first slow step starts when the step before
-  it is recorded; detection is the straggler incident's ``detected_at``; the eviction is done at
+  eviction holds a slot back): ``--kills`` runs, each with one chaos ``slow`` fault (a random
+  rank sleeps ``--slow-s`` before each of ``--slow-count`` consecutive steps) from step
+  first-kill + 1, so every event meets a full world with its spare warm (in one run, an event
+  soon after an eviction found the spare still starting, the job shrunk to dp 1 and the slow
+  rank gone). Per event: the first slow step starts when the step before it is recorded; detection is the straggler incident's ``detected_at``; the eviction is done at
   the first step record after it; step time after the eviction (to the next event) against the
   steps before the event and against the ``clean`` run (same settings, no fault), which also
   counts false straggler reports.
@@ -131,7 +132,7 @@ class RunFailed(Exception):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default="shrink,warm_spare,cold_replace,double_failure,double_restore,straggler,clean,torchrun")
-    p.add_argument("--kills", type=int, default=10, help="kills (straggler events) per ringtrain run")
+    p.add_argument("--kills", type=int, default=10, help="kills per ringtrain run; runs of double_restore and straggler")
     p.add_argument("--runs", type=int, default=10, help="torchrun runs, one kill each")
     p.add_argument("--steps", type=int, default=400,
                    help="train.steps of a ringtrain run (its LR schedule everywhere); an upper bound: the bench "
@@ -140,10 +141,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--second-delay", type=float, default=0.3,
                    help="double_failure: the second kill lands a random 0..this many seconds after the first "
                         "kill's incident appears")
-    p.add_argument("--straggler-every", type=int, default=25, help="steps between straggler events")
+    p.add_argument("--straggler-every", type=int, default=25, help="steps a straggler run trains from its event on")
     p.add_argument("--slow-s", type=float, default=1.0, help="seconds a straggler sleeps before each slow step")
     p.add_argument("--slow-count", type=int, default=8, help="consecutive slow steps of a straggler event")
-    p.add_argument("--clean-steps", type=int, default=100, help="steps of the clean run")
+    p.add_argument("--clean-steps", type=int, default=200, help="steps of the clean run")
     p.add_argument("--first-kill", type=int, default=10, help="the first kill lands in the step after this one")
     p.add_argument("--kill-every", type=int, default=8, help="steps between kills")
     p.add_argument("--seq-len", type=int, default=512)
@@ -163,7 +164,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.scenarios) - set(RINGTRAIN_SCENARIOS) - {"torchrun"}
     if unknown:
         p.error(f"unknown scenarios {sorted(unknown)}")
-    if args.steps < args.first_kill + (args.kills - 1) * max(args.kill_every, args.straggler_every) + 5:
+    if args.steps < args.first_kill + max((args.kills - 1) * args.kill_every, args.straggler_every) + 5:
         p.error("--steps leaves no room for the kills: raise it or lower --kills / --kill-every")
     return args
 
@@ -448,11 +449,11 @@ def runtime_overrides(run_dir: Path, scenario: Optional[str] = None) -> list[str
             f"controllers.max_recoveries={MAX_RECOVERIES}"]
 
 
-def straggler_faults(args: argparse.Namespace, rng: random.Random) -> Records:
-    """One slow fault per straggler event: a random rank sleeps ``--slow-s`` before each of
-    ``--slow-count`` consecutive steps, from step first-kill + 1, then every ``--straggler-every``."""
-    return [{"kind": "slow", "rank": rng.randrange(WORLD), "step": args.first_kill + 1 + i * args.straggler_every,
-             "seconds": args.slow_s, "count": args.slow_count} for i in range(args.kills)]
+def straggler_fault(args: argparse.Namespace, rng: random.Random) -> Records:
+    """A run's straggler event: a random rank sleeps ``--slow-s`` before each of ``--slow-count``
+    consecutive steps, from step first-kill + 1."""
+    return [{"kind": "slow", "rank": rng.randrange(WORLD), "step": args.first_kill + 1, "seconds": args.slow_s,
+             "count": args.slow_count}]
 
 
 def chaos_override(faults: Records) -> str:
@@ -718,7 +719,7 @@ def run_ringtrain(args: argparse.Namespace, scenario: str, rng: random.Random) -
         (tmp / sub).mkdir()
     (tmp / "job.yaml").write_text(f"name: bench-recovery-{scenario}\n")
     env = {"HOME": str(tmp / "home"), "RAY_TMPDIR": str(tmp / "ray"), "RAY_AUTH_MODE": "disabled"}
-    faults = straggler_faults(args, rng) if scenario == "straggler" else []
+    faults = straggler_fault(args, rng) if scenario == "straggler" else []
     victim = None
     if scenario == "double_restore":  # the bench kills one rank, chaos another as it restores
         victim, other = rng.sample(range(WORLD), 2)
@@ -952,7 +953,7 @@ def main(argv: list[str]) -> int:
     for name in args.scenarios:
         if name == "torchrun":
             runs, planned = [run_torchrun(args, rng) for _ in range(args.runs)], args.runs
-        elif name == "double_restore":
+        elif name in ("double_restore", "straggler"):  # one event per run
             runs, planned = [run_ringtrain(args, name, rng) for _ in range(args.kills)], args.kills
         else:
             runs, planned = [run_ringtrain(args, name, rng)], (0 if name == "clean" else args.kills)
