@@ -2,7 +2,8 @@
 
 A crashed worker's own memory is gone, so every snapshot is also handed to the holder on the
 worker's node and, when the job spans several nodes, to a buddy node's holder. A holder is a
-plain class made a Ray actor (no CPU reserved) pinned to its node.
+plain class made a Ray actor (no CPU reserved) pinned to its node; ``HolderDelivery`` is the
+worker's side, handing each snapshot to its holders.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.checkpoint.retention import retained
 from ringtrain.checkpoint.wire import checksum
+
+if TYPE_CHECKING:
+    from ringtrain.train.snapshot import Snapshot
 
 
 _MAX_ARRIVALS = 8192
@@ -92,3 +96,30 @@ class SnapshotHolder:
     def num_bytes(self) -> int:
         with self._lock:
             return sum(len(b) for _, b, _ in self._snaps.values())
+
+
+class HolderDelivery:
+    """Hands each snapshot to the holders, at most one round in flight (runs on the snapshot
+    thread, so waiting here never touches the training loop)."""
+
+    def __init__(self, holders: Sequence[Any]) -> None:
+        self.holders = list(holders)
+        self._in_flight: list[Any] = []
+
+    def __call__(self, snap: "Snapshot") -> None:
+        if not self.holders:
+            return
+        import ray
+
+        if self._in_flight:
+            # Waited for, not fetched: a holder that died with its node fails its put, and that
+            # must stop neither this round nor the next from reaching the other holders.
+            pending, self._in_flight = self._in_flight, []
+            ray.wait(pending, num_returns=len(pending))
+        # One copy into the object store for all holders; each keeps its own copy of the bytes,
+        # so the worker's object going away with the worker loses nothing.
+        blob = ray.put(snap.blob)
+        self._in_flight = [
+            h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum, "node" if i == 0 else "buddy")
+            for i, h in enumerate(self.holders)
+        ]

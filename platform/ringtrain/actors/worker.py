@@ -11,6 +11,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
+from ringtrain.actors.holder import HolderDelivery
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
 
     from ringtrain.evaluation.tally import LossTally
     from ringtrain.train.evalset import EvalSet
-    from ringtrain.train.snapshot import Snapshot
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class TrainWorker:
             # Every collective of the world is recorded, so a stall can be diagnosed; a new world
             # restarts the per-group sequence numbers.
             collectives.install().reset()
-            self._trainer = Trainer(job, rank=rank, device=device, deliver=_HolderDelivery(holders))
+            self._trainer = Trainer(job, rank=rank, device=device, deliver=HolderDelivery(holders))
             self._trainer.bad_device = self._bad_device  # a new world does not heal the device
             collectives.install()  # points the DeepSpeed engine just built at the recorder too
         except BaseException:
@@ -383,33 +383,6 @@ def _leave_default_group(device_type: str, connections: dict[int, str]) -> None:
         return
     sever(connections)
     dist.destroy_process_group()
-
-
-class _HolderDelivery:
-    """Hands each snapshot to the holders, at most one round in flight (runs on the snapshot
-    thread, so waiting here never touches the training loop)."""
-
-    def __init__(self, holders: Sequence[Any]) -> None:
-        self.holders = list(holders)
-        self._in_flight: list[Any] = []
-
-    def __call__(self, snap: Snapshot) -> None:
-        if not self.holders:
-            return
-        import ray
-
-        if self._in_flight:
-            # Waited for, not fetched: a holder that died with its node fails its put, and that
-            # must stop neither this round nor the next from reaching the other holders.
-            pending, self._in_flight = self._in_flight, []
-            ray.wait(pending, num_returns=len(pending))
-        # One copy into the object store for all holders; each keeps its own copy of the bytes,
-        # so the worker's object going away with the worker loses nothing.
-        blob = ray.put(snap.blob)
-        self._in_flight = [
-            h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum, "node" if i == 0 else "buddy")
-            for i, h in enumerate(self.holders)
-        ]
 
 
 def _device_name(device: torch.device) -> str:
