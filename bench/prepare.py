@@ -24,7 +24,9 @@ In one run, over the same JSONL files (stdlib source and docstrings, repeated to
 Each baseline runs in its own process so the tokenizer's thread setting is fresh. The whole
 set runs ``--rounds`` times, interleaved, and each ratio is the median over the rounds: a
 2-core machine shared with other work moves single timings by a third.
-Usage: ``.venv/bin/python bench/prepare.py [--copies 6] [--rounds 3]`` (a minute a round on 2 cores).
+Usage: ``.venv/bin/python bench/prepare.py [--copies 6] [--rounds 3] [--out JSON]`` (a minute a
+round on 2 cores at 6 copies; ``--copies 48 --rounds 1 --out bench/results/prepare-large-cpu.json``
+shows the whole command at a corpus where the pipeline's start is small beside the work).
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=6, help="repetitions of the stdlib documents (~1.2M tokens each)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every side; ratios are their medians")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to write (default bench/results/prepare-cpu.json)")
     args = parser.parse_args()
     run = Run("prepare")
     rounds = []
@@ -215,7 +218,7 @@ def main() -> int:
         "memory_doubled": verdict("peak RSS at 2x corpus / at 1x", medians["memory_doubled"], TARGETS["memory_doubled"], higher=False),
     }
     run.write({"rounds": rounds, "medians": {k: round(v, 4) for k, v in medians.items()}, "batch_documents": BATCH,
-               "num_files": NUM_FILES, "copies": args.copies, "verdicts": verdicts}, device_type="cpu")
+               "num_files": NUM_FILES, "copies": args.copies, "verdicts": verdicts}, device_type="cpu", out=args.out)
     return 0 if all(v["pass"] for v in verdicts.values()) else 1
 
 

@@ -40,8 +40,9 @@ from typing import Any, Iterator, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
+from tests.ray.harness import TORCH_EXTENSIONS_DIR, head_env, running_head  # noqa: E402
+
 OVERRIDES = ["mesh.dp=4", "mesh.cp=1", "zero.stage=0", "telemetry.metrics=false", "telemetry.tensorboard=false"]
-TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
 
 
 def _env(tmp: Path, root: Path = ROOT) -> dict[str, str]:
@@ -146,28 +147,14 @@ def rank_main(out: str) -> None:
 
 
 @contextlib.contextmanager
-def running_head() -> Iterator[dict[str, str]]:
-    """A Ray head on free loopback ports for the bench's runs to join; its processes are ended by
-    PID afterwards (tests/ray/test_submit.py's helpers), never by ``ray stop``."""
-    from tests.ray.test_submit import end_processes, free_ports, head_env
-
+def cluster_for_runs() -> Iterator[dict[str, str]]:
+    """A Ray head on free loopback ports for the bench's runs to join (tests/ray/harness.py's:
+    its processes are ended by PID afterwards, never by ``ray stop``); the runs' environment."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))  # short: Ray's socket paths live below it
-    (temp_dir / "ray").mkdir()
-    env = head_env(temp_dir, temp_dir)
-    gcs, dashboard, client_server, agent, metrics = free_ports(5)
-    command = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", "--port", str(gcs),
-        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "false",
-        "--ray-client-server-port", str(client_server), "--dashboard-agent-listen-port", str(agent),
-        "--metrics-export-port", str(metrics), "--num-cpus", "4", "--temp-dir", str(temp_dir), "--disable-usage-stats",
-    ]  # fmt: skip
     try:
-        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-        if started.returncode != 0:
-            raise RuntimeError(started.stderr[-3000:])
-        yield {"RAY_ADDRESS": f"127.0.0.1:{gcs}", "RAY_TMPDIR": str(temp_dir)}
+        with running_head(temp_dir, head_env(temp_dir, temp_dir), dashboard=False) as (gcs, _):
+            yield {"RAY_ADDRESS": f"127.0.0.1:{gcs}", "RAY_TMPDIR": str(temp_dir)}
     finally:
-        end_processes(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -195,7 +182,7 @@ def main(argv: list[str]) -> int:
 
 
 def _compare(args: argparse.Namespace, run: Any, stack: contextlib.ExitStack) -> int:
-    head = stack.enter_context(running_head())
+    head = stack.enter_context(cluster_for_runs())
     sides: dict[str, Any] = {"ringtrain": run_ringtrain, "torchrun": run_torchrun,
                              "ringtrain_on_cluster": lambda timeout: run_ringtrain(timeout, head=head)}
     if args.before_root:

@@ -15,18 +15,15 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
 import yaml
 
 from tests.tiny import TINIEST_MODEL
 
+from .harness import REPO, TORCH_EXTENSIONS_DIR, processes_using
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-# DeepSpeed JIT-compiles a C++ op into ~/.cache; tests give each run its own HOME, so the
-# build cache is kept in the repo (git-ignored) instead of being rebuilt by every run.
-TORCH_EXTENSIONS_DIR = REPO / ".ringtrain-cache" / "torch_extensions"
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 TINY = [
     *TINIEST_MODEL,
@@ -63,24 +60,6 @@ def ringtrain_cli(argv: list[str], *, home: Path, ray_tmp: Path, timeout: float 
     return subprocess.run(
         [sys.executable, "-m", "ringtrain", *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=home
     )
-
-
-def processes_using(path: Path) -> list[str]:
-    """Live processes started for a run whose RAY_TMPDIR is ``path``.
-
-    Ray workers rename themselves (``ray::TrainWorker.train_step``), so the command line is not
-    enough; every process the run started inherits its environment, which names ``path``.
-    """
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            env = proc.environ()
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if env.get("RAY_TMPDIR") == str(path) or str(path) in cmdline:
-            found.append(f"{proc.pid}: {cmdline[:120]}")
-    return found
 
 
 def test_run_writes_run_dir_and_leaves_no_process(tmp_path: Path, ray_tmp: Path) -> None:

@@ -8,12 +8,10 @@ own HOME and RAY_TMPDIR; at teardown every process whose environment names that 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
-import psutil
 import pytest
 
 from ringtrain import config
@@ -38,14 +35,22 @@ from ringtrain.submission import (
 )
 from tests.tiny import TINIEST_MODEL
 
-from .test_run_e2e import TORCH_EXTENSIONS_DIR
+from .harness import (
+    HEAD_START_TIMEOUT_S,
+    REPO,
+    VENV_BIN,
+    describe,
+    free_ports,
+    head_env,
+    processes_of,
+    processes_using,
+    running_head,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "jobs"
 QUICKSTART = JOBS / "quickstart.yaml"
-VENV_BIN = Path(sys.executable).parent
 TINY = [
     *TINIEST_MODEL,
     "data.seq_len=64",
@@ -58,9 +63,6 @@ TINY = [
 ]
 LONG = [o for o in TINY if not o.startswith("train.steps=")] + ["train.steps=100000"]
 ID_PATTERN = re.compile(r"ringtrain-quickstart-[0-9a-f]{10}")
-# Ray hands out worker ports from this range; a fixed port inside it could be taken by a worker.
-RAY_WORKER_PORTS = range(10002, 20000)
-HEAD_START_TIMEOUT_S = 120.0
 JOB_TIMEOUT_S = 180.0
 
 
@@ -70,84 +72,6 @@ class Head:
     gcs_port: int
     temp_dir: Path
     env: dict[str, str]  # for every command run against this head
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports free right now, none in Ray's worker range."""
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in RAY_WORKER_PORTS and port not in ports:
-            ports.append(port)
-    return ports
-
-
-def processes_using(path: Path) -> list[psutil.Process]:
-    """Live processes started for the head whose RAY_TMPDIR is ``path``.
-
-    Ray workers rename themselves, so the command line is not enough; every process the head
-    started inherits its environment, which names ``path``.
-    """
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if proc.pid == os.getpid():
-            continue
-        try:
-            env = proc.environ()
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        if env.get("RAY_TMPDIR") == str(path) or str(path) in " ".join(proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
-
-
-def describe(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid}: {' '.join(proc.cmdline())[:120]}"
-    except psutil.Error:
-        return f"{proc.pid}: (gone while listed)"
-
-
-def end_processes(path: Path) -> None:
-    """Terminate, then kill, every process of the head, by PID.
-
-    In rounds: a worker the raylet was starting while the first round ran shows up in the next.
-    """
-    for _ in range(3):
-        procs = processes_using(path)
-        if not procs:
-            return
-        for proc in procs:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        # gcs_server and the autoscaler monitor sit out SIGTERM for many seconds.
-        _, alive = psutil.wait_procs(procs, timeout=3)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=10)
-
-
-def head_env(home: Path, temp_dir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
-        env.pop(name, None)
-    env.update(
-        HOME=str(home),
-        RAY_AUTH_MODE="disabled",
-        RAY_TMPDIR=str(temp_dir),
-        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
-        # Job entrypoints say `python`: it must be this venv's, which has Ray and torch.
-        PATH=os.pathsep.join([str(VENV_BIN), env.get("PATH", "")]),
-        PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
-    )
-    return env
 
 
 def job_api_answers(address: str, env: dict[str, str]) -> bool:
@@ -165,36 +89,17 @@ def job_api_answers(address: str, env: dict[str, str]) -> bool:
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     # Short on purpose: Ray's unix socket paths live below it and must stay under 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rtj-", dir="/tmp"))
-    # Ray records "the current cluster" under $RAY_TMPDIR/ray; this keeps it out of /tmp/ray.
-    (temp_dir / "ray").mkdir()
     env = head_env(tmp_path_factory.mktemp("home"), temp_dir)
-    gcs, dashboard, client_server, agent, metrics = free_ports(5)
-    command = [
-        str(VENV_BIN / "ray"), "start", "--head",
-        "--port", str(gcs),
-        "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dashboard),
-        "--include-dashboard", "true",
-        "--ray-client-server-port", str(client_server),
-        "--dashboard-agent-listen-port", str(agent),
-        "--metrics-export-port", str(metrics),
-        "--num-cpus", "4",
-        "--object-store-memory", str(200 * 2**20),
-        "--temp-dir", str(temp_dir),
-        "--disable-usage-stats",
-    ]  # fmt: skip
-    address = f"http://127.0.0.1:{dashboard}"
     try:
-        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HEAD_START_TIMEOUT_S)
-        assert started.returncode == 0, started.stderr[-3000:]
-        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-        while not job_api_answers(address, env):
-            assert time.monotonic() < deadline, f"the job API at {address} did not answer"
-            time.sleep(1)
-        yield Head(address=address, gcs_port=gcs, temp_dir=temp_dir, env=env)
+        with running_head(temp_dir, env, dashboard=True, object_store_bytes=200 * 2**20) as (gcs, dashboard):
+            address = f"http://127.0.0.1:{dashboard}"
+            deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+            while not job_api_answers(address, env):
+                assert time.monotonic() < deadline, f"the job API at {address} did not answer"
+                time.sleep(1)
+            yield Head(address=address, gcs_port=gcs, temp_dir=temp_dir, env=env)
     finally:
-        end_processes(temp_dir)
-        left = [describe(p) for p in processes_using(temp_dir)]
+        left = processes_using(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert left == []
 
@@ -263,7 +168,7 @@ def wait_for_line(lines: queue.Queue[str], pattern: str, timeout: float) -> None
 def no_training_workers(head: Head, timeout: float) -> bool:
     """Whether every TrainWorker process of the head is gone within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while any("TrainWorker" in describe(p) for p in processes_using(head.temp_dir)):
+    while any("TrainWorker" in describe(p) for p in processes_of(head.temp_dir)):
         if time.monotonic() > deadline:
             return False
         time.sleep(1)
