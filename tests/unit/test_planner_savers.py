@@ -13,7 +13,7 @@ from ringtrain import config
 from ringtrain.planner import command
 from ringtrain.planner.comm import traffic
 from ringtrain.planner.devices import GB, H100
-from ringtrain.planner.layout import Layout, Workload, layout_of
+from ringtrain.planner.layout import SAVERS, Layout, Workload, layout_of
 from ringtrain.planner.memory import OFFLOAD_GRAD_BYTES, estimate
 from ringtrain.planner.models import PRESETS
 from ringtrain.planner.search import Cluster, layouts, max_seq_len
@@ -67,6 +67,18 @@ def test_chunked_loss_no_longer_grows_with_tokens_times_vocab() -> None:
 def test_saver_layouts_round_trip_through_the_job_config(layout: Layout) -> None:
     job = config.load(None, ["model.n_heads=8", "model.dim=256", "data.seq_len=4096", *layout.overrides()])
     assert layout_of(job) == layout
+
+
+def test_every_saver_reads_a_layout_field_and_has_a_long_and_a_short_label() -> None:
+    fields = {f.name for f in dataclasses.fields(Layout)}
+    for saver in SAVERS:
+        assert saver.field in fields and saver.label.strip() and saver.short.strip(), saver
+    for labels in ([s.field for s in SAVERS], [s.label for s in SAVERS], [s.short for s in SAVERS]):
+        assert len(set(labels)) == len(labels), labels
+    assert BASE.savers() == []
+    for saver in SAVERS:
+        alone = dataclasses.replace(BASE, **{saver.field: True if saver.value(BASE) is False else 4})
+        assert alone.savers() == [saver] and alone.describe().endswith(", " + saver.describe(alone))
 
 
 def test_max_seq_len_grows_with_gpus_and_savers() -> None:

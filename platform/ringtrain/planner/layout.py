@@ -2,13 +2,14 @@
 
 A ``Layout`` is one candidate: dp replicas of a context-parallel group of ``ring x ulysses``
 ranks, a ZeRO stage, activation checkpointing and offload. ``overrides`` turns it back into
-the ``key=value`` arguments of ``ringtrain run``.
+the ``key=value`` arguments of ``ringtrain run``; ``SAVERS`` names its memory savers once for
+``describe``, ``overrides`` and the plan's savers column.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from ringtrain.config import JobConfig, checkpointing_mode
 from ringtrain.errors import ConfigError
@@ -48,6 +49,47 @@ def precision(dtype: str, zero_stage: int, optimizer_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
+class Saver:
+    """One memory saver as the planner names it, read off one ``Layout`` field.
+
+    ``label`` and ``short`` are format strings that take the field's value ("{}" where the
+    value belongs in the words, none where it is a flag).
+    """
+
+    field: str  # the Layout field that holds it
+    label: str  # Layout.describe()'s words
+    short: str  # the savers column of ``ringtrain plan --max-seq-len``
+    # The ``ringtrain run`` key that Layout.overrides() gives only while the saver is on; "" where
+    # an override it always lists says it (model.activation_checkpointing, zero.offload_*).
+    override: str = ""
+    on: Callable[[Any], bool] = bool  # from the field's value: does the layout use it?
+    # A model.activation_checkpointing mode: ``short`` is the mode's name, and the savers column
+    # shows exactly one mode, "none" included, as Layout.checkpointing_mode.
+    recompute: bool = False
+
+    def value(self, layout: Layout) -> Any:
+        return getattr(layout, self.field)
+
+    def describe(self, layout: Layout) -> str:
+        return self.label.format(self.value(layout))
+
+    def abbreviate(self, layout: Layout) -> str:
+        return self.short.format(self.value(layout))
+
+
+# In describe()'s order, which is also the savers column's.
+SAVERS = (
+    Saver("checkpointing", "checkpointing", "full", recompute=True),
+    Saver("selective", "selective recompute", "selective", recompute=True),
+    Saver("loss_chunk", "chunked loss ({:,} tokens)", "loss/{}", "train.loss_chunk_tokens"),
+    Saver("mlp_tiles", "MLP in {} tiles", "tiles {}", "model.mlp_tiles", on=lambda tiles: tiles > 1),
+    Saver("offload_layers", "{} layers' activations offloaded", "offload {}", "model.activation_offload_layers"),
+    Saver("offload_optimizer", "optimizer offload", "opt offload"),
+    Saver("offload_params", "parameter offload", "param offload"),
+)
+
+
+@dataclass(frozen=True)
 class Layout:
     dp: int
     ring: int
@@ -71,7 +113,7 @@ class Layout:
     @property
     def checkpointing_mode(self) -> str:
         """``model.activation_checkpointing`` for this layout: full, selective or none."""
-        return "full" if self.checkpointing else "selective" if self.selective else "none"
+        return next((s.short for s in self.savers() if s.recompute), "none")
 
     @property
     def num_savers(self) -> int:
@@ -88,24 +130,18 @@ class Layout:
             return "ring"
         return "ulysses" if self.ring == 1 else "hybrid"
 
+    def savers(self) -> list[Saver]:
+        """The savers this layout uses, in ``SAVERS`` order."""
+        return [s for s in SAVERS if s.on(s.value(self))]
+
     def describe(self) -> str:
         """``dp 8 x cp 8 (ring 2 x ulysses 4), ZeRO-3, checkpointing, optimizer offload``"""
         parts = [f"dp {self.dp} x cp {self.cp} (ring {self.ring} x ulysses {self.ulysses})", f"ZeRO-{self.zero_stage}"]
-        if self.checkpointing:
-            parts.append("checkpointing")
-        if self.selective:
-            parts.append("selective recompute")
-        if self.loss_chunk:
-            parts.append(f"chunked loss ({self.loss_chunk:,} tokens)")
-        if self.mlp_tiles > 1:
-            parts.append(f"MLP in {self.mlp_tiles} tiles")
-        if self.offload_layers:
-            parts.append(f"{self.offload_layers} layers' activations offloaded")
-        if self.offload_optimizer:
-            parts.append("optimizer offload")
-        if self.offload_params:
-            parts.append("parameter offload")
-        return ", ".join(parts)
+        return ", ".join(parts + [s.describe(self) for s in self.savers()])
+
+    def saver_column(self) -> str:
+        """The plan's savers cell: the recompute mode, always, then the other savers in use."""
+        return ", ".join([self.checkpointing_mode] + [s.abbreviate(self) for s in self.savers() if not s.recompute])
 
     def overrides(self) -> list[str]:
         """The ``ringtrain run`` arguments that select this layout, whatever the job file says."""
@@ -121,14 +157,9 @@ class Layout:
         ] + self._saver_overrides()
 
     def _saver_overrides(self) -> list[str]:
-        out = []
-        if self.offload_layers:
-            out.append(f"model.activation_offload_layers={self.offload_layers}")
-        if self.mlp_tiles > 1:
-            out.append(f"model.mlp_tiles={self.mlp_tiles}")
-        if self.loss_chunk:
-            out.append(f"train.loss_chunk_tokens={self.loss_chunk}")
-        return out
+        # By key, not in SAVERS order: the order ``ringtrain run`` lines have always been printed in.
+        on = sorted((s for s in self.savers() if s.override), key=lambda s: s.override)
+        return [f"{s.override}={s.value(self)}" for s in on]
 
 
 @dataclass(frozen=True)

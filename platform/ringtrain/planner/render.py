@@ -282,21 +282,6 @@ def _host_line(cluster: Cluster) -> str:
 REACH_COLUMNS = ("#", "max seq", "dp", "cp", "ring", "ulysses", "ZeRO", "savers", "GB/GPU", "host GB/node", "tokens/s")
 
 
-def _savers(lay: Layout) -> str:
-    parts = [lay.checkpointing_mode]
-    if lay.loss_chunk:
-        parts.append(f"loss/{lay.loss_chunk}")
-    if lay.mlp_tiles > 1:
-        parts.append(f"tiles {lay.mlp_tiles}")
-    if lay.offload_layers:
-        parts.append(f"offload {lay.offload_layers}")
-    if lay.offload_optimizer:
-        parts.append("opt offload")
-    if lay.offload_params:
-        parts.append("param offload")
-    return ", ".join(parts)
-
-
 def render_reach(workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int) -> str:
     """``ringtrain plan --max-seq-len``: the longest sequence per layout, longest first."""
     w = workload
@@ -315,7 +300,7 @@ def render_reach(workload: Workload, cluster: Cluster, reach: list[Reach], *, to
         host = c.memory.host * min(cluster.gpus, cluster.gpus_per_node)
         rows.append(
             (str(i + 1), f"{r.max_seq_len:,}", str(lay.dp), str(lay.cp), str(lay.ring), str(lay.ulysses),
-             str(lay.zero_stage), _savers(lay), _gb(c.memory.total), _gb(host), f"{c.step.tokens_per_s:,.0f}")
+             str(lay.zero_stage), lay.saver_column(), _gb(c.memory.total), _gb(host), f"{c.step.tokens_per_s:,.0f}")
         )
     widths = [max(len(r[i]) for r in [REACH_COLUMNS, *rows]) for i in range(len(REACH_COLUMNS))]
     for r in [REACH_COLUMNS, *rows]:
