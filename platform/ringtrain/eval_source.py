@@ -18,8 +18,9 @@ from typing import Any, Optional
 from ringtrain import config, uris
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.checkpoint.layout import split_checkpoint_uri
+from ringtrain.checkpoint.sources import NoCheckpoint, open_source
 from ringtrain.config import JobConfig
-from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.errors import ConfigError
 
 KEY = "SOURCE"
 # Checkpoint meta (actors.resume.checkpoint_meta) -> the model keys it records.
@@ -62,36 +63,26 @@ def _from_hf(folder: Path) -> EvalSource:
 
 
 def _from_run(run_dir: Path) -> EvalSource:
-    from ringtrain.actors.resume import incompatibility, open_job_store, store_uri
+    from ringtrain.actors.resume import incompatibility
 
     job = config.load(run_dir / "config.yaml")
-    uri = store_uri(job, run_dir)
-    store = open_job_store(uri, job, key=KEY)
     try:
-        loaded = store.latest_valid(incompatibility(job))
-    except (RingtrainError, OSError) as exc:
-        raise ConfigError(KEY, f"cannot read the checkpoints of {run_dir} ({uri}): {exc}") from None
-    if loaded is None:
-        raise ConfigError(KEY, f"{run_dir} has no valid durable checkpoint in {uri} (checkpoint.persist_every writes them)")
+        found = open_source(str(run_dir.absolute()), key=KEY, accept=incompatibility(job), eager=True)
+    except NoCheckpoint as exc:
+        raise ConfigError(
+            KEY,
+            f"{run_dir} has no valid durable checkpoint in {exc.store_uri} "
+            f"({exc.detail}; checkpoint.persist_every writes them)",
+        ) from None
+    loaded = found.checkpoint
     return _with_checkpoint("run", job, loaded, f"run {run_dir}, step {loaded.step}")
 
 
 def _from_checkpoint(uri: str) -> EvalSource:
     from ringtrain.actors.resume import incompatibility
-    from ringtrain.checkpoint import open_store
 
-    store_at, step = split_checkpoint_uri(uri)
-    try:
-        store = open_store(store_at)
-        if step is not None:
-            loaded: Optional[LoadedCheckpoint] = store.load(step, verify=True, eager=True)
-        else:
-            loaded = store.latest_valid()
-    except (RingtrainError, OSError, ValueError) as exc:
-        raise ConfigError(KEY, f"cannot load {uri}: {exc}") from None
-    if loaded is None:
-        raise ConfigError(KEY, f"no valid checkpoint in {uri}")
-    job = _job_beside(store_at) or _job_of_meta(loaded.meta)
+    loaded = open_source(uri, key=KEY, eager=True).checkpoint
+    job = _job_beside(split_checkpoint_uri(uri)[0]) or _job_of_meta(loaded.meta)
     reason = incompatibility(job)(loaded.meta)
     if reason:
         raise ConfigError(KEY, f"{uri}: {reason}")

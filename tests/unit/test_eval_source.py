@@ -41,6 +41,18 @@ def test_a_run_directory_gives_its_config_and_newest_checkpoint(tmp_path: Path) 
     assert "step 20" in source.where
 
 
+def test_a_run_directory_follows_its_checkpoint_uri(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "bucket"
+    job = config.load(None, [*SHAPE, f"run_dir={tmp_path / 'run'}", f"checkpoint.uri={elsewhere.as_uri()}"])
+    run = RunDir(tmp_path / "run")
+    run.write_config(job)
+    run.close()
+    open_store(elsewhere.as_uri()).save(7, {"rank-0": b"elsewhere"}, checkpoint_meta(job))
+    source = resolve_source(str(tmp_path / "run"))
+    assert source.kind == "run" and source.shards() == [b"elsewhere"]
+    assert source.checkpoint is not None and source.checkpoint.uri.startswith(elsewhere.as_uri())
+
+
 def test_a_checkpoint_uri_reads_the_config_beside_its_store_or_the_shape_it_records(tmp_path: Path) -> None:
     _run_with_checkpoints(tmp_path / "run", [10, 20])
     store = tmp_path / "run" / "checkpoints"

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-import yaml
 from safetensors.torch import save_file
 
-from ringtrain.checkpoint import CheckpointCorrupt, CheckpointStore, LoadedCheckpoint, open_store
-from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
+from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
+from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
+from ringtrain.checkpoint.sources import open_source
 from ringtrain.config import JobConfig, ModelConfig
-from ringtrain.errors import RingtrainError
+from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.fragments import MasterWeights
 from ringtrain.hf.hfconfig import CONFIG_FILE, hf_config
 from ringtrain.hf.names import to_hf
@@ -53,7 +53,6 @@ SIDE_FILES = (
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # config.json's dtype names -> the export's; float16 has no export dtype (see default_dtype).
 _SOURCE_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
-RUN_CONFIG = "config.yaml"
 
 Say = Callable[[str], None]
 
@@ -154,38 +153,12 @@ def export(
 
 def open_checkpoint(source: str) -> tuple[CheckpointStore, LoadedCheckpoint]:
     """The store and checkpoint ``source`` names: a run directory (its newest valid checkpoint),
-    ``<store>/step-<n>``, or a store (its newest valid checkpoint)."""
-    uri = source
-    if "://" not in source:
-        path = Path(source).expanduser()
-        if not path.exists() and split_checkpoint_uri(source)[1] is None:  # a missing step is named below
-            raise ExportError("SOURCE", f"{source}: no such run directory, checkpoint or checkpoint store")
-        uri = _run_dir_store(path) if (path / RUN_CONFIG).is_file() else str(path.absolute())
+    ``<store>/step-<n>``, or a store (its newest valid checkpoint); see ``checkpoint.sources``."""
     try:
-        store_at, step = split_checkpoint_uri(uri)
-        store = open_store(store_at)
-        if step is not None:
-            return store, store.load(step, verify=True)
-        loaded = store.latest_valid(_is_fragment_checkpoint, verify=False)
-    except (CheckpointCorrupt, ValueError) as exc:  # damage, or a URI the store cannot address
-        raise ExportError("SOURCE", str(exc)) from None
-    except Exception as exc:  # these calls only read the source: denied, unreachable, no bucket
-        raise ExportError("SOURCE", f"cannot read {uri}: {type(exc).__name__}: {exc}") from None
-    if loaded is None:
-        why = "; ".join(str(s) for s in store.skipped[:3])
-        raise ExportError("SOURCE", f"no valid checkpoint in {store.uri}" + (f" ({why})" if why else " (it is empty)"))
-    return store, loaded
-
-
-def _run_dir_store(run_dir: Path) -> str:
-    """The checkpoint store of a run: its config's checkpoint.uri, else <run_dir>/checkpoints."""
-    try:
-        saved = yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ExportError("SOURCE", f"{run_dir / RUN_CONFIG} cannot be read: {exc}") from None
-    section = saved.get("checkpoint") if isinstance(saved, dict) else None
-    uri = section.get("uri") if isinstance(section, dict) else None
-    return str(uri) if uri else (run_dir.absolute() / "checkpoints").as_uri()
+        found = open_source(source, accept=_is_fragment_checkpoint)
+    except ConfigError as exc:
+        raise ExportError(exc.key, exc.reason) from None
+    return found.store, found.checkpoint
 
 
 def _is_fragment_checkpoint(meta: Mapping[str, Any]) -> Optional[str]:
