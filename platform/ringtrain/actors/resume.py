@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
+from ringtrain.checkpoint.sources import store_of_run
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.hfconfig import read_hf_config
@@ -27,7 +28,8 @@ _SWITCHES = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings")
 
 
 def store_uri(job: JobConfig, run_dir: Path) -> str:
-    return job.checkpoint.uri or (run_dir.resolve() / "checkpoints").as_uri()
+    """The store the run being started writes to and resumes from (its folder by its real path)."""
+    return store_of_run(job.checkpoint.uri, run_dir.resolve())
 
 
 def open_job_store(uri: str, job: JobConfig, key: str = "checkpoint.uri") -> CheckpointStore:

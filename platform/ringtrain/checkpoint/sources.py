@@ -27,6 +27,8 @@ from ringtrain.checkpoint.store import CheckpointStore, Compatible, open_store
 from ringtrain.errors import ConfigError
 
 RUN_CONFIG = "config.yaml"
+# A run's checkpoint store when its config names none: this folder of the run directory.
+RUN_STORE = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -95,4 +97,10 @@ def run_store_uri(run_dir: Path, key: str = "SOURCE") -> str:
         raise ConfigError(key, f"{run_dir / RUN_CONFIG} cannot be read: {exc}") from None
     section = saved.get("checkpoint") if isinstance(saved, dict) else None
     uri = section.get("uri") if isinstance(section, dict) else None
-    return str(uri) if uri else (run_dir.absolute() / "checkpoints").as_uri()
+    return store_of_run(str(uri) if uri else "", run_dir.absolute())
+
+
+def store_of_run(configured: str, run_dir: Path) -> str:
+    """A run's checkpoint store: ``configured`` (its checkpoint.uri), else the run directory's
+    own store folder (``run_dir`` absolute)."""
+    return configured or (run_dir / RUN_STORE).as_uri()
