@@ -50,7 +50,7 @@ def resolve_source(text: str) -> EvalSource:
         raise ConfigError(KEY, f"no such run directory, checkpoint or model folder: {text}")
     if (path / "config.json").is_file():
         return _from_hf(path)
-    if (path / "config.yaml").is_file():
+    if (path / config.RUN_CONFIG).is_file():
         return _from_run(path)
     if path.is_dir():
         return _from_checkpoint(path.resolve().as_uri())
@@ -65,7 +65,7 @@ def _from_hf(folder: Path) -> EvalSource:
 def _from_run(run_dir: Path) -> EvalSource:
     from ringtrain.actors.resume import incompatibility
 
-    job = config.load(run_dir / "config.yaml")
+    job = config.load(run_dir / config.RUN_CONFIG)
     try:
         found = open_source(str(run_dir.absolute()), key=KEY, accept=incompatibility(job), eager=True)
     except NoCheckpoint as exc:
@@ -100,7 +100,7 @@ def _job_beside(store_uri: str) -> Optional[JobConfig]:
     """The run's config when the store is a run directory's ``checkpoints`` folder."""
     if not store_uri.startswith("file://"):
         return None
-    config_file = Path(store_uri.removeprefix("file://")).parent / "config.yaml"
+    config_file = Path(store_uri.removeprefix("file://")).parent / config.RUN_CONFIG
     return config.load(config_file) if config_file.is_file() else None
 
 

@@ -24,9 +24,9 @@ from ringtrain.checkpoint.layout import split_checkpoint_uri
 from ringtrain.checkpoint.loaded import LoadedCheckpoint
 from ringtrain.checkpoint.manifest import CheckpointCorrupt
 from ringtrain.checkpoint.store import CheckpointStore, Compatible, open_store
+from ringtrain.config.loading import RUN_CONFIG
 from ringtrain.errors import ConfigError
 
-RUN_CONFIG = "config.yaml"
 # A run's checkpoint store when its config names none: this folder of the run directory.
 RUN_STORE = "checkpoints"
 

@@ -18,6 +18,7 @@ from ringtrain.config.checks import (
     validate_rope_scaling,
 )
 from ringtrain.config.loading import (
+    RUN_CONFIG,
     fill_model_defaults,
     load,
     merge,
@@ -80,6 +81,7 @@ __all__ = [
     "NAN_POLICIES",
     "PACKINGS",
     "ROPE_TYPES",
+    "RUN_CONFIG",
     "STDLIB_CORPUS",
     "STRAGGLER_POLICIES",
     "TelemetryConfig",

@@ -15,6 +15,9 @@ from ringtrain.config.checks import validate
 from ringtrain.config.schema import MODEL_DEFAULTS, JobConfig, checkpointing_mode
 from ringtrain.errors import ConfigError
 
+# The resolved config a run directory keeps, loadable again with ``load`` (and ``ringtrain run``).
+RUN_CONFIG = "config.yaml"
+
 def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """Build the job config from an optional YAML file and ``key=value`` overrides, then validate."""
     schema = OmegaConf.structured(JobConfig)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ringtrain.config import JobConfig, to_yaml
+from ringtrain.config import RUN_CONFIG, JobConfig, to_yaml
 
 
 def default_run_dir(job: JobConfig, now: Optional[float] = None) -> Path:
@@ -27,7 +27,7 @@ class RunDir:
         self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")
 
     def write_config(self, job: JobConfig) -> None:
-        _atomic_write(self.path / "config.yaml", to_yaml(job))
+        _atomic_write(self.path / RUN_CONFIG, to_yaml(job))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(record, sort_keys=True) + "\n")

@@ -16,6 +16,8 @@ from typing import Any, Optional, TypeGuard
 
 import yaml
 
+from ringtrain.config import RUN_CONFIG
+
 # What a run without a summary.json is: it never wrote one, or has not yet.
 NO_SUMMARY = "still running or ended abruptly"
 # Keys every incident file should have; one that lacks some is still listed, with a warning.
@@ -60,7 +62,7 @@ def read_run(run_dir: Path) -> RunFiles:
 
 
 def _read_config(run: RunFiles) -> None:
-    path = run.path / "config.yaml"
+    path = run.path / RUN_CONFIG
     if not path.is_file():
         run.warnings.append("config.yaml is missing: the resolved config is not shown")
         return
