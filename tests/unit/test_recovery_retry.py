@@ -235,17 +235,17 @@ def test_a_shard_lost_in_transit_is_rebuilt_by_a_survivor_instead_of_redoing_the
     assert plan_restore([node, other], newest=10).step == 9
 
 
-def test_a_retry_reads_the_shards_again_when_one_of_their_holders_died(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fetched shard lives only where it was made: when the second failure takes a worker
-    that served one, the retry plans the restore again instead of reading a lost object."""
+def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetched shard stays in its producer's node after the producer dies: when the second
+    failure takes a worker that served one, the retry reads the shards as they are while that
+    node lives, and plans the restore again once the node is gone."""
     from ringtrain.policies.snapshots import RestorePlan
 
     job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
     g = WorkerGroup(job, "cpu")
-    info = WorkerInfo(0, "h", 1, "cpu", "n")
-    g.members = [Member(f"a{r}", Slot("pg", r), info=info) for r in range(4)]
-    g.holders = {"n1": "holder"}
-    worlds = ScriptedWorlds(g, breaks=2, rank=2)
+    g.members = [Member(f"a{r}", Slot("pg", r), info=WorkerInfo(r, "h", 1, "cpu", f"n{r}")) for r in range(4)]
+    g.holders = {f"n{r}": "holder" for r in range(4)}
+    worlds = ScriptedWorlds(g, breaks=3, rank=2)
     monkeypatch.setattr(g, "form_world", worlds.form_world)
     monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: None)
     monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
@@ -264,30 +264,42 @@ def test_a_retry_reads_the_shards_again_when_one_of_their_holders_died(monkeypat
 
     with pytest.raises(WorkerError):
         r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5)
-    # The world being formed lost its rank 2, a2, which served rank 2's shard: read again.
+    # The world being formed lost its rank 2, a2, which served rank 2's shard; its node n2
+    # lives, and the shard with it: the retry reads the same shards.
+    with pytest.raises(WorkerError):
+        r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+    assert len(plans) == 1 and worlds.worlds[1][2] == worlds.worlds[0][2] == [f"shard1-{i}" for i in range(4)]
+    # Node n2 is found gone: a2's shard went with it, so the restore is planned again.
+    g.forget_node("n2")
     with pytest.raises(WorkerError):
         r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
     assert len(plans) == 2 and "a2" not in plans[1]
-    assert worlds.worlds[1][2] == [f"shard2-{i}" for i in range(4)]
-    # The second world loses its rank 2 too, a fresh worker that served nothing (rank 2's shard
+    assert worlds.worlds[2][2] == [f"shard2-{i}" for i in range(4)]
+    # The third world loses its rank 2 too, a fresh worker that served nothing (rank 2's shard
     # came from node n1's holder, which lives): the second plan's shards are read as they are.
     r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
-    assert len(plans) == 2 and worlds.worlds[2][2] == worlds.worlds[1][2]
+    assert len(plans) == 2 and worlds.worlds[3][2] == worlds.worlds[2][2]
 
 
-def test_a_retry_reads_the_shards_again_when_the_node_holder_serving_one_is_gone() -> None:
+def test_a_shard_is_readable_while_its_producer_or_the_producers_node_lives() -> None:
     from ringtrain.policies.snapshots import RestorePlan
 
     g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
     r = Recovery(g)
-    survivors = {0: Member("a0", Slot("pg", 0))}
-    plan = RestorePlan(5, 2, ((0, "peer:0"), (1, "node:n1")))
+    a0, a1 = (Member(f"a{k}", Slot("pg", k), info=WorkerInfo(k, "h", 1, "cpu", "n0")) for k in range(2))
+    survivors = {0: a0}
+    plan = RestorePlan(5, 3, ((0, "peer:0"), (1, "node:n1"), (2, "rebuild:peer:0")))
     sources = recovery_module.producers(plan, survivors)
-    assert sources == [survivors[0], "n1"]
-    g.holders = {"n1": "holder"}
-    assert all(r._alive(s, survivors) for s in sources)
-    g.holders = {}  # its node was found dead
-    assert not r._alive("n1", survivors)
+    assert sources == [a0, "n1", a0]
+    g.holders = {"n0": "holder", "n1": "holder"}
+    assert all(r._readable(s, survivors) for s in sources)
+    assert r._readable(a1, survivors)  # dead, on a live node
+    g.holders = {"n0": "holder"}  # node n1 was found dead: its holder's shards went with it
+    assert not r._readable("n1", survivors)
+    g.holders = {"n1": "holder"}  # node n0 was found dead: a0 survives only if it answers
+    assert r._readable(a0, survivors) and not r._readable(a1, survivors)
+    g.holders = {}  # no holders: no node is known to live, a dead worker's shard is read again
+    assert r._readable(a0, survivors) and not r._readable(a1, survivors)
 
 
 # --- a straggler's own newest shard counts ------------------------------------------------------

@@ -265,11 +265,11 @@ class Recovery:
         retry = self._unfinished is not None and self._unfinished[0] == last_step
         if self._unfinished is not None and retry:
             _, shards, sources = self._unfinished
-            if all(self._alive(source, survivors) for source in sources):
+            if all(self._readable(source, survivors) for source in sources):
                 return True, shards
             # A fetched shard lives only in its producer's node (an actor call's result is not
-            # re-run): that producer is gone, so the shards are read again from what is left.
-            log.info("a holder of the interrupted recovery's shards is gone: planning step %d's restore again", last_step)
+            # re-run): that node is gone, so the shards are read again from what is left.
+            log.info("a node holding the interrupted recovery's shards is gone: planning step %d's restore again", last_step)
         shards, sources = None, []
         if last_step:
             plan, shards = self.restore_point(survivors, newest=last_step)
@@ -277,10 +277,15 @@ class Recovery:
         self._unfinished = (last_step, shards, sources)
         return retry, shards
 
-    def _alive(self, producer: Producer, survivors: dict[int, Member]) -> bool:
+    def _readable(self, producer: Producer, survivors: dict[int, Member]) -> bool:
+        """Whether the shard ``producer`` served is still readable. A finished call's result
+        stays in its node's object store after the process that made it dies, so a worker's
+        shard outlives the worker while its node is known to live (without node holders no node
+        is known to live: the shard is read again)."""
+        g = self.group
         if isinstance(producer, str):
-            return producer in self.group.holders  # a node's holder, dropped once found dead
-        return any(producer is m for m in survivors.values())
+            return producer in g.holders  # a node's holder, dropped once found dead
+        return any(producer is m for m in survivors.values()) or (bool(g.holders) and g.on_live_node(producer))
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
         """Place nothing new on the nodes of ``ranks`` (evicted whole for corrupting data)."""
