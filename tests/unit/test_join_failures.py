@@ -256,3 +256,25 @@ def test_the_next_world_forms_once_the_last_worlds_joins_ended(
     first_join = next(i for i, line in enumerate(sray.log) if line.startswith("join"))
     assert any(line.startswith("wait ['join1.0', 'join1.1', 'join1.2']") for line in sray.log[:first_join])
     assert clock.now == pytest.approx(0.1 + 0.05 + 0.2)
+
+
+def test_a_worker_still_inside_the_last_worlds_join_fails_the_next_world(
+    scripted: tuple[WorkerGroup, ScriptedWorlds, ScriptedRay, Clock],
+) -> None:
+    """A call of the failed world that outlasts the bounded wait (gloo retries a connect to the
+    dead peer's address until the process group's timeout) names its worker as a failed rank of
+    the next world, before anyone is asked to join it: the retry replaces that worker instead
+    of running two joins in one process."""
+    g, worlds, sray, clock = scripted
+    with pytest.raises(WorkerError):
+        g.form_world(list(g.members), g.job)
+    sray.log.clear()
+    g.members = g.members[:3] + [Member(ScriptedWorker(worlds, 3), Slot("pg", 3), info=g.members[0].info)]
+    with pytest.raises(WorkerError) as failed:
+        g.form_world(g.members, g.job)
+    assert (failed.value.rank, failed.value.kind) == (0, "timeout")
+    assert "still inside the failed world's call after 10 s" in str(failed.value)
+    assert not any(line.startswith(("create_store", "join")) for line in sray.log)
+    assert clock.now == pytest.approx(0.1 + 10.0)  # the heartbeat timeout bounded the wait
+    # The calls still running stay pending: the next world waits for them again.
+    assert sorted(ref.name for ref in g.leftovers.calls) == ["join1.0", "join1.1", "join1.2"]

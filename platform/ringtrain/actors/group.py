@@ -374,10 +374,14 @@ class WorkerGroup:
     # --- calls ---------------------------------------------------------------------------
 
     def _gather(
-        self, call: Callable[[int, Any], Any], timeout: float, on_failure: Optional[Callable[[list[Any]], None]] = None
+        self,
+        call: Callable[[int, Any], Any],
+        timeout: float,
+        on_failure: Optional[Callable[[dict[Any, Member]], None]] = None,
     ) -> list[Any]:
         """Call every worker (with its rank), wait for all; the first failure names its rank.
-        ``on_failure`` is given the calls still pending when one failed, before the error."""
+        ``on_failure`` is given the calls still pending when one failed (with the member running
+        each), before the error."""
         import ray
 
         rank_of = {call(rank, w): rank for rank, w in enumerate(self.workers)}
@@ -396,7 +400,7 @@ class WorkerGroup:
                 results[rank] = self._call(done[0], rank=rank, timeout=0)
             except WorkerError:
                 if on_failure is not None:
-                    on_failure(pending)
+                    on_failure({ref: self.members[rank_of[ref]] for ref in pending})
                 raise
         return [results[rank] for rank in range(len(self.workers))]
 

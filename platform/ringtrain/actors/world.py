@@ -3,8 +3,10 @@
 A world that fails is given up at its first failed call: the failure is reported at once, and
 the calls still running (a survivor blocked in a collective with a dead peer) are the
 ``Leftovers``, waited for (bounded) only before the next world forms, so no worker is ever
-asked to join or restore twice at once. A rank that fails in the join closes rank 0's store,
-so the others stop waiting in it for the dead one.
+asked to join or restore twice at once: a worker still inside one then is a failure of the
+next world (it cannot leave a blocked native call before the process group's timeout; the
+retry replaces it). A rank that fails in the join closes rank 0's store, so the others stop
+waiting in it for the dead one.
 
 Functions over the WorkerGroup, which calls them from its ``form_world`` and ``restore_refs``.
 """
@@ -16,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ringtrain.actors.roster import Member
+from ringtrain.errors import WorkerError
 from ringtrain.config import JobConfig
 
 if TYPE_CHECKING:
@@ -28,25 +31,37 @@ class Leftovers:
     """Calls of the last world that failed still running when it was given up."""
 
     def __init__(self) -> None:
-        self.calls: list[Any] = []
+        self.calls: dict[Any, Member] = {}  # a pending call -> the worker running it
 
-    def give_up(self, pending: list[Any]) -> None:
+    def give_up(self, pending: dict[Any, Member]) -> None:
         """A world failed at its first failed call: the failure is reported now, and the calls
         still running are waited for only before the next world forms (``settle``), so a
         survivor blocked in a collective with a dead peer does not delay the recovery's
         detection."""
-        self.calls = list(pending)
+        self.calls = dict(pending)
 
-    def settle(self, timeout: float) -> None:
+    def settle(self, timeout: float) -> list[Member]:
         """Wait (up to ``timeout``) for the calls of the last world that failed to end: a retry
-        must not find a worker still inside the last attempt's join or restore."""
+        must not find a worker still inside the last attempt's join or restore. Returns the
+        workers whose call still runs; their calls stay pending, for the next world to wait for
+        (a worker replaced meanwhile ends its call as it is stopped)."""
         import ray
 
-        pending, self.calls = self.calls, []
-        if pending:
-            ended, running = ray.wait(pending, num_returns=len(pending), timeout=timeout)
-            if running:
-                log.warning("%d calls of the failed world still running after %g s; forming the next", len(running), timeout)
+        if not self.calls:
+            return []
+        _, running = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=timeout)
+        self.calls = {ref: self.calls[ref] for ref in running}
+        if running:
+            log.warning("%d calls of the failed world still running after %g s", len(running), timeout)
+        return list(self.calls.values())
+
+
+def refuse_stuck(g: "WorkerGroup", members: list[Member], stuck: list[Member], waited: float) -> None:
+    """A worker still inside the failed world's join or restore cannot be asked into another
+    world: name the first as a failed rank of the world being formed."""
+    for rank, m in enumerate(members):
+        if any(m is s for s in stuck):
+            raise WorkerError(rank, g._host(rank), f"still inside the failed world's call after {waited:g} s", kind="timeout")
 
 
 def form_world(
@@ -58,11 +73,12 @@ def form_world(
 ) -> int:
     """As ``WorkerGroup.form_world``: seat ``members`` as ranks of ``job``'s world, join them,
     restore ``snapshot`` when given; the step restored (0 without one)."""
-    timeout = g.job.controllers.start_timeout_s
-    g.leftovers.settle(g.job.controllers.heartbeat_timeout_s)
+    timeout, waited = g.job.controllers.start_timeout_s, g.job.controllers.heartbeat_timeout_s
+    stuck = g.leftovers.settle(waited)
     g.job = job
     g.roster.seat(members)
     g.phases = {}  # filled as phases complete: a failure's phase is the first missing
+    refuse_stuck(g, members, stuck, waited)
     t0 = time.monotonic()
     g._wait_warm(members, timeout)
     g._start_holders()
@@ -71,7 +87,7 @@ def form_world(
     g.phases["warm_s"] = t1 - t0
     host, port = g._call(members[0].handle.create_store.remote(job.world_size), rank=0, timeout=timeout)
 
-    def abandon_join(pending: list[Any]) -> None:
+    def abandon_join(pending: dict[Any, Member]) -> None:
         # A rank failed while the world was joining: the others may wait in rank 0's store for
         # it until the store's timeout. Close the store (rank 0 answers on its second slot) so
         # they fail now, and give the world up at once.
@@ -94,7 +110,8 @@ def form_world(
 def restore_refs(g: "WorkerGroup", shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
     """As ``WorkerGroup.restore_refs``: every rank of the current world loads the snapshot whose
     shards are pending in ``shards``; the step restored."""
-    g.leftovers.settle(g.job.controllers.heartbeat_timeout_s)
+    waited = g.job.controllers.heartbeat_timeout_s
+    refuse_stuck(g, g.members, g.leftovers.settle(waited), waited)
     steps = g._gather(
         lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), g.job.controllers.start_timeout_s
     )
