@@ -155,7 +155,7 @@ class TrainWorker:
             port=port,
             rank=rank,
             world_size=job.world_size,
-            timeout_s=job.controllers.step_timeout_s,
+            timeout_s=job.controllers.join_timeout_s,  # the Trainer's mesh gives it step_timeout_s
             # NCCL binds its communicators to this device at once, instead of guessing one
             # from the current device at the first collective.
             device_id=device if device.type == "cuda" else None,

@@ -56,6 +56,13 @@ class Leftovers:
         return list(self.calls.values())
 
 
+def leftover_wait(job: JobConfig) -> float:
+    """How long the calls of a failed world are waited for: its joins end within
+    ``join_timeout_s`` of starting (each group gives up on a dead peer then), and a heartbeat
+    timeout more covers one that started late, behind its worker's last call."""
+    return job.controllers.join_timeout_s + job.controllers.heartbeat_timeout_s
+
+
 def refuse_stuck(g: "WorkerGroup", members: list[Member], stuck: list[Member], waited: float) -> None:
     """A worker still inside the failed world's join or restore cannot be asked into another
     world: name the first as a failed rank of the world being formed."""
@@ -73,7 +80,7 @@ def form_world(
 ) -> int:
     """As ``WorkerGroup.form_world``: seat ``members`` as ranks of ``job``'s world, join them,
     restore ``snapshot`` when given; the step restored (0 without one)."""
-    timeout, waited = g.job.controllers.start_timeout_s, g.job.controllers.heartbeat_timeout_s
+    timeout, waited = g.job.controllers.start_timeout_s, leftover_wait(g.job)
     stuck = g.leftovers.settle(waited)
     g.job = job
     g.roster.seat(members)
@@ -110,7 +117,7 @@ def form_world(
 def restore_refs(g: "WorkerGroup", shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
     """As ``WorkerGroup.restore_refs``: every rank of the current world loads the snapshot whose
     shards are pending in ``shards``; the step restored."""
-    waited = g.job.controllers.heartbeat_timeout_s
+    waited = leftover_wait(g.job)
     refuse_stuck(g, g.members, g.leftovers.settle(waited), waited)
     steps = g._gather(
         lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), g.job.controllers.start_timeout_s

@@ -107,8 +107,9 @@ def validate(job: JobConfig) -> None:
     _validate_elastic(job)
     if job.controllers.step_timeout_s <= 0:
         raise ConfigError("controllers.step_timeout_s", f"must be > 0 (got {job.controllers.step_timeout_s})")
-    if job.controllers.start_timeout_s <= 0:
-        raise ConfigError("controllers.start_timeout_s", f"must be > 0 (got {job.controllers.start_timeout_s})")
+    for key in ("start_timeout_s", "join_timeout_s"):
+        if getattr(job.controllers, key) <= 0:
+            raise ConfigError(f"controllers.{key}", f"must be > 0 (got {getattr(job.controllers, key)})")
     _positive(job.telemetry.log_every, "telemetry.log_every")
     port = job.telemetry.metrics_port
     if port is not None and not (1 <= port <= 65535 and not 10002 <= port <= 19999):

@@ -211,6 +211,10 @@ class ControllersConfig:
     step_timeout_s: float = 600.0
     # How long spawning workers (process start, imports, DeepSpeed init) may take.
     start_timeout_s: float = 300.0
+    # How long forming a world's process groups in a join (rendezvous and connections) may take:
+    # a peer that dies meanwhile holds the others no longer than this (gloo retries a connect to
+    # a dead peer's address until its timeout). Once formed, collectives get step_timeout_s.
+    join_timeout_s: float = 30.0
     # Liveness: while a step runs, every worker is pinged this often on its second concurrency
     # slot; one that has not answered for heartbeat_timeout_s is declared lost. A dead process
     # is noticed sooner, through Ray's actor-death notification.

@@ -34,8 +34,16 @@ def init_process_group(
 ) -> None:
     """Join the world through rank 0's TCPStore (rank 0 created it on port 0, so no port race).
 
+    ``timeout_s`` bounds forming the group (the rendezvous, and the connections: gloo retries a
+    connect to a dead peer's address until it); ``build_mesh`` gives its collectives their own.
     ``device_id`` (CUDA only) binds the NCCL communicators to this rank's device up front.
     """
+    # Torch names unnamed groups from a process-wide counter that only destroying a world resets.
+    # An init that failed (a peer died as the world formed) left no world to destroy but took a
+    # name: this process's groups would be named apart from its peers' ever after, each rank
+    # waiting for keys the others write under other names. Every world starts from 0.
+    if not dist.is_initialized():
+        c10d._world.group_count = 0
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend,
@@ -128,22 +136,36 @@ class Mesh:
     def rank(self) -> int:
         return self.coord.rank
 
+    def groups(self) -> list[ProcessGroup]:
+        """This rank's groups, each once (a group can serve two roles)."""
+        seen: dict[int, ProcessGroup] = {}
+        for group in (self.dp_group, self.cp_group, self.ring_group, self.ulysses_group, self.zero_group, self.self_group):
+            seen.setdefault(id(group), group)
+        return list(seen.values())
 
-def build_mesh(topology: Topology, rank: int) -> Mesh:
-    """Create every group of the dp x cp grid; collective, so all ranks call it together."""
+
+def build_mesh(
+    topology: Topology, rank: int, *, form_timeout_s: Optional[float] = None, timeout_s: Optional[float] = None
+) -> Mesh:
+    """Create every group of the dp x cp grid; collective, so all ranks call it together.
+
+    ``form_timeout_s`` bounds forming each group (as ``init_process_group``'s does the world's);
+    ``timeout_s`` is then every group's collective timeout, the world's included (None: torch's
+    defaults)."""
     if dist.get_world_size() != topology.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} does not match the mesh {topology}")
+    forming = datetime.timedelta(seconds=form_timeout_s) if form_timeout_s is not None else None
 
     def mine(groups: list[list[int]]) -> ProcessGroup:
         found: Optional[ProcessGroup] = None
         for ranks in groups:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=forming)
             if rank in ranks:
                 found = group
         assert found is not None, f"rank {rank} is in none of {groups}"
         return found
 
-    return Mesh(
+    mesh = Mesh(
         topology=topology,
         coord=topology.coord(rank),
         dp_group=mine(topology.dp_groups()),
@@ -153,6 +175,10 @@ def build_mesh(topology: Topology, rank: int) -> Mesh:
         zero_group=mine([list(range(topology.world_size))]),
         self_group=mine([[r] for r in range(topology.world_size)]),
     )
+    if timeout_s is not None:
+        for group in (c10d._get_default_group(), *mesh.groups()):
+            c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+    return mesh
 
 
 class DeepSpeedMpu:

@@ -142,7 +142,10 @@ class Trainer:
         self.device = device
         self.dtype = resolve_dtype(job, device)
         topology = job.topology
-        self.mesh = build_mesh(topology, rank)
+        controllers = job.controllers
+        self.mesh = build_mesh(
+            topology, rank, form_timeout_s=controllers.join_timeout_s, timeout_s=controllers.step_timeout_s
+        )
         attention_fn = (attention_factory or default_attention)(job, self.mesh)
         skip_shm_comm_op()
         with partitioned_construction(job, self.mesh, self.dtype):
