@@ -85,3 +85,37 @@ def test_snapshots_survive_a_killed_worker_on_its_node_and_a_buddy_node(two_node
             assert ray.get(holder.inventory.remote())[2] == (2, [0, 1])
     finally:
         group.shutdown()
+
+
+def test_a_fetched_shard_outlives_its_producer_and_a_failed_call_is_told_apart(two_nodes: object) -> None:
+    """What a retry of an interrupted recovery relies on (``actors.recovery.produced``): the
+    result of a finished call stays readable after its actor is killed on a live node, and a call
+    the death interrupted holds an error, which is found without reading any result."""
+    import ray
+
+    from ringtrain.actors.recovery import produced
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def shard(self, size: int) -> bytes:
+            return b"s" * size
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def stuck(self) -> bytes:
+            signal.pause()
+            return b""
+
+    producer = Producer.remote()
+    pid = ray.get(producer.pid.remote())
+    big, small = producer.shard.remote(4 << 20), producer.shard.remote(64)  # in the object store, inline
+    ray.wait([big, small], num_returns=2, fetch_local=False)
+    interrupted = producer.stuck.remote()
+    os.kill(pid, signal.SIGKILL)
+    ray.wait([interrupted], fetch_local=False, timeout=30)
+
+    assert produced([big, small, interrupted]) == [True, True, False]
+    assert len(ray.get(big, timeout=30)) == 4 << 20 and ray.get(small, timeout=30) == b"s" * 64
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(interrupted, timeout=30)

@@ -155,6 +155,7 @@ def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch
 
     monkeypatch.setattr(r, "restore_point", restore_point)
     monkeypatch.setattr(r, "_forget_after", lambda step: None)
+    monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
     with pytest.raises(WorkerError):
         r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5, fired_through=6)
@@ -196,6 +197,7 @@ def test_a_restoring_fault_strikes_the_first_recovery_from_its_step_once(monkeyp
     r = Recovery(g)
     monkeypatch.setattr(r, "restore_point", lambda survivors, *, newest: (None, [f"shard{newest}-{i}" for i in range(4)]))
     monkeypatch.setattr(r, "_forget_after", lambda step: None)
+    monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
     with pytest.raises(WorkerError):  # the recovery from step 10 breaks once: retried
         r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10)
@@ -238,14 +240,14 @@ def test_a_shard_lost_in_transit_is_rebuilt_by_a_survivor_instead_of_redoing_the
 def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetched shard stays in its producer's node after the producer dies: when the second
     failure takes a worker that served one, the retry reads the shards as they are while that
-    node lives, and plans the restore again once the node is gone."""
+    node lives, and plans the restore again once the node is gone, or when a call failed."""
     from ringtrain.policies.snapshots import RestorePlan
 
     job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
     g = WorkerGroup(job, "cpu")
     g.members = [Member(f"a{r}", Slot("pg", r), info=WorkerInfo(r, "h", 1, "cpu", f"n{r}")) for r in range(4)]
     g.holders = {f"n{r}": "holder" for r in range(4)}
-    worlds = ScriptedWorlds(g, breaks=3, rank=2)
+    worlds = ScriptedWorlds(g, breaks=4, rank=2)
     monkeypatch.setattr(g, "form_world", worlds.form_world)
     monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: None)
     monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
@@ -261,6 +263,7 @@ def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: py
 
     monkeypatch.setattr(r, "restore_point", restore_point)
     monkeypatch.setattr(r, "_forget_after", lambda step: None)
+    monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
     with pytest.raises(WorkerError):
         r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5)
@@ -277,8 +280,14 @@ def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: py
     assert worlds.worlds[2][2] == [f"shard2-{i}" for i in range(4)]
     # The third world loses its rank 2 too, a fresh worker that served nothing (rank 2's shard
     # came from node n1's holder, which lives): the second plan's shards are read as they are.
-    r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+    with pytest.raises(WorkerError):
+        r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
     assert len(plans) == 2 and worlds.worlds[3][2] == worlds.worlds[2][2]
+    # A call that failed holds an error, not a shard (its producer died before answering), even
+    # with its node alive: read again, or every retry would restore the same error.
+    monkeypatch.setattr(recovery_module, "produced", lambda refs: [ref != "shard2-3" for ref in refs])
+    r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+    assert len(plans) == 3 and worlds.worlds[4][2] == [f"shard3-{i}" for i in range(4)]
 
 
 def test_a_shard_is_readable_while_its_producer_or_the_producers_node_lives() -> None:

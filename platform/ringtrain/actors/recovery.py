@@ -265,11 +265,13 @@ class Recovery:
         retry = self._unfinished is not None and self._unfinished[0] == last_step
         if self._unfinished is not None and retry:
             _, shards, sources = self._unfinished
-            if all(self._readable(source, survivors) for source in sources):
+            made = produced(shards) if shards is not None else []
+            if all(ok and self._readable(source, survivors) for ok, source in zip(made, sources)):
                 return True, shards
             # A fetched shard lives only in its producer's node (an actor call's result is not
-            # re-run): that node is gone, so the shards are read again from what is left.
-            log.info("a node holding the interrupted recovery's shards is gone: planning step %d's restore again", last_step)
+            # re-run): a call that failed, or a node that is gone, and the shards are read again
+            # from what is left.
+            log.info("a shard of the interrupted recovery is lost: planning step %d's restore again", last_step)
         shards, sources = None, []
         if last_step:
             plan, shards = self.restore_point(survivors, newest=last_step)
@@ -394,6 +396,15 @@ class Recovery:
         missing = target - len(g.spares)
         if missing > 0 and g.free_slots:
             g.add_spares(min(missing, len(g.free_slots)))
+
+
+def produced(refs: list[Any]) -> list[bool]:
+    """Whether each call's result exists (it finished without an error), without reading it:
+    a call that failed holds its error, which has no size."""
+    from ray.experimental import get_object_locations
+
+    found = get_object_locations(refs)
+    return [found.get(ref, {}).get("object_size") is not None for ref in refs]
 
 
 def _held(holdings: list[Holding]) -> str:
