@@ -158,6 +158,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "recovery-cpu.json")
     p.add_argument("--rescore", action="store_true",
                    help="recompute the summaries and targets of --out from its runs, measuring nothing")
+    p.add_argument("--keep-failed", type=Path, metavar="DIR",
+                   help="copy the run directory, output and Ray logs of every run that did not finish, or redid "
+                        "a step, under DIR")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a torchrun rank; the value is its workdir
     args = p.parse_args(argv)
     args.scenarios = [s for s in args.scenarios.split(",") if s]
@@ -736,8 +739,20 @@ def run_ringtrain(args: argparse.Namespace, scenario: str, rng: random.Random) -
     finally:
         stop(proc, tmp)
         tail = log_tail(tmp)
+        if args.keep_failed and (not result["finished"] or any(k.get("redone_steps") for k in result["kills"])):
+            keep(tmp, args.keep_failed / tmp.name)
         shutil.rmtree(tmp, ignore_errors=True)
     return dict(result, log_tail=None if result["finished"] else tail)
+
+
+def keep(tmp: Path, dest: Path) -> None:
+    """Copy what explains a failed run: its run directory, its output and its Ray logs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tmp / "run", dest / "run", dirs_exist_ok=True)
+    shutil.copy2(tmp / "out.log", dest / "out.log")
+    for logs in (tmp / "ray").glob("**/session_latest/logs"):
+        shutil.copytree(logs, dest / "ray-logs", dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock", "*socket*"))
+    print(f"kept the failed run in {dest}", file=sys.stderr)
 
 
 # --- results ------------------------------------------------------------------------------------
@@ -1007,7 +1022,7 @@ def write(run: Run, args: argparse.Namespace, argv: list[str], results: dict[str
                                   if n in RINGTRAIN_SCENARIOS},
             "torchrun": {"argv": ["torchrun", *torchrun_cmd(Path("<workdir>"), args.rdzv)[3:]],
                          "env": RDZV[args.rdzv][1], "overrides": torchrun_overrides(args)},
-            **{k: v for k, v in vars(args).items() if k not in ("scenarios", "out", "worker", "rdzv")},
+            **{k: v for k, v in vars(args).items() if k not in ("scenarios", "out", "worker", "rdzv", "keep_failed")},
             "scenarios": args.scenarios, "rdzv": args.rdzv,
         },
         "results": results,

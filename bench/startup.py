@@ -42,6 +42,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
 from tests.ray.harness import TORCH_EXTENSIONS_DIR, head_env, running_head  # noqa: E402
 
+TARGET_RATIO = 1.0  # first step on a running cluster, at or below torchrun's on the same workload
 OVERRIDES = ["mesh.dp=4", "mesh.cp=1", "zero.stage=0", "telemetry.metrics=false", "telemetry.tensorboard=false"]
 
 
@@ -216,6 +217,10 @@ def _compare(args: argparse.Namespace, run: Any, stack: contextlib.ExitStack) ->
           f"torchrun {result['torchrun']['first_step_s']['median']:.2f} s ({result['ratio_ringtrain_to_torchrun']:.2f}x); "
           f"ringtrain on a running cluster {result['ringtrain_on_cluster']['first_step_s']['median']:.2f} s "
           f"({result['ratio_on_cluster_to_torchrun']:.2f}x)")  # fmt: skip
+    ratio = result["ratio_on_cluster_to_torchrun"]
+    result["target"] = {"on_cluster_to_torchrun_max": TARGET_RATIO, "pass": ratio <= TARGET_RATIO}
+    print(f"target first step on a running cluster vs torchrun: {ratio:.2f}x <= {TARGET_RATIO:g}x: "
+          f"{'PASS' if ratio <= TARGET_RATIO else 'FAIL'}")
     run.write(result, device_type="cpu", out=args.out)
     return 0
 

@@ -18,8 +18,8 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ringtrain.actors.roster import Member
-from ringtrain.errors import WorkerError
 from ringtrain.config import JobConfig
+from ringtrain.errors import WorkerError
 
 if TYPE_CHECKING:
     from ringtrain.actors.group import WorkerGroup
