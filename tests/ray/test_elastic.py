@@ -195,9 +195,12 @@ def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]  # one replica per node, nothing spare
     run_dir = tmp_path / "run"
     nan_step = STEPS - 1
-    # Slow steps after the shrink leave the new replica time to start and warm up in the
-    # background while training goes on (it joins at a step boundary); they change no number.
-    slow = ", ".join(f"{{kind: slow, rank: 0, step: {s}, seconds: 1.5}}" for s in range(5, nan_step))
+    # Slow steps leave the newest snapshot time to reach the buddy node before the node goes
+    # (it is removed once step 3 is recorded, in slow step 4: a loaded machine can otherwise
+    # lag the buddy copy two steps behind), and after the shrink they leave the new replica time
+    # to start and warm up in the background while training goes on (it joins at a step
+    # boundary); they change no number.
+    slow = ", ".join(f"{{kind: slow, rank: 0, step: {s}, seconds: 1.5}}" for s in range(4, nan_step))
     faults = f"[{{kind: nan, rank: 1, step: {nan_step}}}, {slow}]"
     job = start_job(
         cluster, run_dir, tmp_path, "mesh.min_dp=1", "controllers.on_nan=skip", "controllers.grow_after_s=0", f"chaos.faults={faults}"
