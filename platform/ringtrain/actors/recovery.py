@@ -269,8 +269,8 @@ class Recovery:
             if all(ok and self._readable(source, survivors) for ok, source in zip(made, sources)):
                 return True, shards
             # A fetched shard lives only in its producer's node (an actor call's result is not
-            # re-run): a call that failed, or a node that is gone, and the shards are read again
-            # from what is left.
+            # re-run): when a call failed or such a node is gone, the shards are read again from
+            # what is left.
             log.info("a shard of the interrupted recovery is lost: planning step %d's restore again", last_step)
         shards, sources = None, []
         if last_step:
