@@ -21,7 +21,7 @@ from tests.dist.ranks import run_ranks
 FORM_S = 2.0
 
 
-def _rank(rank: int, world: int, store: str, results: Any) -> None:
+def _forming_with_a_peer_that_dies(rank: int, world: int, store: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, store: str, results: Any) -> None:
     os._exit(0)  # the broken default group is not torn down: nothing to wait for
 
 
-def _alone(rank: int, world: int, store: str, results: Any) -> None:
+def _forming_alone(rank: int, world: int, store: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -64,11 +64,11 @@ def _alone(rank: int, world: int, store: str, results: Any) -> None:
 
 
 def test_a_peer_dying_as_the_mesh_forms_fails_it_within_the_forming_timeout(tmp_path: Path) -> None:
-    waited, outcome = run_ranks(_rank, 2, tmp_path, timeout=60.0)
+    waited, outcome = run_ranks(_forming_with_a_peer_that_dies, 2, tmp_path, timeout=60.0)
     assert outcome != "formed"
     assert waited < FORM_S + 10.0, f"waited {waited:.1f} s for the dead peer (forming timeout {FORM_S:g} s)"
 
 
 def test_the_formed_groups_collectives_get_the_step_timeout(tmp_path: Path) -> None:
-    timeouts = run_ranks(_alone, 1, tmp_path, timeout=60.0)
+    timeouts = run_ranks(_forming_alone, 1, tmp_path, timeout=60.0)
     assert len(timeouts) >= 2 and set(timeouts) == {123.0}  # the world's too, not its forming 7 s
