@@ -63,9 +63,12 @@ def leftover_wait(job: JobConfig) -> float:
     return job.controllers.join_timeout_s + job.controllers.heartbeat_timeout_s
 
 
-def refuse_stuck(g: "WorkerGroup", members: list[Member], stuck: list[Member], waited: float) -> None:
-    """A worker still inside the failed world's join or restore cannot be asked into another
-    world: name the first as a failed rank of the world being formed."""
+def settle_leftovers(g: "WorkerGroup", members: list[Member]) -> None:
+    """Wait for the calls of the last world that failed (``leftover_wait``). A worker still
+    inside one cannot be asked into another world: the first is named as a failed rank of the
+    world of ``members``."""
+    waited = leftover_wait(g.job)
+    stuck = g.leftovers.settle(waited)
     for rank, m in enumerate(members):
         if any(m is s for s in stuck):
             raise WorkerError(rank, g._host(rank), f"still inside the failed world's call after {waited:g} s", kind="timeout")
@@ -80,12 +83,11 @@ def form_world(
 ) -> int:
     """As ``WorkerGroup.form_world``: seat ``members`` as ranks of ``job``'s world, join them,
     restore ``snapshot`` when given; the step restored (0 without one)."""
-    timeout, waited = g.job.controllers.start_timeout_s, leftover_wait(g.job)
-    stuck = g.leftovers.settle(waited)
+    timeout = g.job.controllers.start_timeout_s
     g.job = job
     g.roster.seat(members)
     g.phases = {}  # filled as phases complete: a failure's phase is the first missing
-    refuse_stuck(g, members, stuck, waited)
+    settle_leftovers(g, members)
     t0 = time.monotonic()
     g._wait_warm(members, timeout)
     g._start_holders()
@@ -117,8 +119,7 @@ def form_world(
 def restore_refs(g: "WorkerGroup", shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
     """As ``WorkerGroup.restore_refs``: every rank of the current world loads the snapshot whose
     shards are pending in ``shards``; the step restored."""
-    waited = leftover_wait(g.job)
-    refuse_stuck(g, g.members, g.leftovers.settle(waited), waited)
+    settle_leftovers(g, g.members)
     steps = g._gather(
         lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), g.job.controllers.start_timeout_s
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
@@ -137,10 +137,11 @@ class Mesh:
         return self.coord.rank
 
     def groups(self) -> list[ProcessGroup]:
-        """This rank's groups, each once (a group can serve two roles)."""
+        """This rank's groups (the ``*_group`` fields), each once: a group can serve two roles."""
         seen: dict[int, ProcessGroup] = {}
-        for group in (self.dp_group, self.cp_group, self.ring_group, self.ulysses_group, self.zero_group, self.self_group):
-            seen.setdefault(id(group), group)
+        for f in fields(self):
+            if f.name.endswith("_group"):
+                seen.setdefault(id(getattr(self, f.name)), getattr(self, f.name))
         return list(seen.values())
 
 
