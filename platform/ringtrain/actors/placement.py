@@ -17,6 +17,7 @@ dict, node id -> holder): the group decides when, these say how.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 from ringtrain.actors.cluster import worker_resources
@@ -56,14 +57,23 @@ def place_replicas(job: JobConfig, device: str) -> list[Any]:
     return groups
 
 
+@functools.cache
+def actor_class(cls: type) -> Any:
+    """``cls`` as a Ray actor class, made once per process: Ray ships each actor class made to
+    the cluster (pickled, with a disassembly of every method) on its first use in a job, so one
+    made per worker shipped the same class once per worker."""
+    import ray
+
+    return ray.remote(cls)
+
+
 def start_worker(job: JobConfig, device: str, slot: Slot) -> Any:
     """A TrainWorker actor started in ``slot`` (its handle)."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = worker_resources(job, device)
     return (
-        ray.remote(TrainWorker)
+        actor_class(TrainWorker)
         .options(
             num_cpus=bundle["CPU"],
             num_gpus=bundle.get("GPU", 0),
@@ -120,15 +130,13 @@ def free_capacity(job: JobConfig, device: str, free_slots: int) -> int:
 def start_holders(job: JobConfig, infos: list[WorkerInfo], holders: dict[str, Any]) -> None:
     """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU; new
     ones are added to ``holders``."""
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if job.checkpoint.snapshot_every == 0:
         return
-    holder_cls = ray.remote(SnapshotHolder)
     for node_id in dict.fromkeys(i.node_id for i in infos):
         if node_id not in holders:
-            holders[node_id] = holder_cls.options(
+            holders[node_id] = actor_class(SnapshotHolder).options(
                 num_cpus=0,
                 max_concurrency=4,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
