@@ -190,9 +190,13 @@ class WorkerGroup:
         return placement.holders_of(rank, self.job, self.infos, self.holders)
 
     def on_live_node(self, member: Member) -> bool:
-        """Whether ``member``'s node is not known to be gone (every node with a worker has a
-        holder, until it is found dead; without holders no node is known to be gone)."""
-        return not self.holders or (member.info is not None and member.info.node_id in self.holders)
+        """Whether ``member``'s node is not known to be gone (without holders no node is)."""
+        return not self.holders or self.on_known_live_node(member)
+
+    def on_known_live_node(self, member: Member) -> bool:
+        """Whether ``member``'s node is known to live: every node with a worker has a holder,
+        until it is found dead (without holders no node is known either way)."""
+        return member.info is not None and member.info.node_id in self.holders
 
     def ready_spares(self) -> list[Member]:
         """The spares that finished warming up (never waits)."""

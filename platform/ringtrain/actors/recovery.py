@@ -282,12 +282,11 @@ class Recovery:
     def _readable(self, producer: Producer, survivors: dict[int, Member]) -> bool:
         """Whether the shard ``producer`` served is still readable. A finished call's result
         stays in its node's object store after the process that made it dies, so a worker's
-        shard outlives the worker while its node is known to live (without node holders no node
-        is known to live: the shard is read again)."""
+        shard outlives the worker while its node is known to live."""
         g = self.group
         if isinstance(producer, str):
             return producer in g.holders  # a node's holder, dropped once found dead
-        return any(producer is m for m in survivors.values()) or (bool(g.holders) and g.on_live_node(producer))
+        return any(producer is m for m in survivors.values()) or g.on_known_live_node(producer)
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
         """Place nothing new on the nodes of ``ranks`` (evicted whole for corrupting data)."""
