@@ -44,8 +44,10 @@ def processes_of(path: Path) -> list[psutil.Process]:
 
     Ray workers rename themselves (``ray::TrainWorker.train_step``), so the command line is not
     enough; every process the cluster started inherits its environment, which names ``path``.
+    Not every one keeps it readable: the raylet's agents (``ray::DashboardAgent``) retitle
+    themselves over it, so the descendants of every process found count too.
     """
-    found = []
+    found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         if proc.pid == os.getpid():
             continue
@@ -54,8 +56,26 @@ def processes_of(path: Path) -> list[psutil.Process]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
         if env.get("RAY_TMPDIR") == str(path) or str(path) in " ".join(proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
+            found[proc.pid] = proc
+    for proc in list(found.values()):
+        try:
+            found.update((child.pid, child) for child in proc.children(recursive=True) if child.pid != os.getpid())
+        except psutil.NoSuchProcess:
+            pass
+    return list(found.values())
+
+
+def holding_files_under(path: Path) -> list[str]:
+    """Processes with a file under ``path`` open (described): whatever a cluster left running,
+    found without trusting how its processes name themselves."""
+    held = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if any(f.path.startswith(f"{path}/") for f in proc.open_files()):
+                held.append(describe(proc))
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return held
 
 
 def describe(proc: psutil.Process) -> str:
@@ -66,8 +86,9 @@ def describe(proc: psutil.Process) -> str:
 
 
 def processes_using(path: Path) -> list[str]:
-    """The processes of ``processes_of``, described (pid and command line): a test asserts none is left."""
-    return [describe(p) for p in processes_of(path)]
+    """The processes of ``processes_of`` and those holding a file under ``path``, described (pid
+    and command line): a test asserts none is left."""
+    return sorted({describe(p) for p in processes_of(path)} | set(holding_files_under(path)))
 
 
 def end_processes(path: Path) -> None:
