@@ -1,7 +1,7 @@
 """Benchmark: time from launch to the first completed step, ringtrain against torchrun.
 
-The same 4-rank job on each side: the quickstart model (jobs/quickstart.yaml) at dp 4, cp 1,
-ZeRO-0, gloo on CPU.
+The same job on each side: the quickstart model (jobs/quickstart.yaml) at dp 4 (``--ranks``),
+cp 1, ZeRO-0, gloo on CPU, every rank on this machine.
 
 - ringtrain: ``python -m ringtrain run jobs/quickstart.yaml ...`` on an embedded Ray cluster, as
   a user starts it. The first step is done when its line is in metrics.jsonl (the record's
@@ -16,9 +16,9 @@ ZeRO-0, gloo on CPU.
 Repeats alternate the two sides. Both share one TORCH_EXTENSIONS_DIR (DeepSpeed's CPU comm op
 is built once, not per launch), as a user's ~/.cache/torch_extensions is.
 
-    PYTHONPATH=platform python bench/startup.py --repeats 3
+    PYTHONPATH=platform python bench/startup.py --repeats 3 [--ranks 2]
 
-Writes bench/results/startup-cpu.json.
+Writes bench/results/startup-cpu.json (``--out`` another file, e.g. for ``--ranks 2``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from tests.ray.harness import TORCH_EXTENSIONS_DIR, head_env, running_head  # noqa: E402
 
 TARGET_RATIO = 1.0  # first step on a running cluster, at or below torchrun's on the same workload
-OVERRIDES = ["mesh.dp=4", "mesh.cp=1", "zero.stage=0", "telemetry.metrics=false", "telemetry.tensorboard=false"]
+RANKS = 4  # the job's dp (cp 1): ranks per side, all on this machine
+
+
+def overrides(ranks: int) -> list[str]:
+    return [f"mesh.dp={ranks}", "mesh.cp=1", "zero.stage=0", "telemetry.metrics=false", "telemetry.tensorboard=false"]
 
 
 def _env(tmp: Path, root: Path = ROOT) -> dict[str, str]:
@@ -80,11 +84,13 @@ def _first_record(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_ringtrain(timeout: float, root: Path = ROOT, head: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def run_ringtrain(
+    timeout: float, root: Path = ROOT, head: Optional[dict[str, str]] = None, ranks: int = RANKS
+) -> dict[str, Any]:
     """One run; ``head``: the environment that points it at a running cluster (else embedded)."""
     tmp = Path(tempfile.mkdtemp(prefix="rt-start-", dir="/tmp"))
     run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "ringtrain", "run", str(ROOT / "jobs" / "quickstart.yaml"), *OVERRIDES,
+    cmd = [sys.executable, "-m", "ringtrain", "run", str(ROOT / "jobs" / "quickstart.yaml"), *overrides(ranks),
            "train.steps=1", f"run_dir={run_dir}"]  # fmt: skip
     try:
         t0 = time.time()
@@ -101,10 +107,10 @@ def run_ringtrain(timeout: float, root: Path = ROOT, head: Optional[dict[str, st
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_torchrun(timeout: float) -> dict[str, Any]:
+def run_torchrun(timeout: float, ranks: int = RANKS) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rt-start-", dir="/tmp"))
     out = tmp / "rank0.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone",
            str(Path(__file__).resolve()), "--rank-main", str(out)]  # fmt: skip
     env = _env(tmp)
     env["BENCH_T0"] = repr(time.time())
@@ -131,7 +137,7 @@ def rank_main(out: str) -> None:
     from ringtrain.train.trainer import Trainer, set_rank_env
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    job = config.load(str(ROOT / "jobs" / "quickstart.yaml"), OVERRIDES)
+    job = config.load(str(ROOT / "jobs" / "quickstart.yaml"), overrides(world))
     torch.set_num_threads(max(1, int(job.cluster.cpus_per_worker)))  # as a ringtrain worker does
     device = torch.device("cpu")
     imported = time.time()
@@ -172,6 +178,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--ranks", type=int, default=RANKS, help="ranks per side (the job's mesh.dp), all on this machine")
     p.add_argument("--label", default="", help="stored with the result (e.g. before/after a change)")
     p.add_argument("--before-root", type=Path, help="a checkout of the code before a change: its ringtrain runs as a third side")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "startup-cpu.json")
@@ -184,10 +191,12 @@ def main(argv: list[str]) -> int:
 
 def _compare(args: argparse.Namespace, run: Any, stack: contextlib.ExitStack) -> int:
     head = stack.enter_context(cluster_for_runs())
-    sides: dict[str, Any] = {"ringtrain": run_ringtrain, "torchrun": run_torchrun,
-                             "ringtrain_on_cluster": lambda timeout: run_ringtrain(timeout, head=head)}
+    n = args.ranks
+    sides: dict[str, Any] = {"ringtrain": lambda timeout: run_ringtrain(timeout, ranks=n),
+                             "torchrun": lambda timeout: run_torchrun(timeout, ranks=n),
+                             "ringtrain_on_cluster": lambda timeout: run_ringtrain(timeout, head=head, ranks=n)}
     if args.before_root:
-        sides["ringtrain_before"] = lambda timeout: run_ringtrain(timeout, args.before_root.resolve())
+        sides["ringtrain_before"] = lambda timeout: run_ringtrain(timeout, args.before_root.resolve(), ranks=n)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     load = [os.getloadavg()[0]]
     for i in range(args.repeats):
@@ -197,7 +206,7 @@ def _compare(args: argparse.Namespace, run: Any, stack: contextlib.ExitStack) ->
             runs[name].append(got)
             load.append(got["load_avg_1m"])
             print(f"{name}: first step {got['first_step_s']:.2f} s after launch (exit {got['exit_s']:.2f} s) {got['phases']}", flush=True)
-    result: dict[str, Any] = {"job": "jobs/quickstart.yaml " + " ".join(OVERRIDES), "label": args.label, "runs": runs}
+    result: dict[str, Any] = {"job": "jobs/quickstart.yaml " + " ".join(overrides(n)), "ranks": n, "label": args.label, "runs": runs}
     if args.before_root:
         result["before_commit"] = subprocess.run(["git", "-C", str(args.before_root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     for name in sides:
