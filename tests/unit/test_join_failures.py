@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Any, Optional
 
 import pytest
@@ -110,6 +112,20 @@ def test_a_join_that_failed_as_its_world_formed_names_the_next_worlds_groups_as_
     worker.job = one  # the retry's world: this rank alone
     assert join(worker) == 6
     assert c10d._get_default_group().group_name == "0"  # as in a process that never failed
+
+
+def test_a_join_whose_rank_0_store_is_gone_fails_at_once(worker: TrainWorker) -> None:
+    """Rank 0 died after opening the world's store, before this rank connected: the join fails
+    in well under a second (torch's client alone retries the connect for twice the timeout,
+    here a minute), so the retry forms its next world without waiting."""
+    with socket.socket() as sock:  # a port nothing listens on, as the dead rank 0's
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match=f"store at 127.0.0.1:{port} is gone"):
+        worker.join(config.load(None, ["mesh.dp=2", "mesh.cp=1", "controllers.join_timeout_s=30"]), 1, "127.0.0.1", port)
+    assert time.monotonic() - t0 < 5.0
+    assert not dist.is_initialized()
 
 
 def test_a_join_leaves_a_default_group_left_behind(worker: TrainWorker, monkeypatch: pytest.MonkeyPatch) -> None:

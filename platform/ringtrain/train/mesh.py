@@ -44,6 +44,7 @@ def init_process_group(
     # waiting for keys the others write under other names. Every world starts from 0.
     if not dist.is_initialized():
         c10d._world.group_count = 0
+    check_store_listens(host, port)
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend,
@@ -53,6 +54,21 @@ def init_process_group(
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device_id,
     )
+
+
+# How long a connect to rank 0's store may take before the store counts as gone (its node with it).
+STORE_PROBE_TIMEOUT_S = 5.0
+
+
+def check_store_listens(host: str, port: int) -> None:
+    """Fail now if nothing listens at rank 0's store. A rank is asked to join only once that
+    store is open, so a refused connect means its process died; torch's client would retry
+    the connect for twice the join timeout before giving up, holding up the retry's world."""
+    try:
+        with socket.create_connection((host, port), timeout=STORE_PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise dist.DistNetworkError(f"rank 0's rendezvous store at {host}:{port} is gone ({exc})") from exc
 
 
 def create_store(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
