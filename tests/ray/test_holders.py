@@ -89,8 +89,8 @@ def test_snapshots_survive_a_killed_worker_on_its_node_and_a_buddy_node(two_node
 
 def test_a_fetched_shard_outlives_its_producer_and_a_failed_call_is_told_apart(two_nodes: object) -> None:
     """What a retry of an interrupted recovery relies on (``actors.recovery.produced``): the
-    result of a finished call stays readable after its actor is killed on a live node, and a call
-    the death interrupted holds an error, which is found without reading any result."""
+    result of a finished call stays readable after its actor is killed on a live node; a call the
+    death interrupted, and one that raised, are told apart from it without reading a shard."""
     import ray
 
     from ringtrain.actors.recovery import produced
@@ -107,15 +107,20 @@ def test_a_fetched_shard_outlives_its_producer_and_a_failed_call_is_told_apart(t
             signal.pause()
             return b""
 
+        def gone(self) -> bytes:
+            raise AssertionError  # as snapshot_blob on a rank that already left its world
+
     producer = Producer.remote()
     pid = ray.get(producer.pid.remote())
     big, small = producer.shard.remote(4 << 20), producer.shard.remote(64)  # in the object store, inline
-    ray.wait([big, small], num_returns=2, fetch_local=False)
+    raised = producer.gone.remote()
+    ray.wait([big, small, raised], num_returns=3, fetch_local=False)
     interrupted = producer.stuck.remote()
     os.kill(pid, signal.SIGKILL)
     ray.wait([interrupted], fetch_local=False, timeout=30)
 
-    assert produced([big, small, interrupted]) == [True, True, False]
+    # A retry reusing the call that raised would restore its error again and again.
+    assert produced([big, small, interrupted, raised]) == [True, True, False, False]
     assert len(ray.get(big, timeout=30)) == 4 << 20 and ray.get(small, timeout=30) == b"s" * 64
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(interrupted, timeout=30)

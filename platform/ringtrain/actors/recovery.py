@@ -397,13 +397,29 @@ class Recovery:
             g.add_spares(min(missing, len(g.free_slots)))
 
 
+# A call that raised holds its error in its result's place: a pickled exception, well under this.
+_ERROR_SIZE_LIMIT = 1 << 20
+
+
 def produced(refs: list[Any]) -> list[bool]:
-    """Whether each call's result exists (it finished without an error), without reading it:
-    a call that failed holds its error, which has no size."""
+    """Whether each call's result exists (it finished without an error), reading only results
+    small enough to be an error: a call its worker's death interrupted holds no object at all;
+    one that raised (a shard asked of a rank already gone from its world) holds the error."""
     from ray.experimental import get_object_locations
 
     found = get_object_locations(refs)
-    return [found.get(ref, {}).get("object_size") is not None for ref in refs]
+    sizes = [found.get(ref, {}).get("object_size") for ref in refs]
+    return [size is not None and (size > _ERROR_SIZE_LIMIT or _holds_value(ref)) for ref, size in zip(refs, sizes)]
+
+
+def _holds_value(ref: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=10.0)
+        return True
+    except Exception:  # the call's error, or a result no longer readable: either way not a shard
+        return False
 
 
 def _held(holdings: list[Holding]) -> str:
