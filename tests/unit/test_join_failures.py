@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ from ringtrain.actors.worker import TrainWorker
 from ringtrain.errors import WorkerError
 from ringtrain.status import WorkerInfo
 from ringtrain.train import collectives
+from ringtrain.train import mesh as mesh_module
 from ringtrain.train import trainer as trainer_module
 from ringtrain.train.mesh import create_store
 
@@ -125,6 +127,44 @@ def test_a_join_whose_rank_0_store_is_gone_fails_at_once(worker: TrainWorker) ->
     with pytest.raises(dist.DistNetworkError, match=f"store at 127.0.0.1:{port} is gone"):
         worker.join(config.load(None, ["mesh.dp=2", "mesh.cp=1", "controllers.join_timeout_s=30"]), 1, "127.0.0.1", port)
     assert time.monotonic() - t0 < 5.0
+    assert not dist.is_initialized()
+
+
+def test_a_join_whose_rank_0_dies_as_it_connects_fails_within_the_connect_bound(
+    worker: TrainWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 died after this rank's connect was accepted, before the store answered it: torch's
+    client retries for twice its timeout (a minute at this join timeout); the join gives up
+    after twice ``STORE_CONNECT_TIMEOUT_S`` instead."""
+    monkeypatch.setattr(mesh_module, "STORE_CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        server.settimeout(0.2)
+        stop = threading.Event()
+
+        def hang_up() -> None:  # accepts each connect and closes it, as a dying store does
+            while not stop.is_set():
+                try:
+                    server.accept()[0].close()
+                except OSError:
+                    continue
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(dist.DistNetworkError):
+                worker.join(
+                    config.load(None, ["mesh.dp=2", "mesh.cp=1", "controllers.join_timeout_s=30"]),
+                    1,
+                    "127.0.0.1",
+                    server.getsockname()[1],
+                )
+        finally:
+            stop.set()
+            thread.join()
+    assert time.monotonic() - t0 < 10.0
     assert not dist.is_initialized()
 
 

@@ -45,7 +45,11 @@ def init_process_group(
     if not dist.is_initialized():
         c10d._world.group_count = 0
     check_store_listens(host, port)
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    # Connecting is bounded apart from the join: torch's client retries a connect that fails for
+    # twice its timeout, and rank 0 dying while this rank connects would hold it that long.
+    connect_s = min(timeout_s, STORE_CONNECT_TIMEOUT_S)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=connect_s))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend,
         store=store,
@@ -56,8 +60,9 @@ def init_process_group(
     )
 
 
-# How long a connect to rank 0's store may take before the store counts as gone (its node with it).
-STORE_PROBE_TIMEOUT_S = 5.0
+# How long connecting to rank 0's store may take before the store counts as gone. It is open
+# before any rank is asked to join, so a live one answers at once.
+STORE_CONNECT_TIMEOUT_S = 5.0
 
 
 def check_store_listens(host: str, port: int) -> None:
@@ -65,7 +70,7 @@ def check_store_listens(host: str, port: int) -> None:
     store is open, so a refused connect means its process died; torch's client would retry
     the connect for twice the join timeout before giving up, holding up the retry's world."""
     try:
-        with socket.create_connection((host, port), timeout=STORE_PROBE_TIMEOUT_S):
+        with socket.create_connection((host, port), timeout=STORE_CONNECT_TIMEOUT_S):
             pass
     except OSError as exc:
         raise dist.DistNetworkError(f"rank 0's rendezvous store at {host}:{port} is gone ({exc})") from exc
