@@ -67,8 +67,8 @@ STORE_CONNECT_TIMEOUT_S = 5.0
 
 def check_store_listens(host: str, port: int) -> None:
     """Fail now if nothing listens at rank 0's store. A rank is asked to join only once that
-    store is open, so a refused connect means its process died; torch's client would retry
-    the connect for twice the join timeout before giving up, holding up the retry's world."""
+    store is open, so a refused connect means its process died, and torch's client would still
+    retry it for twice its connect timeout."""
     try:
         with socket.create_connection((host, port), timeout=STORE_CONNECT_TIMEOUT_S):
             pass
