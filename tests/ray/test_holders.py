@@ -108,7 +108,7 @@ def test_a_fetched_shard_outlives_its_producer_and_a_failed_call_is_told_apart(t
             return b""
 
         def gone(self) -> bytes:
-            raise AssertionError  # as snapshot_blob on a rank that already left its world
+            raise AssertionError  # as a shard call raised in the recovery that looped on it
 
     producer = Producer.remote()
     pid = ray.get(producer.pid.remote())

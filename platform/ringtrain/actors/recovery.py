@@ -404,7 +404,7 @@ _ERROR_SIZE_LIMIT = 1 << 20
 def produced(refs: list[Any]) -> list[bool]:
     """Whether each call's result exists (it finished without an error), reading only results
     small enough to be an error: a call its worker's death interrupted holds no object at all;
-    one that raised (a shard asked of a rank already gone from its world) holds the error."""
+    one that raised holds its error, which a retry must not restore again."""
     from ray.experimental import get_object_locations
 
     found = get_object_locations(refs)
