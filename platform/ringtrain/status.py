@@ -35,6 +35,7 @@ class StepReport:
     samples: tuple[int, ...]  # global sample indices this rank's replica trained on (ring_pos 0 only)
     batch: int = 0  # index of the data batch the step trained on (runs ahead of step after a skip)
     snapshot_step: int = 0  # newest finished in-memory snapshot (0: none yet)
+    snapshot_taken: bool = False  # this step's state was captured: its snapshot is on the way
     snapshot_s: float = 0.0  # its latency: copy + encode + checksum, off the critical path
     snapshot_bytes: int = 0
     memory_bytes: int = 0  # peak device memory during the step (CUDA) or peak RSS (CPU)

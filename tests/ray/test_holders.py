@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -124,3 +125,34 @@ def test_a_fetched_shard_outlives_its_producer_and_a_failed_call_is_told_apart(t
     assert len(ray.get(big, timeout=30)) == 4 << 20 and ray.get(small, timeout=30) == b"s" * 64
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(interrupted, timeout=30)
+
+
+def test_safekeeping_hears_a_step_is_safe_only_once_every_holder_has_it(two_nodes: object) -> None:
+    import ray
+
+    from ringtrain.actors.holder import SnapshotHolder
+    from ringtrain.actors.placement import actor_class
+    from ringtrain.actors.safekeeping import Safekeeping
+    from ringtrain.checkpoint.wire import checksum
+
+    holders = [actor_class(SnapshotHolder).options(num_cpus=0, max_concurrency=5).remote(2) for _ in range(2)]
+    safe = Safekeeping(lambda step: [h.wait_for.remote([0, 1], step, 30.0) for h in holders])
+
+    def put(rank: int, step: int) -> None:
+        blob = bytes([rank, step]) * 8
+        ray.get([h.put.remote(rank, step, 2, blob, checksum(blob)) for h in holders])
+
+    safe.taken(3)
+    put(0, 3)
+    assert not safe.poll(0.2) and safe.safe_through == 0  # rank 1's snapshot is still on its way
+    safe.taken(4)  # taken while step 3 is asked about: asked about once step 3 is answered
+    put(1, 3)
+    deadline = time.monotonic() + 10.0
+    while not safe.poll(0.05) and time.monotonic() < deadline:  # step 4's answer is not waited for
+        pass
+    assert safe.safe_through == 3
+    put(0, 4)
+    put(1, 4)
+    assert safe.poll(10.0) and safe.safe_through == 4
+    safe.restart(2)  # a new world from step 2's state: nothing pending
+    assert (safe.refs(), safe.safe_through) == ([], 2)

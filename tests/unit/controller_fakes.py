@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
@@ -40,7 +40,7 @@ class ScriptedGroup:
     def start(self) -> None:
         pass
 
-    def train_step(self, probe: bool = False) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
         self.step += 1
         if self.step == self.fail_at and self.failure == "died":
             raise WorkerError(1, "h", "worker process died", kind="died")
@@ -52,6 +52,9 @@ class ScriptedGroup:
                        probes={"gemm": "good"} if probe else None)
             for r in range(2)
         ]
+
+    def safe_through(self, wait_s: float = 0.0) -> int:
+        return self.step
 
     def snapshot_refs(self, step: int) -> list[Any]:
         self.snapshot_requests.append(step)
@@ -147,8 +150,15 @@ class Corruption:
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # crash | node_lost | hang | error (the step fails) | nan (the step's loss is NaN)
+    # crash | node_lost | hang | error (the step fails) | nan (the step's loss is NaN);
+    # crash_in_transit: a crash before the last step's snapshots left the rank (with
+    # ``transit``), whose newest snapshot is then lost; crash_in_transit_rebuilt: the same, the
+    # shard written again from a replica (ZeRO-0), so that snapshot stays whole.
+    kind: str
     rank: int
+
+
+IN_TRANSIT = ("crash_in_transit", "crash_in_transit_rebuilt")
 
 
 PEER = "RuntimeError: [gloo] Connection closed by peer"
@@ -157,11 +167,13 @@ ERROR_FRAME = "ringtrain/train/trainer.py:210 in train_step"  # where a scripted
 
 class ElasticGroup:
     """dp x cp ranks on the real data order; ``faults`` strike once, on the step's next attempt;
-    a ``poisoned`` batch (a data cursor) gives a NaN loss on rank 1 every time it is trained."""
+    a ``poisoned`` batch (a data cursor) gives a NaN loss on rank 1 every time it is trained.
+    With ``transit``, a step's snapshots reach the holders during the next step (or when waited
+    for), as the workers' do: only then is the step safe (``safe_through``)."""
 
     def __init__(self, job: config.JobConfig, clock: Clock, faults: Optional[dict[int, list[Fault]]] = None,
                  poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1,
-                 corrupt: Optional[Corruption] = None, keep: Optional[int] = None) -> None:
+                 corrupt: Optional[Corruption] = None, keep: Optional[int] = None, transit: bool = False) -> None:
         self.num_params = 7
         self.G, self.dp, self.cp = job.train.global_batch, job.mesh.dp, job.mesh.cp
         self.clock = clock
@@ -179,6 +191,8 @@ class ElasticGroup:
         self.pinned: Optional[int] = None
         self.scanned: list[int] = []  # the step each probe round ran after
         self.pins: list[int] = []
+        self.transit = transit
+        self.safe = 0  # the newest step whose snapshots reached the holders
 
     @property
     def topology(self) -> Topology:
@@ -215,16 +229,29 @@ class ElasticGroup:
     def start(self) -> None:
         pass
 
-    def train_step(self, probe: bool = False) -> list[StepReport]:
+    def safe_through(self, wait_s: float = 0.0) -> int:
+        if not self.transit or wait_s > 0:  # a wait lets the copy in flight land
+            self.safe = self.step
+        return self.safe
+
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
         step = self.step + 1
         self.attempts.append(step)
         world = self.dp * self.cp
         pending = self.faults.get(step, [])
         fault = pending.pop(0) if pending else None
+        if fault is not None and fault.kind == "crash_in_transit":
+            self.snapshots.pop(self.step, None)  # the dead rank's newest shard never left it
+        elif self.transit and self.safe < self.step and (fault is None or fault.kind not in IN_TRANSIT):
+            self.safe = self.step  # the last step's snapshots land while this one runs
+            if on_safe is not None:
+                on_safe(self.safe)
         if fault is not None and fault.kind != "nan":
             self.clock.advance(DETECT_S)
             first_hand = {
                 "crash": RankOutcome(fault.rank, Outcome.DIED),
+                "crash_in_transit": RankOutcome(fault.rank, Outcome.DIED),
+                "crash_in_transit_rebuilt": RankOutcome(fault.rank, Outcome.DIED),
                 "node_lost": RankOutcome(fault.rank, Outcome.DIED, node_alive=False),
                 "hang": RankOutcome(fault.rank, Outcome.LOST),
                 "error": RankOutcome(fault.rank, Outcome.ERROR, error="ValueError: bad batch", where=ERROR_FRAME),
@@ -245,6 +272,7 @@ class ElasticGroup:
                 step=step, rank=rank, loss=loss, local_loss=math.nan if rank == nan_rank else 4.0 / step, lr=1e-3,
                 grad_norm=1.0, num_tokens=32, step_time_s=STEP_S, batch=self.cursor,
                 samples=tuple(batch[replica * per:(replica + 1) * per]) if ring_pos == 0 else (),
+                snapshot_taken=step % self.snapshot_every == 0,
             ))
         self.step, self.cursor = step, self.cursor + 1
         if step % self.snapshot_every == 0:
@@ -258,6 +286,7 @@ class ElasticGroup:
     def restore_to(self, newest: int) -> int:
         step = max(s for s in self.snapshots if s <= newest)
         self.step, self.cursor = step, self.snapshots[step]
+        self.safe = step  # the new world's holders get the restored state
         self.snapshots = {s: c for s, c in self.snapshots.items() if s <= step}  # a future rolled back
         return step
 
@@ -389,10 +418,10 @@ def elastic_job(*, mesh: Optional[dict[str, Any]] = None, train: Optional[dict[s
 def elastic_run(
     tmp_path: Path, job: config.JobConfig, *, faults: Optional[dict[int, list[Fault]]] = None,
     poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1, corrupt: Optional[Corruption] = None,
-    keep: Optional[int] = None, **elastic: Any,
+    keep: Optional[int] = None, transit: bool = False, **elastic: Any,
 ) -> tuple[dict[str, Any], ElasticGroup, FakeElastic]:
     clock = Clock()
-    group = ElasticGroup(job, clock, faults, poisoned, snapshot_every, corrupt, keep)
+    group = ElasticGroup(job, clock, faults, poisoned, snapshot_every, corrupt, keep, transit)
     fake = FakeElastic(group, tmp_path, **elastic)
     summary = Controller(job, group, RunDir(tmp_path), elastic=fake, clock=clock).run()
     return summary, group, fake

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_a_failed_step_records_an_incident_and_fails_the_run(tmp_path: Path, fai
 
 
 class BrokenGroup(ElasticGroup):
-    def train_step(self, probe: bool = False) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
         if self.step == 2:
             raise RuntimeError("a bug in the group")
         return super().train_step()

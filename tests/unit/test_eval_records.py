@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -39,7 +39,10 @@ class EvaluatingGroup:
     def start(self) -> None:
         pass
 
-    def train_step(self, probe: bool = False) -> list[StepReport]:
+    def safe_through(self, wait_s: float = 0.0) -> int:
+        return self.step
+
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
         self.step += 1
         return [StepReport(step=self.step, rank=0, loss=1.0, local_loss=1.0, lr=1e-3, grad_norm=1.0,
                            num_tokens=8, step_time_s=0.01, samples=(self.step,))]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from ringtrain.actors.holder import SnapshotHolder
@@ -173,3 +176,41 @@ def test_a_pin_between_snapshots_holds_the_newest_before_it() -> None:
         if step == 4:
             holder.pin(5)
     assert sorted(holder.inventory()) == [4, 8]
+
+
+def test_wait_for_answers_once_every_rank_holds_the_step_or_a_newer_one() -> None:
+    holder = SnapshotHolder(keep=1)
+    put(holder, rank=0, step=4)
+    put(holder, rank=1, step=5)  # newer than asked: as safe (keep=1 dropped nothing of step 4's rank 0)
+
+    assert holder.wait_for([0, 1], 4, timeout_s=0.0)
+    assert not holder.wait_for([0, 1], 5, timeout_s=0.0)
+    assert not holder.wait_for([0, 2], 4, timeout_s=0.0)  # rank 2 never sent anything
+
+
+def test_wait_for_wakes_when_the_missing_snapshot_arrives() -> None:
+    holder = SnapshotHolder(keep=2)
+    put(holder, rank=0, step=3)
+    timer = threading.Timer(0.05, put, args=(holder, 1, 3))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        assert holder.wait_for([0, 1], 3, timeout_s=10.0)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        timer.cancel()
+
+
+def test_a_newer_question_ends_an_older_wait_at_once() -> None:
+    # The controller asks one question at a time: an older one belongs to a world given up,
+    # and must not keep one of the holder's few threads until its timeout.
+    holder = SnapshotHolder(keep=2)
+    answers: list[bool] = []
+    older = threading.Thread(target=lambda: answers.append(holder.wait_for([0], 9, timeout_s=30.0)))
+    older.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    assert not holder.wait_for([0], 1, timeout_s=0.0)
+    older.join(timeout=5.0)
+
+    assert answers == [False] and time.monotonic() - t0 < 5.0

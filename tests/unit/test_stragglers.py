@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -100,8 +100,8 @@ class SlowGroup(ElasticGroup):
         super().__init__(*args, **kwargs)
         self.slow, self.from_step = slow, from_step
 
-    def train_step(self, probe: bool = False) -> list[StepReport]:
-        reports = super().train_step(probe)
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+        reports = super().train_step(probe, on_safe)
         step = reports[0].step
         slow = self.slow if self.slow is not None and step >= self.from_step else None
         return [dataclasses.replace(r, compute_s=0.3 if r.rank == slow else 0.1) for r in reports]

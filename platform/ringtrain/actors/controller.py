@@ -25,6 +25,7 @@ from ringtrain import metrics
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
+from ringtrain.actors.runbook import HeldRecord
 from ringtrain.actors.watches import Watches
 from ringtrain.actors.transit import gather_arrivals, transit_window
 from ringtrain.checkpoint import LoadedCheckpoint
@@ -100,6 +101,7 @@ class Controller(Watches):
         self.clock = clock
         self.state = RunState.STARTING
         self.records: list[dict[str, Any]] = []
+        self.held: list[HeldRecord] = []  # records waiting for their snapshots (actors.runbook)
         self.ledger = SampleLedger()
         self.start_step = 0
         self.persist_s = 0.0
@@ -148,8 +150,7 @@ class Controller(Watches):
             step = self.start_step + 1
             while step <= self.job.last_step:
                 step = self._step(step, started)
-                if "first_step_s" not in self.startup and self.records:
-                    self.startup["first_step_s"] = self.clock() - started
+            self._commit_all(wait_s=self.job.controllers.step_timeout_s)
             self._drain(wait=True)
             reason = (
                 f"train.stop_at_step={self.job.last_step} reached"
@@ -168,6 +169,7 @@ class Controller(Watches):
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = RunState.FAILED
         finally:
+            self._commit_all(wait_s=0.0)
             self._close_durable()
             holders = getattr(self.group, "holders", None)
             if holders:
@@ -183,7 +185,7 @@ class Controller(Watches):
         t0 = self.clock()
         probe = self._scan_due(step)
         try:
-            reports = self.group.train_step(probe=probe)
+            reports = self.group.train_step(probe=probe, on_safe=self._commit)
         except WorkerError as exc:  # a group without recovery reports a failed step this way
             kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
             self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
@@ -209,6 +211,9 @@ class Controller(Watches):
             return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
         self._record(reports, wall, started, self._maybe_evaluate(step))
         if probe:  # judged before persisting: a state the probes reject is not made durable
+            # The probed step is recorded first, as any step is (its snapshots safe), so a
+            # rejected one counts among the steps the rollback redoes.
+            self._commit(self.group.safe_through(wait_s=self.job.controllers.step_timeout_s))
             resumed = self._judge(step, t0, {r.rank: r.probes or {} for r in reports})
             if resumed is not None:
                 return resumed + 1
@@ -288,6 +293,7 @@ class Controller(Watches):
         self._growing_to = None
         self._grow_gate.reset()
         self.stragglers.reset()
+        self._settle_held(resumed)
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
         self._kept_s = sum(r["step_time_s"] for r in self.records)

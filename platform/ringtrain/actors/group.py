@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ringtrain.actors import placement, steps, world
 from ringtrain.actors.roster import Member, Roster, Slot, WarmDeaths, settle
+from ringtrain.actors.safekeeping import Safekeeping
 from ringtrain.actors.steps import StepFailed, first_line as _first_line
 from ringtrain.config import JobConfig
 from ringtrain.errors import WorkerError
@@ -55,6 +56,7 @@ class WorkerGroup:
         # Calls of the last world that failed still running when it was given up: waited for
         # before the next world forms, so no worker is ever asked to join twice at once.
         self.leftovers = world.Leftovers()
+        self.safekeeping = Safekeeping(self._ask_holders)  # which steps' snapshots the holders have
 
     # --- views ---------------------------------------------------------------------------
 
@@ -174,12 +176,16 @@ class WorkerGroup:
         (one pending shard per rank of the snapshot's world), every rank restores it; returns the
         step restored (0 without one). ``crash_restoring``: ranks whose process exits as it
         restores (chaos: a second failure inside the recovery). See ``actors.world``."""
-        return world.form_world(self, members, job, snapshot, crash_restoring)
+        step = world.form_world(self, members, job, snapshot, crash_restoring)
+        self.safekeeping.restart(step)
+        return step
 
     def restore_refs(self, shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
         """Every rank loads the snapshot whose shards are pending in ``shards`` (``crash_restoring``
         as for ``form_world``)."""
-        return world.restore_refs(self, shards, crash_restoring)
+        step = world.restore_refs(self, shards, crash_restoring)
+        self.safekeeping.restart(step)
+        return step
 
     def _start_holders(self) -> None:
         """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
@@ -303,11 +309,31 @@ class WorkerGroup:
 
     # --- steps and snapshots -------------------------------------------------------------
 
-    def train_step(self, probe: bool = False) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
         """Every rank's report of one step (with ``probe``, ending in an SDC probe round, so a
         rank that dies or stalls in it is handled as in any step); raises StepFailed with every
-        rank's outcome (see ``actors.steps``)."""
-        return steps.run_step(self, probe)
+        rank's outcome (see ``actors.steps``). ``on_safe(step)`` is called while the step runs
+        when the holders confirm an earlier step's snapshots (``safe_through`` moved)."""
+        reports = steps.run_step(self, probe, on_safe)
+        if reports[0].snapshot_taken:
+            self.safekeeping.taken(reports[0].step)
+        return reports
+
+    def safe_through(self, wait_s: float = 0.0) -> int:
+        """The newest step whose snapshots every holder has, as far as known (waiting up to
+        ``wait_s`` for the answer about the newest one taken); see ``actors.safekeeping``."""
+        self.safekeeping.poll(wait_s)
+        return self.safekeeping.safe_through
+
+    def _ask_holders(self, step: int) -> list[Any]:
+        """One answer per holder: whether it has ``step`` (or newer) of every rank that sends
+        it snapshots."""
+        ranks_of: dict[int, tuple[Any, list[int]]] = {}
+        for rank in range(len(self.members)):
+            for holder in self._holders_of(rank):
+                ranks_of.setdefault(id(holder), (holder, []))[1].append(rank)
+        timeout = self.job.controllers.step_timeout_s  # bounded like the step whose snapshots they are
+        return [holder.wait_for.remote(ranks, step, timeout) for holder, ranks in ranks_of.values()]
 
     # --- evaluation ----------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ class SnapshotHolder:
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # notified on every put, for ``wait_for``
+        self._questions = 0  # wait_for calls so far: the newest one is the only one waited on
         self._snaps: dict[tuple[int, int], tuple[int, bytes, str]] = {}  # (rank, step) -> (world, blob, sum)
         self._pinned: Optional[int] = None
         self._pin_seq = -1
@@ -47,6 +49,27 @@ class SnapshotHolder:
             self._arrivals[(rank, step, role)] = time.time()
             while len(self._arrivals) > _MAX_ARRIVALS:
                 self._arrivals.popitem(last=False)
+            self._arrived.notify_all()
+
+    def wait_for(self, ranks: Sequence[int], step: int, timeout_s: float) -> bool:
+        """Whether each of ``ranks`` has a snapshot of ``step`` or newer here, waiting up to
+        ``timeout_s`` for the ones still on their way (a newer one counts: the holder keeps only
+        the newest few, and a step is as safe as any later state). A newer question ends the
+        wait at once: the controller asks one at a time, so an older one is moot (its world
+        was given up), and no thread of this holder stays tied up in it."""
+
+        def held() -> bool:
+            newest: dict[int, int] = {}
+            for r, s in self._snaps:
+                newest[r] = max(s, newest.get(r, s))
+            return all(newest.get(r, -1) >= step for r in ranks)
+
+        with self._arrived:
+            self._questions += 1
+            mine = self._questions
+            self._arrived.notify_all()
+            self._arrived.wait_for(lambda: held() or self._questions != mine, timeout=timeout_s)
+            return held()
 
     def arrivals(self) -> list[tuple[int, int, str, float]]:
         """(rank, step, role, wall time readable) of the recent puts."""

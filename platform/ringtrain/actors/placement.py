@@ -138,7 +138,8 @@ def start_holders(job: JobConfig, infos: list[WorkerInfo], holders: dict[str, An
         if node_id not in holders:
             holders[node_id] = actor_class(SnapshotHolder).options(
                 num_cpus=0,
-                max_concurrency=4,
+                # The workers' puts and a restore's reads, plus the controller's one wait_for.
+                max_concurrency=5,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             ).remote(job.checkpoint.keep_in_memory)
 

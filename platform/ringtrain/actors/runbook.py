@@ -5,6 +5,11 @@ observers (``actors.observers``: the run directory, the console, Prometheus, Ten
 durable checkpoints handed to the Persister, a resume's restore and the evaluations due on the
 step cadence. A mixin of the Controller: the state machine decides, this part keeps the record,
 so each stays readable on its own.
+
+A step's record says the step is done and survives a failure: a step that took snapshots is
+held back until the holders have them (``actors.safekeeping``), in step order, which the group
+says while the next step runs. A recovery writes the held records of the steps it restored and
+drops the others: those steps were never recorded, and are trained again.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, cast
 
 from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tokenizer, plan_for
@@ -30,6 +36,20 @@ from ringtrain.topology import Topology
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HeldRecord:
+    """A step's record waiting for its snapshots to be safe, with the samples it trained on."""
+
+    record: dict[str, Any]
+    samples: tuple[int, ...]
+    origins: tuple[tuple[int, int], ...]
+    needs_safety: bool  # the step took snapshots (else nothing of it can be made safer)
+
+    @property
+    def step(self) -> int:
+        return int(self.record["step"])
+
+
 class RunBook:
     """The Controller's records; the attributes are the Controller's (set in its __init__)."""
 
@@ -44,6 +64,7 @@ class RunBook:
     incidents: list[Incident]
     clock: Callable[[], float]
     records: list[dict[str, Any]]
+    held: list[HeldRecord]  # records not written yet, oldest first
     ledger: SampleLedger
     start_step: int
     persist_s: float
@@ -175,10 +196,12 @@ class RunBook:
     def _record(
         self, reports: list[StepReport], wall_s: float, started: float, evaluation: Optional[dict[str, Any]] = None
     ) -> None:
+        """Make the step's record; it is written once its snapshots are safe (``_commit``)."""
+        self.startup.setdefault("first_step_s", self.clock() - started)
         record = step_record(reports, dp=self.dp, cp=self.topology.cp, wall_s=wall_s)
         if evaluation is not None:
             record["eval"] = evaluation
-        record["time"] = time.time()
+        record["reported_at"] = time.time()  # every rank's report in; "time" is when it is written
         record["generation"] = getattr(self.group, "generation", 1)
         record["persist_s"] = self.persist_s
         record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
@@ -186,13 +209,35 @@ class RunBook:
         self._kept_s += wall_s
         record["goodput"] = self._kept_s / max(self.clock() - started, 1e-9)
         record.update(self.observers.step_fields(record))  # MFU, with the telemetry's model FLOPs
-        self.ledger.record(
-            record["step"],
-            tuple(s for r in reports for s in r.samples),
-            tuple(o for r in reports for o in r.origins),
-        )
-        self.records.append(record)
-        self.observers.on_step(record)
+        samples = tuple(s for r in reports for s in r.samples)
+        origins = tuple(o for r in reports for o in r.origins)
+        self.held.append(HeldRecord(record, samples, origins, needs_safety=reports[0].snapshot_taken))
+        self._commit(self.group.safe_through())
+
+    def _commit(self, safe_through: int, *, unsafe_too: bool = False) -> None:
+        """Write the held records, oldest first, up to the first whose snapshots are not known
+        to be safe (past ``safe_through``); with ``unsafe_too``, every one."""
+        while self.held and (unsafe_too or not self.held[0].needs_safety or self.held[0].step <= safe_through):
+            held = self.held.pop(0)
+            record = {**held.record, "time": time.time()}
+            self.ledger.record(held.step, held.samples, held.origins)
+            self.records.append(record)
+            self.observers.on_step(record)
+
+    def _settle_held(self, resumed: int) -> None:
+        """After a recovery to ``resumed``: the held records of the steps it restored are
+        written (their state was just read back whole); the later ones are dropped, to be redone."""
+        self.held = [h for h in self.held if h.step <= resumed]
+        self._commit(resumed, unsafe_too=True)
+
+    def _commit_all(self, wait_s: float) -> None:
+        """At the end of the run: wait up to ``wait_s`` for the last snapshots to be safe, then
+        write every held record (a run that stops has no recovery left to protect)."""
+        if self.held:
+            self._commit(self.group.safe_through(wait_s))
+            if self.held:
+                log.warning("steps %s recorded before their snapshots were known to be safe", [h.step for h in self.held])
+            self._commit(0, unsafe_too=True)
 
     def _summary(self, *, wall_s: float) -> dict[str, Any]:
         last = self.records[-1] if self.records else None

@@ -10,7 +10,7 @@ StepFailed with how each rank's call ended.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ringtrain.policies.faults import Outcome, RankOutcome, abort_survivors
 from ringtrain.policies.hangs import RankDiagnostics, Verdict, diagnose
@@ -37,8 +37,10 @@ class StepFailed(Exception):
         self.verdict = verdict
 
 
-def run_step(g: "WorkerGroup", probe: bool = False) -> list[StepReport]:
-    """As ``WorkerGroup.train_step``: every rank's report of one step, or StepFailed."""
+def run_step(g: "WorkerGroup", probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+    """As ``WorkerGroup.train_step``: every rank's report of one step, or StepFailed. The
+    holders' answers about an earlier step's snapshots are waited on with the step's calls, so
+    ``on_safe`` hears of them as they land (``actors.safekeeping``)."""
     import ray
 
     c = g.job.controllers
@@ -56,8 +58,14 @@ def run_step(g: "WorkerGroup", probe: bool = False) -> list[StepReport]:
     pings: dict[Any, int] = {}
     verdict: Optional[Verdict] = None
     while watch.pending:
-        done, _ = ray.wait([calls[r] for r in watch.pending], num_returns=1, timeout=watch.wait_s(time.monotonic()))
+        answers = g.safekeeping.refs()
+        waited = [calls[r] for r in watch.pending] + answers
+        done, _ = ray.wait(waited, num_returns=1, timeout=watch.wait_s(time.monotonic()))
+        if answers and g.safekeeping.poll() and on_safe is not None:
+            on_safe(g.safekeeping.safe_through)
         for ref in done:
+            if ref not in rank_of:
+                continue  # a holder's answer, taken in above
             rank = rank_of[ref]
             results[rank] = outcome(ref, rank)
             watch.finished(rank, isinstance(results[rank], StepReport), time.monotonic())

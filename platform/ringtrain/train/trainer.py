@@ -311,7 +311,7 @@ class Trainer:
         loss = self._global_loss(local_sum / labels_per_rank, {f.kind for f in strike})
         grad_norm = self.engine.get_global_grad_norm()
         step_time = time.perf_counter() - start
-        self._maybe_snapshot()
+        taken = self._maybe_snapshot()
         last = self.last_snapshot()
         return StepReport(
             step=self.step,
@@ -327,6 +327,7 @@ class Trainer:
             samples=tuple(s for mb in batches for s in mb.samples) if self.mesh.coord.ring_pos == 0 else (),
             origins=tuple(o for mb in batches for o in mb.origins) if self.mesh.coord.ring_pos == 0 else (),
             snapshot_step=last.step if last else 0,
+            snapshot_taken=taken,
             snapshot_s=last.total_s if last else 0.0,
             snapshot_bytes=last.num_bytes if last else 0,
             memory_bytes=self._peak_memory(),
@@ -350,11 +351,14 @@ class Trainer:
         # Linux reports the peak resident set in KiB.
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def _maybe_snapshot(self) -> None:
+    def _maybe_snapshot(self) -> bool:
+        """Capture this step's state when a snapshot is due; whether one was."""
         every = self.job.checkpoint.snapshot_every
         # The last step of the run is always captured: it is the one a resume continues from.
-        if self.snapshotter is not None and (self.step % every == 0 or self.step == self.job.last_step):
-            self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step, self.data_cursor))
+        if self.snapshotter is None or (self.step % every and self.step != self.job.last_step):
+            return False
+        self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step, self.data_cursor))
+        return True
 
     def last_snapshot(self) -> Optional[Snapshot]:
         """The newest finished snapshot (the one of this step may still be in flight)."""
