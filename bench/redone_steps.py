@@ -1,6 +1,7 @@
 """Benchmark: steps redone after a kill that lands right after a step's record.
 
-Each run is ``ringtrain run`` with 4 workers, dp 4, ZeRO-0 (a quickstart-sized model on gloo);
+Each run is ``ringtrain run`` with 4 workers, dp 4, ZeRO-0 (``--zero`` another stage; a
+quickstart-sized model on gloo);
 ``--delay-ms`` after step ``--kill-after``'s line appears in metrics.jsonl, rank 1's pid (from
 workers.json) gets SIGKILL. The incident's ``lost_steps`` counts the completed steps the
 recovery redid: nonzero when the newest snapshot of the dead rank had not reached a holder yet
@@ -40,7 +41,7 @@ from recovery import launch, log_tail, read_jsonl, stop  # noqa: E402
 
 JOB = [
     "model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "data.path=stdlib", "data.seq_len=256", "mesh.dp=4", "mesh.cp=1", "mesh.min_dp=1", "zero.stage=0",
+    "data.path=stdlib", "data.seq_len=256", "mesh.dp=4", "mesh.cp=1", "mesh.min_dp=1",
     "train.global_batch=4", "train.micro_batch=1", "train.warmup_steps=2", "checkpoint.snapshot_every=1",
     "checkpoint.persist_every=0", "telemetry.metrics=false", "telemetry.tensorboard=false", "controllers.grow_after_s=600",
 ]  # fmt: skip
@@ -54,7 +55,7 @@ def one_kill(args: argparse.Namespace, rebuild: bool, delay_ms: float, address: 
     tmp = Path(tempfile.mkdtemp(prefix="rt-redone-", dir="/tmp"))
     run_dir = tmp / "run"
     (tmp / "job.yaml").write_text("name: bench-redone\n")
-    overrides = [*JOB, f"train.steps={args.kill_after + 3}", f"run_dir={run_dir}",
+    overrides = [*JOB, f"zero.stage={args.zero}", f"train.steps={args.kill_after + 3}", f"run_dir={run_dir}",
                  f"controllers.rebuild_from_replicas={str(rebuild).lower()}",
                  f"cluster.address={address}" if address else f"cluster.num_cpus={args.num_cpus}"]
     cmd = [sys.executable, "-m", "ringtrain", "run", str(tmp / "job.yaml"), *overrides]
@@ -94,7 +95,7 @@ def pooled(kills: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         q = quantiles(ms, n=100, method="inclusive")
         out[role] = {"count": len(ms), "min_ms": ms[0], "p50_ms": q[49], "p90_ms": q[89], "p99_ms": q[98], "max_ms": ms[-1],
-                     "after_record": sum(1 for v in ms if v > 0)}
+                     "after_reports": sum(1 for v in ms if v > 0)}
     return out
 
 
@@ -106,6 +107,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", default="on@0x10,on@50x10,off@0x5", help="rebuild@delay_ms x kills, comma separated")
     p.add_argument("--kill-after", type=int, default=10)
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage (the rebuild covers stage 0 only)")
     p.add_argument("--num-cpus", type=int, default=4)
     p.add_argument("--nodes", type=int, default=0, help="run on a ray.cluster_utils.Cluster of this many nodes (0: embedded)")
     p.add_argument("--timeout", type=float, default=300.0)
@@ -123,7 +125,7 @@ def main(argv: list[str]) -> int:
         for _ in range(args.nodes):
             cluster.add_node(num_cpus=args.num_cpus // args.nodes)
         address = cluster.address
-    results: dict[str, Any] = {"kill_after_step": args.kill_after, "nodes": args.nodes or 1, "scenarios": {},
+    results: dict[str, Any] = {"kill_after_step": args.kill_after, "zero_stage": args.zero, "nodes": args.nodes or 1, "scenarios": {},
                                "load_avg_1m": {"start": load()}}
     if args.keep and args.out.exists():
         results["scenarios"] = json.loads(args.out.read_text()).get("scenarios", {})

@@ -4,8 +4,9 @@ The same job on each side: the quickstart model (jobs/quickstart.yaml) at dp 4 (
 cp 1, ZeRO-0, gloo on CPU, every rank on this machine.
 
 - ringtrain: ``python -m ringtrain run jobs/quickstart.yaml ...`` on an embedded Ray cluster, as
-  a user starts it. The first step is done when its line is in metrics.jsonl (the record's
-  ``time``); the phases come from summary.json's ``startup``.
+  a user starts it. The first step is done when every rank's report of it is in (its line in
+  metrics.jsonl says when: ``reported_at``; the line itself is written once the step's
+  snapshots are safe); the phases come from summary.json's ``startup``.
 - ringtrain on a running cluster: the same command with RAY_ADDRESS naming a head started once
   for the bench (``ray start --head``, 4 CPUs), as a job lands on a KubeRay cluster that is up:
   like torchrun, which finds its machine running, it starts no cluster of its own.
@@ -101,7 +102,8 @@ def run_ringtrain(
         record = _first_record(run_dir / "metrics.jsonl")
         summary = json.loads((run_dir / "summary.json").read_text())
         assert record is not None
-        return {"first_step_s": record["time"] - t0, "exit_s": t_exit - t0, "phases": summary["startup"],
+        done = record.get("reported_at", record["time"])  # "time": written, once its snapshots are safe
+        return {"first_step_s": done - t0, "exit_s": t_exit - t0, "phases": summary["startup"],
                 "step_wall_s": record.get("wall_s")}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
