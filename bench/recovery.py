@@ -15,7 +15,9 @@ median step time, so the kill lands mid-step, and SIGKILLs the process of one ra
 step after the last kill is done and the run is back at full strength (workers.json: dp 2 and
 the scenario's warm spares), so every kill of a scenario tests the same recovery path. Per kill:
 
-- kill -> next step: the first step record timed after the kill, minus the kill time;
+- kill -> next step: the first step record timed after the kill, minus the kill time (a
+  ringtrain record is written once its snapshots are at the holders, as torchrun's progress line
+  follows its checkpoint file; ``next_step_reported_s``: to when that step's reports were in);
 - redone steps: last step completed before the kill - (that record's step - 1);
 - ringtrain only: detection = incident ``detected_at`` - kill time, and the incident's
   ``lost_steps``; a kill owns the failure incidents detected in [its time, the next kill).
@@ -383,6 +385,8 @@ def measure_kill(kill: dict[str, Any], records: Records) -> dict[str, Any]:
     out = dict(kill, last_step_before=last, next_step=None, next_step_s=None, redone_steps=None)
     if nxt is not None:
         out.update(next_step=nxt["step"], next_step_s=nxt["time"] - kill["time"], redone_steps=last - (nxt["step"] - 1))
+        if "reported_at" in nxt:  # ringtrain's: the step done, before its line waited for its snapshots
+            out["next_step_reported_s"] = nxt["reported_at"] - kill["time"]
     return out
 
 
@@ -796,7 +800,11 @@ def summarize(name: str, runs: list[dict[str, Any]], num_planned: int) -> dict[s
                 "false_straggler_reports": sum(r.get("false_straggler_reports", 0) for r in runs),
                 "steps": sum(r.get("last_step", 0) for r in runs), "runs": runs}
     kills = [k for r in runs for k in r["kills"]]
-    extra = ["created_s", "imported_s", "restored_s"] if name == "torchrun" else ["detect_s", "recover_s", "lost_steps"]
+    extra = (
+        ["created_s", "imported_s", "restored_s"]
+        if name == "torchrun"
+        else ["detect_s", "recover_s", "lost_steps", "next_step_reported_s"]
+    )
     out = {
         **head,
         "num_kills": len(kills), "num_kills_planned": num_planned,

@@ -151,6 +151,7 @@ class Controller(Watches):
             while step <= self.job.last_step:
                 step = self._step(step, started)
             self._commit_all(wait_s=self.job.controllers.step_timeout_s)
+            self._finish_recovery()
             self._drain(wait=True)
             reason = (
                 f"train.stop_at_step={self.job.last_step} reached"
@@ -185,7 +186,7 @@ class Controller(Watches):
         t0 = self.clock()
         probe = self._scan_due(step)
         try:
-            reports = self.group.train_step(probe=probe, on_safe=self._commit)
+            reports = self.group.train_step(probe=probe, on_safe=self._safe)
         except WorkerError as exc:  # a group without recovery reports a failed step this way
             kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
             self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
@@ -221,7 +222,8 @@ class Controller(Watches):
         if resumed is not None:
             return resumed + 1
         self._maybe_persist(step)
-        self._finish_recovery()
+        if not self.held:
+            self._finish_recovery()
         self._maybe_grow(step)
         if self.elastic is not None and self.elastic.spares_changed():
             self._write_layout()
@@ -374,10 +376,18 @@ class Controller(Watches):
             self.sdc.reseat(out.seats)  # golden values stay with their workers
         return int(out.step), dict(out.phases)
 
+    def _safe(self, step: int) -> None:
+        """The holders have the snapshots of every step up to ``step`` (heard while a step
+        runs): the records held for them are written, which may end a recovery."""
+        self._commit(step)
+        if not self.held:
+            self._finish_recovery()
+
     def _finish_recovery(self) -> None:
-        """The first step completed after a recovery closes its incident's clock (and those of
-        any incident that struck while the job was still recovering). Only then do replacement
-        spares start, so their warm-up does not compete with the recovery itself."""
+        """The first step after a recovery, recorded (its snapshots safe), closes its incident's
+        clock (and those of any incident that struck while the job was still recovering). Only
+        then do replacement spares start, so their warm-up competes with neither the recovery
+        nor that step's snapshots."""
         if self._recovering and self.elastic is not None:
             self.elastic.replenish_spares(self.job.mesh.spares)
         for incident, seen_at in self._recovering:
