@@ -15,10 +15,10 @@ median step time, so the kill lands mid-step, and SIGKILLs the process of one ra
 step after the last kill is done and the run is back at full strength (workers.json: dp 2 and
 the scenario's warm spares), so every kill of a scenario tests the same recovery path. Per kill:
 
-- kill -> next step: the first step record timed after the kill, minus the kill time (a
+- kill -> next step: the record of the first step done after the kill, minus the kill time (a
   ringtrain record is written once its snapshots are at the holders, as torchrun's progress line
   follows its checkpoint file; ``next_step_reported_s``: to when that step's reports were in);
-- redone steps: last step completed before the kill - (that record's step - 1);
+- redone steps: last recorded step done before the kill - (that record's step - 1);
 - ringtrain only: detection = incident ``detected_at`` - kill time, and the incident's
   ``lost_steps``; a kill owns the failure incidents detected in [its time, the next kill).
 
@@ -373,15 +373,28 @@ def drive_kills(
                       "loadavg_1m": os.getloadavg()[0]})
         if second is not None:
             kills[-1]["second"] = second(pid)
-        if wait_for(lambda: any(r["time"] > t for r in steps()), proc, min(deadline, t + args.recovery_timeout)) is None:
+        if wait_for(lambda: any(done_at(r) > t for r in steps()), proc, min(deadline, t + args.recovery_timeout)) is None:
             break  # never recovered (in time): the run is stopped
         planned = rec["step"] + args.kill_every
     return kills
 
 
+def done_at(record: dict[str, Any]) -> float:
+    """When a record's step was done: ringtrain's line is written once the step's snapshots are
+    safe (``time``), possibly after a kill that came later; ``reported_at`` is when the step's
+    reports were in. A torchrun progress line is written when the step is done."""
+    return float(record.get("reported_at", record["time"]))
+
+
+def next_done(records: Records, after: float) -> Optional[dict[str, Any]]:
+    """The first step done after ``after``: a step done before it but recorded after (a
+    recovery writes the held record of a step it restored) is not training resumed."""
+    return min((r for r in records if done_at(r) > after), key=done_at, default=None)
+
+
 def measure_kill(kill: dict[str, Any], records: Records) -> dict[str, Any]:
-    last = max((r["step"] for r in records if r["time"] <= kill["time"]), default=0)
-    nxt = min((r for r in records if r["time"] > kill["time"]), key=lambda r: r["time"], default=None)
+    last = max((r["step"] for r in records if done_at(r) <= kill["time"]), default=0)
+    nxt = next_done(records, kill["time"])
     out = dict(kill, last_step_before=last, next_step=None, next_step_s=None, redone_steps=None)
     if nxt is not None:
         out.update(next_step=nxt["step"], next_step_s=nxt["time"] - kill["time"], redone_steps=last - (nxt["step"] - 1))
@@ -522,9 +535,9 @@ def measure_second(kill: dict[str, Any], records: Records) -> None:
     if not second or not second.get("time"):
         return
     t = second["time"]
-    nxt = min((r for r in records if r["time"] > t), key=lambda r: r["time"], default=None)
+    nxt = next_done(records, t)
     second.update(
-        in_recovery=not any(kill["time"] < r["time"] <= t for r in records),
+        in_recovery=not any(kill["time"] < done_at(r) <= t for r in records),
         after_first_s=t - kill["time"],
         next_step=nxt["step"] if nxt else None,
         next_step_s=nxt["time"] - t if nxt else None,
@@ -539,13 +552,13 @@ def measure_restoring(kill: dict[str, Any], records: Records, incidents: Records
                 and i["detected_at"] >= kill["time"]), None)
     second: dict[str, Any] = {"time": None, "rank": fault["rank"], "incident_id": None}
     if own is not None:
-        nxt = min((r for r in records if r["time"] > own["detected_at"]), key=lambda r: r["time"], default=None)
+        nxt = next_done(records, own["detected_at"])
         during = own["verdict"]["during_recovery"]
         second.update(
             incident_id=own["id"], kind=own.get("kind"), action=own.get("action"), ranks=own.get("ranks"),
             named_correctly=own.get("ranks") == [fault["rank"]], during_recovery_of=during.get("incident"),
             phase=during.get("phase"), detected_after_first_kill_s=own["detected_at"] - kill["time"],
-            in_recovery=not any(kill["time"] < r["time"] <= own["detected_at"] for r in records),
+            in_recovery=not any(kill["time"] < done_at(r) <= own["detected_at"] for r in records),
             detect_to_next_step_s=nxt["time"] - own["detected_at"] if nxt else None,
             lost_steps=own.get("lost_steps"), recover_s=own.get("recover_s"),
         )
@@ -605,14 +618,14 @@ def median_or_none(xs: list[float]) -> Optional[float]:
 
 
 def measure_stragglers(faults: Records, records: Records, incidents: Records, gap: int) -> Records:
-    """Per straggler event: its first slow step starts when the step before it is recorded;
+    """Per straggler event: its first slow step starts when the step before it is done;
     detection is the straggler incident's ``detected_at``; eviction is done at the first step
     record after it (the spare in the seat). Step time before (the ``gap`` steps before the fault,
     less the first 3 after the previous event's eviction) and after the eviction (up to the next
     fault)."""
     out = []
     found = sorted((i for i in incidents if i.get("kind") == "straggler"), key=lambda i: i["detected_at"])
-    times = {r["step"]: r["time"] for r in records}
+    times = {r["step"]: done_at(r) for r in records}
     for n, fault in enumerate(faults):
         start_step = fault["step"]
         started = times.get(start_step - 1)
@@ -625,7 +638,7 @@ def measure_stragglers(faults: Records, records: Records, incidents: Records, ga
         ev: dict[str, Any] = {"fault": fault, "first_slow_step_started": started, "incident_id": None,
                               "step_dp_generation": dps}
         if own is not None and started is not None:
-            evicted = min((r for r in records if r["time"] > own["detected_at"]), key=lambda r: r["time"], default=None)
+            evicted = next_done(records, own["detected_at"])
             found_ = (own.get("verdict") or {}).get("straggler") or {}
             ev.update(
                 incident_id=own["id"], action=own.get("action"), ranks=own.get("ranks"),
@@ -681,7 +694,7 @@ def watch_ringtrain(args: argparse.Namespace, scenario: str, proc: subprocess.Po
         second = second_killer(run_dir, workers, tmp, rng, args.second_delay) if scenario == "double_failure" else None
         num_kills = 1 if scenario == "double_restore" else args.kills
         kills = drive_kills(proc, steps, victims, ready, num_kills, args, rng, deadline, second)
-        after = [r["step"] for r in steps() if r["time"] > kills[-1]["time"]] if kills else []
+        after = [r["step"] for r in steps() if done_at(r) > kills[-1]["time"]] if kills else []
         if kills and not after:  # the last kill was never recovered from: nothing more to learn
             stop_after(proc, steps, 0, deadline)
         else:
