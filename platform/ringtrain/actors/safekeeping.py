@@ -6,7 +6,7 @@ there would take the step with it, and at ZeRO 1-3 no survivor holds the dead ra
 shard to write it again. For each step that took snapshots the holders are asked to answer once
 they have them (``SnapshotHolder.wait_for``); the step loop watches the answers alongside the
 next step's calls (``actors.steps``), so the wait costs training nothing and the record follows
-the step by the transit window (``actors.transit``): milliseconds on CPU.
+the step by the transit window (``actors.transit``): tens of milliseconds on the CPU testbed.
 
 One question is out at a time: a step taken while one is pending is asked about when it comes
 back, and a newer snapshot answers for the older steps too.
