@@ -222,8 +222,7 @@ class Controller(Watches):
         if resumed is not None:
             return resumed + 1
         self._maybe_persist(step)
-        if not self.held:
-            self._finish_recovery()
+        self._finish_recovery()
         self._maybe_grow(step)
         if self.elastic is not None and self.elastic.spares_changed():
             self._write_layout()
@@ -380,14 +379,15 @@ class Controller(Watches):
         """The holders have the snapshots of every step up to ``step`` (heard while a step
         runs): the records held for them are written, which may end a recovery."""
         self._commit(step)
-        if not self.held:
-            self._finish_recovery()
+        self._finish_recovery()
 
     def _finish_recovery(self) -> None:
         """The first step after a recovery, recorded (its snapshots safe), closes its incident's
         clock (and those of any incident that struck while the job was still recovering). Only
         then do replacement spares start, so their warm-up competes with neither the recovery
         nor that step's snapshots."""
+        if self.held:  # that step's record is still waiting for its snapshots
+            return
         if self._recovering and self.elastic is not None:
             self.elastic.replenish_spares(self.job.mesh.spares)
         for incident, seen_at in self._recovering:
