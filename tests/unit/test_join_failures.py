@@ -299,7 +299,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerGroup, ScriptedWorl
     monkeypatch.setattr(group_module, "time", clock)
     job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
     g = WorkerGroup(job, "cpu")
-    monkeypatch.setattr(g, "_start_holders", lambda: None)
+    monkeypatch.setattr(g, "seat_holders", lambda: [[] for _ in g.members])  # no holders here
     worlds = ScriptedWorlds(sray)
     info = WorkerInfo(0, "h", 1, "cpu", "n")
     g.members = [Member(ScriptedWorker(worlds, r), Slot("pg", r), info=info) for r in range(4)]

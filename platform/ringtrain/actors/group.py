@@ -49,6 +49,8 @@ class WorkerGroup:
         self._pins = 0  # pin_snapshots calls so far
         self.placement_groups: list[Any] = []
         self.holders: dict[str, Any] = {}  # node id -> SnapshotHolder
+        # Rank -> the holders its snapshots go to in the current world (``seat_holders``).
+        self.holders_by_rank: list[list[Any]] = []
         self.num_params = 0
         self.generation = 0  # worlds formed so far
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
@@ -187,13 +189,13 @@ class WorkerGroup:
         self.safekeeping.restart(step)
         return step
 
-    def _start_holders(self) -> None:
-        """One SnapshotHolder per node that runs a worker, pinned there, reserving no CPU."""
+    def seat_holders(self) -> list[list[Any]]:
+        """Start the holders the current world needs and fix, per rank, the ones its snapshots
+        go to: its node's, and a buddy node's when there is one and buddies are on. Kept for the
+        world's life, so the group asks after a step the very holders the ranks sent it to."""
         placement.start_holders(self.job, self.infos, self.holders)
-
-    def _holders_of(self, rank: int) -> list[Any]:
-        """This node's holder, and a buddy node's when there is one and buddies are on."""
-        return placement.holders_of(rank, self.job, self.infos, self.holders)
+        self.holders_by_rank = [placement.holders_of(r, self.job, self.infos, self.holders) for r in range(len(self.members))]
+        return self.holders_by_rank
 
     def on_live_node(self, member: Member) -> bool:
         """Whether ``member``'s node is not known to be gone (without holders no node is)."""
@@ -329,8 +331,8 @@ class WorkerGroup:
         """One answer per holder: whether it has ``step`` (or newer) of every rank that sends
         it snapshots."""
         ranks_of: dict[int, tuple[Any, list[int]]] = {}
-        for rank in range(len(self.members)):
-            for holder in self._holders_of(rank):
+        for rank, holders in enumerate(self.holders_by_rank):
+            for holder in holders:
                 ranks_of.setdefault(id(holder), (holder, []))[1].append(rank)
         timeout = self.job.controllers.step_timeout_s  # bounded like the step whose snapshots they are
         return [holder.wait_for.remote(ranks, step, timeout) for holder, ranks in ranks_of.values()]
@@ -399,7 +401,7 @@ class WorkerGroup:
             except Exception:
                 pass
         self.roster.clear()
-        self.placement_groups, self.holders = [], {}
+        self.placement_groups, self.holders, self.holders_by_rank = [], {}, []
 
     # --- calls ---------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def form_world(
     settle_leftovers(g, members)
     t0 = time.monotonic()
     g._wait_warm(members, timeout)
-    g._start_holders()
+    holders = g.seat_holders()
     g.generation += 1
     t1 = time.monotonic()
     g.phases["warm_s"] = t1 - t0
@@ -103,7 +103,7 @@ def form_world(
         stop_store(g.members[0].handle)
         g.leftovers.give_up(pending)
 
-    counts = g._gather(lambda rank, w: w.join.remote(job, rank, host, port, g._holders_of(rank)), timeout, on_failure=abandon_join)
+    counts = g._gather(lambda rank, w: w.join.remote(job, rank, host, port, holders[rank]), timeout, on_failure=abandon_join)
     g.num_params = counts[0]
     t2 = time.monotonic()
     g.phases["join_s"] = t2 - t1
