@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv tools run test test-unit test-dist test-ray test-gpu gpu-check helm-check bench clean
+.PHONY: venv tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start helm-check bench clean
 
 venv: $(STAMP)
 
@@ -96,6 +96,14 @@ gpu-check: venv
 	$(MAKE) test-gpu
 	PYTHONPATH=platform $(PY) bench/attention.py
 	PYTHONPATH=platform $(PY) bench/train.py --check
+
+# The time to the first step on a GPU node, against torchrun side by side: one rank on the GPU
+# (NCCL), and four CPU ranks with a core each (on the 2-core testbed they share two cores, and
+# each Ray process's own start adds up there).
+gpu-start: venv
+	@nvidia-smi >/dev/null 2>&1 || { echo "gpu-start: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+	PYTHONPATH=platform $(PY) bench/startup.py --repeats 3 --ranks 1 --device cuda --out bench/results/startup-cuda-1rank.json
+	PYTHONPATH=platform $(PY) bench/startup.py --repeats 3 --ranks 4 --device cpu --out bench/results/startup-gpu-node-cpu-4ranks.json
 
 helm-check: venv tools
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
