@@ -199,8 +199,9 @@ def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(
     # (it is removed once step 3 is recorded, in slow step 4: a loaded machine can otherwise
     # lag the buddy copy two steps behind), and after the shrink they leave the new replica time
     # to start and warm up in the background while training goes on (it joins at a step
-    # boundary); they change no number.
-    slow = ", ".join(f"{{kind: slow, rank: 0, step: {s}, seconds: 1.5}}" for s in range(4, nan_step))
+    # boundary): about 9 s alone, 20-26 s beside another Ray test on two cores, and 11 slow
+    # steps of 3 s leave it about 35 s; they change no number.
+    slow = ", ".join(f"{{kind: slow, rank: 0, step: {s}, seconds: 3.0}}" for s in range(4, nan_step))
     faults = f"[{{kind: nan, rank: 1, step: {nan_step}}}, {slow}]"
     job = start_job(
         cluster, run_dir, tmp_path, "mesh.min_dp=1", "controllers.on_nan=skip", "controllers.grow_after_s=0", f"chaos.faults={faults}"
