@@ -89,10 +89,13 @@ test-gpu: venv
 	fi; \
 	RINGTRAIN_GPU_STRICT=$$strict $(PY) -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
 
+# The first line of a GPU-only target: exit 2, naming the target, where nvidia-smi sees no GPU.
+NEED_GPU = @nvidia-smi >/dev/null 2>&1 || { echo "$@: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+
 # The GPU tier in one command, on a machine with an NVIDIA GPU: the tests above, then the GPU
 # benchmarks, each writing its JSON (device name, git commit) under bench/results/.
 gpu-check: venv
-	@nvidia-smi >/dev/null 2>&1 || { echo "gpu-check: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+	$(NEED_GPU)
 	$(MAKE) test-gpu
 	PYTHONPATH=platform $(PY) bench/attention.py
 	PYTHONPATH=platform $(PY) bench/train.py --check
@@ -101,7 +104,7 @@ gpu-check: venv
 # (NCCL), and four CPU ranks with a core each (on the 2-core testbed they share two cores, and
 # each Ray process's own start adds up there).
 gpu-start: venv
-	@nvidia-smi >/dev/null 2>&1 || { echo "gpu-start: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+	$(NEED_GPU)
 	PYTHONPATH=platform $(PY) bench/startup.py --repeats 3 --ranks 1 --device cuda --out bench/results/startup-cuda-1rank.json
 	PYTHONPATH=platform $(PY) bench/startup.py --repeats 3 --ranks 4 --device cpu --out bench/results/startup-gpu-node-cpu-4ranks.json
 

@@ -392,6 +392,12 @@ def next_done(records: Records, after: float) -> Optional[dict[str, Any]]:
     return min((r for r in records if done_at(r) > after), key=done_at, default=None)
 
 
+def done_between(records: Records, start: float, end: float) -> bool:
+    """Whether a step was done in (start, end]: a second failure with none is inside the
+    first one's recovery."""
+    return any(start < done_at(r) <= end for r in records)
+
+
 def measure_kill(kill: dict[str, Any], records: Records) -> dict[str, Any]:
     last = max((r["step"] for r in records if done_at(r) <= kill["time"]), default=0)
     nxt = next_done(records, kill["time"])
@@ -537,7 +543,7 @@ def measure_second(kill: dict[str, Any], records: Records) -> None:
     t = second["time"]
     nxt = next_done(records, t)
     second.update(
-        in_recovery=not any(kill["time"] < done_at(r) <= t for r in records),
+        in_recovery=not done_between(records, kill["time"], t),
         after_first_s=t - kill["time"],
         next_step=nxt["step"] if nxt else None,
         next_step_s=nxt["time"] - t if nxt else None,
@@ -558,7 +564,7 @@ def measure_restoring(kill: dict[str, Any], records: Records, incidents: Records
             incident_id=own["id"], kind=own.get("kind"), action=own.get("action"), ranks=own.get("ranks"),
             named_correctly=own.get("ranks") == [fault["rank"]], during_recovery_of=during.get("incident"),
             phase=during.get("phase"), detected_after_first_kill_s=own["detected_at"] - kill["time"],
-            in_recovery=not any(kill["time"] < done_at(r) <= own["detected_at"] for r in records),
+            in_recovery=not done_between(records, kill["time"], own["detected_at"]),
             detect_to_next_step_s=nxt["time"] - own["detected_at"] if nxt else None,
             lost_steps=own.get("lost_steps"), recover_s=own.get("recover_s"),
         )

@@ -12,9 +12,10 @@ peer that entered the collective late.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tests.dist.ranks import run_ranks
 
@@ -49,6 +50,19 @@ def _timed(recorder: Any, body: Any) -> tuple[float, float]:
     return time.perf_counter() - started, recorder.blocked_s() - blocked
 
 
+@contextlib.contextmanager
+def _side_stream_after_sleep(cycles: int) -> Iterator[Any]:
+    """Run the body on a side stream (made current) behind a ``cycles`` sleep there, after what
+    the main stream has queued; yields the side stream."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        yield side
+
+
 def _rank_main(rank: int, world: int, store_path: str, results: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -70,23 +84,24 @@ def _rank_main(rank: int, world: int, store_path: str, results: Any) -> None:
             torch.cuda._sleep(cycles)
             dist.all_reduce(x)
 
-        out["own"] = _timed(recorder, own_compute)
-
-        host_wait: list[float] = []
-
         def late_peer() -> None:  # the collective ends SLEEP_S late; the main stream waits for it
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(cycles)
+            with _side_stream_after_sleep(cycles):
                 work = dist.all_reduce(x, async_op=True)
             entered = time.perf_counter()
             work.wait()
-            host_wait.append(time.perf_counter() - entered)
+            out["late_host_wait"] = time.perf_counter() - entered
 
+        def own_side_work() -> None:
+            # A blocking collective whose input is written on a side stream behind the sleep:
+            # the main stream waits for that before the collective is entered.
+            with _side_stream_after_sleep(cycles) as side:
+                x.add_(0)
+            torch.cuda.current_stream().wait_stream(side)
+            dist.all_reduce(x)
+
+        out["own"] = _timed(recorder, own_compute)
         out["late"] = _timed(recorder, late_peer)
-        out["late_host_wait"] = host_wait[0]
-        out["blocking_late"] = _timed(recorder, lambda: _blocking_behind_side_sleep(dist, x, cycles))
+        out["blocking_late"] = _timed(recorder, own_side_work)
         results.put(out)
     except BaseException as exc:
         results.put(exc)
@@ -94,20 +109,6 @@ def _rank_main(rank: int, world: int, store_path: str, results: Any) -> None:
         collectives.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _blocking_behind_side_sleep(dist: Any, x: Any, cycles: int) -> None:
-    """A blocking collective (no ``async_op``) whose input is written on a side stream that
-    sleeps first: the NCCL stream, joined to the main one, waits for it."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(cycles)
-        x.add_(0)
-    torch.cuda.current_stream().wait_stream(side)
-    dist.all_reduce(x)
 
 
 def test_a_stream_stall_on_a_collective_counts_as_blocked_and_own_kernels_as_compute(tmp_path: Path) -> None:
