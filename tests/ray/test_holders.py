@@ -67,9 +67,13 @@ def test_snapshots_survive_a_killed_worker_on_its_node_and_a_buddy_node(two_node
         group.start()
         assert len({i.node_id for i in group.infos}) == 2, "one replica per node"
         assert len(group.holders) == 2
+        # Each rank's snapshots go to its node's holder and the other node's, fixed for the world.
+        nodes = [i.node_id for i in group.infos]
+        assert group.holders_by_rank == [[group.holders[own], group.holders[other]] for own, other in (nodes, nodes[::-1])]
         for _ in range(2):
             group.train_step()
         ray.get(group.snapshot_refs(2))  # step 2 is finished (and so handed to the holders)
+        assert group.safe_through(wait_s=30) == 2  # both holders, asked, say they have it
 
         victim = group.infos[1]
         os.kill(victim.pid, signal.SIGKILL)
