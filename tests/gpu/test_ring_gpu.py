@@ -21,7 +21,7 @@ import torch
 
 from ringtrain.train.attention.kernels import MATH, AttentionKernel, default_scale
 
-from .ring_emulation import emulated_ring
+from tests.emulated_cp import emulated_ring
 from .support import CUDA_KERNELS, MARKS, cuda_kernel
 
 pytestmark = MARKS

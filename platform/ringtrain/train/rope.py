@@ -17,7 +17,7 @@ sequence (zigzag) and each token rotates by its place in the whole sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
@@ -27,12 +27,21 @@ import torch
 class Rope:
     """What a model's rotary embeddings need: per-pair inverse frequencies and a cos/sin scale."""
 
-    inv_freq: torch.Tensor  # [D/2] float32
+    inv_freq: torch.Tensor  # [D/2] float32, on the CPU
     attention_factor: float = 1.0
+    # inv_freq per device it was used on: copied there once, not on every forward (a host to
+    # device copy that would block each layer's launch queue). Not a module buffer, which a
+    # model-wide cast to bf16 would round.
+    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        return self._on_device[device]
 
     def cos_sin(self, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [B, S, 1, D/2] in fp32, so long positions keep their precision."""
-        inv_freq = self.inv_freq.to(position_ids_BS.device)
+        inv_freq = self.inv_freq_on(position_ids_BS.device)
         angles = position_ids_BS.float()[..., None] * inv_freq
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:

@@ -55,7 +55,7 @@ class ZeroState:
         """Create Adam's state as torch does at its first step, so it can be restored into."""
         for t in self._state_tensors():
             state = self.inner.state[t]  # a defaultdict
-            state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+            state.setdefault("step", _adam_step_tensor(t, self.inner.defaults))
             state.setdefault("exp_avg", torch.zeros_like(t, memory_format=torch.preserve_format))
             state.setdefault("exp_avg_sq", torch.zeros_like(t, memory_format=torch.preserve_format))
 
@@ -160,6 +160,15 @@ class ZeroState:
             elif self.stage in (1, 2):
                 values = index.read(name, "param", 0, p.numel())
                 p.data.view(-1).copy_(torch.from_numpy(values).to(p.device, p.dtype))
+
+
+def _adam_step_tensor(param: torch.Tensor, defaults: dict[str, Any]) -> torch.Tensor:
+    """Adam's step count as ``torch.optim.Adam(W)`` makes it at its first step: on the
+    parameter's device for the fused and capturable implementations, which read it there (a
+    CPU step breaks them), else a CPU scalar, which the others read on the host."""
+    if defaults.get("fused") or defaults.get("capturable"):
+        return torch.zeros((), dtype=torch.float32, device=param.device)
+    return torch.tensor(0.0, dtype=torch.float32)
 
 
 def _stage0_optimizer(optimizer: Any) -> tuple[Any, dict[int, torch.Tensor]]:

@@ -155,11 +155,16 @@ def _check_square_if_causal(causal: bool, q_len: int, k_len: int) -> None:
         )
 
 
-def allowed_mask(visible_BQS: Optional[Tensor], causal: bool, q_len: int, k_len: int) -> Optional[Tensor]:
-    """The full boolean mask (``[Q, S]`` or ``[B, Q, S]``) or None when nothing is masked."""
+def allowed_mask(
+    visible_BQS: Optional[Tensor], causal: bool, q_len: int, k_len: int, *, device: torch.device
+) -> Optional[Tensor]:
+    """The full boolean mask (``[Q, S]`` or ``[B, Q, S]``) on ``device``, or None when nothing is masked.
+
+    ``device`` is the scores' device, passed rather than taken from the mask: with no mask the
+    causal part would otherwise be made on the default (CPU) device.
+    """
     if not causal:
         return visible_BQS
-    device = visible_BQS.device if visible_BQS is not None else None
     tril_QS = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
     return tril_QS if visible_BQS is None else visible_BQS & tril_QS
 
@@ -173,7 +178,7 @@ def additive_bias(allowed_BQS: Tensor, dtype: torch.dtype, *, align: int = 1) ->
     """
     B, Q, S = allowed_BQS.shape
     storage_BQP = torch.zeros((B, Q, S + (-S % align)), dtype=dtype, device=allowed_BQS.device)
-    bias_BQS = storage_BQP[..., :S].masked_fill_(~allowed_BQS, -math.inf)
+    bias_BQS = storage_BQP[..., :S].masked_fill_(allowed_BQS.logical_not(), -math.inf)
     return bias_BQS[:, None]
 
 
@@ -240,8 +245,9 @@ class AttentionKernel:
             # masked (torch's CPU flash kernel does); the merge needs the truth, or that row's
             # zero output would get real weight.
             seen_BQ = visible_BQS.any(dim=-1)
-            lse_BHQ = lse_BHQ.masked_fill(~seen_BQ[:, None, :], -math.inf)
-            out_BQHD = out_BQHD.masked_fill(~seen_BQ[:, :, None, None], 0.0)
+            unseen_BQ = seen_BQ.logical_not()
+            lse_BHQ = lse_BHQ.masked_fill(unseen_BQ[:, None, :], -math.inf)
+            out_BQHD = out_BQHD.masked_fill(unseen_BQ[:, :, None, None], 0.0)
         return BlockOutput(out_BQHD, lse_BHQ, aux)
 
     def backward(

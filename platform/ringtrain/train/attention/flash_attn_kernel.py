@@ -11,9 +11,11 @@ K key/value heads, D head dim (padded to a multiple of 8).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,24 +33,33 @@ from ringtrain.train.attention.block_kernel import (
 Tensor = torch.Tensor
 
 
-def _flash_attn_call_kwargs(fn: Callable[..., Any], **given: Any) -> dict[str, Any]:
-    """Keyword arguments for a flash-attn internal whose signature moves between releases.
+# The values we set whatever the release calls them: no sliding window, softcap or ALiBi.
+_NEUTRAL = {
+    "window_size": (-1, -1),
+    "window_size_left": -1,
+    "window_size_right": -1,
+    "softcap": 0.0,
+    "alibi_slopes": None,
+}
 
-    The values we set, "no sliding window / softcap / ALiBi" under whichever names this release
-    uses, and the function's own defaults for the rest.
-    """
+
+@functools.lru_cache(maxsize=None)
+def _call_defaults(fn: Callable[..., Any]) -> tuple[tuple[str, ...], Mapping[str, Any]]:
+    """``fn``'s parameter names and the values we pass unless told otherwise (its own
+    defaults, then ``_NEUTRAL``); read once per function, not on every block call."""
     params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    kwargs = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
-    neutral = {
-        "window_size": (-1, -1),
-        "window_size_left": -1,
-        "window_size_right": -1,
-        "softcap": 0.0,
-        "alibi_slopes": None,
-    }
-    kwargs.update({n: value for n, value in neutral.items() if n in params})
-    kwargs.update({n: value for n, value in given.items() if n in params})
-    missing = [n for n in params if n not in kwargs]
+    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    defaults.update({n: value for n, value in _NEUTRAL.items() if n in params})
+    return tuple(params), MappingProxyType(defaults)
+
+
+def _flash_attn_call_kwargs(fn: Callable[..., Any], **given: Any) -> dict[str, Any]:
+    """Keyword arguments for a flash-attn internal whose signature moves between releases:
+    ``given`` where ``fn`` takes it, ``_call_defaults`` for the rest."""
+    names, defaults = _call_defaults(fn)
+    kwargs = dict(defaults)
+    kwargs.update({n: value for n, value in given.items() if n in names})
+    missing = [n for n in names if n not in kwargs]
     if missing:
         raise KernelUnavailableError(
             "flash_attn", f"unsupported flash-attn release: {fn.__name__} also needs {missing}"

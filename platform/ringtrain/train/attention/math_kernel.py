@@ -51,9 +51,12 @@ class MathKernel(AttentionKernel):
         dtype = self._compute_dtype(q_BQHD)
         q_BQKGD = q_BQHD.to(dtype).unflatten(2, (k_BSKD.shape[2], -1))
         s_BKGQS = torch.einsum("bqkgd,bskd->bkgqs", q_BQKGD, k_BSKD.to(dtype)) * call.scale
-        allowed = allowed_mask(call.visible_BQS, call.causal, q_BQHD.shape[1], k_BSKD.shape[1])
+        allowed = allowed_mask(
+            call.visible_BQS, call.causal, q_BQHD.shape[1], k_BSKD.shape[1], device=s_BKGQS.device
+        )
         if allowed is not None:
-            s_BKGQS = s_BKGQS.masked_fill(~(allowed[:, None, None] if allowed.dim() == 3 else allowed), -math.inf)
+            hidden = (allowed[:, None, None] if allowed.dim() == 3 else allowed).logical_not()
+            s_BKGQS = s_BKGQS.masked_fill(hidden, -math.inf)
         return s_BKGQS
 
     def _op_forward(

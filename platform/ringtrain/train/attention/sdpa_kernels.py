@@ -55,7 +55,9 @@ def mask_as_bias(
     (``[B, 1, Q, S]``, or ``[B, H, Q, S]`` with a stride-0 head dim if ``expand_heads``)."""
     if call.visible_BQS is None:
         return None, call.causal
-    allowed_BQS = allowed_mask(call.visible_BQS, call.causal, q_BHQD.shape[2], k_BKSD.shape[2])
+    allowed_BQS = allowed_mask(
+        call.visible_BQS, call.causal, q_BHQD.shape[2], k_BKSD.shape[2], device=q_BHQD.device
+    )
     assert allowed_BQS is not None
     bias_B1QS = additive_bias(allowed_BQS, q_BHQD.dtype, align=align)
     if expand_heads:
