@@ -421,3 +421,31 @@ def test_the_efficient_kernels_masked_path_equals_math(
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+HOPPER_CASES = [
+    (64, torch.bfloat16, CUDA_ALL, "sdpa_cudnn"),
+    (128, torch.float16, CUDA_ALL, "sdpa_cudnn"),
+    (40, torch.bfloat16, CUDA_ALL, "sdpa_cudnn"),  # padded to 48 for cuDNN
+    (256, torch.bfloat16, CUDA_ALL, "flash_attn"),  # past cuDNN's backward
+    (256, torch.bfloat16, CUDA_ALL - {"flash_attn"}, "sdpa_flash"),
+    (128, torch.bfloat16, CUDA_ALL - {"sdpa_cudnn"}, "flash_attn"),  # a cuDNN older than 9
+    (128, torch.float32, CUDA_ALL, "sdpa_efficient"),
+]
+
+
+@pytest.mark.parametrize(("head_dim", "dtype", "available", "want"), HOPPER_CASES)
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["hopper", "blackwell"])
+def test_auto_prefers_cudnn_from_hopper_on(
+    head_dim: int, dtype: torch.dtype, available: frozenset, want: str, capability: tuple[int, int]
+) -> None:
+    got = select_kernel("auto", device_type="cuda", dtype=dtype, available=available, head_dim=head_dim,
+                        capability=capability)
+    assert got == want
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), None], ids=["ampere", "ada", "unknown"])
+def test_auto_keeps_flash_attention_first_before_hopper(capability: "tuple[int, int] | None") -> None:
+    got = select_kernel("auto", device_type="cuda", dtype=torch.bfloat16, available=CUDA_ALL, head_dim=128,
+                        capability=capability)
+    assert got == "flash_attn"
