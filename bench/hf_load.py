@@ -83,7 +83,7 @@ def _ringtrain(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
     with partitioned_construction(job, mesh, torch.float32):
         model = build_model(job, build_attention("local", "auto", ring_group=None, ulysses_group=None))
     phases.stop("build")
-    zero = ZeroState(build_engine(model, job, mesh, torch.float32), model, 3, rank, WORLD)
+    zero = ZeroState(build_engine(model, job, mesh, torch.float32, "cpu"), model, 3, rank, WORLD)
     zero.ensure_optimizer_state()
     phases.start()
     zero.load(PretrainedWeights(job.model.hf))  # as Trainer.load_pretrained
@@ -110,7 +110,7 @@ def _naive(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
             p.copy_(state[name])
     del state
     phases.stop("read")
-    ZeroState(build_engine(model, job, mesh, torch.float32), model, 3, rank, WORLD).ensure_optimizer_state()
+    ZeroState(build_engine(model, job, mesh, torch.float32, "cpu"), model, 3, rank, WORLD).ensure_optimizer_state()
 
 
 MODES: dict[str, Callable[[Any, Any, int, Phases], None]] = {"ringtrain": _ringtrain, "naive": _naive}

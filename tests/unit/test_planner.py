@@ -131,13 +131,13 @@ def test_activation_peaks_with_and_without_flash_attention() -> None:
     t = 200  # 400 tokens over cp = 2
     kept = 2 * t * 2960  # two layers, 2960 bytes per token each (see above)
     final_norm, rotary = t * 8 * 64, 4 * t * 16
-    loss = t * 1000 * (2 + 12)  # bf16 logits, fp32 log-softmax, its gradient, fp32 logits gradient
+    loss = t * 1000 * 12  # fp32 log-softmax, its gradient, fp32 logits gradient (the logits are gone)
     flash = activations(SMALL, layout, 400, 2, flash=True)
     assert flash.kept == kept and flash.loss == loss
-    assert flash.loss_peak == kept + final_norm + rotary + loss == 4_099_200
-    # backward: logits (bf16) stay referenced; SwiGLU backward holds t p (h + 2f)
-    assert flash.backward_peak == kept + rotary + t * 2 * 1000 + t * 2 * (64 + 2 * 192)
-    assert flash.peak == 4_099_200
+    assert flash.loss_peak == kept + final_norm + rotary + loss == 3_699_200
+    # backward: no logits left referenced; SwiGLU backward holds t p (h + 2f)
+    assert flash.backward_peak == kept + rotary + t * 2 * (64 + 2 * 192)
+    assert flash.peak == 3_699_200
 
     # Unfused: 5 fp32 score matrices of the diagonal block, b (a/U) (U s)^2 = 4 x 200^2 elements,
     # while the last layer's attention runs its backward (its FFN half already freed).
@@ -146,8 +146,8 @@ def test_activation_peaks_with_and_without_flash_attention() -> None:
     attention_work = t * ((4 + 4) * 64 + (16 + 12) * 32)
     ffn_half = t * ((4 + 4) * 64 + 4 * 2 * 192)
     unfused = activations(SMALL, layout, 400, 2, flash=False)
-    assert unfused.backward_peak == kept + rotary + t * 2 * 1000 + attention_work + scores - ffn_half
-    assert unfused.peak == 4_668_800 > flash.peak
+    assert unfused.backward_peak == kept + rotary + attention_work + scores - ffn_half
+    assert unfused.peak == 4_268_800 > flash.peak
 
 
 def test_checkpointing_keeps_only_layer_inputs() -> None:
@@ -155,16 +155,16 @@ def test_checkpointing_keeps_only_layer_inputs() -> None:
     t = 200
     acts = activations(SMALL, layout, 400, 2, flash=True)
     assert acts.kept == 2 * t * 2 * 64
-    assert acts.loss_peak == acts.kept + t * 8 * 64 + 4 * t * 16 + t * 1000 * 14
+    assert acts.loss_peak == acts.kept + t * 8 * 64 + 4 * t * 16 + t * 1000 * 12
     # one layer recomputed in the backward
-    assert acts.backward_peak == acts.kept + t * 2960 + 4 * t * 16 + t * 2 * 1000 + t * 2 * (64 + 384)
+    assert acts.backward_peak == acts.kept + t * 2960 + 4 * t * 16 + t * 2 * (64 + 384)
 
 
 def test_llama3_8b_at_128k_logits_dominate_activations() -> None:
     workload = Workload(PRESETS["llama3-8b"], 131072)
     est = estimate(workload, Layout(dp=1, ring=8, ulysses=1, zero_stage=3, checkpointing=True))
     t = 131072 // 8
-    assert est.logits_and_loss == t * 128256 * 14
+    assert est.logits_and_loss == t * 128256 * 12
     assert est.kept_by_layers == 32 * t * 2 * 4096
     assert est.total == est.params + est.grads + est.optimizer + est.zero_buffers + est.activations
 
@@ -361,7 +361,7 @@ def test_fit_warning() -> None:
     warning = command.fit_warning(too_big, "cuda")
     assert warning is not None and "\n" not in warning
     assert (
-        warning.startswith("ringtrain: warning: predicted peak") and "predicted to fit: mesh.dp=1 mesh.cp=8" in warning
+        warning.startswith("ringtrain: warning: predicted peak") and "predicted to fit: mesh.dp=2 mesh.cp=4" in warning
     )
     fitted = config.load(
         QUICKSTART, [*llama8b_shape, "mesh.dp=1", "mesh.cp=8", "zero.stage=3", "model.activation_checkpointing=true"]

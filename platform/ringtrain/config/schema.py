@@ -66,8 +66,10 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None
     init_std: float = 0.02
     # none | full (every layer keeps only its input) | selective (norms and the SwiGLU product
-    # are recomputed, see train/recompute.py); the older true/false mean full/none.
-    activation_checkpointing: str = "none"
+    # are recomputed, see train/recompute.py) | auto (the least recomputation whose activations
+    # fit the device's memory by the planner's memory model; none on a CPU); the older
+    # true/false mean full/none.
+    activation_checkpointing: str = "auto"
     # The saved activations of this many layers (the first ones) go to host memory in the
     # forward and come back one layer ahead in the backward (train/offload.py).
     activation_offload_layers: int = 0
@@ -96,7 +98,7 @@ MODEL_DEFAULTS: dict[str, Any] = {
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-CHECKPOINTING_MODES = ("none", "full", "selective")
+CHECKPOINTING_MODES = ("none", "full", "selective", "auto")
 
 
 # The boolean spellings model.activation_checkpointing had before it took a mode.
@@ -188,8 +190,14 @@ class TrainConfig:
     skip_batches: list[int] = field(default_factory=list)
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # Output projection and loss over chunks of this many tokens, each chunk's logits
-    # recomputed in the backward (train/loss.py); 0 materialises the whole [tokens x vocab].
+    # recomputed in the backward (train/loss.py); 0 materialises the whole [tokens x vocab],
+    # except where fused_ops runs the fused linear cross-entropy, which never does.
     loss_chunk_tokens: int = 0
+    # Fused kernels where they run (train/fused.py): on CUDA with liger-kernel installed, RMSNorm,
+    # RoPE, SwiGLU and the linear cross-entropy as Triton kernels, and AdamW's fused step;
+    # everywhere but ZeRO-3, q/k/v and the SwiGLU's two input projections as one GEMM each.
+    # false: the eager reference path.
+    fused_ops: bool = True
 
 
 @dataclass

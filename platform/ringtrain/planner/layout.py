@@ -172,6 +172,9 @@ class Workload:
     flash: bool = True  # a fused attention kernel (no score matrix in memory)
     optimizer_bytes: Optional[int] = None
     global_batch: int = 1  # sequences per optimizer step, as train.global_batch
+    # Fused kernels (train.fused_ops on a GPU, train/fused.py): RMSNorm, SwiGLU and the loss keep
+    # less for the backward than the eager ops (planner/savers.py says how much).
+    fused: bool = False
 
     @property
     def global_batch_tokens(self) -> int:
@@ -216,4 +219,5 @@ def workload_of(job: JobConfig, device_type: str, *, optimizer_bytes: Optional[i
         flash=job.attention.kernel != "math",
         optimizer_bytes=optimizer_bytes,
         global_batch=job.train.global_batch,
+        fused=bool(job.train.fused_ops) and device_type != "cpu",
     )

@@ -42,8 +42,9 @@ log-sum-exp, never the a*s^2 softmax:
                all-to-all, each KV head replicated c = U / gcd(k, U) times so every rank holds
                whole KV heads, and the output is kept on both sides of the inverse all-to-all
     once       final norm t (4 + 2p) h, rotary tables 4 t d, and at the start of the backward
-               the loss: t V (p + 12) for the logits, their fp32 log-softmax, its gradient and
-               the logits' fp32 gradient
+               the loss: 12 t V for the logits' fp32 log-softmax, its gradient and the logits'
+               fp32 gradient (the output head computes the loss, so the logits themselves are
+               freed at the end of the forward)
 
 For comparison, Korthikanti's GPT layer keeps s b h (34 + 5 a s / h) bytes with 16-bit
 activations; the 5 a s / h term is the softmax an unfused attention keeps. ringtrain's unfused
@@ -56,8 +57,7 @@ input, t p h, and recomputes one layer at a time during the backward.
 
 The activation peak is the larger of
     loss:           kept layers + final norm + rotary + loss
-    layer backward: kept layers + (with checkpointing) one recomputed layer + the logits, t p V,
-                    which stay referenced through the backward + the last layer's backward
+    layer backward: kept layers + (with checkpointing) one recomputed layer + the last layer's backward
                     working set: its SwiGLU backward's t p (h + 2f) (incoming gradient, two
                     f-wide gradients), or its attention backward's t [(4 + 2p) h + (16 + 6p) k d c]
                     (fp32 dq and dK/dV accumulators, K/V in flight, block gradients; plus the
@@ -78,7 +78,7 @@ from typing import Optional
 
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec, kv_copies
-from ringtrain.planner.savers import layer_bytes, loss_bytes, resident_layers, ulysses_extra
+from ringtrain.planner.savers import layer_bytes, loss_bytes, mlp_kept, norm_kept, resident_layers, ulysses_extra
 
 # DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
 # stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
@@ -174,11 +174,15 @@ def zero_buffers(model: Optional[ModelSpec], num_params: int, zero_stage: int, p
 
 
 
-def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int) -> int:
-    """Bytes one layer keeps for its backward on a rank holding ``tokens`` tokens (see module doc)."""
-    h, kd, f, a, p = model.dim, model.kv_dim, model.ffn_dim, model.n_heads, act_bytes
-    per_token = (8 + 4 * p) * h + p * (2 * h + 2 * kd) + 4 * a + 4 * p * f
-    return tokens * per_token + ulysses_extra(model, tokens, ulysses, p, kv_copies(model.n_kv_heads, ulysses))
+def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int, fused: bool = False) -> int:
+    """Bytes one layer keeps for its backward on a rank holding ``tokens`` tokens (see module doc;
+    ``fused``: with the fused kernels' norms and SwiGLU, planner/savers.py)."""
+    h, kd, a, p = model.dim, model.kv_dim, model.n_heads, act_bytes
+    attention = tokens * (p * (2 * h + 2 * kd) + 4 * a)
+    norms = 2 * norm_kept(model, tokens, p, fused)
+    return attention + norms + mlp_kept(model, tokens, p, fused) + ulysses_extra(
+        model, tokens, ulysses, p, kv_copies(model.n_kv_heads, ulysses)
+    )
 
 
 def score_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> int:
@@ -200,20 +204,23 @@ class Activations:
         return max(self.loss_peak, self.backward_peak)
 
 
-def activations(model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool) -> Activations:
+def activations(
+    model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool, fused: bool = False
+) -> Activations:
     """Activation bytes on one rank at the two candidate peaks (see module doc)."""
     t = layout.micro_batch * seq_len // layout.cp
     h, p = model.dim, act_bytes
-    layer = layer_activation_bytes(model, t, layout.ulysses, p)
-    ffn_half = t * ((4 + 2 * p) * h + 4 * p * model.ffn_dim)
-    saved = layer_bytes(model, layout, t, p, layer, ffn_half)
+    layer = layer_activation_bytes(model, t, layout.ulysses, p, fused)
+    ffn_half = norm_kept(model, t, p, fused) + mlp_kept(model, t, p, fused)
+    saved = layer_bytes(model, layout, t, p, layer, ffn_half, fused)
     on_device_forward, on_device_backward = resident_layers(model, layout)
     kept = on_device_forward * saved.kept
     rotary = 4 * t * model.head_dim
-    loss, logits_kept = loss_bytes(model, layout, t, p)
+    loss, logits_kept = loss_bytes(model, layout, t, p, fused)
     loss_peak = kept + t * (4 + 2 * p) * h + rotary + loss
 
-    # One layer's backward, the last layer's first (the logits stay referenced meanwhile). The
+    # One layer's backward, the last layer's first (the loss inside the model's output head
+    # leaves no logits referenced by then). The
     # SwiGLU backward holds the incoming gradient and two f-wide gradients beyond what the layer
     # keeps; by the time the attention's backward runs, the layer's FFN half has been freed.
     c = kv_copies(model.n_kv_heads, layout.ulysses)
@@ -262,7 +269,7 @@ def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
         offload_params=layout.offload_params,
     )
     buffers = zero_buffers(model, model.num_params, layout.zero_stage, prec)
-    acts = activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash)
+    acts = activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash, fused=workload.fused)
     return MemoryEstimate(
         params=states.params,
         grads=states.grads,

@@ -12,7 +12,7 @@ The savers (train/recompute.py, train/offload.py, train/loss.py):
 - tiled MLP: the SwiGLU keeps only its tile inputs (the norm output, kept anyway), so the
   4 p f t of w1, w3, silu and product leave the kept bytes; one tile's are live in the backward,
   and the SwiGLU backward's t p (h + 2f) working set shrinks to a tile's.
-- chunked loss: at most c rows of logits exist: c V (p + 12) instead of t V (p + 12), plus
+- chunked loss: at most c rows of logits exist: c V (p + 12) instead of 12 t V, plus
   one fp32 log-sum-exp per token and the fp32 weight-gradient accumulator 4 V h; nothing of
   t x V stays referenced through the backward.
 - activation offload of N layers: their kept bytes go to pinned host memory; the device keeps
@@ -41,9 +41,18 @@ def ulysses_extra(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int, k
     return tokens * act_bytes * (model.dim + 2 * model.kv_dim * (kv_copies - 1))
 
 
-def mlp_kept(model: ModelSpec, tokens: int, act_bytes: int) -> int:
-    """w1, w3, silu and product outputs: the f-wide tensors the SwiGLU keeps untiled."""
-    return tokens * 4 * act_bytes * model.ffn_dim
+def mlp_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
+    """The f-wide tensors the SwiGLU keeps untiled: w1, w3, silu and product outputs; the fused
+    kernel keeps its two inputs and recomputes the SiLU, so w1, w3 and product outputs."""
+    return tokens * (3 if fused else 4) * act_bytes * model.ffn_dim
+
+
+def norm_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
+    """What one RMSNorm of the model dim keeps, with the next op's copy of its output: in torch
+    ops its fp32 input and its normalized and scaled outputs, (4 + 2p) h per token; the fused
+    kernel its input and one fp32 rstd per row, and the output, 2 p h + 4."""
+    h, p = model.dim, act_bytes
+    return tokens * (2 * p * h + 4 if fused else (4 + 2 * p) * h)
 
 
 def selective_layer_bytes(model: ModelSpec, tokens: int, act_bytes: int) -> int:
@@ -62,13 +71,15 @@ class LayerBytes:
     ffn_work: int  # the SwiGLU backward's working set beyond what it keeps
 
 
-def layer_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, plain: int, plain_ffn: int) -> LayerBytes:
+def layer_bytes(
+    model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, plain: int, plain_ffn: int, fused: bool = False
+) -> LayerBytes:
     """``plain``: ``layer_activation_bytes`` (no saver); ``plain_ffn``: its FFN half."""
     p, h, f, K = act_bytes, model.dim, model.ffn_dim, layout.mlp_tiles
-    mlp = mlp_kept(model, tokens, p)
+    mlp = mlp_kept(model, tokens, p, fused)
     tile_mlp = mlp // K
     ffn_work = tokens * p * (h + 2 * f) // K
-    norm_ffn = tokens * (4 + 2 * p) * h  # the FFN norm's kept bytes (memory.py's (4 + 2p) h)
+    norm_ffn = norm_kept(model, tokens, p, fused)  # the FFN norm's kept bytes
     if layout.checkpointing:
         # The recomputed layer keeps everything but the untiled MLP, which lives a tile at a time.
         recomputed = plain - mlp + tile_mlp if K > 1 else plain
@@ -83,13 +94,34 @@ def layer_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, p
     return LayerBytes(plain, 0, plain_ffn, ffn_work)
 
 
-def loss_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> tuple[int, int]:
-    """(the loss's peak at the start of the backward, the logits kept through the backward)."""
-    V, p = model.vocab_size, act_bytes
+def fused_loss_rows(tokens: int, vocab_size: int, dim: int) -> int:
+    """The rows of logits liger-kernel's fused linear cross-entropy makes at a time: the tokens
+    over ceil(V / h), rounded up to a power of two (so a chunk's logits weigh about what the
+    hidden states do)."""
+    rows = -(-tokens // -(-vocab_size // dim))
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def loss_bytes(
+    model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, fused: bool = False
+) -> tuple[int, int]:
+    """(the loss's peak at the start of the backward, the logits kept through the backward).
+
+    The model's output head computes the loss itself, so nothing holds the logits once its
+    forward is done: the log-softmax keeps only its fp32 output, and its backward holds that, the
+    incoming gradient and the outgoing one, 12 bytes per logit; none are kept through the
+    layers' backward."""
+    V = model.vocab_size
+    if fused:
+        # The fused loss makes each chunk's logits (fp32, with their gradient in the input dtype)
+        # and turns them into the hidden states' gradient and the fp32 weight gradient during the
+        # forward; those two are what it keeps.
+        rows = min(fused_loss_rows(tokens, V, model.dim), tokens)
+        return rows * V * (8 + act_bytes) + tokens * act_bytes * model.dim + 4 * V * model.dim, 0
     if layout.loss_chunk <= 0:
-        return tokens * V * (p + 12), tokens * p * V
+        return tokens * V * 12, 0
     rows = min(layout.loss_chunk, tokens)
-    return rows * V * (p + 12) + 4 * tokens + 4 * V * model.dim, 0
+    return rows * V * (act_bytes + 12) + 4 * tokens + 4 * V * model.dim, 0
 
 
 def resident_layers(model: ModelSpec, layout: Layout) -> tuple[int, int]:

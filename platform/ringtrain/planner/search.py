@@ -23,6 +23,7 @@ fit), or which part of the memory is out of reach and why.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,7 +189,7 @@ class Reach:
 
 
 def _with_seq(workload: Workload, seq_len: int) -> Workload:
-    return Workload(workload.model, seq_len, workload.dtype, workload.flash, workload.optimizer_bytes, workload.global_batch)
+    return dataclasses.replace(workload, seq_len=seq_len)
 
 
 def _at(workload: Workload, base: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:

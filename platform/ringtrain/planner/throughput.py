@@ -130,7 +130,7 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
     pcie_bw = device.pcie_bw * assume.link_efficiency
     activation_exposed, link_s = 0.0, net.pcie_fetch_per_micro / pcie_bw
     if layout.offload_layers:
-        kept_layer = activations(model, layout, seq, prec.act_bytes, flash=workload.flash).host // layout.offload_layers
+        kept_layer = activations(model, layout, seq, prec.act_bytes, flash=workload.flash, fused=workload.fused).host // layout.offload_layers
         layer_forward = tokens * model_flops / 3 / model.n_layers / flop_rate
         activation_exposed = offload_exposed_s(kept_layer, layout, layer_forward, pcie_bw)
         link_s += 2 * layout.offload_layers * kept_layer / pcie_bw

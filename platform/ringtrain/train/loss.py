@@ -1,8 +1,8 @@
 """The output projection and cross-entropy over chunks of tokens, never the whole [tokens x vocab] logits.
 
 At long context the full-vocabulary logits are the largest single activation: t tokens x V
-vocabulary entries in the activation dtype, plus the fp32 log-softmax and the two gradients
-autograd keeps (t V (p + 12) bytes, see planner/memory.py). ``chunked_cross_entropy_sum``
+vocabulary entries, whose fp32 log-softmax and its two gradients take 12 t V bytes at the start
+of the backward (see planner/memory.py). ``chunked_cross_entropy_sum``
 computes the same summed loss a chunk of ``chunk_tokens`` tokens at a time: the forward keeps
 only the hidden states it was given, the weight, the labels and one fp32 log-sum-exp per token,
 and the backward recomputes each chunk's logits to form that chunk's gradient. Peak memory of
@@ -16,9 +16,8 @@ a token whose label is IGNORE_INDEX contributes neither loss nor gradient, as in
 The result is the sum over labelled tokens, in fp32: the caller divides it exactly as it divides
 the unchunked sum (trainer.py normalises by the labels of the micro batch across CP ranks).
 
-On CUDA, liger-kernel's fused linear cross-entropy (the ``gpu`` extra) is used when it is
-installed; it chunks by its own rule and computes the gradients during the forward, so it
-needs no recomputation. The torch path here is the fallback and the reference on CPU.
+Where ``train.fused_ops`` runs liger-kernel's fused linear cross-entropy (CUDA, train/fused.py),
+the model takes that instead; this torch path is the reference on CPU and the fallback.
 """
 
 from __future__ import annotations
@@ -87,8 +86,6 @@ def chunked_cross_entropy_sum(
     labelled tokens, materialising at most ``chunk_tokens`` rows of logits at a time."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
-    if hidden_TE.is_cuda and liger_available():
-        return _liger_sum(hidden_TE, weight_VE, labels_T)
     return _ChunkedLinearCrossEntropy.apply(hidden_TE, weight_VE, labels_T, chunk_tokens)
 
 
@@ -96,19 +93,3 @@ def full_cross_entropy_sum(hidden_TE: torch.Tensor, weight_VE: torch.Tensor, lab
     """The unchunked reference: the whole logits, then ``F.cross_entropy`` (what trainer.py does)."""
     logits_TV = F.linear(hidden_TE, weight_VE)
     return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def liger_available() -> bool:
-    """Whether liger-kernel's fused linear cross-entropy can be imported (the ``gpu`` extra)."""
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
-    except Exception:  # not installed, or installed without a usable triton
-        return False
-    return True
-
-
-def _liger_sum(hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-    loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss_fn(weight_VE, hidden_TE, labels_T).float()

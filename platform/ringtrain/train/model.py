@@ -25,6 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ringtrain.config import JobConfig, checkpointing_mode
+from ringtrain.train import fused as ops
+from ringtrain.train.fused import FusedOps
 from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
 from ringtrain.train.offload import ActivationOffloader
 from ringtrain.train.recompute import recomputed, tiled
@@ -106,26 +108,18 @@ class MemorySavers:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fused: FusedOps = FusedOps()) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def apply_rotary(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # The half-split convention (rotate the first half against the second), as in Llama's HF port.
-    x1, x2 = x_BSHD.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.type_as(x_BSHD)
+        return ops.rms_norm(x, self.weight, self.eps, self.fused)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, attention_fn: AttentionFn) -> None:
+    def __init__(self, args: ModelArgs, attention_fn: AttentionFn, fused: FusedOps = FusedOps()) -> None:
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
@@ -135,42 +129,54 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         # Qwen3 normalises each head's query and key over the head dim, before the rotation.
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, fused) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, fused) if args.qk_norm else None
         self.attention_fn = attention_fn
+        self.fused = fused
 
     def forward(
         self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_BS: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         B, S, _ = x_BSE.shape
-        q_BSHD = self.wq(x_BSE).view(B, S, self.n_heads, self.head_dim)
-        k_BSKD = self.wk(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
-        v_BSKD = self.wv(x_BSE).view(B, S, self.n_kv_heads, self.head_dim)
+        q_BSX, k_BSX, v_BSX = ops.projections(x_BSE, (self.wq, self.wk, self.wv), self.fused)
+        q_BSHD = q_BSX.unflatten(-1, (self.n_heads, self.head_dim))
+        k_BSKD = k_BSX.unflatten(-1, (self.n_kv_heads, self.head_dim))
+        v_BSKD = v_BSX.unflatten(-1, (self.n_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHD, k_BSKD = self.q_norm(q_BSHD), self.k_norm(k_BSKD)
-        q_BSHD, k_BSKD = apply_rotary(q_BSHD, cos, sin), apply_rotary(k_BSKD, cos, sin)
+        q_BSHD, k_BSKD = ops.apply_rotary(q_BSHD, k_BSKD, cos, sin, self.fused)
         out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True, doc_ids=doc_BS)
         return self.wo(out_BSHD.reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, fused: FusedOps = FusedOps()) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=bias)
         self.w3 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = ops.projections(x, (self.w1, self.w3), self.fused)
+        return self.w2(ops.swiglu(gate, up, self.fused))
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, attention_fn: AttentionFn, savers: MemorySavers = MemorySavers()):
+    def __init__(
+        self,
+        args: ModelArgs,
+        attention_fn: AttentionFn,
+        savers: MemorySavers = MemorySavers(),
+        fused: FusedOps = FusedOps(),
+    ):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, attention_fn)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused)
+        self.attention = Attention(args, attention_fn, fused)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias, fused)
         self.selective = savers.checkpointing == "selective"
         self.mlp_tiles = savers.mlp_tiles
 
@@ -194,16 +200,22 @@ class Block(nn.Module):
 
 class OutputHead(nn.Linear):
     """The output projection; given labels, it returns the summed loss instead of the logits, so
-    the chunked loss reads the weight inside this module's call (where ZeRO-3 gathers it)."""
+    the fused and chunked losses read the weight inside this module's call (where ZeRO-3
+    gathers it). The loss is liger's fused one where it runs (train/fused.py), else chunked when
+    ``loss_chunk_tokens`` is set, else over the whole logits."""
 
-    def __init__(self, dim: int, vocab_size: int, loss_chunk_tokens: int = 0) -> None:
+    def __init__(self, dim: int, vocab_size: int, loss_chunk_tokens: int = 0, fused: FusedOps = FusedOps()) -> None:
         super().__init__(dim, vocab_size, bias=False)
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.fused = fused
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is None:
             return super().forward(x)
         x_TE, labels_T = x.flatten(0, -2), labels.flatten()
+        fused_loss = ops.cross_entropy_sum(x_TE, self.weight, labels_T, self.fused)
+        if fused_loss is not None:
+            return fused_loss
         if self.loss_chunk_tokens > 0:
             return chunked_cross_entropy_sum(x_TE, self.weight, labels_T, self.loss_chunk_tokens)
         return full_cross_entropy_sum(x_TE, self.weight, labels_T)
@@ -218,20 +230,23 @@ class Transformer(nn.Module):
         init_std: Optional[float] = 0.02,
         activation_checkpointing: "bool | str" = False,
         savers: Optional[MemorySavers] = None,
+        fused: FusedOps = FusedOps(),
     ) -> None:
         """``init_std=None`` skips the random initialisation: the weights are loaded next.
-        ``activation_checkpointing`` (a mode, or the older bool) is ignored when ``savers`` is given."""
+        ``activation_checkpointing`` (a mode, or the older bool) is ignored when ``savers`` is given.
+        ``fused``: the fused ops to run (train/fused.py); the default is the eager reference."""
         super().__init__()
         self.args = args
+        self.fused = fused
         self.rope: Rope = build_rope(args.head_dim, args.rope_theta, args.rope_scaling)
         self.savers = savers or MemorySavers(checkpointing=checkpointing_mode(activation_checkpointing))
         self.activation_checkpointing = self.savers.checkpointing == "full"
         # Built on the first forward, on the device the activations are on.
         self.offloader: Optional[ActivationOffloader] = None
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, attention_fn, self.savers) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = OutputHead(args.dim, args.vocab_size, self.savers.loss_chunk_tokens)
+        self.layers = nn.ModuleList(Block(args, attention_fn, self.savers, fused) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, fused)
+        self.output = OutputHead(args.dim, args.vocab_size, self.savers.loss_chunk_tokens, fused)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if init_std is not None:

@@ -20,14 +20,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.checkpoint.wire import FragmentIndex, decode
-from ringtrain.config import ChaosConfig, JobConfig
+from ringtrain.config import ChaosConfig, JobConfig, checkpointing_mode
+from ringtrain.planner.recompute import checkpointing_for
 from ringtrain.status import StepReport
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
+from ringtrain.train.fused import FusedOps
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.mixture import open_samples
 from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, skip_parameter_init
@@ -78,16 +79,29 @@ def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
     return build_attention(impl, job.attention.kernel, ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
 
 
-def build_model(job: JobConfig, attention_fn: AttentionFn) -> Transformer:
+def resolve_checkpointing(job: JobConfig, device: Optional[torch.device]) -> str:
+    """``model.activation_checkpointing`` as it runs on ``device``: ``auto`` is the least
+    recomputation whose activations fit the GPU's memory (planner/recompute.py); on a CPU, where
+    memory is the host's, none."""
+    if device is None or device.type != "cuda":
+        mode = checkpointing_mode(job.model.activation_checkpointing)
+        return "none" if mode == "auto" else mode
+    return checkpointing_for(job, torch.cuda.get_device_properties(device).total_memory)
+
+
+def build_model(job: JobConfig, attention_fn: AttentionFn, device: Optional[torch.device] = None) -> Transformer:
+    """The job's model, its savers resolved for ``device`` (see ``resolve_checkpointing``)."""
     # Same seed on every rank: identical initial weights without a broadcast. A pretrained
     # model's weights are loaded after the engine is built, so they are not drawn at all.
     torch.manual_seed(job.train.seed)
+    savers = dataclasses.replace(MemorySavers.from_job(job), checkpointing=resolve_checkpointing(job, device))
     with skip_parameter_init() if job.model.hf else contextlib.nullcontext():
         return Transformer(
             ModelArgs.from_job(job),
             attention_fn=attention_fn,
             init_std=None if job.model.hf else job.model.init_std,
-            savers=MemorySavers.from_job(job),
+            savers=savers,
+            fused=FusedOps.from_job(job),
         )
 
 
@@ -149,8 +163,8 @@ class Trainer:
         attention_fn = (attention_factory or default_attention)(job, self.mesh)
         skip_shm_comm_op()
         with partitioned_construction(job, self.mesh, self.dtype):
-            self.model = build_model(job, attention_fn)
-        self.engine = build_engine(self.model, job, self.mesh, self.dtype)
+            self.model = build_model(job, attention_fn, device)
+        self.engine = build_engine(self.model, job, self.mesh, self.dtype, device.type)
         c = self.mesh.coord
         self.data = ShardedData(
             open_samples(job),
@@ -195,7 +209,12 @@ class Trainer:
         self.zero.load(weights)
 
     def _tensor(self, array: object) -> torch.Tensor:
-        return torch.as_tensor(array, dtype=torch.long, device=self.device)
+        host = torch.as_tensor(array, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        # From pinned memory the copy is a DMA queued behind the work already launched; from
+        # pageable memory it would stage through a bounce buffer and block the host until done.
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _docs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The model's document-id argument under document packing, else nothing."""
@@ -264,15 +283,11 @@ class Trainer:
         """Forward, backward and (at the accumulation boundary) the optimizer step of one
         micro-batch; returns this rank's summed token loss and its number of labels."""
         labels = self._tensor(mb.labels).flatten()
-        if self.job.train.loss_chunk_tokens > 0:
-            # The model returns the summed loss itself, chunk by chunk (train/loss.py): the
-            # whole [tokens x vocab] logits never exist. Normalised below exactly as the sum is.
-            loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb))
-            self._strike(strike)
-        else:
-            logits_BSV = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), **self._docs(mb))
-            self._strike(strike)
-            loss_sum = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        # The model returns the summed loss itself (fused, chunked or over the whole logits, as
+        # its output head says): with the fused and chunked losses the whole [tokens x vocab]
+        # logits never exist. Normalised below.
+        loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb))
+        self._strike(strike)
         # The mean number of labels a rank holds per micro-batch (see the module docstring).
         loss = loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
         if poison:
