@@ -75,8 +75,8 @@ def ulysses_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int)
     if U == 1:
         return 0
     c = kv_copies(model.n_kv_heads, U)
-    qkv = tokens * act_bytes * (model.dim + 2 * model.kv_dim * c)
-    out = tokens * act_bytes * model.dim
+    qkv = tokens * act_bytes * (model.q_dim + 2 * model.kv_dim * c)
+    out = tokens * act_bytes * model.q_dim
     forward = (qkv + out) * (U - 1) // U
     return (3 if layout.checkpointing else 2) * forward
 

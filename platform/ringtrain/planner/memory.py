@@ -177,8 +177,8 @@ def zero_buffers(model: Optional[ModelSpec], num_params: int, zero_stage: int, p
 def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int, fused: bool = False) -> int:
     """Bytes one layer keeps for its backward on a rank holding ``tokens`` tokens (see module doc;
     ``fused``: with the fused kernels' norms and SwiGLU, planner/savers.py)."""
-    h, kd, a, p = model.dim, model.kv_dim, model.n_heads, act_bytes
-    attention = tokens * (p * (2 * h + 2 * kd) + 4 * a)
+    q, kd, a, p = model.q_dim, model.kv_dim, model.n_heads, act_bytes
+    attention = tokens * (p * (2 * q + 2 * kd) + 4 * a)
     norms = 2 * norm_kept(model, tokens, p, fused)
     return attention + norms + mlp_kept(model, tokens, p, fused) + ulysses_extra(
         model, tokens, ulysses, p, kv_copies(model.n_kv_heads, ulysses)

@@ -1,8 +1,9 @@
 """Model shapes the planner reasons about: named presets and the model of a job config.
 
 A ``ModelSpec`` is the Llama-style decoder of ``ringtrain.train.model`` reduced to its sizes:
-untied input embedding and output projection, per layer two RMSNorm gains, grouped-query
-attention (``wq``, ``wk``, ``wv``, ``wo`` without biases) and a SwiGLU feed-forward
+an input embedding and an output projection (one matrix when tied), per layer two RMSNorm gains,
+grouped-query attention (``wq``, ``wk``, ``wv``, ``wo`` without biases; the heads' width
+``n_heads x head_dim`` need not be the model dim, as in Qwen3) and a SwiGLU feed-forward
 (``w1``, ``w3``, ``w2``), then a final RMSNorm. Parameter counts follow from those shapes.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
@@ -24,10 +26,17 @@ class ModelSpec:
     n_heads: int
     n_kv_heads: int
     ffn_dim: int
+    explicit_head_dim: Optional[int] = None  # model.head_dim when set; else dim / n_heads
+    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """The width of the queries and of the attention's output, n_heads x head_dim."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -35,13 +44,15 @@ class ModelSpec:
 
     def layer_tensors(self) -> tuple[int, ...]:
         """Element counts of one block's parameters, in the model's order."""
-        h, kv, f = self.dim, self.kv_dim, self.ffn_dim
-        return (h, h * h, h * kv, h * kv, h * h, h, h * f, h * f, f * h)
+        h, q, kv, f = self.dim, self.q_dim, self.kv_dim, self.ffn_dim
+        return (h, h * q, h * kv, h * kv, q * h, h, h * f, h * f, f * h)
 
     def tensors(self) -> tuple[int, ...]:
-        """Element counts of every parameter tensor: embedding, blocks, final norm, output."""
+        """Element counts of every parameter tensor: embedding, blocks, final norm, output (none
+        of its own when tied to the embedding)."""
         embed = self.vocab_size * self.dim
-        return (embed, *self.layer_tensors() * self.n_layers, self.dim, embed)
+        output = () if self.tie_embeddings else (embed,)
+        return (embed, *self.layer_tensors() * self.n_layers, self.dim, *output)
 
     @property
     def num_params(self) -> int:
@@ -55,7 +66,9 @@ class ModelSpec:
         "Scaling Laws for Neural Language Models", section 2.1, count N without embeddings).
         """
         norms = (2 * self.n_layers + 1) * self.dim
-        return self.num_params - self.vocab_size * self.dim - norms
+        # Tied, the one matrix is the output projection's too: it multiplies.
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.num_params - lookup - norms
 
 
 # Shapes from Meta's released params.json of each model, also in Dubey et al. 2024,
@@ -82,4 +95,14 @@ def preset(name: str) -> ModelSpec:
 
 def from_job(job: JobConfig) -> ModelSpec:
     m = job.model
-    return ModelSpec(job.name, m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, job.ffn_dim)
+    return ModelSpec(
+        job.name,
+        m.vocab_size,
+        m.dim,
+        m.n_layers,
+        m.n_heads,
+        m.n_kv_heads,
+        job.ffn_dim,
+        explicit_head_dim=job.head_dim,
+        tie_embeddings=bool(m.tie_embeddings),
+    )

@@ -38,7 +38,7 @@ def ulysses_extra(model: ModelSpec, tokens: int, ulysses: int, act_bytes: int, k
     """Ulysses keeps q, k, v head-sharded after the all-to-all and the output on both sides."""
     if ulysses <= 1:
         return 0
-    return tokens * act_bytes * (model.dim + 2 * model.kv_dim * (kv_copies - 1))
+    return tokens * act_bytes * (model.q_dim + 2 * model.kv_dim * (kv_copies - 1))
 
 
 def mlp_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
@@ -57,8 +57,8 @@ def norm_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False
 
 def selective_layer_bytes(model: ModelSpec, tokens: int, act_bytes: int) -> int:
     """What a layer keeps under selective recomputation, before the Ulysses term."""
-    h, kd, a, p = model.dim, model.kv_dim, model.n_heads, act_bytes
-    return tokens * (p * (2 * h + 2 * kd) + 4 * a + 3 * p * h)
+    h, q, kd, a, p = model.dim, model.q_dim, model.kv_dim, model.n_heads, act_bytes
+    return tokens * (p * (2 * q + 2 * kd) + 4 * a + 3 * p * h)
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,9 @@ class Assumptions:
 
 
 def flops_per_token(model: ModelSpec, seq_len: int, *, checkpointing: bool) -> tuple[float, float]:
-    """(model, executed) FLOPs per token: 6 N_mm + 6 L h S, and 8/6 of it with checkpointing."""
-    model_flops = 6.0 * model.num_matmul_params + 6.0 * model.n_layers * model.dim * seq_len
+    """(model, executed) FLOPs per token: 6 N_mm + 6 L q S (q = n_heads x head_dim, the causal
+    attention's width), and 8/6 of it with checkpointing."""
+    model_flops = 6.0 * model.num_matmul_params + 6.0 * model.n_layers * model.q_dim * seq_len
     return model_flops, model_flops * (8 / 6 if checkpointing else 1.0)
 
 
@@ -104,7 +105,7 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
     net = traffic(model, layout, seq, prec)
 
     # Attention's share of a layer's compute is what a layer's ring transfers can hide behind.
-    attention_flops = 6.0 * model.dim * seq * (8 / 6 if layout.checkpointing else 1.0)
+    attention_flops = 6.0 * model.q_dim * seq * (8 / 6 if layout.checkpointing else 1.0)
     attention_s = tokens * attention_flops / flop_rate
     # A CP group sits on one node when whole groups tile a node; otherwise its slowest hop is InfiniBand.
     ring_bw = link(per_node % layout.cp == 0)
