@@ -1,32 +1,77 @@
-"""Benchmark: training throughput and MFU of a ~1B Llama at 32K tokens on one GPU, ringtrain's
-Trainer against plain PyTorch around the same model and attention kernel, in the same run.
+"""Benchmark: training throughput and MFU at 32K tokens on one GPU, ringtrain's Trainer against
+plain PyTorch around the same module and against Hugging Face transformers' own model.
 
-Model: TinyLlama-1.1B's shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632) with a
-32,000-token vocabulary, activation checkpointing per layer (a 32K-token sequence's activations
-do not fit in 80 GB otherwise), bf16, one 32,768-token sequence per optimizer step.
+Shapes (``SHAPES``), one 32,768-token sequence per optimizer step, bf16:
 
-- ringtrain: the ``Trainer`` of one rank in an NCCL world of one, as a worker runs it: DeepSpeed
-  bf16 with ZeRO ``--zero`` and torch's AdamW, the stdlib corpus as data, the step's loss
-  all-reduced and reported; snapshots off (``--snapshot-every N`` adds a run with them).
-- plain PyTorch: the same ``Transformer`` module and attention function, bf16 weights with fp32
-  master copies stepped by torch's AdamW and copied back (DeepSpeed's bf16 recipe, written out),
-  the same gradient clipping and loss, random tokens.
+- tinyllama: TinyLlama-1.1B (Zhang et al. 2024, "TinyLlama", Table 1): vocabulary 32,000, dim
+  2048, 22 layers, 32 query / 4 KV heads of dim 64, FFN 5632, rope theta 1e4.
+- qwen3: Qwen3-1.7B (its config.json): vocabulary 151,936, dim 2048, 28 layers, 16 query / 8 KV
+  heads of dim 128, FFN 6144, per-head q/k RMSNorm, tied embeddings, rope theta 1e6, eps 1e-6.
 
-Each runs in a process of its own (a fresh CUDA context, allocator and process group), one after
-the other, ``--warmup`` untimed steps then ``--steps`` timed ones, each step timed from a
-synchronized GPU to a synchronized GPU; the median step time gives tokens/s.
+Variants, each in a spawned process of its own (a fresh CUDA context, allocator and process
+group), one after the other:
 
-MFU is model FLOPs per token (6 N_matmul + 6 L d S, the platform's own MFU metric; the
-recomputation of checkpointed activations is not counted) x tokens/s over the device's peak
-dense bf16 FLOP/s (the planner's table, ``ringtrain.planner.devices``; ``--peak-tflops`` for a
-GPU it lacks). Targets: the Trainer's MFU >= 45%, and its tokens/s within 5% of plain PyTorch's
-(>= 0.95x). ``--check`` makes a missed target exit 1.
+- trainer: ringtrain's ``Trainer`` of one rank in an NCCL world of one, as a worker runs it:
+  DeepSpeed ZeRO-``--zero``, the job's defaults (``model.activation_checkpointing=auto``,
+  ``train.fused_ops=true``, ``attention.kernel=auto``), the stdlib corpus as data, snapshots off.
+- plain: the same ``Transformer`` from ``build_model`` (so the same resolved recompute mode,
+  fused ops and kernel), bf16 weights with fp32 master copies stepped by torch's AdamW (fused on
+  CUDA) and copied back, the same gradient clipping, random tokens, the loss from the model's
+  labels path: the Trainer's recipe without the platform around it.
+- hf: transformers' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` built from the config ringtrain's
+  exporter writes for the same shape (``ringtrain.hf.hfconfig``), ``attn_implementation="sdpa"``,
+  gradient checkpointing of every layer (32K tokens do not fit without), the same fp32-master
+  AdamW, ``model(input_ids=..., labels=...).loss``: what a user would otherwise run.
+- trainer_snapshots (tinyllama only): the trainer with a snapshot every ``--snapshot-every``
+  steps (default 1; 0 leaves it out), for the per-step snapshot's cost.
 
-    PYTHONPATH=platform python bench/train.py [--steps 6] [--warmup 2] [--seq 32768] [--kernel auto]
-        [--zero 2] [--snapshot-every N] [--peak-tflops T] [--check]
+Each variant runs ``--warmup`` untimed steps, then ``--steps`` timed ones, each from a
+synchronized device to a synchronized device; the median step time gives tokens/s. Peak memory
+is ``torch.cuda.max_memory_allocated`` over the steps (the process's peak RSS on a CPU).
 
-Writes bench/results/train-<device>.json (commit, device, torch and CUDA versions, every step
-time). Needs CUDA: without it, it exits 2 at once with a message.
+MFU is model FLOPs per token x tokens/s over the device's peak dense bf16 FLOP/s. With N_mm the
+parameters of matrix multiplies (every projection and the output head, tied or not; not the
+embedding lookup or the norm gains), L layers, A = n_heads x head_dim the attention width and
+S the sequence length, per token:
+
+    causal (the platform's MFU metric)   6 N_mm +  6 L A S
+    the 12 L d S convention              6 N_mm + 12 L A S
+
+The first halves attention's score and value products under the causal mask; the second counts
+them whole, as published MFU figures do (PaLM's 6 N + 12 L H Q T; Chowdhery et al. 2022). Neither
+counts recomputation. The planner's ``flops_per_token`` (``ringtrain.planner.throughput``)
+takes model.dim for A; the two differ where head_dim != dim / n_heads (not in these two
+shapes), and the JSON records the planner's figure beside. The peak is the planner's device
+table (``ringtrain.planner.devices``: H100 989 TFLOP/s) or ``--peak-tflops``.
+
+Targets, each printed PASS or MISS with its value:
+
+    trainer MFU (causal)                       >= 45% qwen3, >= 38% tinyllama
+    trainer / plain tokens/s                   >= 0.97, per shape
+    trainer / hf tokens/s                      >= 1.5, per shape
+    trainer_snapshots / trainer step time      <= 1.02 (tinyllama)
+
+``--check`` exits 1 when one is missed or could not be measured. A variant that fails (out of
+memory included, or past ``--timeout``) is a result: it is recorded with the last lines of its
+error, the bench goes on with the next one, and exits 1 at the end. A SIGINT (a time box's)
+ends the bench at the variant in flight, recorded as interrupted; the JSON still holds all
+that was measured before it. The budget is 5 minutes on one H100 for the whole bench:
+``--timeout`` bounds each variant, process start included, and ``--shapes``, ``--variants`` and
+``--seq`` cut it down.
+
+    PYTHONPATH=platform python bench/train.py [--shapes tinyllama,qwen3]
+        [--variants trainer,plain,hf,trainer_snapshots] [--seq 32768] [--warmup 2] [--steps 4]
+        [--zero 2] [--kernel auto] [--snapshot-every 1] [--timeout 120] [--peak-tflops T]
+        [--check] [--out PATH]
+
+``--device cpu --tiny`` is a smoke run of the same code: tiny shapes of both families (dim 64,
+2 layers, 4 heads / 2 KV heads of dim 16, or 32 for Qwen3's, vocabulary 512, 256 tokens), a gloo
+world of one, the dtype the Trainer picks there (fp32), every variant; its ratios are printed
+marked as a smoke run, not held to the targets.
+
+Writes bench/results/train-<device>.json (``-tiny`` added for tiny shapes; or ``--out``) through
+bench/record.py: commit, device, versions, and every step time and loss per variant per shape.
+Needs CUDA unless ``--device cpu``: without it, it exits 2 at once with a message.
 """
 
 from __future__ import annotations
@@ -36,296 +81,730 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import resource
 import statistics
 import sys
 import time
 import traceback
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS_DIR, Run  # noqa: E402
 
-EXIT_NO_CUDA = 2
-MFU_TARGET = 0.45
-PARITY_TARGET = 0.95  # ringtrain's tokens/s over plain PyTorch's
+if TYPE_CHECKING:
+    from ringtrain.config import JobConfig
+    from ringtrain.train.model import Transformer
 
-# TinyLlama-1.1B (Zhang et al. 2024, "TinyLlama: An Open-Source Small Language Model", Table 1)
-# with Llama 2's 32K vocabulary: a 1B Llama whose 32K-token logits still fit beside the model.
-MODEL = {
-    "vocab_size": 32000,
-    "dim": 2048,
-    "n_layers": 22,
-    "n_heads": 32,
-    "n_kv_heads": 4,
-    "ffn_dim": 5632,
+EXIT_BAD_INPUT = 2  # also: no CUDA where the bench needs it
+PLAIN_RATIO_MIN = 0.97  # trainer tokens/s over plain PyTorch's
+HF_RATIO_MIN = 1.5  # trainer tokens/s over transformers'
+SNAPSHOT_RATIO_MAX = 1.02  # trainer step time with a snapshot every step over without
+ERROR_LINES = 20  # of a failed variant's traceback, kept in the JSON
+SMOKE = "cpu smoke, not a measurement"
+INTERRUPTED = "interrupted (SIGINT) before it reported"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape: the job's ``model.*`` keys, transformers' classes for the same model, and
+    the Trainer's MFU target on it."""
+
+    title: str
+    model: Mapping[str, Any]
+    tiny: Mapping[str, Any]  # the sizes ``--tiny`` puts in place; the family's switches stay
+    hf_model: str
+    hf_config: str
+    mfu_min: float
+    snapshots: bool = False  # the trainer_snapshots variant runs on this shape
+
+    def model_keys(self, tiny: bool) -> dict[str, Any]:
+        return {**self.model, **(self.tiny if tiny else {})}
+
+
+SHAPES: dict[str, Shape] = {
+    "tinyllama": Shape(
+        title="TinyLlama-1.1B",
+        model={"vocab_size": 32000, "dim": 2048, "n_layers": 22, "n_heads": 32, "n_kv_heads": 4, "head_dim": 64,
+               "ffn_dim": 5632, "rope_theta": 10000.0, "norm_eps": 1e-5},
+        tiny={"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+              "ffn_dim": 176},
+        hf_model="LlamaForCausalLM",
+        hf_config="LlamaConfig",
+        mfu_min=0.38,
+        snapshots=True,
+    ),
+    "qwen3": Shape(
+        title="Qwen3-1.7B",
+        model={"vocab_size": 151936, "dim": 2048, "n_layers": 28, "n_heads": 16, "n_kv_heads": 8, "head_dim": 128,
+               "ffn_dim": 6144, "rope_theta": 1000000.0, "norm_eps": 1e-6, "qk_norm": True, "tie_embeddings": True},
+        # head_dim x n_heads != dim here, as in the smaller Qwen3s: the attention width is its own.
+        tiny={"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32,
+              "ffn_dim": 192},
+        hf_model="Qwen3ForCausalLM",
+        hf_config="Qwen3Config",
+        mfu_min=0.45,
+    ),
 }
 
+VARIANTS = ("trainer", "plain", "hf", "trainer_snapshots")
+FULL_SEQ, TINY_SEQ = 32768, 256
 
-def job_overrides(args: argparse.Namespace, *, snapshot_every: int) -> list[str]:
-    """The job both variants train: the model above, one sequence per step, one GPU."""
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+
+
+def matmul_params(model: Mapping[str, Any]) -> int:
+    """N_mm: parameters that take part in matrix multiplies (see the module docstring)."""
+    dim, ffn, layers = model["dim"], model["ffn_dim"], model["n_layers"]
+    q_width = model["n_heads"] * model["head_dim"]
+    kv_width = model["n_kv_heads"] * model["head_dim"]
+    per_layer = dim * q_width + 2 * dim * kv_width + q_width * dim + 3 * dim * ffn
+    return layers * per_layer + model["vocab_size"] * dim
+
+
+def flops_per_token(model: Mapping[str, Any], seq: int) -> dict[str, float]:
+    """Model FLOPs per token by the causal formula and by the 12 L d S convention."""
+    dense = 6.0 * matmul_params(model)
+    causal_attention = 6.0 * model["n_layers"] * model["n_heads"] * model["head_dim"] * seq
+    return {"causal": dense + causal_attention, "convention_12lds": dense + 2 * causal_attention}
+
+
+# ---- one variant, in its own process ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One variant of one shape, as its process runs it."""
+
+    shape: str
+    variant: str
+    device: str  # cuda | cpu
+    tiny: bool
+    seq: int
+    warmup: int
+    steps: int
+    zero: int
+    kernel: str
+    snapshot_every: int
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return SHAPES[self.shape].model_keys(self.tiny)
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def job_overrides(case: Case) -> list[str]:
+    """The job every variant of ``case`` trains: its shape, one sequence per step, one device."""
+    snapshot_every = case.snapshot_every if case.variant == "trainer_snapshots" else 0
     return [
-        *(f"model.{key}={value}" for key, value in MODEL.items()),
-        "model.activation_checkpointing=true",
-        f"data.seq_len={args.seq}",
+        *(f"model.{key}={_yaml(value)}" for key, value in case.model.items()),
+        f"data.seq_len={case.seq}",
         "train.global_batch=1",
         "train.micro_batch=1",
-        "train.dtype=bf16",
-        f"train.steps={max(1000, args.warmup + args.steps)}",
+        f"train.steps={max(1000, case.warmup + case.steps)}",
         "mesh.dp=1",
         "mesh.cp=1",
-        f"zero.stage={args.zero}",
-        f"attention.kernel={args.kernel}",
+        f"zero.stage={case.zero}",
+        f"attention.kernel={case.kernel}",
         f"checkpoint.snapshot_every={snapshot_every}",
-        "cluster.device=cuda",
+        f"cluster.device={case.device}",
     ]
 
 
-def _timed_steps(step: Any, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+def load_job(case: Case) -> JobConfig:
+    from ringtrain import config
+
+    return config.load(None, job_overrides(case))
+
+
+def device_of(case: Case) -> torch.device:
+    if case.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def timed_steps(step: Callable[[], float], case: Case, device: torch.device) -> tuple[list[float], list[float]]:
     """Step times (s) and losses of the timed steps, after the untimed warm-up steps."""
     times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+    for i in range(case.warmup + case.steps):
+        synchronize(device)
         t0 = time.perf_counter()
         loss = step()
-        torch.cuda.synchronize()
-        if i >= args.warmup:
+        synchronize(device)
+        if i >= case.warmup:
             times.append(time.perf_counter() - t0)
             losses.append(loss)
     return times, losses
 
 
-def run_trainer(args: argparse.Namespace, snapshot_every: int) -> dict[str, Any]:
+def random_tokens(vocab_size: int, case: Case, device: torch.device) -> torch.Tensor:
+    """[1, seq + 1] token ids: the inputs and, shifted by one, their labels."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return torch.randint(0, vocab_size, (1, case.seq + 1), device=device, generator=gen)
+
+
+class MasterWeightAdamW:
+    """torch's AdamW over fp32 master copies of a model's weights, written back after each step,
+    with the job's gradient clipping: DeepSpeed's bf16 recipe written out, for both baselines."""
+
+    def __init__(self, model: torch.nn.Module, job: JobConfig, *, fused: bool) -> None:
+        from ringtrain.train.engine import param_groups
+
+        t = job.train
+        self.weights = list(model.parameters())  # a tied weight once
+        self.masters = [w.detach().float().clone() for w in self.weights]
+        master_of = {id(w): m for w, m in zip(self.weights, self.masters)}
+        groups = [
+            {"params": [master_of[id(w)] for w in group["params"]], "weight_decay": group["weight_decay"]}
+            for group in param_groups(model, t.weight_decay)
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
+        self.grad_clip = t.grad_clip
+
+    def step(self) -> None:
+        for weight, master in zip(self.weights, self.masters):
+            master.grad = None if weight.grad is None else weight.grad.float()
+            weight.grad = None
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for weight, master in zip(self.weights, self.masters):
+                weight.copy_(master)
+
+
+def ringtrain_recipe(job: JobConfig, model: Transformer, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What ringtrain's model runs here: recompute mode, attention kernel, fused ops, dtype."""
+    from ringtrain.train.attention.kernels import get_kernel
+    from ringtrain.train.fused import kernels_run
+
+    kernel = get_kernel(job.attention.kernel, device_type=device.type, dtype=dtype, head_dim=job.head_dim)
+    liger = kernels_run(model.fused, device.type)
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "checkpointing": model.savers.checkpointing,
+        "attention_kernel": kernel.name,
+        "fused_kernels": "liger" if liger else "eager",
+        "fused_projections": model.fused.projections,
+    }
+
+
+def run_trainer(case: Case) -> dict[str, Any]:
+    """ringtrain's Trainer, one rank in a world of one; snapshots per ``case.variant``."""
+    from ringtrain.train.trainer import set_rank_env
+
+    device = device_of(case)
+    set_rank_env(rank=0, world_size=1, device=device)  # before DeepSpeed's import reads it
     import logging
 
     import torch.distributed as dist
     from deepspeed.utils import logger as ds_logger
 
-    from ringtrain import config
     from ringtrain.train.model import num_params
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
     ds_logger.setLevel(logging.WARNING)
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    set_rank_env(rank=0, world_size=1, device=device)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-    trainer = Trainer(config.load(None, job_overrides(args, snapshot_every=snapshot_every)), rank=0, device=device)
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
+    )
+    job = load_job(case)
+    trainer = Trainer(job, rank=0, device=device)
     reports: list[Any] = []
 
     def step() -> float:
         reports.append(trainer.train_step())
-        return reports[-1].loss
+        return float(reports[-1].loss)
 
     try:
-        times, losses = _timed_steps(step, args)
+        times, losses = timed_steps(step, case, device)
+        timed = reports[case.warmup :]
         return {
             "step_s": times,
             "losses": losses,
-            "tokens_per_step": reports[-1].num_tokens,
+            "tokens_per_step": timed[-1].num_tokens,
             "num_params": num_params(trainer.model),
-            "peak_memory_bytes": max(r.memory_bytes for r in reports),
+            # The Trainer resets the peak at each step's start: the largest step's is the run's.
+            "peak_memory_bytes": max(r.memory_bytes for r in timed),
+            "reported_step_s": [r.step_time_s for r in timed],  # its own clock, snapshot launch excluded
+            "snapshot_s": [r.snapshot_s for r in timed],
+            "device_name": device_name(device),
+            **ringtrain_recipe(job, trainer.model, device, trainer.dtype),
         }
     finally:
         trainer.close()
 
 
-def run_plain(args: argparse.Namespace) -> dict[str, Any]:
-    import torch.nn.functional as F
-
-    from ringtrain import config
+def run_plain(case: Case) -> dict[str, Any]:
+    """The Trainer's model and optimizer recipe in a loop of plain PyTorch."""
     from ringtrain.train.attention import build_attention
-    from ringtrain.train.engine import param_groups
+    from ringtrain.train.engine import resolve_dtype
     from ringtrain.train.model import num_params
     from ringtrain.train.trainer import build_model
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    job = config.load(None, job_overrides(args, snapshot_every=0))
-    t = job.train
+    device = device_of(case)
+    job = load_job(case)
+    dtype = resolve_dtype(job, device)
     attention_fn = build_attention("local", job.attention.kernel, ring_group=None, ulysses_group=None)
-    model = build_model(job, attention_fn).to(device=device, dtype=torch.bfloat16)
+    with device:  # drawn on the device: a 1-2B model's initialisation on the host takes long
+        model = build_model(job, attention_fn, device).to(dtype=dtype)
     model.train()
-    weights = list(model.parameters())
-    masters = {id(p): p.detach().float().clone() for p in weights}
-    groups = [
-        {"params": [masters[id(p)] for p in group["params"]], "weight_decay": group["weight_decay"]}
-        for group in param_groups(model, t.weight_decay)
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
-    gen = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, MODEL["vocab_size"], (1, args.seq + 1), device=device, generator=gen)
+    optimizer = MasterWeightAdamW(model, job, fused=device.type == "cuda")
+    tokens = random_tokens(job.model.vocab_size, case, device)
     input_ids, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(args.seq, device=device)[None]
+    positions = torch.arange(case.seq, device=device)[None]
 
     def step() -> float:
-        logits = model(input_ids, positions)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss = model(input_ids, positions, labels) / labels.numel()  # the model returns the sum
         loss.backward()
-        for p in weights:
-            assert p.grad is not None
-            masters[id(p)].grad = p.grad.float()
-            p.grad = None
-        torch.nn.utils.clip_grad_norm_(list(masters.values()), t.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p in weights:
-                p.copy_(masters[id(p)])
         return float(loss.item())  # the Trainer reports each step's loss too
 
-    torch.cuda.reset_peak_memory_stats(device)
-    times, losses = _timed_steps(step, args)
+    reset_peak_memory(device)
+    times, losses = timed_steps(step, case, device)
     return {
         "step_s": times,
         "losses": losses,
-        "tokens_per_step": args.seq,
+        "tokens_per_step": case.seq,
         "num_params": num_params(model),
-        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_memory_bytes": peak_memory(device),
+        "device_name": device_name(device),
+        **ringtrain_recipe(job, model, device, dtype),
     }
 
 
-def _variant_main(kind: str, args: argparse.Namespace, results: Any) -> None:
+def hf_model(case: Case, job: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' own model of the case's shape, from the config ringtrain exports for it."""
+    import warnings
+
+    import transformers
+
+    from ringtrain.hf.hfconfig import hf_config
+
+    shape = SHAPES[case.shape]
+    config_class, model_class = getattr(transformers, shape.hf_config), getattr(transformers, shape.hf_model)
+    source = {"architectures": [shape.hf_model], "model_type": config_class.model_type}
+    fields = hf_config(job.model, source, trained_seq_len=case.seq, dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+    config = config_class.from_dict(fields, attn_implementation="sdpa")
+    if config._attn_implementation != "sdpa":
+        raise RuntimeError(
+            f"transformers {transformers.__version__} set attention {config._attn_implementation}, not sdpa"
+        )
+    config.use_cache = False
+    torch.manual_seed(job.train.seed)
+    with device:
+        model = model_class(config).to(dtype=dtype)
+    with warnings.catch_warnings():
+        # transformers 5.2x renamed it activation_checkpointing_enable; this name works in every 5.x.
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def run_hf(case: Case) -> dict[str, Any]:
+    """transformers' model of the same shape, trained the way a user would train it."""
+    import transformers
+
+    from ringtrain.train.engine import resolve_dtype
+
+    device = device_of(case)
+    job = load_job(case)
+    dtype = resolve_dtype(job, device)
+    model = hf_model(case, job, device, dtype)
+    optimizer = MasterWeightAdamW(model, job, fused=device.type == "cuda")
+    input_ids = random_tokens(job.model.vocab_size, case, device)[:, :-1]
+
+    def step() -> float:
+        loss = model(input_ids=input_ids, labels=input_ids).loss  # shifts the labels itself
+        loss.backward()
+        optimizer.step()
+        return float(loss.item())
+
+    reset_peak_memory(device)
+    times, losses = timed_steps(step, case, device)
+    return {
+        "step_s": times,
+        "losses": losses,
+        "tokens_per_step": case.seq,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "peak_memory_bytes": peak_memory(device),
+        "device_name": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "checkpointing": "full",
+        "attention_kernel": model.config._attn_implementation,
+        "transformers": transformers.__version__,
+    }
+
+
+RUNNERS: dict[str, Callable[[Case], dict[str, Any]]] = {
+    "trainer": run_trainer,
+    "plain": run_plain,
+    "hf": run_hf,
+    "trainer_snapshots": run_trainer,
+}
+
+
+def _variant_main(case: Case, results: Any) -> None:
     try:
-        if kind == "plain":
-            out = run_plain(args)
-        elif kind == "trainer":
-            out = run_trainer(args, snapshot_every=0)
-        else:
-            out = run_trainer(args, snapshot_every=args.snapshot_every)
-        results.put(out)
-    except BaseException:  # noqa: BLE001 - reported by the parent, which decides the exit code
-        results.put({"error": traceback.format_exc()})
+        results.put(RUNNERS[case.variant](case))
+    except BaseException as exc:  # noqa: BLE001 - a failure is a result; the parent records it
+        lines = traceback.format_exc().rstrip().splitlines()
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        results.put({"error": "\n".join(lines[-ERROR_LINES:]), "out_of_memory": oom})
 
 
-def run_variant(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``kind`` in a spawned process of its own; its result, or {"error": ...}."""
+# ---- the parent: run each variant, score, report ----------------------------------------------
+
+
+def _await_result(proc: Any, results: Any, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            out: dict[str, Any] = results.get(timeout=1.0)
+            return out
+        except queue.Empty:
+            if not proc.is_alive():
+                try:  # it may have reported just before it exited
+                    return dict(results.get(timeout=1.0))
+                except queue.Empty:
+                    return {"error": f"the process exited with code {proc.exitcode} before reporting"}
+            if time.monotonic() > deadline:
+                return {"error": f"no result within --timeout {timeout_s:g} s", "timed_out": True}
+
+
+def run_variant(case: Case, timeout_s: float) -> dict[str, Any]:
+    """``case`` in a spawned process of its own: its result, or {"error": ...}."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_variant_main, args=(kind, args, results))
-    proc.start()
+    proc = ctx.Process(target=_variant_main, args=(case, results), daemon=True)
+    t0 = time.perf_counter()
+    # A process that reported gets a while to tear its process group down; one past its time,
+    # or interrupted (the exception goes on to the caller), is killed at once.
+    grace_s = 0.0
     try:
-        out: dict[str, Any] = results.get(timeout=args.timeout)
-    except queue.Empty:
-        out = {"error": f"no result within {args.timeout:g} s"}
+        proc.start()
+        out = _await_result(proc, results, timeout_s)
+        grace_s = 0.0 if out.get("timed_out") else 30.0
     finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if "error" not in out:
-        median = statistics.median(out["step_s"])
-        out["median_step_s"] = median
-        out["tokens_per_s"] = out["tokens_per_step"] / median
+        if proc.pid is not None:
+            proc.join(timeout=grace_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
 
-def peak_flops(device_name: str, override_tflops: Optional[float]) -> tuple[Optional[float], str]:
-    """The device's peak dense bf16 FLOP/s and where the number comes from (None: unknown)."""
+def gpu_peak_flops(name: str, override_tflops: Optional[float]) -> tuple[Optional[float], str]:
+    """The GPU's peak dense bf16 FLOP/s and where the number comes from (None: unknown)."""
     from ringtrain.planner.devices import DEVICES
 
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
-    lowered = device_name.lower()
-    for name, spec in DEVICES.items():
-        if name in lowered:
+    lowered = name.lower()
+    for key, spec in DEVICES.items():
+        if key in lowered:
             if "pcie" in lowered or "nvl" in lowered:
-                return None, f"{device_name} is not the SXM part of the planner's table; pass --peak-tflops"
-            return spec.peak_flops, f"ringtrain.planner.devices ({name})"
-    return None, f"{device_name} is not in ringtrain.planner.devices; pass --peak-tflops"
+                return None, f"{name} is not the SXM part of the planner's table; pass --peak-tflops"
+            return spec.peak_flops, f"ringtrain.planner.devices ({key})"
+    return None, f"{name} is not in ringtrain.planner.devices; pass --peak-tflops"
+
+
+def peak_flops(device_type: str, name: str, override_tflops: Optional[float]) -> tuple[Optional[float], str]:
+    if device_type == "cuda" or override_tflops:
+        return gpu_peak_flops(name, override_tflops)
+    from ringtrain.planner.devices import peak_flops as nominal
+
+    cores = os.cpu_count() or 1
+    return nominal("cpu", cpu_cores=cores), f"ringtrain.planner.devices (nominal CPU, {cores} cores)"
+
+
+def score(out: dict[str, Any], flops: Mapping[str, float], peak: Optional[float]) -> None:
+    """Add median step time, tokens/s and MFU to a variant's result."""
+    if "error" in out:
+        return
+    out["median_step_s"] = statistics.median(out["step_s"])
+    out["tokens_per_s"] = out["tokens_per_step"] / out["median_step_s"]
+    if peak:
+        out["mfu_causal"] = flops["causal"] * out["tokens_per_s"] / peak
+        out["mfu_12lds"] = flops["convention_12lds"] * out["tokens_per_s"] / peak
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of one shape: its measured value against its bound."""
+
+    shape: str
+    what: str
+    value: Optional[float]  # None: not measured (``missing`` says why)
+    bound: float
+    at_most: bool = False
+    percent: bool = False
+    missing: str = ""
+
+    @property
+    def met(self) -> bool:
+        if self.value is None:
+            return False
+        return self.value <= self.bound if self.at_most else self.value >= self.bound
+
+    def _show(self, value: float) -> str:
+        return f"{value:.1%}" if self.percent else f"{value:.3f}"
+
+    def line(self, smoke: bool) -> str:
+        value = f"not measured ({self.missing})" if self.value is None else self._show(self.value)
+        verdict = SMOKE if smoke else "PASS" if self.met else "MISS"
+        bound = f"{'<=' if self.at_most else '>='} {self._show(self.bound)}"
+        return f"{self.shape}: {self.what} {value} (target {bound}): {verdict}"
+
+
+def _metric(variants: Mapping[str, dict[str, Any]], variant: str, key: str) -> tuple[Optional[float], str]:
+    out = variants[variant]
+    if "error" in out:
+        return None, f"{variant} failed"
+    if key not in out:
+        return None, f"{variant} has no {key}: the device's peak is unknown"
+    return float(out[key]), ""
+
+
+def _ratio(variants: Mapping[str, dict[str, Any]], num: str, den: str, key: str) -> tuple[Optional[float], str]:
+    (a, why_a), (b, why_b) = _metric(variants, num, key), _metric(variants, den, key)
+    if a is None or b is None:
+        return None, why_a or why_b
+    return a / b, ""
+
+
+def targets_for(name: str, variants: Mapping[str, dict[str, Any]]) -> list[Target]:
+    """The targets of one shape whose variants ran (a target of a variant left out is not one)."""
+    ran = set(variants)
+    out = []
+    if "trainer" in ran:
+        value, why = _metric(variants, "trainer", "mfu_causal")
+        out.append(Target(name, "trainer MFU (causal)", value, SHAPES[name].mfu_min, percent=True, missing=why))
+    for baseline, bound in (("plain", PLAIN_RATIO_MIN), ("hf", HF_RATIO_MIN)):
+        if {"trainer", baseline} <= ran:
+            value, why = _ratio(variants, "trainer", baseline, "tokens_per_s")
+            out.append(Target(name, f"trainer / {baseline} tokens/s", value, bound, missing=why))
+    if {"trainer", "trainer_snapshots"} <= ran:
+        value, why = _ratio(variants, "trainer_snapshots", "trainer", "median_step_s")
+        what = "trainer_snapshots / trainer step time"
+        out.append(Target(name, what, value, SNAPSHOT_RATIO_MAX, at_most=True, missing=why))
+    return out
+
+
+def describe(variant: str, out: Mapping[str, Any]) -> str:
+    if "error" in out:
+        why = "out of memory" if out.get("out_of_memory") else out["error"].splitlines()[-1]
+        return f"  {variant:<18} FAILED after {out['wall_s']:g} s: {why}"
+    mfu = f"MFU {out['mfu_causal']:5.1%} causal, {out['mfu_12lds']:5.1%} 12LdS" if "mfu_causal" in out else "MFU n/a"
+    recipe = f"recompute {out['checkpointing']}, attention {out['attention_kernel']}"
+    if "fused_kernels" in out:
+        recipe += f", fused {out['fused_kernels']}{' + qkv/gate-up GEMMs' if out['fused_projections'] else ''}"
+    return (f"  {variant:<18} {out['tokens_per_s']:>10,.0f} tokens/s {out['median_step_s']:8.3f} s/step  {mfu}  "
+            f"peak {out['peak_memory_bytes'] / 2**30:.2f} GiB  {out['dtype']}, {recipe}  (process {out['wall_s']:g} s)")
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(shape, variant) pairs to run, in order."""
+    pairs = []
+    for name in args.shapes:
+        for variant in args.variants:
+            if variant == "trainer_snapshots" and not (SHAPES[name].snapshots and args.snapshot_every > 0):
+                continue
+            pairs.append((name, variant))
+    return pairs
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(_bad_input(f"{flag}: {', '.join(unknown) or 'nothing'} is not among {', '.join(known)}"))
+    return names
+
+
+def _bad_input(message: str) -> int:
+    print(f"bench/train.py: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=32768, help="tokens per sequence (one sequence per step)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per variant")
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu needs --tiny")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes of both families: a smoke run")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    p.add_argument("--seq", type=int, default=None,
+                   help=f"tokens per step, one sequence ({FULL_SEQ}; {TINY_SEQ} with --tiny)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--kernel", default="auto", help="attention kernel for both variants")
-    p.add_argument("--zero", type=int, default=2, help="ringtrain's ZeRO stage")
-    p.add_argument("--snapshot-every", type=int, default=0, help="also time the Trainer snapshotting every N steps")
+    p.add_argument("--zero", type=int, default=2, help="the Trainer's ZeRO stage")
+    p.add_argument("--kernel", default="auto", help="attention.kernel of ringtrain's variants")
+    p.add_argument("--snapshot-every", type=int, default=1, help="trainer_snapshots' snapshot interval (0: not run)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per variant, process start included")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s of a GPU the table lacks")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
-    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    return p.parse_args(argv)
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed or not measured")
+    p.add_argument("--out", type=Path, default=None, help="the JSON's path (default bench/results/train-<device>.json)")
+    args = p.parse_args(argv)
+    args.shapes = _names(args.shapes, tuple(SHAPES), "--shapes")
+    args.variants = _names(args.variants, VARIANTS, "--variants")
+    if args.seq is None:
+        args.seq = TINY_SEQ if args.tiny else FULL_SEQ
+    if args.seq < 2 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit(_bad_input("--seq must be >= 2, --steps >= 1 and --warmup >= 0"))
+    return args
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def shape_records(args: argparse.Namespace, base: Case) -> dict[str, dict[str, Any]]:
+    """Each selected shape's sizes and FLOPs per token; its variants' results go in as they come."""
+    from ringtrain.planner.models import from_job
+    from ringtrain.planner.throughput import flops_per_token as planner_flops_per_token
+
+    records = {}
+    for name in args.shapes:
+        case = replace(base, shape=name, variant="trainer")
+        planner = planner_flops_per_token(from_job(load_job(case)), args.seq, checkpointing=False)[0]
+        records[name] = {
+            "title": SHAPES[name].title,
+            "model": case.model,
+            "seq": args.seq,
+            "matmul_params": matmul_params(case.model),
+            "flops_per_token": {**flops_per_token(case.model, args.seq), "planner_causal": planner},
+            "variants": {},
+        }
+    return records
+
+
+def shape_header(name: str, record: Mapping[str, Any], tiny: bool) -> str:
+    model = record["model"]
+    return (f"{name} ({SHAPES[name].title}{' family, tiny' if tiny else ''}): "
+            f"{record['flops_per_token']['causal'] / 1e9:.3g} GFLOP per token (causal), {model['n_layers']} layers, "
+            f"dim {model['dim']}, {model['n_heads']} heads x {model['head_dim']}, {model['n_kv_heads']} KV heads")
+
+
+@dataclass
+class Peak:
+    """The device's peak FLOP/s, looked up from the name the first variant reports."""
+
+    flops: Optional[float] = None
+    source: str = "no variant reported its device"
+    device_name: str = ""
+
+    def learn(self, out: Mapping[str, Any], args: argparse.Namespace) -> None:
+        if "device_name" in out and not self.device_name:
+            self.device_name = out["device_name"]
+            self.flops, self.source = peak_flops(args.device, self.device_name, args.peak_tflops)
+
+
+def run_plan(args: argparse.Namespace, base: Case, shapes: dict[str, dict[str, Any]], peak: Peak) -> bool:
+    """Run each (shape, variant) of the plan, one after the other, into ``shapes``; whether a
+    SIGINT (a time box's) ended it: the variant in flight is then recorded as interrupted and
+    the rest are not run."""
+    name, variant = "", ""
+    try:
+        for name, variant in plan(args):
+            variants = shapes[name]["variants"]
+            if not variants:
+                print(shape_header(name, shapes[name], args.tiny))
+            out = run_variant(replace(base, shape=name, variant=variant), args.timeout)
+            peak.learn(out, args)
+            score(out, shapes[name]["flops_per_token"], peak.flops)
+            variants[variant] = out
+            print(describe(variant, out), flush=True)
+            if "error" in out:
+                print(f"{name}/{variant} failed:\n{out['error']}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if name and variant not in shapes[name]["variants"]:
+            shapes[name]["variants"][variant] = {"error": INTERRUPTED, "interrupted": True}
+        print(f"interrupted at {name}/{variant}: what comes after it is not run", file=sys.stderr)
+        return True
+    return False
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print(
             f"bench/train.py needs a CUDA GPU: this torch ({torch.__version__}, CUDA build "
-            f"{torch.version.cuda or 'none'}) sees none. Run it (or make gpu-check) on a GPU machine.",
+            f"{torch.version.cuda or 'none'}) sees none. Run it (or make gpu-check) on a GPU machine, "
+            "or pass --device cpu --tiny for a smoke run.",
             file=sys.stderr,
         )
-        return EXIT_NO_CUDA
-    from ringtrain import config
-    from ringtrain.planner.models import from_job
-    from ringtrain.planner.throughput import flops_per_token
-    from ringtrain.train.attention.kernels import resolve_kernel
-
+        return EXIT_BAD_INPUT
+    if args.device == "cpu" and not args.tiny:
+        return _bad_input("--device cpu runs only with --tiny (a 32K-token step of a 1B model takes hours on a CPU)")
     run = Run("train")
-    # Fewer allocator retries at 32K tokens; the same setting for every variant.
+    smoke = args.device == "cpu"
+    # Fewer allocator retries at 32K tokens; the same setting for every variant (inherited).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    job = config.load(None, job_overrides(args, snapshot_every=0))
-    head_dim = MODEL["dim"] // MODEL["n_heads"]
-    like = torch.empty(1, 2, MODEL["n_heads"], head_dim, device="cuda", dtype=torch.bfloat16)
-    kernel = resolve_kernel(args.kernel, like).name
-    model_flops, executed_flops = flops_per_token(from_job(job), args.seq, checkpointing=True)
-    device_name = torch.cuda.get_device_name()
-    peak, peak_source = peak_flops(device_name, args.peak_tflops)
-    print(f"{device_name}: ~1B Llama, {args.seq} tokens per step, kernel {kernel}, ZeRO-{args.zero}; "
-          f"{model_flops / 1e9:.2f} GFLOP per token (model), peak {peak_source}")
-
-    kinds = ["plain", "trainer"] + (["trainer_snapshots"] if args.snapshot_every else [])
-    variants: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
-        out = variants[kind] = run_variant(kind, args)
-        if "error" in out:
-            print(f"{kind}: FAILED\n{out['error']}", file=sys.stderr)
-            continue
-        if peak is not None:
-            out["mfu"] = model_flops * out["tokens_per_s"] / peak
-            out["hfu"] = executed_flops * out["tokens_per_s"] / peak  # recomputation counted
-        mfu = f", MFU {out['mfu']:.1%}" if "mfu" in out else ""
-        print(f"{kind}: {out['tokens_per_s']:,.0f} tokens/s, {out['median_step_s']:.3f} s/step{mfu}, "
-              f"peak memory {out['peak_memory_bytes'] / 2**30:.1f} GiB, {out['num_params'] / 1e9:.2f}B parameters")
-
-    plain, trainer = variants["plain"], variants["trainer"]
-    failed = [kind for kind, out in variants.items() if "error" in out]
-    ratio = trainer["tokens_per_s"] / plain["tokens_per_s"] if not {"plain", "trainer"} & set(failed) else None
-    targets = {
-        "mfu_min": MFU_TARGET,
-        "trainer_over_plain_min": PARITY_TARGET,
-        "mfu_ok": bool(trainer.get("mfu") is not None and trainer["mfu"] >= MFU_TARGET),
-        "parity_ok": bool(ratio is not None and ratio >= PARITY_TARGET),
-    }
-    if ratio is not None:
-        print(f"ringtrain / plain PyTorch tokens/s: {ratio:.3f} (target >= {PARITY_TARGET}): "
-              f"{'PASS' if targets['parity_ok'] else 'MISS'}")
-    if trainer.get("mfu") is not None:
-        verdict = "PASS" if targets["mfu_ok"] else "MISS"
-        print(f"ringtrain MFU {trainer['mfu']:.1%} (target >= {MFU_TARGET:.0%}): {verdict}")
-    else:
-        print(f"ringtrain MFU: not computed ({peak_source})")
-
-    result = {
-        "config": vars(args),
-        "model": {**MODEL, "head_dim": head_dim, "activation_checkpointing": True,
-                  "model_flops_per_token": model_flops, "executed_flops_per_token": executed_flops},
-        "kernel": kernel,
-        "peak_flops": peak,
-        "peak_flops_source": peak_source,
-        "variants": variants,
-        "trainer_over_plain": ratio,
-        "targets": targets,
-    }
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()
-    run.write(result, device_type="cuda", out=RESULTS_DIR / f"train-{slug}.json")
-    if failed:
+    base = Case(shape="", variant="", device=args.device, tiny=args.tiny, seq=args.seq, warmup=args.warmup,
+                steps=args.steps, zero=args.zero, kernel=args.kernel, snapshot_every=args.snapshot_every)
+    shapes = shape_records(args, base)
+    peak = Peak()
+    print(f"{'tiny shapes, ' if args.tiny else ''}{args.seq} tokens per step on {args.device}"
+          f"{f' ({SMOKE})' if smoke else ''}")
+    interrupted = run_plan(args, base, shapes, peak)
+    targets = [t for name in args.shapes for t in targets_for(name, shapes[name]["variants"])]
+    print(f"peak: {peak.source}")
+    for target in targets:
+        print(target.line(smoke))
+    failed = [f"{name}/{v}" for name in shapes for v, out in shapes[name]["variants"].items() if "error" in out]
+    device_label = peak.device_name if args.device == "cuda" and peak.device_name else args.device
+    run.write(
+        {
+            "config": {**vars(args), "out": str(args.out) if args.out else None},
+            "smoke": smoke,
+            "peak_flops": peak.flops,
+            "peak_flops_source": peak.source,
+            "flops_note": "model FLOPs per token: causal 6 N_mm + 6 L A S, convention_12lds 6 N_mm + 12 L A S, "
+                          "A = n_heads x head_dim; planner_causal: the planner's flops_per_token (A = model.dim)",
+            "shapes": shapes,
+            "targets": [{**asdict(t), "met": t.met} for t in targets],
+            "failed": failed,
+            "interrupted": interrupted,
+        },
+        device_type=args.device,
+        out=args.out or RESULTS_DIR / f"train-{_slug(device_label)}{'-tiny' if args.tiny else ''}.json",
+    )
+    if failed or interrupted:
+        print(f"failed: {', '.join(failed) or 'none'}{'; interrupted' if interrupted else ''}", file=sys.stderr)
         return 1
-    if args.check and not (targets["mfu_ok"] and targets["parity_ok"]):
+    if args.check and not smoke and not all(t.met for t in targets):
         return 1
     return 0
 

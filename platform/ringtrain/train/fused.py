@@ -60,11 +60,14 @@ def liger_ops() -> Optional[Any]:
         return None
 
 
+def kernels_run(fused: FusedOps, device_type: str) -> bool:
+    """Whether ``fused``'s kernels run on ``device_type`` here (else the eager ops do)."""
+    return fused.kernels and device_type == "cuda" and liger_ops() is not None
+
+
 def _kernels_for(x: Tensor, fused: FusedOps) -> Optional[Any]:
     """liger's functions when ``fused`` asks for kernels and ``x`` is on a GPU that can run them."""
-    if not (fused.kernels and x.is_cuda):
-        return None
-    return liger_ops()
+    return liger_ops() if kernels_run(fused, x.device.type) else None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, fused: FusedOps) -> Tensor:
