@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start helm-check bench clean
+.PHONY: venv tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check bench clean
 
 venv: $(STAMP)
 
@@ -66,39 +66,147 @@ test-ray: venv tools
 	$(PY) -m pytest tests/ray $(PYTEST_ARGS)
 
 # The GPU tier. Where nvidia-smi sees a GPU, torch must be able to use it (a CPU build or a
-# driver too old fails here rather than skipping every test), and flash-attn is installed as its
-# README says: after torch, without build isolation, so that it compiles against this torch
-# (under isolation pip builds it against a torch of its own choosing, or finds none at all).
-# RINGTRAIN_GPU_STRICT then turns a missing kernel into a failure (tests/gpu/support.py).
-# Without a GPU the tests skip.
+# driver too old fails here rather than skipping every test), and RINGTRAIN_GPU_STRICT then turns
+# a missing kernel or package into a failure (tests/gpu/support.py), except a package
+# RINGTRAIN_GPU_LEFT_OUT names as left out on purpose: its tests are reported as not run, naming
+# it. Without a GPU the tests skip. Which Python runs the tier:
+# - PYTHON_ENV unset: .venv, set up as for every target, and flash-attn installed as its README
+#   says: after torch, without build isolation, so that it compiles against this torch (under
+#   isolation pip builds it against a torch of its own choosing, or finds none at all).
+# - PYTHON_ENV=system: $(PYTHON) as it is, a GPU node's or a container's CUDA PyTorch; no .venv,
+#   and no network. What that Python lacks of $(GPU_REQUIREMENTS) is installed with pip
+#   --no-index --no-deps from the wheel folder WHEELS (`make gpu-wheels` on a connected machine)
+#   into $(GPU_SITE), which leads PYTHONPATH. flash-attn is not built there (the SDPA kernels
+#   serve) and Ray is not carried.
+PYTHON_ENV ?=
+WHEELS ?=
+GPU_REQUIREMENTS ?= infra/gpu-tier.txt
+GPU_SITE ?= .ringtrain-cache/gpu-site/$(shell $(PYTHON) -c 'import sys; print(sys.implementation.cache_tag)' 2>/dev/null)
+GPU_CHECK_ARGS ?=
 FLASH_ATTN_VERSION ?= 2.8.3.post2
 FLASH_ATTN_MAX_JOBS ?= 4
 
-test-gpu: venv
-	@strict=0; \
-	if nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
-			echo "test-gpu: nvidia-smi sees a GPU, but torch $$($(PY) -c 'import torch; print(torch.__version__, "built for CUDA", torch.version.cuda)') cannot use it: install torch $(TORCH_VERSION)'s CUDA build for this driver into $(VENV)" >&2; \
-			exit 1; }; \
-		$(PY) -c "import importlib.metadata as m, flash_attn.flash_attn_interface; assert m.version('flash-attn') == '$(FLASH_ATTN_VERSION)'" 2>/dev/null || { \
-			echo "test-gpu: building flash-attn $(FLASH_ATTN_VERSION) against torch (this takes a while)"; \
-			$(PIP) install -q packaging ninja psutil einops setuptools wheel && \
-			MAX_JOBS=$(FLASH_ATTN_MAX_JOBS) $(PIP) install --no-build-isolation --no-deps --no-cache-dir --force-reinstall "flash-attn==$(FLASH_ATTN_VERSION)" && \
-			$(PY) -c "import flash_attn.flash_attn_interface"; } || exit 1; \
-		strict=1; \
+ifneq ($(filter-out system,$(PYTHON_ENV)),)
+ifneq ($(filter test-gpu gpu-check,$(MAKECMDGOALS)),)
+$(error PYTHON_ENV=$(PYTHON_ENV): leave PYTHON_ENV unset for .venv, or set PYTHON_ENV=system for $(PYTHON) as it is)
+endif
+endif
+
+ifeq ($(PYTHON_ENV),system)
+GPU_DEPS :=
+GPU_PY = $(PYTHON)
+GPU_PATH = $(abspath $(GPU_SITE)):$(CURDIR)/platform
+GPU_LEFT_OUT := flash-attn ray
+GPU_TORCH_FIX = set PYTHON to the Python that has the CUDA build of torch for this driver
+else
+GPU_DEPS := venv
+GPU_PY = $(PY)
+GPU_PATH = $(CURDIR)/platform
+GPU_LEFT_OUT :=
+GPU_TORCH_FIX = install torch $(TORCH_VERSION)'s CUDA build for this driver into $(VENV)
+endif
+
+# PYTHON_ENV=system: torch must be there; then what $(GPU_REQUIREMENTS) lists and $(PYTHON) lacks
+# (bench/gpu_check.py --missing; at any version it counts as there) comes from WHEELS, never the
+# network: --no-index, and pip's config files and PIP_FIND_LINKS set aside. A Python without pip
+# runs pip from its wheel in the folder.
+define GPU_SYSTEM_SETUP
+$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" || { \
+	echo "$@: PYTHON_ENV=system runs $(PYTHON) as it is, and it has no torch: $(GPU_TORCH_FIX)" >&2; exit 2; }; \
+missing=$$(PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) bench/gpu_check.py --missing $(GPU_REQUIREMENTS)) || exit 2; \
+if [ -n "$$missing" ]; then \
+	if [ -z "$(WHEELS)" ]; then \
+		echo "$@: $(PYTHON) lacks" $$missing "(of $(GPU_REQUIREMENTS)), and no WHEELS folder was given to install them from." \
+			"On a connected machine run 'make gpu-wheels DEST=<dir> PY=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')'," \
+			"bring <dir> here, then run 'make $@ PYTHON_ENV=system WHEELS=<dir>'" >&2; \
+		exit 2; \
 	fi; \
-	RINGTRAIN_GPU_STRICT=$$strict $(PY) -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
+	test -d "$(WHEELS)" || { echo "$@: WHEELS=$(WHEELS) is not a folder" >&2; exit 2; }; \
+	echo "$@: installing into $(GPU_SITE) from $(WHEELS), no index:" $$missing; \
+	if $(PYTHON) -m pip --version >/dev/null 2>&1; then pip="$(PYTHON) -m pip"; \
+	else pip="$(PYTHON) $$(ls -d $(WHEELS)/pip-*.whl 2>/dev/null | tail -n 1)/pip"; fi; \
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $$pip install -q --disable-pip-version-check \
+		--no-index --find-links "$(WHEELS)" --no-deps --target "$(GPU_SITE)" $$missing || exit 1; \
+	missing=$$(PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) bench/gpu_check.py --missing $(GPU_REQUIREMENTS)); \
+	test -z "$$missing" || { echo "$@: still missing after installing from $(WHEELS):" $$missing >&2; exit 1; }; \
+fi;
+endef
+
+# Sets strict=1 where nvidia-smi sees a GPU, after checking that torch can use it.
+define GPU_CUDA_CHECK
+strict=0; \
+if nvidia-smi >/dev/null 2>&1; then \
+	$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+		echo "$@: nvidia-smi sees a GPU, but torch $$($(GPU_PY) -c 'import torch; print(torch.__version__, "built for CUDA", torch.version.cuda)') cannot use it: $(GPU_TORCH_FIX)" >&2; \
+		exit 1; }; \
+	strict=1; \
+fi;
+endef
+
+define GPU_FLASH_ATTN
+if [ $$strict = 1 ]; then \
+	$(PY) -c "import importlib.metadata as m, flash_attn.flash_attn_interface; assert m.version('flash-attn') == '$(FLASH_ATTN_VERSION)'" 2>/dev/null || { \
+		echo "$@: building flash-attn $(FLASH_ATTN_VERSION) against torch (this takes a while)"; \
+		$(PIP) install -q packaging ninja psutil einops setuptools wheel && \
+		MAX_JOBS=$(FLASH_ATTN_MAX_JOBS) $(PIP) install --no-build-isolation --no-deps --no-cache-dir --force-reinstall "flash-attn==$(FLASH_ATTN_VERSION)" && \
+		$(PY) -c "import flash_attn.flash_attn_interface"; } || exit 1; \
+fi;
+endef
+
+ifeq ($(PYTHON_ENV),system)
+GPU_PREPARE = $(GPU_SYSTEM_SETUP) $(GPU_CUDA_CHECK)
+else
+GPU_PREPARE = $(GPU_CUDA_CHECK) $(GPU_FLASH_ATTN)
+endif
+GPU_ENV = RINGTRAIN_GPU_STRICT=$$strict RINGTRAIN_GPU_LEFT_OUT="$(GPU_LEFT_OUT)" PYTHONPATH=$(GPU_PATH)$${PYTHONPATH:+:$$PYTHONPATH}
+
+test-gpu: $(GPU_DEPS)
+	@$(GPU_PREPARE) \
+	$(GPU_ENV) $(GPU_PY) -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
 
 # The first line of a GPU-only target: exit 2, naming the target, where nvidia-smi sees no GPU.
 NEED_GPU = @nvidia-smi >/dev/null 2>&1 || { echo "$@: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
 
-# The GPU tier in one command, on a machine with an NVIDIA GPU: the tests above, then the GPU
-# benchmarks, each writing its JSON (device name, git commit) under bench/results/.
-gpu-check: venv
+# The GPU tier in one command and an 8-minute box (bench/gpu_check.py): the timing-sensitive
+# tests, the rest of tests/gpu, bench/attention.py and bench/train.py with its snapshot variant,
+# each within its budget, streamed to runs/gpu-check-<time>/ as they run, then one summary. The
+# benches write their JSON (device name, git commit) under bench/results/. GPU_CHECK_ARGS passes
+# flags on, e.g. GPU_CHECK_ARGS="--only tests --budget tests=300" or "--only nccl_abort".
+gpu-check: $(GPU_DEPS)
 	$(NEED_GPU)
-	$(MAKE) test-gpu
-	PYTHONPATH=platform $(PY) bench/attention.py
-	PYTHONPATH=platform $(PY) bench/train.py --check
+	@$(GPU_PREPARE) \
+	$(GPU_ENV) $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The wheel folder for PYTHON_ENV=system on a node without network, made on a connected machine:
+# a wheel of every line of $(GPU_REQUIREMENTS) for the node's CPython (PY, default 3.12; not this
+# machine's) on x86_64 Linux with glibc 2.28 or newer (manylinux or pure Python), the lines marked
+# "sdist" built into wheels, and ringtrain's own wheel. The builds run under build isolation, so
+# that they need nothing of this machine's Python and bake in none of it (DeepSpeed records the
+# torch it was built with; DS_BUILD_OPS=0 leaves its ops to be JIT-built on the node); ringtrain's
+# from a copy of the checkout, which an in-tree build would leave a build/ folder in (and later
+# wheels would carry modules deleted since). pip then checks that the folder alone holds every
+# pin for that Python.
+GPU_WHEELS_PY = $(if $(filter command line,$(origin PY)),$(PY),3.12)
+GPU_WHEELS_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
+GPU_WHEELS_TARGET = --python-version $(GPU_WHEELS_PY) --implementation cp $(addprefix --platform ,$(GPU_WHEELS_PLATFORMS)) --only-binary=:all:
+
+gpu-wheels:
+	@test -n "$(DEST)" || { echo "$@: set DEST=<folder> for the wheels (and PY=<the GPU node's Python x.y>, default 3.12)" >&2; exit 2; }
+	@case "$(GPU_WHEELS_PY)" in 3.[0-9]|3.[0-9][0-9]) ;; *) echo "$@: PY=$(GPU_WHEELS_PY): give the GPU node's Python version as x.y, e.g. PY=3.12" >&2; exit 2;; esac
+	@binary=$$(grep -v '#[[:space:]]*sdist' $(GPU_REQUIREMENTS) | sed 's/#.*//'); \
+	source=$$(grep '#[[:space:]]*sdist' $(GPU_REQUIREMENTS) | sed 's/#.*//'); \
+	mkdir -p "$(DEST)" && \
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps $(GPU_WHEELS_TARGET) -d "$(DEST)" $$binary && \
+	for req in $$source; do \
+		DS_BUILD_OPS=0 $(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps -w "$(DEST)" "$$req" || exit 1; \
+	done && \
+	src=$$(mktemp -d) && cp -R pyproject.toml README.md platform "$$src" && rm -rf "$$src"/platform/*.egg-info && \
+	$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps -w "$(DEST)" "$$src"; built=$$?; rm -rf "$$src"; \
+	test $$built = 0 && \
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(PYTHON) -m pip download -q --disable-pip-version-check --no-index \
+		--find-links "$(DEST)" --no-deps $(GPU_WHEELS_TARGET) -d "$(DEST)" -r $(GPU_REQUIREMENTS) ringtrain && \
+	echo "$@: $$(ls "$(DEST)"/*.whl | wc -l) wheels ($$(du -sh "$(DEST)" | cut -f1)) for CPython $(GPU_WHEELS_PY) in $(DEST);" \
+		"on the GPU node: make gpu-check PYTHON_ENV=system WHEELS=<that folder>"
 
 # The time to the first step on a GPU node, against torchrun side by side: one rank on the GPU
 # (NCCL), and four CPU ranks with a core each (on the 2-core testbed they share two cores, and

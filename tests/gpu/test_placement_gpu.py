@@ -7,7 +7,8 @@ does not, and then only the mapping keeps two workers off one device. Both ways 
 a fresh embedded cluster with one worker per GPU: each worker reports the UUID of the device it
 bound, and a job trains two steps over NCCL (which refuses two ranks on one GPU).
 
-Skipped with fewer than two GPUs.
+Skipped with fewer than two GPUs; reported as not run, naming Ray, where Ray is not installed
+(an air-gapped node's Python carries none: see support.needs_module).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import torch
 
 from ringtrain import config
 
-from .support import MARKS
+from .support import MARKS, needs_module
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 pytestmark = [
     *MARKS,
+    needs_module("ray", "ray", "Ray"),  # before the GPU count: a node without Ray says so first
     pytest.mark.slow,
     pytest.mark.skipif(NUM_GPUS < 2, reason=f"needs 2 GPUs or more, this machine has {NUM_GPUS}"),
 ]

@@ -1,0 +1,420 @@
+"""The GPU tier in a time box: each part in a subprocess with a wall-clock budget of its own,
+its output streamed to a log as it runs, every test's outcome logged as it finishes, and one
+summary at the end.
+
+Parts, in order (``--only`` picks some, ``--budget part=seconds`` resizes one):
+
+- timing: the timing-sensitive tests (a survivor's NCCL abort, the collective stall timing),
+  alone on the GPU, one after another;
+- tests: the rest of tests/gpu, on several pytest-xdist workers where xdist is installed (one
+  GPU, small tests), each test held to its own timeout where pytest-timeout is installed;
+- attention: bench/attention.py;
+- train: bench/train.py --check, with its per-step snapshot variant;
+- nccl_abort: bench/nccl_abort.py, where the checkout has it; only when ``--only`` names it (its
+  ~50 s do not fit the box beside the train bench's 5 minutes, and the timing part already holds
+  a survivor's abort to its bound).
+
+The default parts' budgets add up, with each part's grace for stopping, to less than 8 minutes
+on one H100. A part past its budget gets SIGINT (pytest then prints what it has, a bench its stack),
+SIGKILL after a grace, and is reported as timed out; the next part runs. Everything a part
+starts shares a process group, ended with it.
+
+Under ``--log-dir`` (default runs/gpu-check-<UTC time>/): ``<part>.log``, each part's output,
+written line by line as it comes (and echoed here with the part's name); ``tests.jsonl``, the
+tests' starts and outcomes (tests/gpu/conftest.py, through RINGTRAIN_GPU_LOG), failures with
+their tracebacks; ``summary.json``, the summary printed at the end: per part its status (passed,
+failed, not run, timed out), seconds, tests passed / failed / not run, the failing test ids, what
+was running when a part was cut, and why tests did not run. Benches write their results under
+bench/results/ themselves. Exit 0 when no part failed or timed out, 1 otherwise, 2 on bad flags.
+
+``--missing FILE`` instead prints the lines of a requirements file whose distribution this
+Python lacks (``make gpu-check PYTHON_ENV=system`` installs those from its wheel folder).
+
+Python 3.10+ and the standard library only: it runs before anything is installed.
+
+    python bench/gpu_check.py [--log-dir DIR] [--only tests,train] [--budget train=300 ...]
+    python bench/gpu_check.py --missing infra/gpu-tier.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+LOG_ENV = "RINGTRAIN_GPU_LOG"  # read by tests/gpu/conftest.py
+TESTS_LOG = "tests.jsonl"
+SUMMARY = "summary.json"
+EXIT_BAD_INPUT = 2
+GRACE_S = 5.0  # from SIGINT to SIGKILL
+TAIL_LINES = 8  # of a timed-out or failed part's output, in the summary
+TEST_TIMEOUT_S = 90  # one test: a hung one fails alone, with its stack, instead of eating its part's budget
+XDIST_WORKERS = 4
+# Timing-sensitive tests: alone on the GPU, before anything else loads it.
+TIMING_TESTS = ("tests/gpu/test_nccl_abort_gpu.py", "tests/gpu/test_collective_timing_gpu.py")
+TIME_BOX_S = 480.0  # what the default budgets, with a grace each, must fit in on one H100
+OUTCOMES = ("passed", "failed", "error", "not run", "xfailed", "xpassed")  # tests/gpu/conftest.py's words
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One step of the tier: a command run from the repository root within ``budget_s``."""
+
+    name: str
+    argv: tuple[str, ...]
+    budget_s: float
+    pytest: bool = False  # its tests report to tests.jsonl
+    needs: Optional[Path] = None  # not run where this file is missing
+    default: bool = True  # run without --only
+
+
+@dataclasses.dataclass
+class PartResult:
+    name: str
+    status: str  # passed, failed, not run, timed out
+    seconds: float
+    budget_s: float
+    returncode: Optional[int]
+    log: Optional[str]
+    note: str = ""
+    tests: dict[str, int] = dataclasses.field(default_factory=dict)
+    failing: list[str] = dataclasses.field(default_factory=list)
+    running_when_cut: list[str] = dataclasses.field(default_factory=list)
+    not_reached: Optional[int] = None
+    not_run_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    tail: list[str] = dataclasses.field(default_factory=list)
+
+
+def _pytest(paths: Sequence[str], *, parallel: bool) -> tuple[str, ...]:
+    argv = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-v", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        argv.append(f"--timeout={TEST_TIMEOUT_S}")
+    if parallel and importlib.util.find_spec("xdist") is not None:
+        argv += ["-n", str(XDIST_WORKERS)]
+    return tuple(argv)
+
+
+def default_parts() -> list[Part]:
+    bench = ROOT / "bench"
+    return [
+        Part("timing", _pytest(TIMING_TESTS, parallel=False), 30, pytest=True),
+        Part("tests", _pytest(["tests/gpu", *(f"--ignore={t}" for t in TIMING_TESTS)], parallel=True), 95,
+             pytest=True),
+        Part("attention", (sys.executable, str(bench / "attention.py")), 50),
+        # --snapshot-every 1: the per-step snapshot's step time against the same Trainer without it.
+        # The bench is sized to 5 minutes; cut by SIGINT, it still writes what it measured.
+        Part("train", (sys.executable, str(bench / "train.py"), "--check", "--snapshot-every", "1"), 280),
+        Part("nccl_abort", (sys.executable, str(bench / "nccl_abort.py")), 90, needs=bench / "nccl_abort.py",
+             default=False),
+    ]
+
+
+# -- running a part -----------------------------------------------------------------------
+
+
+def _stream(source: IO[bytes], log: IO[str], name: str, tail: collections.deque[str]) -> None:
+    for raw in iter(source.readline, b""):
+        text = raw.decode("utf-8", "replace")
+        try:
+            log.write(text)
+            log.flush()
+        except ValueError:  # closed: a process that left the part's group still holds its output
+            return
+        sys.stdout.write(f"[{name}] {text}" if text.endswith("\n") else f"[{name}] {text}\n")
+        sys.stdout.flush()
+        tail.append(text.rstrip("\n"))
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_part(part: Part, log_dir: Path, env: dict[str, str], grace_s: float = GRACE_S) -> PartResult:
+    """Run ``part`` within its budget (then ``grace_s`` to stop), its output streamed to
+    ``<log_dir>/<name>.log`` and stdout."""
+    if part.needs is not None and not part.needs.exists():
+        return PartResult(part.name, "not run", 0.0, part.budget_s, None, None,
+                          note=f"{os.path.relpath(part.needs, ROOT)} is not in this checkout")
+    log_path = log_dir / f"{part.name}.log"
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    print(f"== {part.name}: {' '.join(part.argv)} (budget {part.budget_s:g} s)", flush=True)
+    start = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(part.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        assert proc.stdout is not None
+        reader = threading.Thread(target=_stream, args=(proc.stdout, log, part.name, tail), daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=part.budget_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _signal_group(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        seconds = time.monotonic() - start
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever the part left behind
+        proc.wait()
+        reader.join(timeout=grace_s)
+        if timed_out:
+            log.write(f"\n[gpu_check] cut at its budget of {part.budget_s:g} s\n")
+    if timed_out:
+        status = "timed out"
+    else:
+        status = "passed" if proc.returncode == 0 else "failed"
+    return PartResult(part.name, status, seconds, part.budget_s, proc.returncode, str(log_path), tail=list(tail))
+
+
+# -- the tests' log -------------------------------------------------------------------------
+
+
+def read_records(path: Path, offset: int) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` from byte ``offset`` on (a torn last line is left out)."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        lines = f.read().splitlines()
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def add_test_outcomes(result: PartResult, records: list[dict[str, Any]]) -> None:
+    """Fill ``result``'s test counts from the records its pytest run wrote."""
+    counts: collections.Counter[str] = collections.Counter()
+    reasons: collections.Counter[str] = collections.Counter()
+    started: dict[str, None] = {}
+    settled: set[str] = set()
+    collected = 0
+    for record in records:
+        event = record.get("event")
+        if event == "collected":
+            collected += int(record.get("count", 0))
+        elif event == "start":
+            started[record["nodeid"]] = None
+        elif event == "outcome":
+            nodeid, outcome = record["nodeid"], record["outcome"]
+            counts[outcome] += 1
+            settled.add(nodeid)
+            if outcome in ("failed", "error") and nodeid not in result.failing:
+                result.failing.append(nodeid)
+            if outcome == "not run":
+                reasons[record.get("reason", "")] += 1
+    result.tests = dict(counts)
+    result.not_run_reasons = dict(reasons.most_common())
+    if result.status == "timed out":
+        result.running_when_cut = [nodeid for nodeid in started if nodeid not in settled]
+        result.not_reached = max(0, collected - len(settled) - len(result.running_when_cut)) if collected else None
+    elif result.status == "passed" and not counts.get("passed") and counts.get("not run"):
+        result.status = "not run"  # every test skipped: nothing was checked
+    elif result.status == "failed" and result.returncode == 5:
+        result.status = "not run"
+        result.note = "no tests collected"
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def _probe(argv: list[str]) -> Optional[str]:
+    try:
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
+
+
+def run_all(parts: Sequence[Part], log_dir: Path) -> dict[str, Any]:
+    """Run ``parts`` in order; the summary (also written to ``<log_dir>/summary.json``)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tests_log = log_dir / TESTS_LOG
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_ENV: str(tests_log.resolve())}
+    started_utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    start = time.monotonic()
+    results = []
+    for part in parts:
+        offset = tests_log.stat().st_size if tests_log.exists() else 0
+        result = run_part(part, log_dir, env)
+        if part.pytest and result.status != "not run":
+            add_test_outcomes(result, read_records(tests_log, offset))
+        results.append(result)
+        print(f"== {part.name}: {result.status} in {result.seconds:.1f} s", flush=True)
+    summary = {
+        "device": _probe(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]),
+        "commit": _probe(["git", "rev-parse", "HEAD"]),
+        "started_utc": started_utc,
+        "wall_s": round(time.monotonic() - start, 1),
+        "log_dir": str(log_dir),
+        "tests_log": str(tests_log),
+        "ok": all(r.status in ("passed", "not run") for r in results),
+        "parts": [dataclasses.asdict(r) for r in results],
+    }
+    (log_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The summary screen."""
+    lines = [f"GPU tier on {summary['device'] or 'an unnamed device'} at {(summary['commit'] or 'no commit')[:12]}: "
+             f"{'OK' if summary['ok'] else 'NOT OK'} in {summary['wall_s']:.0f} s; logs in {summary['log_dir']}"]
+    lines.append(f"  {'part':<12}{'status':<11}{'seconds':>8}{'budget':>8}  tests")
+    for part in summary["parts"]:
+        counted = sorted(part["tests"].items(), key=lambda item: OUTCOMES.index(item[0]) if item[0] in OUTCOMES else 99)
+        tests = ", ".join(f"{n} {outcome}" for outcome, n in counted)
+        if part["not_reached"]:
+            tests += f", {part['not_reached']} not reached"
+        lines.append(f"  {part['name']:<12}{part['status']:<11}{part['seconds']:>8.1f}{part['budget_s']:>8.0f}  "
+                     f"{tests or part['note']}")
+    for part in summary["parts"]:
+        if part["failing"]:
+            lines.append(f"{part['name']}: failed (tracebacks in {summary['tests_log']}):")
+            lines += [f"  {nodeid}" for nodeid in part["failing"]]
+        if part["running_when_cut"]:
+            lines.append(f"{part['name']}: running when cut at {part['budget_s']:g} s:")
+            lines += [f"  {nodeid}" for nodeid in part["running_when_cut"]]
+        if part["status"] in ("failed", "timed out") and not part["failing"] and part["tail"]:
+            lines.append(f"{part['name']}: {part['status']} (exit {part['returncode']}); "
+                         f"its last lines ({part['log']}):")
+            lines += [f"  | {line}" for line in part["tail"]]
+        for reason, n in part["not_run_reasons"].items():
+            lines.append(f"{part['name']}: {n} not run: {reason.removeprefix('not run: ')}")
+    return "\n".join(lines)
+
+
+# -- requirements this Python lacks ------------------------------------------------------------
+
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([^\s;]+))?")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def missing_requirements(path: Path) -> tuple[list[str], list[str]]:
+    """The requirement lines of ``path`` whose distribution is not installed, and a note for each
+    one installed at another version than its pin (kept: a node's own stack is deliberate)."""
+    installed: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():  # sys.path order: the first found is the one imported
+        name = dist.metadata["Name"]
+        if name:
+            installed.setdefault(_canonical(name), dist.version)
+    missing, notes = [], []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        requirement = line.split("#", 1)[0].strip()
+        if not requirement:
+            continue
+        parsed = _REQUIREMENT.match(requirement)
+        if parsed is None:
+            raise ValueError(f"{path}:{number}: not a requirement: {requirement!r}")
+        name, pin = parsed.groups()
+        have = installed.get(_canonical(name))
+        if have is None:
+            missing.append(requirement)
+        elif pin is not None and have != pin:
+            notes.append(f"{name} {have} is installed (pinned {pin}): kept")
+    return missing, notes
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+class BadInput(Exception):
+    pass
+
+
+def parse_budgets(values: Sequence[str], names: Sequence[str]) -> dict[str, float]:
+    budgets: dict[str, float] = {}
+    for item in (piece for value in values for piece in value.split(",") if piece):
+        name, sep, seconds = item.partition("=")
+        if not sep or name not in names:
+            raise BadInput(f"--budget {item}: expected part=seconds with a part among {', '.join(names)}")
+        try:
+            budgets[name] = float(seconds)
+        except ValueError:
+            raise BadInput(f"--budget {item}: {seconds!r} is not a number of seconds") from None
+        if budgets[name] <= 0:
+            raise BadInput(f"--budget {item}: the budget must be positive")
+    return budgets
+
+
+def select_parts(parts: list[Part], only: Optional[str], budgets: dict[str, float]) -> list[Part]:
+    names = [p.name for p in parts]
+    chosen = [p.name for p in parts if p.default]
+    if only is not None:
+        chosen = [name for name in only.split(",") if name]
+        unknown = [name for name in chosen if name not in names]
+        if unknown or not chosen:
+            raise BadInput(f"--only {only}: no part named {', '.join(unknown) or '(none given)'}; "
+                           f"parts: {', '.join(names)}")
+    return [dataclasses.replace(p, budget_s=budgets.get(p.name, p.budget_s)) for p in parts if p.name in chosen]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n", 1)[0].split()))
+    p.add_argument("--log-dir", type=Path, default=None, help="default: runs/gpu-check-<UTC time>/")
+    p.add_argument("--only", default=None, help="comma-separated parts to run, in their order")
+    p.add_argument("--budget", action="append", default=[], help="part=seconds (repeatable, or comma-separated)")
+    p.add_argument("--missing", type=Path, default=None, metavar="REQUIREMENTS",
+                   help="print the lines of REQUIREMENTS this Python lacks, and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    try:
+        if args.missing is not None:
+            if not args.missing.is_file():
+                raise BadInput(f"--missing {args.missing}: no such file")
+            try:
+                missing, notes = missing_requirements(args.missing)
+            except ValueError as err:
+                raise BadInput(str(err)) from None
+            for note in notes:
+                print(note, file=sys.stderr)
+            print("\n".join(missing))
+            return 0
+        parts = default_parts()
+        parts = select_parts(parts, args.only, parse_budgets(args.budget, [p.name for p in parts]))
+    except BadInput as err:
+        print(f"gpu_check: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    log_dir = args.log_dir or ROOT / "runs" / f"gpu-check-{stamp}"
+    boxed = sum(p.budget_s + GRACE_S for p in parts)
+    left = [p.name for p in default_parts() if p.name not in {c.name for c in parts}]
+    print(f"gpu_check: {', '.join(f'{p.name} {p.budget_s:g} s' for p in parts)}: at most {boxed:.0f} s "
+          f"({'within' if boxed <= TIME_BOX_S else 'over'} the {TIME_BOX_S:.0f} s box); logs in {log_dir}"
+          + (f"; not run: {', '.join(left)} (--only names parts)" if left else ""), flush=True)
+    summary = run_all(parts, log_dir)
+    print("\n" + render(summary), flush=True)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,118 @@
+"""The GPU tier's test log: each test's start and outcome, appended the moment it happens.
+
+pytest prints its failures only when the session ends, so a run stopped by a time limit says
+nothing about what failed. Where RINGTRAIN_GPU_LOG names a file, every test appends one JSON
+line when it starts and one when its outcome is known (passed, failed, error, not run, xfailed,
+xpassed; a failure's traceback, a skip's reason), and the session one line with the number of
+tests collected. bench/gpu_check.py reads it; a cut run still lists what passed and what failed,
+and what was running when it was cut.
+
+Under pytest-xdist each worker writes the tests it runs; the controller writes only what no
+worker could (a crashed worker's test). Each line is one ``write`` on a file opened with
+O_APPEND, so lines from several processes never interleave.
+
+Loaded by every run that collects tests/gpu, so it imports nothing beyond the stdlib and pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+import pytest
+
+LOG_ENV = "RINGTRAIN_GPU_LOG"
+WORKER_ENV = "PYTEST_XDIST_WORKER"
+CRASH_PHASE = "???"  # pytest-xdist's phase for the report of a test whose worker died
+
+_config: Optional[pytest.Config] = None
+
+
+def _xdist_controller() -> bool:
+    """Whether this process hands tests to pytest-xdist workers (it registers its session late,
+    after this conftest's pytest_configure, so it is asked each time)."""
+    return _config is not None and _config.pluginmanager.has_plugin("dsession")
+
+
+def _worker() -> str:
+    return os.environ.get(WORKER_ENV, "main")
+
+
+def _append(record: dict[str, Any]) -> None:
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    data = (json.dumps({**record, "worker": _worker(), "time": round(time.time(), 3)}) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        reason = str(report.longrepr[2])
+        return reason.removeprefix("Skipped: ")
+    return report.longreprtext
+
+
+def _outcome(report: pytest.TestReport) -> Optional[str]:
+    """The test's outcome this report settles, or None while another report is still to come."""
+    xfail = hasattr(report, "wasxfail")
+    if report.when == "call" or report.when == CRASH_PHASE:
+        if report.skipped:
+            return "xfailed" if xfail else "not run"
+        if report.passed:
+            return "xpassed" if xfail else "passed"
+        return "failed"
+    if report.failed:  # setup or teardown
+        return "error"
+    if report.when == "setup" and report.skipped:
+        return "xfailed" if xfail else "not run"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not _xdist_controller() and _worker() in ("main", "gw0"):  # every worker collects the same tests
+        _append({"event": "collected", "count": len(session.items)})
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module that fails to import: its tests never start, so it is logged as an error."""
+    if report.failed and not _xdist_controller() and _worker() in ("main", "gw0"):
+        _append({"event": "outcome", "nodeid": report.nodeid, "outcome": "error", "when": "collect",
+                 "duration_s": 0.0, "traceback": report.longreprtext})
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str]) -> None:
+    if not _xdist_controller():
+        _append({"event": "start", "nodeid": nodeid})
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _xdist_controller() and report.when != CRASH_PHASE:
+        return  # its worker wrote it
+    outcome = _outcome(report)
+    if outcome is None:
+        return
+    record: dict[str, Any] = {
+        "event": "outcome",
+        "nodeid": report.nodeid,
+        "outcome": outcome,
+        "when": report.when,
+        "duration_s": round(report.duration, 3),
+    }
+    if outcome == "not run":
+        record["reason"] = _skip_reason(report)
+    elif outcome in ("failed", "error"):
+        record["traceback"] = report.longreprtext
+    _append(record)
