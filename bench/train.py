@@ -150,7 +150,7 @@ SHAPES: dict[str, Shape] = {
     ),
 }
 
-VARIANTS = ("trainer", "plain", "hf", "trainer_snapshots")
+VARIANTS = ("trainer", "trainer_snapshots", "plain", "hf")
 FULL_SEQ, TINY_SEQ = 32768, 256
 
 
@@ -636,10 +636,12 @@ def describe(variant: str, out: Mapping[str, Any]) -> str:
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(shape, variant) pairs to run, in order."""
+    """(shape, variant) pairs to run, in order: a variant for every shape before the next
+    variant, so that a run cut short by its time box has measured the first variants listed
+    (``--variants``' order) of every shape."""
     pairs = []
-    for name in args.shapes:
-        for variant in args.variants:
+    for variant in args.variants:
+        for name in args.shapes:
             if variant == "trainer_snapshots" and not (SHAPES[name].snapshots and args.snapshot_every > 0):
                 continue
             pairs.append((name, variant))
