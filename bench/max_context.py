@@ -1,0 +1,1134 @@
+"""Benchmark: the longest sequence one device trains, ringtrain against Hugging Face transformers,
+and the planner's prediction of it held against the measurement.
+
+For each model shape, two systems:
+
+- ringtrain: the ``Trainer`` of one rank in a world of one, with the layout ``ringtrain plan``
+  puts first at the try's length (ZeRO stage and offload, and the savers: chunked loss, MLP tiles,
+  activation offload; ``ringtrain.planner.reach.pick``), ``model.activation_checkpointing=auto``
+  (the planner's mode, explicit, where a ``--memory-gb`` cap stands in for the device's memory,
+  which ``auto`` would read), snapshots off, the stdlib corpus as data.
+- hf: transformers' own ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` of the same config,
+  ``attn_implementation="sdpa"``, gradient checkpointing of every layer,
+  ``model(input_ids=..., labels=...).loss``, bf16 weights with fp32 AdamW masters (the recipe of
+  bench/train.py's hf variant).
+
+Each try is one length in a spawned process of its own (a fresh CUDA context and allocator):
+``--steps`` optimizer steps (forward, backward, step; the second catches allocator growth), with
+a timeout. An out-of-memory is a result: the try is recorded as ``oom`` with the limit that
+stopped it (``device``: torch's OutOfMemoryError; ``host``: a host allocation failed, or the
+kernel killed the process), and the search goes on. Each try records its length, outcome, peak
+device memory (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``; on a CPU the
+peak of torch-allocated bytes, counted as bench/planner_memory.py counts them), the process's
+peak RSS, the planner's predicted peak for the layout it ran, and its step times.
+
+The search (``next_length``): start from the planner's predicted maximum (``ringtrain plan
+--max-seq-len`` for one device: ``reach.longest``; for hf, the planner's reach of full
+checkpointing without savers, a starting point only), grow by ``--growth`` (at least one
+``--granule``) while it fits, shrink by it while it does not, then bisect to the granule; at most
+``--max-tries`` tries. Lengths are multiples of the granule.
+
+Time: the whole bench stays within ``--budget-s`` of device time (default 600 s on a GPU). Each
+(shape, system) search gets an equal share of what is left when it starts; a try whose predicted
+time (the planner's step estimate x steps, plus the process start seen so far) exceeds what its
+share has left is not run, and the search ends there, saying so. Each try's timeout is
+``--try-timeout`` or what the share has left, the smaller. Attention's work grows with the square
+of the length: near a million tokens one step of a 1B model takes the planner's estimate of 13-15
+minutes on an H100, so ringtrain's search there needs a budget in hours (``--budget-s``), where
+the default one measures the hf searches and any ``--peaks-at`` tries.
+
+Llama-3.1-8B (``--shapes llama3-8b``) is there for nodes whose host memory holds its offloaded
+optimizer state: each shape's header says which limit (device or host memory) stops the planner
+past its maximum, and each failed try which one stopped it.
+
+Targets, each printed PASS or MISS (``--tiny`` runs are smoke runs, not held to them):
+
+    ringtrain max / hf max                            >= 8, per shape
+    ringtrain max, Llama-3.2-1B on an H100            >= 1,048,576 tokens
+    planner's predicted max vs ringtrain's measured   within 10%, per shape
+    predicted vs measured peak of ringtrain's tries   within 10% at >= 3 lengths, per shape
+
+The planner is asked about the device as torch reports it (its memory, or ``--memory-gb``) and
+the host's memory less the same headroom (``ringtrain.planner.reach.device_seen``); its default
+10% headroom applies (``--headroom``). The JSON also holds its prediction with no headroom (where
+the predicted peak is the whole device), which separates the memory model's error from the
+headroom's.
+
+    PYTHONPATH=platform python bench/max_context.py [--shapes llama3.2-1b,qwen3-1.7b[,llama3-8b]]
+        [--systems hf,ringtrain] [--steps 2] [--granule 1024] [--growth 1.25] [--max-tries 6]
+        [--budget-s 600] [--try-timeout 900] [--memory-gb G] [--headroom 0.1]
+        [--peaks-at 65536,131072] [--check] [--out PATH]
+
+``--peaks-at`` adds ringtrain tries at fixed lengths before its search (the planner's layout at
+each), for the predicted-peak target where the search's own tries are too long for the budget.
+
+``--device cpu --tiny`` runs the same search on tiny shapes of both families (dim 64, 2 layers,
+vocabulary 512) under a memory cap standing in for the GPU's (``--memory-gb``, default 0.016):
+the planner plans for the cap, and a try whose peak of torch-allocated bytes exceeds it is an
+``oom``. On a CPU host and device memory are one, so the planner is given no host memory to
+offload to. Needs CUDA unless ``--device cpu``: without it, it exits 2 with a message.
+
+Writes bench/results/max_context-<device>.json (``-tiny`` added for tiny shapes; or ``--out``)
+through bench/record.py's Run: commit, device, every try of every search, the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import re
+import resource
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import RESULTS_DIR, Run  # noqa: E402
+
+if TYPE_CHECKING:
+    from ringtrain.config import JobConfig
+    from ringtrain.planner.layout import Layout, Workload
+    from ringtrain.planner.search import Candidate, Cluster, Reach
+    from ringtrain.planner.throughput import Assumptions
+
+EXIT_BAD_INPUT = 2  # also: no CUDA where the bench needs it
+RATIO_MIN = 8.0  # ringtrain's longest sequence over transformers'
+LLAMA_1B_MIN_TOKENS = 2**20  # on an H100
+PREDICTION_TOLERANCE = 0.10  # the planner's max, and its peak, against the measured ones
+PEAK_LENGTHS_MIN = 3  # lengths at which the predicted peak must hold
+ERROR_LINES = 20  # of a failed try's traceback, kept in the JSON
+SMOKE = "cpu smoke, not a measurement"
+GB = 10**9
+
+# Outcomes of a try, and the limits an out-of-memory names.
+OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
+DEVICE_LIMIT, HOST_LIMIT = "device", "host"
+
+# Seconds a try spends outside its steps (process start, imports, build), until one is seen.
+START_GUESS_S = {"cuda": 60.0, "cpu": 5.0}
+
+
+# ---- shapes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape: the job's ``model.*`` keys, its tiny stand-in, transformers' classes."""
+
+    title: str
+    model: Mapping[str, Any]
+    tiny: Mapping[str, Any]  # the sizes ``--tiny`` puts in place; the family's switches stay
+    hf_model: str
+    hf_config: str
+
+    def model_keys(self, tiny: bool) -> dict[str, Any]:
+        return {**self.model, **(self.tiny if tiny else {})}
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3.1 / 3.2's rope_scaling (their config.json)."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+def _llama3_8b() -> dict[str, Any]:
+    """Llama-3.1-8B: the planner's preset for its sizes, the release's config.json for the rest."""
+    from ringtrain.planner.models import PRESETS
+
+    spec = PRESETS["llama3-8b"]
+    return {"vocab_size": spec.vocab_size, "dim": spec.dim, "n_layers": spec.n_layers, "n_heads": spec.n_heads,
+            "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "ffn_dim": spec.ffn_dim,
+            "rope_theta": 500000.0, "rope_scaling": _llama3_rope(8.0), "norm_eps": 1e-5, "tie_embeddings": False,
+            "max_position_embeddings": 131072}
+
+
+# Tiny stand-ins: head_dim x n_heads = dim, as in the real shapes (the planner assumes it).
+_TINY_LLAMA = {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+               "ffn_dim": 176}
+_TINY_QWEN = {**_TINY_LLAMA, "ffn_dim": 192}
+
+SHAPES: dict[str, Shape] = {
+    # Llama-3.2-1B's config.json.
+    "llama3.2-1b": Shape(
+        title="Llama-3.2-1B",
+        model={"vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "head_dim": 64,
+               "ffn_dim": 8192, "rope_theta": 500000.0, "rope_scaling": _llama3_rope(32.0), "norm_eps": 1e-5,
+               "tie_embeddings": True, "max_position_embeddings": 131072},
+        tiny=_TINY_LLAMA,
+        hf_model="LlamaForCausalLM",
+        hf_config="LlamaConfig",
+    ),
+    # Qwen3-1.7B's config.json.
+    "qwen3-1.7b": Shape(
+        title="Qwen3-1.7B",
+        model={"vocab_size": 151936, "dim": 2048, "n_layers": 28, "n_heads": 16, "n_kv_heads": 8, "head_dim": 128,
+               "ffn_dim": 6144, "rope_theta": 1000000.0, "norm_eps": 1e-6, "qk_norm": True, "tie_embeddings": True,
+               "max_position_embeddings": 40960},
+        tiny=_TINY_QWEN,
+        hf_model="Qwen3ForCausalLM",
+        hf_config="Qwen3Config",
+    ),
+    "llama3-8b": Shape(
+        title="Llama-3.1-8B",
+        model=_llama3_8b(),
+        tiny=_TINY_LLAMA,
+        hf_model="LlamaForCausalLM",
+        hf_config="LlamaConfig",
+    ),
+}
+DEFAULT_SHAPES = ("llama3.2-1b", "qwen3-1.7b")
+SYSTEMS = ("hf", "ringtrain")  # in the order they run: the cheap baseline first
+
+
+# ---- the search: pure -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SearchPolicy:
+    granule: int = 1024  # every length tried is a multiple of it
+    growth: float = 1.25  # the factor lengths grow or shrink by before a failure / fit brackets the max
+    max_tries: int = 6
+    ceiling: Optional[int] = None  # no try longer than this
+
+    def floor(self, length: float) -> int:
+        """``length`` down to a multiple of the granule, at least one granule."""
+        return max(self.granule, int(length) // self.granule * self.granule)
+
+
+def bracket(tried: Sequence[tuple[int, bool]]) -> tuple[int, Optional[int]]:
+    """(the longest length that fit, 0 if none; the shortest failure above it, None if none). A
+    failure below a fit (a noisy or flaky try) does not narrow the bracket."""
+    longest = max((n for n, fit in tried if fit), default=0)
+    above = [n for n, fit in tried if not fit and n > longest]
+    return longest, min(above, default=None)
+
+
+def next_length(policy: SearchPolicy, start: int, tried: Sequence[tuple[int, bool]]) -> Optional[int]:
+    """The next length to try after ``tried`` ((length, fit) in order), or None when done: grow
+    while everything fits, shrink while nothing does, then bisect the bracket to the granule."""
+    if len(tried) >= policy.max_tries:
+        return None
+    g = policy.granule
+    ceiling = policy.floor(policy.ceiling) if policy.ceiling else None
+    if not tried:
+        first = policy.floor(start)
+        return min(first, ceiling) if ceiling else first
+    longest, failure = bracket(tried)
+    if failure is None:
+        grown = max(longest + g, policy.floor(longest * policy.growth))
+        if ceiling is not None:
+            grown = min(grown, ceiling)
+        nxt: Optional[int] = grown if grown > longest else None
+    elif longest == 0:
+        nxt = min(failure - g, policy.floor(failure / policy.growth)) if failure > g else None
+    elif failure - longest <= g:
+        nxt = None
+    else:
+        nxt = longest + (failure - longest) // (2 * g) * g
+    if nxt is not None and any(n == nxt for n, _ in tried):
+        return None  # a length tried before (its answer was out of line with the others): stop
+    return nxt
+
+
+def stop_reason(policy: SearchPolicy, tried: Sequence[tuple[int, bool]]) -> str:
+    """Why ``next_length`` has nothing more to try."""
+    longest, failure = bracket(tried)
+    if failure is not None and failure - longest <= policy.granule:
+        return "converged" if longest else "nothing fits (not even one granule)"
+    if len(tried) >= policy.max_tries:
+        return "max tries"
+    if failure is None and policy.ceiling and longest >= policy.floor(policy.ceiling):
+        return "ceiling"
+    return "a length tried before"
+
+
+@dataclass
+class SearchResult:
+    tried: list[tuple[int, bool]] = field(default_factory=list)
+    stopped: str = ""
+
+    @property
+    def longest(self) -> int:
+        return bracket(self.tried)[0]
+
+    @property
+    def failure(self) -> Optional[int]:
+        return bracket(self.tried)[1]
+
+
+def search_longest(oracle: Callable[[int], Optional[bool]], start: int, policy: SearchPolicy) -> SearchResult:
+    """Run ``next_length`` against ``oracle`` (length -> fits; None ends the search, e.g. out of
+    time, and the oracle knows why)."""
+    result = SearchResult()
+    while (length := next_length(policy, start, result.tried)) is not None:
+        fit = oracle(length)
+        if fit is None:
+            result.stopped = "stopped by the caller"
+            return result
+        result.tried.append((length, fit))
+    result.stopped = stop_reason(policy, result.tried)
+    return result
+
+
+# ---- one try, in its own process --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Try:
+    """One length of one system on one shape, as its process runs it."""
+
+    shape: str
+    system: str  # hf | ringtrain
+    device: str  # cuda | cpu
+    tiny: bool
+    seq_len: int
+    steps: int
+    overrides: tuple[str, ...] = ()  # ringtrain's layout, as ``ringtrain run`` arguments
+    memory_fraction: Optional[float] = None  # CUDA: the share of the device a --memory-gb cap leaves
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return SHAPES[self.shape].model_keys(self.tiny)
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def job_overrides(t: Try) -> list[str]:
+    """The job a try trains: its shape at its length, one sequence per step, one device, the layout."""
+    return [
+        *(f"model.{key}={_yaml(value)}" for key, value in t.model.items()),
+        f"data.seq_len={t.seq_len}",
+        "train.global_batch=1",
+        "train.micro_batch=1",
+        f"train.steps={max(100, t.steps)}",
+        "mesh.dp=1",
+        "mesh.cp=1",
+        "checkpoint.snapshot_every=0",
+        f"cluster.device={t.device}",
+        *t.overrides,
+    ]
+
+
+def load_job(t: Try) -> JobConfig:
+    from ringtrain import config
+
+    return config.load(None, job_overrides(t))
+
+
+def device_of(t: Try) -> torch.device:
+    if t.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMeter:
+    """Peak device memory of a try: the CUDA allocator's peaks, or on a CPU the peak of live
+    torch-allocated bytes (bench/planner_memory.py's ``StoragePeak``), which counts what the planner
+    predicts and not the interpreter or libraries. ``reset`` after the build: training is measured,
+    with the model states the build left counted in."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.allocated = 0
+        self.reserved = 0
+        self._storage: Any = None
+        if device.type != "cuda":
+            from planner_memory import StoragePeak
+
+            self._storage = StoragePeak()
+
+    def __enter__(self) -> PeakMeter:
+        if self._storage is not None:
+            self._storage.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.sample()
+        if self._storage is not None:
+            self._storage.mode.__exit__(*exc)
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._storage.reset_peak()
+
+    def sample(self) -> None:
+        """Fold in the peak since the last reset (the Trainer resets CUDA's at each step's start)."""
+        if self.device.type == "cuda":
+            self.allocated = max(self.allocated, int(torch.cuda.max_memory_allocated(self.device)))
+            self.reserved = max(self.reserved, int(torch.cuda.max_memory_reserved(self.device)))
+        else:
+            self.allocated = max(self.allocated, int(self._storage.peak))
+
+
+def host_peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def timed(step: Callable[[], float], device: torch.device, meter: PeakMeter) -> tuple[float, float]:
+    """(seconds, loss) of one step, from a synchronized device to a synchronized device."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    loss = step()
+    synchronize(device)
+    meter.sample()
+    return time.perf_counter() - t0, loss
+
+
+def run_ringtrain(t: Try, meter: PeakMeter) -> dict[str, Any]:
+    """ringtrain's Trainer, one rank in a world of one."""
+    from ringtrain.train.trainer import set_rank_env
+
+    device = meter.device
+    set_rank_env(rank=0, world_size=1, device=device)  # before DeepSpeed's import reads it
+    import logging
+
+    import torch.distributed as dist
+    from deepspeed.utils import logger as ds_logger
+
+    from ringtrain.train.fused import liger_ops
+    from ringtrain.train.trainer import Trainer
+
+    ds_logger.setLevel(logging.WARNING)
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
+    )
+    job = load_job(t)
+    with meter:
+        trainer = Trainer(job, rank=0, device=device)
+        try:
+            meter.reset()
+            steps = [timed(lambda: float(trainer.train_step().loss), device, meter) for _ in range(t.steps)]
+        finally:
+            trainer.close()
+    return {
+        "step_s": [s for s, _ in steps],
+        "losses": [loss for _, loss in steps],
+        "checkpointing": trainer.model.savers.checkpointing,
+        "fused_kernels": "liger" if trainer.model.fused.kernels and cuda and liger_ops() is not None else "eager",
+    }
+
+
+def hf_model(t: Try, job: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' own model of the try's shape, from the config ringtrain exports for it."""
+    import warnings
+
+    import transformers
+
+    from ringtrain.hf.hfconfig import hf_config
+
+    shape = SHAPES[t.shape]
+    config_class, model_class = getattr(transformers, shape.hf_config), getattr(transformers, shape.hf_model)
+    source = {"architectures": [shape.hf_model], "model_type": config_class.model_type}
+    fields = hf_config(job.model, source, trained_seq_len=t.seq_len, dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+    config = config_class.from_dict(fields, attn_implementation="sdpa")
+    if config._attn_implementation != "sdpa":
+        raise RuntimeError(f"transformers {transformers.__version__} set attention {config._attn_implementation}, not sdpa")
+    config.use_cache = False
+    torch.manual_seed(job.train.seed)
+    with device:
+        model = model_class(config).to(dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # renamed in 5.2x; this name works in every 5.x
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def run_hf(t: Try, meter: PeakMeter) -> dict[str, Any]:
+    """transformers' model of the same shape, trained the way a user would train it."""
+    from train import MasterWeightAdamW  # bench/train.py's hf recipe: fp32 masters, torch's AdamW
+
+    from ringtrain.train.engine import resolve_dtype
+
+    device = meter.device
+    job = load_job(t)
+    dtype = resolve_dtype(job, device)
+    with meter:
+        model = hf_model(t, job, device, dtype)
+        optimizer = MasterWeightAdamW(model, job, fused=device.type == "cuda")
+        gen = torch.Generator(device=device).manual_seed(0)
+        input_ids = torch.randint(0, job.model_int("vocab_size"), (1, t.seq_len), device=device, generator=gen)
+        meter.reset()
+
+        def step() -> float:
+            loss = model(input_ids=input_ids, labels=input_ids).loss  # shifts the labels itself
+            loss.backward()
+            optimizer.step()
+            return float(loss.item())
+
+        steps = [timed(step, device, meter) for _ in range(t.steps)]
+    return {"step_s": [s for s, _ in steps], "losses": [loss for _, loss in steps], "checkpointing": "full",
+            "fused_kernels": "eager"}
+
+
+RUNNERS: dict[str, Callable[[Try, PeakMeter], dict[str, Any]]] = {"ringtrain": run_ringtrain, "hf": run_hf}
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return out
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """(outcome, limit) of a try that raised: torch's OutOfMemoryError anywhere in the chain is the
+    device's; a failed host allocation (MemoryError, ENOMEM, pinned memory) the host's."""
+    chain = _chain(exc)
+    if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
+        return OOM, DEVICE_LIMIT
+    if any(isinstance(e, MemoryError) for e in chain):
+        return OOM, HOST_LIMIT
+    for e in chain:
+        text = str(e).lower()
+        if "cannot allocate memory" in text or ("out of memory" in text and ("pinned" in text or "host" in text)):
+            return OOM, HOST_LIMIT
+        if "out of memory" in text:
+            return OOM, DEVICE_LIMIT
+    return ERROR, ""
+
+
+Runner = Callable[[Try, PeakMeter], dict[str, Any]]
+
+
+def _try_main(t: Try, runner: Optional[Runner], results: Any) -> None:
+    meter: Optional[PeakMeter] = None
+    try:
+        device = device_of(t)
+        if t.memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(t.memory_fraction, device)
+        meter = PeakMeter(device)
+        out = (runner or RUNNERS[t.system])(t, meter)
+        out["outcome"] = OK
+    except BaseException as exc:  # noqa: BLE001 - a failure is a result; the parent records it
+        outcome, limit = classify(exc)
+        lines = traceback.format_exc().rstrip().splitlines()
+        out = {"outcome": outcome, "limit": limit, "error": "\n".join(lines[-ERROR_LINES:])}
+    if meter is not None:
+        out["peak_device_bytes"] = meter.allocated
+        if meter.device.type == "cuda":
+            out["peak_reserved_bytes"] = meter.reserved
+            out["device_name"] = torch.cuda.get_device_name(meter.device)
+    out["host_peak_rss_bytes"] = host_peak_rss()
+    results.put(out)
+
+
+def _await_result(proc: Any, results: Any, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            out: dict[str, Any] = results.get(timeout=0.5)
+            return out
+        except queue.Empty:
+            if not proc.is_alive():
+                try:  # it may have reported just before it exited
+                    return dict(results.get(timeout=1.0))
+                except queue.Empty:
+                    if proc.exitcode == -signal.SIGKILL:
+                        # Nothing here kills a try before its timeout: the kernel's OOM killer did.
+                        return {"outcome": OOM, "limit": HOST_LIMIT,
+                                "error": "killed by SIGKILL before reporting (the kernel's out-of-memory killer)"}
+                    return {"outcome": ERROR, "limit": "", "error": f"the process exited with code {proc.exitcode} before reporting"}
+            if time.monotonic() > deadline:
+                return {"outcome": TIMEOUT, "limit": "", "error": f"no result within {timeout_s:.0f} s"}
+
+
+def run_try(t: Try, timeout_s: float, runner: Optional[Runner] = None) -> dict[str, Any]:
+    """``t`` in a spawned process of its own: its result, whatever happened to it. The process is
+    gone when this returns (killed if it outlives its timeout, or its grace after reporting)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_try_main, args=(t, runner, results), daemon=True)
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"outcome": ERROR, "limit": "", "error": "interrupted before it reported"}
+    try:
+        proc.start()
+        out = _await_result(proc, results, timeout_s)
+    finally:
+        if proc.pid is not None:
+            # A process that reported gets a while to tear its process group down.
+            proc.join(timeout=0.0 if out["outcome"] == TIMEOUT else 30.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results.close()
+        results.join_thread()
+    out["pid"] = proc.pid
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def probe_device() -> dict[str, Any]:
+    """The GPU's name and memory, read in a process of its own: a CUDA context in this one would
+    hold device memory through every try."""
+    out = run_try(Try("", "probe", "cuda", False, 0, 0), 120, runner=_probe_runner)
+    if out["outcome"] != OK:
+        raise RuntimeError(f"could not read the GPU: {out.get('error', '')}")
+    return out
+
+
+def _probe_runner(t: Try, meter: PeakMeter) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(meter.device)
+    return {"total_memory": int(props.total_memory)}
+
+
+# ---- the planner's side -----------------------------------------------------------------------
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The device tries run on, as the planner is told of it."""
+
+    device_type: str  # cuda | cpu
+    name: str  # as torch reports it
+    total_bytes: int  # the whole device's memory
+    cap_bytes: Optional[int]  # --memory-gb, when given
+    host_bytes: int  # what the planner may offload to (none on a CPU: it is the same memory)
+    headroom: float
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the planner plans for and a try may use: the device's memory, or the cap."""
+        return self.total_bytes if self.cap_bytes is None else min(self.cap_bytes, self.total_bytes)
+
+    def cluster(self, headroom: Optional[float] = None) -> Cluster:
+        from ringtrain.planner.reach import device_seen
+        from ringtrain.planner.search import Cluster
+
+        device = device_seen(self.name, self.memory_bytes, self.host_bytes, cpu_cores=os.cpu_count() or 1)
+        return Cluster(device, gpus=1, gpus_per_node=1, headroom=self.headroom if headroom is None else headroom)
+
+
+def machine_for(args: argparse.Namespace) -> Machine:
+    cap = int(args.memory_gb * GB) if args.memory_gb else None
+    if args.device == "cpu":
+        assert cap is not None  # parse_args gives --tiny a default cap
+        return Machine("cpu", "cpu", cap, cap, 0, args.headroom)
+    probe = probe_device()
+    host = int(host_memory_bytes() * (1 - args.headroom))
+    return Machine("cuda", probe["device_name"], probe["total_memory"], cap, host, args.headroom)
+
+
+def liger_present() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+@dataclass
+class ShapePlan:
+    """The planner's view of one shape on the machine: what it predicts and the layout at a length."""
+
+    name: str
+    machine: Machine
+    workload: Workload  # ringtrain's, as the Trainer will run it
+    hf_workload: Workload  # transformers' stand-in: unfused ops
+    assume: Assumptions
+    reach: Optional[Reach]
+    reach_no_headroom: Optional[Reach]
+    hf_reach: Optional[Reach]
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.machine.cluster()
+
+    def ringtrain_at(self, seq_len: int) -> Candidate:
+        from ringtrain.planner.reach import pick
+
+        leanest = self.reach.candidate.layout if self.reach else None
+        return pick(self.workload, self.cluster, self.assume, seq_len, leanest=leanest)
+
+    def hf_at(self, seq_len: int) -> Candidate:
+        from ringtrain.planner.reach import at_length
+
+        return at_length(self.hf_workload, hf_layout(), seq_len, self.cluster, self.assume)
+
+    def predicted(self, layout: Layout, seq_len: int, checkpointing: str) -> Candidate:
+        """The planner's estimate for the layout a try ran, its recompute mode as the Trainer resolved it."""
+        from ringtrain.planner.reach import at_length
+        from ringtrain.planner.recompute import with_mode
+
+        return at_length(self.workload, with_mode(layout, checkpointing), seq_len, self.cluster, self.assume)
+
+
+def hf_layout() -> Layout:
+    """transformers' recipe as the planner sees it: one GPU, no ZeRO, every layer checkpointed."""
+    from ringtrain.planner.layout import Layout
+
+    return Layout(dp=1, ring=1, ulysses=1, zero_stage=0, checkpointing=True)
+
+
+def plan_shape(name: str, machine: Machine, tiny: bool, granule: int) -> ShapePlan:
+    from ringtrain.planner.layout import workload_of
+    from ringtrain.planner.reach import longest, recipe_reach
+    from ringtrain.planner.throughput import Assumptions
+
+    base = load_job(Try(name, "ringtrain", machine.device_type, tiny, granule, 1))
+    workload = workload_of(base, machine.device_type)
+    # The Trainer runs liger's kernels only where they import: plan for what runs.
+    workload = dataclasses.replace(workload, fused=workload.fused and liger_present())
+    hf_workload = dataclasses.replace(workload, fused=False)
+    assume = Assumptions(gpus_per_node=1)
+    cluster = machine.cluster()
+    return ShapePlan(
+        name=name,
+        machine=machine,
+        workload=workload,
+        hf_workload=hf_workload,
+        assume=assume,
+        reach=longest(workload, cluster, assume),
+        reach_no_headroom=longest(workload, machine.cluster(headroom=0.0), assume),
+        hf_reach=recipe_reach(hf_workload, hf_layout(), cluster, assume),
+    )
+
+
+# ---- the searches: tries, budget, records ------------------------------------------------------
+
+
+class Budget:
+    """Device time: the whole bench's, shared equally by the searches still to run."""
+
+    def __init__(self, total_s: float) -> None:
+        self.total_s = total_s
+        self.t0 = time.monotonic()
+
+    @property
+    def used_s(self) -> float:
+        return time.monotonic() - self.t0
+
+    def share(self, searches_left: int) -> float:
+        """Seconds the next search may use: an equal part of what is left."""
+        return max(0.0, self.total_s - self.used_s) / max(1, searches_left)
+
+
+@dataclass
+class Searcher:
+    """Runs the tries of one (shape, system) search and records each; its ``oracle`` is what
+    ``search_longest`` calls."""
+
+    plan: ShapePlan
+    system: str
+    args: argparse.Namespace
+    deadline: float  # time.monotonic() at which this search's share of the budget ends
+    tries: list[dict[str, Any]] = field(default_factory=list)
+    stopped: str = ""
+    start_s: float = 0.0  # seconds a try spends outside its steps, as the last one did
+
+    def __post_init__(self) -> None:
+        self.start_s = START_GUESS_S[self.plan.machine.device_type]
+
+    def candidate(self, seq_len: int) -> Candidate:
+        return self.plan.ringtrain_at(seq_len) if self.system == "ringtrain" else self.plan.hf_at(seq_len)
+
+    def overrides(self, layout: Layout) -> tuple[str, ...]:
+        if self.system != "ringtrain":
+            return ()
+        # auto on the device itself, as a user's job; under a cap the planner's mode, which auto
+        # (reading the whole device, or resolving "none" on a CPU) would not pick.
+        auto = self.plan.machine.device_type == "cuda" and self.plan.machine.cap_bytes is None
+        return tuple("model.activation_checkpointing=auto" if auto and o.startswith("model.activation_checkpointing=")
+                     else o for o in layout.overrides())
+
+    def oracle(self, seq_len: int) -> Optional[bool]:
+        cand = self.candidate(seq_len)
+        predicted_s = self.args.steps * cand.step.step_s + self.start_s
+        left = self.deadline - time.monotonic()
+        if predicted_s > left:
+            self.stopped = (f"budget: a try at {seq_len:,} tokens is predicted to take {predicted_s:,.0f} s "
+                            f"({self.args.steps} x {cand.step.step_s:,.0f} s steps + {self.start_s:.0f} s start), "
+                            f"{max(0.0, left):,.0f} s of this search's share left")
+            return None
+        cut = left < self.args.try_timeout  # the share, not --try-timeout, bounds this try
+        record = self.run(seq_len, cand, timeout_s=min(self.args.try_timeout, left))
+        if record["outcome"] == TIMEOUT and cut:
+            self.stopped = f"budget: the try at {seq_len:,} tokens ran past the end of this search's share"
+            return None
+        return record["outcome"] == OK
+
+    def run(self, seq_len: int, cand: Candidate, timeout_s: float) -> dict[str, Any]:
+        machine = self.plan.machine
+        fraction = None
+        if machine.device_type == "cuda" and machine.cap_bytes is not None:
+            fraction = machine.memory_bytes / machine.total_bytes
+        t = Try(self.plan.name, self.system, machine.device_type, self.args.tiny, seq_len, self.args.steps,
+                self.overrides(cand.layout), fraction)
+        out = run_try(t, timeout_s)
+        record = self.record(t, cand, out)
+        self.tries.append(record)
+        print(try_line(self.system, len(self.tries), record), flush=True)
+        return record
+
+    def record(self, t: Try, cand: Candidate, out: dict[str, Any]) -> dict[str, Any]:
+        machine = self.plan.machine
+        record: dict[str, Any] = {"seq_len": t.seq_len, **out}
+        if out.get("outcome") == OK and machine.cap_bytes is not None and machine.device_type == "cpu" \
+                and out["peak_device_bytes"] > machine.cap_bytes:
+            record.update(outcome=OOM, limit=DEVICE_LIMIT, over_cap=True)
+        if "step_s" in out:
+            self.start_s = out["wall_s"] - sum(out["step_s"])
+        record["predicted_step_s"] = cand.step.step_s
+        if self.system == "ringtrain":
+            mode = out.get("checkpointing", cand.layout.checkpointing_mode)
+            ran = self.plan.predicted(cand.layout, t.seq_len, mode)
+            record.update(
+                layout=ran.layout.describe(),
+                overrides=list(t.overrides),
+                planned_checkpointing=cand.layout.checkpointing_mode,
+                predicted_peak_bytes=ran.memory.total,
+                predicted_host_bytes=ran.memory.host,
+                predicted_fits=ran.fits,
+            )
+            if record.get("peak_device_bytes") and record["outcome"] == OK:
+                record["predicted_over_measured"] = ran.memory.total / record["peak_device_bytes"]
+        return record
+
+
+def search_system(plan: ShapePlan, system: str, args: argparse.Namespace, share_s: float) -> dict[str, Any]:
+    """One system's search on one shape (and, for ringtrain, its --peaks-at tries first)."""
+    searcher = Searcher(plan, system, args, deadline=time.monotonic() + share_s)
+    policy = SearchPolicy(granule=args.granule, growth=args.growth, max_tries=args.max_tries)
+    reach = plan.reach if system == "ringtrain" else plan.hf_reach
+    start = reach.max_seq_len if reach else policy.granule
+    source = ("the planner's predicted max" if system == "ringtrain" else
+              "the planner's reach of full checkpointing without savers") if reach else "one granule (the planner fits nothing)"
+    if system == "ringtrain":
+        for length in args.peaks_at:
+            if searcher.oracle(length) is None:
+                break
+    fixed = len(searcher.tries)
+    if searcher.stopped:
+        result = SearchResult(stopped=searcher.stopped)
+    else:
+        result = search_longest(searcher.oracle, start, policy)
+        result.stopped = searcher.stopped or result.stopped
+    longest, failure = result.longest, result.failure
+    first_failure = next((r for r in searcher.tries[fixed:] if r["seq_len"] == failure), None)
+    return {
+        "start": policy.floor(start),
+        "start_from": source,
+        "tries": searcher.tries,
+        "search_tries": len(result.tried),
+        "max_seq_len": longest,
+        "failed_at": failure,
+        "stopped_by": (first_failure.get("limit") or first_failure["outcome"]) if first_failure else None,
+        "converged": failure is not None and failure - longest <= policy.granule and longest > 0,
+        "stopped": result.stopped,
+        "wall_s": round(sum(r["wall_s"] for r in searcher.tries), 1),
+    }
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def _gb(nbytes: Optional[float]) -> str:
+    return "-" if nbytes is None else f"{nbytes / GB:.3g}"
+
+
+def try_line(system: str, index: int, r: Mapping[str, Any]) -> str:
+    outcome = r["outcome"] + (f" ({r['limit']})" if r.get("limit") else "") + (" over the cap" if r.get("over_cap") else "")
+    steps = r.get("step_s") or []
+    ratio = r.get("predicted_over_measured")
+    return (f"  {system:<9} {index:>2} {r['seq_len']:>11,} {outcome:<17} peak {_gb(r.get('peak_device_bytes')):>7} GB"
+            f"  predicted {_gb(r.get('predicted_peak_bytes')):>7} GB"
+            f"  {'pred/meas ' + format(ratio, '.3f') if ratio else '':<15}"
+            f"  host {_gb(r.get('host_peak_rss_bytes')):>6} GB  step {max(steps) if steps else 0:7.2f} s"
+            f"  (process {r['wall_s']:.0f} s){'  ' + r['layout'] if r.get('layout') else ''}")
+
+
+@dataclass(frozen=True)
+class Target:
+    shape: str
+    what: str
+    value: Optional[float]  # None: not measured (``missing`` says why)
+    bound: float
+    unit: str = ""  # "x", "%" (value and bound are fractions), "tokens"
+    at_most: bool = False
+    missing: str = ""
+
+    @property
+    def met(self) -> bool:
+        if self.value is None:
+            return False
+        return self.value <= self.bound if self.at_most else self.value >= self.bound
+
+    def _show(self, value: float) -> str:
+        if self.unit == "%":
+            return f"{value:.1%}"
+        if self.unit == "tokens":
+            return f"{value:,.0f} tokens"
+        return f"{value:.2f}{self.unit}"
+
+    def line(self, smoke: bool) -> str:
+        value = f"not measured ({self.missing})" if self.value is None else self._show(self.value)
+        verdict = SMOKE if smoke else "PASS" if self.met else "MISS"
+        return f"{self.shape}: {self.what} {value} (target {'<=' if self.at_most else '>='} {self._show(self.bound)}): {verdict}"
+
+
+def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The per-shape numbers the targets read: maxima, ratio, prediction error, peak accuracy."""
+    rt, hf = systems.get("ringtrain"), systems.get("hf")
+    out: dict[str, Any] = {
+        "predicted_max": plan.reach.max_seq_len if plan.reach else 0,
+        "predicted_max_no_headroom": plan.reach_no_headroom.max_seq_len if plan.reach_no_headroom else 0,
+    }
+    if rt and hf and rt["max_seq_len"] and hf["max_seq_len"]:
+        out["ratio"] = rt["max_seq_len"] / hf["max_seq_len"]
+    if rt and rt["max_seq_len"] and out["predicted_max"]:
+        out["predicted_max_error"] = out["predicted_max"] / rt["max_seq_len"] - 1
+    if rt:
+        within = sorted({r["seq_len"] for r in rt["tries"]
+                         if r.get("predicted_over_measured") and abs(r["predicted_over_measured"] - 1) <= PREDICTION_TOLERANCE})
+        out["peak_within_tolerance_at"] = within
+        out["peak_measured_at"] = sorted({r["seq_len"] for r in rt["tries"] if r.get("predicted_over_measured")})
+    return out
+
+
+def targets_for(name: str, device_name: str, summary: Mapping[str, Any], systems: Mapping[str, dict[str, Any]]) -> list[Target]:
+    rt, hf = systems.get("ringtrain"), systems.get("hf")
+    out: list[Target] = []
+    if rt and hf:
+        why = "" if "ratio" in summary else "a search found no length that fits"
+        out.append(Target(name, "ringtrain max / hf max", summary.get("ratio"), RATIO_MIN, "x", missing=why))
+    if rt and name == "llama3.2-1b" and "h100" in device_name.lower():
+        value = rt["max_seq_len"] or None
+        out.append(Target(name, "ringtrain max on an H100", value, LLAMA_1B_MIN_TOKENS, "tokens",
+                          missing="" if value else rt["stopped"]))
+    if rt:
+        err = summary.get("predicted_max_error")
+        out.append(Target(name, "|planner's predicted max / measured - 1|", None if err is None else abs(err),
+                          PREDICTION_TOLERANCE, "%", at_most=True, missing="" if err is not None else "no measured max"))
+        measured = summary["peak_measured_at"]
+        out.append(Target(name, f"lengths with the predicted peak within {PREDICTION_TOLERANCE:.0%} "
+                                f"(of {len(measured)} measured)",
+                          float(len(summary["peak_within_tolerance_at"])), PEAK_LENGTHS_MIN))
+    return out
+
+
+def shape_header(name: str, plan: ShapePlan, granule: int) -> list[str]:
+    from ringtrain.planner.reach import binding_limit
+
+    m, cluster = plan.machine, plan.cluster
+    lines = [f"{name} ({SHAPES[name].title}): {m.name}, {_gb(m.memory_bytes)} GB"
+             f"{' (--memory-gb cap)' if m.cap_bytes else ''}, planner usable {_gb(cluster.usable_bytes)} GB "
+             f"({cluster.headroom:.0%} headroom), host {_gb(m.host_bytes)} GB for offloads, "
+             f"{'fused' if plan.workload.fused else 'eager'} ops planned"]
+    if plan.reach:
+        c = plan.reach.candidate
+        lines.append(f"  planner's max {plan.reach.max_seq_len:,} tokens ({c.layout.describe()}; predicted "
+                     f"{c.memory.total / GB:.3g} GB device, {c.memory.host / GB:.3g} GB host, step {c.step.step_s:,.1f} s)")
+        past = plan.ringtrain_at(plan.reach.max_seq_len + 2 * plan.reach.candidate.layout.cp * 64)
+        lines.append(f"  past it the limit is {' and '.join(binding_limit(past.memory, cluster)) or 'none'}; "
+                     f"with no headroom the planner's max is "
+                     f"{plan.reach_no_headroom.max_seq_len if plan.reach_no_headroom else 0:,}")
+    else:
+        leanest = plan.ringtrain_at(granule)
+        lines.append(f"  the planner fits not even {granule:,} tokens: its leanest layout there "
+                     f"({leanest.layout.describe()}) exceeds the {' and '.join(binding_limit(leanest.memory, cluster))} "
+                     f"memory ({leanest.memory.total / GB:.3g} GB device, {leanest.memory.host / GB:.3g} GB host)")
+    return lines
+
+
+def summary_lines(name: str, systems: Mapping[str, dict[str, Any]], summary: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for system, s in systems.items():
+        bound = f", fails at {s['failed_at']:,}" if s["failed_at"] else ""
+        by = f" ({s['stopped_by']})" if s["stopped_by"] else ""
+        lines.append(f"  {system:<9} max {s['max_seq_len']:>11,}{bound}{by}; {len(s['tries'])} tries, "
+                     f"{s['wall_s']:.0f} s; stopped: {s['stopped']}")
+    if "ratio" in summary:
+        lines.append(f"  ratio ringtrain / hf {summary['ratio']:.2f}x")
+    if "predicted_max_error" in summary:
+        lines.append(f"  planner's predicted max {summary['predicted_max']:,}: {summary['predicted_max_error']:+.1%} "
+                     "against the measured")
+    return lines
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def _bad_input(message: str) -> int:
+    print(f"bench/max_context.py: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _names(text: str, known: Sequence[str], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(_bad_input(f"{flag}: {', '.join(unknown) or 'nothing'} is not among {', '.join(known)}"))
+    return names
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(n.replace("_", "")) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise SystemExit(_bad_input(f"--peaks-at: {text!r} is not a comma-separated list of token counts")) from None
+    if any(n < 2 for n in lengths):
+        raise SystemExit(_bad_input("--peaks-at: every length must be >= 2"))
+    return lengths
+
+
+# The tiny cap is where ringtrain's savers start to pay (a chunked loss's logits are a fixed 8 MB
+# at vocabulary 512 in fp32) and the longest steps take about a second on a CPU core.
+TINY_DEFAULTS = {"memory_gb": 0.016, "granule": 256, "budget_s": 300.0}
+FULL_DEFAULTS = {"memory_gb": None, "granule": 1024, "budget_s": 600.0}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu needs --tiny")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes of both families: a smoke run")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per try (the second catches allocator growth)")
+    p.add_argument("--granule", type=int, default=None, help="lengths are multiples of it (1024; 256 with --tiny)")
+    p.add_argument("--growth", type=float, default=1.25, help="factor to grow or shrink by until the max is bracketed")
+    p.add_argument("--max-tries", type=int, default=6, help="tries per search")
+    p.add_argument("--budget-s", type=float, default=None, help="device seconds for the whole bench (600; 300 with --tiny)")
+    p.add_argument("--try-timeout", type=float, default=900.0, help="seconds per try, process start included")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="a memory cap standing in for the device's (GB); 0.016 with --tiny")
+    p.add_argument("--headroom", type=float, default=0.1, help="the planner's fraction of device memory kept free")
+    p.add_argument("--peaks-at", type=_lengths, default=[], help="ringtrain tries at these lengths before its search")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed or not measured")
+    p.add_argument("--out", type=Path, default=None, help="the JSON's path (default bench/results/max_context-<device>.json)")
+    args = p.parse_args(argv)
+    args.shapes = _names(args.shapes, tuple(SHAPES), "--shapes")
+    args.systems = [s for s in SYSTEMS if s in _names(args.systems, SYSTEMS, "--systems")]
+    for key, value in (TINY_DEFAULTS if args.tiny else FULL_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps < 1 or args.granule < 2 or args.granule % 2 or args.max_tries < 1 or args.growth <= 1:
+        raise SystemExit(_bad_input("--steps and --max-tries must be >= 1, --granule even and >= 2, --growth > 1"))
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        raise SystemExit(_bad_input("--memory-gb must be > 0"))
+    if not 0 <= args.headroom < 1:
+        raise SystemExit(_bad_input("--headroom must be in [0, 1)"))
+    if args.budget_s <= 0 or args.try_timeout <= 0:
+        raise SystemExit(_bad_input("--budget-s and --try-timeout must be > 0"))
+    args.peaks_at = [max(args.granule, n // args.granule * args.granule) for n in args.peaks_at]
+    return args
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            f"bench/max_context.py needs a CUDA GPU: this torch ({torch.__version__}, CUDA build "
+            f"{torch.version.cuda or 'none'}) sees none. Run it on a GPU machine, or pass --device cpu --tiny "
+            "for a smoke run.",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    if args.device == "cpu" and not args.tiny:
+        return _bad_input("--device cpu runs only with --tiny (a 1B model's longest step takes days on a CPU)")
+    run = Run("max_context")
+    smoke = args.device == "cpu"
+    # The same allocator setting for every try (inherited by the spawned processes).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    budget = Budget(args.budget_s)
+    machine = machine_for(args)
+    print(f"{'tiny shapes, ' if args.tiny else ''}{args.steps} steps per try, granule {args.granule:,}, at most "
+          f"{args.max_tries} tries per search, budget {args.budget_s:.0f} s{f' ({SMOKE})' if smoke else ''}")
+    shapes: dict[str, Any] = {}
+    targets: list[Target] = []
+    searches_left = len(args.shapes) * len(args.systems)
+    interrupted = ""
+    for name in args.shapes:
+        plan = plan_shape(name, machine, args.tiny, args.granule)
+        for line in shape_header(name, plan, args.granule):
+            print(line, flush=True)
+        systems: dict[str, Any] = {}
+        try:
+            for system in args.systems:
+                systems[system] = search_system(plan, system, args, budget.share(searches_left))
+                searches_left -= 1
+        except KeyboardInterrupt:
+            interrupted = f"{name}: interrupted (SIGINT); what comes after it is not run"
+        summary = shape_summary(name, plan, systems)
+        for line in summary_lines(name, systems, summary):
+            print(line)
+        targets += targets_for(name, machine.name, summary, systems)
+        shapes[name] = {"title": SHAPES[name].title, "model": SHAPES[name].model_keys(args.tiny),
+                        "planner": planner_record(plan), "systems": systems, **summary}
+        if interrupted:
+            print(interrupted, file=sys.stderr)
+            break
+    print(f"device time used: {budget.used_s:.0f} s of the {args.budget_s:.0f} s budget")
+    for target in targets:
+        print(target.line(smoke))
+    device_label = machine.name if args.device == "cuda" else "cpu"
+    run.write(
+        {
+            "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "out": str(args.out) if args.out else None},
+            "smoke": smoke,
+            "machine_memory": dataclasses.asdict(machine),
+            "budget_s": args.budget_s,
+            "budget_used_s": round(budget.used_s, 1),
+            "shapes": shapes,
+            "targets": [{**dataclasses.asdict(t), "met": t.met} for t in targets],
+            "interrupted": interrupted or None,
+        },
+        device_type=args.device,
+        out=args.out or RESULTS_DIR / f"max_context-{_slug(device_label)}{'-tiny' if args.tiny else ''}.json",
+    )
+    if interrupted:
+        return 1
+    if args.check and not smoke and not all(t.met for t in targets):
+        return 1
+    return 0
+
+
+def planner_record(plan: ShapePlan) -> dict[str, Any]:
+    def reach(r: Optional[Reach]) -> Optional[dict[str, Any]]:
+        if r is None:
+            return None
+        c = r.candidate
+        return {"max_seq_len": r.max_seq_len, "layout": c.layout.describe(), "overrides": c.layout.overrides(),
+                "predicted_peak_bytes": c.memory.total, "predicted_host_bytes": c.memory.host,
+                "predicted_step_s": c.step.step_s}
+
+    cluster = plan.cluster
+    return {"usable_bytes": cluster.usable_bytes, "headroom": cluster.headroom, "fused": plan.workload.fused,
+            "dtype": plan.workload.dtype, "num_params_planned": plan.workload.model.num_params,
+            "reach": reach(plan.reach), "reach_no_headroom": reach(plan.reach_no_headroom),
+            "hf_start_reach": reach(plan.hf_reach)}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,113 @@
+"""The longest sequence one device trains, as the planner sees it: the layout it picks at a length,
+how far a fixed recipe reaches, and which memory limit stops a layout.
+
+``search.max_seq_len`` answers "how long, at most" per saver rung. A measurement that walks the
+lengths around that answer needs three more things from the same memory model, kept here so the
+bench that measures them holds no planning logic of its own:
+
+- ``pick``: the layout ``ringtrain plan --seq-len`` puts first at a length (the fastest that fits);
+  past the planner's reach, where nothing fits, the leanest layout there (the reach's own rung with
+  its MLP tiles re-chosen for the length), so that a try above the prediction still runs the
+  savers the planner would reach for.
+- ``recipe_reach``: the longest sequence one fixed layout fits, e.g. full checkpointing without
+  savers, the recipe a stack without ringtrain's savers trains with.
+- ``binding_limit``: whether a layout's device memory, its host memory or both are out of reach.
+
+``device_seen`` is the device table's entry for the device at hand with the memory it reports
+(and its host's), so the prediction is for the machine measured, not the datasheet's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ringtrain.planner.devices import DEVICES, H100, Device, peak_flops
+from ringtrain.planner.layout import Layout, Workload
+from ringtrain.planner.memory import MemoryEstimate
+from ringtrain.planner.savers import mlp_tiles_for
+from ringtrain.planner.search import Candidate, Cluster, Reach, evaluate, max_seq_len, search
+from ringtrain.planner.throughput import Assumptions
+
+DEVICE, HOST = "device", "host"
+# The longest sequence ``recipe_reach`` considers, in units: 2^40 tokens, as search.max_seq_len.
+MAX_TOKENS = 2**40
+
+
+def device_seen(reported_name: str, memory_bytes: int, host_memory_bytes: int, *, cpu_cores: int = 1) -> Device:
+    """The device table's entry for a device as torch names it ("NVIDIA H100 80GB HBM3", or "cpu"
+    for a CPU standing in for a GPU under a memory cap) with ``memory_bytes`` of device memory and
+    ``host_memory_bytes`` of host memory. An unknown GPU takes the H100's speeds (the table's
+    reference); a CPU its nominal peak FLOP/s, so step times stay estimates of the machine at hand."""
+    lowered = reported_name.lower()
+    base = next((spec for key, spec in DEVICES.items() if key in lowered), H100)
+    flops = peak_flops(reported_name, cpu_cores=cpu_cores) if lowered.startswith("cpu") else base.peak_flops
+    return dataclasses.replace(
+        base, name=reported_name, memory_bytes=memory_bytes, host_memory_bytes=host_memory_bytes, peak_flops=flops
+    )
+
+
+def unit_of(layout: Layout) -> int:
+    """The step between lengths the planner considers: the zigzag split (2 x cp) times 64, so MLP
+    tiles up to 64 per rank divide every length (search.max_seq_len's unit)."""
+    return 2 * layout.cp * 64
+
+
+def at_length(workload: Workload, layout: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
+    """``layout`` evaluated at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
+    if layout.mlp_tiles > 1:
+        local = layout.micro_batch * seq_len // layout.cp
+        layout = dataclasses.replace(layout, mlp_tiles=mlp_tiles_for(workload.model, local))
+    return evaluate(dataclasses.replace(workload, seq_len=seq_len), layout, cluster, assume)
+
+
+def longest(workload: Workload, cluster: Cluster, assume: Assumptions) -> Optional[Reach]:
+    """The planner's longest sequence on ``cluster`` over every layout and saver rung (the first
+    line of ``ringtrain plan --max-seq-len``), or None when not even one unit fits."""
+    reaches = max_seq_len(workload, cluster, assume)
+    return reaches[0] if reaches else None
+
+
+def pick(
+    workload: Workload, cluster: Cluster, assume: Assumptions, seq_len: int, *, leanest: Optional[Layout] = None
+) -> Candidate:
+    """The layout the planner trains ``seq_len`` with: the best fitting one of ``search``; where
+    none fits, ``leanest`` (the reach's layout) at this length, else the smallest of ``search``."""
+    ranked = search(dataclasses.replace(workload, seq_len=seq_len), cluster, assume)
+    if ranked and ranked[0].fits:
+        return ranked[0]
+    if leanest is not None:
+        return at_length(workload, leanest, seq_len, cluster, assume)
+    if not ranked:
+        raise ValueError(f"no valid layout of {cluster.gpus} GPUs at seq_len {seq_len}")
+    return min(ranked, key=lambda c: c.memory.total)
+
+
+def recipe_reach(workload: Workload, layout: Layout, cluster: Cluster, assume: Assumptions) -> Optional[Reach]:
+    """The longest multiple of ``unit_of(layout)`` that ``layout`` fits (None: not even one unit).
+    The estimate grows with the sequence, so doubling then bisecting finds it."""
+    unit = unit_of(layout)
+
+    def fits(units: int) -> bool:
+        return at_length(workload, layout, unit * units, cluster, assume).fits
+
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while fits(high) and high < MAX_TOKENS // unit:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return Reach(at_length(workload, layout, unit * low, cluster, assume), unit * low)
+
+
+def binding_limit(memory: MemoryEstimate, cluster: Cluster) -> tuple[str, ...]:
+    """The limits ``memory`` exceeds on ``cluster``: ``DEVICE`` (the usable GPU memory), ``HOST``
+    (the node's host memory, for offloaded state and activations), both, or none (it fits)."""
+    over: list[str] = []
+    if memory.total > cluster.usable_bytes:
+        over.append(DEVICE)
+    if memory.host * min(cluster.gpus, cluster.gpus_per_node) > cluster.device.host_memory_bytes:
+        over.append(HOST)
+    return tuple(over)

@@ -1,0 +1,351 @@
+"""bench/max_context.py on a CPU: its search against a known threshold, its tries' failures as
+results, and the ``--device cpu --tiny`` run end to end under a forced memory cap.
+
+The search is a pure function of the answers so far, so it is held against an oracle that fits
+exactly up to a threshold: from a start below or above it, it must end with the longest fitting
+multiple of the granule and the next multiple failing, within the try cap. The tries' processes
+are held against runners that run out of memory, hang and get killed: each must come back as a
+recorded outcome, with its process gone. The end-to-end run must find, for each system, the
+boundary the cap sets: the longest length it reports stayed under the cap, the next one tried
+went over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import max_context as bench  # noqa: E402
+
+GRANULE = 256
+
+
+def threshold_oracle(threshold: int, calls: list[int]) -> Any:
+    def fits(length: int) -> Optional[bool]:
+        calls.append(length)
+        return length <= threshold
+
+    return fits
+
+
+# Thresholds up to 32 granules: from a start 20% off, one or two growth steps bracket the
+# threshold within a 25% gap, and 3-4 bisections close it, inside the default cap of 6.
+THRESHOLDS = [GRANULE, GRANULE + 1, 3 * GRANULE - 1, 2500, 4000, 5000, 7999, 32 * GRANULE]
+START_FACTORS = [0.8, 0.9, 1.0, 1.1, 1.25]
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("factor", START_FACTORS)
+def test_search_finds_the_threshold_within_a_granule(threshold: int, factor: float) -> None:
+    policy = bench.SearchPolicy(granule=GRANULE, growth=1.25, max_tries=6)
+    calls: list[int] = []
+    result = bench.search_longest(threshold_oracle(threshold, calls), int(threshold * factor), policy)
+    expected = threshold // GRANULE * GRANULE
+    assert result.longest == expected, (calls, result.stopped)
+    assert result.failure == expected + GRANULE, (calls, result.stopped)
+    assert result.stopped == "converged"
+    assert len(calls) <= policy.max_tries
+    assert len(set(calls)) == len(calls), f"a length tried twice: {calls}"
+    assert all(n % GRANULE == 0 and n >= GRANULE for n in calls)
+
+
+@pytest.mark.parametrize("start", [1024, 2**20, 2**24])
+def test_search_keeps_to_the_cap_and_a_true_bracket_when_far_off(start: int) -> None:
+    """1M tokens at a granule of 1,024 cannot be closed in 6 tries from 16x away: the search
+    stops at the cap with a bracket that is still true (the longest tried fit, the failure above
+    it did not, and nothing between them was tried)."""
+    threshold = 1_000_000
+    policy = bench.SearchPolicy(granule=1024, growth=1.25, max_tries=6)
+    calls: list[int] = []
+    result = bench.search_longest(threshold_oracle(threshold, calls), start, policy)
+    assert len(calls) == 6
+    assert result.stopped == "max tries"
+    assert result.longest == max((n for n in calls if n <= threshold), default=0)
+    if result.failure is not None:
+        assert result.failure > threshold
+        assert not any(result.longest < n < result.failure for n in calls)
+
+
+def test_nothing_fits_stops_at_one_granule() -> None:
+    policy = bench.SearchPolicy(granule=GRANULE, max_tries=20)
+    calls: list[int] = []
+    result = bench.search_longest(threshold_oracle(GRANULE - 1, calls), 10 * GRANULE, policy)
+    assert result.longest == 0 and result.failure == GRANULE
+    assert min(calls) == GRANULE
+    assert result.stopped.startswith("nothing fits")
+
+
+def test_growth_stops_at_the_ceiling() -> None:
+    policy = bench.SearchPolicy(granule=GRANULE, max_tries=20, ceiling=5000)
+    calls: list[int] = []
+    result = bench.search_longest(threshold_oracle(10**9, calls), 1000, policy)
+    assert max(calls) == 5000 // GRANULE * GRANULE
+    assert result.stopped == "ceiling"
+
+
+def test_a_failure_below_a_fit_does_not_narrow_the_bracket() -> None:
+    """A search only tries lengths inside its bracket, but a history can hold a failure below a
+    fit (a try that failed for another reason than memory): the fits bound the bracket, and the
+    next length is new."""
+    policy = bench.SearchPolicy(granule=GRANULE, max_tries=10)
+    tried = [(1024, True), (1280, False), (1536, True)]
+    assert bench.bracket(tried) == (1536, None)
+    assert bench.next_length(policy, 1024, tried) == 1792
+    assert bench.bracket([*tried, (2048, False)]) == (1536, 2048)
+    assert bench.next_length(policy, 1024, [*tried, (2048, False)]) == 1792
+
+
+def test_the_oracle_can_end_the_search() -> None:
+    calls: list[int] = []
+
+    def oracle(length: int) -> Optional[bool]:
+        calls.append(length)
+        return None if len(calls) == 2 else True
+
+    result = bench.search_longest(oracle, 1024, bench.SearchPolicy(granule=GRANULE))
+    assert calls == [1024, 1280]
+    assert result.tried == [(1024, True)]
+    assert result.stopped == "stopped by the caller"
+
+
+# ---- failures are results ---------------------------------------------------------------------
+
+
+def test_out_of_memory_is_classified_by_its_limit() -> None:
+    def raised(exc: BaseException, cause: Optional[BaseException] = None) -> BaseException:
+        try:
+            raise exc from cause
+        except BaseException as caught:  # noqa: BLE001
+            return caught
+
+    assert bench.classify(raised(torch.OutOfMemoryError("CUDA out of memory"))) == (bench.OOM, bench.DEVICE_LIMIT)
+    wrapped = raised(RuntimeError("step failed"), torch.OutOfMemoryError("CUDA out of memory"))
+    assert bench.classify(wrapped) == (bench.OOM, bench.DEVICE_LIMIT)
+    assert bench.classify(raised(MemoryError())) == (bench.OOM, bench.HOST_LIMIT)
+    assert bench.classify(raised(RuntimeError("CUDA error: out of memory when pinning host memory"))) == (
+        bench.OOM, bench.HOST_LIMIT)
+    assert bench.classify(raised(RuntimeError("CUDA error: out of memory"))) == (bench.OOM, bench.DEVICE_LIMIT)
+    assert bench.classify(raised(ValueError("bad shape"))) == (bench.ERROR, "")
+
+
+def raise_oom(t: Any, meter: Any) -> dict[str, Any]:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def hang(t: Any, meter: Any) -> dict[str, Any]:
+    time.sleep(600)
+    return {}
+
+
+def die_of_sigkill(t: Any, meter: Any) -> dict[str, Any]:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("runner", "timeout_s", "outcome", "limit"),
+    [(raise_oom, 120, bench.OOM, bench.DEVICE_LIMIT), (hang, 3, bench.TIMEOUT, ""), (die_of_sigkill, 120, bench.OOM, bench.HOST_LIMIT)],
+    ids=["oom", "timeout", "sigkill"],
+)
+def test_a_failed_try_is_a_result_and_leaves_no_process(runner: Any, timeout_s: float, outcome: str, limit: str) -> None:
+    t = bench.Try("qwen3-1.7b", "ringtrain", "cpu", True, GRANULE, 1)
+    out = bench.run_try(t, timeout_s, runner=runner)
+    assert out["outcome"] == outcome, out
+    assert out["limit"] == limit
+    assert not alive(out["pid"])
+    if runner is raise_oom:
+        assert "Tried to allocate" in out["error"]
+        assert out["host_peak_rss_bytes"] > 0
+
+
+def test_a_try_predicted_past_the_budget_is_not_run() -> None:
+    """Device time is the scarce thing: a search whose next try the planner predicts to outlast
+    what is left of its share ends there, saying so, and starts no process."""
+    from types import SimpleNamespace
+
+    step = SimpleNamespace(step_s=500.0)
+    plan = SimpleNamespace(machine=SimpleNamespace(device_type="cuda", cap_bytes=None),
+                           ringtrain_at=lambda n: SimpleNamespace(step=step, layout=None))
+    args = SimpleNamespace(steps=2, try_timeout=900.0, tiny=False)
+    searcher = bench.Searcher(plan, "ringtrain", args, deadline=time.monotonic() + 600)  # type: ignore[arg-type]
+    assert searcher.oracle(2**20) is None
+    assert searcher.tries == []
+    assert searcher.stopped.startswith("budget: a try at 1,048,576 tokens is predicted to take 1,060 s")
+    assert bench.Budget(600).share(4) == pytest.approx(150, abs=1)
+
+
+# ---- the shapes, and bad input ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(bench.SHAPES))
+@pytest.mark.parametrize("tiny", [True, False])
+def test_every_shape_is_a_valid_job_and_hf_config(name: str, tiny: bool) -> None:
+    import transformers
+
+    from ringtrain.hf.hfconfig import hf_config
+
+    t = bench.Try(name, "hf", "cpu", tiny, 4096, 1)
+    job = bench.load_job(t)
+    shape = bench.SHAPES[name]
+    assert job.model_int("dim") == t.model["dim"]
+    config_class = getattr(transformers, shape.hf_config)
+    source = {"architectures": [shape.hf_model], "model_type": config_class.model_type}
+    config = config_class.from_dict(hf_config(job.model, source, trained_seq_len=t.seq_len, dtype="bf16"))
+    assert config.num_hidden_layers == t.model["n_layers"]
+    assert config.tie_word_embeddings == bool(t.model.get("tie_embeddings"))
+
+
+def test_bad_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--device", "cpu"]) == 2
+    assert "--tiny" in capsys.readouterr().err
+    for argv, flag in ((["--shapes", "llama3.2-1b,gpt2"], "--shapes: gpt2"), (["--peaks-at", "1k"], "--peaks-at"),
+                       (["--growth", "1"], "--growth"), (["--memory-gb", "0"], "--memory-gb")):
+        with pytest.raises(SystemExit) as exited:
+            bench.parse_args(["--device", "cpu", "--tiny", *argv])
+        assert exited.value.code == 2
+        assert flag in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_without_cuda_it_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# ---- end to end -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "max_context.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "max_context.py"), "--device", "cpu", "--tiny",
+         # The budget is not under test here: room for a busy machine, inside pytest's 600 s.
+         "--shapes", "qwen3-1.7b", "--budget-s", "450", "--out", str(out)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "platform")},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return {"record": json.loads(out.read_text()), "stdout": done.stdout}
+
+
+@pytest.mark.slow
+def test_smoke_finds_the_boundary_the_cap_sets(smoke: dict[str, Any]) -> None:
+    record = smoke["record"]
+    cap = record["machine_memory"]["cap_bytes"]
+    shape = record["shapes"]["qwen3-1.7b"]
+    for system in ("hf", "ringtrain"):
+        s = shape["systems"][system]
+        tries = {r["seq_len"]: r for r in s["tries"]}
+        assert s["converged"], (system, s["stopped"], list(tries))
+        assert s["failed_at"] - s["max_seq_len"] == record["config"]["granule"]
+        longest, failed = tries[s["max_seq_len"]], tries[s["failed_at"]]
+        assert longest["outcome"] == "ok" and longest["peak_device_bytes"] <= cap
+        # Out of memory is a recorded result: the try over the cap, with what it measured.
+        assert failed["outcome"] == "oom" and failed["over_cap"] and failed["peak_device_bytes"] > cap
+        for r in s["tries"]:
+            assert (r["outcome"] == "ok") == (r["peak_device_bytes"] <= cap), r
+            assert len(r["step_s"]) == 2 and r["host_peak_rss_bytes"] > 0
+            assert not alive(r["pid"]), f"try process {r['pid']} outlived the bench"
+    assert shape["ratio"] == shape["systems"]["ringtrain"]["max_seq_len"] / shape["systems"]["hf"]["max_seq_len"]
+    assert bench.SMOKE in smoke["stdout"]
+    assert record["git"]["commit"] and record["device_type"] == "cpu"
+
+
+@pytest.mark.slow
+def test_smoke_ringtrain_runs_and_predicts_the_planners_layout(smoke: dict[str, Any]) -> None:
+    """Each ringtrain try runs the layout the planner picked for its length, and the planner's
+    peak for it is the measured one's order: a try that ran another layout, dtype or mode than
+    the one predicted for lands far off (fp32 against bf16 alone is 2x)."""
+    shape = smoke["record"]["shapes"]["qwen3-1.7b"]
+    start = shape["systems"]["ringtrain"]["start"]
+    assert start == shape["planner"]["reach"]["max_seq_len"] // 256 * 256
+    for r in shape["systems"]["ringtrain"]["tries"]:
+        assert f"model.activation_checkpointing={r['planned_checkpointing']}" in r["overrides"]
+        assert r["checkpointing"] == r["planned_checkpointing"]
+        assert 0.8 < r["predicted_peak_bytes"] / r["peak_device_bytes"] < 1.25, r
+
+
+# ---- the planner's side (ringtrain.planner.reach) ---------------------------------------------
+
+
+def llama_1b_on(memory_bytes: int, host_bytes: int) -> tuple[Any, Any, Any]:
+    from ringtrain.planner.layout import workload_of
+    from ringtrain.planner.reach import device_seen
+    from ringtrain.planner.search import Cluster
+    from ringtrain.planner.throughput import Assumptions
+
+    job = bench.load_job(bench.Try("llama3.2-1b", "ringtrain", "cuda", False, 4096, 1))
+    device = device_seen("NVIDIA H100 80GB HBM3", memory_bytes, host_bytes)
+    return workload_of(job, "cuda"), Cluster(device, gpus=1, gpus_per_node=1), Assumptions(gpus_per_node=1)
+
+
+def test_device_seen_keeps_the_tables_speeds_and_takes_the_memory_measured() -> None:
+    from ringtrain.planner.devices import H100, H200
+    from ringtrain.planner.reach import device_seen
+
+    h100 = device_seen("NVIDIA H100 80GB HBM3", 85_520_000_000, 10**11)
+    assert (h100.memory_bytes, h100.host_memory_bytes, h100.peak_flops) == (85_520_000_000, 10**11, H100.peak_flops)
+    assert device_seen("NVIDIA H200", 1, 1).pcie_bw == H200.pcie_bw
+    assert device_seen("cpu", 1, 0, cpu_cores=2).peak_flops < H100.peak_flops / 1000
+
+
+def test_recipe_reach_is_the_planners_reach_for_that_layout() -> None:
+    """The longest sequence of one fixed layout, against search.max_seq_len's for the same rung."""
+    from ringtrain.planner.reach import recipe_reach
+    from ringtrain.planner.search import max_seq_len
+
+    workload, cluster, assume = llama_1b_on(80 * 10**9, 10**12)
+    layout = bench.hf_layout()
+    mine = recipe_reach(workload, layout, cluster, assume)
+    theirs = [r for r in max_seq_len(workload, cluster, assume) if r.candidate.layout == layout]
+    assert mine is not None and len(theirs) == 1
+    assert mine.max_seq_len == theirs[0].max_seq_len
+    assert mine.candidate.fits
+
+
+def test_pick_is_the_plans_first_layout_and_past_the_reach_the_leanest() -> None:
+    import dataclasses
+
+    from ringtrain.planner.reach import DEVICE, HOST, binding_limit, longest, pick
+    from ringtrain.planner.search import search
+
+    workload, cluster, assume = llama_1b_on(80 * 10**9, 10**12)
+    reach = longest(workload, cluster, assume)
+    assert reach is not None
+    short = pick(workload, cluster, assume, 32768, leanest=reach.candidate.layout)
+    assert short.layout == search(dataclasses.replace(workload, seq_len=32768), cluster, assume)[0].layout
+    assert short.fits
+    past = 2 * reach.max_seq_len
+    beyond = pick(workload, cluster, assume, past, leanest=reach.candidate.layout)
+    assert not beyond.fits
+    assert dataclasses.replace(beyond.layout, mlp_tiles=1) == dataclasses.replace(reach.candidate.layout, mlp_tiles=1)
+    assert beyond.memory.total > reach.candidate.memory.total
+    assert DEVICE in binding_limit(beyond.memory, cluster)
+    # With little host memory the offloads that reach far no longer fit: the host binds.
+    _, small_host, _ = llama_1b_on(80 * 10**9, 10**9)
+    assert HOST in binding_limit(reach.candidate.memory, small_host)
+    assert binding_limit(short.memory, cluster) == ()
