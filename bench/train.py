@@ -313,6 +313,7 @@ def ringtrain_recipe(job: JobConfig, model: Transformer, device: torch.device, d
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "checkpointing": model.savers.checkpointing,
+        "recompute_layers": model.savers.recompute_layers,
         "attention_kernel": kernel.name,
         "fused_kernels": "liger" if liger else "eager",
         "fused_projections": model.fused.projections,
@@ -628,7 +629,8 @@ def describe(variant: str, out: Mapping[str, Any]) -> str:
         why = "out of memory" if out.get("out_of_memory") else out["error"].splitlines()[-1]
         return f"  {variant:<18} FAILED after {out['wall_s']:g} s: {why}"
     mfu = f"MFU {out['mfu_causal']:5.1%} causal, {out['mfu_12lds']:5.1%} 12LdS" if "mfu_causal" in out else "MFU n/a"
-    recipe = f"recompute {out['checkpointing']}, attention {out['attention_kernel']}"
+    layers = f" (first {out['recompute_layers']} layers)" if out.get("recompute_layers") is not None else ""
+    recipe = f"recompute {out['checkpointing']}{layers}, attention {out['attention_kernel']}"
     if "fused_kernels" in out:
         recipe += f", fused {out['fused_kernels']}{' + qkv/gate-up GEMMs' if out['fused_projections'] else ''}"
     return (f"  {variant:<18} {out['tokens_per_s']:>10,.0f} tokens/s {out['median_step_s']:8.3f} s/step  {mfu}  "

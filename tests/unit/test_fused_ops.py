@@ -21,12 +21,12 @@ import torch
 from ringtrain import config
 from ringtrain.planner.layout import layout_of, workload_of
 from ringtrain.planner.memory import estimate
-from ringtrain.planner.recompute import LADDER, checkpointing_for, with_mode
+from ringtrain.planner.recompute import LADDER, Recompute, recompute_for, with_mode
 from ringtrain.train import fused as ops
 from ringtrain.train.attention import build_attention
 from ringtrain.train.fused import FusedOps
 from ringtrain.train.model import MemorySavers, ModelArgs, Transformer
-from ringtrain.train.trainer import resolve_checkpointing
+from ringtrain.train.trainer import resolve_recompute
 
 ARGS = ModelArgs(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=40, norm_eps=1e-6,
                  rope_theta=10000.0, qkv_bias=True, qk_norm=True)
@@ -61,7 +61,12 @@ def _loss_and_grads(fused: FusedOps, savers: MemorySavers) -> list[torch.Tensor]
     return [loss.detach(), *(p.grad for p in model.parameters())]
 
 
-@pytest.mark.parametrize("savers", [MemorySavers(), MemorySavers(checkpointing="selective")], ids=["plain", "selective"])
+@pytest.mark.parametrize(
+    "savers",
+    [MemorySavers(), MemorySavers(checkpointing="selective"), MemorySavers(checkpointing="selective", recompute_layers=1),
+     MemorySavers(checkpointing="full", recompute_layers=1)],
+    ids=["plain", "selective", "selective-first-layer", "full-first-layer"],
+)
 def test_a_model_with_fused_projections_trains_as_the_eager_one(savers: MemorySavers) -> None:
     want = _loss_and_grads(FusedOps(), MemorySavers())
     got = _loss_and_grads(FusedOps(projections=True), savers)
@@ -90,8 +95,8 @@ def _job(seq_len: int, mode: str = "auto") -> config.JobConfig:
     ])
 
 
-def _peak(job: config.JobConfig, mode: str) -> int:
-    return estimate(workload_of(job, "cuda"), with_mode(layout_of(job), mode)).total
+def _peak(job: config.JobConfig, mode: str, layers: "int | None" = None) -> int:
+    return estimate(workload_of(job, "cuda"), with_mode(layout_of(job), mode, layers)).total
 
 
 def test_the_ladder_saves_memory_in_its_order() -> None:
@@ -106,20 +111,33 @@ def test_auto_takes_the_least_recomputation_that_fits(mode: str) -> None:
     # A device just large enough for ``mode`` (with the planner's 10% headroom) and too small
     # for anything that recomputes less.
     memory = int(_peak(job, mode) / 0.9) + 1
-    assert checkpointing_for(job, memory) == mode
+    assert recompute_for(job, memory) == Recompute(mode)
+
+
+def test_auto_recomputes_only_as_many_layers_as_it_must() -> None:
+    """Between what selective recomputation of every layer needs and what none needs, the first
+    layers recompute and the rest keep everything: the fewest that fit."""
+    job = _job(32768)
+    memory = int((_peak(job, "selective") + _peak(job, "none")) / 2 / 0.9)
+    got = recompute_for(job, memory)
+    assert got.mode == "selective" and got.layers is not None and 0 < got.layers < 22
+    assert _peak(job, "selective", got.layers) <= memory * 0.9 < _peak(job, "selective", got.layers - 1)
+    # Each layer that keeps everything costs what it saves by recomputing, one layer's worth.
+    steps = {_peak(job, "selective", k) - _peak(job, "selective", k + 1) for k in range(1, 21)}
+    assert len(steps) == 1 and steps.pop() > 0
 
 
 def test_auto_falls_back_to_full_when_nothing_fits_and_an_explicit_mode_stands() -> None:
-    assert checkpointing_for(_job(32768), 10**9) == "full"
-    assert checkpointing_for(_job(32768, "selective"), 10**15) == "selective"
+    assert recompute_for(_job(32768), 10**9) == Recompute("full")
+    assert recompute_for(_job(32768, "selective"), 10**15) == Recompute("selective")
 
 
 def test_auto_is_none_on_a_cpu() -> None:
     job = _job(32768)
-    assert resolve_checkpointing(job, torch.device("cpu")) == "none"
-    assert resolve_checkpointing(job, None) == "none"
-    assert resolve_checkpointing(dataclasses.replace(job, model=dataclasses.replace(job.model, activation_checkpointing="full")),
-                                 torch.device("cpu")) == "full"
+    assert resolve_recompute(job, torch.device("cpu")) == Recompute("none")
+    assert resolve_recompute(job, None) == Recompute("none")
+    full = dataclasses.replace(job, model=dataclasses.replace(job.model, activation_checkpointing="full", recompute_layers=3))
+    assert resolve_recompute(full, torch.device("cpu")) == Recompute("full", 3)
 
 
 def test_the_planner_counts_what_the_fused_kernels_keep() -> None:
@@ -145,3 +163,28 @@ def test_the_planner_counts_what_the_fused_kernels_keep() -> None:
     assert rows == 2048  # TinyLlama's 32,000 entries: 16 rows of logits weigh one of hidden states
     assert fused_loss == rows * model.vocab_size * (8 + p) + 32768 * p * h + 4 * model.vocab_size * h
     assert fused_loss < loss_bytes(model, layout, 32768, p)[0] / 10
+
+
+def test_the_first_recompute_layers_recompute_and_the_rest_keep_everything() -> None:
+    attention = build_attention("local", "math", ring_group=None, ulysses_group=None)
+    args = dataclasses.replace(ARGS, n_layers=4)
+    model = Transformer(args, attention_fn=attention, savers=MemorySavers(checkpointing="full", recompute_layers=3))
+    assert [layer.checkpointing for layer in model.layers] == ["full", "full", "full", "none"]
+    model = Transformer(args, attention_fn=attention, savers=MemorySavers(checkpointing="selective"))
+    assert [layer.selective for layer in model.layers] == [True] * 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.recompute_layers=-1"], "must be >= 0"),
+        (["model.n_layers=4", "model.recompute_layers=5"], "more than the model's model.n_layers=4"),
+        (["model.activation_offload_layers=2", "model.recompute_layers=2"], "without activation offload"),
+    ],
+)
+def test_recompute_layers_is_checked(overrides: list[str], message: str) -> None:
+    from ringtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as info:
+        config.load(None, ["model.activation_checkpointing=full", *overrides])
+    assert "model.recompute_layers" in str(info.value)

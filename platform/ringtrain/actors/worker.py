@@ -32,6 +32,10 @@ def process_env(device_type: str) -> dict[str, str]:
         # A failed NCCL collective aborts its communicator and raises, without tearing the
         # process down (2: clean up only): the survivor keeps its snapshots for the recovery.
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        # Segments that grow in place rather than new blocks per size: at long context the
+        # activations' sizes vary per layer and step, and fixed segments fragment (the planner's
+        # headroom assumes they do not). A user's own setting stands.
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Quiet the per-process banners (inherited by any subprocess); errors still surface
     # through the controller.
     env["PYTHONWARNINGS"] = "ignore"
@@ -305,7 +309,9 @@ class TrainWorker:
         """This rank's snapshot of ``step`` and its checksum (waits if still being taken)."""
         assert self._trainer is not None
         snap = self._trainer.snapshot(step)
-        return snap.blob, snap.checksum
+        # A copy: the blob is a view of the snapshotter's buffer, and this answer is pickled (by
+        # Ray, or a caller's process group) or kept while training moves on.
+        return bytes(snap.blob), snap.checksum
 
     def snapshot_blob(self, step: int) -> bytes:
         """This rank's snapshot of ``step``, as a restore reads it."""

@@ -228,6 +228,19 @@ def validate_memory_savers(job: JobConfig) -> None:
             "model.activation_offload_layers",
             f"{m.activation_offload_layers} is more than the model's model.n_layers={m.n_layers}",
         )
+    if m.recompute_layers is not None:
+        if m.recompute_layers < 0:
+            raise ConfigError("model.recompute_layers", f"must be >= 0, or null for every layer (got {m.recompute_layers})")
+        if m.activation_offload_layers:
+            raise ConfigError(
+                "model.recompute_layers",
+                "is for jobs without activation offload: set model.activation_offload_layers=0, or leave it null",
+            )
+        if m.n_layers is not None and m.recompute_layers > m.n_layers:
+            raise ConfigError(
+                "model.recompute_layers",
+                f"{m.recompute_layers} is more than the model's model.n_layers={m.n_layers}",
+            )
     _positive(m.mlp_tiles, "model.mlp_tiles")
     local_seq = job.data.seq_len // job.mesh.cp if job.mesh.cp >= 1 else job.data.seq_len
     if local_seq % m.mlp_tiles:

@@ -70,6 +70,10 @@ class ModelConfig:
     # fit the device's memory by the planner's memory model; none on a CPU); the older
     # true/false mean full/none.
     activation_checkpointing: str = "auto"
+    # Of the layers, the first this many recompute by activation_checkpointing's mode and the
+    # rest keep everything (null: every layer recomputes). ``auto`` sets it where recomputing
+    # every layer would leave memory unused.
+    recompute_layers: Optional[int] = None
     # The saved activations of this many layers (the first ones) go to host memory in the
     # forward and come back one layer ahead in the backward (train/offload.py).
     activation_offload_layers: int = 0

@@ -81,6 +81,7 @@ class Saver:
 SAVERS = (
     Saver("checkpointing", "checkpointing", "full", recompute=True),
     Saver("selective", "selective recompute", "selective", recompute=True),
+    Saver("recompute_layers", "of the first {} layers only", "first {}", "model.recompute_layers", on=lambda n: n is not None),
     Saver("loss_chunk", "chunked loss ({:,} tokens)", "loss/{}", "train.loss_chunk_tokens"),
     Saver("mlp_tiles", "MLP in {} tiles", "tiles {}", "model.mlp_tiles", on=lambda tiles: tiles > 1),
     Saver("offload_layers", "{} layers' activations offloaded", "offload {}", "model.activation_offload_layers"),
@@ -105,6 +106,9 @@ class Layout:
     offload_layers: int = 0  # model.activation_offload_layers
     mlp_tiles: int = 1  # model.mlp_tiles
     loss_chunk: int = 0  # train.loss_chunk_tokens
+    # Of the layers, the first this many recompute (by ``checkpointing`` or ``selective``) and the
+    # rest keep everything; None: every layer recomputes (model.recompute_layers).
+    recompute_layers: Optional[int] = None
 
     @property
     def cp(self) -> int:
@@ -114,6 +118,12 @@ class Layout:
     def checkpointing_mode(self) -> str:
         """``model.activation_checkpointing`` for this layout: full, selective or none."""
         return next((s.short for s in self.savers() if s.recompute), "none")
+
+    def recomputed_layers(self, n_layers: int) -> int:
+        """How many of ``n_layers`` layers recompute (none without checkpointing)."""
+        if not (self.checkpointing or self.selective):
+            return 0
+        return n_layers if self.recompute_layers is None else min(self.recompute_layers, n_layers)
 
     @property
     def num_savers(self) -> int:
@@ -206,6 +216,7 @@ def layout_of(job: JobConfig) -> Layout:
         offload_layers=job.model.activation_offload_layers,
         mlp_tiles=job.model.mlp_tiles,
         loss_chunk=job.train.loss_chunk_tokens,
+        recompute_layers=job.model.recompute_layers,
     )
 
 

@@ -73,12 +73,21 @@ planner/savers.py says; offloaded layers' kept bytes count as host memory.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec, kv_copies
-from ringtrain.planner.savers import layer_bytes, loss_bytes, mlp_kept, norm_kept, resident_layers, ulysses_extra
+from ringtrain.planner.savers import (
+    layer_bytes,
+    loss_bytes,
+    mlp_kept,
+    norm_kept,
+    qk_norm_kept,
+    resident_layers,
+    ulysses_extra,
+)
 
 # DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
 # stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
@@ -178,7 +187,7 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_byte
     """Bytes one layer keeps for its backward on a rank holding ``tokens`` tokens (see module doc;
     ``fused``: with the fused kernels' norms and SwiGLU, planner/savers.py)."""
     q, kd, a, p = model.q_dim, model.kv_dim, model.n_heads, act_bytes
-    attention = tokens * (p * (2 * q + 2 * kd) + 4 * a)
+    attention = tokens * (p * (2 * q + 2 * kd) + 4 * a) + qk_norm_kept(model, tokens, p, fused)
     norms = 2 * norm_kept(model, tokens, p, fused)
     return attention + norms + mlp_kept(model, tokens, p, fused) + ulysses_extra(
         model, tokens, ulysses, p, kv_copies(model.n_kv_heads, ulysses)
@@ -217,6 +226,12 @@ def activations(
     kept = on_device_forward * saved.kept
     rotary = 4 * t * model.head_dim
     loss, logits_kept = loss_bytes(model, layout, t, p, fused)
+    # The layers that do not recompute (the last ones) keep everything.
+    recomputing = layout.recomputed_layers(model.n_layers)
+    keeping = model.n_layers - recomputing if recomputing else 0
+    plain = layer_bytes(model, dataclasses.replace(layout, checkpointing=False, selective=False), t, p, layer, ffn_half, fused)
+    if keeping:
+        kept = recomputing * saved.kept + keeping * plain.kept
     loss_peak = kept + t * (4 + 2 * p) * h + rotary + loss
 
     # One layer's backward, the last layer's first (the loss inside the model's output head
@@ -229,6 +244,12 @@ def activations(
         attention_work += score_bytes(model, layout, seq_len)
     base = on_device_backward * saved.kept + saved.recomputed + rotary + logits_kept
     backward_peak = base + max(saved.ffn_work, attention_work - saved.ffn_kept)
+    if keeping:
+        # The keeping layers run their backward first, with every layer's bytes still held; the
+        # recomputing ones after them, once the others' are freed.
+        last_first = kept + rotary + logits_kept + max(plain.ffn_work, attention_work - plain.ffn_kept)
+        backward_peak = max(last_first, recomputing * saved.kept + saved.recomputed + rotary + logits_kept
+                            + max(saved.ffn_work, attention_work - saved.ffn_kept))
     # The offloaded layers all save the one pair of rotary tables: train/offload.py keeps one host
     # copy of a storage however many layers save it.
     host = (model.n_layers - on_device_forward) * saved.kept + (rotary if on_device_forward < model.n_layers else 0)

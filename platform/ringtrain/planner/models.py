@@ -28,6 +28,7 @@ class ModelSpec:
     ffn_dim: int
     explicit_head_dim: Optional[int] = None  # model.head_dim when set; else dim / n_heads
     tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3's RMSNorm of each head's query and key (one head_dim gain each)
 
     @property
     def head_dim(self) -> int:
@@ -45,7 +46,8 @@ class ModelSpec:
     def layer_tensors(self) -> tuple[int, ...]:
         """Element counts of one block's parameters, in the model's order."""
         h, q, kv, f = self.dim, self.q_dim, self.kv_dim, self.ffn_dim
-        return (h, h * q, h * kv, h * kv, q * h, h, h * f, h * f, f * h)
+        qk_norms = (self.head_dim, self.head_dim) if self.qk_norm else ()
+        return (h, h * q, h * kv, h * kv, q * h, *qk_norms, h, h * f, h * f, f * h)
 
     def tensors(self) -> tuple[int, ...]:
         """Element counts of every parameter tensor: embedding, blocks, final norm, output (none
@@ -65,7 +67,7 @@ class ModelSpec:
         The input embedding is a lookup, not a product, so it costs no FLOPs (Kaplan et al. 2020,
         "Scaling Laws for Neural Language Models", section 2.1, count N without embeddings).
         """
-        norms = (2 * self.n_layers + 1) * self.dim
+        norms = (2 * self.n_layers + 1) * self.dim + (2 * self.n_layers * self.head_dim if self.qk_norm else 0)
         # Tied, the one matrix is the output projection's too: it multiplies.
         lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.num_params - lookup - norms
@@ -105,4 +107,5 @@ def from_job(job: JobConfig) -> ModelSpec:
         job.ffn_dim,
         explicit_head_dim=job.head_dim,
         tie_embeddings=bool(m.tie_embeddings),
+        qk_norm=bool(m.qk_norm),
     )

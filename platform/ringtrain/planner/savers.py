@@ -55,10 +55,20 @@ def norm_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False
     return tokens * (2 * p * h + 4 if fused else (4 + 2 * p) * h)
 
 
-def selective_layer_bytes(model: ModelSpec, tokens: int, act_bytes: int) -> int:
-    """What a layer keeps under selective recomputation, before the Ulysses term."""
+def qk_norm_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
+    """What Qwen3's per-head q and k norms keep: their inputs and one fp32 rstd per head and token
+    in the fused kernel; in torch ops also the fp32 copies, (4 + 2p) a byte per element."""
+    if not model.qk_norm:
+        return 0
+    width, p = model.q_dim + model.kv_dim, act_bytes
+    return tokens * (p * width + 4 * (model.n_heads + model.n_kv_heads) if fused else (4 + 2 * p) * width)
+
+
+def selective_layer_bytes(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
+    """What a layer keeps under selective recomputation, before the Ulysses term: the attention's
+    (q/k norms included), which it does not recompute, and the norms' inputs and output."""
     h, q, kd, a, p = model.dim, model.q_dim, model.kv_dim, model.n_heads, act_bytes
-    return tokens * (p * (2 * q + 2 * kd) + 4 * a + 3 * p * h)
+    return tokens * (p * (2 * q + 2 * kd) + 4 * a + 3 * p * h) + qk_norm_kept(model, tokens, p, fused)
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ def layer_bytes(
     if layout.selective:
         # Ulysses' head-sharded q, k, v and output are kept whole: selective recomputes neither.
         u = layout.ulysses
-        kept = selective_layer_bytes(model, tokens, p) + ulysses_extra(model, tokens, u, p, kv_copies(model.n_kv_heads, u))
+        kept = selective_layer_bytes(model, tokens, p, fused) + ulysses_extra(model, tokens, u, p, kv_copies(model.n_kv_heads, u))
         return LayerBytes(kept, (norm_ffn + mlp) // K, tokens * p * h, ffn_work)
     if K > 1:
         return LayerBytes(plain - mlp, tile_mlp, plain_ffn - mlp, ffn_work)
@@ -133,12 +143,13 @@ def resident_layers(model: ModelSpec, layout: Layout) -> tuple[int, int]:
 def extra_flops_per_token(model: ModelSpec, layout: Layout) -> float:
     """FLOPs per token the savers add: each recomputed MLP forward is 6 h f per layer
     (three matmuls), a recomputed chunk of logits 2 h V."""
-    mlp_forward = 2.0 * 3 * model.dim * model.ffn_dim * model.n_layers
+    mlp_forward = 2.0 * 3 * model.dim * model.ffn_dim
     extra = 0.0
     if layout.selective:
-        extra += mlp_forward  # tiles or not: selective recomputes the MLP once, tile by tile
+        # tiles or not: selective recomputes the MLP once, tile by tile, in each recomputing layer
+        extra += mlp_forward * layout.recomputed_layers(model.n_layers)
     elif layout.mlp_tiles > 1:
-        extra += mlp_forward  # under full checkpointing the tiles recompute inside the recompute
+        extra += mlp_forward * model.n_layers  # under full checkpointing the tiles recompute inside the recompute
     if layout.loss_chunk > 0:
         extra += 2.0 * model.dim * model.vocab_size
     return extra

@@ -94,6 +94,10 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
     accum = micro_batches(workload, layout)
     tokens = layout.micro_batch * seq // layout.cp
     model_flops, executed_flops = flops_per_token(model, seq, checkpointing=layout.checkpointing)
+    if layout.checkpointing:
+        # Only the recomputing layers run their forward twice.
+        recomputing = layout.recomputed_layers(model.n_layers) / model.n_layers
+        executed_flops = model_flops * (1 + (2 / 6) * recomputing)
     executed_flops += extra_flops_per_token(model, layout)
     flop_rate = device.peak_flops * assume.mfu
     compute = tokens * executed_flops / flop_rate

@@ -92,15 +92,23 @@ class MemorySavers:
     """How the forward trades compute and transfers for activation memory (none by default)."""
 
     checkpointing: str = "none"  # none | full | selective (train/recompute.py)
+    recompute_layers: Optional[int] = None  # the first N layers recompute, the rest do not; None: all
     offload_layers: int = 0  # the first N layers' saved activations wait in host memory
     mlp_tiles: int = 1  # SwiGLU over this many sequence tiles, each recomputed
     loss_chunk_tokens: int = 0  # output projection and loss over chunks of this many tokens
+
+    def layer_checkpointing(self, index: int) -> str:
+        """The checkpointing mode layer ``index`` runs: the first ``recompute_layers`` recompute."""
+        if self.recompute_layers is None or index < self.recompute_layers:
+            return self.checkpointing
+        return "none"
 
     @classmethod
     def from_job(cls, job: JobConfig) -> "MemorySavers":
         m = job.model
         return cls(
             checkpointing=checkpointing_mode(m.activation_checkpointing),
+            recompute_layers=m.recompute_layers,
             offload_layers=m.activation_offload_layers,
             mlp_tiles=m.mlp_tiles,
             loss_chunk_tokens=job.train.loss_chunk_tokens,
@@ -171,13 +179,17 @@ class Block(nn.Module):
         attention_fn: AttentionFn,
         savers: MemorySavers = MemorySavers(),
         fused: FusedOps = FusedOps(),
+        checkpointing: Optional[str] = None,
     ):
+        """``checkpointing``: this layer's mode (``MemorySavers.layer_checkpointing``); None:
+        ``savers.checkpointing``."""
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused)
         self.attention = Attention(args, attention_fn, fused)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias, fused)
-        self.selective = savers.checkpointing == "selective"
+        self.checkpointing = savers.checkpointing if checkpointing is None else checkpointing
+        self.selective = self.checkpointing == "selective"
         self.mlp_tiles = savers.mlp_tiles
 
     def _attention_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,11 +252,13 @@ class Transformer(nn.Module):
         self.fused = fused
         self.rope: Rope = build_rope(args.head_dim, args.rope_theta, args.rope_scaling)
         self.savers = savers or MemorySavers(checkpointing=checkpointing_mode(activation_checkpointing))
-        self.activation_checkpointing = self.savers.checkpointing == "full"
         # Built on the first forward, on the device the activations are on.
         self.offloader: Optional[ActivationOffloader] = None
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, attention_fn, self.savers, fused) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(
+            Block(args, attention_fn, self.savers, fused, self.savers.layer_checkpointing(i))
+            for i in range(args.n_layers)
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps, fused)
         self.output = OutputHead(args.dim, args.vocab_size, self.savers.loss_chunk_tokens, fused)
         if args.tie_embeddings:
@@ -272,7 +286,7 @@ class Transformer(nn.Module):
         h_BSE = self.tok_embeddings(input_ids_BS)
         for i, layer in enumerate(self.layers):
             with self._offload(i, h_BSE.device):
-                if self.activation_checkpointing and self.training:
+                if layer.checkpointing == "full" and self.training:
                     h_BSE = checkpoint(layer, h_BSE, cos, sin, doc_ids_BS, use_reentrant=False)
                 else:
                     h_BSE = layer(h_BSE, cos, sin, doc_ids_BS)

@@ -27,7 +27,7 @@ import torch
 class Rope:
     """What a model's rotary embeddings need: per-pair inverse frequencies and a cos/sin scale."""
 
-    inv_freq: torch.Tensor  # [D/2] float32, on the CPU
+    inv_freq: torch.Tensor  # [D/2] float32, where the model was built
     attention_factor: float = 1.0
     # inv_freq per device it was used on: copied there once, not on every forward (a host to
     # device copy that would block each layer's launch queue). Not a module buffer, which a

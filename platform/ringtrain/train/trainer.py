@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.checkpoint.wire import FragmentIndex, decode
 from ringtrain.config import ChaosConfig, JobConfig, checkpointing_mode
-from ringtrain.planner.recompute import checkpointing_for
+from ringtrain.planner.recompute import Recompute, recompute_for
 from ringtrain.status import StepReport
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
@@ -79,22 +79,35 @@ def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
     return build_attention(impl, job.attention.kernel, ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
 
 
-def resolve_checkpointing(job: JobConfig, device: Optional[torch.device]) -> str:
-    """``model.activation_checkpointing`` as it runs on ``device``: ``auto`` is the least
-    recomputation whose activations fit the GPU's memory (planner/recompute.py); on a CPU, where
-    memory is the host's, none."""
+def resolve_recompute(job: JobConfig, device: Optional[torch.device]) -> Recompute:
+    """``model.activation_checkpointing`` and ``model.recompute_layers`` as they run on ``device``:
+    ``auto`` is the least recomputation whose activations fit the GPU's memory
+    (planner/recompute.py); on a CPU, where memory is the host's, none."""
     if device is None or device.type != "cuda":
         mode = checkpointing_mode(job.model.activation_checkpointing)
-        return "none" if mode == "auto" else mode
-    return checkpointing_for(job, torch.cuda.get_device_properties(device).total_memory)
+        return Recompute("none") if mode == "auto" else Recompute(mode, job.model.recompute_layers)
+    return recompute_for(job, torch.cuda.get_device_properties(device).total_memory)
+
+
+def construction_device(job: JobConfig, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Where the model's tensors are made: on the rank's GPU, where its random initialisation
+    takes milliseconds instead of seconds on one host core and no host-to-device copy follows,
+    unless ZeRO-3 partitions the model (it is built on the host, whole, or partitioned as each
+    module is made; a GPU may not hold it whole)."""
+    if device.type == "cuda" and job.zero.stage != 3:
+        return device
+    return contextlib.nullcontext()
 
 
 def build_model(job: JobConfig, attention_fn: AttentionFn, device: Optional[torch.device] = None) -> Transformer:
-    """The job's model, its savers resolved for ``device`` (see ``resolve_checkpointing``)."""
+    """The job's model, its savers resolved for ``device`` (see ``resolve_recompute``)."""
     # Same seed on every rank: identical initial weights without a broadcast. A pretrained
     # model's weights are loaded after the engine is built, so they are not drawn at all.
     torch.manual_seed(job.train.seed)
-    savers = dataclasses.replace(MemorySavers.from_job(job), checkpointing=resolve_checkpointing(job, device))
+    recompute = resolve_recompute(job, device)
+    savers = dataclasses.replace(
+        MemorySavers.from_job(job), checkpointing=recompute.mode, recompute_layers=recompute.layers
+    )
     with skip_parameter_init() if job.model.hf else contextlib.nullcontext():
         return Transformer(
             ModelArgs.from_job(job),
@@ -162,7 +175,7 @@ class Trainer:
         )
         attention_fn = (attention_factory or default_attention)(job, self.mesh)
         skip_shm_comm_op()
-        with partitioned_construction(job, self.mesh, self.dtype):
+        with partitioned_construction(job, self.mesh, self.dtype), construction_device(job, device):
             self.model = build_model(job, attention_fn, device)
         self.engine = build_engine(self.model, job, self.mesh, self.dtype, device.type)
         c = self.mesh.coord
