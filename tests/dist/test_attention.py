@@ -278,6 +278,9 @@ def _deepspeed_peer(rank: int, groups: Groups) -> dict[str, float]:
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
+    from ringtrain.train.trainer import skip_shm_comm_op
+
+    skip_shm_comm_op()  # as every rank of a job does: no JIT build of an op the peer never calls
     deepspeed.init_distributed(dist_backend="gloo")
     world = groups.world
     _, group = groups(1, world)

@@ -640,7 +640,10 @@ def test_gpu_wheels_folder_installs_and_imports_the_tier_in_a_fresh_venv(tmp_pat
         print("imported")
     """)
     done = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(site), "DS_ACCELERATOR": "cpu"})
+                          # Its own extension folder: a build against this venv's paths must not
+                          # replace the one every other test's DeepSpeed loads.
+                          env={**os.environ, "PYTHONPATH": str(site), "DS_ACCELERATOR": "cpu",
+                               "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch-extensions")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("imported")
 
