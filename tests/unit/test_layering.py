@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.cli": 4,
     "ringtrain.submission": 4,
     "ringtrain.submission_command": 4,
+    "ringtrain.submission_files": 4,
     "ringtrain.export_command": 4,
     "ringtrain.eval_command": 4,
     "ringtrain.eval_source": 4,
