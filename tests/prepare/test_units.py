@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepare import sources, tokenize, writer
+from ringtrain.prepare import sources, streams, tokenize, writer
 from ringtrain.prepare.command import recorded_command
 from ringtrain.prepare.pipeline import Job, PieceTokenizer
 from ringtrain.prepared import (
@@ -163,7 +163,7 @@ def test_the_line_split_rule_reads_every_line_once(trailing: bytes) -> None:
             for start in range(0, len(data), split):
                 tail = data[start:]
                 pieces = (tail[i : i + chunk] for i in range(0, len(tail), chunk))
-                got += list(sources._lines(pieces, start, min(start + split, len(data))))
+                got += list(streams.lines(pieces, start, min(start + split, len(data))))
             assert got == expected, (split, chunk)
 
 
