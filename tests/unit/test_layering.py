@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.chaos": 0,
     "ringtrain.incidents": 0,
     "ringtrain.uris": 0,
+    "ringtrain.cachedir": 0,  # the per-user data cache folder
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.policies": 1,
     "ringtrain.planner": 1,

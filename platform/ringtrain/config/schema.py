@@ -138,7 +138,8 @@ class DataConfig:
     # concat: documents joined with EOS, attention crosses them. doc: attention and positions
     # restart at every document boundary (needs prepared datasets, which record the boundaries).
     packing: str = "concat"
-    # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE or the temp dir.
+    # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE, else a private folder
+    # of the user's own under the temp dir (ringtrain.cachedir).
     cache_dir: str = ""
 
 
