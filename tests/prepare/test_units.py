@@ -214,7 +214,9 @@ def test_local_output_is_staged_and_refuses_to_overwrite(tmp_path: Path) -> None
     (out / "old").write_text("x")
     with pytest.raises(ConfigError, match=rf"--out: {out} already exists; pass --overwrite"):
         writer.open_output(str(out), overwrite=False)
-    writer.open_output(str(out), overwrite=True)
+    # Not a dataset of ours: --overwrite refuses it too (test_overwrite.py runs the command).
+    with pytest.raises(ConfigError, match=rf"--out: {out} holds no manifest.json of a prepared dataset"):
+        writer.open_output(str(out), overwrite=True)
 
 
 def test_the_manifest_command_leaves_out_execution_flags() -> None:
