@@ -107,6 +107,8 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("checkpoint.uri", f"{ck.uri!r} must be file:///absolute/path, /absolute/path or s3://bucket/prefix")
     if not ck.resume:
         raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")
+    if not ck.lease_s > 0:
+        raise ConfigError("checkpoint.lease_s", f"must be > 0 (got {ck.lease_s})")
 
     _validate_elastic(job)
     if job.controllers.step_timeout_s <= 0:

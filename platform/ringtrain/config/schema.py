@@ -204,6 +204,9 @@ class CheckpointConfig:
     persist_every: int = 50  # copy a snapshot to the durable store every this many steps (0: only at the end)
     keep: int = 3  # durable checkpoints kept
     resume: str = "none"  # none | auto (newest valid, if any) | a checkpoint or store uri
+    # One run writes a store at a time: it holds the store's writer lease, renewed every third of
+    # this term; a run killed without releasing it blocks the store this long at most.
+    lease_s: float = 60.0
 
 
 @dataclass
