@@ -8,12 +8,12 @@ the same code the client validated the config with (a py_modules entry comes fir
 driver's and every worker's ``sys.path``). Inside the job Ray sets ``RAY_ADDRESS``, so
 ``ringtrain run`` joins the cluster instead of starting an embedded one.
 
-A cluster with token authentication (Ray's default since 2.60, and the chart's and the local
-stack's) answers only requests that carry its token as ``Authorization: Bearer <token>``; the
-token comes from ``--token`` or ``RAY_AUTH_TOKEN`` and is sent on every call, the log stream
-included. Without one, or with a wrong one, the cluster's refusal says which to pass. Plain
-http to an address off this machine sends the token and the job's files readable by anyone on
-the path: the command warns about it.
+A cluster with token authentication (the chart's, the local stack's, and by default a new
+``ray.init()`` cluster's) answers only requests that carry its token as ``Authorization: Bearer
+<token>``; the token comes from ``--token`` or ``RAY_AUTH_TOKEN`` and is sent on every call, the
+log stream included. Without one, or with a wrong one, the cluster's refusal says which to pass.
+Plain http to an address off this machine sends the token and the job's files readable by anyone
+on the path: the command warns about it.
 
 Submission ids are deterministic: ``ringtrain-<name>-<first 10 hex of sha256(resolved config
 YAML)>``. The resolved config already holds the overrides, so ``mesh.dp=2`` given or left at
