@@ -10,24 +10,32 @@
 #
 #   eval "$(infra/local-stack.sh env)" && ringtrain run jobs/quickstart.yaml
 #
+# The Ray head authenticates with a token (RAY_AUTH_MODE=token): `start` generates one, keeps it
+# in $RINGTRAIN_STACK_DIR/auth_token (mode 0600) and prints it; `env` exports it as
+# RAY_AUTH_TOKEN, which ringtrain, Ray's CLI and Ray's clients read. Every other local user
+# reaches the loopback ports too; without the token they cannot run code on the head.
+#
 # It never runs `ray stop`, which would kill every Ray process on the machine: the Ray head is
 # started with --block, and stopping that one process stops the processes it started.
 #
 # Settings (environment): RINGTRAIN_STACK_DIR (state, logs; default .ringtrain-cache/local-stack),
 # RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short),
-# RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), S3_PORT (9000), S3_BUCKET (ringtrain), PYTHON.
-# The metrics port 8080 and Prometheus' 9090 are fixed: infra/prometheus.yml names them.
+# RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), METRICS_PORT (8080), PROMETHEUS_PORT (9090),
+# S3_PORT (9000), S3_BUCKET (ringtrain), PYTHON. Prometheus reads infra/prometheus.yml with the
+# metrics and Prometheus ports put in.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STATE_DIR=${RINGTRAIN_STACK_DIR:-$REPO/.ringtrain-cache/local-stack}
 PID_FILE=$STATE_DIR/pids
 LOG_DIR=$STATE_DIR/logs
+TOKEN_FILE=$STATE_DIR/auth_token
+PROMETHEUS_CONFIG=$STATE_DIR/prometheus.yml
 RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ringtrain-ray-$(id -u)}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
-METRICS_PORT=8080
-PROMETHEUS_PORT=9090
+METRICS_PORT=${METRICS_PORT:-8080}
+PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
 S3_PORT=${S3_PORT:-9000}
 S3_BUCKET=${S3_BUCKET:-ringtrain}
 S3_REGION=us-east-1
@@ -45,7 +53,7 @@ RAY_BIN=$(dirname "$(command -v "$PYTHON")")/ray
 marker() {
     case "$1" in
         ray) echo "start --head --block" ;;
-        prometheus) echo "--config.file=$REPO/infra/prometheus.yml" ;;
+        prometheus) echo "--config.file=$PROMETHEUS_CONFIG" ;;
         s3) echo "moto.server" ;;
         *) return 1 ;;
     esac
@@ -125,13 +133,19 @@ cmd_start() {
         fi
     done
     mkdir -p "$LOG_DIR" "$RAY_TEMP_DIR"
+    chmod 700 "$STATE_DIR"
+    # Made before anything starts: a token that only exists after `start` could be lost with it.
+    new_token
+    sed -e "s/127\.0\.0\.1:8080/127.0.0.1:$METRICS_PORT/" -e "s/127\.0\.0\.1:9090/127.0.0.1:$PROMETHEUS_PORT/" \
+        "$REPO/infra/prometheus.yml" >"$PROMETHEUS_CONFIG"
     trap 'log "start failed; stopping what was started"; cmd_stop' ERR
     # Job control on: each service runs in a process group of its own, whose id is its PID, so
     # `stop` can also reach what a service started and left behind.
     set -m
 
-    # Token authentication is off: every port listens on loopback only.
-    RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 "$RAY_BIN" start --head --block \
+    # Token authentication on: loopback ports are open to every user of this machine. The token
+    # goes in through the environment (readable by this user only), never the command line.
+    RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$RAY_BIN" start --head --block \
         --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
         --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" \
         --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR" \
@@ -140,7 +154,7 @@ cmd_start() {
     record ray "$ray_pid"
     wait_for_port ray "$ray_pid" "$RAY_PORT"
 
-    prometheus --config.file="$REPO/infra/prometheus.yml" \
+    prometheus --config.file="$PROMETHEUS_CONFIG" \
         --web.listen-address="127.0.0.1:$PROMETHEUS_PORT" \
         --storage.tsdb.path="$STATE_DIR/prometheus-data" \
         </dev/null >"$LOG_DIR/prometheus.log" 2>&1 &
@@ -162,13 +176,27 @@ boto3.client('s3', endpoint_url='http://127.0.0.1:$S3_PORT', region_name='$S3_RE
 
     log "started; PIDs in $PID_FILE, logs in $LOG_DIR"
     log "Ray dashboard http://127.0.0.1:$RAY_DASHBOARD_PORT, Prometheus http://127.0.0.1:$PROMETHEUS_PORT, S3 http://127.0.0.1:$S3_PORT (bucket $S3_BUCKET)"
+    log "Ray auth token: $(cat "$TOKEN_FILE") (kept in $TOKEN_FILE)"
     log "point ringtrain at it with: eval \"\$($0 env)\""
 }
 
+# A fresh random token in $TOKEN_FILE, readable by this user only (a file left from an earlier
+# stack is replaced, not reused: a redirection into it would keep its old mode).
+new_token() {
+    rm -f "$TOKEN_FILE"
+    (umask 077 && "$PYTHON" -c "import secrets; print(secrets.token_hex(32))" >"$TOKEN_FILE")
+}
+
 cmd_env() {
+    if [[ ! -s "$TOKEN_FILE" ]]; then
+        log "no token in $TOKEN_FILE: run '$0 start' first"
+        exit 1
+    fi
     cat <<EOF
 export RAY_ADDRESS=127.0.0.1:$RAY_PORT
-export RAY_AUTH_MODE=disabled
+export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$RAY_DASHBOARD_PORT
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN=$(cat "$TOKEN_FILE")
 export AWS_ENDPOINT_URL=http://127.0.0.1:$S3_PORT
 export AWS_ACCESS_KEY_ID=testing
 export AWS_SECRET_ACCESS_KEY=testing
@@ -188,6 +216,8 @@ cmd_status() {
 }
 
 cmd_stop() {
+    # The token dies with the stack: the next `start` makes a new one.
+    rm -f "$TOKEN_FILE"
     if [[ ! -s "$PID_FILE" ]]; then
         log "nothing to stop ($PID_FILE is absent)"
         rm -f "$PID_FILE"

@@ -22,6 +22,9 @@ from ringtrain.telemetry import dashboards_command, report_command
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
+    from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
+    from ringtrain.checkpoint.lease import WriterLease
+    from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.prometheus import RunMetrics
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -73,23 +76,40 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
     eval_plan = _eval_plan(job) if job.eval.every else None
 
     # Ray and torch are imported only once the input is known to be good.
+    from ringtrain.actors.resume import find_resume_point, open_job_store, store_claim, store_uri
+    from ringtrain.telemetry.progress import Progress
+    from ringtrain.telemetry.rundir import default_run_dir
+
+    run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
+    progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
+    # Before any cluster starts: a resume that cannot happen, or a store another run writes or
+    # wrote, is bad input, not a failed run.
+    resume_from = find_resume_point(job, run_path, progress.message)
+    store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
+    lease = store_claim(job, store, run_path)
+    return _train(job, run_path, progress, resume_from, store, lease, eval_plan)
+
+
+def _train(
+    job: config.JobConfig,
+    run_path: Path,
+    progress: "Progress",
+    resume_from: "Optional[LoadedCheckpoint]",
+    store: "Optional[CheckpointStore]",
+    lease: "Optional[WriterLease]",
+    eval_plan: "Optional[EvalPlan]",
+) -> int:
+    """The run itself, on a cluster, once every input is known to be good and the store is ours."""
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.controller import Controller
     from ringtrain.actors.group import WorkerGroup
     from ringtrain.actors.persister import Persister
     from ringtrain.actors.recovery import Recovery
-    from ringtrain.actors.resume import checkpoint_meta, find_resume_point, open_job_store, store_uri
-    from ringtrain.telemetry.progress import Progress
+    from ringtrain.actors.resume import checkpoint_meta, take_store
     from ringtrain.telemetry.prometheus import new_run_id
     from ringtrain.telemetry.report import write_report
-    from ringtrain.telemetry.rundir import RunDir, default_run_dir
+    from ringtrain.telemetry.rundir import RunDir
     from ringtrain.telemetry.tensorboard import TensorBoardSink, preload
-
-    run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
-    progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
-    # Before any cluster starts: a resume that cannot happen is bad input, not a failed run.
-    resume_from = find_resume_point(job, run_path, progress.message)
-    store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
 
     if job.telemetry.tensorboard:
         preload()  # torch and tensorboard load while the cluster starts
@@ -104,9 +124,13 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
         warning = planner_command.fit_warning(job, device)
         if warning:
             print(warning, file=sys.stderr)
+        persister = None
+        if store is not None and lease is not None:
+            # One writer per store: taken once the run is known to start, held while it trains.
+            take_store(job, store, lease)
+            persister = Persister(store, checkpoint_meta(job), guard=lease.check)
         run_dir = RunDir(run_path)
         run_dir.write_config(job)
-        persister = Persister(store, checkpoint_meta(job)) if store is not None else None
         run_id = new_run_id()
         telemetry = run_metrics(job, run_id) if job.telemetry.metrics else None
         topo = job.topology
@@ -146,6 +170,8 @@ def cmd_run(job_path: str, overrides: list[str]) -> int:
             progress.message(f"Ray logs of the embedded cluster: {cluster.temp_dir}")
         return EXIT_OK if ok else EXIT_FAILED
     finally:
+        if lease is not None:
+            lease.stop()  # releases it, if it was taken
         # Ray's logs are kept when something went wrong: they hold the workers' output.
         cluster.close(keep_logs=not ok)
 

@@ -1,12 +1,19 @@
 """Submitting ringtrain jobs to a Ray cluster's job API: entrypoint, runtime env, submission ids, client calls.
 
 A submitted job runs ``python -m ringtrain run <job file> <overrides>`` as a Ray job driver.
-Its working_dir is the job file's folder (so relative data paths next to the job file travel
-with it) and the ringtrain package of this client travels as a ``py_modules`` entry, so a
-cluster without ringtrain installed runs it and one with ringtrain installed runs the same code
-the client validated the config with (a py_modules entry comes first on the driver's and every
-worker's ``sys.path``). Inside the job Ray sets ``RAY_ADDRESS``, so ``ringtrain run`` joins the
-cluster instead of starting an embedded one.
+Its working_dir holds the job file and the relative inputs it declares, nothing else
+(``submission_files``), and the ringtrain package of this client travels as a ``py_modules``
+entry, so a cluster without ringtrain installed runs it and one with ringtrain installed runs
+the same code the client validated the config with (a py_modules entry comes first on the
+driver's and every worker's ``sys.path``). Inside the job Ray sets ``RAY_ADDRESS``, so
+``ringtrain run`` joins the cluster instead of starting an embedded one.
+
+A cluster with token authentication (the chart's, the local stack's, and by default a new
+``ray.init()`` cluster's) answers only requests that carry its token as ``Authorization: Bearer
+<token>``; the token comes from ``--token`` or ``RAY_AUTH_TOKEN`` and is sent on every call, the
+log stream included. Without one, or with a wrong one, the cluster's refusal says which to pass.
+Plain http to an address off this machine sends the token and the job's files readable by anyone
+on the path: the command warns about it.
 
 Submission ids are deterministic: ``ringtrain-<name>-<first 10 hex of sha256(resolved config
 YAML)>``. The resolved config already holds the overrides, so ``mesh.dp=2`` given or left at
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import logging
 import os
 import re
@@ -29,10 +37,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TextIO
+from urllib.parse import urlsplit
 
 from ringtrain import config
 from ringtrain.config import JobConfig
 from ringtrain.errors import ClusterError, RingtrainError
+from ringtrain.submission_files import working_dir
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -43,10 +53,15 @@ ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 TERMINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 ACTIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
 ID_HASH_CHARS = 10
+# The variable Ray's own clients read a cluster's token from; ``--token`` wins over it.
+TOKEN_VARIABLE = "RAY_AUTH_TOKEN"
+TOKEN_HINT = f"pass the cluster's token with --token TOKEN or set {TOKEN_VARIABLE}"
 QUIET_LOGGERS = (
     "ray.dashboard.modules.dashboard_sdk",
     "ray.dashboard.modules.job.sdk",
     "ray._private.runtime_env.packaging",
+    # Warns that no token was found; the refusal that follows says what to pass.
+    "ray._private.authentication.http_token_authentication",
 )
 # Compiled leftovers are never needed on the cluster and differ between machines.
 PACKAGE_EXCLUDES = ["__pycache__/", "*.pyc"]
@@ -58,6 +73,10 @@ class SubmissionError(RingtrainError):
 
 class UnknownJobError(SubmissionError):
     """No job with the given submission id exists on the cluster."""
+
+
+class TokenRefused(SubmissionError):
+    """The cluster authenticates with a token and the request carried none, or a wrong one."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,44 @@ def resolve_address(explicit: Optional[str] = None) -> str:
         if value:
             return value
     return DEFAULT_ADDRESS
+
+
+def resolve_token(explicit: Optional[str] = None) -> Optional[str]:
+    """The cluster's token: the given one, else RAY_AUTH_TOKEN, else None (send none)."""
+    token = (explicit if explicit is not None else os.environ.get(TOKEN_VARIABLE, "")).strip()
+    return token or None
+
+
+def auth_headers(token: Optional[str]) -> dict[str, str]:
+    """The header Ray's dashboard checks a request's token in (``Bearer``, as Ray's own clients send it)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def plain_http_warning(address: str, *, sends_token: bool) -> Optional[str]:
+    """A warning when ``address`` is reached over plain http on another machine, else None.
+
+    An address without a scheme (``host:6379``, a GCS address the job client looks the
+    dashboard up through) is reached over http too; ``auto`` is this machine's cluster.
+    """
+    if address == "auto":
+        return None
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    if parts.scheme != "http" or _loopback(parts.hostname or ""):
+        return None
+    what = "the token and the job's files" if sends_token else "the job's files and logs"
+    return (
+        f"{address} is plain http to another machine: {what} cross the network unencrypted; "
+        "use https:// or a tunnel to the cluster (kubectl port-forward, ssh -L)"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def config_digest(job: JobConfig) -> str:
@@ -124,9 +181,10 @@ def package_dir() -> Path:
     return Path(ringtrain.__file__).resolve().parent
 
 
-def runtime_env(job_path: Path, *, ship_package: bool = True) -> dict[str, Any]:
-    """working_dir: the job file's folder; py_modules: this ringtrain, unless the cluster's is wanted."""
-    env: dict[str, Any] = {"working_dir": str(job_path.resolve().parent), "excludes": list(PACKAGE_EXCLUDES)}
+def runtime_env(folder: Path, *, ship_package: bool = True) -> dict[str, Any]:
+    """working_dir: ``folder`` (see ``submission_files.working_dir``); py_modules: this
+    ringtrain, unless the cluster's is wanted."""
+    env: dict[str, Any] = {"working_dir": str(folder), "excludes": list(PACKAGE_EXCLUDES)}
     if ship_package:
         env["py_modules"] = [str(package_dir())]
     return env
@@ -151,24 +209,31 @@ def _first_line(exc: BaseException) -> str:
 class JobsClient:
     """One connection to a cluster's job API; every failure becomes a one-line RingtrainError."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: Optional[str] = None) -> None:
         self.address = address
-        self._client = self._connect(address)
+        self.token = token
+        self._client = self._connect(address, token)
 
-    @staticmethod
-    def _connect(address: str) -> JobSubmissionClient:
+    def _refused(self) -> TokenRefused:
+        if self.token is None:
+            return TokenRefused(f"the Ray job API at {self.address} requires a token: {TOKEN_HINT}")
+        return TokenRefused(f"the Ray job API at {self.address} refused the token given: {TOKEN_HINT}")
+
+    def _connect(self, address: str, token: Optional[str]) -> JobSubmissionClient:
         from ray.exceptions import AuthenticationError, RayError
         from ray.job_submission import JobSubmissionClient
 
         # Ray's job client logs every package upload and socket close at INFO on stderr; the
         # command prints what matters itself.
         for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(logging.WARNING)
+            logging.getLogger(name).setLevel(logging.ERROR)
         try:
             with _address_variables_cleared():
-                return JobSubmissionClient(address)
-        except AuthenticationError as exc:
-            raise ClusterError(f"the Ray job API at {address} refused the connection: {_first_line(exc)}") from None
+                # An explicit header: Ray's client adds one of its own only when its process runs
+                # with RAY_AUTH_MODE=token, and never overrides one given.
+                return JobSubmissionClient(address, headers=auth_headers(token))
+        except AuthenticationError:
+            raise self._refused() from None
         # RayError: a GCS address (host:6379) is looked up through the GCS first, which can time out.
         except (ConnectionError, OSError, ValueError, RuntimeError, RayError) as exc:
             raise ClusterError(f"cannot reach the Ray job API at {address}: {_first_line(exc)}") from None
@@ -176,8 +241,12 @@ class JobsClient:
     @contextmanager
     def _calls(self, submission_id: Optional[str] = None) -> Iterator[None]:
         """Translate what Ray's client raises into errors that name the job and the address."""
+        from ray.exceptions import AuthenticationError
+
         try:
             yield
+        except AuthenticationError:
+            raise self._refused() from None
         except OSError as exc:  # requests' connection errors are OSErrors
             raise ClusterError(f"lost the Ray job API at {self.address}: {_first_line(exc)}") from None
         except (RuntimeError, ValueError) as exc:  # ValueError: a working_dir Ray cannot package
@@ -229,11 +298,11 @@ class JobsClient:
     ) -> str:
         """Submit a validated job; returns its submission id."""
         chosen = self.choose_id(job, submission_id)
-        with self._calls():
+        with working_dir(job_path, job) as folder, self._calls():
             return self._client.submit_job(
                 entrypoint=entrypoint(job_path, overrides),
                 submission_id=chosen,
-                runtime_env=runtime_env(job_path, ship_package=ship_package),
+                runtime_env=runtime_env(folder, ship_package=ship_package),
                 metadata={"ringtrain_job": job.name, "ringtrain_config_sha256": config_digest(job)},
             )
 

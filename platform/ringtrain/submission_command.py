@@ -2,8 +2,9 @@
 
 ``add_arguments`` registers the four subcommands and ``run`` executes them. Exit codes follow
 `ringtrain run`: 0 success, 1 failed (the cluster cannot be reached, refuses, or the job
-did not succeed), 2 bad input (a config key, or a submission id the cluster does not know):
-one line, no traceback. The config is validated here before anything is sent to the cluster.
+did not succeed), 2 bad input (a config key, a submission id the cluster does not know, a
+missing or wrong token): one line, no traceback. The config, and the files the job would ship,
+are checked here before anything is sent to the cluster.
 """
 
 from __future__ import annotations
@@ -16,11 +17,26 @@ from typing import Callable, Optional
 
 from ringtrain import config
 from ringtrain.errors import ConfigError, RingtrainError
-from ringtrain.submission import DEFAULT_ADDRESS, JobsClient, JobState, UnknownJobError, resolve_address
+from ringtrain.submission import (
+    DEFAULT_ADDRESS,
+    TOKEN_VARIABLE,
+    JobsClient,
+    JobState,
+    TokenRefused,
+    UnknownJobError,
+    plain_http_warning,
+    resolve_address,
+    resolve_token,
+)
+from ringtrain.submission_files import shipped_inputs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_POLL_S = 0.5
 ADDRESS_HELP = f"the cluster's job API (default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, else {DEFAULT_ADDRESS})"
+TOKEN_HELP = (
+    f"the cluster's auth token (default: {TOKEN_VARIABLE}); prefer the variable, since other users "
+    "of this machine can read a command line"
+)
 
 
 def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,6 +45,7 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     submit.add_argument("job", help="job YAML; its folder becomes the job's working_dir, e.g. jobs/quickstart.yaml")
     submit.add_argument("overrides", nargs="*", help="key=value config overrides, as for `ringtrain run`")
     submit.add_argument("--address", help=ADDRESS_HELP)
+    submit.add_argument("--token", help=TOKEN_HELP)
     submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of following the logs")
     submit.add_argument(
         "--submission-id", help="use this id instead of ringtrain-<name>-<config hash> (to run one config twice)"
@@ -42,17 +59,20 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     status = subparsers.add_parser("status", help="a submitted job's status, or every job's without an id")
     status.add_argument("submission_id", nargs="?", help="the id `ringtrain submit` printed")
     status.add_argument("--address", help=ADDRESS_HELP)
+    status.add_argument("--token", help=TOKEN_HELP)
 
     logs = subparsers.add_parser("logs", help="a submitted job's output")
     logs.add_argument("submission_id", help="the id `ringtrain submit` printed")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     logs.add_argument("--address", help=ADDRESS_HELP)
+    logs.add_argument("--token", help=TOKEN_HELP)
 
     stop = subparsers.add_parser("stop", help="stop a submitted job")
     stop.add_argument("submission_id", help="the id `ringtrain submit` printed")
     stop.add_argument("--no-wait", action="store_true", help="return once the stop is requested")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
     stop.add_argument("--address", help=ADDRESS_HELP)
+    stop.add_argument("--token", help=TOKEN_HELP)
 
 
 def run(args: argparse.Namespace) -> Optional[int]:
@@ -65,7 +85,7 @@ def run(args: argparse.Namespace) -> Optional[int]:
     except ConfigError as exc:
         print(f"ringtrain: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except UnknownJobError as exc:
+    except (UnknownJobError, TokenRefused) as exc:
         print(f"ringtrain: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RingtrainError as exc:
@@ -77,14 +97,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job_path = Path(args.job)
     # Validated before connecting: bad input never reaches the cluster.
     job = config.load(job_path, args.overrides)
-    client = JobsClient(resolve_address(args.address))
+    shipped_inputs(job_path, job)
+    client = _client(args)
     submission_id = client.submit(
         job_path, list(args.overrides), job, submission_id=args.submission_id, ship_package=not args.no_ship_package
     )
     # The id alone on stdout, so `ID=$(ringtrain submit ... --no-wait)` works; the rest is for people.
     print(submission_id, flush=True)
     _say(f"ringtrain: submitted {job.name} as {submission_id} to {client.address}")
-    for line in _next_steps(submission_id, client.address):
+    for line in _next_steps(submission_id, client.address, with_token=client.token is not None):
         _say(line)
     if args.no_wait:
         return EXIT_OK
@@ -97,7 +118,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = JobsClient(resolve_address(args.address))
+    client = _client(args)
     if args.submission_id is None:
         for line in _table(client.jobs()):
             print(line)
@@ -110,7 +131,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    client = JobsClient(resolve_address(args.address))
+    client = _client(args)
     if not args.follow:
         sys.stdout.write(client.logs(args.submission_id))
         sys.stdout.flush()
@@ -119,7 +140,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    client = JobsClient(resolve_address(args.address))
+    client = _client(args)
     state = client.state(args.submission_id)
     if state.terminal:
         print(f"{state.submission_id}: {state.status} (already ended; nothing to stop)")
@@ -139,6 +160,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+def _client(args: argparse.Namespace) -> JobsClient:
+    """A connection to the cluster the flags and variables name, with its token; warns first
+    when the way there is plain http to another machine."""
+    address, token = resolve_address(args.address), resolve_token(args.token)
+    warning = plain_http_warning(address, sends_token=token is not None)
+    if warning:
+        _say(f"ringtrain: warning: {warning}")
+    return JobsClient(address, token)
+
+
 def _follow(client: JobsClient, submission_id: str) -> Optional[JobState]:
     """The job's output until it ends; None when the user stopped following."""
     try:
@@ -151,14 +182,18 @@ def _follow(client: JobsClient, submission_id: str) -> Optional[JobState]:
         return None
 
 
-def _next_steps(submission_id: str, address: str) -> list[str]:
+def _next_steps(submission_id: str, address: str, *, with_token: bool) -> list[str]:
     flag = f" --address {address}"
-    return [
+    lines = [
         f"  follow: ringtrain logs {submission_id} --follow{flag}",
         f"      or: ray job logs {submission_id} --follow{flag}",
         f"  status: ringtrain status {submission_id}{flag}",
         f"  stop:   ringtrain stop {submission_id}{flag}",
     ]
+    if with_token:
+        # Never the token itself: these lines end up in terminals' scrollback and CI logs.
+        lines.append(f"  each with the same token (--token, or {TOKEN_VARIABLE}; Ray's CLI reads {TOKEN_VARIABLE} with RAY_AUTH_MODE=token)")
+    return lines
 
 
 def _table(states: list[JobState]) -> list[str]:

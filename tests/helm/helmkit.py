@@ -75,6 +75,18 @@ class Render:
         for group in spec.get("workerGroupSpecs", []):
             yield group["groupName"], group["template"]
 
+    def submitter_template(self) -> dict[str, Any] | None:
+        """The RayJob's submitter pod template (K8sJobMode), or None."""
+        ray = self.ray_object()
+        return ray["spec"].get("submitterPodTemplate") if ray["kind"] == "RayJob" else None
+
+    def all_pod_templates(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Every pod template the chart writes: the Ray pods', then the submitter's ("submitter")."""
+        yield from self.pod_templates()
+        submitter = self.submitter_template()
+        if submitter is not None:
+            yield "submitter", submitter
+
 
 def render_chart(
     helm: Any, values: dict[str, Any] | None = None, chart_dir: Path = CHART, *, name: str = RELEASE
@@ -92,15 +104,20 @@ def render_chart(
 
 
 def merged(case: str) -> dict[str, Any]:
-    """The values a render of `case` used: the chart defaults with the case file on top (as Helm
-    coalesces them: mappings merge, anything else replaces)."""
+    """The values a render of `case` used: the chart defaults with the case file on top."""
+    return with_defaults(case_values(case))
+
+
+def with_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` over the chart defaults, as Helm coalesces them: mappings merge, anything else
+    replaces."""
 
     def coalesce(base: Any, top: Any) -> Any:
         if isinstance(base, dict) and isinstance(top, dict):
             return {**base, **{k: coalesce(base.get(k), v) for k, v in top.items()}}
         return top
 
-    return coalesce(DEFAULTS, case_values(case))
+    return coalesce(DEFAULTS, values)
 
 
 def worker_groups(values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -32,15 +32,16 @@ def kube_versions() -> list[str]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_builtin_kinds_pass_kubernetes_schemas(rendered: dict[str, Render], case: str) -> None:
-    """ConfigMaps and Secrets, and every Ray pod template as a core/v1 PodTemplate, validated
-    strictly (unknown fields fail) against the oldest Kubernetes the chart admits and the newest."""
+    """ConfigMaps, Secrets and the NetworkPolicy, and every pod template (the Ray pods', the
+    RayJob's submitter's) as a core/v1 PodTemplate, validated strictly (unknown fields fail)
+    against the oldest Kubernetes the chart admits and the newest."""
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
     out = rendered[case]
     objects = [d for d in out.docs if not d["apiVersion"].startswith(FOREIGN_GROUPS)]
-    assert {"ConfigMap"} <= {d["kind"] for d in objects}
+    assert {"ConfigMap", "NetworkPolicy"} <= {d["kind"] for d in objects}
     objects += [
         {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{name}-template"}, "template": template}
-        for name, template in out.pod_templates()
+        for name, template in out.all_pod_templates()
     ]
     for version in kube_versions():
         for obj in objects:
@@ -329,7 +330,11 @@ def test_metrics_port_is_exported_and_declared(rendered: dict[str, Render], case
 @pytest.mark.parametrize("case", CASES)
 def test_s3_variables_come_from_the_secret(rendered: dict[str, Render], case: str) -> None:
     out, s3 = rendered[case], merged(case)["s3"]
-    secrets = {s["metadata"]["name"]: s for s in out.of_kind("Secret")}
+    secrets = {
+        s["metadata"]["name"]: s
+        for s in out.of_kind("Secret")
+        if s["metadata"]["labels"]["app.kubernetes.io/component"] == "s3-credentials"
+    }
     enabled = bool(s3["existingSecret"] or s3["accessKeyId"])
     for group, template in out.pod_templates():
         env = {e["name"]: e for e in ray_container(template).get("env", [])}
@@ -374,10 +379,10 @@ def test_default_job_config_loads_and_fits_the_default_workers(rendered: dict[st
 def test_notes_tell_how_to_follow_or_submit(rendered: dict[str, Render]) -> None:
     rayjob = rendered["default"].notes
     assert f"kubectl -n {NAMESPACE} get rayjob demo-ringtrain" in rayjob
-    assert "python -m ringtrain run /etc/ringtrain/job.yaml" in rayjob
+    assert "python -m ringtrain run '/etc/ringtrain/job.yaml'" in rayjob
     raycluster = rendered["raycluster-autoscaling"].notes
     assert f"kubectl -n {NAMESPACE} port-forward svc/demo-ringtrain-head-svc 8265:8265" in raycluster
-    assert "ray job submit --address http://127.0.0.1:8265 -- python -m ringtrain run" in raycluster
+    assert "RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 -- python -m ringtrain run" in raycluster
 
 
 @pytest.mark.parametrize("case", CASES)

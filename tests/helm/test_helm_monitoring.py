@@ -94,4 +94,4 @@ def test_dashboards_become_sidecar_configmaps(render: Callable[..., Render], cha
     assert all(cm["metadata"]["labels"]["grafana_dashboard_ml"] == "yes" for cm in labelled)
     assert all("annotations" not in cm["metadata"] for cm in labelled)
     disabled = render({"monitoring": {"dashboards": {"enabled": False}}}, chart_dir=chart_copy)
-    assert disabled.kinds() == ["ConfigMap", "RayJob"]
+    assert disabled.kinds() == ["ConfigMap", "NetworkPolicy", "RayJob", "Secret"]  # the job config, the policy, the RayJob, the auth token

@@ -92,7 +92,7 @@ def test_prometheus_config_scrapes_the_ray_head() -> None:
     targets = [t for group in ray["static_configs"] for t in group["targets"]]
     metrics_port = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["port"]
     assert targets == [f"127.0.0.1:{metrics_port}"]
-    assert f"METRICS_PORT={metrics_port}" in SCRIPT.read_text()
+    assert f"METRICS_PORT=${{METRICS_PORT:-{metrics_port}}}" in SCRIPT.read_text()
 
 
 def test_promtool_accepts_the_prometheus_config() -> None:
@@ -114,8 +114,13 @@ def test_local_stack_script_parses_and_never_runs_ray_stop() -> None:
     code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
     assert not [line for line in code if re.search(r"\bray\b[\"']?\s+stop\b", line)]
     assert any("--metrics-export-port" in line for line in code)
-    assert any("--config.file=$REPO/infra/prometheus.yml" in line for line in code)
+    assert any('"$REPO/infra/prometheus.yml" >"$PROMETHEUS_CONFIG"' in line for line in code)
+    assert any('--config.file="$PROMETHEUS_CONFIG"' in line for line in code)
     assert any("moto.server -H 127.0.0.1" in line for line in code)
+    # Token authentication on, with the token kept off every command line.
+    (ray_start,) = [line for line in code if '"$RAY_BIN" start --head' in line]
+    assert "RAY_AUTH_MODE=token" in ray_start and 'RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")"' in ray_start
+    assert not [line for line in code if "RAY_AUTH_MODE=disabled" in line]
 
 
 def test_local_stack_script_passes_shellcheck() -> None:
@@ -133,14 +138,22 @@ def stack(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
 def test_local_stack_usage_env_and_status(tmp_path: Path) -> None:
     assert stack(state=tmp_path).returncode == 2
     assert "stop" in stack("--help", state=tmp_path).stdout
+    # No stack, no token: nothing to export.
+    before = stack("env", state=tmp_path)
+    assert before.returncode == 1 and "run" in before.stderr and "start" in before.stderr
+    token = "ab" * 32
+    (tmp_path / "auth_token").write_text(token + "\n")
     exports = dict(re.findall(r"^export (\w+)=(\S+)$", stack("env", state=tmp_path).stdout, re.MULTILINE))
     assert exports["RAY_ADDRESS"] == "127.0.0.1:6379"
+    assert exports["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:8265"
     assert exports["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
-    assert exports["RAY_AUTH_MODE"] == "disabled"
+    assert exports["RAY_AUTH_MODE"] == "token"
+    assert exports["RAY_AUTH_TOKEN"] == token
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} <= exports.keys()
     assert stack("status", state=tmp_path).stdout.strip() == "not running"
     stopped = stack("stop", state=tmp_path)
     assert stopped.returncode == 0 and "nothing to stop" in stopped.stderr
+    assert not (tmp_path / "auth_token").exists(), "the token dies with the stack"
 
 
 def _gone(pid: int) -> bool:

@@ -51,6 +51,25 @@ def _index_names_missing_shard(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+def _index_points_outside(file: str) -> Breaker:
+    """An index whose weight_map sends one tensor to a file outside the model folder (a real
+    safetensors file is there: only the path may refuse it)."""
+
+    def breaker(folder: Path) -> None:
+        from safetensors import safe_open
+
+        outside = folder.parent / "outside.safetensors"
+        (folder / "model.safetensors").rename(outside)
+        with safe_open(str(outside), framework="pt") as f:
+            names = list(f.keys())
+        (folder / "model.safetensors").symlink_to(outside)
+        weight_map = {n: "model.safetensors" for n in names}
+        weight_map["lm_head.weight"] = file.replace("{outside}", str(outside))
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    return breaker
+
+
 def _truncate(folder: Path) -> None:
     path = folder / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-1000])
@@ -66,6 +85,14 @@ CASES: dict[str, tuple[Breaker, list[str], str]] = {
     "tensor missing": (_drop_tensor, [], "tensor model.layers.1.mlp.down_proj.weight (for layers.1.feed_forward.w2.weight) is missing"),
     "tensor of the wrong shape": (_reshape_tensor, [], "tensor model.layers.0.self_attn.k_proj.weight in model.safetensors has shape [31, 64]"),
     "shard in the index but absent": (_index_names_missing_shard, [], "model-00002-of-00002.safetensors is listed in"),
+    "weight_map entry outside the folder (..)": (
+        _index_points_outside("../outside.safetensors"), [],
+        "model.hf: {folder}/model.safetensors.index.json: weight_map['lm_head.weight'] is '../outside.safetensors', "
+        "which points outside the model folder {folder}",
+    ),
+    "weight_map entry outside the folder (absolute)": (
+        _index_points_outside("{outside}"), [], "weight_map['lm_head.weight'] is '{outside}', which points outside the model folder",
+    ),
     "truncated safetensors": (_truncate, [], "model.safetensors is not a readable safetensors file"),
     "sliding window below seq_len": (_rewrite_config(sliding_window=32), ["data.seq_len=64"], "data.seq_len: 64 is longer than the sliding window 32"),
     "unknown rope_scaling type": (
@@ -96,7 +123,10 @@ def test_bad_model_input_exits_2_naming_it(case: str, tmp_path: Path, capsys: py
 
     err = capsys.readouterr().err
     assert code == 2, err
-    assert expected.replace("{bad_rows}", str(bad_rows)) in err
+    names = {"{bad_rows}": str(bad_rows), "{folder}": str(folder), "{outside}": str(tmp_path / "outside.safetensors")}
+    for name, value in names.items():
+        expected = expected.replace(name, value)
+    assert expected in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not run_dir.exists()
 

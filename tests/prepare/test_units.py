@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepare import sources, tokenize, writer
+from ringtrain.prepare import sources, streams, tokenize, writer
 from ringtrain.prepare.command import recorded_command
 from ringtrain.prepare.pipeline import Job, PieceTokenizer
 from ringtrain.prepared import (
@@ -163,7 +163,7 @@ def test_the_line_split_rule_reads_every_line_once(trailing: bytes) -> None:
             for start in range(0, len(data), split):
                 tail = data[start:]
                 pieces = (tail[i : i + chunk] for i in range(0, len(tail), chunk))
-                got += list(sources._lines(pieces, start, min(start + split, len(data))))
+                got += list(streams.lines(pieces, start, min(start + split, len(data))))
             assert got == expected, (split, chunk)
 
 
@@ -214,7 +214,9 @@ def test_local_output_is_staged_and_refuses_to_overwrite(tmp_path: Path) -> None
     (out / "old").write_text("x")
     with pytest.raises(ConfigError, match=rf"--out: {out} already exists; pass --overwrite"):
         writer.open_output(str(out), overwrite=False)
-    writer.open_output(str(out), overwrite=True)
+    # Not a dataset of ours: --overwrite refuses it too (test_overwrite.py runs the command).
+    with pytest.raises(ConfigError, match=rf"--out: {out} holds no manifest.json of a prepared dataset"):
+        writer.open_output(str(out), overwrite=True)
 
 
 def test_the_manifest_command_leaves_out_execution_flags() -> None:

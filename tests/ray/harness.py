@@ -115,14 +115,18 @@ def end_processes(path: Path) -> None:
         psutil.wait_procs(alive, timeout=10)
 
 
-def head_env(home: Path, temp_dir: Path) -> dict[str, str]:
-    """The environment of a head and of every command run against it."""
+def head_env(home: Path, temp_dir: Path, *, token: Optional[str] = None) -> dict[str, str]:
+    """The environment of a head and of every command run against it: token authentication
+    with ``token`` (Ray's daemons, job drivers and clients all read RAY_AUTH_TOKEN), else off."""
     env = dict(os.environ)
-    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(name, None)
+    if token is not None:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
     env.update(
         HOME=str(home),
-        RAY_AUTH_MODE="disabled",
         RAY_TMPDIR=str(temp_dir),
         TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
         # Job entrypoints say `python`: it must be this venv's, which has Ray and torch.

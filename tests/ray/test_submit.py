@@ -1,8 +1,10 @@
 """`ringtrain submit|status|logs|stop` and plain `ray job submit` against a real Ray head.
 
 One head is started for the module with the venv's `ray start --head`, on free ports, with its
-own HOME and RAY_TMPDIR; at teardown every process whose environment names that RAY_TMPDIR
-(the head's daemons, job drivers, training workers) is ended by PID and none may be left.
+own HOME and RAY_TMPDIR, and token authentication on (as the chart and the local stack run
+Ray): commands get its token from RAY_AUTH_TOKEN (``head.env``) or ``--token``. At teardown
+every process whose environment names that RAY_TMPDIR (the head's daemons, job drivers,
+training workers) is ended by PID and none may be left.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ringtrain.submission import (
     resolve_address,
     runtime_env,
 )
+from ringtrain.submission_files import listing
 from tests.tiny import TINIEST_MODEL
 
 from .harness import (
@@ -66,12 +69,23 @@ ID_PATTERN = re.compile(r"ringtrain-quickstart-[0-9a-f]{10}")
 JOB_TIMEOUT_S = 180.0
 
 
+TOKEN = "rt-test-" + "0123456789abcdef" * 2
+
+
 @dataclass(frozen=True)
 class Head:
     address: str  # the job API, http://127.0.0.1:<dashboard port>
     gcs_port: int
     temp_dir: Path
-    env: dict[str, str]  # for every command run against this head
+    env: dict[str, str]  # for every command run against this head; RAY_AUTH_TOKEN holds the token
+    token: str
+
+    def env_without_token(self) -> dict[str, str]:
+        """A client that knows no token and does not authenticate on its own (as a laptop
+        whose Ray never met this cluster): only ``--token`` can make it send one."""
+        env = {k: v for k, v in self.env.items() if k != "RAY_AUTH_TOKEN"}
+        env["RAY_AUTH_MODE"] = "disabled"
+        return env
 
 
 def job_api_answers(address: str, env: dict[str, str]) -> bool:
@@ -89,7 +103,7 @@ def job_api_answers(address: str, env: dict[str, str]) -> bool:
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     # Short on purpose: Ray's unix socket paths live below it and must stay under 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rtj-", dir="/tmp"))
-    env = head_env(tmp_path_factory.mktemp("home"), temp_dir)
+    env = head_env(tmp_path_factory.mktemp("home"), temp_dir, token=TOKEN)
     try:
         with running_head(temp_dir, env, dashboard=True, object_store_bytes=200 * 2**20) as (gcs, dashboard):
             address = f"http://127.0.0.1:{dashboard}"
@@ -97,7 +111,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
             while not job_api_answers(address, env):
                 assert time.monotonic() < deadline, f"the job API at {address} did not answer"
                 time.sleep(1)
-            yield Head(address=address, gcs_port=gcs, temp_dir=temp_dir, env=env)
+            yield Head(address=address, gcs_port=gcs, temp_dir=temp_dir, env=env, token=TOKEN)
     finally:
         left = processes_using(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -192,14 +206,14 @@ def test_an_ended_submission_is_resubmitted_under_the_next_suffix() -> None:
     assert family_ids(base, known) == [base, f"{base}-2"]
 
 
-def test_the_job_runs_its_file_from_its_folder_with_this_ringtrain() -> None:
+def test_the_job_runs_its_file_from_its_working_dir_with_this_ringtrain(tmp_path: Path) -> None:
     assert entrypoint(QUICKSTART, ["train.steps=3", "run_dir=/tmp/a b"]) == (
         "python -m ringtrain run quickstart.yaml train.steps=3 'run_dir=/tmp/a b'"
     )
-    env = runtime_env(QUICKSTART)
-    assert env["working_dir"] == str(JOBS)
+    env = runtime_env(tmp_path)
+    assert env["working_dir"] == str(tmp_path)
     assert env["py_modules"] == [str(REPO / "platform" / "ringtrain")]
-    assert "py_modules" not in runtime_env(QUICKSTART, ship_package=False)
+    assert "py_modules" not in runtime_env(tmp_path, ship_package=False)
 
 
 def test_the_address_is_the_flag_then_ray_variables_then_local(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,15 +227,44 @@ def test_the_address_is_the_flag_then_ray_variables_then_local(monkeypatch: pyte
     assert resolve_address("http://c:8265") == "http://c:8265"
 
 
-def test_submit_runs_the_job_on_the_cluster(head: Head) -> None:
-    submitted = ringtrain(head, "submit", str(QUICKSTART), *TINY, "--address", head.address, "--no-wait")
+def job_folder(root: Path) -> Path:
+    """A job file beside what must never leave the machine (a .env, AWS keys, notes) and the
+    corpus folder it names by a relative path (with a hidden file of its own)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tiny-job.yaml").write_text(QUICKSTART.read_text())
+    (root / ".env").write_text("AWS_SECRET_ACCESS_KEY=do-not-ship\n")
+    (root / ".aws").mkdir()
+    (root / ".aws" / "credentials").write_text("[default]\naws_secret_access_key = do-not-ship\n")
+    (root / "notes.txt").write_text("not declared by the job\n")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"part-{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 60)
+    (corpus / ".cache").write_text("hidden\n")
+    return root / "tiny-job.yaml"
+
+
+def unpacked_working_dirs(head: Head, job_name: str) -> list[Path]:
+    """The working_dirs Ray unpacked on the head for jobs whose file is ``job_name``."""
+    found = head.temp_dir.glob(f"session_*/runtime_resources/working_dir_files/*/{job_name}")
+    return sorted({p.parent.resolve() for p in found})  # session_latest links to the session
+
+
+def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares(head: Head, tmp_path: Path) -> None:
+    job = job_folder(tmp_path / "job")
+    submitted = ringtrain(
+        head, "submit", str(job), *TINY, "data.path=corpus",
+        "--address", head.address, "--token", head.token, "--no-wait", env=head.env_without_token(),
+    )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     submission_id = submitted.stdout.strip()
     assert ID_PATTERN.fullmatch(submission_id), submitted.stdout
     assert f"ringtrain logs {submission_id} --follow" in submitted.stderr
     assert f"ray job logs {submission_id} --follow" in submitted.stderr
+    assert "--token" in submitted.stderr and head.token not in submitted.stderr + submitted.stdout
+    assert "warning" not in submitted.stderr  # loopback: no plain-http warning
 
-    # RAY_ADDRESS names the cluster when --address is not given.
+    # RAY_ADDRESS names the cluster when --address is not given, RAY_AUTH_TOKEN the token.
     assert wait_until_ended(head, submission_id) == "SUCCEEDED"
     by_env = ringtrain(head, "status", submission_id, env={**head.env, "RAY_ADDRESS": head.address})
     assert by_env.returncode == 0 and "SUCCEEDED" in by_env.stdout, by_env.stderr[-2000:]
@@ -233,9 +276,41 @@ def test_submit_runs_the_job_on_the_cluster(head: Head) -> None:
     assert "embedded Ray" not in logs.stdout
     assert re.search(rf"ringtrain: quickstart: dp 2 x cp 2 .*:{head.gcs_port}$", logs.stdout, re.M), logs.stdout
 
-    followed = ringtrain(head, "logs", submission_id, "--follow", "--address", head.address)
+    followed = ringtrain(
+        head, "logs", submission_id, "--follow", "--address", head.address, "--token", head.token,
+        env=head.env_without_token(),
+    )  # fmt: skip
     assert followed.returncode == 0, followed.stderr[-2000:]
     assert "run finished: 3/3 steps" in followed.stdout
+
+    # What the cluster unpacked for the job: its file and the corpus it declared, nothing hidden.
+    unpacked = unpacked_working_dirs(head, job.name)
+    assert len(unpacked) == 1, unpacked
+    shipped = [f for f in listing(unpacked[0]) if not f.startswith("runs/")]  # runs/: the job's own output
+    assert shipped == ["corpus/part-0.txt", "corpus/part-1.txt", "corpus/part-2.txt", "tiny-job.yaml"]
+
+
+def test_without_the_right_token_every_command_exits_2_naming_what_to_pass(head: Head) -> None:
+    before = submitted_ids(head)
+    no_token = head.env_without_token()
+    cases = [
+        (["submit", str(QUICKSTART), *TINY, "--no-wait"], no_token, "requires a token"),
+        (["submit", str(QUICKSTART), *TINY, "--no-wait", "--token", "wrong-" + head.token], no_token, "refused the token"),
+        (["submit", str(QUICKSTART), *TINY, "--no-wait"], {**no_token, "RAY_AUTH_TOKEN": "wrong"}, "refused the token"),
+        (["status"], no_token, "requires a token"),
+        (["logs", "ringtrain-x-0000000000"], no_token, "requires a token"),
+        (["stop", "ringtrain-x-0000000000"], no_token, "requires a token"),
+    ]
+    for args, env, reason in cases:
+        result = ringtrain(head, *args, "--address", head.address, env=env)
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1 and "Traceback" not in line, result.stderr
+        assert reason in line and head.address in line, line
+        assert "--token" in line and "RAY_AUTH_TOKEN" in line, line
+        assert head.token not in line
+        assert result.stdout == ""
+    assert submitted_ids(head) == before
 
 
 def test_the_shipped_package_is_what_the_job_imports(head: Head) -> None:
@@ -248,9 +323,11 @@ def test_the_shipped_package_is_what_the_job_imports(head: Head) -> None:
         "import sys\n"
         "from pathlib import Path\n"
         "from ray.job_submission import JobSubmissionClient\n"
-        "from ringtrain import submission\n"
+        "from ringtrain import config, submission, submission_files\n"
         "client = JobSubmissionClient(sys.argv[1])\n"
-        "print(client.submit_job(entrypoint=sys.argv[3], runtime_env=submission.runtime_env(Path(sys.argv[2]))))\n"
+        "job = Path(sys.argv[2])\n"
+        "with submission_files.working_dir(job, config.load(job)) as folder:\n"
+        "    print(client.submit_job(entrypoint=sys.argv[3], runtime_env=submission.runtime_env(folder)))\n"
     )
     submitted = subprocess.run(
         [sys.executable, "-c", code, head.address, str(QUICKSTART), f"python -c {shlex.quote(probe)}"],

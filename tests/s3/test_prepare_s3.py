@@ -131,3 +131,38 @@ def test_training_reads_a_dataset_prepared_to_s3(
 
     losses = run_ranks(_train_from_s3, 1, tmp_path, overrides, timeout=180)
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_overwrite_replaces_only_a_dataset_prepare_wrote_on_s3(
+    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    run_serially(monkeypatch)
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(10)))
+    args = ["prepare", str(src), "--tokenizer", "bytes", "--quiet", "--parallelism", "1", "--overwrite"]
+
+    def objects(prefix: str) -> dict[str, bytes]:
+        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+        return {o["Key"]: s3_client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
+
+    # A prefix of someone else's objects: refused, untouched.
+    s3_client.put_object(Bucket=bucket, Key="backups/db.dump", Body=b"precious")
+    before = objects("backups/")
+    assert cli.main([*args, "--out", f"s3://{bucket}/backups"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"ringtrain: config error: --out: s3://{bucket}/backups holds no manifest.json of a prepared dataset: "
+                   "--overwrite replaces only a dataset `ringtrain prepare` wrote; choose a new or empty --out\n")
+    assert objects("backups/") == before
+    assert not [k for k in objects("") if ".partial-" in k]
+
+    # A dataset of ours is replaced; the same with an object of the user's beside it is not.
+    out = f"s3://{bucket}/ds"
+    assert cli.main([*args, "--out", out]) == 0, capsys.readouterr().err
+    assert cli.main([*args, "--out", out]) == 0, capsys.readouterr().err
+    s3_client.put_object(Bucket=bucket, Key="ds/notes.txt", Body=b"mine")
+    before = objects("ds/")
+    assert cli.main([*args, "--out", out]) == 2
+    assert f"--out: {out} holds notes.txt, which its manifest does not list" in capsys.readouterr().err
+    assert objects("ds/") == before

@@ -27,7 +27,7 @@ from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.wire import encode
 from ringtrain.config import JobConfig
 from ringtrain.hf import resolve_job
-from ringtrain.hf.export import CHECKPOINT_FORMAT, export
+from ringtrain.hf.export import CHECKPOINT_FORMAT, EXPORT_MANIFEST, export
 from ringtrain.hf.hfconfig import read_hf_config
 from ringtrain.hf.names import to_hf
 from ringtrain.hf.shards import INDEX_FILE, SINGLE_FILE, parse_size
@@ -141,7 +141,7 @@ def test_a_from_scratch_model_exports_as_llama_with_ringtrains_logits(tmp_path: 
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
     assert cfg["max_position_embeddings"] == SEQ and cfg["dtype"] == "float32"
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", SINGLE_FILE]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", SINGLE_FILE, EXPORT_MANIFEST]
 
     exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     ids = tokens(2, SEQ)
@@ -319,7 +319,9 @@ def test_a_run_directory_follows_its_checkpoint_uri(tmp_path: Path, capsys: pyte
 # --- bad input ---------------------------------------------------------------------------------
 
 
-def test_a_non_empty_destination_needs_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_non_empty_destination_needs_overwrite_and_overwrite_replaces_only_an_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job, model = scratch()
     write_checkpoint(tmp_path / "ckpt", job, params_of(model))
     dest = tmp_path / "hf"
@@ -332,9 +334,26 @@ def test_a_non_empty_destination_needs_overwrite(tmp_path: Path, capsys: pytest.
     assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left
 
-    assert run_export(capsys, tmp_path / "ckpt", dest, "--overwrite")[0] == 0
-    assert sorted(p.name for p in dest.iterdir()) == ["config.json", SINGLE_FILE]
+    # Not an export: --overwrite refuses it as well, and leaves it as it was.
+    code, _, err = run_export(capsys, tmp_path / "ckpt", dest, "--overwrite")
+    assert code == 2
+    assert_one_line_error(err, "OUT_DIR", str(dest), f"holds no {EXPORT_MANIFEST}", "only a folder `ringtrain export` wrote")
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"] and (dest / "notes.txt").read_text() == "mine"
+
+    fresh = tmp_path / "fresh"
+    assert run_export(capsys, tmp_path / "ckpt", fresh)[0] == 0
+    record = json.loads((fresh / EXPORT_MANIFEST).read_text())
+    assert record["files"] == ["config.json", SINGLE_FILE] and record["step"] == 7
+    assert run_export(capsys, tmp_path / "ckpt", fresh, "--overwrite")[0] == 0  # an export of ours: replaced
+    assert sorted(p.name for p in fresh.iterdir()) == ["config.json", SINGLE_FILE, EXPORT_MANIFEST]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    # An export with a file of the user's added: refused, nothing lost.
+    (fresh / "README.md").write_text("my model card")
+    code, _, err = run_export(capsys, tmp_path / "ckpt", fresh, "--overwrite")
+    assert code == 2
+    assert_one_line_error(err, "OUT_DIR", f"holds README.md, which its {EXPORT_MANIFEST} does not list")
+    assert (fresh / "README.md").read_text() == "my model card"
 
 
 def test_an_empty_destination_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

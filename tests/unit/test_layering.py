@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.chaos": 0,
     "ringtrain.incidents": 0,
     "ringtrain.uris": 0,
+    "ringtrain.cachedir": 0,  # the per-user data cache folder
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.policies": 1,
     "ringtrain.planner": 1,
@@ -49,6 +50,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.cli": 4,
     "ringtrain.submission": 4,
     "ringtrain.submission_command": 4,
+    "ringtrain.submission_files": 4,
     "ringtrain.export_command": 4,
     "ringtrain.eval_command": 4,
     "ringtrain.eval_source": 4,

@@ -70,10 +70,15 @@ Name of the ConfigMap that holds the job config.
 {{- end }}
 
 {{/*
-Where the job ConfigMap is mounted, and the path of the job config inside the Ray pods.
+Where the job ConfigMap is mounted, and the path of the job config inside the Ray pods. A mount
+path the chart already mounts a writable volume at would give the pod two volumes on one path.
 */}}
 {{- define "ringtrain.jobConfigDir" -}}
-{{- trimSuffix "/" .Values.job.mountPath }}
+{{- $dir := trimSuffix "/" .Values.job.mountPath }}
+{{- if has $dir (list "/tmp" "/dev/shm" (trimSuffix "/" .Values.podSecurity.homeDir)) }}
+{{- fail (printf "job.mountPath %q is where the chart mounts a writable volume; pick another folder, e.g. /etc/ringtrain" $dir) }}
+{{- end }}
+{{- $dir }}
 {{- end }}
 
 {{- define "ringtrain.jobConfigPath" -}}
@@ -81,11 +86,12 @@ Where the job ConfigMap is mounted, and the path of the job config inside the Ra
 {{- end }}
 
 {{/*
-The job entrypoint: `python -m ringtrain run <config> 'key=value' ...`. Each override is passed
-single-quoted, so the shell hands it to ringtrain unchanged (the schema refuses single quotes).
+The job entrypoint: `python -m ringtrain run '<config>' 'key=value' ...`. The config path and each
+override are passed single-quoted, so the shell hands them to ringtrain unchanged (the schema
+refuses single quotes in both).
 */}}
 {{- define "ringtrain.entrypoint" -}}
-{{- $args := list "python" "-m" "ringtrain" "run" (include "ringtrain.jobConfigPath" .) }}
+{{- $args := list "python" "-m" "ringtrain" "run" (include "ringtrain.jobConfigPath" . | squote) }}
 {{- range .Values.job.overrides }}
 {{- $args = append $args (squote .) }}
 {{- end }}
@@ -111,6 +117,92 @@ Name of the Secret with the S3 credentials.
 */}}
 {{- define "ringtrain.s3.secretName" -}}
 {{- .Values.s3.existingSecret | default (printf "%s-s3" (include "ringtrain.fullname" .)) }}
+{{- end }}
+
+{{/*
+Name of the Secret holding the Ray auth token (key auth_token, KubeRay's convention).
+*/}}
+{{- define "ringtrain.auth.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-ray-auth" (include "ringtrain.fullname" .)) }}
+{{- end }}
+
+{{/*
+Labels of the release's pods, with a component: the NetworkPolicy admits every pod carrying the
+selector labels, so only the chart's own pods may carry them.
+*/}}
+{{- define "ringtrain.podLabels" -}}
+{{- include "ringtrain.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- with .root.Values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The restricted Pod Security profile: the pod's half (non-root, RuntimeDefault seccomp) ...
+*/}}
+{{- define "ringtrain.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.podSecurity.runAsUser }}
+runAsGroup: {{ .Values.podSecurity.runAsGroup }}
+fsGroup: {{ .Values.podSecurity.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/*
+... and every container's (no privilege escalation, no capabilities, a read-only root).
+*/}}
+{{- define "ringtrain.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop:
+    - ALL
+{{- end }}
+
+{{/*
+The writable folders of a read-only root: /tmp (Ray's session folders, logs, unpacked job
+packages; Python's temporary files) and the home folder (caches, DeepSpeed's JIT builds, runs/).
+*/}}
+{{- define "ringtrain.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: {{ .Values.podSecurity.homeDir }}
+{{- end }}
+
+{{- define "ringtrain.writableVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- end }}
+
+{{/*
+What the kubelet would mount as the service account token, as a volume of its own: the pods set
+automountServiceAccountToken false, and only the autoscaler sidecar (which talks to the API
+server) mounts this, never the Ray container that runs user code.
+*/}}
+{{- define "ringtrain.autoscalerTokenVolume" -}}
+- name: autoscaler-api-token
+  projected:
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3600
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                apiVersion: v1
+                fieldPath: metadata.namespace
 {{- end }}
 
 {{/*
@@ -191,16 +283,15 @@ Call with (dict "root" $ "group" $group "component" "head"|"worker").
 {{- $values := $root.Values -}}
 metadata:
   labels:
-    {{- include "ringtrain.selectorLabels" $root | nindent 4 }}
-    app.kubernetes.io/component: ray-{{ .component }}
-    {{- with $values.podLabels }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+    {{- include "ringtrain.podLabels" (dict "root" $root "component" (printf "ray-%s" .component)) | nindent 4 }}
   {{- with $values.podAnnotations }}
   annotations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
+  automountServiceAccountToken: false
+  securityContext:
+    {{- include "ringtrain.podSecurityContext" $root | nindent 4 }}
   {{- with $values.serviceAccountName }}
   serviceAccountName: {{ . }}
   {{- end }}
@@ -247,6 +338,8 @@ spec:
       envFrom:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      securityContext:
+        {{- include "ringtrain.containerSecurityContext" $root | nindent 8 }}
       resources:
         {{- include "ringtrain.resources" (dict "root" $root "group" $group) | nindent 8 }}
       volumeMounts:
@@ -255,7 +348,12 @@ spec:
           readOnly: true
         - name: dshm
           mountPath: /dev/shm
+        {{- include "ringtrain.writableMounts" $root | nindent 8 }}
   volumes:
+    {{- include "ringtrain.writableVolumes" $root | nindent 4 }}
+    {{- if and (eq .component "head") $values.autoscaling.enabled }}
+    {{- include "ringtrain.autoscalerTokenVolume" $root | nindent 4 }}
+    {{- end }}
     - name: job-config
       configMap:
         name: {{ include "ringtrain.jobConfigMapName" $root }}
@@ -289,11 +387,27 @@ The RayCluster spec, shared by the RayJob (spec.rayClusterSpec) and the RayClust
 */}}
 {{- define "ringtrain.rayClusterSpec" -}}
 rayVersion: {{ .Values.rayVersion | quote }}
+{{- if .Values.auth.enabled }}
+# KubeRay sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from this Secret in every Ray container, the
+# autoscaler and the job submitter.
+authOptions:
+  mode: token
+  secretName: {{ include "ringtrain.auth.secretName" . }}
+{{- end }}
 enableInTreeAutoscaling: {{ .Values.autoscaling.enabled }}
 {{- if .Values.autoscaling.enabled }}
 autoscalerOptions:
   idleTimeoutSeconds: {{ .Values.autoscaling.idleTimeoutSeconds }}
   upscalingMode: {{ .Values.autoscaling.upscalingMode }}
+  # The sidecar KubeRay adds to the head pod: the same restricted profile, the writable folders,
+  # and the one service account token of the release's pods.
+  securityContext:
+    {{- include "ringtrain.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    {{- include "ringtrain.writableMounts" . | nindent 4 }}
+    - name: autoscaler-api-token
+      mountPath: /var/run/secrets/kubernetes.io/serviceaccount
+      readOnly: true
 {{- end }}
 headGroupSpec:
   serviceType: {{ .Values.head.serviceType }}

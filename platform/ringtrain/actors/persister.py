@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ringtrain.checkpoint import CheckpointStore
 
@@ -32,9 +32,12 @@ class Persisted:
 
 
 class Persister:
-    def __init__(self, store: CheckpointStore, meta: Mapping[str, Any]) -> None:
+    def __init__(self, store: CheckpointStore, meta: Mapping[str, Any], *, guard: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self.meta = dict(meta)
+        # Raises before every write once this run may no longer write the store (its writer
+        # lease was lost, see checkpoint/lease.py): the write then fails like any other.
+        self.guard = guard
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist")
         self._pending: list[Future[Persisted]] = []
         self.done: list[Persisted] = []
@@ -46,7 +49,7 @@ class Persister:
 
     def submit(self, step: int, snapshot_refs: list[Any]) -> None:
         """Persist ``step`` once the workers' snapshots (Ray object refs, rank order) arrive."""
-        self._pending.append(self._pool.submit(self._persist, step, snapshot_refs, time.perf_counter()))
+        self._pending.append(self._pool.submit(self._guarded, step, snapshot_refs, time.perf_counter()))
 
     def poll(self) -> list[Persisted]:
         """Checkpoints committed since the last call (failures are logged and kept in ``errors``)."""
@@ -70,6 +73,7 @@ class Persister:
         gone = []
         for persisted in [p for p in self.done if p.step > step]:
             try:
+                self.guard()
                 self.store.delete(persisted.step)
                 gone.append(persisted.step)
             except Exception as exc:
@@ -93,6 +97,10 @@ class Persister:
                 self.errors.append(message)
         self.done.extend(out)
         return out
+
+    def _guarded(self, step: int, snapshot_refs: list[Any], t0: float) -> Persisted:
+        self.guard()
+        return self._persist(step, snapshot_refs, t0)
 
     def _persist(self, step: int, snapshot_refs: list[Any], t0: float) -> Persisted:
         import ray

@@ -1,4 +1,5 @@
-"""Where a run's durable checkpoints go, what they must match, and which one a resume loads."""
+"""Where a run's durable checkpoints go, what they must match, which one a resume loads, and the
+run's claim to write there (the store's writer lease, and no other run's steps under resume: none)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
+from ringtrain.checkpoint.lease import STORE_KEY, Holder, WriterLease
 from ringtrain.checkpoint.sources import store_of_run
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
@@ -140,3 +142,44 @@ def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None])
         say(f"checkpoint.resume=auto: no checkpoint in {uri} yet, starting from step 0")
         return None
     raise ConfigError("checkpoint.resume", f"no valid checkpoint in {uri}" + ("" if store.skipped else " (it is empty)"))
+
+
+def check_no_other_steps(job: JobConfig, store: CheckpointStore) -> None:
+    """Under ``checkpoint.resume=none`` this run starts at step 0: a store that already holds
+    committed checkpoints holds another run's, which this run would replace step by step and
+    whose older steps its retention would delete."""
+    if job.checkpoint.resume != "none":
+        return
+    found = store.list()
+    if found:
+        steps = ", ".join(str(ref.step) for ref in found[:5]) + (", ..." if len(found) > 5 else "")
+        raise ConfigError(
+            STORE_KEY,
+            f"{store.uri} holds another run's checkpoints (steps {steps}), which checkpoint.resume=none would replace "
+            "and delete: resume that run (checkpoint.resume=auto), or give this run another checkpoint.uri",
+        )
+
+
+def store_claim(job: JobConfig, store: Optional[CheckpointStore], run_dir: Path) -> Optional[WriterLease]:
+    """This run's claim to write ``store``, checked before any cluster starts without writing a
+    byte: LeaseHeld when another run holds the store's writer lease, ConfigError when the store
+    holds another run's steps. Returns the lease to take (``take_store``) once the run starts;
+    None without a store (no snapshots taken)."""
+    if store is None:
+        return None
+    lease = WriterLease(store.backend, Holder.this_process(job.name, str(run_dir.resolve())), job.checkpoint.lease_s)
+    lease.check_free()
+    check_no_other_steps(job, store)
+    return lease
+
+
+def take_store(job: JobConfig, store: CheckpointStore, lease: WriterLease) -> None:
+    """Acquire the lease and renew it from now on (``lease.stop()`` releases it); the store is
+    checked again under it, for a run that wrote there since ``store_claim`` looked."""
+    lease.acquire()
+    lease.start()
+    try:
+        check_no_other_steps(job, store)
+    except BaseException:
+        lease.stop()
+        raise

@@ -4,10 +4,18 @@ The store speaks to a backend in keys relative to the root (``step-000000012/par
 needs only five verbs from it: put, get, list, delete and delete a folder. Every put is durable
 when it returns, which is what lets the store order "all shards, then the manifest" as a
 commit.
+
+The writer lease (lease.py) needs three more, conditional on an object's version (S3's ETag, a
+file's sha256): read with the version, write only if the object is still that version (or, with
+no version, still absent), delete only if it is still that version. So two runs racing for one
+lease cannot both win.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import uuid
@@ -61,6 +69,16 @@ class ObjectBackend(Protocol):
 
     def is_transient(self, exc: BaseException) -> bool:
         """Whether retrying the call that raised ``exc`` may succeed."""
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and version, or ObjectMissing."""
+
+    def put_if(self, key: str, data: bytes, version: Optional[str]) -> Optional[str]:
+        """Store ``data`` only if the object is still ``version`` (None: still absent); the new
+        version, or None when it was not."""
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Remove the object only if it is still ``version``; whether it was removed."""
 
 
 class FileBackend:
@@ -119,6 +137,43 @@ class FileBackend:
     def is_transient(self, exc: BaseException) -> bool:
         return False
 
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)
+        return data, _version(data)
+
+    def put_if(self, key: str, data: bytes, version: Optional[str]) -> Optional[str]:
+        with self._locked(key):
+            if self._current_version(key) != version:
+                return None
+            self.put(key, data)
+            return _version(data)
+
+    def delete_if(self, key: str, version: str) -> bool:
+        with self._locked(key):
+            if self._current_version(key) != version:
+                return False
+            self.delete([key])
+            return True
+
+    def _current_version(self, key: str) -> Optional[str]:
+        try:
+            return _version(self.get(key))
+        except ObjectMissing:
+            return None
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        """An exclusive lock on ``key`` for a read-then-write, between processes of any host
+        that share the file system's locks (a hidden file beside the object holds it)."""
+        path = self._path(key)
+        self._make_dirs(path.parent)
+        fd = os.open(path.with_name(f".{path.name}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*[part for part in key.split("/") if part])
 
@@ -145,6 +200,10 @@ class FileBackend:
         for created in reversed(missing):
             created.mkdir(exist_ok=True)
             _fsync_dir(created.parent)
+
+
+def _version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _fsync_dir(folder: Path) -> None:

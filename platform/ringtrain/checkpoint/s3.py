@@ -30,6 +30,8 @@ from ringtrain.checkpoint.options import S3Options
 # S3's DeleteObjects takes at most this many keys per call.
 _DELETE_BATCH = 1000
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+# A conditional write or delete that lost: the object is not the version it was asked to be.
+_CONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 _TRANSIENT_CODES = frozenset(
     {
         "InternalError",
@@ -148,6 +150,35 @@ class S3Backend:
 
     def delete_prefix(self, prefix: str) -> None:
         self.delete([info.key for info in self.list(prefix)])
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key_prefix + key)
+        except ClientError as exc:
+            if _code(exc) in _MISSING_CODES:
+                raise ObjectMissing(key) from None
+            raise
+        return response["Body"].read(), str(response["ETag"])
+
+    def put_if(self, key: str, data: bytes, version: Optional[str]) -> Optional[str]:
+        # S3's conditional writes: If-None-Match "*" creates only, If-Match replaces only that ETag.
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        try:
+            response = self.client.put_object(Bucket=self.bucket, Key=self._key_prefix + key, Body=data, **condition)
+        except ClientError as exc:
+            if _code(exc) in _CONDITION_CODES or (version is not None and _code(exc) in _MISSING_CODES):
+                return None
+            raise
+        return str(response["ETag"])
+
+    def delete_if(self, key: str, version: str) -> bool:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key_prefix + key, IfMatch=version)
+        except ClientError as exc:
+            if _code(exc) in _CONDITION_CODES or _code(exc) in _MISSING_CODES:
+                return False
+            raise
+        return True
 
     def is_transient(self, exc: BaseException) -> bool:
         if isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError)):

@@ -7,6 +7,8 @@ cluster capacity) live next to the code that touches it but raise the same error
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from typing import Any
 
@@ -28,10 +30,12 @@ from ringtrain.config.schema import (
     JobConfig,
     checkpointing_mode,
 )
+from ringtrain.config.tree import leaves
 from ringtrain.errors import ConfigError
 
 def validate(job: JobConfig) -> None:
     """Check every value and every relation between values; raise on the first problem."""
+    validate_finite(job)
     _positive(job.mesh.dp, "mesh.dp")
     _positive(job.mesh.cp, "mesh.cp")
     _one_of(job.attention.impl, ATTENTION_IMPLS, "attention.impl")
@@ -103,6 +107,8 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("checkpoint.uri", f"{ck.uri!r} must be file:///absolute/path, /absolute/path or s3://bucket/prefix")
     if not ck.resume:
         raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")
+    if not ck.lease_s > 0:
+        raise ConfigError("checkpoint.lease_s", f"must be > 0 (got {ck.lease_s})")
 
     _validate_elastic(job)
     if job.controllers.step_timeout_s <= 0:
@@ -145,6 +151,14 @@ def validate(job: JobConfig) -> None:
         _positive(c.num_cpus, "cluster.num_cpus")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job.name):
         raise ConfigError("name", f"{job.name!r} must be letters, digits, '.', '_' or '-' (it names the run directory)")
+
+
+def validate_finite(job: JobConfig) -> None:
+    """Every number is finite. ``train.lr=inf`` passes ``> 0`` and a NaN passes every
+    comparison, so a range check alone lets them through to the optimizer."""
+    for key, value in leaves(dataclasses.asdict(job)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number (got {value})")
 
 
 def validate_data_sources(d: DataConfig) -> None:

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from ringtrain.config.checks import validate
+from ringtrain.config.interpolation import refuse_resolvers
 from ringtrain.config.schema import MODEL_DEFAULTS, JobConfig, checkpointing_mode
 from ringtrain.errors import ConfigError
 
@@ -33,6 +34,7 @@ def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = Non
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
     assert isinstance(job, JobConfig)
+    refuse_resolvers(dataclasses.asdict(job))
     job.model.activation_checkpointing = checkpointing_mode(job.model.activation_checkpointing)
     fill_model_defaults(job)
     validate(job)
@@ -74,6 +76,7 @@ def merge(job: JobConfig, overrides: list[str]) -> JobConfig:
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
     assert isinstance(new, JobConfig)
+    refuse_resolvers(dataclasses.asdict(new))
     new.model.activation_checkpointing = checkpointing_mode(new.model.activation_checkpointing)
     fill_model_defaults(new)
     return new
@@ -93,6 +96,8 @@ def _read_yaml(path: Path) -> DictConfig:
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of config keys at the top level")
     layer = OmegaConf.create(data)
+    # Before the merge resolves anything: a resolver must not run even once.
+    refuse_resolvers(layer, str(path))
     _check_sections(layer)
     return layer
 
@@ -120,6 +125,7 @@ def _parse_dotlist(overrides: list[str]) -> DictConfig:
         layer = OmegaConf.from_dotlist(overrides)
     except oc_errors.OmegaConfBaseException as exc:
         raise _as_config_error(exc) from None
+    refuse_resolvers(layer, "the overrides")
     _check_sections(layer)
     return layer
 

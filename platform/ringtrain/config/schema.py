@@ -144,7 +144,8 @@ class DataConfig:
     # concat: documents joined with EOS, attention crosses them. doc: attention and positions
     # restart at every document boundary (needs prepared datasets, which record the boundaries).
     packing: str = "concat"
-    # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE or the temp dir.
+    # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE, else a private folder
+    # of the user's own under the temp dir (ringtrain.cachedir).
     cache_dir: str = ""
 
 
@@ -215,6 +216,9 @@ class CheckpointConfig:
     persist_every: int = 50  # copy a snapshot to the durable store every this many steps (0: only at the end)
     keep: int = 3  # durable checkpoints kept
     resume: str = "none"  # none | auto (newest valid, if any) | a checkpoint or store uri
+    # One run writes a store at a time: it holds the store's writer lease, renewed every third of
+    # this term; a run killed without releasing it blocks the store this long at most.
+    lease_s: float = 60.0
 
 
 @dataclass

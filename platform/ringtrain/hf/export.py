@@ -10,6 +10,11 @@ section, the sequence length and the source's config.json, see ``actors/resume.p
 runs anywhere the checkpoint can be read, on a CPU and without a world of ranks. It is
 written into a temporary folder next to the destination and renamed into place, so a reader
 never sees half an export.
+
+The folder also holds ``ringtrain-export.json``: the checkpoint it came from and every file the
+export wrote. ``--overwrite`` replaces only such a folder, and only when it holds nothing that
+file does not list: a folder of anything else (a model downloaded by hand, a user's notes) is
+refused, so an export never deletes what it did not write.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ SIDE_FILES = (
     "chat_template.json",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# What an export leaves in its folder to be known by: see the module docstring.
+EXPORT_MANIFEST = "ringtrain-export.json"
+EXPORT_FORMAT = "ringtrain-export/1"
 # config.json's dtype names -> the export's; float16 has no export dtype (see default_dtype).
 _SOURCE_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 
@@ -103,6 +111,8 @@ def export(
         raise ExportError("--hf-source", f"no such model folder: {hf_source}")
     store, loaded = open_checkpoint(source)
     _check_not_inside(store, out)
+    if out.is_dir() and any(out.iterdir()):
+        _check_replaceable(out)
     meta = loaded.meta
     model = model_config(meta, loaded.uri)
     source_cfg = meta.get("hf_config") or None
@@ -131,7 +141,12 @@ def export(
             _write_json(tmp / INDEX_FILE, index(shards))
         _write_json(tmp / CONFIG_FILE, config)
         _copy_side_files(tmp, hf_source or meta.get("hf_source"), explicit=hf_source is not None, say=say)
-        files = tuple(sorted(p.name for p in tmp.iterdir()))
+        written = sorted(p.name for p in tmp.iterdir())
+        _write_json(
+            tmp / EXPORT_MANIFEST,
+            {"format": EXPORT_FORMAT, "checkpoint": loaded.uri, "step": loaded.step, "dtype": dtype, "files": written},
+        )
+        files = tuple(sorted([*written, EXPORT_MANIFEST]))
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,10 +238,27 @@ def _write_shard(folder: Path, shard: OutputShard, weights: MasterWeights, dtype
 
 
 def _check_destination(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError("OUT_DIR", f"{out} is a file, not a folder")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ExportError("OUT_DIR", f"{out} is a file or a link, not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError("OUT_DIR", f"{out} is not empty; use --overwrite to replace it")
+
+
+def _check_replaceable(out: Path) -> None:
+    """ExportError unless ``out`` holds an export's files and nothing else."""
+    refuse = "--overwrite replaces only a folder `ringtrain export` wrote; choose a new or empty OUT_DIR"
+    try:
+        record = json.loads((out / EXPORT_MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExportError("OUT_DIR", f"{out} holds no {EXPORT_MANIFEST}: {refuse}") from None
+    except (OSError, ValueError) as exc:
+        raise ExportError("OUT_DIR", f"{out / EXPORT_MANIFEST} is unreadable ({exc}): {refuse}") from None
+    if not isinstance(record, dict) or record.get("format") != EXPORT_FORMAT or not isinstance(record.get("files"), list):
+        raise ExportError("OUT_DIR", f"{out / EXPORT_MANIFEST} is not a ringtrain export record: {refuse}")
+    ours = {EXPORT_MANIFEST, *(f for f in record["files"] if isinstance(f, str))}
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in ours or p.is_dir())
+    if foreign:
+        raise ExportError("OUT_DIR", f"{out} holds {', '.join(foreign[:3])}, which its {EXPORT_MANIFEST} does not list: {refuse}")
 
 
 def _check_not_inside(store: CheckpointStore, out: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 import numpy as np
@@ -40,7 +40,9 @@ class PretrainedWeights:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ConfigError(self.key, f"{index} is not a safetensors index: {exc}") from None
-            files = {name: self.folder / file for name, file in weight_map.items()}
+            if not isinstance(weight_map, dict):
+                raise ConfigError(self.key, f"{index} is not a safetensors index: weight_map is not a mapping")
+            files = {name: self.folder / _inside_folder(file, name, index, self.key) for name, file in weight_map.items()}
             for file in sorted(set(files.values())):
                 if not file.is_file():
                     raise ConfigError(self.key, f"{file.name} is listed in {index} but missing from {self.folder}")
@@ -103,6 +105,19 @@ class PretrainedWeights:
     @staticmethod
     def ringtrain_name(hf_name: str) -> str:
         return from_hf(hf_name)
+
+
+def _inside_folder(file: Any, tensor: str, index: Path, key: str) -> str:
+    """A weight_map entry as a path inside the model folder, or a ConfigError naming it: an index
+    written to point at ``/etc/...`` or ``../..`` must not make a run open files elsewhere. The
+    path is judged as written; links inside the folder are the folder's own (a Hugging Face cache
+    links every file to its blob store)."""
+    if not isinstance(file, str) or not file:
+        raise ConfigError(key, f"{index}: weight_map[{tensor!r}] is {file!r}, not a file name")
+    path = PurePosixPath(file)
+    if path.is_absolute() or "\\" in file or any(part in ("..", "") for part in file.split("/")):
+        raise ConfigError(key, f"{index}: weight_map[{tensor!r}] is {file!r}, which points outside the model folder {index.parent}")
+    return file
 
 
 def load_full(model: torch.nn.Module, weights: PretrainedWeights) -> None:

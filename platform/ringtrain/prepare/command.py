@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from ringtrain.errors import DataError
+from ringtrain.prepare.sources import DEFAULT_MAX_RECORD_BYTES, MAX_RECORD_FLAG
 from ringtrain.prepared import Manifest, SkippedRecord, SourceInfo, token_dtype_for
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 tokens: large reads, few files
@@ -35,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", required=True, help="a folder with tokenizer.json (a model folder), a tokenizer.json, or 'bytes'")
     parser.add_argument("--out", required=True, help="output folder, file:// or s3:// prefix")
     parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text (default: text)")
-    parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed or text-less record stops the run (fail) or is counted and listed in the manifest (skip)")
+    parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed, text-less or too long record stops the run (fail) or is counted and listed in the manifest (skip)")
+    parser.add_argument(
+        "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
+        help=f"the longest record read, a JSONL line, a Parquet value or a whole text file (default {DEFAULT_MAX_RECORD_BYTES >> 20} MiB); "
+        "a longer one is a bad record, found without holding it in memory",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help=f"tokens per shard at most (a longer document gets a shard alone; default {DEFAULT_SHARD_TOKENS})")
     parser.add_argument(
@@ -106,12 +112,14 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
 
     if args.shard_tokens < 1:
         raise ConfigError("--shard-tokens", f"must be positive, got {args.shard_tokens}")
+    if args.max_record_bytes < 1:
+        raise ConfigError(MAX_RECORD_FLAG, f"must be positive, got {args.max_record_bytes}")
     files = sources.expand(list(args.sources))
     spec = tokenize.resolve(args.tokenizer)
     output = writer.open_output(args.out, args.overwrite)
     pieces = sources.plan(files, args.split_bytes)
     dtype = token_dtype_for(spec.info.vocab_size)
-    job = pipeline.Job(spec, dtype, args.text_field, args.on_bad_record == "skip")
+    job = pipeline.Job(spec, dtype, args.text_field, args.on_bad_record == "skip", args.max_record_bytes)
 
     started = time.monotonic()
     handle = pipeline.connect(args.address, args.num_cpus or None)

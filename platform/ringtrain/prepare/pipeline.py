@@ -34,7 +34,16 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.errors import DataError
-from ringtrain.prepare.sources import BadRecord, LineCounter, Piece, SourceFile, fetch, needs_fetch, read_records
+from ringtrain.prepare.sources import (
+    DEFAULT_MAX_RECORD_BYTES,
+    BadRecord,
+    LineCounter,
+    Piece,
+    SourceFile,
+    fetch,
+    needs_fetch,
+    read_records,
+)
 from ringtrain.prepare.tokenize import Encoder, TokenizerSpec
 
 # A chunk (one output row) closes at this many documents or characters of text, whichever
@@ -53,6 +62,7 @@ class Job:
     dtype: str
     text_field: str
     skip_bad: bool
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
 
 def _row(
@@ -96,7 +106,7 @@ class PieceTokenizer:
         chars = 0
         try:
             local = fetch(piece.source.uri, folder) if folder else None
-            for record in read_records(piece, self.job.text_field, local, counter):
+            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes):
                 if isinstance(record, BadRecord):
                     bad.append((record.line, record.reason))
                     if not self.job.skip_bad:

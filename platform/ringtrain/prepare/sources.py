@@ -3,9 +3,11 @@
 A source file is JSONL (``.jsonl``/``.ndjson``, plain, ``.gz`` or ``.zst``), Parquet, or plain
 text (``.txt``/``.md``: the whole file is one document). Folders, globs and ``s3://`` prefixes
 expand to the files of those kinds under them, sorted, so the document order is a function of
-the arguments alone. A record that cannot be used (malformed JSON, no text field) is a
-``BadRecord``: the caller fails on it or skips it. A file that cannot be read at all (corrupt
-compressed stream, unreadable Parquet) raises ``DataError`` naming it.
+the arguments alone. A record that cannot be used (malformed JSON, no text field, longer than
+``--max-record-bytes``) is a ``BadRecord``: the caller fails on it or skips it. A file that
+cannot be read at all (corrupt compressed stream, unreadable Parquet) raises ``DataError``
+naming it. Reading holds at most one record (of at most the limit) and a bounded chunk of the
+file in memory, however the file is compressed or laid out (``streams``).
 
 The unit of parallel work is a ``Piece`` of a file, so one huge file is read by many actors:
 plain JSONL is cut into byte ranges by the line-split rule (below), Parquet into runs of whole
@@ -25,9 +27,10 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.prepare.streams import READ_CHUNK, LongLine, decompressed_chunks, lines
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 COMPRESSED_SUFFIXES = ("", ".gz", ".zst")
@@ -36,6 +39,10 @@ TEXT_SUFFIXES = (".txt", ".md")
 SRC_KEY = "SRC"
 # Parquet rows read per batch: bounds a reader's memory whatever the file's size.
 PARQUET_BATCH_ROWS = 1024
+# The longest record (a JSONL line, a Parquet value, a text file) read: far beyond any context a
+# model trains at (16 MiB is about 4M tokens), far below what would exhaust a reader.
+DEFAULT_MAX_RECORD_BYTES = 16 << 20
+MAX_RECORD_FLAG = "--max-record-bytes"
 
 
 @dataclass(frozen=True)
@@ -211,41 +218,6 @@ def plan(files: list[SourceFile], split_bytes: int) -> list[Piece]:
 # ---- reading one piece -----------------------------------------------------------------------
 
 
-READ_CHUNK = 1 << 20
-
-
-def _zstd_chunks(raw: IO[bytes]) -> Iterator[bytes]:
-    """Decompressed chunks of a zstd file of one or more frames; a frame cut short raises ZstdError
-    (zstandard's stream reader would end quietly, losing the rest of a truncated file)."""
-    import zstandard
-
-    dobj = zstandard.ZstdDecompressor().decompressobj()
-    pending = False  # input fed to a frame that has not ended
-    while chunk := raw.read(READ_CHUNK):
-        while chunk:
-            out = dobj.decompress(chunk)
-            pending = not dobj.eof
-            if out:
-                yield out
-            chunk = dobj.unused_data if dobj.eof else b""
-            if dobj.eof:
-                dobj = zstandard.ZstdDecompressor().decompressobj()
-    if pending:
-        raise zstandard.ZstdError("the file ends inside a frame (truncated)")
-
-
-def _chunks(path: str) -> Iterator[bytes]:
-    """The decompressed bytes of a (plain, .gz or .zst) file, in chunks."""
-    lower = path.lower()
-    if lower.endswith(".zst"):
-        with open(path, "rb") as raw:
-            yield from _zstd_chunks(raw)
-        return
-    with gzip.open(path, "rb") if lower.endswith(".gz") else open(path, "rb") as stream:
-        while chunk := stream.read(READ_CHUNK):
-            yield chunk
-
-
 def _range_chunks(path: str, uri: str, start: int) -> Iterator[bytes]:
     """The bytes of a plain file from offset ``start`` to its end, in chunks (stop early at will)."""
     if uri.startswith("s3://") and path == uri:
@@ -265,36 +237,9 @@ def _range_chunks(path: str, uri: str, start: int) -> Iterator[bytes]:
             yield chunk
 
 
-def _lines(chunks: Iterator[bytes], start: int = 0, end: Optional[int] = None) -> Iterator[bytes]:
-    """The lines of the byte range [start, end) of a file whose bytes from ``start`` are ``chunks``.
-
-    The line-split rule (Hadoop's LineRecordReader): a range that does not begin the file skips
-    through the first newline at or after ``start`` (that line belongs to the range before), and
-    reads every line that starts at or before ``end``, the last one to its newline past ``end``.
-    So adjacent ranges meet at one newline and each line is read exactly once. ``end`` None: to
-    the end of the file.
-    """
-    pos = start  # file offset of the first byte of ``rest``
-    rest = b""
-    skipping = start > 0
-    for chunk in chunks:
-        data = rest + chunk
-        if skipping:
-            cut = data.find(b"\n")
-            if cut < 0:
-                pos, rest = pos + len(data), b""
-                continue
-            pos, data, skipping = pos + cut + 1, data[cut + 1 :], False
-        *lines, rest = data.split(b"\n")
-        for line in lines:
-            if end is not None and pos > end:
-                return
-            yield line
-            pos += len(line) + 1
-        if end is not None and pos > end:
-            return  # the rest of the file belongs to later ranges: do not read it
-    if rest and not skipping and (end is None or pos <= end):
-        yield rest
+def too_long(what: str, limit: int) -> str:
+    """A bad record's reason: ``what`` (a line, a value, a file) is longer than ``limit``."""
+    return f"{what} is over the {limit:,}-byte limit ({MAX_RECORD_FLAG})"
 
 
 def _corrupt_errors() -> tuple[type[BaseException], ...]:
@@ -311,13 +256,16 @@ class LineCounter:
         self.lines = 0
 
 
-def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter) -> Iterator[Record]:
+def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
     uri = piece.source.uri
     ranged = splittable(piece.source)
     try:
-        chunks = _range_chunks(path, uri, piece.start) if ranged else _chunks(path)
-        for line in _lines(chunks, piece.start, piece.end if ranged else None):
+        chunks = _range_chunks(path, uri, piece.start) if ranged else decompressed_chunks(path)
+        for line in lines(chunks, piece.start, piece.end if ranged else None, max_bytes):
             counter.lines += 1
+            if isinstance(line, LongLine):
+                yield BadRecord(counter.lines, too_long("the line", max_bytes))
+                continue
             if not line.strip():
                 continue  # blank lines (a trailing newline too) are not records
             yield _record(line, counter.lines, text_field)
@@ -343,7 +291,7 @@ def _record(line: bytes, line_no: int, text_field: str) -> Record:
     return text
 
 
-def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter) -> Iterator[Record]:
+def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -357,7 +305,10 @@ def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter) -> 
         for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_field]):
             for value in batch.column(0).to_pylist():
                 counter.lines += 1
-                if isinstance(value, str):
+                # At most 4 bytes a character: only a long value is worth encoding to measure.
+                if isinstance(value, str) and len(value) * 4 > max_bytes and len(value.encode()) > max_bytes:
+                    yield BadRecord(counter.lines, too_long(f"field {text_field!r} ({len(value.encode()):,} bytes)", max_bytes))
+                elif isinstance(value, str):
                     yield value
                 else:
                     yield BadRecord(counter.lines, f"field {text_field!r} is {type(value).__name__}, not a string")
@@ -365,19 +316,34 @@ def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter) -> 
         raise DataError(f"{uri}: not a readable Parquet file ({exc})") from None
 
 
-def _text(path: str, uri: str, counter: LineCounter) -> Iterator[Record]:
+def _text(path: str, uri: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
+    """The file as one document, read no further than the limit: a bigger file is a bad record."""
     counter.lines = 1
     try:
-        yield Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        yield BadRecord(1, f"not UTF-8 text ({exc})")
+        with open(path, "rb") as stream:
+            data = stream.read(max_bytes + 1)
+            size = os.fstat(stream.fileno()).st_size
     except OSError as exc:
         raise DataError(f"{uri}: cannot read ({exc})") from None
+    if len(data) > max_bytes:
+        yield BadRecord(1, too_long(f"the file ({max(size, len(data)):,} bytes)", max_bytes))
+        return
+    try:
+        yield data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        yield BadRecord(1, f"not UTF-8 text ({exc})")
 
 
-def read_records(piece: Piece, text_field: str, local: str | None = None, counter: LineCounter | None = None) -> Iterator[Record]:
+def read_records(
+    piece: Piece,
+    text_field: str,
+    local: str | None = None,
+    counter: LineCounter | None = None,
+    max_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Iterator[Record]:
     """The records of ``piece`` in file order: a document's text or a BadRecord (its line counted
-    from the piece's first line). ``counter`` follows the lines consumed.
+    from the piece's first line; a record over ``max_bytes`` is one). ``counter`` follows the
+    lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -386,10 +352,10 @@ def read_records(piece: Piece, text_field: str, local: str | None = None, counte
     source = piece.source
     path = local or source.uri.removeprefix("file://")
     if source.kind == "jsonl":
-        return _jsonl(piece, path, text_field, counter)
+        return _jsonl(piece, path, text_field, counter, max_bytes)
     if source.kind == "parquet":
-        return _parquet(piece, path, text_field, counter)
-    return _text(path, source.uri, counter)
+        return _parquet(piece, path, text_field, counter, max_bytes)
+    return _text(path, source.uri, counter, max_bytes)
 
 
 def needs_fetch(piece: Piece) -> bool:

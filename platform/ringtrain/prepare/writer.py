@@ -8,6 +8,11 @@ Tokens stream to disk as they come: memory holds one shard's document lengths, n
 Everything goes under a temporary location first (a hidden sibling folder, or a sibling S3
 prefix) and the manifest is written last; a failure removes the staging area and leaves the
 output as it was.
+
+``--overwrite`` replaces only a dataset ringtrain wrote: the output must hold a readable
+manifest of this format and nothing it does not list (the manifest and its shards). A folder or
+prefix holding anything else, a user's files or another tool's output, is refused, naming what
+is in the way: replacing it would delete what ringtrain did not write.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, BinaryIO, Optional
 
 import numpy as np
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, shard_paths
 from ringtrain.uris import local_path
 
@@ -145,6 +150,16 @@ class LocalOutput:
     def exists(self) -> bool:
         return self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir()))
 
+    def contents(self) -> tuple[Optional[str], list[str]]:
+        """The manifest's text (None when there is none) and every entry's relative path."""
+        manifest = self.root / MANIFEST_NAME
+        text = manifest.read_text(encoding="utf-8", errors="replace") if manifest.is_file() else None
+        entries = []
+        for path in sorted(self.root.rglob("*")):
+            if path.is_file() or path.is_symlink() or (path.is_dir() and not any(path.iterdir())):
+                entries.append(str(path.relative_to(self.root)))
+        return text, entries
+
     def begin(self) -> Path:
         self.staging.mkdir(parents=True)
         return self.staging
@@ -187,6 +202,17 @@ class S3Output:
     def exists(self) -> bool:
         return any(True for _ in self.root.list())
 
+    def contents(self) -> tuple[Optional[str], list[str]]:
+        """The manifest's text (None when there is none) and every object's key below the prefix."""
+        from ringtrain.checkpoint.backends import ObjectMissing
+
+        keys = sorted(info.key for info in self.root.list())
+        try:
+            text: Optional[str] = self.root.get(MANIFEST_NAME).decode("utf-8", errors="replace")
+        except ObjectMissing:
+            text = None
+        return text, keys
+
     def begin(self) -> Path:
         self._local = Path(tempfile.mkdtemp(prefix="rt-prepare-"))
         return self._local
@@ -225,11 +251,30 @@ Output = LocalOutput | S3Output
 
 
 def open_output(uri: str, overwrite: bool) -> Output:
-    """The output ``uri`` names; refused when it holds anything and ``overwrite`` is off."""
+    """The output ``uri`` names; refused when it holds anything and ``overwrite`` is off, or
+    holds anything but a dataset of ours when it is on."""
     path = local_path(uri)
     output: Output = LocalOutput(path.absolute()) if path is not None else S3Output(uri)
-    if path is not None and path.exists() and not path.is_dir():
-        raise ConfigError(OUT_KEY, f"{uri} is a file, not a folder")
-    if output.exists() and not overwrite:
-        raise ConfigError(OUT_KEY, f"{uri} already exists; pass --overwrite to replace it")
+    if path is not None and (path.is_symlink() or (path.exists() and not path.is_dir())):
+        raise ConfigError(OUT_KEY, f"{uri} is a file or a link, not a folder")
+    if output.exists():
+        if not overwrite:
+            raise ConfigError(OUT_KEY, f"{uri} already exists; pass --overwrite to replace it")
+        check_replaceable(uri, *output.contents())
     return output
+
+
+def check_replaceable(uri: str, manifest_text: Optional[str], entries: list[str]) -> None:
+    """ConfigError unless ``entries`` are exactly a dataset's: a valid manifest and what it lists."""
+    refuse = "--overwrite replaces only a dataset `ringtrain prepare` wrote; choose a new or empty --out"
+    if manifest_text is None:
+        raise ConfigError(OUT_KEY, f"{uri} holds no {MANIFEST_NAME} of a prepared dataset: {refuse}")
+    try:
+        manifest = Manifest.loads(manifest_text, f"{uri}/{MANIFEST_NAME}")
+    except DataError as exc:
+        raise ConfigError(OUT_KEY, f"{exc}; {refuse}") from None
+    ours = {MANIFEST_NAME} | {rel for shard in manifest.shards for rel in (shard.tokens, shard.docs)}
+    foreign = [entry for entry in entries if entry not in ours]
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(OUT_KEY, f"{uri} holds {listed}, which its manifest does not list: {refuse}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,11 +26,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ringtrain.cachedir import data_cache_dir
 from ringtrain.errors import DataError
 from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path
-
-CACHE_ENV = "RINGTRAIN_DATA_CACHE"
 
 
 def is_prepared_path(path: str) -> bool:
@@ -41,10 +39,6 @@ def is_prepared_path(path: str) -> bool:
         return True
     local = local_path(path)
     return local is not None and local.is_dir() and ((local / MANIFEST_NAME).exists() or (local / SHARD_DIR).is_dir())
-
-
-def default_cache_dir(configured: str = "") -> Path:
-    return Path(configured or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "ringtrain-data-cache")
 
 
 def _s3_backend(uri: str) -> Any:
@@ -91,7 +85,7 @@ class PreparedCorpus:
         self._remote = _s3_backend(self.uri) if is_s3(self.uri) else None
         root = local_path(self.uri)
         cache_key = hashlib.sha256(self.uri.encode()).hexdigest()[:16]
-        self._root = root if root is not None else default_cache_dir(cache_dir) / cache_key
+        self._root = root if root is not None else data_cache_dir(cache_dir) / cache_key
         self._lock = threading.Lock()
         self._opened: dict[tuple[int, str], Future[np.ndarray]] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ringtrain-shards")

@@ -1,0 +1,136 @@
+"""What a submitted job's working_dir holds: the job file and the input paths it declares, never
+a hidden file.
+
+Ray packs a job's working_dir into a zip, stores it on the cluster and unpacks it for the driver
+and every worker, so whatever lies in it is readable by anyone who runs code there. Shipping
+the job file's whole folder would send along whatever happens to sit next to it: a ``.env``, an
+``.aws`` folder, notes. The working_dir is therefore a fresh folder made for the submission,
+holding the job file and, at the same relative places, the local inputs its config names by a
+relative path (``data.path``, ``data.sources[i].path``, ``eval.data``, ``model.hf``), which the
+job reads relative to its working_dir. Absolute paths and URIs are the cluster's to resolve and
+are not shipped.
+
+Refused, naming the key: a relative input that does not exist, that leaves the job file's
+folder, that names a hidden file or folder, or that holds a link to somewhere outside the job
+file's folder (it would ship the link's target). Inside a shipped folder, hidden entries and
+compiled leftovers are left out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ringtrain import uris
+from ringtrain.config import STDLIB_CORPUS, JobConfig
+from ringtrain.errors import ConfigError
+
+# Never useful on the cluster, and different on every machine.
+LEFT_OUT_NAMES = ("__pycache__",)
+LEFT_OUT_SUFFIXES = (".pyc",)
+
+
+def input_paths(job: JobConfig) -> list[tuple[str, str]]:
+    """(key, value) of every config key that names an input the job reads, set or not."""
+    found = [("data.path", job.data.path), ("eval.data", job.eval.data), ("model.hf", job.model.hf)]
+    found += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(job.data.sources)]
+    return found
+
+
+def is_shipped(value: str) -> bool:
+    """Whether an input is a relative local path: one the job reads from its working_dir."""
+    if not value or value == STDLIB_CORPUS or uris.has_scheme(value):
+        return False
+    return not Path(value).is_absolute() and not value.startswith("~")
+
+
+def hidden(name: str) -> bool:
+    return name.startswith(".") and name not in (".", "..")
+
+
+def shipped_inputs(job_path: Path, job: JobConfig) -> list[Path]:
+    """The inputs to ship, relative to the job file's folder; ConfigError for one that cannot be."""
+    base = job_path.resolve().parent
+    shipped: list[Path] = []
+    for key, value in input_paths(job):
+        if not is_shipped(value):
+            continue
+        relative = Path(os.path.normpath(value))
+        if relative.parts and relative.parts[0] == "..":
+            raise ConfigError(key, f"{value} leaves the job file's folder {base}: a submitted job gets only that "
+                              "folder's files; use an absolute path on storage the cluster reads, or move it")
+        if any(hidden(part) for part in relative.parts):
+            raise ConfigError(key, f"{value} is a hidden file or folder, which a submission never ships")
+        source = base / relative
+        if not source.exists():
+            raise ConfigError(key, f"{value} does not exist next to the job file (looked for {source})")
+        _check_links(key, source, base)
+        shipped.append(relative)
+    return shipped
+
+
+def _check_links(key: str, source: Path, base: Path) -> None:
+    """Every link that would be shipped must point inside ``base`` (its target is what ships)."""
+    candidates = [source] if not source.is_dir() else [source, *_entries(source)]
+    for path in candidates:
+        if path.is_symlink() and not _inside(path.resolve(), base):
+            raise ConfigError(key, f"{path} links to {path.resolve()}, outside the job file's folder {base}; "
+                              "a submission would ship what it points to")
+
+
+def _entries(folder: Path) -> Iterator[Path]:
+    """What a shipped folder contributes: every entry below it but hidden ones and leftovers."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if _kept(d))
+        for name in [*dirs, *sorted(f for f in files if _kept(f))]:
+            yield Path(root) / name
+
+
+def _kept(name: str) -> bool:
+    return not hidden(name) and name not in LEFT_OUT_NAMES and not name.endswith(LEFT_OUT_SUFFIXES)
+
+
+def _inside(path: Path, base: Path) -> bool:
+    return path == base or base in path.parents
+
+
+def _place(source: Path, dest: Path) -> None:
+    """A file's bytes at ``dest``: a hard link when the file system allows it (data can be
+    large and is only read), else a copy."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source.resolve(), dest)
+    except OSError:
+        shutil.copyfile(source, dest)
+
+
+@contextmanager
+def working_dir(job_path: Path, job: JobConfig) -> Iterator[Path]:
+    """A fresh folder (mode 0700) holding exactly what the job ships; removed on exit (Ray has
+    packed and uploaded it by the time ``submit_job`` returns)."""
+    inputs = shipped_inputs(job_path, job)
+    base = job_path.resolve().parent
+    folder = Path(tempfile.mkdtemp(prefix="ringtrain-submit-"))
+    try:
+        _place(job_path, folder / job_path.name)
+        for relative in inputs:
+            source = base / relative
+            if not source.is_dir():
+                _place(source, folder / relative)
+                continue
+            (folder / relative).mkdir(parents=True, exist_ok=True)
+            for entry in _entries(source):
+                if entry.is_file():
+                    _place(entry, folder / entry.relative_to(base))
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def listing(folder: Path) -> list[str]:
+    """Every file under ``folder``, relative and sorted: what a submission ships."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())

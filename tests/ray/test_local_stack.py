@@ -1,0 +1,138 @@
+"""infra/local-stack.sh for real: the Ray head runs with token authentication, the token the
+stack printed and exports opens it, and nothing else does; Prometheus still scrapes the head.
+
+The stack runs on free loopback ports with its own state folder, Ray temp folder and HOME, and
+`stop` must leave no process of it behind (found by its RAY_TMPDIR, as tests/ray/harness.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.tools import tool
+
+from .harness import REPO, VENV_BIN, end_processes, free_ports, processes_using
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+SCRIPT = REPO / "infra" / "local-stack.sh"
+SCRAPE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Stack:
+    env: dict[str, str]  # the script's settings; no Ray variables of a client
+    exports: dict[str, str]  # what `env` printed
+    started: subprocess.CompletedProcess[str]
+    state: Path
+    ports: dict[str, int]
+
+
+def script(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tool("prometheus")
+    state = tmp_path_factory.mktemp("stack")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))  # short: Ray's socket paths
+    names = ("RAY_PORT", "RAY_DASHBOARD_PORT", "METRICS_PORT", "PROMETHEUS_PORT", "S3_PORT")
+    ports = dict(zip(names, free_ports(len(names))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
+    env.update({k: str(v) for k, v in ports.items()})
+    env.update(
+        RINGTRAIN_STACK_DIR=str(state),
+        RAY_TEMP_DIR=str(ray_tmp),
+        HOME=str(tmp_path_factory.mktemp("home")),
+        PYTHON=sys.executable,
+        PATH=os.pathsep.join([str(VENV_BIN), env.get("PATH", "")]),
+    )
+    try:
+        started = script(env, "start")
+        assert started.returncode == 0, started.stderr[-3000:]
+        printed = script(env, "env")
+        assert printed.returncode == 0, printed.stderr
+        exports = dict(re.findall(r"^export (\w+)=(\S+)$", printed.stdout, re.MULTILINE))
+        yield Stack(env, exports, started, state, ports)
+        stopped = script(env, "stop", timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+    finally:
+        if (state / "pids").exists():  # a failed test above: stop what was started anyway
+            script(env, "stop", timeout=120)
+        end_processes(ray_tmp)  # by PID, should a process have outlived the stop
+        left = processes_using(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert left == [], f"the stack left processes behind: {left}"
+
+
+def client_env(stack: Stack, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in stack.env.items()}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def ringtrain(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ringtrain", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_stack_generates_prints_and_exports_a_token(local_stack: Stack) -> None:
+    token_file = local_stack.state / "auth_token"
+    token = token_file.read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(local_stack.state.stat().st_mode) == 0o700
+    assert f"Ray auth token: {token}" in local_stack.started.stderr
+    assert local_stack.exports["RAY_AUTH_MODE"] == "token"
+    assert local_stack.exports["RAY_AUTH_TOKEN"] == token
+    # Never on a command line, where every local user can read it.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert token not in ps
+
+
+def test_the_head_answers_only_with_the_token(local_stack: Stack) -> None:
+    dashboard = f"http://127.0.0.1:{local_stack.ports['RAY_DASHBOARD_PORT']}"
+    without = ringtrain(client_env(local_stack, RAY_AUTH_MODE="disabled"), "status", "--address", dashboard)
+    assert without.returncode == 2, without.stderr
+    assert "requires a token" in without.stderr and "--token" in without.stderr
+    wrong = ringtrain(client_env(local_stack, RAY_AUTH_TOKEN="0" * 64), "status", "--address", dashboard)
+    assert wrong.returncode == 2 and "refused the token" in wrong.stderr, wrong.stderr
+    # What `eval "$(infra/local-stack.sh env)"` gives a shell: the address and the token.
+    with_env = ringtrain(client_env(local_stack, **local_stack.exports), "status")
+    assert with_env.returncode == 0, with_env.stderr
+    assert with_env.stdout.strip() == "no submitted jobs"
+    # Ray's own CLI, from the same exports.
+    listed = subprocess.run(
+        [str(VENV_BIN / "ray"), "job", "list"], env=client_env(local_stack, **local_stack.exports),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr[-2000:]
+
+
+def test_prometheus_scrapes_the_head_with_auth_on(local_stack: Stack) -> None:
+    url = f"http://127.0.0.1:{local_stack.ports['PROMETHEUS_PORT']}/api/v1/query?query=up%7Bjob%3D%22ray%22%7D"
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            result = json.load(response)["data"]["result"]
+        if result and result[0]["value"][1] == "1":
+            break
+        assert time.monotonic() < deadline, f"Prometheus did not scrape the head: {result}"
+        time.sleep(1)
+    assert result[0]["metric"]["instance"] == f"127.0.0.1:{local_stack.ports['METRICS_PORT']}"
