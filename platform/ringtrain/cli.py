@@ -1,4 +1,4 @@
-"""`ringtrain` command line: run, submit, follow and stop jobs; plan layouts; dashboards; reports.
+"""`ringtrain` command line: the parser of every verb, and the dispatch to its module in ``commands/``.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data path, capacity): one line
 naming the key to change, no traceback.
@@ -8,198 +8,38 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
-from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
-from ringtrain import config, eval_command, export_command, submission_command
+from ringtrain.commands import dashboards, export, jobs, plan, prepare, report, run
+from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the builtin
 from ringtrain.errors import ConfigError, RingtrainError
-from ringtrain.planner import command as planner_command
-from ringtrain.prepare import command as prepare_command
-from ringtrain.telemetry import dashboards_command, report_command
 
-if TYPE_CHECKING:
-    from ringtrain.actors.evaluation import EvalPlan
-    from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
-    from ringtrain.checkpoint.lease import WriterLease
-    from ringtrain.telemetry.progress import Progress
-    from ringtrain.telemetry.prometheus import RunMetrics
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS")
-    run.add_argument("job", help="job YAML, e.g. jobs/quickstart.yaml")
-    run.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.dp=2 train.steps=50")
-    plan = sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)")
-    planner_command.add_arguments(plan)
-    dashboards = sub.add_parser("dashboards", help="export the Grafana dashboards, or push them and the alert rules")
-    dashboards_command.add_arguments(dashboards)
-    report = sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)")
-    report_command.add_arguments(report)
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (config.json + safetensors)")
-    export_command.add_arguments(export)
-    evaluate = sub.add_parser("eval", help="loss by position (and passkey retrieval) of a run, checkpoint or HF model")
-    eval_command.add_arguments(evaluate)
-    prepare = sub.add_parser("prepare", help="tokenize JSONL/Parquet/text corpora into a prepared dataset, on Ray Data")
-    prepare_command.add_arguments(prepare)
-    submission_command.add_arguments(sub)
+    run.add_arguments(sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS"))
+    plan.add_arguments(sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)"))
+    dashboards.add_arguments(
+        sub.add_parser("dashboards", help="export the Grafana dashboards, or push them and the alert rules")
+    )
+    report.add_arguments(
+        sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)")
+    )
+    export.add_arguments(
+        sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (config.json + safetensors)")
+    )
+    evaluate.add_arguments(
+        sub.add_parser("eval", help="loss by position (and passkey retrieval) of a run, checkpoint or HF model")
+    )
+    prepare.add_arguments(
+        sub.add_parser("prepare", help="tokenize JSONL/Parquet/text corpora into a prepared dataset, on Ray Data")
+    )
+    jobs.add_arguments(sub)  # submit, status, logs, stop
     return parser
-
-
-def _stop_on_sigterm() -> None:
-    """Treat SIGTERM (``ray job stop``, Kubernetes) like Ctrl-C: stop cleanly, write the summary."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-
-
-def cmd_run(job_path: str, overrides: list[str]) -> int:
-    from ringtrain.hf import resolve_job
-    from ringtrain.train.mixture import check_sources
-
-    _stop_on_sigterm()
-    job = resolve_job(config.load(job_path, overrides))
-    if job.model.hf:
-        from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
-
-        check_pretrained(job)
-    check_sources(job)
-    eval_plan = _eval_plan(job) if job.eval.every else None
-
-    # Ray and torch are imported only once the input is known to be good.
-    from ringtrain.actors.resume import find_resume_point, open_job_store, store_claim, store_uri
-    from ringtrain.telemetry.progress import Progress
-    from ringtrain.telemetry.rundir import default_run_dir
-
-    run_path = Path(job.run_dir) if job.run_dir else default_run_dir(job)
-    progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
-    # Before any cluster starts: a resume that cannot happen, or a store another run writes or
-    # wrote, is bad input, not a failed run.
-    resume_from = find_resume_point(job, run_path, progress.message)
-    store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
-    lease = store_claim(job, store, run_path)
-    return _train(job, run_path, progress, resume_from, store, lease, eval_plan)
-
-
-def _train(
-    job: config.JobConfig,
-    run_path: Path,
-    progress: "Progress",
-    resume_from: "Optional[LoadedCheckpoint]",
-    store: "Optional[CheckpointStore]",
-    lease: "Optional[WriterLease]",
-    eval_plan: "Optional[EvalPlan]",
-) -> int:
-    """The run itself, on a cluster, once every input is known to be good and the store is ours."""
-    from ringtrain.actors.cluster import check_capacity, connect, resolve_device
-    from ringtrain.actors.controller import Controller
-    from ringtrain.actors.group import WorkerGroup
-    from ringtrain.actors.persister import Persister
-    from ringtrain.actors.recovery import Recovery
-    from ringtrain.actors.resume import checkpoint_meta, take_store
-    from ringtrain.telemetry.prometheus import new_run_id
-    from ringtrain.telemetry.report import write_report
-    from ringtrain.telemetry.rundir import RunDir
-    from ringtrain.telemetry.tensorboard import TensorBoardSink, preload
-
-    if job.telemetry.tensorboard:
-        preload()  # torch and tensorboard load while the cluster starts
-    cluster = connect(job)
-    # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's
-    # crash handler aborts the process): install ours again so a stop still writes the summary.
-    _stop_on_sigterm()
-    ok = False
-    try:
-        device = resolve_device(job)
-        check_capacity(job, device)
-        warning = planner_command.fit_warning(job, device)
-        if warning:
-            print(warning, file=sys.stderr)
-        persister = None
-        if store is not None and lease is not None:
-            # One writer per store: taken once the run is known to start, held while it trains.
-            take_store(job, store, lease)
-            persister = Persister(store, checkpoint_meta(job), guard=lease.check)
-        run_dir = RunDir(run_path)
-        run_dir.write_config(job)
-        run_id = new_run_id()
-        telemetry = run_metrics(job, run_id) if job.telemetry.metrics else None
-        topo = job.topology
-        progress.message(
-            f"ringtrain: {job.name}: dp {topo.dp} x cp {topo.cp} ({job.attention.impl}, "
-            f"ring {topo.ring} x ulysses {topo.ulysses}), ZeRO-{job.zero.stage}, "
-            f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
-        )
-        try:
-            group = WorkerGroup(job, device)
-            controller = Controller(
-                job,
-                group,
-                run_dir,
-                progress,
-                persister=persister,
-                resume_from=resume_from,
-                telemetry=telemetry,
-                run_id=run_id,
-                sinks=[TensorBoardSink(run_path)] if job.telemetry.tensorboard else [],
-                elastic=Recovery(group),
-                eval_plan=eval_plan,
-                startup=cluster.startup,
-            )
-            summary = controller.run()
-        finally:
-            run_dir.close()
-        progress.summary(summary)
-        try:
-            report_path, _ = write_report(run_path)
-            progress.message(f"report: {report_path}")
-        except OSError as exc:
-            # The run's outcome stands; `ringtrain report` can write the page later.
-            print(f"ringtrain: warning: could not write {run_path / 'report.html'}: {exc}", file=sys.stderr)
-        ok = summary["status"] == "finished"
-        if not ok and cluster.temp_dir:
-            progress.message(f"Ray logs of the embedded cluster: {cluster.temp_dir}")
-        return EXIT_OK if ok else EXIT_FAILED
-    finally:
-        if lease is not None:
-            lease.stop()  # releases it, if it was taken
-        # Ray's logs are kept when something went wrong: they hold the workers' output.
-        cluster.close(keep_logs=not ok)
-
-
-def _eval_plan(job: config.JobConfig) -> "EvalPlan":
-    """eval.data read (and the passkey prompts built) before any cluster starts: bad input exits 2."""
-    from ringtrain.actors.evaluation import model_tokenizer, plan_for
-
-    return plan_for(job, tokenizer=model_tokenizer(job))
-
-
-def run_metrics(job: config.JobConfig, run_id: str) -> "RunMetrics":
-    from ringtrain.planner.models import from_job
-    from ringtrain.planner.throughput import flops_per_token
-    from ringtrain.telemetry.prometheus import RunMetrics
-
-    model_flops, _ = flops_per_token(from_job(job), job.data.seq_len, checkpointing=False)
-    # The peak is known once the workers report their device; the Controller sets it then.
-    return RunMetrics(job, run_id, model_flops_per_token=model_flops, peak_flops_per_worker=0.0)
-
-
-def load_job(path: Optional[str], overrides: list[str]) -> config.JobConfig:
-    """The job file with overrides, its model read from ``model.hf`` when that folder is here
-    (a recipe planned on a laptop names a folder only the cluster has: its own keys stand)."""
-    from ringtrain.hf import resolve_job
-
-    job = config.load(path, overrides)
-    return resolve_job(job) if job.model.hf and Path(job.model.hf).is_dir() else job
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -207,20 +47,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "run":
-            return cmd_run(args.job, args.overrides)
+            return run.run(args)
         if args.command == "plan":
-            return planner_command.run(args, load_job=load_job)
+            return plan.run(args, load_job=plan.load_job)
         if args.command == "dashboards":
-            return dashboards_command.run(args)
+            return dashboards.run(args)
         if args.command == "report":
-            return report_command.run(args)
+            return report.run(args)
         if args.command == "eval":
-            return eval_command.run(args)
+            return evaluate.run(args)
         if args.command == "export":
-            return export_command.run(args)
+            return export.run(args)
         if args.command == "prepare":
-            return prepare_command.main(args, prepare_command.argv_after("prepare", argv))
-        code = submission_command.run(args)
+            return prepare.main(args, prepare.argv_after("prepare", argv))
+        code = jobs.run(args)
         if code is not None:
             return code
     except ConfigError as exc:
@@ -231,5 +71,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("ringtrain: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     return EXIT_USAGE

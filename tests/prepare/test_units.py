@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ringtrain.commands.prepare import recorded_command
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare import sources, streams, tokenize, writer
-from ringtrain.prepare.command import recorded_command
 from ringtrain.prepare.pipeline import Job, PieceTokenizer
 from ringtrain.prepared import (
     Manifest,

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from ringtrain import metrics
-from ringtrain.telemetry import alerts, dashboards, dashboards_command, panels
+from ringtrain.commands import dashboards as dashboards_command
+from ringtrain.telemetry import alerts, dashboards, panels
 from tests.tools import tool
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from ringtrain import config
 from ringtrain.actors.resume import checkpoint_meta
 from ringtrain.checkpoint import open_store
 from ringtrain.errors import ConfigError
-from ringtrain.eval_source import resolve_source
+from ringtrain.commands.eval_source import resolve_source
 from ringtrain.telemetry.rundir import RunDir
 
 LLAMA = {
@@ -83,7 +83,7 @@ def test_a_file_is_no_source(tmp_path: Path) -> None:
 def test_a_bare_checkpoint_keeps_its_whole_model_section() -> None:
     """Rope scaling and the architecture switches come from the checkpoint's recorded model
     section: evaluating without them would score another model."""
-    from ringtrain.eval_source import _job_of_meta
+    from ringtrain.commands.eval_source import _job_of_meta
 
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     meta = {"model_config": {"hf": "/gone", "vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,

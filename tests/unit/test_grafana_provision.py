@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from grafana_fake import FakeGrafana
 
-from ringtrain.telemetry import alerts, dashboards, dashboards_command, grafana
+from ringtrain.commands import dashboards as dashboards_command
+from ringtrain.telemetry import alerts, dashboards, grafana
 
 TOKEN = "secret-token"
 PROMETHEUS = "http://prometheus.monitoring:9090"

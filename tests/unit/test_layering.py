@@ -47,13 +47,10 @@ LAYERS: dict[str, int] = {
     "ringtrain.actors": 3,
     "ringtrain.telemetry": 3,
     "ringtrain.prepare": 3,  # `ringtrain prepare` on Ray Data
-    "ringtrain.cli": 4,
+    "ringtrain.cli": 4,  # builds the parser and dispatches to a verb
+    "ringtrain.commands": 4,  # one module per verb of the command line
     "ringtrain.submission": 4,
-    "ringtrain.submission_command": 4,
     "ringtrain.submission_files": 4,
-    "ringtrain.export_command": 4,
-    "ringtrain.eval_command": 4,
-    "ringtrain.eval_source": 4,
     "ringtrain.__main__": 4,
 }
 # The package itself holds only its version: L0, and it places nothing beneath it (or every
@@ -162,8 +159,8 @@ def test_the_import_collector_sees_lazy_relative_and_from_imports() -> None:
         "ringtrain.actors.group",
         "deepspeed.comm",
     } <= found
-    # the real cli imports the Ray layer only inside cmd_run: it must be seen
-    assert any(_within(name, "ringtrain.actors") for name in _imports("ringtrain.cli"))
+    # the real run command imports the Ray layer only inside its functions: it must be seen
+    assert any(_within(name, "ringtrain.actors") for name in _imports("ringtrain.commands.run"))
 
 
 def test_platform_is_not_a_package() -> None:
@@ -181,7 +178,7 @@ def test_every_module_has_a_layer() -> None:
 def test_the_longest_entry_places_a_module() -> None:
     assert layer_of("ringtrain.train.attention.ring") == 2 and layer_of("ringtrain.hf.safetensors_io") == 2
     assert layer_of("ringtrain") == 0 and layer_of("ringtrain.newthing") is None
-    assert layer_of("ringtrain.submission_command") == 4 and layer_of("ringtrain.submissions") is None
+    assert layer_of("ringtrain.commands.jobs") == 4 and layer_of("ringtrain.submissions") is None
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) is not None))
@@ -195,6 +192,22 @@ def test_imports_only_go_downward(module: str) -> None:
         if _top(name) == ROOT and ((theirs := layer_of(name)) is None or theirs > mine)
     }
     assert not bad, f"{module} (L{mine}) imports {sorted(bad)}"
+
+
+def test_the_command_line_lives_in_commands() -> None:
+    """A verb registered in cli.py is ``commands/<verb>.py``, and no command module hides elsewhere."""
+    verbs = re.findall(r"add_parser\(\s*\"([a-z]+)\"", MODULES["ringtrain.cli"].read_text())
+    assert verbs and all(f"{ROOT}.commands.{verb}" in MODULES for verb in verbs), verbs
+    stray = sorted(
+        m for m in MODULES if re.search(r"(^|_)command$", m.rpartition(".")[2]) and not _within(m, f"{ROOT}.commands")
+    )
+    assert not stray, f"{stray}: the command line's modules live in platform/ringtrain/commands/"
+
+
+@pytest.mark.parametrize("module", _in_layer("ringtrain.commands"))
+def test_no_command_imports_the_cli(module: str) -> None:
+    """cli imports every command: one importing it back would be a cycle."""
+    assert not any(_within(name, "ringtrain.cli") for name in _imports(module))
 
 
 def test_the_docs_layer_table_mirrors_this_one() -> None:

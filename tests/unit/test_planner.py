@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from ringtrain import config
-from ringtrain.planner import command
+from ringtrain.commands import plan as command
 from ringtrain.planner.comm import ring_bytes, ulysses_bytes, zero_bytes
 from ringtrain.planner.devices import H100, device
+from ringtrain.planner.fit import fit_warning
 from ringtrain.planner.layout import Layout, Workload, layout_of, precision, workload_of
 from ringtrain.planner.memory import (
     activations,
@@ -347,8 +348,8 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], names: str, caps
 
 def test_fit_warning() -> None:
     quickstart = config.load(QUICKSTART)
-    assert command.fit_warning(quickstart, "cpu") is None
-    assert command.fit_warning(quickstart, "cuda") is None
+    assert fit_warning(quickstart, "cpu") is None
+    assert fit_warning(quickstart, "cuda") is None
     llama8b_shape = [
         "model.vocab_size=128256",
         "model.dim=4096",
@@ -358,7 +359,7 @@ def test_fit_warning() -> None:
         "data.seq_len=131072",
     ]
     too_big = config.load(QUICKSTART, [*llama8b_shape, "mesh.dp=2", "mesh.cp=4", "train.global_batch=2"])
-    warning = command.fit_warning(too_big, "cuda")
+    warning = fit_warning(too_big, "cuda")
     assert warning is not None and "\n" not in warning
     assert (
         warning.startswith("ringtrain: warning: predicted peak") and "predicted to fit: mesh.dp=2 mesh.cp=4" in warning
@@ -366,7 +367,7 @@ def test_fit_warning() -> None:
     fitted = config.load(
         QUICKSTART, [*llama8b_shape, "mesh.dp=1", "mesh.cp=8", "zero.stage=3", "model.activation_checkpointing=true"]
     )
-    assert command.fit_warning(fitted, "h100") is None
+    assert fit_warning(fitted, "h100") is None
     assert estimate(workload_of(fitted, "cuda"), layout_of(fitted)).total <= Cluster(device("cuda"), 8).usable_bytes
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from ringtrain import config
-from ringtrain.planner import command
+from ringtrain.commands import plan as command
 from ringtrain.planner.comm import traffic
 from ringtrain.planner.devices import GB, H100
 from ringtrain.planner.layout import SAVERS, Layout, Workload, layout_of

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import pytest
 
-from ringtrain.telemetry import report_command
+from ringtrain.commands import report as report_command
 from ringtrain.telemetry.report import REPORT_NAME, write_report
 from ringtrain.telemetry.runfiles import NO_SUMMARY, read_run
 from ringtrain.telemetry.svgchart import MAX_POINTS
@@ -282,7 +282,7 @@ def test_the_report_command_imports_no_torch_or_ray(tmp_path: Path) -> None:
     """`ringtrain` imports the command at start-up: it must stay light."""
     code = (
         "import json, sys\n"
-        "import ringtrain.telemetry.report_command\n"
+        "import ringtrain.commands.report\n"
         "heavy = ('torch', 'ray', 'tensorboard')\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.partition('.')[0] in heavy)))\n"
     )

@@ -138,7 +138,8 @@ def test_plain_http_off_this_machine_is_warned_about(address: str, warns: bool) 
 
 
 def test_the_command_prints_the_warning_before_it_connects(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from ringtrain import cli, submission_command
+    from ringtrain import cli
+    from ringtrain.commands import jobs as submission_command
     from ringtrain.errors import ClusterError
 
     def unreachable(address: str, token: object = None) -> None:

@@ -1,7 +1,7 @@
 """`ringtrain eval SOURCE --data PATH`: a model's next-token loss by position, and optionally
 passkey retrieval, computed on a dp x cp mesh of workers.
 
-SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``eval_source``).
+SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``commands.eval_source``).
 The workers are the ones training uses (WorkerGroup, TrainWorker, Trainer), so any layout
 training runs evaluates too: ``mesh.dp=2 mesh.cp=4 attention.impl=ring`` and a 128K-token
 ``--seq-len`` put each sequence on a ring of 4. ``key=value`` overrides change the job as in
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain import config
+from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.config import STDLIB_CORPUS, ChaosConfig, JobConfig
 from ringtrain.errors import ConfigError
-from ringtrain.eval_source import EvalSource, resolve_source
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan

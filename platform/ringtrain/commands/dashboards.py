@@ -19,7 +19,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.telemetry import dashboards, panels
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# The checkout this module sits in: platform/ringtrain/telemetry/ -> the repository root.
+# The checkout this module sits in: platform/ringtrain/commands/ -> the repository root.
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = ("dashboards", "helm/ringtrain/dashboards")
 DEFAULT_FOLDER = "ringtrain"

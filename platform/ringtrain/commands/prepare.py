@@ -3,8 +3,8 @@
 Every input is checked before a cluster starts (sources expand and are cut into pieces, which
 reads Parquet footers; the tokenizer loads; the output is free), so bad input exits 2 within a
 second; what only reading the records can tell (a bad line, a corrupt stream, no documents) is
-found by the actors and reported by the driver in document order. Exit codes follow cli.py: 2 for bad input (one
-line naming the file, line or flag), 1 for anything else.
+found by the actors and reported by the driver in document order. Exit codes follow the other
+commands: 2 for bad input (one line naming the file, line or flag), 1 for anything else.
 """
 
 from __future__ import annotations
