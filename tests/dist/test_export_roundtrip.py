@@ -76,7 +76,7 @@ def _rank_main(rank: int, world: int, store_path: str, cases: list[tuple[list[st
             while trainer.step < job.train.steps:
                 trainer.train_step()
             blobs: list[Optional[bytes]] = [None] * world
-            dist.all_gather_object(blobs, trainer.snapshot(trainer.step).blob)
+            dist.all_gather_object(blobs, bytes(trainer.snapshot(trainer.step).blob))
             if rank == 0:  # what the Persister writes
                 shards = {shard_name(r): blob for r, blob in enumerate(blobs) if blob is not None}
                 meta = dict(checkpoint_meta(job), step=trainer.step, world_size=world)

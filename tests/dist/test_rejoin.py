@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, store_path: str, results: mp.Queue) -> Non
         while trainer.step < STEPS:
             reference.append(trainer.train_step().loss)
             if trainer.step == CUT:
-                shard = trainer.snapshot(CUT).blob
+                shard = bytes(trainer.snapshot(CUT).blob)
         shards: list[bytes] = [b""] * world
         dist.all_gather_object(shards, shard)
         trainer.close()  # leaves the world: snapshots and process groups go

@@ -49,11 +49,11 @@ def _rank_main(
         if blobs is not None:
             assert trainer.restore(blobs) == CUT
             # The restore re-snapshots the state it wrote: the caller compares it with ``blobs``.
-            snapshot = trainer.snapshot(CUT).blob
+            snapshot = bytes(trainer.snapshot(CUT).blob)
         while trainer.step < STEPS:
             losses.append(trainer.train_step().loss)
             if trainer.step == CUT and blobs is None:
-                snapshot = trainer.snapshot(CUT).blob
+                snapshot = bytes(trainer.snapshot(CUT).blob)
         shards: list[Optional[bytes]] = [None] * world
         dist.all_gather_object(shards, snapshot)
         params = {k: v.numpy() for k, v in trainer.parameters_fp32().items()}

@@ -4,8 +4,10 @@ overwritten right after each fence.
 On CUDA the copy of step N is queued on a side stream into pinned host buffers, and ``fence()``
 makes the training stream wait for it before the next optimizer step writes the state. Each
 snapshot must hold exactly the state of its own step: not a later step's values (the copy
-overtaken by the next write), not a mix of two steps (a pinned buffer reused while its encoder
-still reads it), and none may be lost or reordered while delivery lags behind training.
+overtaken by the next write), not a mix of two steps (a pinned buffer reused while its checksum
+still reads it, or while a snapshot still holds it), and none may be lost or reordered while
+delivery lags behind training. The consumer keeps copies, as a holder does, so the few pinned
+buffers are reused for step after step.
 
 The state is a stand-in for ZeRO's (fragments of fp32 tensors on the device); step s writes
 ``base + s`` into it, which is exact in fp32, so every snapshot can be checked bit for bit. Its
@@ -65,13 +67,13 @@ class _State:
 def test_every_capture_holds_its_own_step_under_slow_delivery() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     state = _State(device)
-    delivered: list[Snapshot] = []
+    delivered: list[tuple[int, bytes]] = []
     lock = threading.Lock()
 
     def deliver(snap: Snapshot) -> None:
         time.sleep(DELIVERY_S)
         with lock:
-            delivered.append(snap)
+            delivered.append((snap.step, bytes(snap.blob)))
 
     snapshotter = Snapshotter(
         state, rank=0, world_size=1, device=device, deliver=deliver, keep=3  # type: ignore[arg-type]
@@ -87,16 +89,19 @@ def test_every_capture_holds_its_own_step_under_slow_delivery() -> None:
         snapshotter.close()  # waits for the last deliveries
     assert not snapshotter.errors, snapshotter.errors
 
-    steps = [snap.step for snap in delivered]
+    steps = [step for step, _ in delivered]
     assert steps == list(range(1, STEPS + 1)), f"delivered out of order or lost: {steps}"
     wrong: list[str] = []
-    for snap in delivered:
-        shard = decode(snap.blob)
-        assert shard.step == snap.step and shard.scalars["trainer_step"] == snap.step
-        want = state.expected(snap.step)
+    for step, blob in delivered:
+        shard = decode(blob)
+        assert shard.step == step and shard.scalars["trainer_step"] == step
+        want = state.expected(step)
         got: dict[tuple[str, str], Any] = {(e["name"], e["key"]): shard.array(e).tobytes() for e in shard.entries}
         assert got.keys() == want.keys()
-        wrong += [f"step {snap.step} {key}" for key in want if got[key] != want[key]]
+        wrong += [f"step {step} {key}" for key in want if got[key] != want[key]]
     assert not wrong, f"{len(wrong)} tensors hold another step's values, e.g. {wrong[:4]}"
     # The newest ``keep`` stay in memory for recovery.
     assert snapshotter.steps() == list(range(STEPS - 2, STEPS + 1))
+    # The pinned buffers were allocated once, the kept snapshots' and the one in flight, and
+    # then reused: the slow delivery held the captures back instead of costing new ones.
+    assert snapshotter.num_allocations == 3 + 1

@@ -83,7 +83,7 @@ def _rank_main(
             assert report.memory_bytes > 0 and np.isfinite(report.loss), report
             out["losses"].append(report.loss)
             if trainer.step == CUT and blob is None:
-                out["snapshot"] = trainer.snapshot(CUT).blob
+                out["snapshot"] = bytes(trainer.snapshot(CUT).blob)
                 out["params_at_cut"] = {k: v.numpy() for k, v in trainer.parameters_fp32().items()}
         assert trainer.snapshotter is not None
         trainer.snapshotter.wait()

@@ -1,5 +1,6 @@
-"""The snapshot copy's ordering on the GPU path, driven on CPU through stand-in streams and a
-stand-in executor that runs jobs only when the test says so."""
+"""The snapshot copy: its ordering on the GPU path, driven on CPU through stand-in streams and a
+stand-in executor that runs jobs only when the test says so; and its host buffers, which are
+the blobs themselves and are reused from step to step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ringtrain.checkpoint.wire import decode
+from ringtrain.checkpoint.wire import SCALARS_ROOM, STATE_KEYS, decode, encode, verify
 from ringtrain.train.snapshot import CopyEvent, Snapshotter
 from ringtrain.train.zero_state import Fragment
 
@@ -140,3 +141,143 @@ def test_cpu_path_needs_no_streams() -> None:
     param = next(e for e in shard.entries if e["key"] == "param")
     np.testing.assert_array_equal(shard.array(param), np.full(4, 3.0, dtype=np.float32))
     snap.close()
+
+
+# --- the blob is the copy's buffer, and the buffers are reused ----------------------------------
+
+
+class RandomZero:
+    """Three parameters' state (odd sizes, one fragment starting mid-parameter) with values that
+    change every step, special floats included, so a blob can be checked bit for bit."""
+
+    SIZES = {"a.w": ((6, 5), 0, 30), "b.b": ((7,), 0, 7), "c.w": ((4, 100), 37, 363)}
+
+    def __init__(self) -> None:
+        self.tensors = {
+            (name, key): torch.zeros(numel) for name, (_, _, numel) in self.SIZES.items() for key in STATE_KEYS
+        }
+
+    def set_step(self, step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        for t in self.tensors.values():
+            t.copy_(torch.randn(t.numel(), generator=gen))
+            t[:4] = torch.tensor([-0.0, float("inf"), float("nan"), 1e-45])  # -0, inf, nan, a subnormal
+
+    def fragments(self) -> Iterator[Fragment]:
+        for name, (shape, start, _) in self.SIZES.items():
+            yield Fragment(name, shape, start, {key: self.tensors[(name, key)] for key in STATE_KEYS})
+
+    def expected(self) -> dict[tuple[str, str], bytes]:
+        return {key: t.numpy().astype("<f4").tobytes() for key, t in self.tensors.items()}
+
+
+def _arrays(blob: Any) -> dict[tuple[str, str], bytes]:
+    shard = decode(blob)
+    return {(e["name"], e["key"]): shard.array(e).tobytes() for e in shard.entries}
+
+
+def _taken(zero: RandomZero, snapshotter: Snapshotter, steps: range) -> dict[int, dict[tuple[str, str], bytes]]:
+    """Capture ``steps`` as training does (state written after each fence); each step's state."""
+    states = {}
+    for step in steps:
+        snapshotter.fence()
+        zero.set_step(step)
+        states[step] = zero.expected()
+        snapshotter.capture(step, {"trainer_step": step})
+    snapshotter.wait()
+    return states
+
+
+def test_the_blob_is_the_buffer_the_copy_wrote_and_decodes_bit_for_bit() -> None:
+    zero = RandomZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"))  # type: ignore[arg-type]
+    states = _taken(zero, snapshotter, range(1, 2))
+    snap = snapshotter.get(1)
+    assert snap is not None
+    blob = np.frombuffer(snap.blob, dtype=np.uint8)
+    owner = [b for b in snapshotter.buffers if np.shares_memory(blob, b.bytes)]
+    assert len(owner) == 1 and blob.size == owner[0].bytes.size, "the blob is not the copy's buffer"
+    # Every array decoded from the blob is the very memory the copy wrote.
+    shard = decode(snap.blob)
+    for entry, host in zip(shard.entries, owner[0].arrays, strict=True):
+        assert np.shares_memory(shard.array(entry), host.numpy())
+    assert _arrays(snap.blob) == states[1]
+    # Byte for byte the blob the copying encoder makes of the same state: one format.
+    arrays = [(f, {k: t.numpy() for k, t in f.tensors.items()}) for f in zero.fragments()]
+    assert bytes(snap.blob) == encode(1, 0, 1, {"trainer_step": 1}, arrays)
+    assert verify(snap.blob, snap.checksum) and snap.checksum.startswith("sha256x64m:")
+    assert snap.blob.readonly
+    snapshotter.close()
+
+
+def test_buffers_are_allocated_once_and_reused_for_every_step() -> None:
+    zero = RandomZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), keep=2)  # type: ignore[arg-type]
+    states = _taken(zero, snapshotter, range(1, 13))
+    assert snapshotter.num_allocations == 3  # the two kept snapshots and the one being taken
+    assert snapshotter.steps() == [11, 12]
+    for step in (11, 12):
+        got = snapshotter.get(step)
+        assert got is not None and _arrays(got.blob) == states[step] and verify(got.blob, got.checksum)
+    snapshotter.close()
+
+
+def test_a_blob_held_outside_keeps_its_buffer_from_being_reused() -> None:
+    zero = RandomZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), keep=1)  # type: ignore[arg-type]
+    states = _taken(zero, snapshotter, range(1, 2))
+    first = snapshotter.get(1)
+    assert first is not None
+    held = first.blob[10:]  # a slice outlives the snapshot object: it must hold the buffer too
+    del first
+    states.update(_taken(zero, snapshotter, range(2, 8)))
+    assert snapshotter.steps() == [7]
+    assert bytes(held) == _blob_of(states[1], 1)[10:]
+    assert snapshotter.num_allocations == 2 + 1  # keep + 1, then one more for the held blob
+    del held
+    _taken(zero, snapshotter, range(8, 14))
+    assert snapshotter.num_allocations == 3, "a freed buffer is taken again before a new one is made"
+    snapshotter.close()
+
+
+def _blob_of(state: dict[tuple[str, str], bytes], step: int) -> bytes:
+    arrays = [
+        (Fragment(name, shape, start, {}), {key: np.frombuffer(state[(name, key)], dtype="<f4") for key in STATE_KEYS})
+        for name, (shape, start, _) in RandomZero.SIZES.items()
+    ]
+    return encode(step, 0, 1, {"trainer_step": step}, arrays)
+
+
+def test_a_failing_delivery_holds_no_buffer() -> None:
+    """A delivery error is kept for the caller, but not its frames: they hold the snapshot."""
+
+    def deliver(snap: Any) -> None:
+        raise ConnectionError(f"holder away at step {snap.step}")
+
+    zero = RandomZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), deliver=deliver, keep=1)  # type: ignore[arg-type]
+    _taken(zero, snapshotter, range(1, 9))
+    assert snapshotter.num_allocations == 2
+    assert len(snapshotter.errors) == 8
+    assert "holder away at step 8" in str(snapshotter.errors[-1])
+    assert "in deliver" in snapshotter.errors[-1].__notes__[0]  # the traceback, as text
+    snapshotter.close()
+
+
+def test_scalars_that_outgrow_the_header_room_get_a_new_layout() -> None:
+    zero = RandomZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), keep=1)  # type: ignore[arg-type]
+    _taken(zero, snapshotter, range(1, 3))
+    small = snapshotter.buffers[0].layout
+    big = {"notes": "x" * SCALARS_ROOM}
+    for step in (3, 4):
+        snapshotter.fence()
+        zero.set_step(step)
+        snapshotter.capture(step, {**big, "trainer_step": step})
+        got = snapshotter.wait()
+        assert got is not None and decode(got.blob).scalars == {**big, "trainer_step": step}
+        assert _arrays(got.blob) == zero.expected()
+    # The former layout's buffers went once no snapshot held them; two of the new one serve.
+    assert [b.layout.header_bytes > small.header_bytes for b in snapshotter.buffers] == [True, True]
+    assert snapshotter.num_allocations == 4
+    snapshotter.close()

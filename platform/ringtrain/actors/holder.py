@@ -13,8 +13,10 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import numpy as np
+
 from ringtrain.checkpoint.retention import retained
-from ringtrain.checkpoint.wire import checksum
+from ringtrain.checkpoint.wire import verify
 
 if TYPE_CHECKING:
     from ringtrain.train.snapshot import Snapshot
@@ -108,7 +110,7 @@ class SnapshotHolder:
         if entry is None:
             return None
         _, blob, digest = entry
-        return blob if checksum(blob) == digest else None
+        return blob if verify(blob, digest) else None
 
     def drop_after(self, step: int) -> None:
         """Forget snapshots newer than ``step`` (after a rollback they describe a dead future)."""
@@ -140,8 +142,9 @@ class HolderDelivery:
             pending, self._in_flight = self._in_flight, []
             ray.wait(pending, num_returns=len(pending))
         # One copy into the object store for all holders; each keeps its own copy of the bytes,
-        # so the worker's object going away with the worker loses nothing.
-        blob = ray.put(snap.blob)
+        # so the worker's object going away with the worker loses nothing. As an array, the
+        # blob (a view of the snapshot's buffer) goes into the store without a copy on the way.
+        blob = ray.put(np.frombuffer(snap.blob, dtype=np.uint8))
         self._in_flight = [
             h.put.remote(snap.rank, snap.step, snap.world_size, blob, snap.checksum, "node" if i == 0 else "buddy")
             for i, h in enumerate(self.holders)

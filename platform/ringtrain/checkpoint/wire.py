@@ -1,9 +1,19 @@
-"""The snapshot wire format: one rank's state fragments as a self-describing blob, and the
-index that reads every rank's blobs of one step by parameter coordinates.
+"""The snapshot wire format: one rank's state fragments as a self-describing blob, its checksum,
+and the index that reads every rank's blobs of one step by parameter coordinates.
 
-A blob is a magic tag, a JSON header (step, rank, world size, the scalars, and per fragment its
-parameter name, state key, shape, flat start and length) and the raw little-endian float32
-payload: no pickle, and numpy only, so holders and exporters read snapshots without torch.
+A blob is a magic tag, the header's length, a JSON header (step, rank, world size, the scalars,
+and per fragment its parameter name, state key, shape, flat start, length and payload offset),
+padded with spaces to a page boundary, and the raw little-endian float32 payload: no pickle, and
+numpy only, so holders and exporters read snapshots without torch. A ``BlobLayout`` fixes where
+every array's bytes go before any are copied, so a rank copies its state straight into the blob
+(``train.snapshot``) and encoding only writes the header; the padding leaves the header room to
+change from step to step without moving the payload. JSON allows trailing whitespace, so the
+padding needs nothing of the reader.
+
+The checksum is a tree of sha256 digests, named by its chunk size ("sha256x64m:<hex>": sha256
+over the sha256 digests of consecutive 64 MiB chunks), so its chunks hash on all cores at once;
+``verify`` reads that name, and a bare hex digest as the sha256 of the whole blob that earlier
+snapshots carry.
 """
 
 from __future__ import annotations
@@ -11,15 +21,31 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
 # The state each parameter element carries: its fp32 master value and Adam's two moments.
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+FORMAT = 1
 _MAGIC = b"RTSNAP01"
+_PREFIX = len(_MAGIC) + 8  # the magic and the header's length
+# The payload starts on a page: the device-to-host copies land aligned, and every float32 view
+# into the blob is aligned.
+PAYLOAD_ALIGN = 4096
+# The header's room for the scalars (RNG state, scheduler: about 10 KiB): they change a little
+# from step to step, and a header that outgrew its room would cost a new layout (new buffers).
+SCALARS_ROOM = 64 << 10
+
+TREE_CHUNK_MIB = 64
+_TREE_NAME = re.compile(r"sha256x([1-9][0-9]{0,5})m")
+
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
 
 
 class FragmentPlace(Protocol):
@@ -30,28 +56,128 @@ class FragmentPlace(Protocol):
     start: int
 
 
-def checksum(blob: bytes) -> str:
-    # sha256: with the SHA extensions of current x86 and Arm CPUs it runs about twice as fast
-    # as blake2b here, and the checksum is most of the snapshot thread's work.
-    return hashlib.sha256(blob).hexdigest()
+class SnapshotFormatError(ValueError):
+    pass
+
+
+# --- the checksum -------------------------------------------------------------------------------
+
+
+def checksum(blob: Buffer, *, threads: Optional[int] = None, chunk_mib: int = TREE_CHUNK_MIB) -> str:
+    """The tree checksum of ``blob``, named: ``sha256x<chunk_mib>m:<hex>``. ``threads``: how
+    many chunks hash at once (default: the CPUs this process may run on)."""
+    return f"sha256x{chunk_mib}m:{_tree_sha256(_bytes_view(blob), chunk_mib << 20, threads)}"
+
+
+def verify(blob: Buffer, digest: str, *, threads: Optional[int] = None) -> bool:
+    """Whether ``blob`` matches ``digest``: a tree checksum as ``checksum`` names it, or a bare
+    (or ``sha256:``) hex digest of the whole blob. A digest of an unknown kind never matches: a
+    snapshot that cannot be checked is not handed out."""
+    kind, _, hexdigest = digest.rpartition(":")
+    view = _bytes_view(blob)
+    if kind in ("", "sha256"):
+        return hashlib.sha256(view).hexdigest() == hexdigest
+    tree = _TREE_NAME.fullmatch(kind)
+    if tree is None:
+        return False
+    return _tree_sha256(view, int(tree.group(1)) << 20, threads) == hexdigest
+
+
+def _tree_sha256(view: memoryview, chunk_bytes: int, threads: Optional[int]) -> str:
+    # hashlib releases the GIL while it hashes a large buffer, so threads use every core.
+    starts = range(0, len(view), chunk_bytes)
+
+    def leaf(start: int) -> bytes:
+        return hashlib.sha256(view[start : start + chunk_bytes]).digest()
+
+    workers = min(len(starts), threads or _num_cpus())
+    if workers <= 1:
+        leaves = [leaf(s) for s in starts]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="snapshot-hash") as pool:
+            leaves = list(pool.map(leaf, starts))
+    return hashlib.sha256(b"".join(leaves)).hexdigest()
+
+
+def _num_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset, say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _bytes_view(blob: Buffer) -> memoryview:
+    view = blob.data if isinstance(blob, np.ndarray) else memoryview(blob)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+# --- the blob -----------------------------------------------------------------------------------
+
+
+def header_room(scalars: Mapping[str, Any]) -> int:
+    """The room a layout keeps for ``scalars``' JSON: ``SCALARS_ROOM`` while they take at most
+    half of it, else the next power of two above twice their size. A step function of their
+    size, so the room stays put from step to step, and a blob encoded anywhere from the same
+    state and scalars is the same bytes (a survivor rebuilds a lost rank's shard exactly)."""
+    need = 2 * len(json.dumps(scalars))
+    return SCALARS_ROOM if need <= SCALARS_ROOM else 1 << (need - 1).bit_length()
+
+
+class BlobLayout:
+    """Where every byte of one rank's blob goes: the header's room, then each array's payload in
+    order. It depends only on the fragments' places and sizes, so one layout (and one buffer per
+    kept snapshot) serves every step of a run; ``room`` is what the scalars' JSON may take."""
+
+    def __init__(self, places: Sequence[tuple[FragmentPlace, Mapping[str, int]]], *, room: int) -> None:
+        entries: list[dict[str, Any]] = []
+        offset = 0
+        for frag, sizes in places:
+            for key, numel in sizes.items():
+                entries.append({"name": frag.name, "key": key, "shape": [int(d) for d in frag.shape],
+                                "start": int(frag.start), "numel": int(numel), "offset": offset})
+                offset += 4 * int(numel)
+        self._arrays_json = json.dumps(entries)
+        # The header without scalars is under 200 bytes besides the arrays' entries.
+        self.header_bytes = _round_up(_PREFIX + len(self._arrays_json) + 256 + room, PAYLOAD_ALIGN) - _PREFIX
+        self.payload_start = _PREFIX + self.header_bytes
+        self.num_bytes = self.payload_start + offset
+        # (blob offset, numel) of each array, in the order ``places`` lists them.
+        self.spans = [(self.payload_start + e["offset"], e["numel"]) for e in entries]
+
+    def header(self, step: int, rank: int, world_size: int, scalars: Mapping[str, Any]) -> bytes:
+        """The JSON header of one step's blob; SnapshotFormatError if it outgrows the room."""
+        head = json.dumps({"format": FORMAT, "step": step, "rank": rank, "world_size": world_size, "scalars": scalars})
+        # The arrays' entries are the bulk of the header and fixed by the layout: spliced in, not
+        # serialised again each step.
+        header = f'{head[:-1]}, "arrays": {self._arrays_json}}}'.encode()
+        if len(header) > self.header_bytes:
+            raise SnapshotFormatError(f"the header takes {len(header)} bytes, its room is {self.header_bytes}")
+        return header
+
+    def write_header(self, blob: Buffer, header: bytes) -> None:
+        """Write the magic, the header and its padding into the start of ``blob`` (writable, this
+        layout's size); the payload bytes are left as they are."""
+        view = _bytes_view(blob)
+        if len(view) != self.num_bytes or len(header) > self.header_bytes:
+            raise SnapshotFormatError(f"a {len(view)}-byte blob or a {len(header)}-byte header does not fit this layout")
+        view[:_PREFIX] = _MAGIC + struct.pack("<Q", self.header_bytes)
+        view[_PREFIX : _PREFIX + len(header)] = header
+        view[_PREFIX + len(header) : self.payload_start] = b" " * (self.header_bytes - len(header))
 
 
 def encode(step: int, rank: int, world_size: int, scalars: dict[str, Any], arrays: Sequence[tuple[FragmentPlace, Mapping[str, np.ndarray]]]) -> bytes:
-    """Header (JSON) + raw little-endian float32 payload; self-describing, no pickle."""
-    entries, chunks, offset = [], [], 0
-    for frag, values in arrays:
-        for key, arr in values.items():
-            data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-            entries.append(
-                {"name": frag.name, "key": key, "shape": list(frag.shape), "start": frag.start,
-                 "numel": int(arr.size), "offset": offset}
-            )
-            chunks.append(data)
-            offset += len(data)
-    header = json.dumps(
-        {"format": 1, "step": step, "rank": rank, "world_size": world_size, "scalars": scalars, "arrays": entries}
-    ).encode()
-    return b"".join([_MAGIC, struct.pack("<Q", len(header)), header, *chunks])
+    """One blob from arrays in memory (any float dtype, stored as little-endian float32): for
+    one-off blobs; a rank's per-step snapshot is copied into its layout in place instead."""
+    layout = BlobLayout([(frag, {key: int(arr.size) for key, arr in values.items()}) for frag, values in arrays],
+                        room=header_room(scalars))
+    out = bytearray(layout.num_bytes)
+    layout.write_header(out, layout.header(step, rank, world_size, scalars))
+    flat = (arr for _, values in arrays for arr in values.values())
+    for (offset, numel), arr in zip(layout.spans, flat, strict=True):
+        np.frombuffer(out, dtype="<f4", count=numel, offset=offset)[:] = np.asarray(arr).reshape(-1)
+    return bytes(out)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -68,18 +194,16 @@ class DecodedShard:
         return np.frombuffer(self.payload[start : start + 4 * entry["numel"]], dtype="<f4")
 
 
-class SnapshotFormatError(ValueError):
-    pass
-
-
-def decode(blob: bytes) -> DecodedShard:
-    if len(blob) < 16 or blob[:8] != _MAGIC:
+def decode(blob: Buffer) -> DecodedShard:
+    """Read a blob (any bytes-like object; its arrays are views of it, not copies)."""
+    view = _bytes_view(blob)
+    if len(view) < _PREFIX or view[: len(_MAGIC)] != _MAGIC:
         raise SnapshotFormatError("not a ringtrain snapshot (bad magic)")
-    (header_len,) = struct.unpack("<Q", blob[8:16])
-    if 16 + header_len > len(blob):
+    (header_len,) = struct.unpack("<Q", view[len(_MAGIC) : _PREFIX])
+    if _PREFIX + header_len > len(view):
         raise SnapshotFormatError("truncated snapshot header")
-    header = json.loads(blob[16 : 16 + header_len])
-    payload = memoryview(blob)[16 + header_len :]
+    header = json.loads(bytes(view[_PREFIX : _PREFIX + header_len]))
+    payload = view[_PREFIX + header_len :]
     need = sum(4 * e["numel"] for e in header["arrays"])
     if len(payload) != need:
         raise SnapshotFormatError(f"payload is {len(payload)} bytes, the header describes {need}")
