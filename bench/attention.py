@@ -1,17 +1,29 @@
-"""Benchmark: one rank's share of zigzag ring attention against one kernel over the whole sequence.
+"""Benchmark: one rank's share of context-parallel attention against one kernel over the whole
+sequence, on one GPU; and packed documents against the same sequence unpacked.
 
-On one GPU, for a ring of N ranks, this times the blocks a single rank computes (one causal
-diagonal block plus N-1 half blocks, with the fp32 LSE merges and dK/dV accumulation), using
-the same block kernels as training, and compares its TFLOP/s with one monolithic causal call
-over the full sequence. The P2P transfers are not simulated: they overlap the compute in the
-real ring. bf16, causal, head_dim 128, GQA.
+Ring, all-gathered K/V: for a ring of R ranks this runs the real ``ring_attention`` (both K/V
+exchanges: passed around the ring, and all gathered, train/attention/allgather.py) forward and
+backward through autograd, for one rank, the worst one: under a causal mask the last rank's rows
+take part in every merge. Its transport is replaced by a loopback on the one GPU (a visiting
+block is a device copy of the rank's own K/V; the gather stacks R copies), so what is timed is
+the rank's compute and copies, not the network; in a real ring the transfers overlap the compute
+(ring) or precede it (all-gather, one collective of K/V, small under GQA). Its TFLOP/s over one
+monolithic causal call's over the whole sequence, same kernel, is the ratio printed.
 
-It also reports the zigzag balance (max/min causal work over ranks), computed by counting, so
-that part runs without a GPU too. Without CUDA the timing part is skipped and it exits 0.
+Packed documents: local attention over one sequence of N documents, each rectangle of a
+document run unmasked on the fastest kernel (train/attention/blocks.py), against the same
+sequence unpacked: forward + backward time and peak memory.
 
-    PYTHONPATH=platform python bench/attention.py [--kernel auto] [--seq 8192 ...] [--ring 2 4 8]
+Targets (issue: ring attention at every block size): the better exchange's worst-rank ratio
+>= 0.95 forward and backward at >= 8K tokens a rank, >= 0.85 at 4K, >= 0.7 at 2K; packed
+documents' throughput >= 0.9x the unpacked sequence's with peak memory <= 1.1x. bf16, head dim
+128, 32 query / 8 KV heads. ``--check`` exits 1 on a miss.
 
-Writes bench/results/attention-<device>.json (commit, device, torch and CUDA versions, every timing).
+    PYTHONPATH=platform python bench/attention.py [--kernel auto] [--check]
+    PYTHONPATH=platform python bench/attention.py --device cpu --tiny   # the code path, no timing claims
+
+Writes bench/results/attention-<device>.json (commit, device, every timing). The zigzag
+balance (max/min causal work over ranks) is computed by counting and printed first.
 
 Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV heads, D head dim.
 """
@@ -19,193 +31,281 @@ Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from ringtrain.train.attention.blocks import block_backward, block_forward
-from ringtrain.train.attention.kernels import AttentionKernel, BlockOutput, get_kernel
-from ringtrain.train.attention.merge import merge_partials
-from ringtrain.train.attention.ring import zigzag_block
-from ringtrain.train.attention.zigzag import causal_work
+from ringtrain.train.attention import comm, local_attention, ring_attention
+from ringtrain.train.attention import ring as ring_module
+from ringtrain.train.attention.kernels import get_kernel
+from ringtrain.train.attention.zigzag import causal_work, zigzag_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS_DIR, Run  # noqa: E402
 
+EXCHANGES = ("ring", "allgather")
+# (tokens a rank at least, forward and backward ratio at least) of the better exchange.
+RATIO_TARGETS = ((8192, 0.95), (4096, 0.85), (2048, 0.70))
+PACKED_SPEED_MIN, PACKED_MEMORY_MAX = 0.9, 1.1
 
-def balance_report(seqs: list[int], rings: list[int]) -> list[dict[str, Any]]:
+
+def balance_report(seqs: Sequence[int], rings: Sequence[int]) -> list[dict[str, Any]]:
     """Max/min causal (query, key) pairs per rank, zigzag vs a contiguous split."""
     rows = []
     for seq in seqs:
         for ring in rings:
             zigzag, contiguous = causal_work(seq, ring), causal_work(seq, ring, zigzag=False)
-            rows.append(
-                {
-                    "seq": seq,
-                    "ring": ring,
-                    "zigzag_max_over_min": max(zigzag) / min(zigzag),
-                    "contiguous_max_over_min": max(contiguous) / min(contiguous),
-                }
-            )
+            rows.append({"seq": seq, "ring": ring, "zigzag_max_over_min": max(zigzag) / min(zigzag),
+                         "contiguous_max_over_min": max(contiguous) / min(contiguous)})
     return rows
 
 
-def causal_flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int, causal: bool) -> float:
-    """Forward matmul FLOPs of one block: QK^T and PV, 2 FLOPs per multiply-add, halved if causal."""
-    flops = 4.0 * batch * heads * q_len * k_len * head_dim
-    return flops / 2 if causal else flops
+def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Forward matmul FLOPs of causal attention over ``seq``: QK^T and PV, halved by the mask."""
+    return 4.0 * batch * heads * seq * seq * head_dim / 2
 
 
-def cuda_time_ms(fn: Callable[[], Any], *, warmup: int = 2, iters: int = 5) -> float:
-    """Median wall time of ``fn`` on the GPU, in milliseconds."""
+# -- one rank on one device: the transport looped back -------------------------------------
+
+
+@dataclass(frozen=True)
+class LoopbackGroup:
+    """A ring seen from one rank: what the attention code asks of a process group."""
+
+    index: int
+    world: int
+
+    def rank(self) -> int:
+        return self.index
+
+    def size(self) -> int:
+        return self.world
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class LoopbackExchange:
+    """``RingExchange`` that receives a device copy of what it sends (the rank's own block)."""
+
+    def __init__(self, group: LoopbackGroup) -> None:
+        self.rank, self.world = group.index, group.world
+
+    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], *, tag: int) -> _Done:
+        for outgoing, incoming in zip(send, recv):
+            incoming.copy_(outgoing)
+        return _Done()
+
+
+def _gather_loopback(x: torch.Tensor, group: LoopbackGroup) -> torch.Tensor:
+    return x.unsqueeze(0).expand(group.world, *x.shape).contiguous()
+
+
+def _scatter_loopback(x_U: torch.Tensor, group: LoopbackGroup) -> torch.Tensor:
+    return x_U[group.index].clone()
+
+
+@contextlib.contextmanager
+def loopback() -> Iterator[None]:
+    swaps = [(ring_module, "RingExchange", LoopbackExchange), (comm, "all_gather_stacked", _gather_loopback),
+             (comm, "reduce_scatter_stacked", _scatter_loopback)]
+    saved = [getattr(module, name) for module, name, _ in swaps]
+    for module, name, stand_in in swaps:
+        setattr(module, name, stand_in)
+    try:
+        yield
+    finally:
+        for (module, name, _), real in zip(swaps, saved):
+            setattr(module, name, real)
+
+
+# -- timing --------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, iters: int) -> float:
+    """Median wall time of ``fn`` in milliseconds, device-synchronized around each call."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        _sync(device)
+        start = time.perf_counter()
         fn()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop))
+        _sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
 
 
-def rank_forward(
-    kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, world: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, list[BlockOutput]]:
-    """Rank ``rank``'s ring forward with its own K/V standing in for every visiting block."""
-    out = lse = torch.empty(0)
-    blocks = []
-    for step in range(world):
-        blk = zigzag_block((rank - step) % world, rank, q.shape[1], causal=True)
-        res = block_forward(kernel, q[:, blk.rows], k[:, blk.cols], v[:, blk.cols], causal=blk.causal, scale=scale)
-        blocks.append(res)
-        if step == 0:
-            out, lse = res.out_BQHD.float(), res.lse_BHQ
-        else:
-            out[:, blk.rows], lse[:, :, blk.rows] = merge_partials(
-                out[:, blk.rows], lse[:, :, blk.rows], res.out_BQHD, res.lse_BHQ
-            )
-    return out.to(q.dtype), lse, blocks
+def fwd_bwd_ms(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dout: torch.Tensor, device: torch.device, *, warmup: int, iters: int) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``attend(q, k, v)`` through autograd."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fwd = timed_ms(lambda: attend(*leaves), device, warmup=warmup, iters=iters)
+    out = attend(*leaves)  # one graph, its backward run again and again
+    bwd = timed_ms(lambda: out.backward(dout, retain_graph=True), device, warmup=warmup, iters=iters)
+    return fwd, bwd
 
 
-def rank_backward(
-    kernel: AttentionKernel,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    blocks: list[BlockOutput],
-    rank: int,
-    world: int,
-    scale: float,
-) -> None:
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv_acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-    for step in range(world):
-        blk = zigzag_block((rank - step) % world, rank, q.shape[1], causal=True)
-        dq, dk, dv = block_backward(
-            kernel, dout[:, blk.rows], q[:, blk.rows], k[:, blk.cols], v[:, blk.cols],
-            out[:, blk.rows], lse[:, :, blk.rows], blocks[step].aux, causal=blk.causal, scale=scale,
-        )
-        dq_acc[:, blk.rows] += dq
-        dkv_acc[0][:, blk.cols] += dk
-        dkv_acc[1][:, blk.cols] += dv
-
-
-def bench_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    kernel = get_kernel(args.kernel, device_type="cuda", dtype=dtype, head_dim=args.head_dim)
+def _inputs(args: argparse.Namespace, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(seq)
     B, H, K, D = args.batch, args.heads, args.kv_heads, args.head_dim
-    scale = D**-0.5
+    shapes = [(B, seq, H, D), (B, seq, K, D), (B, seq, K, D), (B, seq, H, D)]
+    return tuple(torch.randn(s, generator=gen, device=device, dtype=args.dtype) for s in shapes)
+
+
+def bench_ring(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    kernel = get_kernel(args.kernel, device_type=device.type, dtype=args.dtype, head_dim=args.head_dim)
     rows = []
     for seq in args.seq:
-        q = torch.randn(B, seq, H, D, device=device, dtype=dtype)
-        k = torch.randn(B, seq, K, D, device=device, dtype=dtype)
-        v = torch.randn(B, seq, K, D, device=device, dtype=dtype)
-        dout = torch.randn_like(q)
-        full = kernel.forward(q, k, v, causal=True, scale=scale)
-        mono_fwd = cuda_time_ms(lambda: kernel.forward(q, k, v, causal=True, scale=scale))
-        mono_bwd = cuda_time_ms(
-            lambda: kernel.backward(dout, q, k, v, full.out_BQHD, full.lse_BHQ, full.aux, causal=True, scale=scale)
-        )
-        mono_flops = causal_flops(B, H, seq, seq, D, causal=True)
-        del full
+        q, k, v, dout = _inputs(args, seq, device)
+        mono = fwd_bwd_ms(lambda q, k, v: local_attention(q, k, v, causal=True, kernel=kernel), q, k, v, dout,
+                          device, warmup=args.warmup, iters=args.iters)
+        flops = causal_flops(args.batch, args.heads, seq, args.head_dim)
         for world in args.ring:
-            local = seq // world
-            ql, kl, vl, doutl = q[:, :local], k[:, :local], v[:, :local], dout[:, :local]
-            rank = 0  # zigzag gives every rank the same blocks up to order; rank 0 stands for all
-            out, lse, blocks = rank_forward(kernel, ql, kl, vl, rank, world, scale)
-            ring_fwd = cuda_time_ms(lambda: rank_forward(kernel, ql, kl, vl, rank, world, scale))
-            ring_bwd = cuda_time_ms(
-                lambda: rank_backward(kernel, ql, kl, vl, out, lse, doutl, blocks, rank, world, scale)
-            )
-            ring_flops = mono_flops / world
-            row = {
-                "seq": seq,
-                "ring": world,
-                "kernel": kernel.name,
-                "monolithic_fwd_ms": mono_fwd,
-                "monolithic_bwd_ms": mono_bwd,
-                "rank_fwd_ms": ring_fwd,
-                "rank_bwd_ms": ring_bwd,
-                # The backward does 2.5x the forward's matmul FLOPs (5 matmuls against 2).
-                "monolithic_fwd_tflops": mono_flops / mono_fwd / 1e9,
-                "monolithic_bwd_tflops": 2.5 * mono_flops / mono_bwd / 1e9,
-                "rank_fwd_tflops": ring_flops / ring_fwd / 1e9,
-                "rank_bwd_tflops": 2.5 * ring_flops / ring_bwd / 1e9,
-            }
-            row["fwd_ratio"] = row["rank_fwd_tflops"] / row["monolithic_fwd_tflops"]
-            row["bwd_ratio"] = row["rank_bwd_tflops"] / row["monolithic_bwd_tflops"]
-            rows.append(row)
-            print(
-                f"seq {seq:>6} ring {world}: monolithic {row['monolithic_fwd_tflops']:6.1f} / "
-                f"{row['monolithic_bwd_tflops']:6.1f} TFLOP/s (fwd/bwd), one rank {row['rank_fwd_tflops']:6.1f} / "
-                f"{row['rank_bwd_tflops']:6.1f}, ratio {row['fwd_ratio']:.2f} / {row['bwd_ratio']:.2f}"
-            )
-            del out, lse, blocks
+            if seq % (2 * world):
+                continue
+            rank = world - 1  # the worst: under the causal mask its rows take part in every merge
+            shard = [zigzag_shard(t, dim=1, world=world, rank=rank).contiguous() for t in (q, k, v, dout)]
+            for exchange in EXCHANGES:
+                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: str = exchange,
+                           world: int = world) -> torch.Tensor:
+                    return ring_attention(q, k, v, group=LoopbackGroup(rank, world), causal=True,  # type: ignore[arg-type]
+                                          kernel=kernel, kv_exchange=exchange)
+
+                with loopback():
+                    fwd, bwd = fwd_bwd_ms(attend, *shard, device, warmup=args.warmup, iters=args.iters)
+                # One rank's share of the FLOPs is 1/R of the whole (zigzag balances them exactly).
+                row = {"seq": seq, "ring": world, "tokens_per_rank": seq // world, "exchange": exchange,
+                       "kernel": kernel.name, "monolithic_fwd_ms": mono[0], "monolithic_bwd_ms": mono[1],
+                       "rank_fwd_ms": fwd, "rank_bwd_ms": bwd,
+                       "fwd_ratio": (mono[0] / world) / fwd, "bwd_ratio": (mono[1] / world) / bwd,
+                       "monolithic_fwd_tflops": flops / mono[0] / 1e9, "monolithic_bwd_tflops": 2.5 * flops / mono[1] / 1e9}
+                rows.append(row)
+                print(f"seq {seq:>6} ring {world} ({seq // world:>6} a rank) {exchange:<9}: worst rank "
+                      f"{fwd:8.2f} / {bwd:8.2f} ms fwd/bwd, ratio {row['fwd_ratio']:.2f} / {row['bwd_ratio']:.2f} "
+                      f"(monolithic {row['monolithic_fwd_tflops']:.0f} / {row['monolithic_bwd_tflops']:.0f} TFLOP/s)")
         del q, k, v, dout
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", default="auto")
-    parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--ring", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    args = parser.parse_args(argv)
-    run = Run("attention")
+def packed_doc_ids(batch: int, seq: int, docs: int, device: torch.device) -> torch.Tensor:
+    """``docs`` documents of equal length end to end in each sequence."""
+    return (torch.arange(seq, device=device) * docs // seq).expand(batch, seq).contiguous()
 
+
+def bench_packed(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    kernel = get_kernel(args.kernel, device_type=device.type, dtype=args.dtype, head_dim=args.head_dim)
+    q, k, v, dout = _inputs(args, args.packed_seq, device)
+    doc_ids = packed_doc_ids(args.batch, args.packed_seq, args.docs, device)
+    out: dict[str, Any] = {"seq": args.packed_seq, "docs": args.docs, "kernel": kernel.name}
+    for name, ids in (("unpacked", None), ("packed", doc_ids)):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        fwd, bwd = fwd_bwd_ms(lambda q, k, v, ids=ids: local_attention(q, k, v, causal=True, doc_ids=ids, kernel=kernel),
+                              q, k, v, dout, device, warmup=args.warmup, iters=args.iters)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        out[name] = {"fwd_ms": fwd, "bwd_ms": bwd, "peak_memory_bytes": peak}
+    speed = (out["unpacked"]["fwd_ms"] + out["unpacked"]["bwd_ms"]) / (out["packed"]["fwd_ms"] + out["packed"]["bwd_ms"])
+    out["packed_over_unpacked_throughput"] = speed
+    if device.type == "cuda":
+        out["packed_over_unpacked_memory"] = out["packed"]["peak_memory_bytes"] / out["unpacked"]["peak_memory_bytes"]
+    print(f"{args.packed_seq} tokens, {args.docs} packed documents: {out['packed']['fwd_ms']:.2f} / "
+          f"{out['packed']['bwd_ms']:.2f} ms fwd/bwd against {out['unpacked']['fwd_ms']:.2f} / "
+          f"{out['unpacked']['bwd_ms']:.2f} unpacked: {speed:.2f}x the throughput")
+    return out
+
+
+def verdicts(rows: list[dict[str, Any]], packed: dict[str, Any]) -> list[tuple[str, bool]]:
+    """(what, met) for every target measured."""
+    found = []
+    by_size: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        by_size.setdefault((row["seq"], row["ring"]), []).append(row)
+    for (seq, world), pair in sorted(by_size.items()):
+        best = max(pair, key=lambda r: min(r["fwd_ratio"], r["bwd_ratio"]))
+        tokens = seq // world
+        need = next((ratio for floor, ratio in RATIO_TARGETS if tokens >= floor), None)
+        if need is None:
+            continue
+        met = best["fwd_ratio"] >= need and best["bwd_ratio"] >= need
+        found.append((f"{tokens} tokens a rank (ring {world}, {best['exchange']}): worst rank "
+                      f"{best['fwd_ratio']:.2f} / {best['bwd_ratio']:.2f} >= {need}", met))
+    if "packed_over_unpacked_memory" in packed:
+        speed, memory = packed["packed_over_unpacked_throughput"], packed["packed_over_unpacked_memory"]
+        found.append((f"packed documents: {speed:.2f}x the throughput (>= {PACKED_SPEED_MIN}), "
+                      f"{memory:.2f}x the memory (<= {PACKED_MEMORY_MAX})",
+                      speed >= PACKED_SPEED_MIN and memory <= PACKED_MEMORY_MAX))
+    return found
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes: the code path on a CPU, no claims")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--seq", type=int, nargs="+", default=None, help="whole sequences (default: 16K to 128K)")
+    p.add_argument("--ring", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--packed-seq", type=int, default=32768)
+    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq = args.seq or [256]
+        args.ring, args.heads, args.kv_heads, args.head_dim = [2, 4], 4, 2, 16
+        args.packed_seq, args.docs, args.warmup, args.iters = 256, 4, 1, 1
+    args.seq = args.seq or [16384, 32768, 65536, 131072]
+    args.dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    run = Run("attention")
     balance = balance_report(args.seq, args.ring)
     print("causal work per rank, max/min over ranks (1.00 = balanced):")
     for row in balance:
-        print(
-            f"  seq {row['seq']:>6} ring {row['ring']}: zigzag {row['zigzag_max_over_min']:.2f}, "
-            f"contiguous {row['contiguous_max_over_min']:.2f}"
-        )
-    if not torch.cuda.is_available():
-        print("CUDA is not available: skipping the kernel timings (run on a GPU machine for TFLOP/s).")
+        print(f"  seq {row['seq']:>6} ring {row['ring']}: zigzag {row['zigzag_max_over_min']:.2f}, "
+              f"contiguous {row['contiguous_max_over_min']:.2f}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available: skipping the timings (run on a GPU, or --device cpu --tiny for the code path).")
         return 0
-
-    timings = bench_gpu(args)
-    name = torch.cuda.get_device_name()
-    result = {"config": {k: v for k, v in vars(args).items()}, "balance": balance, "timings": timings}
-    run.write(result, device_type="cuda",
-              out=RESULTS_DIR / f"attention-{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-').lower()}.json")
-    return 0
+    device = torch.device(args.device)
+    rows = bench_ring(args, device)
+    packed = bench_packed(args, device)
+    found = [] if device.type == "cpu" else verdicts(rows, packed)
+    for what, met in found:
+        print(f"{'PASS' if met else 'MISS'}: {what}")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() + ("-tiny" if args.tiny else "")
+    config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items() if k != "out"}
+    result = {"config": config, "balance": balance, "timings": rows, "packed": packed,
+              "targets": [{"what": what, "met": met} for what, met in found]}
+    run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention-{slug}.json")
+    return 1 if args.check and not all(met for _, met in found) else 0
 
 
 if __name__ == "__main__":

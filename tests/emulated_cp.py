@@ -35,7 +35,9 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from ringtrain.train.attention import comm
+from ringtrain.train.attention import allgather as allgather_module
 from ringtrain.train.attention import ring as ring_module
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.implementations import build_attention
 from ringtrain.train.attention.kernels import AttentionKernel
 from ringtrain.train.attention.zigzag import cp_shard, cp_unshard, zigzag_shard, zigzag_unshard
@@ -45,6 +47,7 @@ RankContext = Callable[[], ContextManager[Any]]
 # Tags of the collectives, apart from the ring's own (which are small).
 _ALL_TO_ALL_TAG = 1000
 _ALL_GATHER_TAG = 2000
+_REDUCE_SCATTER_TAG = 3000
 
 class _Mailboxes:
     """FIFO queues of tensors keyed by (source rank, destination rank, tag)."""
@@ -136,11 +139,28 @@ def _all_gather_seq(x_BS: Tensor, group: EmulatedGroup) -> Tensor:
     return torch.cat([group.mailboxes.take(src, group.index, _ALL_GATHER_TAG) for src in range(group.world)], dim=1)
 
 
+def _all_gather_stacked(x: Tensor, group: EmulatedGroup) -> Tensor:
+    """``comm.all_gather_stacked``: every rank's ``x`` stacked in rank order."""
+    for dst in range(group.world):
+        group.mailboxes.post(group.index, dst, _ALL_GATHER_TAG, x)
+    return torch.stack([group.mailboxes.take(src, group.index, _ALL_GATHER_TAG) for src in range(group.world)])
+
+
+def _reduce_scatter_stacked(x_U: Tensor, group: EmulatedGroup) -> Tensor:
+    """``comm.reduce_scatter_stacked``: slice u of every rank's ``x``, summed on rank u (in rank
+    order, so every rank adds the same numbers in the same order)."""
+    for dst, piece in enumerate(x_U.unbind(0)):
+        group.mailboxes.post(group.index, dst, _REDUCE_SCATTER_TAG, piece)
+    parts = [group.mailboxes.take(src, group.index, _REDUCE_SCATTER_TAG) for src in range(group.world)]
+    return torch.stack(parts).sum(dim=0)
+
+
 @contextlib.contextmanager
 def emulated_transport() -> Iterator[None]:
     """The attention code's transfers go to the mailboxes of ``EmulatedGroup``s meanwhile."""
     swaps = [(ring_module, "RingExchange", EmulatedExchange), (comm, "all_to_all", _all_to_all),
-             (comm, "all_gather_seq", _all_gather_seq)]
+             (comm, "all_gather_seq", _all_gather_seq), (comm, "all_gather_stacked", _all_gather_stacked),
+             (comm, "reduce_scatter_stacked", _reduce_scatter_stacked)]
     saved = [getattr(module, name) for module, name, _ in swaps]
     for module, name, stand_in in swaps:
         setattr(module, name, stand_in)
@@ -214,12 +234,16 @@ def emulated_ring(
     causal: bool,
     scale: float,
     doc_ids_BS: Optional[Tensor] = None,
+    kv_exchange: str = "ring",
     timeout_s: float = 120.0,
     rank_context: RankContext = contextlib.nullcontext,
 ) -> RingResult:
     """Zigzag-shard the full-sequence inputs over ``world`` ranks, run every rank's ring
-    forward and backward (each in a thread), and unshard the results."""
-    function: Any = getattr(ring_module, "_RingAttention")
+    forward and backward (each in a thread; K/V passed around or all gathered, as
+    ``kv_exchange`` says), and unshard the results."""
+    function: Any = getattr(ring_module, "_RingAttention") if kv_exchange == "ring" else getattr(
+        allgather_module, "_AllGatherAttention"
+    )
     shard = [
         [zigzag_shard(x, dim=1, world=world, rank=r).contiguous() for r in range(world)]
         for x in (q_BSHD, k_BSKD, v_BSKD, dout_BSHD)
@@ -235,7 +259,7 @@ def emulated_ring(
         ctx = _Ctx()
         group = EmulatedGroup(rank, world, mailboxes)
         with torch.no_grad():
-            out = function.forward(ctx, q, k, v, docs[rank], group, causal, kernel, scale)
+            out = function.forward(ctx, q, k, v, Documents.of(docs[rank]), group, causal, kernel, scale)
             dq, dk, dv, *_ = function.backward(ctx, dout)
         return out, dq, dk, dv
 
@@ -258,6 +282,7 @@ def emulated_attention(
     kernel: str,
     causal: bool = True,
     doc_ids_BS: Optional[Tensor] = None,
+    kv_exchange: str = "ring",
     timeout_s: float = 60.0,
     rank_context: RankContext = contextlib.nullcontext,
 ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor, Tensor]]]:
@@ -277,6 +302,7 @@ def emulated_attention(
             impl, kernel,
             ring_group=EmulatedGroup(ring_idx, ring, ring_boxes[ulysses_idx]),  # type: ignore[arg-type]
             ulysses_group=EmulatedGroup(ulysses_idx, ulysses, ulysses_boxes[ring_idx]),  # type: ignore[arg-type]
+            kv_exchange=kv_exchange,
         )
         inputs = [part(x, rank) for x in (q_BSHD, k_BSKD, v_BSKD)]
         if dout_BSHD is None:

@@ -99,12 +99,14 @@ class Case:
     dtype: str = "float32"
     kernel: str = "auto"
     seq_per_rank: int = 8
+    kv_exchange: str = "ring"  # how a ring group exchanges K/V: "ring" or "allgather"
 
     @property
     def name(self) -> str:
+        exchange = "" if self.kv_exchange == "ring" else f"-{self.kv_exchange}"
         return (
             f"{self.impl}{self.ring}x{self.ulysses}-h{self.heads}k{self.kv_heads}-"
-            f"{'causal' if self.causal else 'full'}-{self.docs}-{self.dtype}-{self.kernel}"
+            f"{'causal' if self.causal else 'full'}-{self.docs}-{self.dtype}-{self.kernel}{exchange}"
         )
 
 
@@ -118,6 +120,12 @@ def _ring_cases(world: int) -> list[Case]:
         Case("ring", world, 1, 4, 2, causal=True, docs="packed"),
         Case("ring", world, 1, 4, 2, causal=False, docs="padded"),
     ]
+    # The same sequences with K/V all gathered instead of passed around.
+    cases += [
+        Case("ring", world, 1, heads, kv, causal=causal, docs=docs, kv_exchange="allgather")
+        for causal in (True, False)
+        for heads, kv, docs in ((4, 4, "none"), (4, 1, "none"), (4, 2, "packed"), (4, 2, "padded"))
+    ]
     return cases
 
 
@@ -126,6 +134,7 @@ CASES: dict[int, list[Case]] = {
     + [
         Case("ring", 2, 1, 4, 2, causal=True, docs="padded", kernel="math"),
         Case("ring", 2, 1, 4, 1, causal=True, dtype="bfloat16"),
+        Case("ring", 2, 1, 4, 1, causal=True, dtype="bfloat16", kv_exchange="allgather"),
         Case("ring", 2, 1, 4, 2, causal=True, docs="packed", dtype="float16"),
         Case("ulysses", 1, 2, 4, 4, causal=True),
         Case("ulysses", 1, 2, 4, 2, causal=False),
@@ -146,19 +155,23 @@ CASES: dict[int, list[Case]] = {
         Case("hybrid", 2, 2, 4, 2, causal=False),
         Case("hybrid", 2, 2, 4, 1, causal=True, docs="packed"),
         Case("hybrid", 2, 2, 4, 2, causal=False, docs="padded"),
+        Case("hybrid", 2, 2, 4, 2, causal=True, docs="packed", kv_exchange="allgather"),
         Case("build", 2, 2, 4, 2, causal=True, docs="packed"),
+        Case("build", 2, 2, 4, 1, causal=True, docs="padded", kv_exchange="allgather"),
     ],
 }
 
-# (label, impl, ring, ulysses, docs) of one forward+backward whose transfers are counted.
-COUNTED: dict[int, list[tuple[str, str, int, int, str]]] = {
-    2: [("ring2", "ring", 2, 1, "none"), ("ulysses2", "ulysses", 1, 2, "none")],
+# (label, impl, ring, ulysses, docs, kv_exchange) of one forward+backward whose transfers are counted.
+COUNTED: dict[int, list[tuple[str, str, int, int, str, str]]] = {
+    2: [("ring2", "ring", 2, 1, "none", "ring"), ("ulysses2", "ulysses", 1, 2, "none", "ring")],
     4: [
-        ("ring4", "ring", 4, 1, "none"),
-        ("ring4-docs", "ring", 4, 1, "packed"),
-        ("ulysses4", "ulysses", 1, 4, "none"),
-        ("ulysses4-docs", "ulysses", 1, 4, "packed"),
-        ("hybrid2x2", "hybrid", 2, 2, "none"),
+        ("ring4", "ring", 4, 1, "none", "ring"),
+        ("ring4-docs", "ring", 4, 1, "packed", "ring"),
+        ("ring4-allgather", "ring", 4, 1, "none", "allgather"),
+        ("ring4-allgather-docs", "ring", 4, 1, "packed", "allgather"),
+        ("ulysses4", "ulysses", 1, 4, "none", "ring"),
+        ("ulysses4-docs", "ulysses", 1, 4, "packed", "ring"),
+        ("hybrid2x2", "hybrid", 2, 2, "none", "ring"),
     ],
 }
 
@@ -200,13 +213,16 @@ def _attend(
 ) -> Tensor:
     ring_group, ulysses_group = groups(case_ring, case_ulysses)
     kernel = kw.pop("kernel", "auto")
+    exchange = kw.pop("kv_exchange", "ring")
     if impl == "ring":
-        return ring_attention(q, k, v, group=ring_group, kernel=kernel, **kw)
+        return ring_attention(q, k, v, group=ring_group, kernel=kernel, kv_exchange=exchange, **kw)
     if impl == "ulysses":
         return ulysses_attention(q, k, v, group=ulysses_group, kernel=kernel, **kw)
     if impl == "hybrid":
-        return hybrid_attention(q, k, v, ring_group=ring_group, ulysses_group=ulysses_group, kernel=kernel, **kw)
-    fn = build_attention("hybrid", kernel, ring_group=ring_group, ulysses_group=ulysses_group)
+        return hybrid_attention(
+            q, k, v, ring_group=ring_group, ulysses_group=ulysses_group, kernel=kernel, kv_exchange=exchange, **kw
+        )
+    fn = build_attention("hybrid", kernel, ring_group=ring_group, ulysses_group=ulysses_group, kv_exchange=exchange)
     return fn(q, k, v, **kw)
 
 
@@ -242,7 +258,7 @@ def _run_case(case: Case, rank: int, groups: Groups) -> dict[str, Any]:
     doc = None if x["doc"] is None else shard(x["doc"])
     out = _attend(
         case.impl, groups, case.ring, case.ulysses, mine["q"], mine["k"], mine["v"],
-        causal=case.causal, doc_ids=doc, kernel=case.kernel,
+        causal=case.causal, doc_ids=doc, kernel=case.kernel, kv_exchange=case.kv_exchange,
     )
     out.backward(shard(x["dout"]).to(dtype))
 
@@ -258,7 +274,7 @@ def _run_case(case: Case, rank: int, groups: Groups) -> dict[str, Any]:
     return result
 
 
-def _count(impl: str, ring: int, ulysses: int, docs: str, rank: int, groups: Groups) -> dict[str, int]:
+def _count(impl: str, ring: int, ulysses: int, docs: str, exchange: str, rank: int, groups: Groups) -> dict[str, int]:
     case = Case(impl, ring, ulysses, 4, 2, docs=docs)
     x = _inputs(case)
 
@@ -268,7 +284,7 @@ def _count(impl: str, ring: int, ulysses: int, docs: str, rank: int, groups: Gro
     q, k, v = (shard(x[n]).float().requires_grad_() for n in ("q", "k", "v"))
     doc = None if x["doc"] is None else shard(x["doc"])
     with count_comm() as counts:
-        out = _attend(impl, groups, ring, ulysses, q, k, v, doc_ids=doc)
+        out = _attend(impl, groups, ring, ulysses, q, k, v, doc_ids=doc, kv_exchange=exchange)
         out.backward(shard(x["dout"]).float())
     return dict(counts)
 
@@ -327,8 +343,8 @@ def _rank_main(rank: int, world: int, store_path: str, out_dir: str) -> None:
     report: dict[str, Any] = {"cases": {}, "counts": {}, "peer": None}
     for case in CASES[world]:
         report["cases"][case.name] = _guarded(_run_case, case, rank, groups)
-    for label, impl, ring, uly, docs in COUNTED.get(world, []):
-        report["counts"][label] = _guarded(_count, impl, ring, uly, docs, rank, groups)
+    for label, impl, ring, uly, docs, exchange in COUNTED.get(world, []):
+        report["counts"][label] = _guarded(_count, impl, ring, uly, docs, exchange, rank, groups)
     if world in (2, 4):
         report["peer"] = _guarded(_deepspeed_peer, rank, groups)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
@@ -401,18 +417,23 @@ def test_matches_float64_reference(world: int, case: Case, reports: Callable[[in
             assert result[quantity] <= tolerance, f"rank {rank} {quantity}: max error {result[quantity]:.2e}"
 
 
-# Per rank and forward+backward. Ring of R: the forward passes K/V R-1 times; the backward
-# passes K/V R-1 times and dK/dV R times (the last brings each accumulator home); each pass is
-# one isend + one irecv of the packed K/V (doc ids add a pair in the forward). Ulysses: one
-# packed q/k/v all-to-all and one output all-to-all each way; doc ids add one all-gather.
+# Per rank and forward+backward, counted per tensor sent. Ring of R: the forward passes K/V R-1
+# times and the backward K/V R-1 times, each pass K and V as two messages of one group launch;
+# the backward passes the stacked dK/dV R times (the last brings each accumulator home):
+# 4 (R - 1) + R. All-gathered K/V: one all-gather of the stacked K/V and one reduce-scatter of
+# their gradients, whatever R. Ulysses: one packed q/k/v all-to-all and one output all-to-all
+# each way. Packed documents add one all-gather of the doc ids per forward, whatever the
+# implementation (no ids travel with the K/V).
 EXPECTED_COUNTS = {
-    2: {"ring2": {"isend": 4, "irecv": 4}, "ulysses2": {"all_to_all": 4}},
+    2: {"ring2": {"isend": 6, "irecv": 6}, "ulysses2": {"all_to_all": 4}},
     4: {
-        "ring4": {"isend": 10, "irecv": 10},
-        "ring4-docs": {"isend": 13, "irecv": 13},
+        "ring4": {"isend": 16, "irecv": 16},
+        "ring4-docs": {"isend": 16, "irecv": 16, "all_gather": 1},
+        "ring4-allgather": {"all_gather": 1, "reduce_scatter": 1},
+        "ring4-allgather-docs": {"all_gather": 2, "reduce_scatter": 1},
         "ulysses4": {"all_to_all": 4},
         "ulysses4-docs": {"all_to_all": 4, "all_gather": 1},
-        "hybrid2x2": {"all_to_all": 4, "isend": 4, "irecv": 4},
+        "hybrid2x2": {"all_to_all": 4, "isend": 6, "irecv": 6},
     },
 }
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ringtrain.train.attention import local_attention
-from ringtrain.train.attention.blocks import doc_visibility
-from ringtrain.train.attention.kernels import MATH, AttentionKernel, get_kernel, kernel_for_block
+from ringtrain.train.attention.documents import doc_visibility
+from ringtrain.train.attention.kernels import MATH, AttentionKernel, get_kernel
 from ringtrain.train.attention.merge import merge_partials
 
 from .support import FUSED, MARKS, cuda_kernel
@@ -84,13 +84,11 @@ def _packed_doc_ids(batch: int, seq: int) -> torch.Tensor:
 def test_masked_block_on_cuda_runs_efficient_and_matches_float64(
     dtype: torch.dtype, q_len: int, k_len: int, causal: bool, heads: int, kv_heads: int
 ) -> None:
-    """A document-masked block (a ring's half block when Q != S) leaves the full-matrix math
-    kernel for the efficient kernel's biased path: output, true LSE and gradients as float64."""
+    """The efficient kernel's biased path, the one fused CUDA kernel that takes a mask and
+    returns the LSE: output, true LSE (-inf for rows that see nothing) and gradients as float64."""
     efficient = cuda_kernel("sdpa_efficient", dtype)  # skips (fails when strict) if the op is missing
-    chosen = get_kernel("auto", device_type="cuda", dtype=dtype, head_dim=128)
     q, _, _, dout = _inputs(heads, kv_heads, seq=q_len, dtype=dtype)
     _, k, v, _ = _inputs(heads, kv_heads, seq=k_len, dtype=dtype)
-    assert kernel_for_block(chosen, masked=True, like=q) is efficient
     doc_BS = _packed_doc_ids(2, max(q_len, k_len))
     visible_BQS = doc_visibility(doc_BS[:, :q_len], doc_BS[:, :k_len])
     got = efficient.forward(q, k, v, causal=causal, scale=SCALE, visible_BQS=visible_BQS)
@@ -117,7 +115,7 @@ def test_masked_block_on_cuda_runs_efficient_and_matches_float64(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_local_attention_on_cuda_matches_float64(dtype: torch.dtype) -> None:
-    """``data.packing: doc`` on CUDA end to end: auto kernel, masked blocks, autograd."""
+    """``data.packing: doc`` on CUDA end to end: the auto kernel on each document's block, autograd."""
     q, k, v, dout = (t.requires_grad_() for t in _inputs(8, 2, dtype=dtype))
     doc_BS = _packed_doc_ids(2, q.shape[1])
     out = local_attention(q, k, v, causal=True, doc_ids=doc_BS)

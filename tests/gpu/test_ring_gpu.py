@@ -16,10 +16,12 @@ steps wide); a wrong block or LSE errs by 1e-1 or more.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from ringtrain.train.attention.kernels import MATH, AttentionKernel, default_scale
+from ringtrain.train.attention.kernels import MATH, AttentionKernel, default_scale, get_kernel
 
 from tests.emulated_cp import emulated_ring
 from .support import CUDA_KERNELS, MARKS, cuda_kernel
@@ -56,13 +58,15 @@ def _monolithic(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: to
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize(("world", "seq"), RINGS, ids=[f"ring{w}" for w, _ in RINGS])
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
 def test_emulated_ring_matches_monolithic_and_math(
-    name: str, head_dim: int, causal: bool, world: int, seq: int
+    name: str, head_dim: int, causal: bool, world: int, seq: int, kv_exchange: str
 ) -> None:
     kernel = cuda_kernel(name, head_dim=head_dim)
     q, k, v, dout = _inputs(seq, head_dim)
     scale = default_scale(head_dim)
-    ring = emulated_ring(q, k, v, dout, world=world, kernel=kernel, causal=causal, scale=scale)
+    ring = emulated_ring(q, k, v, dout, world=world, kernel=kernel, causal=causal, scale=scale,
+                         kv_exchange=kv_exchange)
     got = {"out": ring.out_BSHD, "dq": ring.dq_BSHD, "dk": ring.dk_BSKD, "dv": ring.dv_BSKD}
     mono = _monolithic(kernel, q, k, v, dout, causal=causal, scale=scale)
     # The reference: fp32 math on the same (bf16-rounded) inputs.
@@ -79,3 +83,46 @@ def test_emulated_ring_matches_monolithic_and_math(
         )
         # The ring and the kernel over the whole sequence, each within its bound of the reference.
         assert _rel(got[quantity], mono[quantity]) <= bound + max(mono_err, FLOOR[quantity]), quantity
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_packed_documents_through_the_emulated_ring_match_math(kv_exchange: str) -> None:
+    """Blocks cut at document boundaries on the fastest kernel, merged across the ring, against
+    the fp32 math kernel over the whole sequence under the documents' mask."""
+    from ringtrain.train.attention.documents import doc_visibility
+
+    kernel = get_kernel("auto", device_type="cuda", dtype=torch.bfloat16, head_dim=128)  # the fastest here
+    q, k, v, dout = _inputs(1024, 128)
+    doc = torch.zeros(BATCH, 1024, dtype=torch.long, device="cuda")
+    doc[:, 300:] = 1
+    doc[:, 700:] = 2
+    doc[1, -5:] = -1
+    scale = default_scale(128)
+    ring = emulated_ring(q, k, v, dout, world=4, kernel=kernel, causal=True, scale=scale, doc_ids_BS=doc,
+                         kv_exchange=kv_exchange)
+    visible = doc_visibility(doc, doc)
+    ref = MATH.forward(*(t.float() for t in (q, k, v)), causal=True, scale=scale, visible_BQS=visible)
+    ref_grads = MATH.backward(dout.float(), *(t.float() for t in (q, k, v)), ref.out_BQHD, ref.lse_BHQ, None,
+                              causal=True, scale=scale, visible_BQS=visible)
+    for got, want in zip((ring.out_BSHD, ring.dq_BSHD, ring.dk_BSKD, ring.dv_BSKD), (ref.out_BQHD, *ref_grads)):
+        assert _rel(got, want) <= 3e-2, _rel(got, want)
+
+
+def test_the_triton_merge_equals_the_torch_merge_on_cuda() -> None:
+    """The compiled kernel of merge.merge_into_ on the rows of a strided view, empty rows included."""
+    from ringtrain.train.attention import merge
+
+    if merge._triton_merge() is None:
+        pytest.fail("triton is not importable on this CUDA machine", pytrace=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = torch.randn(2, 512, 8, 128, generator=gen, device="cuda")
+    lse = torch.randn(2, 8, 512, generator=gen, device="cuda")
+    blk_out = torch.randn(2, 256, 8, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    blk_lse = torch.randn(2, 8, 256, generator=gen, device="cuda")
+    blk_lse[:, :, :3] = -math.inf
+    lse[:, :, 256:259] = -math.inf
+    rows = slice(256, None)
+    want_out, want_lse = merge.merge_partials(out[:, rows], lse[:, :, rows], blk_out, blk_lse)
+    merge.merge_into_(out[:, rows], lse[:, :, rows], blk_out, blk_lse)
+    torch.testing.assert_close(out[:, rows], want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:, :, rows], want_lse, rtol=1e-5, atol=1e-5)

@@ -16,14 +16,18 @@ from tests.hf_models import ARCHS
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 SEQ = 64
+# impl, cp, ulysses, how the ring exchanges K/V
 LAYOUTS = {
-    "ring-cp2": ("ring", 2, 1),
-    "ulysses-cp2": ("ulysses", 2, 2),
-    "hybrid-cp4": ("hybrid", 4, 2),
+    "ring-cp2": ("ring", 2, 1, "ring"),
+    "ring-cp2-allgather": ("ring", 2, 1, "allgather"),
+    "ulysses-cp2": ("ulysses", 2, 2, "ring"),
+    "hybrid-cp4": ("hybrid", 4, 2, "ring"),
 }
 
 
-def _rank_main(rank: int, world: int, store: str, impl: str, ulysses: int, folders: dict[str, str], results: mp.Queue) -> None:
+def _rank_main(
+    rank: int, world: int, store: str, impl: str, ulysses: int, exchange: str, folders: dict[str, str], results: mp.Queue
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -39,7 +43,9 @@ def _rank_main(rank: int, world: int, store: str, impl: str, ulysses: int, folde
     with gloo_rank(rank, world, store, results):
         topology = Topology(1, world, ulysses)
         mesh = build_mesh(topology, rank)
-        attention = build_attention(impl, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
+        attention = build_attention(
+            impl, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group, kv_exchange=exchange
+        )
         c = mesh.coord
         pos = torch.tensor(sequence_positions(SEQ, topology.ring, topology.ulysses, c.ring_idx, c.ulysses_idx))
         ids = tokens(2, SEQ)
@@ -75,8 +81,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
 def test_context_parallel_logits_equal_transformers(layout: str, folders: dict[str, str], tmp_path: Path) -> None:
-    impl, cp, ulysses = LAYOUTS[layout]
-    gaps = run_ranks(_rank_main, cp, tmp_path, impl, ulysses, folders)
+    impl, cp, ulysses, exchange = LAYOUTS[layout]
+    gaps = run_ranks(_rank_main, cp, tmp_path, impl, ulysses, exchange, folders)
     assert set(gaps) == set(folders)
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] < 1e-5, f"{worst}: {gaps[worst]:.2e}"

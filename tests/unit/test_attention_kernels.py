@@ -12,7 +12,8 @@ import torch
 
 from ringtrain.train.attention import kernels, sdpa_kernels
 from ringtrain.train.attention.block_kernel import BlockCall
-from ringtrain.train.attention.blocks import block_backward, block_forward, doc_visibility
+from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.documents import doc_visibility
 from ringtrain.train.attention.kernels import (
     KERNEL_OPS,
     MATH,
@@ -24,10 +25,8 @@ from ringtrain.train.attention.kernels import (
     SdpaEfficientKernel,
     SdpaFlashKernel,
     available_kernels,
-    kernel_for_block,
     kernel_ops_fit,
     sdpa_takes_gqa,
-    select_block_kernel,
     select_kernel,
 )
 from ringtrain.train.attention.sdpa_kernels import mask_as_bias
@@ -284,63 +283,25 @@ def test_native_gqa_equals_the_repeat_path_on_cpu(
         torch.testing.assert_close(n, r, atol=tol, rtol=0)
 
 
-# ------------------------------------------------- masked blocks (packed documents) per device
+# ------------------------------------------------- packed documents
 
 
-@pytest.mark.parametrize(
-    ("chosen", "device", "dtype", "available", "want"),
-    [
-        # CUDA: a masked block leaves the mask-less fused kernel for the efficient one, LSE kept.
-        ("flash_attn", "cuda", torch.bfloat16, CUDA_ALL, "sdpa_efficient"),
-        ("sdpa_flash", "cuda", torch.float16, CUDA_ALL, "sdpa_efficient"),
-        ("sdpa_cudnn", "cuda", torch.bfloat16, CUDA_ALL, "sdpa_efficient"),
-        ("sdpa_efficient", "cuda", torch.float32, CUDA_ALL, "sdpa_efficient"),
-        # ... and to math where the efficient kernel cannot take the inputs or is not here.
-        ("flash_attn", "cuda", torch.float64, CUDA_ALL, "math"),
-        ("flash_attn", "cuda", torch.bfloat16, CUDA_ALL - {"sdpa_efficient"}, "math"),
-        ("math", "cuda", torch.bfloat16, CUDA_ALL, "math"),
-        # CPU: both kernels take masks; anything else goes to math, as before.
-        ("cpu_flash", "cpu", torch.float32, {"cpu_flash", "math"}, "cpu_flash"),
-        ("math", "cpu", torch.float32, {"cpu_flash", "math"}, "math"),
-        ("needs8", "cpu", torch.float32, {"cpu_flash", "math"}, "math"),
-        ("needs8", "mps", torch.float16, {"math"}, "math"),
-    ],
-)
-def test_a_masked_block_runs_on_a_kernel_that_takes_masks(
-    chosen: str, device: str, dtype: torch.dtype, available: frozenset[str], want: str
-) -> None:
-    got = select_block_kernel(chosen, masked=True, device_type=device, dtype=dtype, head_dim=128, available=available)
-    assert got == want
-
-
-@pytest.mark.parametrize("chosen", ["flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "math"])
-def test_an_unmasked_block_keeps_the_chosen_kernel(chosen: str) -> None:
-    got = select_block_kernel(
-        chosen, masked=False, device_type="cuda", dtype=torch.bfloat16, head_dim=128, available=CUDA_ALL
-    )
-    assert got == chosen
-
-
-def test_a_mask_capable_kernel_object_is_kept_for_masked_blocks() -> None:
-    spy = _Spy(native_gqa=True)  # a MathKernel under another name: takes masks, not registered
-    q = torch.zeros(1, 4, 2, 8)
-    assert kernel_for_block(spy, masked=True, like=q) is spy
-    assert kernel_for_block(_NeedsMultipleOf8(), masked=True, like=q) is MATH
-    needs8 = _NeedsMultipleOf8()
-    assert kernel_for_block(needs8, masked=False, like=q) is needs8
-
-
-def test_a_masked_block_through_a_maskless_kernel_equals_math() -> None:
+def test_a_block_cut_by_documents_runs_a_maskless_kernel_as_math_runs_the_mask() -> None:
+    """Packed documents reach no kernel as a mask: each document's rectangle runs unmasked (on a
+    kernel that takes none), and the whole equals math under the documents' mask."""
     q, k, v, dout = _qkvd()
     doc_BS = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 2, 2]])
     scale = q.shape[-1] ** -0.5
-    kw = dict(causal=True, scale=scale, q_doc_BQ=doc_BS, k_doc_BS=doc_BS)
+    kw = dict(causal=True, scale=scale, q_docs_BQ=doc_BS.numpy(), k_docs_BS=doc_BS.numpy())
     got = block_forward(_NeedsMultipleOf8(), q, k, v, **kw)
     want = MATH.forward(q, k, v, causal=True, scale=scale, visible_BQS=doc_visibility(doc_BS, doc_BS))
     torch.testing.assert_close(got.out_BQHD, want.out_BQHD, atol=1e-12, rtol=0)
     torch.testing.assert_close(got.lse_BHQ, want.lse_BHQ, atol=1e-12, rtol=0)
     grads = block_backward(_NeedsMultipleOf8(), dout, q, k, v, got.out_BQHD, got.lse_BHQ, got.aux, **kw)
-    assert all(g.isfinite().all() for g in grads)
+    ref = MATH.backward(dout, q, k, v, want.out_BQHD, want.lse_BHQ, None, causal=True, scale=scale,
+                        visible_BQS=doc_visibility(doc_BS, doc_BS))
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
     assert grads[0][0, -1].abs().max() == 0  # the padding token's query gets nothing
 
 

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
+from ringtrain.train.attention.blocks import block_backward, block_forward
 from ringtrain.train.attention.implementations import build_attention
 from ringtrain.train.attention.kernels import (
     MathKernel,
@@ -77,11 +78,13 @@ CUDA_KERNELS: dict[str, type[AttentionKernel]] = {
 
 
 def _doc_ids(seq: int) -> torch.Tensor:
-    """Two documents and two padding tokens, so masked blocks and empty rows both occur."""
+    """Two documents and two padding tokens, so cut blocks and empty rows both occur. On the CPU:
+    document ids never meet the compute tensors (blocks are cut by them on the host), and meta
+    ids would have no values to cut by."""
     doc = torch.zeros(B, seq, dtype=torch.long)
     doc[:, seq // 3 :] = 1
     doc[:, -2:] = -1
-    return doc.to(DEVICE)
+    return doc
 
 
 def _qkv(seq: int) -> list[torch.Tensor]:
@@ -96,28 +99,20 @@ def _on_device(*tensors: Optional[torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("name", CUDA_KERNELS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "docs"])
-def test_block_kernels_keep_to_their_inputs_device(name: str, causal: bool, masked: bool) -> None:
+@pytest.mark.parametrize("docs", [False, True], ids=["whole", "cut-by-documents"])
+def test_blocks_keep_to_their_inputs_device(name: str, causal: bool, docs: bool) -> None:
     kernel: AttentionKernel = CUDA_KERNELS[name]()
     q, k, v, dout = _qkv(128)
-    visible = None
+    cut = {} if not docs else {"q_docs_BQ": _doc_ids(128).numpy(), "k_docs_BS": _doc_ids(128).numpy()}
     with same_device():
-        if masked:
-            doc = _doc_ids(128)
-            visible = (doc[:, :, None] == doc[:, None, :]) & (doc >= 0)[:, :, None]
-            if not kernel.supports_mask:
-                kernel = MathKernel()  # where kernel_for_block sends a masked block on a device without CUDA
-        fwd = kernel.forward(q, k, v, causal=causal, scale=SCALE, visible_BQS=visible)
-        grads = kernel.backward(dout, q, k, v, fwd.out_BQHD, fwd.lse_BHQ, fwd.aux, causal=causal, scale=SCALE,
-                                visible_BQS=visible)
+        fwd = block_forward(kernel, q, k, v, causal=causal, scale=SCALE, **cut)
+        grads = block_backward(kernel, dout, q, k, v, fwd.out_BQHD, fwd.lse_BHQ, fwd.aux, causal=causal,
+                               scale=SCALE, **cut)
     assert _on_device(fwd.out_BQHD, fwd.lse_BHQ, *grads)
 
 
-# Packed documents only with the kernels that take masks: the others hand masked blocks on.
-RING_CASES = [(name, docs) for name, cls in CUDA_KERNELS.items() for docs in (False, True) if cls.supports_mask or not docs]
-
-
-@pytest.mark.parametrize(("name", "docs"), RING_CASES, ids=[f"{n}-{'packed' if d else 'unpacked'}" for n, d in RING_CASES])
+@pytest.mark.parametrize("name", CUDA_KERNELS)
+@pytest.mark.parametrize("docs", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_the_ring_keeps_to_its_inputs_device(name: str, docs: bool, causal: bool) -> None:
     """Every rank's ring forward and backward: half blocks, merges, travelling accumulators
@@ -129,15 +124,18 @@ def test_the_ring_keeps_to_its_inputs_device(name: str, docs: bool, causal: bool
     assert _on_device(ring.out_BSHD, ring.dq_BSHD, ring.dk_BSKD, ring.dv_BSKD)
 
 
-@pytest.mark.parametrize(("impl", "ring", "ulysses"), [("local", 1, 1), ("ring", 2, 1), ("ulysses", 1, 2),
-                                                       ("hybrid", 2, 2)])
+@pytest.mark.parametrize(("impl", "ring", "ulysses", "kv_exchange"),
+                         [("local", 1, 1, "ring"), ("ring", 2, 1, "ring"), ("ring", 2, 1, "allgather"),
+                          ("ulysses", 1, 2, "ring"), ("hybrid", 2, 2, "ring"), ("hybrid", 2, 2, "allgather")])
 @pytest.mark.parametrize("docs", [False, True], ids=["unpacked", "packed"])
-def test_each_implementation_keeps_to_its_inputs_device(impl: str, ring: int, ulysses: int, docs: bool) -> None:
+def test_each_implementation_keeps_to_its_inputs_device(
+    impl: str, ring: int, ulysses: int, kv_exchange: str, docs: bool
+) -> None:
     """Forward and backward through autograd, as the model calls it."""
     q, k, v, dout = _qkv(128)
     out, grads = emulated_attention(impl, q, k, v, dout, ring=ring, ulysses=ulysses, kernel="auto",
-                                    doc_ids_BS=_doc_ids(128) if docs else None, timeout_s=20.0,
-                                    rank_context=same_device)
+                                    doc_ids_BS=_doc_ids(128) if docs else None, kv_exchange=kv_exchange,
+                                    timeout_s=20.0, rank_context=same_device)
     assert grads is not None and _on_device(out, *grads)
 
 

@@ -17,6 +17,7 @@ from ringtrain.chaos import BITFLIP_TARGETS, FAULT_KINDS
 from ringtrain.config.schema import (
     ATTENTION_IMPLS,
     ATTENTION_KERNELS,
+    ATTENTION_KV_EXCHANGES,
     CHECKPOINTING_MODES,
     DEVICES,
     DTYPES,
@@ -40,6 +41,7 @@ def validate(job: JobConfig) -> None:
     _positive(job.mesh.cp, "mesh.cp")
     _one_of(job.attention.impl, ATTENTION_IMPLS, "attention.impl")
     _one_of(job.attention.kernel, ATTENTION_KERNELS, "attention.kernel")
+    _one_of(job.attention.kv_exchange, ATTENTION_KV_EXCHANGES, "attention.kv_exchange")
     _validate_cp_layout(job)
 
     validate_model(job)

@@ -27,6 +27,13 @@ AUTO_KERNEL = "auto"
 
 ATTENTION_BLOCK_KERNELS = ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "cpu_flash", "math")
 ATTENTION_KERNELS = (AUTO_KERNEL, *ATTENTION_BLOCK_KERNELS)
+
+
+# attention.kv_exchange: how a ring's ranks see each other's K/V: passed around the ring block by
+# block ("ring"), or all gathered at once ("allgather", for short blocks); "auto" picks by the
+# length of a rank's block (train/attention/allgather.py).
+KV_EXCHANGES = ("ring", "allgather")
+ATTENTION_KV_EXCHANGES = ("auto", *KV_EXCHANGES)
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NAN_POLICIES = ("skip", "retry", "abort")
@@ -174,6 +181,7 @@ class ZeroConfig:
 class AttentionConfig:
     impl: str = "ring"
     kernel: str = "auto"
+    kv_exchange: str = "auto"  # ATTENTION_KV_EXCHANGES
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Protocol
+from typing import Any, Iterator, Mapping, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ringtrain.config import JobConfig, checkpointing_mode
 from ringtrain.train import fused as ops
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.fused import FusedOps
 from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
 from ringtrain.train.offload import ActivationOffloader
@@ -41,7 +42,7 @@ class AttentionFn(Protocol):
         v: torch.Tensor,
         *,
         causal: bool = True,
-        doc_ids: Optional[torch.Tensor] = None,
+        doc_ids: Optional[Documents] = None,
     ) -> torch.Tensor: ...
 
 
@@ -143,7 +144,7 @@ class Attention(nn.Module):
         self.fused = fused
 
     def forward(
-        self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_BS: Optional[torch.Tensor] = None
+        self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None
     ) -> torch.Tensor:
         B, S, _ = x_BSE.shape
         q_BSX, k_BSX, v_BSX = ops.projections(x_BSE, (self.wq, self.wk, self.wv), self.fused)
@@ -153,7 +154,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHD, k_BSKD = self.q_norm(q_BSHD), self.k_norm(k_BSKD)
         q_BSHD, k_BSKD = ops.apply_rotary(q_BSHD, k_BSKD, cos, sin, self.fused)
-        out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True, doc_ids=doc_BS)
+        out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True, doc_ids=docs)
         return self.wo(out_BSHD.reshape(B, S, -1))
 
 
@@ -204,9 +205,9 @@ class Block(nn.Module):
         return self.feed_forward(self.ffn_norm(x))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_BS: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None
     ) -> torch.Tensor:
-        x = x + self.attention(self._attention_norm(x), cos, sin, doc_BS)
+        x = x + self.attention(self._attention_norm(x), cos, sin, docs)
         return x + self._mlp(x)
 
 
@@ -278,18 +279,24 @@ class Transformer(nn.Module):
             nn.init.normal_(p, mean=0.0, std=std / (2 * n_layers) ** 0.5 if is_residual_out else std)
 
     def hidden(
-        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, doc_ids_BS: Optional[torch.Tensor] = None
+        self,
+        input_ids_BS: torch.Tensor,
+        position_ids_BS: torch.Tensor,
+        doc_ids_BS: Optional[Union[torch.Tensor, Documents]] = None,
     ) -> torch.Tensor:
         """The final normed hidden states [B, S, E], before the output projection; ``doc_ids_BS``
         (packed documents) confines attention to each token's document."""
         cos, sin = self.rope.cos_sin(position_ids_BS)
+        # Once per forward: the ids' host copy and their gathers across the CP groups serve
+        # every layer (and the recomputation of any).
+        docs = Documents.of(doc_ids_BS)
         h_BSE = self.tok_embeddings(input_ids_BS)
         for i, layer in enumerate(self.layers):
             with self._offload(i, h_BSE.device):
                 if layer.checkpointing == "full" and self.training:
-                    h_BSE = checkpoint(layer, h_BSE, cos, sin, doc_ids_BS, use_reentrant=False)
+                    h_BSE = checkpoint(layer, h_BSE, cos, sin, docs, use_reentrant=False)
                 else:
-                    h_BSE = layer(h_BSE, cos, sin, doc_ids_BS)
+                    h_BSE = layer(h_BSE, cos, sin, docs)
         return self.norm(h_BSE)
 
     def _offload(self, index: int, device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -305,7 +312,7 @@ class Transformer(nn.Module):
         position_ids_BS: torch.Tensor,
         labels_BS: Optional[torch.Tensor] = None,
         *,
-        doc_ids_BS: Optional[torch.Tensor] = None,
+        doc_ids_BS: Optional[Union[torch.Tensor, Documents]] = None,
     ) -> torch.Tensor:
         """The logits [B, S, V]; with labels, the fp32 sum of the loss over labelled tokens
         (chunked when ``savers.loss_chunk_tokens`` is set), never the whole logits."""

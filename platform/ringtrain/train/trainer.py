@@ -18,6 +18,7 @@ import resource
 import time
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,7 @@ from ringtrain.checkpoint.wire import FragmentIndex, decode
 from ringtrain.config import ChaosConfig, JobConfig, checkpointing_mode
 from ringtrain.planner.recompute import Recompute, recompute_for
 from ringtrain.status import StepReport
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.fused import FusedOps
@@ -76,7 +78,13 @@ def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
     from ringtrain.train.attention import build_attention
 
     impl = job.attention.impl if mesh.topology.cp > 1 else "local"
-    return build_attention(impl, job.attention.kernel, ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
+    return build_attention(
+        impl,
+        job.attention.kernel,
+        ring_group=mesh.ring_group,
+        ulysses_group=mesh.ulysses_group,
+        kv_exchange=job.attention.kv_exchange,
+    )
 
 
 def resolve_recompute(job: JobConfig, device: Optional[torch.device]) -> Recompute:
@@ -229,9 +237,12 @@ class Trainer:
         # pageable memory it would stage through a bounce buffer and block the host until done.
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _docs(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """The model's document-id argument under document packing, else nothing."""
-        return {} if mb.doc_ids is None else {"doc_ids_BS": self._tensor(mb.doc_ids)}
+    def _docs(self, mb: MicroBatch) -> dict[str, Documents]:
+        """The model's document-id argument under document packing, else nothing: the ids on the
+        device, and the host copy the batch already is (the blocks are cut by it)."""
+        if mb.doc_ids is None:
+            return {}
+        return {"doc_ids_BS": Documents(self._tensor(mb.doc_ids), np.asarray(mb.doc_ids))}
 
     def _count_labels(self, batches: Sequence[MicroBatch]) -> float:
         """The labels of the whole step, over every rank (one scalar all-reduce)."""

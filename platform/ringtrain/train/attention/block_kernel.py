@@ -269,8 +269,12 @@ class AttentionKernel:
         _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
         # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
         # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
-        # gets zero gradient through fused and explicit kernels alike.
-        lse_BHQ = lse_BHQ.masked_fill(lse_BHQ == -math.inf, math.inf).contiguous()
+        # gets zero gradient through fused and explicit kernels alike. Only a mask leaves a row
+        # empty (a square causal block always shows a row its own key): unmasked, the LSE
+        # goes through as it is, and contiguous, as callers that keep it contiguous pass it.
+        if visible_BQS is not None:
+            lse_BHQ = lse_BHQ.masked_fill(lse_BHQ == -math.inf, math.inf)
+        lse_BHQ = lse_BHQ.contiguous()
         head_dim = q_BQHD.shape[-1]
         dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD = (
             _pad_head_dim(t, self.pad_head_dim_to) for t in (dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD)

@@ -1,7 +1,9 @@
-"""The attention package's only door to torch.distributed: ring P2P, all-to-all, all-gather.
+"""The attention package's only door to torch.distributed: ring P2P, all-to-all, all-gather,
+reduce-scatter.
 
 Every transfer the attention code issues goes through a function here and is tallied by kind
-("isend", "irecv", "all_to_all", "all_gather") into any active ``count_comm()`` counter, so a
+("isend", "irecv", "all_to_all", "all_gather", "reduce_scatter") into any active
+``count_comm()`` counter, so a
 test can pin the exact number of transfers per forward+backward and catch a regression that
 adds a round trip.
 
@@ -96,6 +98,22 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup) -
     """Equal-split all-to-all along dim 0: slice ``i`` of ``input`` goes to rank ``i``."""
     _record("all_to_all")
     dist.all_to_all_single(output, input, group=group)
+
+
+def all_gather_stacked(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x``, stacked in group-rank order: ``[U, *x.shape]``."""
+    _record("all_gather")
+    out = torch.empty((group_size(group), *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_stacked(x_U: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The sum over ranks of slice ``u`` of every rank's ``[U, ...]`` ``x``, on rank ``u``."""
+    _record("reduce_scatter")
+    out = torch.empty(x_U.shape[1:], dtype=x_U.dtype, device=x_U.device)
+    dist.reduce_scatter(out, [part.contiguous() for part in x_U.unbind(0)], group=group)
+    return out
 
 
 def all_gather_seq(x_BS: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

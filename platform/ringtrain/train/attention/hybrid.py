@@ -11,11 +11,12 @@ Shape legend: B batch, s local sequence, H query heads, K key/value heads, D hea
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import KernelArg
 from ringtrain.train.attention.local import check_qkv
 from ringtrain.train.attention.ring import ring_attention
@@ -32,26 +33,32 @@ def hybrid_attention(
     ring_group: Optional[ProcessGroup],
     ulysses_group: Optional[ProcessGroup],
     causal: bool = True,
-    doc_ids: Optional[Tensor] = None,
+    doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
+    kv_exchange: str = "ring",
 ) -> Tensor:
     """Attention over the CP group's sequence from this rank's part ([B, s, ...] in, [B, s, H, D] out).
 
     ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).
     ``ulysses_group``: the U ranks with this rank's ring index (group rank = Ulysses index).
-    Either of one rank (or None) degrades to pure Ulysses or pure ring.
+    Either of one rank (or None) degrades to pure Ulysses or pure ring. ``kv_exchange``: how the
+    ring group exchanges K/V (``ring.ring_attention``).
     """
     check_qkv(q, k, v, doc_ids)
     if group_size(ulysses_group) == 1:
-        return ring_attention(q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+        return ring_attention(
+            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, kv_exchange=kv_exchange
+        )
     if group_size(ring_group) == 1:
         return ulysses_attention(
             q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale
         )
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], scale: float) -> Tensor:
-        return ring_attention(q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float) -> Tensor:
+        return ring_attention(
+            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, kv_exchange=kv_exchange
+        )
 
     assert ulysses_group is not None
     return all_to_all_attention(attend, q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, scale=scale)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 
 from ringtrain.config import ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL
+from ringtrain.train.attention.allgather import kv_exchange_for
 from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.hybrid import hybrid_attention
 from ringtrain.train.attention.kernels import check_kernel_name, keyed_by
 from ringtrain.train.attention.local import local_attention
@@ -42,8 +44,9 @@ class ImplFn(Protocol):
         ring_group: Optional[ProcessGroup],
         ulysses_group: Optional[ProcessGroup],
         causal: bool,
-        doc_ids: Optional[Tensor],
+        doc_ids: Optional[Union[Tensor, Documents]],
         kernel: str,
+        kv_exchange: str,
     ) -> Tensor: ...
 
 
@@ -55,10 +58,13 @@ def _ring(
     ring_group: Optional[ProcessGroup],
     ulysses_group: Optional[ProcessGroup],
     causal: bool,
-    doc_ids: Optional[Tensor],
+    doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
+    kv_exchange: str,
 ) -> Tensor:
-    return ring_attention(q_BSHD, k_BSKD, v_BSKD, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel)
+    return ring_attention(
+        q_BSHD, k_BSKD, v_BSKD, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, kv_exchange=kv_exchange
+    )
 
 
 def _ulysses(
@@ -69,8 +75,9 @@ def _ulysses(
     ring_group: Optional[ProcessGroup],
     ulysses_group: Optional[ProcessGroup],
     causal: bool,
-    doc_ids: Optional[Tensor],
+    doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
+    kv_exchange: str,
 ) -> Tensor:
     return ulysses_attention(
         q_BSHD, k_BSKD, v_BSKD, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel
@@ -85,8 +92,9 @@ def _local(
     ring_group: Optional[ProcessGroup],
     ulysses_group: Optional[ProcessGroup],
     causal: bool,
-    doc_ids: Optional[Tensor],
+    doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
+    kv_exchange: str,
 ) -> Tensor:
     return local_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, doc_ids=doc_ids, kernel=kernel)
 
@@ -118,16 +126,22 @@ class ContextParallelAttention:
     """``fn(q_BSHD, k_BSKD, v_BSKD, *, causal=True, doc_ids=None) -> out_BSHD`` for one CP layout."""
 
     def __init__(
-        self, impl: str, kernel: str, ring_group: Optional[ProcessGroup], ulysses_group: Optional[ProcessGroup]
+        self,
+        impl: str,
+        kernel: str,
+        ring_group: Optional[ProcessGroup],
+        ulysses_group: Optional[ProcessGroup],
+        kv_exchange: str = "auto",
     ) -> None:
         self.impl = impl
         self.kernel = kernel
+        self.kv_exchange = kv_exchange
         self.ring_group = ring_group
         self.ulysses_group = ulysses_group
         self._run = IMPLEMENTATIONS[impl].run
 
     def __call__(
-        self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: Optional[Tensor] = None
+        self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: Optional[Union[Tensor, Documents]] = None
     ) -> Tensor:
         return self._run(
             q_BSHD,
@@ -138,29 +152,37 @@ class ContextParallelAttention:
             causal=causal,
             doc_ids=doc_ids,
             kernel=self.kernel,
+            kv_exchange=self.kv_exchange,
         )
 
     def __repr__(self) -> str:
         return (
-            f"ContextParallelAttention(impl={self.impl!r}, kernel={self.kernel!r}, "
+            f"ContextParallelAttention(impl={self.impl!r}, kernel={self.kernel!r}, kv_exchange={self.kv_exchange!r}, "
             f"ring={group_size(self.ring_group)}, ulysses={group_size(self.ulysses_group)})"
         )
 
 
 def build_attention(
-    impl: str, kernel: str, *, ring_group: Optional[ProcessGroup], ulysses_group: Optional[ProcessGroup]
+    impl: str,
+    kernel: str,
+    *,
+    ring_group: Optional[ProcessGroup],
+    ulysses_group: Optional[ProcessGroup],
+    kv_exchange: str = "auto",
 ) -> ContextParallelAttention:
     """The attention function for ``impl`` in IMPLS with block kernel ``kernel`` in KERNEL_NAMES.
 
     ``ring_group`` / ``ulysses_group`` are this rank's groups (None counts as one rank); "ring"
     needs a Ulysses group of one, "ulysses" a ring group of one, "local" both. The kernel name is
-    checked now; which kernel "auto" means is decided per call from the inputs' device and dtype.
+    checked now; which kernel "auto" means is decided per call from the inputs' device and dtype,
+    and which K/V exchange ``kv_exchange="auto"`` means from the ring's block length.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl {impl!r} is unknown; choose one of {', '.join(IMPLS)}")
     check_kernel_name(kernel)
+    kv_exchange_for(kv_exchange, 0)  # refuses an unknown name now, not at the first call
     ring, ulysses = group_size(ring_group), group_size(ulysses_group)
     spec = IMPLEMENTATIONS[impl]
     if (ring > 1 and not spec.multi_rank_ring) or (ulysses > 1 and not spec.multi_rank_ulysses):
         raise ValueError(f"attention impl {impl!r} " + spec.refusal.format(ring=ring, ulysses=ulysses))
-    return ContextParallelAttention(impl, kernel, ring_group, ulysses_group)
+    return ContextParallelAttention(impl, kernel, ring_group, ulysses_group, kv_exchange)

@@ -2,10 +2,11 @@
 
 The names are config's (``ATTENTION_KERNELS``: "auto" and ``ATTENTION_BLOCK_KERNELS``); each
 names one ``AttentionKernel`` class, which declares what it takes (``spec``), the aten ops it
-calls (``ops``) and whether it runs here (``runs_here``). Choosing is pure (``select_kernel``,
-``select_block_kernel``: names, device, dtype, head dim and what the runtime offers in, a name
-out); ``get_kernel``/``resolve_kernel``/``kernel_for_block`` add the runtime's probe and hand
-out the (stateless, shared) kernel objects.
+calls (``ops``) and whether it runs here (``runs_here``). Choosing is pure (``select_kernel``:
+names, device, dtype, head dim and what the runtime offers in, a name out);
+``get_kernel``/``resolve_kernel`` add the runtime's probe and hand out the (stateless, shared)
+kernel objects. Packed documents need no mask-capable kernel: ``blocks`` cuts their blocks into
+unmasked ones.
 
 This module is also the kernels' front door: what callers outside the package need to run a
 kernel (``AttentionKernel``, ``BlockOutput``, ``default_scale``, the kernel classes) is
@@ -52,7 +53,6 @@ __all__ = [
     "KERNEL_NAMES",
     "KERNEL_OPS",
     "KERNEL_SPECS",
-    "MASKED_ORDER",
     "MATH",
     "NO_LSE",
     "UNAVAILABLE",
@@ -74,12 +74,10 @@ __all__ = [
     "default_scale",
     "device_capability",
     "get_kernel",
-    "kernel_for_block",
     "kernel_ops_fit",
     "platform_of",
     "resolve_kernel",
     "sdpa_takes_gqa",
-    "select_block_kernel",
     "select_kernel",
 ]
 
@@ -126,13 +124,6 @@ AUTO_ORDER: Mapping[str, tuple[str, ...]] = {
     "cuda": ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "math"),
     "cpu": ("cpu_flash", "math"),
 }
-# Where a masked block goes when the kernel chosen for the layer takes no mask, best first;
-# "math" (any mask, any device, but the whole score matrix) closes every list. On CUDA the
-# efficient kernel takes the mask as an additive bias and keeps the LSE the ring merge needs.
-MASKED_ORDER: Mapping[str, tuple[str, ...]] = {
-    "cuda": ("sdpa_efficient",),
-}
-
 # Names someone might reasonably try that cannot serve context parallelism.
 NO_LSE: Mapping[str, str] = {
     "sdpa": "torch.nn.functional.scaled_dot_product_attention returns the output only, no log-sum-exp, "
@@ -209,31 +200,6 @@ def select_kernel(
     return name
 
 
-def select_block_kernel(
-    chosen: str,
-    *,
-    masked: bool,
-    device_type: str,
-    dtype: torch.dtype,
-    head_dim: int,
-    available: Collection[str],
-) -> str:
-    """The kernel one block runs on, when ``chosen`` is the layer's kernel; pure.
-
-    An unmasked block, or a masked one whose chosen kernel takes masks, stays on ``chosen``. A
-    masked block otherwise goes to the first kernel of ``MASKED_ORDER`` for the device that fits
-    the inputs and is ``available``, else to "math". ``chosen`` need not be a registered name
-    (a kernel object built by hand); an unknown one counts as taking no mask.
-    """
-    takes_mask = chosen in KERNEL_CLASSES and KERNEL_CLASSES[chosen].supports_mask
-    if not masked or takes_mask:
-        return chosen
-    for candidate in MASKED_ORDER.get(device_type, ()):
-        if _fits(candidate, device_type=device_type, dtype=dtype, head_dim=head_dim, available=available):
-            return candidate
-    return "math"
-
-
 def kernel_ops_fit(name: str, schema_of: SchemaLookup = aten_schema) -> bool:
     """Whether every op kernel ``name`` calls exists with the signature its call is written for."""
     return ops_fit(KERNEL_OPS.get(name, {}), schema_of)
@@ -274,22 +240,6 @@ def resolve_kernel(kernel: KernelArg, like: torch.Tensor) -> AttentionKernel:
     if isinstance(kernel, AttentionKernel):
         return kernel
     return get_kernel(kernel, device_type=like.device.type, dtype=like.dtype, head_dim=like.shape[-1])
-
-
-def kernel_for_block(kernel: AttentionKernel, *, masked: bool, like: torch.Tensor) -> AttentionKernel:
-    """The kernel a block with queries like ``like`` [B, Q, H, D] runs on (see ``select_block_kernel``)."""
-    if not masked or kernel.supports_mask:
-        return kernel
-    device_type = like.device.type
-    name = select_block_kernel(
-        kernel.name,
-        masked=masked,
-        device_type=device_type,
-        dtype=like.dtype,
-        head_dim=like.shape[-1],
-        available=available_kernels(device_type),
-    )
-    return _instance(name)
 
 
 MATH = _instance("math")

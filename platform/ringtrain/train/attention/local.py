@@ -7,11 +7,12 @@ Shape legend: B batch, S sequence, H query heads, K key/value heads, D head dim.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 
@@ -25,22 +26,23 @@ class _LocalAttention(torch.autograd.Function):
         q_BSHD: Tensor,
         k_BSKD: Tensor,
         v_BSKD: Tensor,
-        doc_BS: Optional[Tensor],
+        docs: Optional[Documents],
         causal: bool,
         kernel: AttentionKernel,
         scale: float,
     ) -> Tensor:
+        host_BS = None if docs is None else docs.host_BS
         res = block_forward(
-            kernel, q_BSHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_doc_BQ=doc_BS, k_doc_BS=doc_BS
+            kernel, q_BSHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_docs_BQ=host_BS, k_docs_BS=host_BS
         )
         out_BSHD = res.out_BQHD.to(q_BSHD.dtype)
-        ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, res.lse_BHQ, doc_BS)
-        ctx.aux, ctx.causal, ctx.kernel, ctx.scale = res.aux, causal, kernel, scale
+        ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, res.lse_BHQ)
+        ctx.aux, ctx.causal, ctx.kernel, ctx.scale, ctx.docs = res.aux, causal, kernel, scale, host_BS
         return out_BSHD
 
     @staticmethod
     def backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, doc_BS = ctx.saved_tensors
+        q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS = ctx.saved_tensors
         dq, dk, dv = block_backward(
             ctx.kernel,
             dout_BSHD,
@@ -52,13 +54,13 @@ class _LocalAttention(torch.autograd.Function):
             ctx.aux,
             causal=ctx.causal,
             scale=ctx.scale,
-            q_doc_BQ=doc_BS,
-            k_doc_BS=doc_BS,
+            q_docs_BQ=ctx.docs,
+            k_docs_BS=ctx.docs,
         )
         return dq.to(q_BSHD.dtype), dk.to(k_BSKD.dtype), dv.to(v_BSKD.dtype), None, None, None, None
 
 
-def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: Optional[Tensor]) -> None:
+def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: Optional[Union[Tensor, Documents]]) -> None:
     """Raise ValueError unless q, k, v (and doc ids) have consistent [B, S, heads, D] shapes."""
     if q_BSHD.dim() != 4 or k_BSKD.dim() != 4 or k_BSKD.shape != v_BSKD.shape:
         shapes = ", ".join(str(tuple(t.shape)) for t in (q_BSHD, k_BSKD, v_BSKD))
@@ -80,17 +82,18 @@ def local_attention(
     v_BSKD: Tensor,
     *,
     causal: bool = True,
-    doc_ids: Optional[Tensor] = None,
+    doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
 ) -> Tensor:
-    """Attention over this rank's whole sequence; ``doc_ids`` [B, S] confines it to documents."""
+    """Attention over this rank's whole sequence; ``doc_ids`` [B, S] (ids, or ``Documents``)
+    confines it to documents."""
     check_qkv(q_BSHD, k_BSKD, v_BSKD, doc_ids)
     return _LocalAttention.apply(
         q_BSHD,
         k_BSKD,
         v_BSKD,
-        doc_ids,
+        Documents.of(doc_ids),
         causal,
         resolve_kernel(kernel, q_BSHD),
         default_scale(q_BSHD.shape[-1]) if scale is None else scale,

@@ -1,9 +1,28 @@
 """Merging partial attention results over disjoint key sets through their log-sum-exps.
 
+With a = lse, b = blk_lse and m = max(a, b) (the online-softmax rescaling of Milakov &
+Gimelshein 2018, as used by FlashAttention-2, Dao 2023, Sec. 3.1):
+
+    lse' = m + log(e^(a-m) + e^(b-m))
+    out' = (e^(a-m) out + e^(b-m) blk_out) / (e^(a-m) + e^(b-m))
+
+Equivalent to the usual ``out - sigmoid(b - a) * (out - blk_out)``, but that form is NaN when
+a = b = -inf (a query row with no visible key in either part). Here m is replaced by 0 on such
+rows, both weights are 0, and the row stays at out 0, lse -inf.
+
+Two forms: ``merge_partials`` returns new fp32 tensors (the reference), and ``merge_into_``
+updates an fp32 accumulator in place, views included (a ring's half-block rows), so nothing is
+copied out and back. On CUDA, where Triton runs, ``merge_into_`` is one kernel
+(``merge_kernel``) instead of about twenty elementwise ones per merge.
+
 Shape legend: B batch, Q query rows, H heads, D head dim.
 """
 
 from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Optional
 
 import torch
 
@@ -13,18 +32,7 @@ Tensor = torch.Tensor
 def merge_partials(
     out_BQHD: Tensor, lse_BHQ: Tensor, blk_out_BQHD: Tensor, blk_lse_BHQ: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Combine two softmax-normalised partials ``(out, lse)``; returns fp32 ``(out, lse)``.
-
-    With a = lse, b = blk_lse and m = max(a, b) (the online-softmax rescaling of Milakov &
-    Gimelshein 2018, as used by FlashAttention-2, Dao 2023, Sec. 3.1):
-
-        lse' = m + log(e^(a-m) + e^(b-m))
-        out' = (e^(a-m) out + e^(b-m) blk_out) / (e^(a-m) + e^(b-m))
-
-    Equivalent to the usual ``out - sigmoid(b - a) * (out - blk_out)``, but that form is NaN
-    when a = b = -inf (a query row with no visible key in either part). Here m is replaced by 0
-    on such rows, both weights are 0, and the row stays at out 0, lse -inf.
-    """
+    """Combine two softmax-normalised partials ``(out, lse)``; returns fp32 ``(out, lse)``."""
     a, b = lse_BHQ.float(), blk_lse_BHQ.float()
     m = torch.maximum(a, b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -36,3 +44,27 @@ def merge_partials(
     wb_BQH1 = (wb * inv).transpose(1, 2).unsqueeze(-1)
     merged_out = wa_BQH1 * out_BQHD.float() + wb_BQH1 * blk_out_BQHD.float()
     return merged_out, merged_lse
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_merge() -> Optional[ModuleType]:
+    """The Triton kernel's module, or None where Triton cannot be imported."""
+    try:
+        from ringtrain.train.attention import merge_kernel
+    except ImportError:
+        return None
+    return merge_kernel
+
+
+def merge_into_(acc_out_BQHD: Tensor, acc_lse_BHQ: Tensor, blk_out_BQHD: Tensor, blk_lse_BHQ: Tensor) -> None:
+    """``(acc_out, acc_lse) <- merge(acc, blk)`` in place; the accumulators are fp32 (float64 LSEs
+    of float64 inputs too) and may be strided views of larger tensors, the block's output in any
+    float dtype."""
+    fp32 = acc_out_BQHD.dtype == acc_lse_BHQ.dtype == torch.float32
+    kernel = _triton_merge() if acc_out_BQHD.is_cuda and fp32 else None
+    if kernel is not None:
+        kernel.merge_into_(acc_out_BQHD, acc_lse_BHQ, blk_out_BQHD, blk_lse_BHQ)
+        return
+    out_BQHD, lse_BHQ = merge_partials(acc_out_BQHD, acc_lse_BHQ, blk_out_BQHD, blk_lse_BHQ)
+    acc_out_BQHD.copy_(out_BQHD)
+    acc_lse_BHQ.copy_(lse_BHQ)

@@ -13,41 +13,39 @@ flight (async P2P) while the current one computes. Partial outputs merge in fp32
 log-sum-exps. The backward sends K/V around again, and with them the fp32 dK/dV accumulator of
 each block, which reaches its owner after a full turn.
 
-K/V travel unexpanded (K heads, not H): the kernel handles GQA. With packed documents the
-doc ids of each K/V block travel with it in the forward, and are kept for the backward.
+K/V travel unexpanded (K heads, not H): the kernel handles GQA. K and V go as two messages of
+one group launch (no stacked copy); the partial outputs merge in place into the fp32
+accumulator's rows (``merge.merge_into_``, one kernel on CUDA). With packed documents every
+rank's document ids are gathered once per forward (``documents.Documents``), so a visiting K/V
+block's documents are known without travelling with it, and each block is cut at document
+boundaries on the host (``blocks``).
 
 Shape legend: B batch, S local sequence (two zigzag chunks of S/2), H query heads, K key/value
-heads, D head dim; ``kv_2BSKD`` is K and V stacked so they travel as one message.
+heads, D head dim; ``dkv_2BSKD`` is the fp32 dK and dV accumulators of one K/V block, stacked so
+they travel as one message.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
-from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.allgather import allgather_attention, kv_exchange_for
+from ringtrain.train.attention.blocks import Block, block_backward, block_forward
 from ringtrain.train.attention.comm import ProcessGroup, RingExchange, group_size
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.local import check_qkv, local_attention
-from ringtrain.train.attention.merge import merge_partials
+from ringtrain.train.attention.merge import merge_into_
 
 Tensor = torch.Tensor
 
 # One tag per stream of transfers (see RingExchange); a stream of n tensors uses tag..tag+n-1.
 _KV_TAG = 0
 _DKV_TAG = 8
-
-
-@dataclass(frozen=True)
-class Block:
-    """Which local query rows attend to which columns of the visiting K/V, and how."""
-
-    rows: slice
-    cols: slice
-    causal: bool
 
 
 _ALL = slice(None)
@@ -65,8 +63,18 @@ def zigzag_block(source: int, rank: int, seq_local: int, *, causal: bool) -> Blo
     return Block(slice(half, None), _ALL, causal=False)
 
 
-def _sub(x_BS: Optional[Tensor], index: slice) -> Optional[Tensor]:
-    return None if x_BS is None else x_BS[:, index]
+def _block_docs(shard_docs: Optional[list[np.ndarray]], rank: int, source: int, blk: Block) -> dict[str, Any]:
+    """``block_forward``/``block_backward``'s documents of a block of rank ``rank``'s rows against
+    the K/V of ring rank ``source``, from every rank's shard of them; none without documents."""
+    if shard_docs is None:
+        return {}
+    return {"q_docs_BQ": shard_docs[rank][:, blk.rows], "k_docs_BS": shard_docs[source][:, blk.cols]}
+
+
+def _row_lses(lse_BHS: Tensor, seq_local: int) -> dict[Optional[int], Tensor]:
+    """The LSE of each row set a block can have (every row, the second half), contiguous, made
+    once per backward rather than once per block (the kernels' backward ops take it contiguous)."""
+    return {None: lse_BHS.contiguous(), seq_local // 2: lse_BHS[:, :, seq_local // 2 :].contiguous()}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -76,7 +84,7 @@ class _RingAttention(torch.autograd.Function):
         q_BSHD: Tensor,
         k_BSKD: Tensor,
         v_BSKD: Tensor,
-        doc_BS: Optional[Tensor],
+        docs: Optional[Documents],
         group: ProcessGroup,
         causal: bool,
         kernel: AttentionKernel,
@@ -84,61 +92,54 @@ class _RingAttention(torch.autograd.Function):
     ) -> Tensor:
         ring = RingExchange(group)
         seq_local = q_BSHD.shape[1]
-        kv_2BSKD = torch.stack((k_BSKD, v_BSKD))
-        kv_doc_BS = None if doc_BS is None else doc_BS.contiguous()
-        kv_docs: list[Tensor] = [] if kv_doc_BS is None else [kv_doc_BS]
+        kv = [k_BSKD, v_BSKD]
+        # Every rank's documents on the host, gathered once per forward: a visiting block's are
+        # its source's, so no ids travel with the K/V.
+        shard_docs = None if docs is None else [shard.host_BS for shard in docs.shards(group)]
         auxes: list[Any] = []
         out_BSHD = lse_BHS = torch.empty(0)
 
         for step in range(ring.world):
             pending = None
             if step + 1 < ring.world:
-                next_kv_2BSKD = torch.empty_like(kv_2BSKD)
-                send, recv = [kv_2BSKD], [next_kv_2BSKD]
-                if kv_doc_BS is not None:
-                    next_kv_doc_BS = torch.empty_like(kv_doc_BS)
-                    send.append(kv_doc_BS)
-                    recv.append(next_kv_doc_BS)
-                pending = ring.start(send, recv, tag=_KV_TAG)
+                # K and V as separate messages of one group launch: no stacked copy.
+                next_kv = [torch.empty_like(t) for t in kv]
+                pending = ring.start(kv, next_kv, tag=_KV_TAG)
 
-            blk = zigzag_block((ring.rank - step) % ring.world, ring.rank, seq_local, causal=causal)
+            source = (ring.rank - step) % ring.world
+            blk = zigzag_block(source, ring.rank, seq_local, causal=causal)
             res = block_forward(
                 kernel,
                 q_BSHD[:, blk.rows],
-                kv_2BSKD[0][:, blk.cols],
-                kv_2BSKD[1][:, blk.cols],
+                kv[0][:, blk.cols],
+                kv[1][:, blk.cols],
                 causal=blk.causal,
                 scale=scale,
-                q_doc_BQ=_sub(doc_BS, blk.rows),
-                k_doc_BS=_sub(kv_doc_BS, blk.cols),
+                **_block_docs(shard_docs, ring.rank, source, blk),
             )
             auxes.append(res.aux)
             if step == 0:  # the diagonal block covers every row
                 out_BSHD, lse_BHS = res.out_BQHD.float(), res.lse_BHQ.clone()
-            else:
-                out_BSHD[:, blk.rows], lse_BHS[:, :, blk.rows] = merge_partials(
-                    out_BSHD[:, blk.rows], lse_BHS[:, :, blk.rows], res.out_BQHD, res.lse_BHQ
-                )
+            else:  # in place, into the rows' views: nothing copied out and back
+                merge_into_(out_BSHD[:, blk.rows], lse_BHS[:, :, blk.rows], res.out_BQHD, res.lse_BHQ)
 
             if pending is not None:
                 pending.wait()
-                kv_2BSKD = next_kv_2BSKD
-                if kv_doc_BS is not None:
-                    kv_doc_BS = next_kv_doc_BS
-                    kv_docs.append(kv_doc_BS)
+                kv = next_kv
 
         out_BSHD = out_BSHD.to(q_BSHD.dtype)
-        ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, *kv_docs)
+        ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS)
         ctx.group, ctx.causal, ctx.kernel, ctx.scale, ctx.auxes = group, causal, kernel, scale, auxes
+        ctx.shard_docs = shard_docs
         return out_BSHD
 
     @staticmethod
     def backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, *kv_docs = ctx.saved_tensors
+        q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS = ctx.saved_tensors
         ring = RingExchange(ctx.group)
         seq_local = q_BSHD.shape[1]
-        doc_BS = kv_docs[0] if kv_docs else None
-        kv_2BSKD = torch.stack((k_BSKD, v_BSKD))
+        row_lse = _row_lses(lse_BHS, seq_local)
+        kv = [k_BSKD, v_BSKD]
         dq_BSHD = torch.zeros(q_BSHD.shape, dtype=torch.float32, device=q_BSHD.device)
         dkv_2BSKD = next_dkv_2BSKD = torch.empty(0)
         dkv_pending = None
@@ -146,30 +147,30 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             kv_pending = None
             if step + 1 < ring.world:
-                next_kv_2BSKD = torch.empty_like(kv_2BSKD)
-                kv_pending = ring.start([kv_2BSKD], [next_kv_2BSKD], tag=_KV_TAG)
+                next_kv = [torch.empty_like(t) for t in kv]
+                kv_pending = ring.start(kv, next_kv, tag=_KV_TAG)
 
-            blk = zigzag_block((ring.rank - step) % ring.world, ring.rank, seq_local, causal=ctx.causal)
+            source = (ring.rank - step) % ring.world
+            blk = zigzag_block(source, ring.rank, seq_local, causal=ctx.causal)
             dq, dk, dv = block_backward(
                 ctx.kernel,
                 dout_BSHD[:, blk.rows],
                 q_BSHD[:, blk.rows],
-                kv_2BSKD[0][:, blk.cols],
-                kv_2BSKD[1][:, blk.cols],
+                kv[0][:, blk.cols],
+                kv[1][:, blk.cols],
                 out_BSHD[:, blk.rows],
-                lse_BHS[:, :, blk.rows],
+                row_lse[blk.rows.start],
                 ctx.auxes[step],
                 causal=blk.causal,
                 scale=ctx.scale,
-                q_doc_BQ=_sub(doc_BS, blk.rows),
-                k_doc_BS=_sub(kv_docs[step] if kv_docs else None, blk.cols),
+                **_block_docs(ctx.shard_docs, ring.rank, source, blk),
             )
             dq_BSHD[:, blk.rows] += dq
 
             # The accumulator of this K/V block arrives from the previous rank (which added its
             # share one step earlier); the diagonal step starts a fresh one.
             if dkv_pending is None:
-                dkv_2BSKD = torch.zeros(kv_2BSKD.shape, dtype=torch.float32, device=kv_2BSKD.device)
+                dkv_2BSKD = torch.zeros((2, *k_BSKD.shape), dtype=torch.float32, device=k_BSKD.device)
             else:
                 dkv_pending.wait()
                 dkv_2BSKD = next_dkv_2BSKD
@@ -178,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
 
             if kv_pending is not None:
                 kv_pending.wait()
-                kv_2BSKD = next_kv_2BSKD
+                kv = next_kv
             # After the last step the accumulator belongs to the next rank: this send brings it home.
             next_dkv_2BSKD = torch.empty_like(dkv_2BSKD)
             dkv_pending = ring.start([dkv_2BSKD], [next_dkv_2BSKD], tag=_DKV_TAG)
@@ -196,26 +197,31 @@ def ring_attention(
     *,
     group: Optional[ProcessGroup],
     causal: bool = True,
-    doc_ids: Optional[Tensor] = None,
+    doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
+    kv_exchange: str = "ring",
 ) -> Tensor:
     """Attention over the ring's whole sequence from this rank's zigzag shards.
 
     ``q`` [B, S, H, D], ``k``/``v`` [B, S, K, D] and ``doc_ids`` [B, S] are this rank's shard
     (rank r of ``group`` holds zigzag chunks r and 2R-1-r); returns this rank's output shard
     [B, S, H, D] in q's dtype. A ``group`` of None or of one rank is plain local attention.
+    ``kv_exchange``: K/V passed around the ring ("ring"), all gathered at once ("allgather",
+    allgather.py), or by the block's length ("auto", ``kv_exchange_for``).
     """
     check_qkv(q, k, v, doc_ids)
     if group_size(group) == 1:
         return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} is odd; a zigzag shard is two equal chunks")
-    return _RingAttention.apply(
+    assert group is not None
+    attend = _RingAttention.apply if kv_exchange_for(kv_exchange, q.shape[1]) == "ring" else allgather_attention
+    return attend(
         q,
         k.contiguous(),
         v.contiguous(),
-        doc_ids,
+        Documents.of(doc_ids),
         group,
         causal,
         resolve_kernel(kernel, q),

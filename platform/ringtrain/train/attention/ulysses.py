@@ -22,12 +22,13 @@ D head dim, U ranks in the Ulysses group, h heads per rank after the all-to-all.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
 from ringtrain.train.attention import comm
 from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.block_kernel import default_scale
 from ringtrain.train.attention.kernels import KernelArg
 from ringtrain.train.attention.local import check_qkv, local_attention
@@ -39,7 +40,7 @@ class SequenceAttention(Protocol):
     """Attention over a sequence that is complete (or ring-sharded) on this rank."""
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float
     ) -> Tensor: ...
 
 
@@ -123,7 +124,7 @@ def all_to_all_attention(
     *,
     group: ProcessGroup,
     causal: bool,
-    doc_ids: Optional[Tensor],
+    doc_ids: Optional[Union[Tensor, Documents]],
     scale: Optional[float],
 ) -> Tensor:
     """Run ``attend`` on the sequence gathered over ``group`` for a share of the heads."""
@@ -131,8 +132,9 @@ def all_to_all_attention(
     scale = default_scale(q_BsHD.shape[-1]) if scale is None else scale
     q_BsHD, k_BsKD, v_BsKD = spread_heads(q_BsHD, k_BsKD, v_BsKD, group_size(group))
     q_BShD, k_BSkD, v_BSkD = _SeqToHeads.apply(group, q_BsHD, k_BsKD, v_BsKD)
-    doc_BS = None if doc_ids is None else comm.all_gather_seq(doc_ids, group)
-    out_BShD = attend(q_BShD, k_BSkD, v_BSkD, causal=causal, doc_ids=doc_BS, scale=scale)
+    docs = Documents.of(doc_ids)
+    gathered = None if docs is None else docs.concatenated(group)
+    out_BShD = attend(q_BShD, k_BSkD, v_BSkD, causal=causal, doc_ids=gathered, scale=scale)
     out_BsHD = _HeadsToSeq.apply(group, out_BShD)
     return out_BsHD[:, :, :heads] if out_BsHD.shape[2] != heads else out_BsHD
 
@@ -144,7 +146,7 @@ def ulysses_attention(
     *,
     group: Optional[ProcessGroup],
     causal: bool = True,
-    doc_ids: Optional[Tensor] = None,
+    doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
 ) -> Tensor:
@@ -158,7 +160,7 @@ def ulysses_attention(
     if group_size(group) == 1:
         return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], scale: float) -> Tensor:
+    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float) -> Tensor:
         return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
 
     assert group is not None

@@ -1,0 +1,130 @@
+"""Packed documents: each token's document, on the device and the host, and how an attention
+block is cut at document boundaries into blocks without masks.
+
+A packed sequence holds documents end to end, and a query sees only keys of its own document
+(a negative id marks padding, which sees nothing and is seen by none). So a block of queries
+against keys is, document by document, the rectangle of that document's queries against its
+keys, and nothing else: each rectangle is an unmasked block that the fastest kernel runs as it
+is (causal where the block is), and no [Q, S] mask or bias is ever made. A document's tokens are
+contiguous in the sequence and every shard keeps the sequence's order, so a document is one run
+of a block's rows and one run of its columns (should a document come in several runs, each pair
+of runs is a rectangle and their partial results merge).
+
+The cut is computed on the host: ``Documents`` holds the ids on the device and, copied once, on
+the host; it slices like a tensor, and gathers across a group once per forward (the model makes
+one per forward; every layer, and its recomputation, shares it).
+
+Shape legend: B batch, S sequence, Q / K a block's rows / columns, U ranks in a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from ringtrain.train.attention import comm
+from ringtrain.train.attention.comm import ProcessGroup
+from ringtrain.train.attention.zigzag import zigzag_unshard
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The rectangle of one document in a block: batch row ``b``, ``rows`` of the queries
+    against ``cols`` of the keys."""
+
+    b: int
+    rows: slice
+    cols: slice
+
+
+def doc_visibility(q_doc_BQ: Tensor, k_doc_BS: Tensor) -> Tensor:
+    """``[B, Q, S]``: True where query and key belong to the same (non-padding) document. The
+    mask a block cut by documents never makes; kernels that take masks are checked against it."""
+    same_BQS = q_doc_BQ[:, :, None] == k_doc_BS[:, None, :]
+    return same_BQS & (q_doc_BQ >= 0)[:, :, None]
+
+
+def runs(ids_S: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(id, start, stop)`` of each run of equal ids, in order."""
+    if ids_S.size == 0:
+        return []
+    cuts = np.flatnonzero(ids_S[1:] != ids_S[:-1]) + 1
+    starts, stops = np.concatenate(([0], cuts)), np.concatenate((cuts, [ids_S.size]))
+    return [(int(ids_S[a]), int(a), int(b)) for a, b in zip(starts, stops)]
+
+
+def segments(q_ids_BQ: np.ndarray, k_ids_BS: np.ndarray) -> list[Segment]:
+    """Every (query run, key run) pair of one non-padding document, batch row by batch row."""
+    found = []
+    for b in range(q_ids_BQ.shape[0]):
+        key_runs: dict[int, list[tuple[int, int]]] = {}
+        for doc, start, stop in runs(k_ids_BS[b]):
+            key_runs.setdefault(doc, []).append((start, stop))
+        for doc, start, stop in runs(q_ids_BQ[b]):
+            if doc < 0:
+                continue
+            for k_start, k_stop in key_runs.get(doc, ()):
+                found.append(Segment(b, slice(start, stop), slice(k_start, k_stop)))
+    return found
+
+
+@dataclass
+class Documents:
+    """Each token's document id ``[B, S]``: on the device (what collectives move) and on the host
+    (what blocks are cut by). Indexing slices both, as a tensor would be sliced."""
+
+    ids_BS: Tensor
+    host_BS: np.ndarray
+    _gathered: dict[tuple[int, str], Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, ids: Union[Tensor, Documents, None]) -> Optional[Documents]:
+        """Documents of device ids (one device-to-host copy); Documents and None as they are."""
+        if ids is None or isinstance(ids, Documents):
+            return ids
+        return cls(ids, ids.detach().cpu().numpy())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.ids_BS.shape
+
+    def __getitem__(self, index: Any) -> Documents:
+        return Documents(self.ids_BS[index], self.host_BS[index])
+
+    def shards(self, group: ProcessGroup) -> list[Documents]:
+        """Every rank's ids of ``group``, by rank: one all-gather per forward and group (cached,
+        as are the joins below; every layer asks for the same)."""
+        key = (id(group), "shards")
+        if key not in self._gathered:
+            ids_UBS = comm.all_gather_stacked(self.ids_BS, group)
+            host_UBS = ids_UBS.cpu().numpy()
+            self._gathered[key] = [Documents(ids_UBS[u], host_UBS[u]) for u in range(ids_UBS.shape[0])]
+        shards: list[Documents] = self._gathered[key]
+        return shards
+
+    def whole_sequence(self, group: ProcessGroup) -> Documents:
+        """The ring's whole sequence in order, from every rank's zigzag shard."""
+        return self._joined(group, "zigzag")
+
+    def concatenated(self, group: ProcessGroup) -> Documents:
+        """The group's contiguous parts end to end, by rank (a Ulysses group's)."""
+        return self._joined(group, "concatenated")
+
+    def _joined(self, group: ProcessGroup, how: str) -> Documents:
+        key = (id(group), how)
+        if key not in self._gathered:
+            shards = self.shards(group)
+
+            def join(parts: list[Tensor]) -> Tensor:
+                return zigzag_unshard(parts, dim=1) if how == "zigzag" else torch.cat(parts, dim=1)
+
+            # The host ids joined on the host, from the shards' copies: no second device sync.
+            host = join([torch.from_numpy(shard.host_BS) for shard in shards]).numpy()
+            self._gathered[key] = Documents(join([shard.ids_BS for shard in shards]), host)
+        joined: Documents = self._gathered[key]
+        return joined

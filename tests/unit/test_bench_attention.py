@@ -1,0 +1,31 @@
+"""bench/attention.py's code path on the CPU: every exchange of the worst rank's ring, the
+packed-document case, the JSON it writes (timings on a CPU are no measurement)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_attention_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "attention.py"), "--device", "cpu", "--tiny", "--out", str(out)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["timings"]
+    assert {(r["ring"], r["exchange"]) for r in rows} == {(2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather")}
+    assert all(r["rank_fwd_ms"] > 0 and r["rank_bwd_ms"] > 0 for r in rows)
+    packed = result["packed"]
+    assert packed["docs"] == 4 and packed["packed"]["fwd_ms"] > 0 and packed["unpacked"]["bwd_ms"] > 0
