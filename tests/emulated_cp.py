@@ -235,6 +235,7 @@ def emulated_ring(
     scale: float,
     doc_ids_BS: Optional[Tensor] = None,
     kv_exchange: str = "ring",
+    window: Optional[int] = None,
     timeout_s: float = 120.0,
     rank_context: RankContext = contextlib.nullcontext,
 ) -> RingResult:
@@ -259,7 +260,7 @@ def emulated_ring(
         ctx = _Ctx()
         group = EmulatedGroup(rank, world, mailboxes)
         with torch.no_grad():
-            out = function.forward(ctx, q, k, v, Documents.of(docs[rank]), group, causal, kernel, scale)
+            out = function.forward(ctx, q, k, v, Documents.of(docs[rank]), group, causal, kernel, scale, window)
             dq, dk, dv, *_ = function.backward(ctx, dout)
         return out, dq, dk, dv
 

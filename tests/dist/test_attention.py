@@ -54,8 +54,11 @@ TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 # ---------------------------------------------------------------- reference
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor]) -> Tensor:
-    """Softmax attention in float64; a query row with no visible key outputs 0 (doc id < 0 is padding)."""
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], window: Optional[int] = None
+) -> Tensor:
+    """Softmax attention in float64; a query row with no visible key outputs 0 (doc id < 0 is
+    padding); ``window``: query i sees keys i - window < j <= i."""
     B, S, H, D = q.shape
     groups = H // k.shape[2]
     k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
@@ -63,6 +66,8 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_id
     allowed = torch.ones(B, S, S, dtype=torch.bool)
     if causal:
         allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= torch.ones(S, S, dtype=torch.bool).triu(1 - window)
     if doc_ids is not None:
         allowed &= (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids >= 0)[:, :, None]
     # A large finite fill (not -inf) keeps fully masked rows free of NaN; the product zeroes them.
@@ -100,13 +105,15 @@ class Case:
     kernel: str = "auto"
     seq_per_rank: int = 8
     kv_exchange: str = "ring"  # how a ring group exchanges K/V: "ring" or "allgather"
+    window: Optional[int] = None  # a causal sliding window of this many tokens
 
     @property
     def name(self) -> str:
         exchange = "" if self.kv_exchange == "ring" else f"-{self.kv_exchange}"
+        window = "" if self.window is None else f"-w{self.window}"
         return (
             f"{self.impl}{self.ring}x{self.ulysses}-h{self.heads}k{self.kv_heads}-"
-            f"{'causal' if self.causal else 'full'}-{self.docs}-{self.dtype}-{self.kernel}{exchange}"
+            f"{'causal' if self.causal else 'full'}-{self.docs}-{self.dtype}-{self.kernel}{exchange}{window}"
         )
 
 
@@ -125,6 +132,14 @@ def _ring_cases(world: int) -> list[Case]:
         Case("ring", world, 1, heads, kv, causal=causal, docs=docs, kv_exchange="allgather")
         for causal in (True, False)
         for heads, kv, docs in ((4, 4, "none"), (4, 1, "none"), (4, 2, "packed"), (4, 2, "padded"))
+    ]
+    # Sliding windows shorter than a zigzag chunk (4 tokens), as long, longer than a rank's block
+    # and longer than the sequence; with documents, and with K/V all gathered.
+    cases += [
+        Case("ring", world, 1, 4, 2, window=window, docs=docs, kv_exchange=exchange)
+        for window, docs, exchange in ((3, "none", "ring"), (4, "none", "ring"), (6, "none", "ring"),
+                                       (13, "none", "ring"), (64, "none", "ring"), (3, "padded", "ring"),
+                                       (6, "packed", "ring"), (3, "none", "allgather"), (6, "packed", "allgather"))
     ]
     return cases
 
@@ -158,6 +173,11 @@ CASES: dict[int, list[Case]] = {
         Case("hybrid", 2, 2, 4, 2, causal=True, docs="packed", kv_exchange="allgather"),
         Case("build", 2, 2, 4, 2, causal=True, docs="packed"),
         Case("build", 2, 2, 4, 1, causal=True, docs="padded", kv_exchange="allgather"),
+        Case("ulysses", 1, 4, 4, 2, window=5),
+        Case("ulysses", 1, 4, 4, 2, window=5, docs="padded"),
+        Case("hybrid", 2, 2, 4, 2, window=3),
+        Case("hybrid", 2, 2, 4, 1, window=9, docs="packed"),
+        Case("build", 2, 2, 4, 2, window=6, docs="padded"),
     ],
 }
 
@@ -169,6 +189,7 @@ COUNTED: dict[int, list[tuple[str, str, int, int, str, str]]] = {
         ("ring4-docs", "ring", 4, 1, "packed", "ring"),
         ("ring4-allgather", "ring", 4, 1, "none", "allgather"),
         ("ring4-allgather-docs", "ring", 4, 1, "packed", "allgather"),
+        ("ring4-window3", "ring", 4, 1, "none", "window3"),
         ("ulysses4", "ulysses", 1, 4, "none", "ring"),
         ("ulysses4-docs", "ulysses", 1, 4, "packed", "ring"),
         ("hybrid2x2", "hybrid", 2, 2, "none", "ring"),
@@ -248,7 +269,8 @@ def _run_case(case: Case, rank: int, groups: Groups) -> dict[str, Any]:
     dtype = getattr(torch, case.dtype)
     x = _inputs(case)
     full = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
-    ref_out = reference_attention(full["q"], full["k"], full["v"], causal=case.causal, doc_ids=x["doc"])
+    ref_out = reference_attention(full["q"], full["k"], full["v"], causal=case.causal, doc_ids=x["doc"],
+                                  window=case.window)
     ref_out.backward(x["dout"])
 
     def shard(t: Tensor) -> Tensor:
@@ -258,7 +280,7 @@ def _run_case(case: Case, rank: int, groups: Groups) -> dict[str, Any]:
     doc = None if x["doc"] is None else shard(x["doc"])
     out = _attend(
         case.impl, groups, case.ring, case.ulysses, mine["q"], mine["k"], mine["v"],
-        causal=case.causal, doc_ids=doc, kernel=case.kernel, kv_exchange=case.kv_exchange,
+        causal=case.causal, doc_ids=doc, kernel=case.kernel, kv_exchange=case.kv_exchange, window=case.window,
     )
     out.backward(shard(x["dout"]).to(dtype))
 
@@ -283,8 +305,10 @@ def _count(impl: str, ring: int, ulysses: int, docs: str, exchange: str, rank: i
 
     q, k, v = (shard(x[n]).float().requires_grad_() for n in ("q", "k", "v"))
     doc = None if x["doc"] is None else shard(x["doc"])
+    window = int(exchange.removeprefix("window")) if exchange.startswith("window") else None
+    exchange = "ring" if window is not None else exchange
     with count_comm() as counts:
-        out = _attend(impl, groups, ring, ulysses, q, k, v, doc_ids=doc, kv_exchange=exchange)
+        out = _attend(impl, groups, ring, ulysses, q, k, v, doc_ids=doc, kv_exchange=exchange, window=window)
         out.backward(shard(x["dout"]).float())
     return dict(counts)
 
@@ -424,13 +448,18 @@ def test_matches_float64_reference(world: int, case: Case, reports: Callable[[in
 # their gradients, whatever R. Ulysses: one packed q/k/v all-to-all and one output all-to-all
 # each way. Packed documents add one all-gather of the doc ids per forward, whatever the
 # implementation (no ids travel with the K/V).
-EXPECTED_COUNTS = {
+EXPECTED_COUNTS: dict[int, dict[str, Any]] = {
     2: {"ring2": {"isend": 6, "irecv": 6}, "ulysses2": {"all_to_all": 4}},
     4: {
         "ring4": {"isend": 16, "irecv": 16},
         "ring4-docs": {"isend": 16, "irecv": 16, "all_gather": 1},
         "ring4-allgather": {"all_gather": 1, "reduce_scatter": 1},
         "ring4-allgather-docs": {"all_gather": 2, "reduce_scatter": 1},
+        # A 3-token window on 4-token chunks: a rank reads only its ring neighbours' K/V, sent
+        # to them directly (forward K and V to each reader, backward dK/dV home to each source);
+        # the ends of the ring have one neighbour each.
+        "ring4-window3": [{"isend": 3, "irecv": 3}, {"isend": 6, "irecv": 6}, {"isend": 6, "irecv": 6},
+                          {"isend": 3, "irecv": 3}],
         "ulysses4": {"all_to_all": 4},
         "ulysses4-docs": {"all_to_all": 4, "all_gather": 1},
         "hybrid2x2": {"all_to_all": 4, "isend": 6, "irecv": 6},
@@ -441,7 +470,9 @@ EXPECTED_COUNTS = {
 @pytest.mark.parametrize("world", sorted(EXPECTED_COUNTS))
 def test_transfer_counts_per_forward_backward(world: int, reports: Callable[[int], list[dict[str, Any]]]) -> None:
     for rank, report in enumerate(reports(world)):
-        assert report["counts"] == EXPECTED_COUNTS[world], f"rank {rank}"
+        want = {label: counts[rank] if isinstance(counts, list) else counts
+                for label, counts in EXPECTED_COUNTS[world].items()}
+        assert report["counts"] == want, f"rank {rank}"
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -12,7 +12,7 @@ import torch
 
 from ringtrain.train.attention import kernels, sdpa_kernels
 from ringtrain.train.attention.block_kernel import BlockCall
-from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.blocks import Cut, block_backward, block_forward
 from ringtrain.train.attention.documents import doc_visibility
 from ringtrain.train.attention.kernels import (
     KERNEL_OPS,
@@ -292,7 +292,7 @@ def test_a_block_cut_by_documents_runs_a_maskless_kernel_as_math_runs_the_mask()
     q, k, v, dout = _qkvd()
     doc_BS = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 2, 2]])
     scale = q.shape[-1] ** -0.5
-    kw = dict(causal=True, scale=scale, q_docs_BQ=doc_BS.numpy(), k_docs_BS=doc_BS.numpy())
+    kw = dict(causal=True, scale=scale, cut=Cut(doc_BS.numpy(), doc_BS.numpy()))
     got = block_forward(_NeedsMultipleOf8(), q, k, v, **kw)
     want = MATH.forward(q, k, v, causal=True, scale=scale, visible_BQS=doc_visibility(doc_BS, doc_BS))
     torch.testing.assert_close(got.out_BQHD, want.out_BQHD, atol=1e-12, rtol=0)

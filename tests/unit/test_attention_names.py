@@ -57,8 +57,10 @@ def test_every_kernel_class_in_the_package_is_registered() -> None:
 
 def test_partial_tables_name_only_declared_kernels() -> None:
     assert set(kernels.KERNEL_OPS) <= BLOCK_KERNELS
-    for order in kernels.AUTO_ORDER.values():
+    for order in (*kernels.AUTO_ORDER.values(), *kernels.MASK_ORDER.values()):
         assert set(order) <= BLOCK_KERNELS
+    for name in (name for order in kernels.MASK_ORDER.values() for name in order):
+        assert kernels.KERNEL_CLASSES[name].supports_mask
     assert not set(kernels.NO_LSE) & set(ATTENTION_KERNELS)
 
 

@@ -18,13 +18,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import numpy as np
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
-from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.blocks import Cut, block_backward, block_forward
 from ringtrain.train.attention.implementations import build_attention
 from ringtrain.train.attention.kernels import (
     MathKernel,
@@ -97,17 +98,24 @@ def _on_device(*tensors: Optional[torch.Tensor]) -> bool:
     return all(t is not None and t.device.type == DEVICE for t in tensors)
 
 
+# A sliding window is causal: it comes only with causal blocks.
+BLOCK_CUTS = [(causal, cut) for causal in (True, False)
+              for cut in ("whole", "documents", "window", "documents-and-window") if causal or "window" not in cut]
+
+
 @pytest.mark.parametrize("name", CUDA_KERNELS)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("docs", [False, True], ids=["whole", "cut-by-documents"])
-def test_blocks_keep_to_their_inputs_device(name: str, causal: bool, docs: bool) -> None:
+@pytest.mark.parametrize(("causal", "cut"), BLOCK_CUTS,
+                         ids=[f"{'causal' if c else 'full'}-{cut}" for c, cut in BLOCK_CUTS])
+def test_blocks_keep_to_their_inputs_device(name: str, causal: bool, cut: str) -> None:
     kernel: AttentionKernel = CUDA_KERNELS[name]()
     q, k, v, dout = _qkv(128)
-    cut = {} if not docs else {"q_docs_BQ": _doc_ids(128).numpy(), "k_docs_BS": _doc_ids(128).numpy()}
+    docs = _doc_ids(128).numpy() if "documents" in cut else None
+    positions = np.arange(128)
+    how = Cut(docs, docs, 40 if "window" in cut else None, positions, positions)
     with same_device():
-        fwd = block_forward(kernel, q, k, v, causal=causal, scale=SCALE, **cut)
+        fwd = block_forward(kernel, q, k, v, causal=causal, scale=SCALE, cut=how)
         grads = block_backward(kernel, dout, q, k, v, fwd.out_BQHD, fwd.lse_BHQ, fwd.aux, causal=causal,
-                               scale=SCALE, **cut)
+                               scale=SCALE, cut=how)
     assert _on_device(fwd.out_BQHD, fwd.lse_BHQ, *grads)
 
 

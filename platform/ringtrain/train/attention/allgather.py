@@ -36,10 +36,11 @@ from ringtrain.config import KV_EXCHANGES
 from ringtrain.topology import zigzag_chunks
 from ringtrain.train.attention import comm
 from ringtrain.train.attention.block_kernel import AttentionKernel
-from ringtrain.train.attention.blocks import Block, block_backward, block_forward
+from ringtrain.train.attention.blocks import Block, Cut, block_backward, block_forward
 from ringtrain.train.attention.comm import ProcessGroup
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.merge import merge_into_
+from ringtrain.train.attention.window import shard_positions
 from ringtrain.train.attention.zigzag import zigzag_shard, zigzag_unshard
 
 Tensor = torch.Tensor
@@ -79,13 +80,16 @@ def _gather(x_BS: Tensor, group: ProcessGroup) -> Tensor:
     return zigzag_unshard(list(comm.all_gather_stacked(x_BS, group).unbind(0)), dim=1)
 
 
-def _block_docs(doc_pair: Optional[tuple[np.ndarray, np.ndarray]], blk: Block) -> dict[str, Any]:
-    """``block_forward``/``block_backward``'s documents of a block: its rows' among this rank's,
-    its columns' among the whole sequence's; none without documents."""
-    if doc_pair is None:
-        return {}
-    rows_BS, whole_BN = doc_pair
-    return {"q_docs_BQ": rows_BS[:, blk.rows], "k_docs_BS": whole_BN[:, blk.cols]}
+def _block_cut(doc_pair: Optional[tuple[np.ndarray, np.ndarray]], window: Optional[int], rank: int, world: int,
+               seq_local: int, blk: Block) -> Cut:
+    """What cuts a block: its rows' documents among this rank's and its columns' among the whole
+    sequence's; under a window, their positions too."""
+    docs = {} if doc_pair is None else {"q_docs_BQ": doc_pair[0][:, blk.rows], "k_docs_BS": doc_pair[1][:, blk.cols]}
+    if window is None:
+        return Cut(**docs)
+    whole = np.arange(world * seq_local)
+    return Cut(**docs, window=window, q_positions=shard_positions(world, rank, seq_local)[blk.rows],
+               k_positions=whole[blk.cols])
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -100,6 +104,7 @@ class _AllGatherAttention(torch.autograd.Function):
         causal: bool,
         kernel: AttentionKernel,
         scale: float,
+        window: Optional[int],
     ) -> Tensor:
         rank, world, seq_local = comm.group_rank(group), comm.group_size(group), q_BSHD.shape[1]
         # K and V in one collective, stacked after the sequence dim (which the unshard cuts), then
@@ -121,7 +126,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 kv_2BNKD[1][:, blk.cols],
                 causal=blk.causal,
                 scale=scale,
-                **_block_docs(doc_pair, blk),
+                cut=_block_cut(doc_pair, window, rank, world, seq_local, blk),
             )
             auxes.append(res.aux)
             if blk.rows.start in filled:
@@ -133,7 +138,7 @@ class _AllGatherAttention(torch.autograd.Function):
         out_BSHD = out_BSHD.to(q_BSHD.dtype)
         ctx.save_for_backward(q_BSHD, kv_2BNKD, out_BSHD, lse_BHS)
         ctx.group, ctx.causal, ctx.kernel, ctx.scale, ctx.auxes, ctx.blocks = group, causal, kernel, scale, auxes, blocks
-        ctx.doc_pair = doc_pair
+        ctx.doc_pair, ctx.window = doc_pair, window
         return out_BSHD
 
     @staticmethod
@@ -155,7 +160,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 aux,
                 causal=blk.causal,
                 scale=ctx.scale,
-                **_block_docs(ctx.doc_pair, blk),
+                cut=_block_cut(ctx.doc_pair, ctx.window, comm.group_rank(ctx.group), world, q_BSHD.shape[1], blk),
             )
             dq_BSHD[:, blk.rows] += dq
             dkv_2BNKD[0][:, blk.cols] += dk
@@ -164,7 +169,8 @@ class _AllGatherAttention(torch.autograd.Function):
         by_owner_R2BSKD = torch.stack([zigzag_shard(dkv_2BNKD, dim=2, world=world, rank=r) for r in range(world)])
         dkv_2BSKD = comm.reduce_scatter_stacked(by_owner_R2BSKD, ctx.group)
         k_dtype = kv_2BNKD.dtype
-        return dq_BSHD.to(q_BSHD.dtype), dkv_2BSKD[0].to(k_dtype), dkv_2BSKD[1].to(k_dtype), None, None, None, None, None
+        return (dq_BSHD.to(q_BSHD.dtype), dkv_2BSKD[0].to(k_dtype), dkv_2BSKD[1].to(k_dtype),
+                None, None, None, None, None, None)
 
 
 def allgather_attention(
@@ -176,8 +182,9 @@ def allgather_attention(
     causal: bool,
     kernel: AttentionKernel,
     scale: float,
+    window: Optional[int] = None,
 ) -> Tensor:
     """Attention over the ring's whole sequence from this rank's zigzag shards, K/V gathered
     first; the inputs as ``ring.ring_attention`` takes them (already checked there)."""
-    out_BSHD: Tensor = _AllGatherAttention.apply(q_BSHD, k_BSKD, v_BSKD, docs, group, causal, kernel, scale)
+    out_BSHD: Tensor = _AllGatherAttention.apply(q_BSHD, k_BSKD, v_BSKD, docs, group, causal, kernel, scale, window)
     return out_BSHD

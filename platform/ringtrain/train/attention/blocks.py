@@ -1,15 +1,22 @@
-"""One attention block through a block kernel, cut at document boundaries when documents are packed.
+"""One attention block through a block kernel, cut into pieces where documents or a sliding window
+make only part of it visible.
 
-Without documents a block is one kernel call. With packed documents a query sees only keys of
-its own document: the block is cut into one unmasked rectangle per document
-(``documents.segments``), each run on the block's kernel, causal where the block is, and written
-into the block's output; a row whose document has no key here (padding included) keeps output 0
-and LSE -inf. No [Q, S] mask is made, no kernel is swapped for a mask-capable one, and a block
-costs a call per document it holds. The backward cuts the same way, against the merged output
-and LSE of each rectangle's rows.
+Without documents or a window a block is one kernel call. Otherwise it is cut on the host:
 
-A rectangle of a causal block is square and on its diagonal: a causal block's rows and columns
-are the same positions, so a document's runs in both are the same slice.
+- packed documents: a query sees only keys of its own document, so the block is one rectangle
+  per document (``documents.segments``), each unmasked; a row whose document has no key here
+  (padding included) keeps output 0 and LSE -inf;
+- a sliding window: by sequence position, into tiles that are left out, full, causal squares, or
+  masked where the band's edge crosses them (``window.window_tiles``); a masked tile runs on a
+  kernel that takes masks (``kernels.mask_kernel``), with a mask of that tile only.
+
+With both, each document's rectangle is cut by the window. Pieces that share rows merge through
+their LSEs. No [Q, S] mask of the whole block is ever made, and the block's own kernel runs every
+piece it can. The backward cuts the same way, each piece against the merged output and LSE of its
+rows.
+
+A rectangle of a causal block without a window is square and on its diagonal: a causal block's
+rows and columns are the same positions, so a document's runs in both are the same slice.
 
 Shape legend: B batch, Q query length of the block, S key length of the block, H query heads,
 K key/value heads, D head dim.
@@ -25,8 +32,10 @@ import numpy as np
 import torch
 
 from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads
-from ringtrain.train.attention.documents import Segment, segments
-from ringtrain.train.attention.merge import merge_partials
+from ringtrain.train.attention.documents import segments
+from ringtrain.train.attention.kernels import mask_kernel
+from ringtrain.train.attention.merge import merge_into_
+from ringtrain.train.attention.window import CAUSAL, band_mask, window_tiles
 
 Tensor = torch.Tensor
 
@@ -41,11 +50,60 @@ class Block:
     causal: bool
 
 
-def _cut(q_docs_BQ: np.ndarray, k_docs_BS: np.ndarray, causal: bool) -> list[Segment]:
-    cut = segments(q_docs_BQ, k_docs_BS)
-    if causal and any(seg.rows != seg.cols for seg in cut):
-        raise ValueError("a causal block's documents must sit on its diagonal: its rows and columns are one range")
-    return cut
+@dataclass(frozen=True)
+class Cut:
+    """What cuts a block: its rows' and columns' documents and positions (host arrays; each pair
+    both or neither) and the window (None: none)."""
+
+    q_docs_BQ: Optional[np.ndarray] = None
+    k_docs_BS: Optional[np.ndarray] = None
+    window: Optional[int] = None
+    q_positions: Optional[np.ndarray] = None
+    k_positions: Optional[np.ndarray] = None
+
+    @property
+    def whole(self) -> bool:
+        return self.q_docs_BQ is None and self.window is None
+
+
+@dataclass(frozen=True)
+class Piece:
+    b: slice
+    rows: slice
+    cols: slice
+    causal: bool
+    visible_QS: Optional[np.ndarray] = None  # a masked piece's mask
+
+
+def _pieces(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[Piece]:
+    if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
+        rects = [(slice(s.b, s.b + 1), s.rows, s.cols) for s in segments(cut.q_docs_BQ, cut.k_docs_BS)]
+    else:
+        rects = [(slice(0, batch), slice(0, q_len), slice(0, k_len))]
+    if cut.window is None:
+        if causal and any(rows != cols for _, rows, cols in rects):
+            raise ValueError("a causal block's documents must sit on its diagonal: its rows and columns are one range")
+        return [Piece(b, rows, cols, causal) for b, rows, cols in rects]
+    if cut.q_positions is None or cut.k_positions is None:
+        raise ValueError("a windowed block needs its rows' and columns' positions")
+    pieces = []
+    for b, rows, cols in rects:
+        q_pos, k_pos = cut.q_positions[rows], cut.k_positions[cols]
+        for t in window_tiles(q_pos, k_pos, cut.window):
+            mask = band_mask(q_pos[t.rows], k_pos[t.cols], cut.window) if t.kind not in ("full", CAUSAL) else None
+            pieces.append(Piece(b, _shift(t.rows, rows.start), _shift(t.cols, cols.start), t.kind == CAUSAL, mask))
+    return pieces
+
+
+def _shift(index: slice, by: int) -> slice:
+    return slice(index.start + by, index.stop + by)
+
+
+def _run_kernel(kernel: AttentionKernel, piece: Piece, like: Tensor) -> tuple[AttentionKernel, Optional[Tensor]]:
+    if piece.visible_QS is None:
+        return kernel, None
+    visible = torch.as_tensor(piece.visible_QS, device=like.device)[None].expand(piece.b.stop - piece.b.start, -1, -1)
+    return mask_kernel(kernel, like), visible
 
 
 def block_forward(
@@ -56,31 +114,32 @@ def block_forward(
     *,
     causal: bool,
     scale: float,
-    q_docs_BQ: Optional[np.ndarray] = None,
-    k_docs_BS: Optional[np.ndarray] = None,
+    cut: Cut = Cut(),
 ) -> BlockOutput:
-    """The block's output and LSE; ``q_docs_BQ`` / ``k_docs_BS``: the rows' and columns'
-    documents on the host (both or neither)."""
-    if q_docs_BQ is None or k_docs_BS is None:
+    """The block's output and LSE, cut as ``cut`` says (see the module doc)."""
+    if cut.whole:
         return kernel.forward(q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale)
     B, Q, H, _ = q_BQHD.shape
-    out_BQHD = torch.zeros_like(q_BQHD)
-    lse_dtype = torch.float64 if q_BQHD.dtype == torch.float64 else torch.float32  # as the kernels give it
-    lse_BHQ = torch.full((B, H, Q), -math.inf, dtype=lse_dtype, device=q_BQHD.device)
-    seen: set[tuple[int, int]] = set()
+    fp64 = q_BQHD.dtype == torch.float64
+    acc = torch.float64 if fp64 else torch.float32  # as the kernels give the LSE
+    out_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
+    lse_BHQ = torch.full((B, H, Q), -math.inf, dtype=acc, device=q_BQHD.device)
+    written: set[tuple[int, int, int]] = set()
     auxes = []
-    for seg in _cut(q_docs_BQ, k_docs_BS, causal):
-        b = slice(seg.b, seg.b + 1)
-        res = kernel.forward(q_BQHD[b, seg.rows], k_BSKD[b, seg.cols], v_BSKD[b, seg.cols], causal=causal, scale=scale)
+    for piece in _pieces(B, Q, k_BSKD.shape[1], causal, cut):
+        run, visible = _run_kernel(kernel, piece, q_BQHD)
+        b, rows, cols = piece.b, piece.rows, piece.cols
+        res = run.forward(q_BQHD[b, rows], k_BSKD[b, cols], v_BSKD[b, cols], causal=piece.causal, scale=scale,
+                          visible_BQS=visible)
         auxes.append(res.aux)
-        out, lse = res.out_BQHD, res.lse_BHQ
-        if (seg.b, seg.rows.start) in seen:  # one document in several runs of the columns
-            merged, lse = merge_partials(out_BQHD[b, seg.rows], lse_BHQ[b, :, seg.rows], out, lse)
-            out = merged.to(out_BQHD.dtype)
-        seen.add((seg.b, seg.rows.start))
-        out_BQHD[b, seg.rows] = out
-        lse_BHQ[b, :, seg.rows] = lse
-    return BlockOutput(out_BQHD, lse_BHQ, auxes)
+        key = (b.start, rows.start, rows.stop)
+        if key in written:  # another piece of the same rows: merge through the LSEs
+            merge_into_(out_BQHD[b, rows], lse_BHQ[b, :, rows], res.out_BQHD, res.lse_BHQ)
+        else:
+            out_BQHD[b, rows] = res.out_BQHD
+            lse_BHQ[b, :, rows] = res.lse_BHQ
+            written.add(key)
+    return BlockOutput(out_BQHD.to(q_BQHD.dtype), lse_BHQ if fp64 else lse_BHQ.float(), auxes)
 
 
 def block_backward(
@@ -95,31 +154,25 @@ def block_backward(
     *,
     causal: bool,
     scale: float,
-    q_docs_BQ: Optional[np.ndarray] = None,
-    k_docs_BS: Optional[np.ndarray] = None,
+    cut: Cut = Cut(),
 ) -> Grads:
     """The block's gradients for the merged ``out``/``lse`` of its rows; cut as the forward was."""
-    if q_docs_BQ is None or k_docs_BS is None:
+    if cut.whole:
         return kernel.backward(dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD, lse_BHQ, aux, causal=causal, scale=scale)
-    # fp32 (fp64 for fp64 inputs): a run of keys may serve several runs of rows.
+    # fp32 (fp64 for fp64 inputs): several pieces add into the same rows and columns.
     acc = torch.float64 if q_BQHD.dtype == torch.float64 else torch.float32
     dq_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     dk_BSKD = torch.zeros(k_BSKD.shape, dtype=acc, device=k_BSKD.device)
     dv_BSKD = torch.zeros(v_BSKD.shape, dtype=acc, device=v_BSKD.device)
-    for seg, seg_aux in zip(_cut(q_docs_BQ, k_docs_BS, causal), aux):
-        b = slice(seg.b, seg.b + 1)
-        dq, dk, dv = kernel.backward(
-            dout_BQHD[b, seg.rows],
-            q_BQHD[b, seg.rows],
-            k_BSKD[b, seg.cols],
-            v_BSKD[b, seg.cols],
-            out_BQHD[b, seg.rows],
-            lse_BHQ[b, :, seg.rows],
-            seg_aux,
-            causal=causal,
-            scale=scale,
+    pieces = _pieces(q_BQHD.shape[0], q_BQHD.shape[1], k_BSKD.shape[1], causal, cut)
+    for piece, piece_aux in zip(pieces, aux):
+        run, visible = _run_kernel(kernel, piece, q_BQHD)
+        b, rows, cols = piece.b, piece.rows, piece.cols
+        dq, dk, dv = run.backward(
+            dout_BQHD[b, rows], q_BQHD[b, rows], k_BSKD[b, cols], v_BSKD[b, cols], out_BQHD[b, rows],
+            lse_BHQ[b, :, rows], piece_aux, causal=piece.causal, scale=scale, visible_BQS=visible,
         )
-        dq_BQHD[b, seg.rows] += dq
-        dk_BSKD[b, seg.cols] += dk
-        dv_BSKD[b, seg.cols] += dv
+        dq_BQHD[b, rows] += dq
+        dk_BSKD[b, cols] += dk
+        dv_BSKD[b, cols] += dv
     return dq_BQHD.to(q_BQHD.dtype), dk_BSKD.to(k_BSKD.dtype), dv_BSKD.to(v_BSKD.dtype)

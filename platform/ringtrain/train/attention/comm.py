@@ -94,6 +94,23 @@ class RingExchange:
         return Pending(dist.batch_isend_irecv(ops))
 
 
+def exchange(
+    sends: dict[int, Sequence[torch.Tensor]], recvs: dict[int, Sequence[torch.Tensor]], group: ProcessGroup, *, tag: int
+) -> Pending:
+    """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` from each, all in one group
+    launch; peers are group ranks. Returns at once."""
+    ops = []
+    for peer, tensors in sends.items():
+        for i, outgoing in enumerate(tensors):
+            ops.append(dist.P2POp(dist.isend, outgoing, dist.get_global_rank(group, peer), group=group, tag=tag + i))
+    for peer, tensors in recvs.items():
+        for i, incoming in enumerate(tensors):
+            ops.append(dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, peer), group=group, tag=tag + i))
+    _record("isend", sum(len(t) for t in sends.values()))
+    _record("irecv", sum(len(t) for t in recvs.values()))
+    return Pending(dist.batch_isend_irecv(ops) if ops else [])
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup) -> None:
     """Equal-split all-to-all along dim 0: slice ``i`` of ``input`` goes to rank ``i``."""
     _record("all_to_all")

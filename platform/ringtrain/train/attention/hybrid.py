@@ -37,27 +37,31 @@ def hybrid_attention(
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
     kv_exchange: str = "ring",
+    window: Optional[int] = None,
 ) -> Tensor:
     """Attention over the CP group's sequence from this rank's part ([B, s, ...] in, [B, s, H, D] out).
 
     ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).
     ``ulysses_group``: the U ranks with this rank's ring index (group rank = Ulysses index).
     Either of one rank (or None) degrades to pure Ulysses or pure ring. ``kv_exchange``: how the
-    ring group exchanges K/V (``ring.ring_attention``).
+    ring group exchanges K/V (``ring.ring_attention``); ``window``: a causal sliding window of that
+    many tokens.
     """
     check_qkv(q, k, v, doc_ids)
     if group_size(ulysses_group) == 1:
         return ring_attention(
-            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, kv_exchange=kv_exchange
+            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale,
+            kv_exchange=kv_exchange, window=window,
         )
     if group_size(ring_group) == 1:
         return ulysses_attention(
-            q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale
+            q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window
         )
 
     def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float) -> Tensor:
         return ring_attention(
-            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, kv_exchange=kv_exchange
+            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale,
+            kv_exchange=kv_exchange, window=window,
         )
 
     assert ulysses_group is not None

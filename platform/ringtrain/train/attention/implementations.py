@@ -47,6 +47,8 @@ class ImplFn(Protocol):
         doc_ids: Optional[Union[Tensor, Documents]],
         kernel: str,
         kv_exchange: str,
+        window: Optional[int],
+        scale: Optional[float],
     ) -> Tensor: ...
 
 
@@ -61,9 +63,12 @@ def _ring(
     doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
     kv_exchange: str,
+    window: Optional[int],
+    scale: Optional[float],
 ) -> Tensor:
     return ring_attention(
-        q_BSHD, k_BSKD, v_BSKD, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, kv_exchange=kv_exchange
+        q_BSHD, k_BSKD, v_BSKD, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel,
+        kv_exchange=kv_exchange, window=window, scale=scale,
     )
 
 
@@ -78,9 +83,12 @@ def _ulysses(
     doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
     kv_exchange: str,
+    window: Optional[int],
+    scale: Optional[float],
 ) -> Tensor:
     return ulysses_attention(
-        q_BSHD, k_BSKD, v_BSKD, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel
+        q_BSHD, k_BSKD, v_BSKD, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, window=window,
+        scale=scale,
     )
 
 
@@ -95,8 +103,12 @@ def _local(
     doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
     kv_exchange: str,
+    window: Optional[int],
+    scale: Optional[float],
 ) -> Tensor:
-    return local_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, doc_ids=doc_ids, kernel=kernel)
+    return local_attention(
+        q_BSHD, k_BSKD, v_BSKD, causal=causal, doc_ids=doc_ids, kernel=kernel, window=window, scale=scale
+    )
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,8 @@ IMPLEMENTATIONS: Mapping[str, Implementation] = keyed_by(
 
 
 class ContextParallelAttention:
-    """``fn(q_BSHD, k_BSKD, v_BSKD, *, causal=True, doc_ids=None) -> out_BSHD`` for one CP layout."""
+    """``fn(q_BSHD, k_BSKD, v_BSKD, *, causal=True, doc_ids=None, window=None, scale=None) -> out_BSHD``
+    for one CP layout."""
 
     def __init__(
         self,
@@ -141,8 +154,18 @@ class ContextParallelAttention:
         self._run = IMPLEMENTATIONS[impl].run
 
     def __call__(
-        self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: Optional[Union[Tensor, Documents]] = None
+        self,
+        q_BSHD: Tensor,
+        k_BSKD: Tensor,
+        v_BSKD: Tensor,
+        *,
+        causal: bool = True,
+        doc_ids: Optional[Union[Tensor, Documents]] = None,
+        window: Optional[int] = None,
+        scale: Optional[float] = None,
     ) -> Tensor:
+        """``window``: a causal sliding window of that many tokens (None: full attention);
+        ``scale``: the softmax scale (None: head_dim ** -0.5)."""
         return self._run(
             q_BSHD,
             k_BSKD,
@@ -153,6 +176,8 @@ class ContextParallelAttention:
             doc_ids=doc_ids,
             kernel=self.kernel,
             kv_exchange=self.kv_exchange,
+            window=window,
+            scale=scale,
         )
 
     def __repr__(self) -> str:

@@ -4,9 +4,9 @@ The names are config's (``ATTENTION_KERNELS``: "auto" and ``ATTENTION_BLOCK_KERN
 names one ``AttentionKernel`` class, which declares what it takes (``spec``), the aten ops it
 calls (``ops``) and whether it runs here (``runs_here``). Choosing is pure (``select_kernel``:
 names, device, dtype, head dim and what the runtime offers in, a name out);
-``get_kernel``/``resolve_kernel`` add the runtime's probe and hand out the (stateless, shared)
-kernel objects. Packed documents need no mask-capable kernel: ``blocks`` cuts their blocks into
-unmasked ones.
+``get_kernel``/``resolve_kernel``/``mask_kernel`` add the runtime's probe and hand out the
+(stateless, shared) kernel objects. Packed documents need no mask-capable kernel (``blocks`` cuts
+their blocks into unmasked ones); only a sliding window's edge tiles do.
 
 This module is also the kernels' front door: what callers outside the package need to run a
 kernel (``AttentionKernel``, ``BlockOutput``, ``default_scale``, the kernel classes) is
@@ -53,6 +53,7 @@ __all__ = [
     "KERNEL_NAMES",
     "KERNEL_OPS",
     "KERNEL_SPECS",
+    "MASK_ORDER",
     "MATH",
     "NO_LSE",
     "UNAVAILABLE",
@@ -75,6 +76,7 @@ __all__ = [
     "device_capability",
     "get_kernel",
     "kernel_ops_fit",
+    "mask_kernel",
     "platform_of",
     "resolve_kernel",
     "sdpa_takes_gqa",
@@ -124,6 +126,16 @@ AUTO_ORDER: Mapping[str, tuple[str, ...]] = {
     "cuda": ("flash_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "math"),
     "cpu": ("cpu_flash", "math"),
 }
+# Where a masked piece of a block (a sliding window's edge, ``blocks``) goes when the layer's
+# kernel takes no mask, best first; "math" (any mask, any device, but the whole score matrix of the
+# piece) closes every list. On CUDA the efficient kernel takes the mask as an additive bias and
+# keeps the LSE the merge needs.
+MASK_ORDER: Mapping[str, tuple[str, ...]] = {
+    "cuda": ("sdpa_efficient",),
+    "cpu": ("cpu_flash",),
+}
+
+
 # Names someone might reasonably try that cannot serve context parallelism.
 NO_LSE: Mapping[str, str] = {
     "sdpa": "torch.nn.functional.scaled_dot_product_attention returns the output only, no log-sum-exp, "
@@ -240,6 +252,19 @@ def resolve_kernel(kernel: KernelArg, like: torch.Tensor) -> AttentionKernel:
     if isinstance(kernel, AttentionKernel):
         return kernel
     return get_kernel(kernel, device_type=like.device.type, dtype=like.dtype, head_dim=like.shape[-1])
+
+
+def mask_kernel(kernel: AttentionKernel, like: torch.Tensor) -> AttentionKernel:
+    """The kernel a masked piece with queries like ``like`` [B, Q, H, D] runs on: ``kernel`` if it
+    takes masks, else the first of ``MASK_ORDER`` that fits and runs here, else "math"."""
+    if kernel.supports_mask:
+        return kernel
+    device_type = like.device.type
+    for candidate in MASK_ORDER.get(device_type, ()):
+        if _fits(candidate, device_type=device_type, dtype=like.dtype, head_dim=like.shape[-1],
+                 available=available_kernels(device_type)):
+            return _instance(candidate)
+    return _instance("math")
 
 
 MATH = _instance("math")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
-from ringtrain.train.attention.blocks import block_backward, block_forward
+from ringtrain.train.attention.blocks import Cut, block_backward, block_forward
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
@@ -30,14 +31,15 @@ class _LocalAttention(torch.autograd.Function):
         causal: bool,
         kernel: AttentionKernel,
         scale: float,
+        window: Optional[int],
     ) -> Tensor:
         host_BS = None if docs is None else docs.host_BS
-        res = block_forward(
-            kernel, q_BSHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_docs_BQ=host_BS, k_docs_BS=host_BS
-        )
+        positions = None if window is None else np.arange(q_BSHD.shape[1])
+        cut = Cut(host_BS, host_BS, window, positions, positions)
+        res = block_forward(kernel, q_BSHD, k_BSKD, v_BSKD, causal=causal, scale=scale, cut=cut)
         out_BSHD = res.out_BQHD.to(q_BSHD.dtype)
         ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, res.lse_BHQ)
-        ctx.aux, ctx.causal, ctx.kernel, ctx.scale, ctx.docs = res.aux, causal, kernel, scale, host_BS
+        ctx.aux, ctx.causal, ctx.kernel, ctx.scale, ctx.cut = res.aux, causal, kernel, scale, cut
         return out_BSHD
 
     @staticmethod
@@ -54,10 +56,19 @@ class _LocalAttention(torch.autograd.Function):
             ctx.aux,
             causal=ctx.causal,
             scale=ctx.scale,
-            q_docs_BQ=ctx.docs,
-            k_docs_BS=ctx.docs,
+            cut=ctx.cut,
         )
-        return dq.to(q_BSHD.dtype), dk.to(k_BSKD.dtype), dv.to(v_BSKD.dtype), None, None, None, None
+        return dq.to(q_BSHD.dtype), dk.to(k_BSKD.dtype), dv.to(v_BSKD.dtype), None, None, None, None, None
+
+
+def check_window(window: Optional[int], causal: bool) -> None:
+    """Raise ValueError unless ``window`` is None or a positive token count of causal attention."""
+    if window is None:
+        return
+    if window < 1:
+        raise ValueError(f"a sliding window must hold at least one token, got {window}")
+    if not causal:
+        raise ValueError("a sliding window is causal: it needs causal=True")
 
 
 def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: Optional[Union[Tensor, Documents]]) -> None:
@@ -85,10 +96,12 @@ def local_attention(
     doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> Tensor:
     """Attention over this rank's whole sequence; ``doc_ids`` [B, S] (ids, or ``Documents``)
-    confines it to documents."""
+    confines it to documents, ``window`` (tokens, causal only) to a sliding window."""
     check_qkv(q_BSHD, k_BSKD, v_BSKD, doc_ids)
+    check_window(window, causal)
     return _LocalAttention.apply(
         q_BSHD,
         k_BSKD,
@@ -97,4 +110,5 @@ def local_attention(
         causal,
         resolve_kernel(kernel, q_BSHD),
         default_scale(q_BSHD.shape[-1]) if scale is None else scale,
+        window,
     )

@@ -32,8 +32,10 @@ Tensor = torch.Tensor
 def merge_partials(
     out_BQHD: Tensor, lse_BHQ: Tensor, blk_out_BQHD: Tensor, blk_lse_BHQ: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Combine two softmax-normalised partials ``(out, lse)``; returns fp32 ``(out, lse)``."""
-    a, b = lse_BHQ.float(), blk_lse_BHQ.float()
+    """Combine two softmax-normalised partials ``(out, lse)``; returns ``(out, lse)`` in fp32, or
+    fp64 where either LSE is."""
+    dtype = torch.promote_types(torch.promote_types(lse_BHQ.dtype, blk_lse_BHQ.dtype), torch.float32)
+    a, b = lse_BHQ.to(dtype), blk_lse_BHQ.to(dtype)
     m = torch.maximum(a, b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     wa, wb = torch.exp(a - m), torch.exp(b - m)
@@ -42,7 +44,7 @@ def merge_partials(
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
     wa_BQH1 = (wa * inv).transpose(1, 2).unsqueeze(-1)
     wb_BQH1 = (wb * inv).transpose(1, 2).unsqueeze(-1)
-    merged_out = wa_BQH1 * out_BQHD.float() + wb_BQH1 * blk_out_BQHD.float()
+    merged_out = wa_BQH1 * out_BQHD.to(dtype) + wb_BQH1 * blk_out_BQHD.to(dtype)
     return merged_out, merged_lse
 
 

@@ -33,13 +33,15 @@ import numpy as np
 import torch
 
 from ringtrain.train.attention.allgather import allgather_attention, kv_exchange_for
-from ringtrain.train.attention.blocks import Block, block_backward, block_forward
+from ringtrain.train.attention.blocks import Block, Cut, block_backward, block_forward
 from ringtrain.train.attention.comm import ProcessGroup, RingExchange, group_size
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
-from ringtrain.train.attention.local import check_qkv, local_attention
+from ringtrain.train.attention.local import check_qkv, check_window, local_attention
 from ringtrain.train.attention.merge import merge_into_
+from ringtrain.train.attention.neighbours import neighbour_attention, sparse
+from ringtrain.train.attention.window import shard_positions
 
 Tensor = torch.Tensor
 
@@ -63,12 +65,22 @@ def zigzag_block(source: int, rank: int, seq_local: int, *, causal: bool) -> Blo
     return Block(slice(half, None), _ALL, causal=False)
 
 
-def _block_docs(shard_docs: Optional[list[np.ndarray]], rank: int, source: int, blk: Block) -> dict[str, Any]:
-    """``block_forward``/``block_backward``'s documents of a block of rank ``rank``'s rows against
-    the K/V of ring rank ``source``, from every rank's shard of them; none without documents."""
-    if shard_docs is None:
-        return {}
-    return {"q_docs_BQ": shard_docs[rank][:, blk.rows], "k_docs_BS": shard_docs[source][:, blk.cols]}
+def _block_cut(
+    shard_docs: Optional[list[np.ndarray]], window: Optional[int], ring: Any, source: int, blk: Block, seq_local: int
+) -> Cut:
+    """What cuts a block of rank ``ring.rank``'s rows against ring rank ``source``'s K/V: their
+    documents (from every rank's, gathered once) and, under a window, their positions."""
+    docs = {} if shard_docs is None else {
+        "q_docs_BQ": shard_docs[ring.rank][:, blk.rows], "k_docs_BS": shard_docs[source][:, blk.cols]
+    }
+    if window is None:
+        return Cut(**docs)
+    return Cut(
+        **docs,
+        window=window,
+        q_positions=shard_positions(ring.world, ring.rank, seq_local)[blk.rows],
+        k_positions=shard_positions(ring.world, source, seq_local)[blk.cols],
+    )
 
 
 def _row_lses(lse_BHS: Tensor, seq_local: int) -> dict[Optional[int], Tensor]:
@@ -89,6 +101,7 @@ class _RingAttention(torch.autograd.Function):
         causal: bool,
         kernel: AttentionKernel,
         scale: float,
+        window: Optional[int],
     ) -> Tensor:
         ring = RingExchange(group)
         seq_local = q_BSHD.shape[1]
@@ -115,7 +128,7 @@ class _RingAttention(torch.autograd.Function):
                 kv[1][:, blk.cols],
                 causal=blk.causal,
                 scale=scale,
-                **_block_docs(shard_docs, ring.rank, source, blk),
+                cut=_block_cut(shard_docs, window, ring, source, blk, seq_local),
             )
             auxes.append(res.aux)
             if step == 0:  # the diagonal block covers every row
@@ -130,7 +143,7 @@ class _RingAttention(torch.autograd.Function):
         out_BSHD = out_BSHD.to(q_BSHD.dtype)
         ctx.save_for_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS)
         ctx.group, ctx.causal, ctx.kernel, ctx.scale, ctx.auxes = group, causal, kernel, scale, auxes
-        ctx.shard_docs = shard_docs
+        ctx.shard_docs, ctx.window = shard_docs, window
         return out_BSHD
 
     @staticmethod
@@ -163,7 +176,7 @@ class _RingAttention(torch.autograd.Function):
                 ctx.auxes[step],
                 causal=blk.causal,
                 scale=ctx.scale,
-                **_block_docs(ctx.shard_docs, ring.rank, source, blk),
+                cut=_block_cut(ctx.shard_docs, ctx.window, ring, source, blk, seq_local),
             )
             dq_BSHD[:, blk.rows] += dq
 
@@ -187,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
         assert dkv_pending is not None
         dkv_pending.wait()
         dk_BSKD, dv_BSKD = next_dkv_2BSKD[0].to(k_BSKD.dtype), next_dkv_2BSKD[1].to(v_BSKD.dtype)
-        return dq_BSHD.to(q_BSHD.dtype), dk_BSKD, dv_BSKD, None, None, None, None, None
+        return dq_BSHD.to(q_BSHD.dtype), dk_BSKD, dv_BSKD, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -201,6 +214,7 @@ def ring_attention(
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
     kv_exchange: str = "ring",
+    window: Optional[int] = None,
 ) -> Tensor:
     """Attention over the ring's whole sequence from this rank's zigzag shards.
 
@@ -208,22 +222,23 @@ def ring_attention(
     (rank r of ``group`` holds zigzag chunks r and 2R-1-r); returns this rank's output shard
     [B, S, H, D] in q's dtype. A ``group`` of None or of one rank is plain local attention.
     ``kv_exchange``: K/V passed around the ring ("ring"), all gathered at once ("allgather",
-    allgather.py), or by the block's length ("auto", ``kv_exchange_for``).
+    allgather.py), or by the block's length ("auto", ``kv_exchange_for``). ``window`` (tokens,
+    causal only): a sliding window; where it leaves some ranks' K/V unseen by others, they go
+    straight to the ranks that see them instead (neighbours.py).
     """
     check_qkv(q, k, v, doc_ids)
+    check_window(window, causal)
     if group_size(group) == 1:
-        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} is odd; a zigzag shard is two equal chunks")
     assert group is not None
-    attend = _RingAttention.apply if kv_exchange_for(kv_exchange, q.shape[1]) == "ring" else allgather_attention
-    return attend(
-        q,
-        k.contiguous(),
-        v.contiguous(),
-        Documents.of(doc_ids),
-        group,
-        causal,
-        resolve_kernel(kernel, q),
-        default_scale(q.shape[-1]) if scale is None else scale,
-    )
+    docs, chosen = Documents.of(doc_ids), resolve_kernel(kernel, q)
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    k, v = k.contiguous(), v.contiguous()
+    if window is not None and sparse(group_size(group), q.shape[1], window):
+        return neighbour_attention(q, k, v, docs, group, chosen, scale, window)
+    if kv_exchange_for(kv_exchange, q.shape[1]) == "allgather":
+        return allgather_attention(q, k, v, docs, group, causal, chosen, scale, window)
+    out: Tensor = _RingAttention.apply(q, k, v, docs, group, causal, chosen, scale, window)
+    return out

@@ -149,19 +149,23 @@ def ulysses_attention(
     doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
     scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> Tensor:
     """Attention over the group's whole sequence from this rank's contiguous part.
 
     ``q`` [B, s, H, D], ``k``/``v`` [B, s, K, D] and ``doc_ids`` [B, s] hold part u (of U equal
     contiguous parts) of the sequence on group rank u; returns this rank's output part
-    [B, s, H, D]. A ``group`` of None or of one rank is plain local attention.
+    [B, s, H, D]. A ``group`` of None or of one rank is plain local attention. ``window``: a
+    causal sliding window of that many tokens, over the gathered sequence.
     """
     check_qkv(q, k, v, doc_ids)
     if group_size(group) == 1:
-        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float) -> Tensor:
-        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale)
+    def attend(
+        q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float
+    ) -> Tensor:
+        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
 
     assert group is not None
     return all_to_all_attention(attend, q, k, v, group=group, causal=causal, doc_ids=doc_ids, scale=scale)

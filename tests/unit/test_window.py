@@ -1,0 +1,145 @@
+"""Sliding windows in the attention plugin (train/attention/window.py, blocks.py): the tiles a
+window leaves cover exactly its band, a windowed layer costs a fraction of a full causal one, a
+rank reads only its neighbours' K/V, and local attention under a window equals the float64
+reference. The context-parallel implementations' exactness is tests/dist/test_attention.py's
+("-w" cases); the windowed transfers are counted there too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain.train.attention import local_attention
+from ringtrain.train.attention.kernels import MathKernel
+from ringtrain.train.attention.window import (
+    CAUSAL,
+    FULL,
+    MASKED,
+    band_mask,
+    needed_sources,
+    shard_positions,
+    window_tiles,
+)
+
+
+def _covered(q_pos: np.ndarray, k_pos: np.ndarray, window: int) -> np.ndarray:
+    """Which (query, key) pairs the tiles compute as visible."""
+    seen = np.zeros((q_pos.size, k_pos.size), dtype=np.int64)
+    for t in window_tiles(q_pos, k_pos, window):
+        if t.kind == FULL:
+            seen[t.rows, t.cols] += 1
+        elif t.kind == CAUSAL:
+            seen[t.rows, t.cols] += np.tril(np.ones((t.rows.stop - t.rows.start, t.cols.stop - t.cols.start), dtype=np.int64))
+        else:
+            assert t.kind == MASKED
+            seen[t.rows, t.cols] += band_mask(q_pos[t.rows], k_pos[t.cols], window)
+    return seen
+
+
+@pytest.mark.parametrize("window", [1, 63, 64, 65, 100, 128, 300, 5000])
+@pytest.mark.parametrize("layout", ["whole", "zigzag-rank1-of-4", "chunks-apart"])
+def test_the_tiles_cover_the_band_once_and_nothing_else(window: int, layout: str) -> None:
+    if layout == "whole":
+        q_pos = k_pos = np.arange(1000)
+    elif layout == "zigzag-rank1-of-4":
+        q_pos, k_pos = shard_positions(4, 1, 512), shard_positions(4, 2, 512)
+    else:
+        q_pos, k_pos = np.arange(700, 900), np.arange(500, 760)
+    want = band_mask(q_pos, k_pos, window).astype(np.int64)
+    assert np.array_equal(_covered(q_pos, k_pos, window), want)
+
+
+def _computed_pairs(q_pos: np.ndarray, k_pos: np.ndarray, window: Optional[int]) -> float:
+    """Score entries the kernels compute: a causal square counts half, a masked tile whole."""
+    if window is None:
+        return q_pos.size * k_pos.size / 2
+    total = 0.0
+    for t in window_tiles(q_pos, k_pos, window):
+        area = (t.rows.stop - t.rows.start) * (t.cols.stop - t.cols.start)
+        total += area / 2 if t.kind == CAUSAL else area
+    return total
+
+
+@pytest.mark.parametrize("cp", [1, 4])
+def test_a_1k_window_at_32k_tokens_costs_under_a_tenth_of_full_causal(cp: int) -> None:
+    seq, window = 32768, 1024
+    if cp == 1:
+        full, windowed = _computed_pairs(np.arange(seq), np.arange(seq), None), _computed_pairs(
+            np.arange(seq), np.arange(seq), window)
+    else:
+        local = seq // cp
+        positions = [shard_positions(cp, r, local) for r in range(cp)]
+        # Each rank's queries against every rank's keys: the ring's blocks, summed over the ring.
+        full = seq * seq / 2 / cp  # what one rank computes under full causal (zigzag balances it)
+        windowed = max(sum(_computed_pairs(positions[r], positions[j], window) for j in range(cp)) for r in range(cp))
+    assert windowed / full <= 0.1, windowed / full
+
+
+def test_a_window_no_longer_than_a_chunk_reads_only_the_ring_neighbours() -> None:
+    assert needed_sources(4, 8, 3) == [[0, 1], [0, 1, 2], [1, 2, 3], [2, 3]]
+    assert needed_sources(4, 8, 4) == [[0, 1], [0, 1, 2], [1, 2, 3], [2, 3]]
+    # Longer than a chunk: the second-nearest chunks too.
+    assert needed_sources(4, 8, 6)[1] == [0, 1, 2, 3]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+               doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    S = q.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bshd->bhqs", q, k) / math.sqrt(q.shape[-1])
+    allowed = torch.ones(S, S, dtype=torch.bool).tril().triu(1 - window).expand(q.shape[0], S, S).clone()
+    if doc is not None:
+        allowed &= (doc[:, :, None] == doc[:, None, :]) & (doc >= 0)[:, :, None]
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], -1e300), dim=-1) * allowed[:, None]
+    return torch.einsum("bhqs,bshd->bqhd", probs, v)
+
+
+@pytest.mark.parametrize("window", [1, 50, 64, 90, 200, 400])
+@pytest.mark.parametrize("docs", [False, True], ids=["unpacked", "packed"])
+def test_windowed_local_attention_equals_the_float64_reference(window: int, docs: bool) -> None:
+    gen = torch.Generator().manual_seed(window)
+    q, k, v, dout = (torch.randn(2, 300, 4 if i in (0, 3) else 2, 8, generator=gen, dtype=torch.float64)
+                     for i in range(4))
+    doc = None
+    if docs:
+        doc = torch.zeros(2, 300, dtype=torch.long)
+        doc[:, 120:] = 1
+        doc[0, 250:] = 2
+        doc[1, -4:] = -1
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = local_attention(*leaves, causal=True, window=window, doc_ids=doc, kernel="math")
+    out.backward(dout)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*ref_leaves, window, doc)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-12)
+
+
+class _Spy(MathKernel):
+    name = "spy"
+    supports_mask = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        self.calls.append((q.shape[1], k.shape[1], kw["causal"]))
+        return super().forward(q, k, v, **kw)
+
+
+def test_the_window_runs_the_layers_kernel_on_all_but_the_band_edge() -> None:
+    """A 128-token window over 512 tokens: the layer's own (maskless) kernel runs the causal
+    diagonal tiles; only the band's edges go to a kernel that takes a mask."""
+    spy = _Spy()
+    q = k = v = torch.randn(1, 512, 2, 8)
+    local_attention(q, k, v, causal=True, window=128, kernel=spy)
+    assert spy.calls == [(128, 128, True)] * 4
