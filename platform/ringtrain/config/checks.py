@@ -15,15 +15,19 @@ from typing import Any
 from ringtrain import uris
 from ringtrain.chaos import BITFLIP_TARGETS, FAULT_KINDS
 from ringtrain.config.schema import (
+    ACTIVATIONS,
     ATTENTION_IMPLS,
     ATTENTION_KERNELS,
     ATTENTION_KV_EXCHANGES,
     CHECKPOINTING_MODES,
     DEVICES,
     DTYPES,
+    LAYER_TYPES,
     NAN_POLICIES,
+    NORM_STYLES,
     PACKINGS,
     ROPE_TYPES,
+    SLIDING_ATTENTION,
     STDLIB_CORPUS,
     STRAGGLER_POLICIES,
     DataConfig,
@@ -229,7 +233,46 @@ def validate_model(job: JobConfig) -> None:
         raise ConfigError("model.norm_eps", f"must be > 0 (got {m.norm_eps})")
     if m.rope_scaling is not None:
         validate_rope_scaling(dict(m.rope_scaling), "model.rope_scaling")
+    validate_block(job)
+    validate_attention_windows(job)
     validate_memory_savers(job)
+
+
+def validate_block(job: JobConfig) -> None:
+    """The block's variant keys: norm style, activation, attention scale, soft-capping, and the
+    windowed layers' own rotary settings."""
+    m = job.model
+    if m.norm_style is not None:
+        _one_of(m.norm_style, NORM_STYLES, "model.norm_style")
+    if m.activation is not None:
+        _one_of(m.activation, ACTIVATIONS, "model.activation")
+    for key in ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_theta"):
+        value = getattr(m, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"model.{key}", f"must be > 0, or null for none (got {value})")
+    if m.rope_local_scaling is not None:
+        validate_rope_scaling(dict(m.rope_local_scaling), "model.rope_local_scaling")
+    if m.final_logit_softcapping is not None and job.train.loss_chunk_tokens > 0:
+        raise ConfigError(
+            "train.loss_chunk_tokens",
+            f"the chunked loss does not soft-cap its logits (model.final_logit_softcapping={m.final_logit_softcapping}); set it to 0",
+        )
+
+
+def validate_attention_windows(job: JobConfig) -> None:
+    """model.sliding_window and model.layer_types; the count of layer types is checked once
+    model.n_layers is known, the window of sliding layers once model.hf is read."""
+    m = job.model
+    if m.sliding_window is not None and m.sliding_window < 0:
+        raise ConfigError("model.sliding_window", f"must be >= 1, or 0 for no window (got {m.sliding_window})")
+    if m.layer_types is None:
+        return
+    for i, kind in enumerate(m.layer_types):
+        _one_of(kind, LAYER_TYPES, f"model.layer_types[{i}]")
+    if m.n_layers is not None and len(m.layer_types) != m.n_layers:
+        raise ConfigError("model.layer_types", f"has {len(m.layer_types)} entries, one per layer of model.n_layers={m.n_layers}")
+    if not m.hf and SLIDING_ATTENTION in m.layer_types and m.sliding_window is None:
+        raise ConfigError("model.sliding_window", f"is unset, but model.layer_types has {SLIDING_ATTENTION} layers: give their window")
 
 
 def validate_memory_savers(job: JobConfig) -> None:

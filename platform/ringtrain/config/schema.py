@@ -43,14 +43,15 @@ STDLIB_CORPUS = "stdlib"
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+    """A Llama-family decoder: RMSNorm, RoPE, a gated MLP, grouped-query attention, each layer
+    full causal or windowed; Gemma 3's block is the same with the switches below set.
 
     With ``hf`` set, the shape comes from that Hugging Face folder's ``config.json`` and the
     weights from its safetensors; a shape key set here must agree with it. Without it, the keys
     left unset take the small defaults of ``MODEL_DEFAULTS``.
     """
 
-    hf: str = ""  # a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3)
+    hf: str = ""  # a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text)
     vocab_size: Optional[int] = None
     dim: Optional[int] = None
     n_layers: Optional[int] = None
@@ -71,6 +72,26 @@ class ModelConfig:
     # The context the model was pretrained or last trained for (config.json's
     # max_position_embeddings); an export raises it to what this job trains at.
     max_position_embeddings: Optional[int] = None
+    # Attention windows: a layer of layer_types' "sliding_attention" sees the sliding_window most
+    # recent tokens, itself included; a "full_attention" one every earlier token. Without
+    # layer_types every layer slides (Mistral); without a window (or 0) every layer is full.
+    # Both come from config.json with model.hf, and a job may override either.
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list[str]] = None  # one of LAYER_TYPES per layer
+    # The sliding layers' own rotary settings (Gemma 3's local base); unset, they rotate as the
+    # full layers do. rope_theta and rope_scaling are then the full layers', which a context
+    # extension scales while the windowed layers keep theirs.
+    rope_local_theta: Optional[float] = None
+    rope_local_scaling: Optional[dict[str, Any]] = None
+    # Gemma's block: "gemma" norms scale by (1 + w) in fp32 and norm each branch's output too
+    # (four norms per layer); "llama" norms scale by w after rounding.
+    norm_style: Optional[str] = None  # NORM_STYLES
+    activation: Optional[str] = None  # the gated MLP's: ACTIVATIONS (silu: SwiGLU, gelu_pytorch_tanh: GeGLU)
+    scale_embeddings: Optional[bool] = None  # embeddings times sqrt(dim), in their dtype (Gemma)
+    # Attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma); unset: head_dim ** -0.5.
+    query_pre_attn_scalar: Optional[float] = None
+    # Logits soft-capped to cap x tanh(logits / cap) (Gemma's final_logit_softcapping); unset: none.
+    final_logit_softcapping: Optional[float] = None
     init_std: float = 0.02
     # none | full (every layer keeps only its input) | selective (norms and the SwiGLU product
     # are recomputed, see train/recompute.py) | auto (the least recomputation whose activations
@@ -102,7 +123,21 @@ MODEL_DEFAULTS: dict[str, Any] = {
     "mlp_bias": False,
     "qk_norm": False,
     "tie_embeddings": False,
+    "norm_style": "llama",
+    "activation": "silu",
+    "scale_embeddings": False,
 }
+
+
+# model.layer_types: transformers' names of a layer's attention, windowed or full causal.
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+# model.norm_style and model.activation: the block's variants (train/model.py, train/fused.py).
+NORM_STYLES = ("llama", "gemma")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # rope_scaling types a training job can use; "dynamic" rescales by the length seen at inference.
@@ -385,6 +420,17 @@ class JobConfig:
     @property
     def head_dim(self) -> int:
         return self.model.head_dim or self.model_int("dim") // self.model_int("n_heads")
+
+    @property
+    def layer_windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's attention window in tokens, None where the layer attends to every earlier
+        token: ``model.sliding_window`` on the layers ``model.layer_types`` calls sliding (every
+        layer when it is unset), none without a window."""
+        n_layers, window = self.model_int("n_layers"), self.model.sliding_window
+        if not window:
+            return (None,) * n_layers
+        kinds = self.model.layer_types or [SLIDING_ATTENTION] * n_layers
+        return tuple(window if kind == SLIDING_ATTENTION else None for kind in kinds)
 
     def model_int(self, key: str) -> int:
         """A model shape key that must be known by now (resolved from ``model.hf`` or defaults)."""

@@ -2,7 +2,7 @@
 
 Two kinds, switched by ``train.fused_ops`` (``FusedOps.from_job``):
 
-- kernels: RMSNorm, RoPE, SwiGLU and the output projection with its cross-entropy as
+- kernels: RMSNorm (Llama's and Gemma's), RoPE, SwiGLU / GeGLU and the output projection with its cross-entropy as
   liger-kernel's Triton kernels (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for LLM
   Training"), on CUDA where liger-kernel imports. Each keeps less for the backward than the eager
   ops (RMSNorm its input and one fp32 rstd per row instead of fp32 copies; SwiGLU its two inputs,
@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,14 +70,20 @@ def _kernels_for(x: Tensor, fused: FusedOps) -> Optional[Any]:
     return liger_ops() if kernels_run(fused, x.device.type) else None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, fused: FusedOps) -> Tensor:
-    """``x / rms(x) * weight`` over the last dim, normalised in fp32 and rounded to x's dtype
-    before the weight (Llama's casting)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, fused: FusedOps, style: str = "llama") -> Tensor:
+    """RMSNorm over the last dim, normalised in fp32. ``llama``: ``x / rms(x) * weight``, rounded
+    to x's dtype before the weight; ``gemma``: ``x / rms(x) * (1 + weight)`` all in fp32, rounded
+    once at the end (Gemma's gains are stored centred on zero)."""
     liger = _kernels_for(x, fused)
+    gemma = style == "gemma"
     if liger is not None:
+        if gemma:
+            return liger.liger_rms_norm(x, weight, eps, offset=1.0, casting_mode="gemma", in_place=True)
         return liger.liger_rms_norm(x, weight, eps, casting_mode="llama", in_place=True)
     x_fp32 = x.float()
     normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (normed * (1.0 + weight.float())).type_as(x)
     return normed.type_as(x) * weight
 
 
@@ -110,6 +116,20 @@ def swiglu(gate_BSF: Tensor, up_BSF: Tensor, fused: FusedOps) -> Tensor:
     if liger is not None:
         return liger.liger_swiglu(gate_BSF, up_BSF)
     return F.silu(gate_BSF) * up_BSF
+
+
+def geglu(gate_BSF: Tensor, up_BSF: Tensor, fused: FusedOps) -> Tensor:
+    """``gelu(gate) * up`` with GELU's tanh approximation (Gemma's ``gelu_pytorch_tanh``, which
+    liger's GeGLU kernel computes too)."""
+    liger = _kernels_for(gate_BSF, fused)
+    if liger is not None:
+        return liger.liger_geglu(gate_BSF, up_BSF)
+    return F.gelu(gate_BSF, approximate="tanh") * up_BSF
+
+
+GatedActivation = Callable[[Tensor, Tensor, FusedOps], Tensor]
+# The gated MLP's activation by config's ACTIVATIONS name.
+GATED_ACTIVATIONS: dict[str, GatedActivation] = {"silu": swiglu, "gelu_pytorch_tanh": geglu}
 
 
 class _StackedLinear(torch.autograd.Function):
@@ -147,15 +167,19 @@ def projections(x: Tensor, linears: tuple[torch.nn.Linear, ...], fused: FusedOps
     return out.split([linear.out_features for linear in linears], dim=-1)
 
 
-def cross_entropy_sum(hidden_TE: Tensor, weight_VE: Tensor, labels_T: Tensor, fused: FusedOps) -> Optional[Tensor]:
+def cross_entropy_sum(
+    hidden_TE: Tensor, weight_VE: Tensor, labels_T: Tensor, fused: FusedOps, softcap: Optional[float] = None
+) -> Optional[Tensor]:
     """The fp32 sum of the token losses of ``hidden @ weight.T`` over labelled tokens, by liger's
     fused linear cross-entropy (chunks of logits made and turned into gradients in the forward,
-    none kept), or None where it does not run (the caller then takes its own path)."""
+    none kept), or None where it does not run (the caller then takes its own path). ``softcap``:
+    the logits are ``softcap * tanh(logits / softcap)`` first."""
     liger = _kernels_for(hidden_TE, fused)
     if liger is None:
         return None
     # The weight gradient is summed over chunks: in fp32, as the unfused matmul accumulates it.
+    extra = {} if softcap is None else {"softcap": softcap}
     loss = liger.liger_fused_linear_cross_entropy(
-        hidden_TE, weight_VE, labels_T, ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32
+        hidden_TE, weight_VE, labels_T, ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32, **extra
     )
     return loss.float()

@@ -1,9 +1,18 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose attention is a pluggable
-context-parallel function.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) whose attention is a
+pluggable context-parallel function.
 
 One class, driven by ``ModelArgs``: the families differ only in switches (q/k/v biases for Qwen2,
-per-head q/k RMSNorm for Qwen3, tied embeddings, an explicit head dim, the rope scaling type).
+per-head q/k RMSNorm for Qwen3, tied embeddings, an explicit head dim, the rope scaling type,
+each layer's attention window). Gemma 3 is the same decoder with its own switches: (1 + w)
+norms in fp32 on each branch's input and output, GeGLU, embeddings scaled by sqrt(dim), its own
+attention scale, and sliding layers that rotate with a RoPE of their own.
 Parameter names are ringtrain's own; ``ringtrain.hf.names`` maps them to Hugging Face's.
+
+Each layer's attention is full causal or windowed (``ModelArgs.layer_windows``): a windowed
+layer passes ``window=W`` to the attention function, under which query i sees key j iff
+i - W < j <= i by true sequence position (transformers' ``sliding_window``). A layer passes the
+keywords that differ from the default only, so a model without windows runs on any attention
+function of the plain signature.
 
 Shape legend: B batch, S local sequence (this rank's tokens), H query heads, K key/value heads,
 D head dim, E model dim, V vocab.
@@ -16,6 +25,7 @@ and each token must rotate by its true position.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Protocol, Union
 
@@ -27,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ringtrain.config import JobConfig, checkpointing_mode
 from ringtrain.train import fused as ops
 from ringtrain.train.attention.documents import Documents
+from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.fused import FusedOps
 from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
 from ringtrain.train.offload import ActivationOffloader
@@ -43,6 +54,8 @@ class AttentionFn(Protocol):
         *,
         causal: bool = True,
         doc_ids: Optional[Documents] = None,
+        window: Optional[int] = None,
+        scale: Optional[float] = None,
     ) -> torch.Tensor: ...
 
 
@@ -65,6 +78,26 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    # Each layer's attention window (None: full causal); empty: every layer full.
+    layer_windows: tuple[Optional[int], ...] = ()
+    # The windowed layers' rotary settings when they differ from the full layers' (Gemma 3).
+    local_rope_theta: Optional[float] = None
+    local_rope_scaling: Optional[Mapping[str, Any]] = None
+    norm_style: str = "llama"  # config's NORM_STYLES
+    activation: str = "silu"  # config's ACTIVATIONS
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> Optional[float]:
+        """The scores' scale when it is not the kernels' default head_dim ** -0.5."""
+        if self.query_pre_attn_scalar is None or self.query_pre_attn_scalar == self.head_dim:
+            return None
+        return float(self.query_pre_attn_scalar) ** -0.5
 
     @classmethod
     def from_job(cls, job: JobConfig) -> "ModelArgs":
@@ -85,6 +118,14 @@ class ModelArgs:
             mlp_bias=bool(m.mlp_bias),
             qk_norm=bool(m.qk_norm),
             tie_embeddings=bool(m.tie_embeddings),
+            layer_windows=job.layer_windows,
+            local_rope_theta=float(m.rope_local_theta) if m.rope_local_theta is not None else None,
+            local_rope_scaling=dict(m.rope_local_scaling) if m.rope_local_scaling else None,
+            norm_style=m.norm_style or "llama",
+            activation=m.activation or "silu",
+            scale_embeddings=bool(m.scale_embeddings),
+            query_pre_attn_scalar=m.query_pre_attn_scalar,
+            final_logit_softcapping=m.final_logit_softcapping,
         )
 
 
@@ -117,18 +158,22 @@ class MemorySavers:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: FusedOps = FusedOps()) -> None:
+    def __init__(self, dim: int, eps: float, fused: FusedOps = FusedOps(), style: str = "llama") -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.style = style
+        # A Gemma gain is stored as w in (1 + w): zero is the identity, as one is Llama's.
+        self.weight = nn.Parameter(torch.zeros(dim) if style == "gemma" else torch.ones(dim))
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps, self.fused)
+        return ops.rms_norm(x, self.weight, self.eps, self.fused, self.style)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, attention_fn: AttentionFn, fused: FusedOps = FusedOps()) -> None:
+    def __init__(
+        self, args: ModelArgs, attention_fn: AttentionFn, fused: FusedOps = FusedOps(), window: Optional[int] = None
+    ) -> None:
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
@@ -137,11 +182,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
-        # Qwen3 normalises each head's query and key over the head dim, before the rotation.
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, fused) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, fused) if args.qk_norm else None
+        # Qwen3 and Gemma 3 normalise each head's query and key over the head dim, before the rotation.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, fused, args.norm_style) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, fused, args.norm_style) if args.qk_norm else None
         self.attention_fn = attention_fn
         self.fused = fused
+        self.window = window
+        # Only what differs from the attention function's defaults (see the module docstring).
+        self.attention_options: dict[str, Any] = {}
+        if window is not None:
+            self.attention_options["window"] = window
+        if args.attention_scale is not None:
+            self.attention_options["scale"] = args.attention_scale
 
     def forward(
         self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None
@@ -154,23 +206,26 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_BSHD, k_BSKD = self.q_norm(q_BSHD), self.k_norm(k_BSKD)
         q_BSHD, k_BSKD = ops.apply_rotary(q_BSHD, k_BSKD, cos, sin, self.fused)
-        out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True, doc_ids=docs)
+        out_BSHD = self.attention_fn(q_BSHD, k_BSKD, v_BSKD, causal=True, doc_ids=docs, **self.attention_options)
         return self.wo(out_BSHD.reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+    """A gated MLP: ``w2(act(w1 x) * w3 x)``, SwiGLU with silu, GeGLU with gelu_pytorch_tanh."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, fused: FusedOps = FusedOps()) -> None:
+    def __init__(
+        self, dim: int, hidden: int, bias: bool = False, fused: FusedOps = FusedOps(), activation: str = "silu"
+    ) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=bias)
         self.w3 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
         self.fused = fused
+        self.gated = ops.GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = ops.projections(x, (self.w1, self.w3), self.fused)
-        return self.w2(ops.swiglu(gate, up, self.fused))
+        return self.w2(self.gated(gate, up, self.fused))
 
 
 class Block(nn.Module):
@@ -181,14 +236,20 @@ class Block(nn.Module):
         savers: MemorySavers = MemorySavers(),
         fused: FusedOps = FusedOps(),
         checkpointing: Optional[str] = None,
+        window: Optional[int] = None,
     ):
         """``checkpointing``: this layer's mode (``MemorySavers.layer_checkpointing``); None:
-        ``savers.checkpointing``."""
+        ``savers.checkpointing``. ``window``: this layer's attention window; None: full causal."""
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused)
-        self.attention = Attention(args, attention_fn, fused)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias, fused)
+        style = args.norm_style
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused, style)
+        self.attention = Attention(args, attention_fn, fused, window)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused, style)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp_bias, fused, args.activation)
+        # Gemma norms each branch's output before it joins the residual stream too.
+        sandwich = style == "gemma"
+        self.attention_out_norm = RMSNorm(args.dim, args.norm_eps, fused, style) if sandwich else None
+        self.ffn_out_norm = RMSNorm(args.dim, args.norm_eps, fused, style) if sandwich else None
         self.checkpointing = savers.checkpointing if checkpointing is None else checkpointing
         self.selective = self.checkpointing == "selective"
         self.mlp_tiles = savers.mlp_tiles
@@ -196,18 +257,28 @@ class Block(nn.Module):
     def _attention_norm(self, x: torch.Tensor) -> torch.Tensor:
         return recomputed(self.attention_norm, x) if self.selective else self.attention_norm(x)
 
+    def _attention_out(self, out: torch.Tensor) -> torch.Tensor:
+        if self.attention_out_norm is None:
+            return out
+        return recomputed(self.attention_out_norm, out) if self.selective else self.attention_out_norm(out)
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP, and Gemma's norm of its output: position-wise, so it can run in tiles."""
+        out = self.feed_forward(x)
+        return out if self.ffn_out_norm is None else self.ffn_out_norm(out)
+
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """ffn_norm then SwiGLU; selective recomputes both, tiles recompute the SwiGLU per tile."""
+        """ffn_norm then the MLP; selective recomputes both, tiles recompute the MLP per tile."""
         if self.selective:
-            return tiled(lambda y: self.feed_forward(self.ffn_norm(y)), x, self.mlp_tiles)
+            return tiled(lambda y: self._ffn(self.ffn_norm(y)), x, self.mlp_tiles)
         if self.mlp_tiles > 1:
-            return tiled(self.feed_forward, self.ffn_norm(x), self.mlp_tiles)
-        return self.feed_forward(self.ffn_norm(x))
+            return tiled(self._ffn, self.ffn_norm(x), self.mlp_tiles)
+        return self._ffn(self.ffn_norm(x))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Optional[Documents] = None
     ) -> torch.Tensor:
-        x = x + self.attention(self._attention_norm(x), cos, sin, docs)
+        x = x + self._attention_out(self.attention(self._attention_norm(x), cos, sin, docs))
         return x + self._mlp(x)
 
 
@@ -215,20 +286,37 @@ class OutputHead(nn.Linear):
     """The output projection; given labels, it returns the summed loss instead of the logits, so
     the fused and chunked losses read the weight inside this module's call (where ZeRO-3
     gathers it). The loss is liger's fused one where it runs (train/fused.py), else chunked when
-    ``loss_chunk_tokens`` is set, else over the whole logits."""
+    ``loss_chunk_tokens`` is set, else over the whole logits. ``softcap`` caps the logits to
+    ``softcap * tanh(logits / softcap)`` (config refuses it with the chunked loss)."""
 
-    def __init__(self, dim: int, vocab_size: int, loss_chunk_tokens: int = 0, fused: FusedOps = FusedOps()) -> None:
+    def __init__(
+        self,
+        dim: int,
+        vocab_size: int,
+        loss_chunk_tokens: int = 0,
+        fused: FusedOps = FusedOps(),
+        softcap: Optional[float] = None,
+    ) -> None:
         super().__init__(dim, vocab_size, bias=False)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.fused = fused
+        self.softcap = softcap
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if labels is None:
-            return super().forward(x)
+            return self._capped(super().forward(x))
         x_TE, labels_T = x.flatten(0, -2), labels.flatten()
-        fused_loss = ops.cross_entropy_sum(x_TE, self.weight, labels_T, self.fused)
+        fused_loss = ops.cross_entropy_sum(x_TE, self.weight, labels_T, self.fused, self.softcap)
         if fused_loss is not None:
             return fused_loss
+        if self.softcap is not None:
+            logits_TV = self._capped(F.linear(x_TE, self.weight))
+            return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
         if self.loss_chunk_tokens > 0:
             return chunked_cross_entropy_sum(x_TE, self.weight, labels_T, self.loss_chunk_tokens)
         return full_cross_entropy_sum(x_TE, self.weight, labels_T)
@@ -252,16 +340,22 @@ class Transformer(nn.Module):
         self.args = args
         self.fused = fused
         self.rope: Rope = build_rope(args.head_dim, args.rope_theta, args.rope_scaling)
+        # The windowed layers' own RoPE (Gemma 3's local base); None: they rotate as the others.
+        self.local_rope: Optional[Rope] = None
+        if args.local_rope_theta is not None:
+            self.local_rope = build_rope(args.head_dim, args.local_rope_theta, args.local_rope_scaling)
         self.savers = savers or MemorySavers(checkpointing=checkpointing_mode(activation_checkpointing))
         # Built on the first forward, on the device the activations are on.
         self.offloader: Optional[ActivationOffloader] = None
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
-            Block(args, attention_fn, self.savers, fused, self.savers.layer_checkpointing(i))
+            Block(args, attention_fn, self.savers, fused, self.savers.layer_checkpointing(i), args.window(i))
             for i in range(args.n_layers)
         )
-        self.norm = RMSNorm(args.dim, args.norm_eps, fused)
-        self.output = OutputHead(args.dim, args.vocab_size, self.savers.loss_chunk_tokens, fused)
+        self.norm = RMSNorm(args.dim, args.norm_eps, fused, args.norm_style)
+        self.output = OutputHead(
+            args.dim, args.vocab_size, self.savers.loss_chunk_tokens, fused, args.final_logit_softcapping
+        )
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if init_std is not None:
@@ -272,7 +366,7 @@ class Transformer(nn.Module):
             if p.dim() < 2:
                 if name.endswith(".bias"):
                     nn.init.zeros_(p)
-                continue  # norm weights stay at one
+                continue  # norm gains stay as built, the identity
             # Residual-branch outputs are scaled down with depth so the residual stream's
             # variance does not grow with the number of layers (GPT-2, section 2.3).
             is_residual_out = name.endswith(("wo.weight", "w2.weight"))
@@ -286,18 +380,28 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """The final normed hidden states [B, S, E], before the output projection; ``doc_ids_BS``
         (packed documents) confines attention to each token's document."""
-        cos, sin = self.rope.cos_sin(position_ids_BS)
+        full_rotation = self.rope.cos_sin(position_ids_BS)
+        window_rotation = full_rotation if self.local_rope is None else self.local_rope.cos_sin(position_ids_BS)
         # Once per forward: the ids' host copy and their gathers across the CP groups serve
         # every layer (and the recomputation of any).
         docs = Documents.of(doc_ids_BS)
-        h_BSE = self.tok_embeddings(input_ids_BS)
+        h_BSE = self.embed(input_ids_BS)
         for i, layer in enumerate(self.layers):
+            cos, sin = full_rotation if layer.attention.window is None else window_rotation
             with self._offload(i, h_BSE.device):
                 if layer.checkpointing == "full" and self.training:
                     h_BSE = checkpoint(layer, h_BSE, cos, sin, docs, use_reentrant=False)
                 else:
                     h_BSE = layer(h_BSE, cos, sin, docs)
         return self.norm(h_BSE)
+
+    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, times sqrt(dim) for Gemma: the factor rounded to the embedding's
+        dtype first (55.4256 is 55.5 in bf16 at dim 3072), as transformers computes it."""
+        h_BSE = self.tok_embeddings(input_ids_BS)
+        if not self.args.scale_embeddings:
+            return h_BSE
+        return h_BSE * _embedding_scale(self.args.dim, h_BSE.dtype)
 
     def _offload(self, index: int, device: torch.device) -> contextlib.AbstractContextManager[None]:
         if index >= self.savers.offload_layers or not self.training:
@@ -343,6 +447,11 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_",
 
 def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _embedding_scale(dim: int, dtype: torch.dtype) -> float:
+    return float(torch.tensor(dim**0.5, dtype=torch.float32).to(dtype))
 
 
 def num_params(model: nn.Module) -> int:

@@ -134,8 +134,11 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
     fraction of a second."""
     tiny = dataclasses.replace(
         job,
-        # The weights of a pretrained model are not needed to warm up: a random copy does.
-        model=dataclasses.replace(job.model, n_layers=1, hf=""),
+        # The weights of a pretrained model are not needed to warm up: a random copy does, of
+        # the first layer (and its attention window).
+        model=dataclasses.replace(
+            job.model, n_layers=1, hf="", layer_types=job.model.layer_types[:1] if job.model.layer_types else None
+        ),
         mesh=dataclasses.replace(job.mesh, dp=1, cp=1, ulysses=None, min_dp=1, max_dp=None, spares=0),
         train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None),
         data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64), path=_warm_up_data(job.data.path)),
