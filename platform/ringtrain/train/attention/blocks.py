@@ -35,7 +35,7 @@ from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput,
 from ringtrain.train.attention.documents import segments
 from ringtrain.train.attention.kernels import mask_kernel
 from ringtrain.train.attention.merge import merge_into_
-from ringtrain.train.attention.window import CAUSAL, band_mask, window_tiles
+from ringtrain.train.attention.window import CAUSAL, MASKED, tile_mask, window_tiles
 
 Tensor = torch.Tensor
 
@@ -72,7 +72,7 @@ class Piece:
     rows: slice
     cols: slice
     causal: bool
-    visible_QS: Optional[np.ndarray] = None  # a masked piece's mask
+    band: Optional[tuple[int, int]] = None  # a masked piece's (rows' offset after its columns, window)
 
 
 def _pieces(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[Piece]:
@@ -90,8 +90,8 @@ def _pieces(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[
     for b, rows, cols in rects:
         q_pos, k_pos = cut.q_positions[rows], cut.k_positions[cols]
         for t in window_tiles(q_pos, k_pos, cut.window):
-            mask = band_mask(q_pos[t.rows], k_pos[t.cols], cut.window) if t.kind not in ("full", CAUSAL) else None
-            pieces.append(Piece(b, _shift(t.rows, rows.start), _shift(t.cols, cols.start), t.kind == CAUSAL, mask))
+            band = (int(q_pos[t.rows.start] - k_pos[t.cols.start]), cut.window) if t.kind == MASKED else None
+            pieces.append(Piece(b, _shift(t.rows, rows.start), _shift(t.cols, cols.start), t.kind == CAUSAL, band))
     return pieces
 
 
@@ -100,10 +100,12 @@ def _shift(index: slice, by: int) -> slice:
 
 
 def _run_kernel(kernel: AttentionKernel, piece: Piece, like: Tensor) -> tuple[AttentionKernel, Optional[Tensor]]:
-    if piece.visible_QS is None:
+    if piece.band is None:
         return kernel, None
-    visible = torch.as_tensor(piece.visible_QS, device=like.device)[None].expand(piece.b.stop - piece.b.start, -1, -1)
-    return mask_kernel(kernel, like), visible
+    offset, window = piece.band
+    mask_QS = tile_mask(offset, piece.rows.stop - piece.rows.start, piece.cols.stop - piece.cols.start, window,
+                        like.device)
+    return mask_kernel(kernel, like), mask_QS[None].expand(piece.b.stop - piece.b.start, -1, -1)
 
 
 def block_forward(

@@ -24,9 +24,11 @@ Shape legend: Q / K a block's rows / columns, R ranks in the ring, L a zigzag ch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ringtrain.topology import zigzag_chunks
 
@@ -118,6 +120,15 @@ def band_mask(q_positions: np.ndarray, k_positions: np.ndarray, window: int) -> 
     """``[Q, S]``: True where the key is inside the query's causal window (a masked tile's mask)."""
     gap = q_positions[:, None] - k_positions[None, :]
     return (gap >= 0) & (gap < window)
+
+
+@functools.lru_cache(maxsize=64)
+def tile_mask(offset: int, q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """``band_mask`` of a tile whose rows start ``offset`` positions after its columns (a tile's
+    positions are consecutive), on ``device``: tiles on the same grid share it, so it is made
+    once, not per tile and layer."""
+    mask = band_mask(np.arange(q_len) + offset, np.arange(k_len), window)
+    return torch.as_tensor(mask, device=device)
 
 
 def needed_sources(world: int, seq_local: int, window: int) -> list[list[int]]:
