@@ -15,7 +15,7 @@ from ringtrain.commands import dashboards, export, jobs, plan, prepare, report, 
 from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the builtin
 from ringtrain.errors import ConfigError, RingtrainError
 
-EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 ``add_arguments`` fills the ``run`` subcommand's parser and ``run`` executes it. Every input is
 checked (exit 2, one line naming the key) before Ray or torch is imported; then the cluster
 starts, the Controller trains, and the run directory gets its summary and report. Exit codes:
-0 finished, 1 the run failed or stopped.
+0 the run finished, 1 it did not (its summary says why).
 """
 
 from __future__ import annotations
