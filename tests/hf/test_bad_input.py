@@ -94,7 +94,25 @@ CASES: dict[str, tuple[Breaker, list[str], str]] = {
         _index_points_outside("{outside}"), [], "weight_map['lm_head.weight'] is '{outside}', which points outside the model folder",
     ),
     "truncated safetensors": (_truncate, [], "model.safetensors is not a readable safetensors file"),
-    "sliding window below seq_len": (_rewrite_config(sliding_window=32), ["data.seq_len=64"], "data.seq_len: 64 is longer than the sliding window 32"),
+    "Gemma 2": (
+        _rewrite_config(architectures=["Gemma2ForCausalLM"]), [],
+        "model.hf: {folder}/config.json: architecture 'Gemma2ForCausalLM' is not supported: Gemma 2 soft-caps its attention scores",
+    ),
+    "attention soft-capping": (
+        _rewrite_config(architectures=["Gemma3ForCausalLM"], attn_logit_softcapping=50.0), [],
+        "attn_logit_softcapping=50.0 soft-caps the attention scores",
+    ),
+    "a Mistral window on some layers only": (
+        _rewrite_config(sliding_window=16), ["model.layer_types=[full_attention,sliding_attention]"],
+        "model.layer_types: MistralForCausalLM applies its sliding window to every layer",
+    ),
+    "a window on a Llama": (
+        _rewrite_config(architectures=["LlamaForCausalLM"], model_type="llama"), ["model.sliding_window=16"],
+        "model.sliding_window: LlamaForCausalLM has no sliding window",
+    ),
+    "layer types of another model": (
+        lambda f: None, ["model.layer_types=[full_attention]"], "model.layer_types: has 1 entries, one per layer of model.n_layers=2",
+    ),
     "unknown rope_scaling type": (
         _rewrite_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0}), [], "rope_type 'longrope' is not one of"
     ),

@@ -1,7 +1,8 @@
 """A durable checkpoint written out as a Hugging Face model folder (``ringtrain export``).
 
 The folder holds ``config.json`` (the source model's, with what training changed: the context
-trained at and its rotary settings; Llama's for a model trained from scratch), the fp32 master
+trained at, its rotary settings and attention windows; for a model trained from scratch, that of
+the architecture that expresses it, ``hf/architectures.py``), the fp32 master
 weights in safetensors files of at most ``max_shard_size`` (with an index when there are
 several), and the source model's tokenizer and ``generation_config.json`` when it had them.
 
@@ -224,7 +225,8 @@ def output_tensors(model: ModelConfig, dtype: torch.dtype) -> list[OutputTensor]
         net = Transformer(args, attention_fn=_no_attention, init_std=None)
     size = torch.empty((), dtype=dtype).element_size()
     return [
-        OutputTensor(name, to_hf(name), tuple(p.shape), p.numel() * size) for name, p in net.named_parameters()
+        OutputTensor(name, to_hf(name, args.norm_style), tuple(p.shape), p.numel() * size)
+        for name, p in net.named_parameters()
     ]
 
 

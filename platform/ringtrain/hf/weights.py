@@ -12,23 +12,30 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ringtrain.errors import ConfigError
+from ringtrain.hf.hfconfig import CONFIG_FILE, norm_style_of, read_hf_config
 from ringtrain.hf.names import from_hf, to_hf
 from ringtrain.hf.shards import INDEX_FILE
 
 
 class PretrainedWeights:
-    """Tensor name -> file of a model folder, with row-sliced reads into fp32 numpy arrays."""
+    """Tensor name -> file of a model folder, with row-sliced reads into fp32 numpy arrays.
 
-    def __init__(self, folder: str | Path, key: str = "model.hf") -> None:
+    Tensors are named as the folder's architecture names them (``hf/names.py``): ``style`` is
+    its norm style, by default read from its config.json (Llama's without one)."""
+
+    def __init__(self, folder: str | Path, key: str = "model.hf", style: Optional[str] = None) -> None:
         self.folder = Path(folder)
         self.key = key
+        if style is None:
+            style = norm_style_of(read_hf_config(self.folder, key)) if (self.folder / CONFIG_FILE).is_file() else "llama"
+        self.style = style
         self._handles: dict[Path, Any] = {}
         self.files = self._tensor_files()  # Hugging Face tensor name -> file
         self.scalars: dict[str, Any] = {}
@@ -69,7 +76,7 @@ class PretrainedWeights:
         """Every parameter (ringtrain name -> shape) is present with its shape, or a ConfigError
         naming the tensor and its file."""
         for name, shape in shapes.items():
-            hf_name = to_hf(name)
+            hf_name = to_hf(name, self.style)
             if hf_name not in self.files:
                 raise ConfigError(self.key, f"tensor {hf_name} (for {name}) is missing from {self.folder}")
             theirs = self.shape(hf_name)
@@ -80,7 +87,7 @@ class PretrainedWeights:
 
     def unused(self, names: set[str]) -> list[str]:
         """Tensors of the folder no parameter reads (a tied lm_head, rotary buffers): informative."""
-        used = {to_hf(n) for n in names}
+        used = {to_hf(n, self.style) for n in names}
         return sorted(n for n in self.files if n not in used)
 
     def read(self, name: str, key: str, start: int, stop: int) -> np.ndarray:
@@ -88,7 +95,7 @@ class PretrainedWeights:
         for Adam's moments, which a pretrained checkpoint does not carry."""
         if key != "param":
             return np.zeros(stop - start, dtype=np.float32)
-        hf_name = to_hf(name)
+        hf_name = to_hf(name, self.style)
         view = self._open(self.files[hf_name]).get_slice(hf_name)
         shape = view.get_shape()
         row = math.prod(shape[1:]) if len(shape) > 1 else 1
@@ -99,12 +106,11 @@ class PretrainedWeights:
         return flat[offset : offset + stop - start]
 
     def full(self, name: str) -> np.ndarray:
-        shape = self.shape(to_hf(name))
+        shape = self.shape(to_hf(name, self.style))
         return self.read(name, "param", 0, math.prod(shape)).reshape(shape)
 
-    @staticmethod
-    def ringtrain_name(hf_name: str) -> str:
-        return from_hf(hf_name)
+    def ringtrain_name(self, hf_name: str) -> str:
+        return from_hf(hf_name, self.style)
 
 
 def _inside_folder(file: Any, tensor: str, index: Path, key: str) -> str:
