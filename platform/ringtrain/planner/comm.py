@@ -8,7 +8,10 @@ Ring attention (``train/attention/ring.py``), per layer and micro batch: the for
 rank's K/V block R - 1 times, 2 t k d c p bytes each (the ring of a hybrid runs on the Ulysses
 all-to-all's output: U t tokens of k c / U KV heads); the backward passes K/V R - 1 times again
 and the fp32 dK/dV accumulators R times, 2 t k d c 4 bytes each. Checkpointing recomputes the
-forward, so its K/V pass happens twice.
+forward, so its K/V pass happens twice. A windowed layer whose window leaves some ranks' K/V
+unseen by others (``planner/windows.py``) sends its K/V once to each of its readers and, in the
+backward, the fp32 dK/dV of each block it read back to its owner: the busiest rank's readers x
+2 t k d c p and sources x 2 t k d c 4 bytes.
 
 Ulysses (``train/attention/ulysses.py``), per layer and micro batch: four all-to-alls (q/k/v in,
 output back; output gradient in, q/k/v gradients back), each rank keeping 1/U of what it holds:
@@ -35,10 +38,12 @@ rank's partition over PCIe: (2|3) P N / Z per micro batch, as many gathers as ab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ringtrain.planner.layout import Layout, Precision
 from ringtrain.planner.memory import OFFLOAD_GRAD_BYTES
 from ringtrain.planner.models import ModelSpec, kv_copies
+from ringtrain.planner.windows import window_ranks
 
 DKV_BYTES = 4  # the ring's dK/dV accumulators travel in fp32
 
@@ -47,18 +52,28 @@ DKV_BYTES = 4  # the ring's dK/dV accumulators travel in fp32
 class Traffic:
     """Bytes one GPU sends; the attention parts per layer and micro batch, ZeRO per step."""
 
-    ring_forward: int  # per layer, per micro batch, forward (and recomputation)
-    ring_backward: int  # per layer, per micro batch
+    ring_forward: int  # per full layer, per micro batch, forward (and recomputation)
+    ring_backward: int  # per full layer, per micro batch
     ulysses: int  # per layer, per micro batch, all passes
     zero_per_micro: int  # per micro batch
     zero_per_step: int  # once per optimizer step
     zero_gather_per_micro: int  # the part of zero_per_micro that stage 3 can prefetch
     pcie_per_step: int  # optimizer offload
     pcie_fetch_per_micro: int = 0  # parameter offload: the partition fetched for every gather
+    windowed_ring_forward: int = 0  # per windowed layer, per micro batch, as ring_forward
+    windowed_ring_backward: int = 0
+
+    def ring_per_micro(self, model: ModelSpec) -> int:
+        """Bytes the ring attention of every layer sends per micro batch."""
+        full = model.num_full_layers * (self.ring_forward + self.ring_backward)
+        return full + model.num_windowed_layers * (self.windowed_ring_forward + self.windowed_ring_backward)
 
 
-def ring_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> tuple[int, int]:
-    """(forward, backward) bytes a rank sends per layer and micro batch in ring attention."""
+def ring_bytes(
+    model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, seq_len: int = 0, window: Optional[int] = None
+) -> tuple[int, int]:
+    """(forward, backward) bytes a rank sends per layer and micro batch in ring attention, for a
+    layer of ``window`` (None: full) over ``seq_len`` tokens."""
     if layout.ring == 1:
         return 0, 0
     c = kv_copies(model.n_kv_heads, layout.ulysses)
@@ -66,6 +81,9 @@ def ring_bytes(model: ModelSpec, layout: Layout, tokens: int, act_bytes: int) ->
     dkv = 2 * tokens * model.kv_dim * c * DKV_BYTES
     passes = 2 if layout.checkpointing else 1
     R = layout.ring
+    ranks = window_ranks(R, seq_len, window)
+    if ranks is not None:
+        return passes * ranks.readers * kv, ranks.sources * dkv
     return passes * (R - 1) * kv, (R - 1) * kv + R * dkv
 
 
@@ -105,6 +123,7 @@ def zero_bytes(num_params: int, layout: Layout, prec: Precision) -> tuple[int, i
 def traffic(model: ModelSpec, layout: Layout, seq_len: int, prec: Precision) -> Traffic:
     tokens = layout.micro_batch * seq_len // layout.cp
     ring_fwd, ring_bwd = ring_bytes(model, layout, tokens, prec.act_bytes)
+    windowed_fwd, windowed_bwd = ring_bytes(model, layout, tokens, prec.act_bytes, seq_len, model.window)
     per_micro, per_step, gather = zero_bytes(model.num_params, layout, prec)
     partition = -(-model.num_params // layout.world)
     pcie = 0
@@ -121,4 +140,6 @@ def traffic(model: ModelSpec, layout: Layout, seq_len: int, prec: Precision) -> 
         zero_gather_per_micro=gather,
         pcie_per_step=pcie,
         pcie_fetch_per_micro=fetch,
+        windowed_ring_forward=windowed_fwd if model.num_windowed_layers else 0,
+        windowed_ring_backward=windowed_bwd if model.num_windowed_layers else 0,
     )

@@ -41,7 +41,7 @@ log-sum-exp, never the a*s^2 softmax:
     Ulysses    + t p (h + 2kd (c - 1))   when U > 1: q, k, v are kept head-sharded after the
                all-to-all, each KV head replicated c = U / gcd(k, U) times so every rank holds
                whole KV heads, and the output is kept on both sides of the inverse all-to-all
-    once       final norm t (4 + 2p) h, rotary tables 4 t d, and at the start of the backward
+    once       final norm t (4 + 2p) h, rotary tables 4 t d (per RoPE), and at the start of the backward
                the loss: 12 t V for the logits' fp32 log-softmax, its gradient and the logits'
                fp32 gradient (the output head computes the loss, so the logits themselves are
                freed at the end of the forward)
@@ -69,6 +69,16 @@ accumulation on; a step of a single micro batch peaks up to the gradient bytes l
 The long-context savers (selective recomputation, tiled MLP, chunked loss, activation offload)
 change the kept layers, the recomputed layer, the SwiGLU working set and the loss terms above as
 planner/savers.py says; offloaded layers' kept bytes count as host memory.
+
+Windowed layers (``planner/windows.py``). The fused kernels keep the same q, k, v, output and
+log-sum-exp whatever the window, so a windowed layer keeps what a full one does, except where
+its K/V go straight to the ranks that read them: it keeps the s blocks it received,
+s x 2 t k d c p, for its backward, whose working set holds the fp32 dK/dV of its own block, of
+the s it read and of the r readers' returning ones, (1 + s + r) 8 t k d c, in place of the
+ring's accumulators. The unfused kernel computes a windowed block tile by tile, on a grid of
+about the window: when every layer is windowed its largest block is a tile, not s^2. Gemma's
+block has four norms per layer (two in each half), each keeping its fp32 normalized output
+too, (8 + p) h per token.
 """
 
 from __future__ import annotations
@@ -80,14 +90,17 @@ from typing import Optional
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec, kv_copies
 from ringtrain.planner.savers import (
+    ffn_norms_kept,
     layer_bytes,
     loss_bytes,
     mlp_kept,
+    norm_bytes_per_element,
     norm_kept,
     qk_norm_kept,
     resident_layers,
     ulysses_extra,
 )
+from ringtrain.planner.windows import score_side, window_ranks
 
 # DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
 # stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
@@ -188,16 +201,36 @@ def layer_activation_bytes(model: ModelSpec, tokens: int, ulysses: int, act_byte
     ``fused``: with the fused kernels' norms and SwiGLU, planner/savers.py)."""
     q, kd, a, p = model.q_dim, model.kv_dim, model.n_heads, act_bytes
     attention = tokens * (p * (2 * q + 2 * kd) + 4 * a) + qk_norm_kept(model, tokens, p, fused)
-    norms = 2 * norm_kept(model, tokens, p, fused)
+    norms = model.norms_per_layer * norm_kept(model, tokens, p, fused)
     return attention + norms + mlp_kept(model, tokens, p, fused) + ulysses_extra(
         model, tokens, ulysses, p, kv_copies(model.n_kv_heads, ulysses)
     )
 
 
 def score_bytes(model: ModelSpec, layout: Layout, seq_len: int) -> int:
-    """The unfused kernel's working set for its largest (diagonal) block: 20 b a U s^2 bytes."""
-    s = seq_len // layout.cp
-    return SCORE_MATRICES_BYTES * layout.micro_batch * model.n_heads * layout.ulysses * s * s
+    """The unfused kernel's working set for its largest (diagonal) block: 20 b a U s^2 bytes, a
+    tile's when every layer is windowed (see the module doc)."""
+    side = score_side(layout.ulysses * (seq_len // layout.cp), model.window, model.every_layer_windowed)
+    return SCORE_MATRICES_BYTES * layout.micro_batch * model.n_heads * side * side // layout.ulysses
+
+
+@dataclass(frozen=True)
+class WindowedExchange:
+    """A windowed layer's bytes where its K/V go straight to their readers (see the module doc)."""
+
+    kept: int  # the K/V blocks received, kept for the backward
+    backward_work: int  # the attention backward's dK/dV buffers, in place of the ring's accumulators
+
+
+def windowed_exchange(model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int) -> WindowedExchange:
+    """One windowed layer's received K/V and backward buffers on the busiest rank; none where the
+    ring passes its K/V as for a full layer."""
+    ranks = window_ranks(layout.ring, seq_len, model.window) if model.num_windowed_layers else None
+    if ranks is None:
+        return WindowedExchange(0, 0)
+    t = layout.micro_batch * seq_len // layout.cp
+    block = t * model.kv_dim * kv_copies(model.n_kv_heads, layout.ulysses)
+    return WindowedExchange(2 * ranks.sources * block * act_bytes, 8 * (1 + ranks.sources + ranks.readers) * block)
 
 
 @dataclass(frozen=True)
@@ -207,6 +240,7 @@ class Activations:
     loss_peak: int
     backward_peak: int
     host: int = 0  # offloaded layers' kept bytes, in pinned host memory
+    received_kv: int = 0  # of ``kept``: the K/V windowed layers received from their neighbours
 
     @property
     def peak(self) -> int:
@@ -220,19 +254,28 @@ def activations(
     t = layout.micro_batch * seq_len // layout.cp
     h, p = model.dim, act_bytes
     layer = layer_activation_bytes(model, t, layout.ulysses, p, fused)
-    ffn_half = norm_kept(model, t, p, fused) + mlp_kept(model, t, p, fused)
+    ffn_half = ffn_norms_kept(model, t, p, fused) + mlp_kept(model, t, p, fused)
     saved = layer_bytes(model, layout, t, p, layer, ffn_half, fused)
     on_device_forward, on_device_backward = resident_layers(model, layout)
-    kept = on_device_forward * saved.kept
-    rotary = 4 * t * model.head_dim
+    exchange = windowed_exchange(model, layout, seq_len, p)
+    windowed_share = model.num_windowed_layers / model.n_layers
+
+    def exchanged(layers: int) -> int:
+        """The received K/V that ``layers`` layers keep: a fully recomputed layer keeps none."""
+        return 0 if layout.checkpointing else round(layers * windowed_share) * exchange.kept
+
+    received_kv = exchanged(on_device_forward)
+    kept = on_device_forward * saved.kept + received_kv
+    rotary = 4 * t * model.head_dim * (2 if model.local_rope else 1)  # cos and sin, per RoPE
     loss, logits_kept = loss_bytes(model, layout, t, p, fused)
     # The layers that do not recompute (the last ones) keep everything.
     recomputing = layout.recomputed_layers(model.n_layers)
     keeping = model.n_layers - recomputing if recomputing else 0
     plain = layer_bytes(model, dataclasses.replace(layout, checkpointing=False, selective=False), t, p, layer, ffn_half, fused)
     if keeping:
-        kept = recomputing * saved.kept + keeping * plain.kept
-    loss_peak = kept + t * (4 + 2 * p) * h + rotary + loss
+        received_kv = round(keeping * windowed_share) * exchange.kept
+        kept = recomputing * saved.kept + keeping * plain.kept + received_kv
+    loss_peak = kept + t * norm_bytes_per_element(model, p) * h + rotary + loss
 
     # One layer's backward, the last layer's first (the loss inside the model's output head
     # leaves no logits referenced by then). The
@@ -240,20 +283,24 @@ def activations(
     # keeps; by the time the attention's backward runs, the layer's FFN half has been freed.
     c = kv_copies(model.n_kv_heads, layout.ulysses)
     attention_work = t * ((4 + 2 * p) * h + (16 + 6 * p) * model.kv_dim * c)
+    attention_work = max(attention_work, t * (4 + 2 * p) * h + exchange.backward_work)
     if not flash:
         attention_work += score_bytes(model, layout, seq_len)
-    base = on_device_backward * saved.kept + saved.recomputed + rotary + logits_kept
+    # The one recomputed layer, when windowed, holds the K/V it received again.
+    recomputed = saved.recomputed + (exchange.kept if layout.checkpointing and model.num_windowed_layers else 0)
+    base = on_device_backward * saved.kept + exchanged(on_device_backward) + recomputed + rotary + logits_kept
     backward_peak = base + max(saved.ffn_work, attention_work - saved.ffn_kept)
     if keeping:
         # The keeping layers run their backward first, with every layer's bytes still held; the
         # recomputing ones after them, once the others' are freed.
         last_first = kept + rotary + logits_kept + max(plain.ffn_work, attention_work - plain.ffn_kept)
-        backward_peak = max(last_first, recomputing * saved.kept + saved.recomputed + rotary + logits_kept
+        backward_peak = max(last_first, recomputing * saved.kept + recomputed + rotary + logits_kept
                             + max(saved.ffn_work, attention_work - saved.ffn_kept))
     # The offloaded layers all save the one pair of rotary tables: train/offload.py keeps one host
     # copy of a storage however many layers save it.
-    host = (model.n_layers - on_device_forward) * saved.kept + (rotary if on_device_forward < model.n_layers else 0)
-    return Activations(kept, loss, loss_peak, backward_peak, host=host)
+    offloaded = model.n_layers - on_device_forward
+    host = offloaded * saved.kept + exchanged(offloaded) + (rotary if on_device_forward < model.n_layers else 0)
+    return Activations(kept, loss, loss_peak, backward_peak, host=host, received_kv=received_kv)
 
 
 @dataclass(frozen=True)
@@ -268,6 +315,7 @@ class MemoryEstimate:
     host: int
     kept_by_layers: int = 0  # of the activations: what the layers keep for the backward
     logits_and_loss: int = 0  # of the activations at the loss peak: the full-vocabulary logits
+    received_kv: int = 0  # of kept_by_layers: the K/V windowed layers received (module doc)
 
     @property
     def model_states(self) -> int:
@@ -300,6 +348,7 @@ def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
         host=states.host + acts.host,
         kept_by_layers=acts.kept,
         logits_and_loss=acts.loss,
+        received_kv=acts.received_kv,
     )
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ringtrain.planner.devices import GB
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate
+from ringtrain.planner.models import ModelSpec
 from ringtrain.planner.search import Candidate, Cluster, Reach
-from ringtrain.planner.throughput import Assumptions
+from ringtrain.planner.throughput import Assumptions, attention_flops_per_token, flops_per_token
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,26 @@ def header(plan: Plan) -> list[str]:
         f"             {'flash' if w.flash else 'unfused (math)'} attention; micro batch "
         f"{plan.candidates[0].layout.micro_batch if plan.candidates else 1}; "
         f"global batch {w.global_batch} x {w.seq_len:,} = {w.global_batch_tokens:,} tokens",
+        *_windows_line(w),
+    ]
+
+
+def _unwindowed(model: ModelSpec) -> ModelSpec:
+    return dataclasses.replace(model, window=None, num_windowed_layers=0)
+
+
+def _windows_line(w: Workload) -> list[str]:
+    """A windowed model's attention: its layers, and its FLOPs against the same model's full."""
+    m = w.model
+    if not m.num_windowed_layers or m.window is None:
+        return []
+    attention = attention_flops_per_token(m, w.seq_len)
+    full = attention_flops_per_token(_unwindowed(m), w.seq_len)
+    model_flops, _ = flops_per_token(m, w.seq_len, checkpointing=False)
+    return [
+        f"             windowed attention: {m.num_windowed_layers} of {m.n_layers} layers windowed ({m.window:,} tokens), "
+        f"{m.num_full_layers} full; attention {attention / 1e9:.3g} GFLOP/token, {attention / full:.2f} of "
+        f"full causal layers' {full / 1e9:.3g}; model {model_flops / 1e9:.3g} GFLOP/token (the MFU's)",
     ]
 
 
@@ -102,8 +124,8 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
     return out
 
 
-def breakdown(c: Candidate, cluster: Cluster, n_layers: int, *, title: str, job_path: str) -> list[str]:
-    m, s, t = c.memory, c.step, c.step.traffic
+def breakdown(c: Candidate, cluster: Cluster, model: ModelSpec, *, title: str, job_path: str) -> list[str]:
+    m, s, t, n_layers = c.memory, c.step, c.step.traffic, model.n_layers
     steps = s.micro_batches
     return [
         f"{title}: {c.layout.describe()}",
@@ -112,14 +134,15 @@ def breakdown(c: Candidate, cluster: Cluster, n_layers: int, *, title: str, job_
         f"    gradients         {_gb(m.grads):>7}",
         f"    optimizer states  {_gb(m.optimizer):>7}",
         f"    ZeRO buffers      {_gb(m.zero_buffers):>7}",
-        f"    activations       {_gb(m.activations):>7}   layers keep {_gb(m.kept_by_layers)}, "
-        f"logits and loss {_gb(m.logits_and_loss)}",
+        f"    activations       {_gb(m.activations):>7}   layers keep {_gb(m.kept_by_layers)}"
+        + (f" (windowed layers' received K/V {_gb(m.received_kv)})" if m.received_kv else "")
+        + f", logits and loss {_gb(m.logits_and_loss)}",
         f"    total             {_gb(m.total):>7}   of {_gb(cluster.usable_bytes)} usable"
         + (f"; host {_gb(m.host * min(cluster.gpus, cluster.gpus_per_node))} per node" if m.host else ""),
         f"  step: {steps} micro batch{'es' if steps != 1 else ''} per replica, {s.tokens_per_step:,} tokens, "
         f"{_num(s.step_s)} s = compute {_num(s.compute_s)} + exposed ring {_num(s.ring_s)}, "
         f"ulysses {_num(s.ulysses_s)}, ZeRO {_num(s.zero_s)}, offload {_num(s.offload_s)}",
-        f"  sent per GPU and step (GB): ring K/V {_gb(steps * n_layers * (t.ring_forward + t.ring_backward))}, "
+        f"  sent per GPU and step (GB): ring K/V {_gb(steps * t.ring_per_micro(model))}, "
         f"Ulysses all-to-all {_gb(steps * n_layers * t.ulysses)}, "
         f"ZeRO {_gb(steps * t.zero_per_micro + t.zero_per_step)}, PCIe {_gb(t.pcie_per_step)}",
         f"  run: ringtrain run {job_path} {' '.join(c.layout.overrides())}",
@@ -141,15 +164,15 @@ def render(plan: Plan, *, top: int) -> str:
         lines.append(f"{len(fitting)} of {len(plan.candidates)} layouts fit; the fastest {min(top, len(fitting))}:")
         lines += table([_row(str(i + 1), c) for i, c in enumerate(fitting[:top])])
         lines.append("")
-        lines += breakdown(fitting[0], plan.cluster, plan.workload.model.n_layers, title="best", job_path=plan.job_path)
+        lines += breakdown(fitting[0], plan.cluster, plan.workload.model, title="best", job_path=plan.job_path)
     else:
         lines.append(f"no layout of {plan.cluster.gpus} GPUs fits ({len(plan.candidates)} tried):")
         lines += [f"  - {line}" for line in plan.advice]
     return "\n".join(lines)
 
 
-def candidate_record(c: Candidate, n_layers: int) -> dict[str, Any]:
-    lay, m, s, t = c.layout, c.memory, c.step, c.step.traffic
+def candidate_record(c: Candidate, model: ModelSpec) -> dict[str, Any]:
+    lay, m, s, t, n_layers = c.layout, c.memory, c.step, c.step.traffic, model.n_layers
     return {
         "layout": {
             "dp": lay.dp,
@@ -183,7 +206,7 @@ def candidate_record(c: Candidate, n_layers: int) -> dict[str, Any]:
             "mfu": s.mfu,
         },
         "bytes_sent_per_step": {
-            "ring": s.micro_batches * n_layers * (t.ring_forward + t.ring_backward),
+            "ring": s.micro_batches * t.ring_per_micro(model),
             "ulysses": s.micro_batches * n_layers * t.ulysses,
             "zero": s.micro_batches * t.zero_per_micro + t.zero_per_step,
             "pcie": t.pcie_per_step,
@@ -200,6 +223,7 @@ def _memory_record(m: MemoryEstimate) -> dict[str, int]:
         "activations": m.activations,
         "kept_by_layers": m.kept_by_layers,
         "logits_and_loss": m.logits_and_loss,
+        "received_kv": m.received_kv,
         "total": m.total,
         "host": m.host,
     }
@@ -208,6 +232,7 @@ def _memory_record(m: MemoryEstimate) -> dict[str, int]:
 def plan_record(plan: Plan, *, top: int) -> dict[str, Any]:
     w, c, a = plan.workload, plan.cluster, plan.assume
     n_layers = w.model.n_layers
+    model_flops, _ = flops_per_token(w.model, w.seq_len, checkpointing=False)
     return {
         "model": {
             "name": w.model.name,
@@ -218,6 +243,13 @@ def plan_record(plan: Plan, *, top: int) -> dict[str, Any]:
             "n_heads": w.model.n_heads,
             "n_kv_heads": w.model.n_kv_heads,
             "ffn_dim": w.model.ffn_dim,
+            "num_windowed_layers": w.model.num_windowed_layers,
+            "window": w.model.window,
+        },
+        "flops_per_token": {
+            "model": model_flops,
+            "attention": attention_flops_per_token(w.model, w.seq_len),
+            "attention_if_full": attention_flops_per_token(_unwindowed(w.model), w.seq_len),
         },
         "seq_len": w.seq_len,
         "dtype": w.dtype,
@@ -237,8 +269,8 @@ def plan_record(plan: Plan, *, top: int) -> dict[str, Any]:
         },
         "num_layouts": len(plan.candidates),
         "num_fitting": len(plan.fitting),
-        "layouts": [candidate_record(x, n_layers) for x in plan.fitting[:top]],
-        "job_layout": candidate_record(plan.job_layout, n_layers) if plan.job_layout else None,
+        "layouts": [candidate_record(x, w.model) for x in plan.fitting[:top]],
+        "job_layout": candidate_record(plan.job_layout, w.model) if plan.job_layout else None,
         "advice": plan.advice,
     }
 
@@ -312,7 +344,6 @@ def render_reach(workload: Workload, cluster: Cluster, reach: list[Reach], *, to
 
 def reach_record(workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int) -> dict[str, Any]:
     """``--max-seq-len --json``: ``max_seq_len`` per layout, with the host-memory assumption."""
-    n_layers = workload.model.n_layers
     return {
         "model": {"name": workload.model.name, "num_params": workload.model.num_params},
         "dtype": workload.dtype,
@@ -323,5 +354,5 @@ def reach_record(workload: Workload, cluster: Cluster, reach: list[Reach], *, to
         "host_memory_bytes_per_node": cluster.device.host_memory_bytes,
         "pcie_bytes_per_s": cluster.device.pcie_bw,
         "max_seq_len": reach[0].max_seq_len if reach else 0,
-        "layouts": [{"max_seq_len": r.max_seq_len, **candidate_record(r.candidate, n_layers)} for r in reach[:top]],
+        "layouts": [{"max_seq_len": r.max_seq_len, **candidate_record(r.candidate, workload.model)} for r in reach[:top]],
     }

@@ -47,28 +47,41 @@ def mlp_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False)
     return tokens * (3 if fused else 4) * act_bytes * model.ffn_dim
 
 
+def norm_bytes_per_element(model: ModelSpec, act_bytes: int) -> int:
+    """What an RMSNorm in torch ops keeps per element, with the next op's copy of its output: its
+    fp32 input, and its normalized and scaled outputs, 4 + 2p; Gemma's scales in fp32, so the
+    normalized output it keeps is fp32 too, 8 + p."""
+    return 8 + act_bytes if model.norm_style == "gemma" else 4 + 2 * act_bytes
+
+
 def norm_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
-    """What one RMSNorm of the model dim keeps, with the next op's copy of its output: in torch
-    ops its fp32 input and its normalized and scaled outputs, (4 + 2p) h per token; the fused
-    kernel its input and one fp32 rstd per row, and the output, 2 p h + 4."""
+    """What one RMSNorm of the model dim keeps (``norm_bytes_per_element`` per element in torch
+    ops); the fused kernel its input and one fp32 rstd per row, and the output, 2 p h + 4."""
     h, p = model.dim, act_bytes
-    return tokens * (2 * p * h + 4 if fused else (4 + 2 * p) * h)
+    return tokens * (2 * p * h + 4 if fused else norm_bytes_per_element(model, p) * h)
 
 
 def qk_norm_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
-    """What Qwen3's per-head q and k norms keep: their inputs and one fp32 rstd per head and token
-    in the fused kernel; in torch ops also the fp32 copies, (4 + 2p) a byte per element."""
+    """What the per-head q and k norms (Qwen3, Gemma 3) keep: their inputs and one fp32 rstd per
+    head and token in the fused kernel; in torch ops ``norm_bytes_per_element`` per element."""
     if not model.qk_norm:
         return 0
     width, p = model.q_dim + model.kv_dim, act_bytes
-    return tokens * (p * width + 4 * (model.n_heads + model.n_kv_heads) if fused else (4 + 2 * p) * width)
+    return tokens * (p * width + 4 * (model.n_heads + model.n_kv_heads) if fused else norm_bytes_per_element(model, p) * width)
+
+
+def ffn_norms_kept(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
+    """The FFN half's norms: the one before the MLP, and Gemma's of its output."""
+    return (model.norms_per_layer // 2) * norm_kept(model, tokens, act_bytes, fused)
 
 
 def selective_layer_bytes(model: ModelSpec, tokens: int, act_bytes: int, fused: bool = False) -> int:
     """What a layer keeps under selective recomputation, before the Ulysses term: the attention's
-    (q/k norms included), which it does not recompute, and the norms' inputs and output."""
+    (q/k norms included), which it does not recompute, and the norms' inputs and output (with
+    Gemma's norm of the attention's output, its input too)."""
     h, q, kd, a, p = model.dim, model.q_dim, model.kv_dim, model.n_heads, act_bytes
-    return tokens * (p * (2 * q + 2 * kd) + 4 * a + 3 * p * h) + qk_norm_kept(model, tokens, p, fused)
+    norm_inputs = 3 + (1 if model.norm_style == "gemma" else 0)
+    return tokens * (p * (2 * q + 2 * kd) + 4 * a + norm_inputs * p * h) + qk_norm_kept(model, tokens, p, fused)
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ def layer_bytes(
     mlp = mlp_kept(model, tokens, p, fused)
     tile_mlp = mlp // K
     ffn_work = tokens * p * (h + 2 * f) // K
-    norm_ffn = norm_kept(model, tokens, p, fused)  # the FFN norm's kept bytes
+    norm_ffn = ffn_norms_kept(model, tokens, p, fused)  # the FFN norms' kept bytes
     if layout.checkpointing:
         # The recomputed layer keeps everything but the untiled MLP, which lives a tile at a time.
         recomputed = plain - mlp + tile_mlp if K > 1 else plain

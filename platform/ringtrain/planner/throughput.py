@@ -10,6 +10,11 @@ half of that under the causal mask, three times over for forward and backward:
     model FLOPs per token     6 N_mm + 6 L h S
     executed, checkpointing   8 N_mm + 8 L h S   (the forward runs twice)
 
+A windowed layer's queries attend to sum over p of min(p + 1, W) keys instead of S^2 / 2
+(``planner/windows.py``): its attention term is 12 h x that / S, about 12 h W when W << S. These
+are the FLOPs the model needs, which the MFU counts; a windowed kernel that computes whole tiles
+at the band's edge executes a little more.
+
 A rank's compute per micro batch is t x executed FLOPs / (peak x mfu): ``mfu`` is the fraction of
 the device's dense bf16 peak the kernels reach on what they execute (0.45 by default, a typical
 large-model training figure). Communication (``comm``) runs at ``link_efficiency`` of the link's
@@ -35,6 +40,7 @@ The reported MFU is model FLOPs (no recomputation) per second over the job's pea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ringtrain.planner.comm import Traffic, traffic
 from ringtrain.planner.devices import Device
@@ -42,6 +48,7 @@ from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import activations
 from ringtrain.planner.models import ModelSpec
 from ringtrain.planner.savers import extra_flops_per_token, offload_exposed_s
+from ringtrain.planner.windows import attended_keys
 
 HOST_ADAM_BYTES = 80 + 4  # per parameter, plus the P bytes of the copy uploaded (see module doc)
 
@@ -54,10 +61,22 @@ class Assumptions:
     gpus_per_node: int = 8
 
 
+def layer_attention_flops(model: ModelSpec, seq_len: int, window: Optional[int]) -> float:
+    """Forward and backward FLOPs per token of one layer's score and value products: 12 q x the
+    keys a query attends to (q = n_heads x head_dim), 6 q S for a full causal layer."""
+    return 12.0 * model.q_dim * attended_keys(seq_len, window)
+
+
+def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Every layer's attention FLOPs per token, windowed layers counted as windowed."""
+    full = model.num_full_layers * layer_attention_flops(model, seq_len, None)
+    return full + model.num_windowed_layers * layer_attention_flops(model, seq_len, model.window)
+
+
 def flops_per_token(model: ModelSpec, seq_len: int, *, checkpointing: bool) -> tuple[float, float]:
-    """(model, executed) FLOPs per token: 6 N_mm + 6 L q S (q = n_heads x head_dim, the causal
-    attention's width), and 8/6 of it with checkpointing."""
-    model_flops = 6.0 * model.num_matmul_params + 6.0 * model.n_layers * model.q_dim * seq_len
+    """(model, executed) FLOPs per token: 6 N_mm + the layers' attention (6 L q S without
+    windows), and 8/6 of it with checkpointing."""
+    model_flops = 6.0 * model.num_matmul_params + attention_flops_per_token(model, seq_len)
     return model_flops, model_flops * (8 / 6 if checkpointing else 1.0)
 
 
@@ -109,12 +128,18 @@ def estimate_step(workload: Workload, layout: Layout, device: Device, assume: As
     net = traffic(model, layout, seq, prec)
 
     # Attention's share of a layer's compute is what a layer's ring transfers can hide behind.
-    attention_flops = 6.0 * model.q_dim * seq * (8 / 6 if layout.checkpointing else 1.0)
-    attention_s = tokens * attention_flops / flop_rate
+    recompute = 8 / 6 if layout.checkpointing else 1.0
+
+    def attention_s(window: Optional[int]) -> float:
+        return tokens * layer_attention_flops(model, seq, window) * recompute / flop_rate
+
     # A CP group sits on one node when whole groups tile a node; otherwise its slowest hop is InfiniBand.
     ring_bw = link(per_node % layout.cp == 0)
-    ring_layer = (net.ring_forward + net.ring_backward) / ring_bw
-    ring = model.n_layers * max(0.0, ring_layer - attention_s)
+    full_layer = (net.ring_forward + net.ring_backward) / ring_bw
+    windowed_layer = (net.windowed_ring_forward + net.windowed_ring_backward) / ring_bw
+    ring = model.num_full_layers * max(0.0, full_layer - attention_s(None)) + model.num_windowed_layers * max(
+        0.0, windowed_layer - attention_s(model.window)
+    )
 
     ulysses = model.n_layers * net.ulysses / link(True)
 
