@@ -10,7 +10,7 @@ import pytest
 from ringtrain import cli, config
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
-RECIPES = ("llama3-8b-128k.yaml", "qwen2.5-7b-128k.yaml")
+RECIPES = ("llama3-8b-128k.yaml", "qwen2.5-7b-128k.yaml", "gemma3-1b-128k.yaml")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
