@@ -1,8 +1,8 @@
 """Windowed models out again: ``ringtrain export`` of a checkpoint holding an imported Gemma 3,
 Mistral or Qwen2 gives back every tensor bit for bit, and a config.json that transformers reads
 as the same model (its logits equal the source's exactly). What a job changed comes back out:
-Gemma 3's global RoPE scaled and its local one kept, Qwen2's windowed layers moved, Mistral's
-window dropped; and a model trained from scratch with Gemma's block or windows on every layer
+Gemma 3's global RoPE scaled and its local one kept, Qwen2's windowed layers moved, windows
+dropped; and a model trained from scratch with Gemma's block or windows on every layer
 exports as the architecture that has them, with ringtrain's logits.
 
 Checkpoints are written as the Persister writes them (tests/unit/test_export.py's
@@ -97,6 +97,7 @@ CHANGES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
     ),
     "qwen2 windows off": ("qwen2-windowed", ("model.sliding_window=0",), {"use_sliding_window": False}),
     "mistral window off": ("mistral-windowed", ("model.sliding_window=0",), {"sliding_window": None}),
+    "gemma3 windows off": ("gemma3", ("model.sliding_window=0",), {"layer_types": ["full_attention"] * 4}),
 }
 
 

@@ -316,7 +316,10 @@ def _write_windows(out: dict[str, Any], arch: str, model: ModelConfig, windows: 
         if all(kind == SLIDING_ATTENTION for kind in kinds[leading_full:]):
             out["max_window_layers"] = leading_full  # what readers without layer_types go by
     elif arch == GEMMA3:
-        out.update(sliding_window=window, layer_types=kinds)
+        # transformers builds Gemma 3's sliding mask whatever the layers are, and needs a window
+        # for it: with every layer full, the source's (or the default) stays, unused.
+        unused = out.get("sliding_window") or gemma3_defaults()["sliding_window"]
+        out.update(sliding_window=window if window is not None else unused, layer_types=kinds)
 
 
 def _write_rope(out: dict[str, Any], theta: float, scaling: Optional[dict[str, Any]]) -> None:
