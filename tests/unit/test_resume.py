@@ -184,8 +184,11 @@ def test_auto_skips_a_damaged_newest_checkpoint_and_names_it(
         (["model.vocab_size=512"], "model.vocab_size=512 (this job: 256)"),
         (["model.n_kv_heads=4"], "model.n_kv_heads=4 (this job: 2)"),
         (["model.ffn_dim=96"], "model.ffn_dim=96 (this job: 192)"),
+        # Gemma's block over the same shapes: its parameters carry other names and meanings.
+        (["model.norm_style=gemma"], "model.norm_style=gemma (this job: llama)"),
+        (["model.activation=gelu_pytorch_tanh"], "model.activation=gelu_pytorch_tanh (this job: silu)"),
     ],
-    ids=["dim", "n_layers", "vocab_size", "n_kv_heads", "ffn_dim"],
+    ids=["dim", "n_layers", "vocab_size", "n_kv_heads", "ffn_dim", "norm_style", "activation"],
 )
 def test_auto_skips_a_checkpoint_of_another_model_and_names_the_field(
     run_dir: Path, said: Said, writer_overrides: list[str], named: str

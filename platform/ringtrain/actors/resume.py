@@ -12,7 +12,7 @@ from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
 from ringtrain.checkpoint.lease import STORE_KEY, Holder, WriterLease
 from ringtrain.checkpoint.sources import store_of_run
-from ringtrain.config import JobConfig
+from ringtrain.config import MODEL_DEFAULTS, JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.hfconfig import read_hf_config
 
@@ -23,7 +23,11 @@ FORMAT = CHECKPOINT_FORMAT
 _SHAPE_FIELDS = (
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings",
+    "norm_style", "activation", "scale_embeddings",
 )
+# The block's style keys (Gemma's), added after the first checkpoints: a meta without one was
+# written by a Llama-style block.
+_STYLES = ("norm_style", "activation", "scale_embeddings")
 # Switches added after the first checkpoints were written: a meta without one was written by a
 # model that did not have the feature.
 _SWITCHES = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings")
@@ -80,6 +84,8 @@ def model_shape(job: JobConfig) -> dict[str, Any]:
     shape.update(ffn_dim=job.ffn_dim, head_dim=job.head_dim)
     for key in _SWITCHES:
         shape[key] = bool(shape[key])
+    for key in _STYLES:
+        shape[key] = MODEL_DEFAULTS[key] if shape[key] is None else shape[key]
     return shape
 
 
@@ -89,6 +95,8 @@ def _with_old_defaults(shape: Any) -> dict[str, Any]:
     out = dict(shape) if isinstance(shape, dict) else {}
     for key in _SWITCHES:
         out.setdefault(key, False)
+    for key in _STYLES:
+        out.setdefault(key, MODEL_DEFAULTS[key])
     dim, heads = out.get("dim"), out.get("n_heads")
     if "head_dim" not in out and isinstance(dim, int) and isinstance(heads, int) and heads > 0:
         out["head_dim"] = dim // heads
