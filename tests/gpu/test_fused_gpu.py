@@ -63,9 +63,11 @@ def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(2, 1024, 2048), (2, 1024, 8, 128)], ids=["hidden", "per-head"])
-def test_rms_norm(shape: tuple[int, ...]) -> None:
-    x, w, dy = _randn(*shape), 1 + 0.1 * _randn(shape[-1]), _randn(*shape)
-    _assert_close(_both(lambda f, t: (ops.rms_norm(t[0], t[1], 1e-6, f),), [x, w], [dy]))
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_rms_norm(shape: tuple[int, ...], style: str) -> None:
+    """Llama's norm, and Gemma's (1 + w) in fp32 throughout (liger's offset 1 and gemma casting)."""
+    x, w, dy = _randn(*shape), 0.1 * _randn(shape[-1]) + (1 if style == "llama" else 0), _randn(*shape)
+    _assert_close(_both(lambda f, t: (ops.rms_norm(t[0], t[1], 1e-6, f, style=style),), [x, w], [dy]))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -80,6 +82,12 @@ def test_rotary(head_dim: int) -> None:
 def test_swiglu() -> None:
     gate, up, dy = _randn(2, 1024, 5632), _randn(2, 1024, 5632), _randn(2, 1024, 5632)
     _assert_close(_both(lambda f, t: (ops.swiglu(t[0], t[1], f),), [gate, up], [dy]))
+
+
+def test_geglu() -> None:
+    """Gemma's gated MLP: gelu_pytorch_tanh(gate) * up."""
+    gate, up, dy = _randn(2, 1024, 6912), _randn(2, 1024, 6912), _randn(2, 1024, 6912)
+    _assert_close(_both(lambda f, t: (ops.geglu(t[0], t[1], f),), [gate, up], [dy]))
 
 
 @pytest.mark.parametrize("vocab", [32000, 151936])
