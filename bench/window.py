@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ringtrain.train.attention import comm, local_attention, ring_attention
-from ringtrain.train.attention.window import CAUSAL, shard_positions, window_tiles
+from ringtrain.train.attention.window import CAUSAL, UPPER, shard_positions, window_tiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import LoopbackGroup, fwd_bwd_ms, loopback  # noqa: E402
@@ -58,13 +58,13 @@ def looped() -> Iterator[None]:
 
 
 def computed_entries(q_pos: np.ndarray, k_pos: np.ndarray, window: Optional[int]) -> float:
-    """Score entries computed: a causal square counts half, a masked tile whole."""
+    """Score entries computed: a causal square or upper triangle counts half, a masked tile whole."""
     if window is None:
         return float(np.sum(q_pos[:, None] >= k_pos[None, :]))
     total = 0.0
     for t in window_tiles(q_pos, k_pos, window):
         area = (t.rows.stop - t.rows.start) * (t.cols.stop - t.cols.start)
-        total += area / 2 if t.kind == CAUSAL else area
+        total += area / 2 if t.kind in (CAUSAL, UPPER) else area
     return total
 
 

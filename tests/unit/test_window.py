@@ -20,6 +20,7 @@ from ringtrain.train.attention.window import (
     CAUSAL,
     FULL,
     MASKED,
+    UPPER,
     band_mask,
     needed_sources,
     shard_positions,
@@ -35,6 +36,8 @@ def _covered(q_pos: np.ndarray, k_pos: np.ndarray, window: int) -> np.ndarray:
             seen[t.rows, t.cols] += 1
         elif t.kind == CAUSAL:
             seen[t.rows, t.cols] += np.tril(np.ones((t.rows.stop - t.rows.start, t.cols.stop - t.cols.start), dtype=np.int64))
+        elif t.kind == UPPER:
+            seen[t.rows, t.cols] += np.triu(np.ones((t.rows.stop - t.rows.start, t.cols.stop - t.cols.start), dtype=np.int64), 1)
         else:
             assert t.kind == MASKED
             seen[t.rows, t.cols] += band_mask(q_pos[t.rows], k_pos[t.cols], window)
@@ -61,7 +64,7 @@ def _computed_pairs(q_pos: np.ndarray, k_pos: np.ndarray, window: Optional[int])
     total = 0.0
     for t in window_tiles(q_pos, k_pos, window):
         area = (t.rows.stop - t.rows.start) * (t.cols.stop - t.cols.start)
-        total += area / 2 if t.kind == CAUSAL else area
+        total += area / 2 if t.kind in (CAUSAL, UPPER) else area
     return total
 
 
@@ -129,17 +132,18 @@ class _Spy(MathKernel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[int, int, bool]] = []
+        self.calls: list[tuple[int, int, int, bool]] = []
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
-        self.calls.append((q.shape[1], k.shape[1], kw["causal"]))
+        self.calls.append((q.shape[0], q.shape[1], k.shape[1], kw["causal"]))
         return super().forward(q, k, v, **kw)
 
 
-def test_the_window_runs_the_layers_kernel_on_all_but_the_band_edge() -> None:
-    """A 128-token window over 512 tokens: the layer's own (maskless) kernel runs the causal
-    diagonal tiles; only the band's edges go to a kernel that takes a mask."""
+def test_a_window_on_the_grid_runs_only_causal_squares_on_the_layers_kernel() -> None:
+    """A 128-token window over 512 tokens: each row of tiles is its causal diagonal and the
+    upper triangle before it, run reversed as a causal square: the layer's own maskless kernel
+    runs everything, each kind of tile in one batched call, and no mask is made."""
     spy = _Spy()
     q = k = v = torch.randn(1, 512, 2, 8)
     local_attention(q, k, v, causal=True, window=128, kernel=spy)
-    assert spy.calls == [(128, 128, True)] * 4
+    assert sorted(spy.calls) == [(3, 127, 127, True), (4, 128, 128, True)]

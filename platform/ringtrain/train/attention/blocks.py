@@ -35,7 +35,7 @@ from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput,
 from ringtrain.train.attention.documents import segments
 from ringtrain.train.attention.kernels import mask_kernel
 from ringtrain.train.attention.merge import merge_into_
-from ringtrain.train.attention.window import CAUSAL, MASKED, tile_mask, window_tiles
+from ringtrain.train.attention.window import CAUSAL, FULL, MASKED, UPPER, tile_mask, window_tiles
 
 Tensor = torch.Tensor
 
@@ -73,6 +73,31 @@ class Piece:
     cols: slice
     causal: bool
     band: Optional[tuple[int, int]] = None  # a masked piece's (rows' offset after its columns, window)
+    upper: bool = False  # a strict upper triangle: run reversed, as a causal square (see ``_upper_forward``)
+    tiles: int = 1  # rows and columns are this many equal squares side by side, run as one batch
+
+
+def _batched(pieces: list[Piece]) -> list[Piece]:
+    """Runs of equal squares of one kind stepping down the diagonal (a window's causal tiles, its
+    upper triangles) as one piece each: a kernel call over a batch of tiles instead of a call
+    per tile (small calls run far below a kernel's speed)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        size = piece.rows.stop - piece.rows.start
+        if (
+            last is not None
+            and piece.band is None and last.band is None
+            and (piece.causal, piece.upper, piece.b) == (last.causal, last.upper, last.b)
+            and (piece.causal or piece.upper)
+            and size == piece.cols.stop - piece.cols.start == (last.rows.stop - last.rows.start) // last.tiles
+            and piece.rows.start == last.rows.stop and piece.cols.start == last.cols.stop
+        ):
+            out[-1] = Piece(last.b, slice(last.rows.start, piece.rows.stop), slice(last.cols.start, piece.cols.stop),
+                            last.causal, upper=last.upper, tiles=last.tiles + 1)
+        else:
+            out.append(piece)
+    return out
 
 
 def _pieces(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[Piece]:
@@ -89,14 +114,67 @@ def _pieces(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[
     pieces = []
     for b, rows, cols in rects:
         q_pos, k_pos = cut.q_positions[rows], cut.k_positions[cols]
-        for t in window_tiles(q_pos, k_pos, cut.window):
-            band = (int(q_pos[t.rows.start] - k_pos[t.cols.start]), cut.window) if t.kind == MASKED else None
-            pieces.append(Piece(b, _shift(t.rows, rows.start), _shift(t.cols, cols.start), t.kind == CAUSAL, band))
+        tiles = window_tiles(q_pos, k_pos, cut.window)
+        # By kind, so that each kind's tiles along the diagonal sit next to each other to batch.
+        for kind in (CAUSAL, UPPER, FULL, MASKED):
+            run = []
+            for t in (t for t in tiles if t.kind == kind):
+                band = (int(q_pos[t.rows.start] - k_pos[t.cols.start]), cut.window) if kind == MASKED else None
+                run.append(Piece(b, _shift(t.rows, rows.start), _shift(t.cols, cols.start), kind == CAUSAL, band,
+                                 upper=kind == UPPER))
+            pieces.extend(_batched(run))
     return pieces
+
+
+def _as_tiles(x_BS: Tensor, tiles: int) -> Tensor:
+    """``[B, n T, ...]`` -> ``[B n, T, ...]``: a piece's squares as a batch."""
+    return x_BS.reshape(x_BS.shape[0] * tiles, x_BS.shape[1] // tiles, *x_BS.shape[2:])
+
+
+def _from_tiles(x_NT: Tensor, tiles: int) -> Tensor:
+    """The inverse of ``_as_tiles``."""
+    return x_NT.reshape(x_NT.shape[0] // tiles, x_NT.shape[1] * tiles, *x_NT.shape[2:])
+
+
+def _lse_as_tiles(lse_BHS: Tensor, tiles: int) -> Tensor:
+    B, H, S = lse_BHS.shape
+    return lse_BHS.reshape(B, H, tiles, S // tiles).transpose(1, 2).reshape(B * tiles, H, S // tiles)
+
+
+def _lse_from_tiles(lse_NHT: Tensor, tiles: int) -> Tensor:
+    N, H, T = lse_NHT.shape
+    return lse_NHT.reshape(N // tiles, tiles, H, T).transpose(1, 2).reshape(N // tiles, H, tiles * T)
 
 
 def _shift(index: slice, by: int) -> slice:
     return slice(index.start + by, index.stop + by)
+
+
+# A strict upper triangle (row r sees the columns after r) reversed on both sides is a strict lower
+# one (row r' sees the columns before r'), which is a causal square on the rows from the second
+# and the columns to the last but one; the first reversed row (the last row) sees nothing. So the
+# layer's own kernel runs it, causal, on reversed copies of a tile's slices (a copy of T tokens
+# against T^2 work), rather than a mask-capable kernel with a mask.
+
+
+def _upper_forward(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> BlockOutput:
+    q_r, k_r, v_r = q.flip(1), k.flip(1), v.flip(1)
+    res = kernel.forward(q_r[:, 1:], k_r[:, :-1], v_r[:, :-1], causal=True, scale=scale)
+    out_r = torch.cat((torch.zeros_like(res.out_BQHD[:, :1]), res.out_BQHD), dim=1)
+    lse_r = torch.cat((torch.full_like(res.lse_BHQ[..., :1], -math.inf), res.lse_BHQ), dim=2)
+    return BlockOutput(out_r.flip(1), lse_r.flip(2), res.aux)
+
+
+def _upper_backward(
+    kernel: AttentionKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Any,
+    scale: float,
+) -> Grads:
+    dout_r, q_r, k_r, v_r, out_r, lse_r = dout.flip(1), q.flip(1), k.flip(1), v.flip(1), out.flip(1), lse.flip(2)
+    dq, dk, dv = kernel.backward(dout_r[:, 1:], q_r[:, 1:], k_r[:, :-1], v_r[:, :-1], out_r[:, 1:], lse_r[..., 1:],
+                                 aux, causal=True, scale=scale)
+    dq_r = torch.cat((torch.zeros_like(dq[:, :1]), dq), dim=1)
+    dk_r, dv_r = torch.cat((dk, torch.zeros_like(dk[:, :1])), dim=1), torch.cat((dv, torch.zeros_like(dv[:, :1])), dim=1)
+    return dq_r.flip(1), dk_r.flip(1), dv_r.flip(1)
 
 
 def _run_kernel(kernel: AttentionKernel, piece: Piece, like: Tensor) -> tuple[AttentionKernel, Optional[Tensor]]:
@@ -126,21 +204,20 @@ def block_forward(
     acc = torch.float64 if fp64 else torch.float32  # as the kernels give the LSE
     out_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     lse_BHQ = torch.full((B, H, Q), -math.inf, dtype=acc, device=q_BQHD.device)
-    written: set[tuple[int, int, int]] = set()
     auxes = []
     for piece in _pieces(B, Q, k_BSKD.shape[1], causal, cut):
         run, visible = _run_kernel(kernel, piece, q_BQHD)
-        b, rows, cols = piece.b, piece.rows, piece.cols
-        res = run.forward(q_BQHD[b, rows], k_BSKD[b, cols], v_BSKD[b, cols], causal=piece.causal, scale=scale,
-                          visible_BQS=visible)
-        auxes.append(res.aux)
-        key = (b.start, rows.start, rows.stop)
-        if key in written:  # another piece of the same rows: merge through the LSEs
-            merge_into_(out_BQHD[b, rows], lse_BHQ[b, :, rows], res.out_BQHD, res.lse_BHQ)
+        b, rows, cols, n = piece.b, piece.rows, piece.cols, piece.tiles
+        q, k, v = (_as_tiles(x[b, index], n) for x, index in ((q_BQHD, rows), (k_BSKD, cols), (v_BSKD, cols)))
+        if piece.upper:
+            res = _upper_forward(kernel, q, k, v, scale)
         else:
-            out_BQHD[b, rows] = res.out_BQHD
-            lse_BHQ[b, :, rows] = res.lse_BHQ
-            written.add(key)
+            res = run.forward(q, k, v, causal=piece.causal, scale=scale, visible_BQS=visible)
+        auxes.append(res.aux)
+        # Into the rows' accumulators, empty (0, -inf) or holding another piece's share: the merge
+        # of a share with an empty row is the share.
+        merge_into_(out_BQHD[b, rows], lse_BHQ[b, :, rows], _from_tiles(res.out_BQHD, n),
+                    _lse_from_tiles(res.lse_BHQ, n))
     return BlockOutput(out_BQHD.to(q_BQHD.dtype), lse_BHQ if fp64 else lse_BHQ.float(), auxes)
 
 
@@ -169,12 +246,16 @@ def block_backward(
     pieces = _pieces(q_BQHD.shape[0], q_BQHD.shape[1], k_BSKD.shape[1], causal, cut)
     for piece, piece_aux in zip(pieces, aux):
         run, visible = _run_kernel(kernel, piece, q_BQHD)
-        b, rows, cols = piece.b, piece.rows, piece.cols
-        dq, dk, dv = run.backward(
-            dout_BQHD[b, rows], q_BQHD[b, rows], k_BSKD[b, cols], v_BSKD[b, cols], out_BQHD[b, rows],
-            lse_BHQ[b, :, rows], piece_aux, causal=piece.causal, scale=scale, visible_BQS=visible,
-        )
-        dq_BQHD[b, rows] += dq
-        dk_BSKD[b, cols] += dk
-        dv_BSKD[b, cols] += dv
+        b, rows, cols, n = piece.b, piece.rows, piece.cols, piece.tiles
+        dout, q, out = (_as_tiles(x[b, rows], n) for x in (dout_BQHD, q_BQHD, out_BQHD))
+        k, v = (_as_tiles(x[b, cols], n) for x in (k_BSKD, v_BSKD))
+        lse = _lse_as_tiles(lse_BHQ[b, :, rows], n)
+        if piece.upper:
+            dq, dk, dv = _upper_backward(kernel, dout, q, k, v, out, lse, piece_aux, scale)
+        else:
+            dq, dk, dv = run.backward(dout, q, k, v, out, lse, piece_aux, causal=piece.causal, scale=scale,
+                                      visible_BQS=visible)
+        dq_BQHD[b, rows] += _from_tiles(dq, n)
+        dk_BSKD[b, cols] += _from_tiles(dk, n)
+        dv_BSKD[b, cols] += _from_tiles(dv, n)
     return dq_BQHD.to(q_BQHD.dtype), dk_BSKD.to(k_BSKD.dtype), dv_BSKD.to(v_BSKD.dtype)

@@ -8,12 +8,16 @@ tile's rows and columns line up with the band's diagonals), and each tile is one
 - left out: every key after every query, or before every query's window;
 - ``full``: every key at or before every query and inside every query's window: unmasked;
 - ``causal``: the same positions on both sides, wholly inside the window: a square causal call;
-- ``masked``: the band's edge passes through it: a call with an explicit mask of the tile.
+- ``upper``: a square whose rows start a whole window after its columns: row r sees the columns
+  after r, a strict upper triangle, which is a causal square once both sides are reversed
+  (``blocks`` runs it so, on the layer's own kernel);
+- ``masked``: the band's edge passes through it otherwise: a call with an explicit mask of the tile.
 
-With the tile about the window, each row of tiles holds its causal diagonal and one masked tile
-before it, so a layer costs about 1.5 S W pairs instead of S^2 / 2. Adjacent full tiles of a row
-are one call. Positions come from the layout (a zigzag shard holds two runs of consecutive
-positions), never from data.
+With the tile the window itself (from ``MIN_TILE`` on) each row of tiles is its causal diagonal
+and the upper triangle before it: a layer costs S W score entries against S^2 / 2, on the fast
+kernel throughout (``blocks`` runs the equal tiles down the diagonal as one batch). Adjacent
+full tiles of a row are one call. Positions come from the layout (a zigzag shard holds two runs
+of consecutive positions), never from data.
 
 Under context parallelism a rank needs the K/V of only the ranks whose tokens fall in some of
 its queries' windows (``needed_sources``): with a window no longer than a zigzag chunk that is its
@@ -32,7 +36,7 @@ import torch
 
 from ringtrain.topology import zigzag_chunks
 
-FULL, CAUSAL, MASKED = "full", "causal", "masked"
+FULL, CAUSAL, UPPER, MASKED = "full", "causal", "upper", "masked"
 MIN_TILE = 64  # tiles below this cost more in kernel launches than their masks save
 
 
@@ -42,7 +46,7 @@ class Tile:
 
     rows: slice
     cols: slice
-    kind: str  # FULL | CAUSAL | MASKED
+    kind: str  # FULL | CAUSAL | UPPER | MASKED
 
 
 def tile_size(window: int) -> int:
@@ -84,6 +88,8 @@ def _kind(q_pos: int, q_len: int, k_pos: int, k_len: int, window: int) -> str | 
         return FULL
     if q_pos == k_pos and q_len == k_len and window >= q_len:
         return CAUSAL
+    if q_pos - k_pos == window and q_len == k_len == window:
+        return UPPER
     return MASKED
 
 
