@@ -24,7 +24,6 @@ from typing import Any, Optional
 import pytest
 
 LOG_ENV = "RINGTRAIN_GPU_LOG"
-WORKER_ENV = "PYTEST_XDIST_WORKER"
 CRASH_PHASE = "???"  # pytest-xdist's phase for the report of a test whose worker died
 
 _config: Optional[pytest.Config] = None
@@ -37,7 +36,10 @@ def _xdist_controller() -> bool:
 
 
 def _worker() -> str:
-    return os.environ.get(WORKER_ENV, "main")
+    """This process's xdist worker id, or "main": from the config, not the environment, which a
+    pytest started from inside another's worker inherits."""
+    workerinput = getattr(_config, "workerinput", None)
+    return workerinput["workerid"] if workerinput else "main"
 
 
 def _append(record: dict[str, Any]) -> None:

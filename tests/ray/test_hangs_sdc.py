@@ -58,6 +58,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 *JOB,
                 "cluster.num_cpus=3",  # room for a new worker while the bad device's slot stays held
                 "mesh.min_dp=2",
+                "attention.kv_exchange=ring",  # the stalled rank's peer waits in a P2P exchange
                 f"controllers.hang_timeout_s={HANG_TIMEOUT_S}",
                 f"controllers.sdc_every_steps={SDC_EVERY}",
                 f"chaos.faults=[{', '.join([*stalls, bitflip])}]",
