@@ -34,7 +34,7 @@ HANG_TIMEOUT_S = 3.0
 # the probe round's all-reduce would pair it with the others' loss all-reduce, and gloo aborts
 # on the size mismatch (a crash, handled as one, but not the stall under test).
 STALLS = {
-    ("hang", 1, 3): ("compute", "batch_isend_irecv"),  # its ring peer waits in the K/V exchange
+    ("hang", 1, 3): ("compute", "reduce_scatter"),  # its ring peer waits in the backward's first K/V reduce-scatter
     ("skip_collective", 2, 6): ("missing", "all_reduce"),
     ("wrong_shape", 3, 10): ("mismatch_shape", "all_reduce"),
 }
@@ -58,7 +58,6 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 *JOB,
                 "cluster.num_cpus=3",  # room for a new worker while the bad device's slot stays held
                 "mesh.min_dp=2",
-                "attention.kv_exchange=ring",  # the stalled rank's peer waits in a P2P exchange
                 f"controllers.hang_timeout_s={HANG_TIMEOUT_S}",
                 f"controllers.sdc_every_steps={SDC_EVERY}",
                 f"chaos.faults=[{', '.join([*stalls, bitflip])}]",
