@@ -25,27 +25,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ringtrain import uris
-from ringtrain.config import STDLIB_CORPUS, JobConfig
+from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
+from ringtrain.inputs import input_paths, is_relative_local
 
 # Never useful on the cluster, and different on every machine.
 LEFT_OUT_NAMES = ("__pycache__",)
 LEFT_OUT_SUFFIXES = (".pyc",)
-
-
-def input_paths(job: JobConfig) -> list[tuple[str, str]]:
-    """(key, value) of every config key that names an input the job reads, set or not."""
-    found = [("data.path", job.data.path), ("eval.data", job.eval.data), ("model.hf", job.model.hf)]
-    found += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(job.data.sources)]
-    return found
-
-
-def is_shipped(value: str) -> bool:
-    """Whether an input is a relative local path: one the job reads from its working_dir."""
-    if not value or value == STDLIB_CORPUS or uris.has_scheme(value):
-        return False
-    return not Path(value).is_absolute() and not value.startswith("~")
 
 
 def hidden(name: str) -> bool:
@@ -57,7 +43,7 @@ def shipped_inputs(job_path: Path, job: JobConfig) -> list[Path]:
     base = job_path.resolve().parent
     shipped: list[Path] = []
     for key, value in input_paths(job):
-        if not is_shipped(value):
+        if not is_relative_local(value):
             continue
         relative = Path(os.path.normpath(value))
         if relative.parts and relative.parts[0] == "..":

@@ -15,10 +15,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
 from ringtrain.config import JobConfig, validate_gpus_per_worker
 from ringtrain.errors import CapacityError, ClusterError
+from ringtrain.inputs import anchored
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,16 @@ class ClusterHandle:
     temp_dir: Optional[str]
     # summary.json's startup: the process's start to ray.init's, and ray.init itself
     startup: dict[str, float] = field(default_factory=dict)
+
+    def for_workers(self, job: JobConfig) -> JobConfig:
+        """``job`` as its workers read it: on a cluster this driver joined, outside a submitted
+        job's working_dir, the workers run from another folder, so the relative inputs are
+        anchored to the driver's (``ringtrain.inputs``)."""
+        import ray
+
+        if self.embedded or ray.get_runtime_context().runtime_env.get("working_dir"):
+            return job
+        return anchored(job, Path.cwd())
 
     def close(self, *, keep_logs: bool = False) -> None:
         """Disconnect; an embedded cluster's processes end, and its temp dir goes unless kept."""

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             f"ringtrain eval: {source.where}: {plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens, "
             f"dp {job.topology.dp} x cp {job.topology.cp} ({job.attention.impl}), ZeRO-{job.zero.stage}, {device}"
         )
-        group = WorkerGroup(job, device)
+        group = WorkerGroup(cluster.for_workers(job), device)
         try:
             group.start()
             if source.checkpoint is not None:

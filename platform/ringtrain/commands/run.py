@@ -97,6 +97,7 @@ def _train(
     if job.telemetry.tensorboard:
         preload()  # torch and tensorboard load while the cluster starts
     cluster = connect(job)
+    job = cluster.for_workers(job)
     # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's
     # crash handler aborts the process): install ours again so a stop still writes the summary.
     _stop_on_sigterm()
