@@ -352,6 +352,10 @@ class Trainer:
         # The world's mean of sum / (N / world) is the mean over all N labels of the step.
         loss = self._global_loss(local_sum / labels_per_rank, {f.kind for f in strike})
         grad_norm = self.engine.get_global_grad_norm()
+        # Every scalar is read off the device before the capture: a read after it would wait
+        # behind the snapshot's device-to-host copy (one copy engine a direction, in order).
+        local_loss_value = float(local_loss.item())
+        grad_norm_value = float(grad_norm) if grad_norm is not None else float("nan")
         step_time = time.perf_counter() - start
         taken = self._maybe_snapshot()
         last = self.last_snapshot()
@@ -359,9 +363,9 @@ class Trainer:
             step=self.step,
             rank=self.mesh.rank,
             loss=loss,
-            local_loss=local_loss.item(),
+            local_loss=local_loss_value,
             lr=lr,
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            grad_norm=grad_norm_value,
             num_tokens=sum(mb.input_ids.size for mb in batches),
             step_time_s=step_time,
             data_wait_s=data_wait,
