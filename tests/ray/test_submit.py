@@ -37,6 +37,7 @@ from ringtrain.submission import (
 )
 from ringtrain.submission_files import listing
 from tests.tiny import TINIEST_MODEL
+from tests.tiny_tokenizer import save_tokenizer
 
 from .harness import (
     HEAD_START_TIMEOUT_S,
@@ -288,6 +289,34 @@ def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares
     assert len(unpacked) == 1, unpacked
     shipped = [f for f in listing(unpacked[0]) if not f.startswith("runs/")]  # runs/: the job's own output
     assert shipped == ["corpus/part-0.txt", "corpus/part-1.txt", "corpus/part-2.txt", "tiny-job.yaml"]
+
+
+def test_a_run_that_joins_the_cluster_reads_its_relative_inputs_from_its_own_folder(head: Head, tmp_path: Path) -> None:
+    # RAY_ADDRESS makes `ringtrain run` join this head instead of starting one. Its workers start
+    # in Ray's folders, not the driver's: the relative data path must still name the job's corpus.
+    job = job_folder(tmp_path / "job")
+    done = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", job.name, *TINY, "data.path=corpus"],
+        env={**head.env, "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}"}, cwd=job.parent,
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "run finished: 3/3 steps" in output
+    assert "embedded Ray" not in output and f":{head.gcs_port}" in output
+
+
+def test_a_prepare_that_joins_the_cluster_reads_its_relative_sources_and_tokenizer(head: Head, tmp_path: Path) -> None:
+    job = job_folder(tmp_path / "job")
+    save_tokenizer(job.parent / "tok")
+    done = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "prepare", "corpus", "--tokenizer", "tok", "--out", "prepared"],
+        env={**head.env, "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}"}, cwd=job.parent,
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    manifest = json.loads((job.parent / "prepared" / "manifest.json").read_text())
+    assert [Path(s["uri"]).name for s in manifest["sources"]] == ["part-0.txt", "part-1.txt", "part-2.txt"]
 
 
 def test_without_the_right_token_every_command_exits_2_naming_what_to_pass(head: Head) -> None:

@@ -11,7 +11,7 @@ summary. Each output is an adapter here that takes from those what it shows:
 - ``SinkObserver``: a ``Sink`` of steps and incidents (``telemetry.tensorboard``)
 
 A new output is one more ``Observer``: subclass it, override what the output shows (every
-method does nothing by default), and hand it to the Controller's ``observers`` (``cli.py``
+method does nothing by default), and hand it to the Controller's ``observers`` (``commands/run.py``
 builds the Controller).
 """
 

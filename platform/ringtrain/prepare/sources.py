@@ -93,7 +93,9 @@ def _known(names: list[str]) -> list[str]:
 
 
 def _expand_local(arg: str) -> list[str]:
-    path = Path(arg.removeprefix("file://"))
+    # Absolute: the files are read by tasks on the cluster, whose working directory is this
+    # process's only on a cluster it started itself.
+    path = Path(arg.removeprefix("file://")).absolute()
     if glob.has_magic(arg):
         matches = glob.glob(str(path), recursive=True)
         if not matches:

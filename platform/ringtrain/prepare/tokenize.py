@@ -90,7 +90,8 @@ def resolve(arg: str) -> TokenizerSpec:
     if eos_id is None or not 0 <= eos_id < tok.vocab_size:
         raise ConfigError(KEY, f"{file}: no EOS token (set eos_token in {file.parent / 'tokenizer_config.json'})")
     name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
-    return TokenizerSpec(str(file), TokenizerInfo(name, tokenizer_sha256(file), tok.vocab_size, eos_id))
+    # Absolute: the tokenizer actors load it on the cluster, from their own working directory.
+    return TokenizerSpec(str(file.absolute()), TokenizerInfo(name, tokenizer_sha256(file), tok.vocab_size, eos_id))
 
 
 class Encoder:
