@@ -1,12 +1,12 @@
 """Benchmark: a sliding-window layer's attention against a full causal one, at cp 1 and cp 4.
 
-At 32K tokens with a 1K window, a windowed layer needs 1/32 of a full causal layer's score
-entries in principle; cut into tiles of the window (train/attention/window.py: each row of tiles
-its causal diagonal and the upper triangle before it) it computes S W of them, 1/16. This times
-the real attention functions forward and backward: ``local_attention`` at cp 1, and at cp 4 the worst rank of a zigzag ring with its transport
-looped back on one device (as bench/attention.py does): the neighbour exchange under the window,
-the ring under full causal. It prints each ratio (windowed over full, target <= 0.1) beside the
-ratio of score entries computed, and writes the JSON.
+At 32K tokens with a 1K window, a windowed layer needs 1/32 of a full causal layer's score entries
+in principle; cut into tiles of the window (train/attention/window.py: each row of tiles its causal
+diagonal and the upper triangle before it) it computes S W of them, 1/16. This times the real
+attention functions forward and backward: ``local_attention`` at cp 1, and at cp 4 the worst rank of
+a zigzag ring with its transport looped back on one device (as bench/attention.py does): the
+neighbour exchange under the window, the ring under full causal. It prints each ratio (windowed over
+full, target <= 0.1) beside the ratio of score entries computed, and writes the JSON.
 
     PYTHONPATH=platform python bench/window.py [--device cpu] [--seq 32768] [--window 1024] [--check]
 
