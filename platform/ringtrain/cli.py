@@ -18,8 +18,17 @@ from ringtrain.errors import ConfigError, RingtrainError
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
+class _ExactFlags(argparse.ArgumentParser):
+    """A flag only as spelled, never a prefix of it: a flag renamed or removed fails the commands
+    that still use its old name instead of quietly matching a longer one. Subparsers inherit it."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ringtrain", description=__doc__.splitlines()[0])
+    parser = _ExactFlags(prog="ringtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run.add_arguments(sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS"))
     plan.add_arguments(sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)"))

@@ -115,3 +115,20 @@ def test_bad_input_exits_2_with_one_line_naming_the_key(
         assert text in lines[0]
     assert not run_dir.exists()
     assert not any((tmp_path / "cwd").iterdir())  # no default runs/ folder either
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["eval", "runs/x", "--seq", "2048"], id="eval-seq-len"),
+        pytest.param(["status", "--addr", "http://127.0.0.1:1"], id="status-address"),
+        pytest.param(["dashboards", "push", "--grafana", "http://127.0.0.1:1"], id="dashboards-push-grafana-url"),
+    ],
+)
+def test_a_prefix_of_a_flag_is_refused_naming_it(tmp_path: Path, args: list[str]) -> None:
+    # Flags match only as spelled: a renamed flag fails the commands and pages still using the
+    # old name, instead of the old name quietly matching as a prefix of the new one.
+    proc = _run(tmp_path, args)
+    assert proc.returncode == 2, proc.stderr
+    assert f"unrecognized arguments: {args[-2]}" in proc.stderr
+    assert "Traceback" not in proc.stderr
