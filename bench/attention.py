@@ -115,10 +115,21 @@ def _scatter_loopback(x_U: torch.Tensor, group: LoopbackGroup) -> torch.Tensor:
     return x_U[group.index].clone()
 
 
+def _exchange_loopback(sends: dict[int, Sequence[torch.Tensor]], recvs: dict[int, Sequence[torch.Tensor]],
+                       group: Any, *, tag: int) -> Any:
+    """``comm.exchange`` (a window's neighbour exchange) on one device: every receive buffer
+    gets a copy of what is sent."""
+    outgoing = next(iter(sends.values()), None)
+    for buffers in recvs.values():
+        for i, buffer in enumerate(buffers):
+            buffer.copy_(outgoing[i] if outgoing is not None else torch.zeros_like(buffer))
+    return comm.Pending([])
+
+
 @contextlib.contextmanager
 def loopback() -> Iterator[None]:
     swaps = [(ring_module, "RingExchange", LoopbackExchange), (comm, "all_gather_stacked", _gather_loopback),
-             (comm, "reduce_scatter_stacked", _scatter_loopback)]
+             (comm, "reduce_scatter_stacked", _scatter_loopback), (comm, "exchange", _exchange_loopback)]
     saved = [getattr(module, name) for module, name, _ in swaps]
     for module, name, stand_in in swaps:
         setattr(module, name, stand_in)

@@ -16,17 +16,16 @@ On a CPU the heads are few so the full causal layer takes seconds, not minutes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from ringtrain.train.attention import comm, local_attention, ring_attention
+from ringtrain.train.attention import local_attention, ring_attention
 from ringtrain.train.attention.window import CAUSAL, UPPER, shard_positions, window_tiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,27 +33,6 @@ from attention import LoopbackGroup, fwd_bwd_ms, loopback  # noqa: E402
 from record import RESULTS_DIR, Run  # noqa: E402
 
 TARGET = 0.1
-
-
-def _exchange_loopback(sends: dict[int, Sequence[torch.Tensor]], recvs: dict[int, Sequence[torch.Tensor]],
-                       group: Any, *, tag: int) -> Any:
-    """``comm.exchange`` on one device: every receive buffer gets a copy of what is sent."""
-    outgoing = next(iter(sends.values()), None)
-    for buffers in recvs.values():
-        for i, buffer in enumerate(buffers):
-            buffer.copy_(outgoing[i] if outgoing is not None else torch.zeros_like(buffer))
-    return comm.Pending([])
-
-
-@contextlib.contextmanager
-def looped() -> Iterator[None]:
-    real = comm.exchange
-    comm.exchange = _exchange_loopback  # type: ignore[assignment]
-    try:
-        with loopback():
-            yield
-    finally:
-        comm.exchange = real  # type: ignore[assignment]
 
 
 def computed_entries(q_pos: np.ndarray, k_pos: np.ndarray, window: Optional[int]) -> float:
@@ -87,7 +65,7 @@ def measure(args: argparse.Namespace, cp: int, window: Optional[int], device: to
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ring_attention(q, k, v, group=group, causal=True, window=window, kv_exchange="ring")  # type: ignore[arg-type]
 
-        with looped():
+        with loopback():
             fwd, bwd = fwd_bwd_ms(attend, q, k, v, dout, device, warmup=1, iters=args.iters)
         positions = [shard_positions(cp, r, local) for r in range(cp)]
         entries = sum(computed_entries(positions[rank], positions[j], window) for j in range(cp))

@@ -132,13 +132,6 @@ def _all_to_all(output: Tensor, input: Tensor, group: EmulatedGroup) -> None:
         buffer.copy_(group.mailboxes.take(src, group.index, _ALL_TO_ALL_TAG))
 
 
-def _all_gather_seq(x_BS: Tensor, group: EmulatedGroup) -> Tensor:
-    """``comm.all_gather_seq``: every rank's ``[B, S]`` along the sequence, in rank order."""
-    for dst in range(group.world):
-        group.mailboxes.post(group.index, dst, _ALL_GATHER_TAG, x_BS)
-    return torch.cat([group.mailboxes.take(src, group.index, _ALL_GATHER_TAG) for src in range(group.world)], dim=1)
-
-
 def _all_gather_stacked(x: Tensor, group: EmulatedGroup) -> Tensor:
     """``comm.all_gather_stacked``: every rank's ``x`` stacked in rank order."""
     for dst in range(group.world):
@@ -159,7 +152,7 @@ def _reduce_scatter_stacked(x_U: Tensor, group: EmulatedGroup) -> Tensor:
 def emulated_transport() -> Iterator[None]:
     """The attention code's transfers go to the mailboxes of ``EmulatedGroup``s meanwhile."""
     swaps = [(ring_module, "RingExchange", EmulatedExchange), (comm, "all_to_all", _all_to_all),
-             (comm, "all_gather_seq", _all_gather_seq), (comm, "all_gather_stacked", _all_gather_stacked),
+             (comm, "all_gather_stacked", _all_gather_stacked),
              (comm, "reduce_scatter_stacked", _reduce_scatter_stacked)]
     saved = [getattr(module, name) for module, name, _ in swaps]
     for module, name, stand_in in swaps:

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 from ringtrain import uris
 from ringtrain.config import STDLIB_CORPUS, JobConfig
 
 
+def _inputs(job: JobConfig) -> list[tuple[str, Any, str]]:
+    """(key, the config section holding it, its attribute) of every config key that names an
+    input the job reads: the one list both functions below walk."""
+    found: list[tuple[str, Any, str]] = [("data.path", job.data, "path"), ("eval.data", job.eval, "data"),
+                                         ("model.hf", job.model, "hf")]
+    found += [(f"data.sources[{i}].path", s, "path") for i, s in enumerate(job.data.sources)]
+    return found
+
+
 def input_paths(job: JobConfig) -> list[tuple[str, str]]:
     """(key, value) of every config key that names an input the job reads, set or not."""
-    found = [("data.path", job.data.path), ("eval.data", job.eval.data), ("model.hf", job.model.hf)]
-    found += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(job.data.sources)]
-    return found
+    return [(key, getattr(section, name)) for key, section, name in _inputs(job)]
 
 
 def is_relative_local(value: str) -> bool:
@@ -34,13 +42,8 @@ def is_relative_local(value: str) -> bool:
 def anchored(job: JobConfig, base: Path) -> JobConfig:
     """A copy of ``job`` whose relative local inputs are absolute paths under ``base``."""
     out = copy.deepcopy(job)
-
-    def anchor(value: str) -> str:
-        return str(base / value) if is_relative_local(value) else value
-
-    out.data.path = anchor(out.data.path)
-    out.eval.data = anchor(out.eval.data)
-    out.model.hf = anchor(out.model.hf)
-    for source in out.data.sources:
-        source.path = anchor(source.path)
+    for _, section, name in _inputs(out):
+        value = getattr(section, name)
+        if is_relative_local(value):
+            setattr(section, name, str(base / value))
     return out

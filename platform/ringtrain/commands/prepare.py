@@ -117,9 +117,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
     files = sources.expand(list(args.sources))
     spec = tokenize.resolve(args.tokenizer)
     output = writer.open_output(args.out, args.overwrite)
-    pieces = sources.plan(files, args.split_bytes)
+    pieces = sources.plan(sources.absolute(files), args.split_bytes)
     dtype = token_dtype_for(spec.info.vocab_size)
-    job = pipeline.Job(spec, dtype, args.text_field, args.on_bad_record == "skip", args.max_record_bytes)
+    job = pipeline.Job(tokenize.absolute(spec), dtype, args.text_field, args.on_bad_record == "skip", args.max_record_bytes)
 
     started = time.monotonic()
     handle = pipeline.connect(args.address, args.num_cpus or None)

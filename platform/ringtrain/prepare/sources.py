@@ -25,7 +25,7 @@ import json
 import os
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -93,9 +93,7 @@ def _known(names: list[str]) -> list[str]:
 
 
 def _expand_local(arg: str) -> list[str]:
-    # Absolute: the files are read by tasks on the cluster, whose working directory is this
-    # process's only on a cluster it started itself.
-    path = Path(arg.removeprefix("file://")).absolute()
+    path = Path(arg.removeprefix("file://"))
     if glob.has_magic(arg):
         matches = glob.glob(str(path), recursive=True)
         if not matches:
@@ -148,6 +146,14 @@ def expand(args: list[str]) -> list[SourceFile]:
                 assert kind is not None  # _known kept only these
                 files.append(SourceFile(len(files), uri, kind))
     return files
+
+
+def absolute(files: list[SourceFile]) -> list[SourceFile]:
+    """``files`` as tasks on the cluster read them: local paths made absolute, since a task's
+    working directory is this process's only on a cluster this process started. The manifest
+    keeps the paths as the user spelled them."""
+    return [f if f.uri.startswith("s3://") else replace(f, uri=os.path.abspath(f.uri.removeprefix("file://")))
+            for f in files]
 
 
 def splittable(source: SourceFile) -> bool:

@@ -10,7 +10,8 @@ EOS id to each, so every document ends the same way whatever the tokenizer's tem
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -90,8 +91,12 @@ def resolve(arg: str) -> TokenizerSpec:
     if eos_id is None or not 0 <= eos_id < tok.vocab_size:
         raise ConfigError(KEY, f"{file}: no EOS token (set eos_token in {file.parent / 'tokenizer_config.json'})")
     name = file.parent.name if file.name == TOKENIZER_FILE else file.stem
-    # Absolute: the tokenizer actors load it on the cluster, from their own working directory.
-    return TokenizerSpec(str(file.absolute()), TokenizerInfo(name, tokenizer_sha256(file), tok.vocab_size, eos_id))
+    return TokenizerSpec(str(file), TokenizerInfo(name, tokenizer_sha256(file), tok.vocab_size, eos_id))
+
+
+def absolute(spec: TokenizerSpec) -> TokenizerSpec:
+    """``spec`` as the tokenizer actors load it on the cluster, from their own working directory."""
+    return spec if spec.path is None else replace(spec, path=os.path.abspath(spec.path))
 
 
 class Encoder:

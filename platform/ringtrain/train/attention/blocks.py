@@ -200,8 +200,7 @@ def block_forward(
     if cut.whole:
         return kernel.forward(q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale)
     B, Q, H, _ = q_BQHD.shape
-    fp64 = q_BQHD.dtype == torch.float64
-    acc = torch.float64 if fp64 else torch.float32  # as the kernels give the LSE
+    acc = torch.float64 if q_BQHD.dtype == torch.float64 else torch.float32  # as the kernels give the LSE
     out_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     lse_BHQ = torch.full((B, H, Q), -math.inf, dtype=acc, device=q_BQHD.device)
     auxes = []
@@ -218,7 +217,7 @@ def block_forward(
         # of a share with an empty row is the share.
         merge_into_(out_BQHD[b, rows], lse_BHQ[b, :, rows], _from_tiles(res.out_BQHD, n),
                     _lse_from_tiles(res.lse_BHQ, n))
-    return BlockOutput(out_BQHD.to(q_BQHD.dtype), lse_BHQ if fp64 else lse_BHQ.float(), auxes)
+    return BlockOutput(out_BQHD.to(q_BQHD.dtype), lse_BHQ, auxes)
 
 
 def block_backward(

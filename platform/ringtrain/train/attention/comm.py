@@ -131,11 +131,3 @@ def reduce_scatter_stacked(x_U: torch.Tensor, group: ProcessGroup) -> torch.Tens
     out = torch.empty(x_U.shape[1:], dtype=x_U.dtype, device=x_U.device)
     dist.reduce_scatter(out, [part.contiguous() for part in x_U.unbind(0)], group=group)
     return out
-
-
-def all_gather_seq(x_BS: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``[B, S]`` tensor along the sequence, in group-rank order."""
-    _record("all_gather")
-    parts = [torch.empty_like(x_BS) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x_BS.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
