@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,18 @@ def test_nothing_is_written_before_the_first_step_nor_after_close(tmp_path: Path
     events = load(tmp_path)
     assert [e.step for e in events.Scalars("train/loss")] == [1]
     assert INCIDENT_COUNT_TAG not in events.Tags()["scalars"]
+
+
+def test_the_driver_writes_events_without_importing_torch(tmp_path: Path) -> None:
+    # The sink runs in the driver, which has no other use for torch: importing it there would
+    # cost every run seconds of CPU before its cluster starts.
+    code = (
+        "import sys; from pathlib import Path; from ringtrain.telemetry.tensorboard import TensorBoardSink; "
+        "from tests.fake_run import NAN_INCIDENT, step_record; "
+        "sink = TensorBoardSink(Path(sys.argv[1])); sink.step(step_record(1)); sink.incident(NAN_INCIDENT); sink.close(); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+    assert [e.step for e in load(tmp_path).Scalars("train/loss")] == [1]

@@ -92,10 +92,8 @@ def _train(
     from ringtrain.telemetry.prometheus import new_run_id
     from ringtrain.telemetry.report import write_report
     from ringtrain.telemetry.rundir import RunDir
-    from ringtrain.telemetry.tensorboard import TensorBoardSink, preload
+    from ringtrain.telemetry.tensorboard import TensorBoardSink
 
-    if job.telemetry.tensorboard:
-        preload()  # torch and tensorboard load while the cluster starts
     cluster = connect(job)
     job = cluster.for_workers(job)
     # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's

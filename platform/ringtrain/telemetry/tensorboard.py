@@ -9,12 +9,16 @@ than written as zero, so a chart never claims a measurement that was not taken.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
-import threading
-from typing import TYPE_CHECKING, Any, Optional, TypeGuard
+from typing import Any, Optional, TypeGuard
 
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
+# TensorBoard's own event writer and records, not torch's SummaryWriter: the driver writes the
+# events, and it has no other use for torch, whose import costs seconds of CPU.
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.text.summary_v2 import text_pb
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 # metrics.jsonl key -> TensorBoard tag. The prefix before "/" is the section TensorBoard groups by.
 SCALAR_TAGS: dict[str, str] = {
@@ -51,20 +55,12 @@ def is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def preload() -> threading.Thread:
-    """Import the event writer (torch and tensorboard: seconds) on a thread of its own, so that a
-    driver pays for it while its cluster starts rather than before it, or at the first step."""
-    thread = threading.Thread(target=lambda: __import__("torch.utils.tensorboard"), name="tensorboard-import", daemon=True)
-    thread.start()
-    return thread
-
-
 class TensorBoardSink:
     """Writes one event file per attempt of a run; calls after ``close`` do nothing."""
 
     def __init__(self, run_dir: Path) -> None:
         self.log_dir = run_dir / "tensorboard"
-        self._writer: Optional["SummaryWriter"] = None
+        self._writer: Optional[EventFileWriter] = None
         self._num_incidents = 0
         self._closed = False
 
@@ -72,21 +68,15 @@ class TensorBoardSink:
         writer = self._open(record.get("step"))
         if writer is None:
             return
-        step = int(record["step"])
-        for key, tag in SCALAR_TAGS.items():
-            value = record.get(key)
-            if is_number(value):
-                writer.add_scalar(tag, float(value), step)
+        scalars = {tag: float(record[key]) for key, tag in SCALAR_TAGS.items() if is_number(record.get(key))}
         for key, prefix in RANK_TAGS.items():
             values = record.get(key)
             if isinstance(values, list):
-                for rank, value in enumerate(values):
-                    if is_number(value):
-                        writer.add_scalar(f"{prefix}/rank_{rank}", float(value), step)
+                scalars.update((f"{prefix}/rank_{rank}", float(v)) for rank, v in enumerate(values) if is_number(v))
         evaluation = record.get("eval")
         if isinstance(evaluation, dict):
-            for tag, value in eval_scalars(evaluation).items():
-                writer.add_scalar(tag, value, step)
+            scalars.update(eval_scalars(evaluation))
+        writer.add_event(_event(int(record["step"]), _scalars(scalars)))
 
     def incident(self, incident: dict[str, Any]) -> None:
         writer = self._open(incident.get("detected_at_step"))
@@ -96,8 +86,8 @@ class TensorBoardSink:
         wall_time = incident.get("detected_at") if is_number(incident.get("detected_at")) else None
         self._num_incidents += 1
         # Cumulative, so the chart is a staircase whose risers sit at the incidents' steps.
-        writer.add_scalar(INCIDENT_COUNT_TAG, float(self._num_incidents), step, walltime=wall_time)
-        writer.add_text(INCIDENT_TEXT_TAG, incident_markdown(incident), step, walltime=wall_time)
+        writer.add_event(_event(step, _scalars({INCIDENT_COUNT_TAG: float(self._num_incidents)}), wall_time))
+        writer.add_event(_event(step, text_pb(INCIDENT_TEXT_TAG, incident_markdown(incident)), wall_time))
         # Incidents are rare and are what someone opens TensorBoard for: do not leave them queued.
         writer.flush()
 
@@ -106,17 +96,25 @@ class TensorBoardSink:
             self._writer.close()
         self._closed = True
 
-    def _open(self, step: Any) -> Optional["SummaryWriter"]:
+    def _open(self, step: Any) -> Optional[EventFileWriter]:
         if self._closed or not is_number(step) or not math.isfinite(step):
             return None
         if self._writer is None:
             # Opened on first use, so a run that fails before its first step leaves no empty
-            # event file. No purge_step on a resumed run: TensorBoard would then drop the earlier
+            # event file. No purge event on a resumed run: TensorBoard would then drop the earlier
             # attempt's incidents at the replayed steps, and those are why the run was resumed.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=FLUSH_S)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = EventFileWriter(str(self.log_dir), flush_secs=FLUSH_S)
         return self._writer
+
+
+def _scalars(values: dict[str, float]) -> Summary:
+    """Scalars as TensorBoard's classic ``simple_value`` summaries, which its Scalars dashboard reads."""
+    return Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+
+
+def _event(step: int, summary: Summary, wall_time: Optional[float] = None) -> Event:
+    return Event(step=step, wall_time=time.time() if wall_time is None else wall_time, summary=summary)
 
 
 def eval_scalars(evaluation: dict[str, Any]) -> dict[str, float]:
