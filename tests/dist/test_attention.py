@@ -25,7 +25,6 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ringtrain.train.attention import (
     KernelUnavailableError,
@@ -41,6 +40,8 @@ from ringtrain.train.attention import (
     ulysses_attention,
 )
 from ringtrain.train.attention.kernels import MATH, CpuFlashKernel
+
+from .ranks import rank_process
 
 pytestmark = pytest.mark.dist
 
@@ -380,12 +381,8 @@ def _rank_main(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 
 def _spawn(world: int, workdir: Path) -> list[dict[str, Any]]:
-    """Run every case of ``world`` in one spawned gloo group; each rank's report, bounded in time."""
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, world, str(workdir / "store"), str(workdir)), daemon=True)
-        for rank in range(world)
-    ]
+    """Run every case of ``world`` in one gloo group; each rank's report, bounded in time."""
+    procs = [rank_process(_rank_main, rank, world, str(workdir / "store"), str(workdir), daemon=True) for rank in range(world)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + SPAWN_TIMEOUT_S

@@ -34,7 +34,7 @@ import pytest
 
 from tests.tiny import TINY_MODEL
 
-from .ranks import run_ranks
+from .ranks import rank_context, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -421,7 +421,7 @@ def _hang_rank(
 def test_an_injected_hang_is_diagnosed_from_every_ranks_records_and_stacks(scenario: str, tmp_path: Path) -> None:
     import torch
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = run_ranks(_hang_rank, WORLD, tmp_path, scenario, ctx.Queue(), ctx.Event(), timeout=2 * WAIT_S)
     verdict: Optional[dict[str, Any]] = out["verdict"]
     assert verdict is not None

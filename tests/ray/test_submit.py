@@ -28,6 +28,7 @@ import pytest
 from ringtrain import config
 from ringtrain.submission import (
     DEFAULT_ADDRESS,
+    JobsClient,
     base_submission_id,
     entrypoint,
     family_ids,
@@ -134,15 +135,10 @@ def ringtrain(
 
 def submitted_ids(head: Head) -> set[str]:
     """Every submission id the cluster knows, straight from Ray's job SDK."""
-    code = (
-        "import json, sys; from ray.job_submission import JobSubmissionClient; "
-        "print(json.dumps([j.submission_id for j in JobSubmissionClient(sys.argv[1]).list_jobs()]))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code, head.address], env=head.env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return {i for i in json.loads(result.stdout.strip().splitlines()[-1]) if i}
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(head.address, headers={"Authorization": f"Bearer {head.token}"})
+    return {j.submission_id for j in client.list_jobs() if j.submission_id}
 
 
 def status_of(head: Head, submission_id: str) -> str:
@@ -154,13 +150,14 @@ def status_of(head: Head, submission_id: str) -> str:
 
 
 def wait_until_ended(head: Head, submission_id: str, timeout: float = JOB_TIMEOUT_S) -> str:
+    """The job's final status as `ringtrain status` prints it, once the job API says it ended.
+    The polling runs in this process: a `ringtrain status` every second would cost a core."""
+    client = JobsClient(head.address, head.token)
     deadline = time.monotonic() + timeout
-    status = status_of(head, submission_id)
-    while status not in ("SUCCEEDED", "FAILED", "STOPPED"):
-        assert time.monotonic() < deadline, f"{submission_id} still {status} after {timeout:g} s"
-        time.sleep(2)
-        status = status_of(head, submission_id)
-    return status
+    while not (state := client.state(submission_id)).terminal:
+        assert time.monotonic() < deadline, f"{submission_id} still {state.status} after {timeout:g} s"
+        time.sleep(1)
+    return status_of(head, submission_id)
 
 
 def pump(stream: IO[str] | None, lines: queue.Queue[str]) -> None:
