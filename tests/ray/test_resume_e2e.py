@@ -1,15 +1,18 @@
 """Resume from the durable store through the CLI, as a user would after an interruption.
 
-An uninterrupted 20-step run is the reference; a run stopped after step 10 and resumed with
+An uninterrupted 12-step run is the reference; a run stopped after step 6 and resumed with
 ``checkpoint.resume=auto`` must match it bitwise, step losses and final parameters alike; a
-resume of that step-10 checkpoint at dp=1 must match within float tolerance.
+resume of that step-6 checkpoint at dp=1 must match within float tolerance; a copy whose
+checkpoints are all damaged must refuse to resume, naming each.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -17,11 +20,12 @@ import pytest
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.wire import FragmentIndex, decode
 
-from .test_run_e2e import QUICKSTART, TINY, processes_using, ray_tmp, run_cli  # noqa: F401  (fixture)
+from .test_run_e2e import QUICKSTART, TINY, processes_using, run_cli
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-STEPS = ["train.steps=20", "checkpoint.persist_every=5"]
+STEPS = ["train.steps=12", "checkpoint.persist_every=3"]
+STOP_AT = 6
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -34,46 +38,68 @@ def final_params(run_dir: Path, step: int) -> dict[str, np.ndarray]:
     return {name: index.full(name) for name in index.names}
 
 
-def test_resume_from_the_durable_store_is_exact(tmp_path: Path, ray_tmp: Path) -> None:
-    def cli(*args: str) -> str:
-        result = run_cli([str(QUICKSTART), *TINY, *STEPS, *args], home=tmp_path, ray_tmp=ray_tmp)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout
+class Runs:
+    """`ringtrain run` of the tiny quickstart job in one home and Ray temp dir."""
 
-    reference, stopped, other_dp = tmp_path / "reference", tmp_path / "stopped", tmp_path / "other-dp"
-    cli(f"run_dir={reference}")
-    cli(f"run_dir={stopped}", "train.stop_at_step=10")
-    assert len(losses(stopped)) == 10
-    shutil.copytree(stopped, other_dp)  # the same step-10 checkpoint, resumed at another dp
+    def __init__(self, home: Path, ray_tmp: Path) -> None:
+        self.home, self.ray_tmp = home, ray_tmp
 
-    out = cli(f"run_dir={stopped}", "checkpoint.resume=auto")
-    assert "resumed from" in out and "step-000000010" in out
-    assert losses(stopped) == losses(reference)  # 10 before the stop + 10 after, bitwise
-    ref_params = final_params(reference, 20)
-    for name, value in final_params(stopped, 20).items():
+    def __call__(self, *args: str, returncode: int = 0) -> tuple[str, str]:
+        result = run_cli([str(QUICKSTART), *TINY, *STEPS, *args], home=self.home, ray_tmp=self.ray_tmp)
+        assert result.returncode == returncode, result.stderr[-3000:]
+        return result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    # Short on purpose: Ray's unix socket paths live below it and must stay under 107 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtt-", dir="/tmp"))
+    try:
+        yield Runs(tmp_path_factory.mktemp("home"), ray_tmp)
+        assert processes_using(ray_tmp) == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stopped(runs: Runs) -> Path:
+    """A run stopped after step STOP_AT, its checkpoints in its run directory: each test resumes a copy."""
+    run_dir = runs.home / "stopped"
+    runs(f"run_dir={run_dir}", f"train.stop_at_step={STOP_AT}")
+    assert len(losses(run_dir)) == STOP_AT
+    return run_dir
+
+
+def test_resume_from_the_durable_store_is_exact(runs: Runs, stopped: Path, tmp_path: Path) -> None:
+    reference, resumed, other_dp = tmp_path / "reference", tmp_path / "resumed", tmp_path / "other-dp"
+    runs(f"run_dir={reference}")
+    shutil.copytree(stopped, resumed)
+    shutil.copytree(stopped, other_dp)  # the same checkpoint, resumed at another dp
+
+    out, _ = runs(f"run_dir={resumed}", "checkpoint.resume=auto")
+    assert "resumed from" in out and f"step-{STOP_AT:09d}" in out
+    assert losses(resumed) == losses(reference)  # STOP_AT before the stop, the rest after: bitwise
+    ref_params = final_params(reference, 12)
+    for name, value in final_params(resumed, 12).items():
         np.testing.assert_array_equal(value, ref_params[name], err_msg=name)
 
-    cli(f"run_dir={other_dp}", "checkpoint.resume=auto", "mesh.dp=1", "mesh.cp=2")
+    runs(f"run_dir={other_dp}", "checkpoint.resume=auto", "mesh.dp=1", "mesh.cp=2")
     summary = json.loads((other_dp / "summary.json").read_text())
-    assert (summary["start_step"], summary["final_step"], summary["dp"]) == (10, 20, 1)
+    assert (summary["start_step"], summary["final_step"], summary["dp"]) == (STOP_AT, 12, 1)
     np.testing.assert_allclose(losses(other_dp), losses(reference), rtol=1e-5)
-    for name, value in final_params(other_dp, 20).items():
+    for name, value in final_params(other_dp, 12).items():
         np.testing.assert_allclose(value, ref_params[name], rtol=0, atol=1e-5, err_msg=name)
-    assert processes_using(ray_tmp) == []
 
 
-def test_resume_with_no_valid_checkpoint_stops_with_the_reason(tmp_path: Path, ray_tmp: Path) -> None:
-    run_dir = tmp_path / "run"
-    first = run_cli([str(QUICKSTART), *TINY, *STEPS, "train.stop_at_step=5", f"run_dir={run_dir}"], home=tmp_path, ray_tmp=ray_tmp)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_resume_with_no_valid_checkpoint_stops_with_the_reason(runs: Runs, stopped: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(stopped, run_dir)
     for shard in (run_dir / "checkpoints").glob("step-*/rank-*"):
         shard.write_bytes(shard.read_bytes()[:-7])  # truncated objects
 
-    result = run_cli(
-        [str(QUICKSTART), *TINY, *STEPS, "checkpoint.resume=auto", f"run_dir={run_dir}"], home=tmp_path, ray_tmp=ray_tmp
-    )
-    assert result.returncode == 2
-    assert "checkpoint.resume" in result.stderr and "no valid checkpoint" in result.stderr
-    assert "step-000000005" in result.stdout  # the skipped checkpoint is named, with its reason
-    assert "Traceback" not in result.stderr
-    assert len(losses(run_dir)) == 5  # nothing was trained from garbage
+    out, err = runs("checkpoint.resume=auto", f"run_dir={run_dir}", returncode=2)
+    assert "checkpoint.resume" in err and "no valid checkpoint" in err
+    for step in range(3, STOP_AT + 1, 3):
+        assert f"step-{step:09d}" in out  # each skipped checkpoint is named, with its reason
+    assert "Traceback" not in err
+    assert len(losses(run_dir)) == STOP_AT  # nothing was trained from garbage
