@@ -51,7 +51,8 @@ def rank_context() -> BaseContext:
 
 def rank_process(target: Callable[..., None], *args: Any, daemon: bool = False) -> BaseProcess:
     """A rank's process, not yet started, that calls ``target(*args)``."""
-    return rank_context().Process(target=_as_started, args=(dict(os.environ), os.getcwd(), target, *args), daemon=daemon)  # type: ignore[attr-defined]
+    started = (dict(os.environ), os.getcwd(), target)
+    return rank_context().Process(target=_as_started, args=(*started, *args), daemon=daemon)  # type: ignore[attr-defined]
 
 
 def _as_started(env: dict[str, str], cwd: str, target: Callable[..., None], *args: Any) -> None:

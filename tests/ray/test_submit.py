@@ -66,7 +66,9 @@ TINY = [
     "mesh.cp=2",
     "checkpoint.persist_every=0",
 ]
-LONG = [o for o in TINY if not o.startswith("train.steps=")] + ["train.steps=100000"]
+# One worker, where what is tested is the job's way to the cluster and back, not its mesh.
+ONE_WORKER = [o for o in TINY if not o.startswith("mesh.")] + ["mesh.dp=1", "mesh.cp=1"]
+LONG = [o for o in ONE_WORKER if not o.startswith("train.steps=")] + ["train.steps=100000"]
 ID_PATTERN = re.compile(r"ringtrain-quickstart-[0-9a-f]{10}")
 JOB_TIMEOUT_S = 180.0
 
@@ -293,7 +295,7 @@ def test_a_run_that_joins_the_cluster_reads_its_relative_inputs_from_its_own_fol
     # in Ray's folders, not the driver's: the relative data path must still name the job's corpus.
     job = job_folder(tmp_path / "job")
     done = subprocess.run(
-        [sys.executable, "-m", "ringtrain", "run", job.name, *TINY, "data.path=corpus"],
+        [sys.executable, "-m", "ringtrain", "run", job.name, *ONE_WORKER, "data.path=corpus"],
         env={**head.env, "RAY_ADDRESS": f"127.0.0.1:{head.gcs_port}"}, cwd=job.parent,
         capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
     )  # fmt: skip
@@ -378,7 +380,7 @@ def test_plain_ray_job_submit_runs_the_job(head: Head) -> None:
             str(VENV_BIN / "ray"), "job", "submit",
             "--address", head.address,
             "--working-dir", "jobs",
-            "--", "python", "-m", "ringtrain", "run", "quickstart.yaml", *TINY,
+            "--", "python", "-m", "ringtrain", "run", "quickstart.yaml", *ONE_WORKER,
         ],  # fmt: skip
         env=head.env,
         cwd=REPO,
