@@ -382,7 +382,8 @@ def _rank_main(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 def _spawn(world: int, workdir: Path) -> list[dict[str, Any]]:
     """Run every case of ``world`` in one gloo group; each rank's report, bounded in time."""
-    procs = [rank_process(_rank_main, rank, world, str(workdir / "store"), str(workdir), daemon=True) for rank in range(world)]
+    store = str(workdir / "store")
+    procs = [rank_process(_rank_main, rank, world, store, str(workdir), daemon=True) for rank in range(world)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + SPAWN_TIMEOUT_S

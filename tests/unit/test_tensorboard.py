@@ -104,7 +104,8 @@ def test_the_driver_writes_events_without_importing_torch(tmp_path: Path) -> Non
         "sink = TensorBoardSink(Path(sys.argv[1])); sink.step(step_record(1)); sink.incident(NAN_INCIDENT); sink.close(); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
     assert [e.step for e in load(tmp_path).Scalars("train/loss")] == [1]
