@@ -29,6 +29,7 @@ from ringtrain import config
 from ringtrain.submission import (
     DEFAULT_ADDRESS,
     JobsClient,
+    auth_headers,
     base_submission_id,
     entrypoint,
     family_ids,
@@ -139,7 +140,7 @@ def submitted_ids(head: Head) -> set[str]:
     """Every submission id the cluster knows, straight from Ray's job SDK."""
     from ray.job_submission import JobSubmissionClient
 
-    client = JobSubmissionClient(head.address, headers={"Authorization": f"Bearer {head.token}"})
+    client = JobSubmissionClient(head.address, headers=auth_headers(head.token))
     return {j.submission_id for j in client.list_jobs() if j.submission_id}
 
 
