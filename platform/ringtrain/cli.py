@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -16,6 +17,18 @@ from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the
 from ringtrain.errors import ConfigError, RingtrainError
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+# What `ringtrain --help` says: for users, not about this module.
+DESCRIPTION = (
+    "Train long-context language models on a Ray cluster (elastic, fault-tolerant,\n"
+    "context-parallel), then evaluate, export and report on them."
+)
+EPILOG = """\
+A job is a YAML file (jobs/*.yaml) plus key=value overrides, written without dashes:
+  ringtrain run jobs/quickstart.yaml train.steps=20 'data.sources[0].path=/data/code'
+`ringtrain VERB --help` lists a verb's options. Every config key: docs/configuration.md;
+the rest of the documentation: README.md and docs/ in the ringtrain repository."""
+# An option whose name holds a dot is no option of any verb: an override written with dashes.
+_DASHED_OVERRIDE = re.compile(r"^--?(?P<key>[A-Za-z_][\w-]*(?:\.|\[)[^=]*)(?P<value>=.*)?$")
 
 
 class _ExactFlags(argparse.ArgumentParser):
@@ -28,8 +41,10 @@ class _ExactFlags(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _ExactFlags(prog="ringtrain", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _ExactFlags(
+        prog="ringtrain", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="VERB", title="verbs")
     run.add_arguments(sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS"))
     plan.add_arguments(sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)"))
     dashboards.add_arguments(
@@ -52,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    dashed = _dashed_override(sys.argv[1:] if argv is None else list(argv))
+    if dashed:
+        print(f"ringtrain: config error: {dashed}", file=sys.stderr)
+        return EXIT_USAGE
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -82,3 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("ringtrain: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_USAGE
+
+
+def _dashed_override(argv: list[str]) -> Optional[str]:
+    """The error for an override written as an option (``--train.steps=20``), which argparse
+    would answer with the top-level usage; None when there is none."""
+    for arg in argv:
+        if arg == "--":
+            return None
+        match = _DASHED_OVERRIDE.match(arg)
+        if match:
+            fixed = match["key"] + (match["value"] or "=VALUE")
+            return f"{arg}: overrides are written key=value with no dashes: {fixed}"
+    return None

@@ -157,3 +157,66 @@ def test_the_command_line_exits_2_with_one_line_and_leaks_nothing(
     for file in tmp_path.rglob("*"):
         if file.is_file():
             assert SECRET.encode() not in file.read_bytes(), file
+
+
+def _alias_bomb(levels: int = 12) -> str:
+    """'Billion laughs': each level a list of ten aliases of the one before, 10^levels values."""
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + f"\nname: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (_alias_bomb(), "holds more than 100,000 values"),
+        ("name: &x [*x]\n", "contains itself"),
+        ("name: " + "[" * 40 + "]" * 40 + "\n", "nests deeper than"),
+        ("name: " + "[" * 800 + "]" * 800 + "\n", "nests deeper than"),  # PyYAML recurses out first
+    ],
+    ids=["billion-laughs", "recursive-alias", "deep", "deeper-than-the-parser"],
+)
+def test_a_yaml_bomb_is_refused_in_bounded_time_naming_the_file(tmp_path: Path, text: str, reason: str) -> None:
+    import time
+
+    path = job_file(tmp_path, text)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        config.load(path)
+    assert time.monotonic() - started < 2.0
+    assert caught.value.key == "config" and str(path) in caught.value.reason and reason in caught.value.reason
+
+
+def test_a_yaml_bomb_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ringtrain import cli
+
+    path = job_file(tmp_path, _alias_bomb())
+    assert cli.main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ringtrain: config error: config: {path} holds more than")
+
+
+def test_an_oversized_job_file_is_refused_unread(tmp_path: Path) -> None:
+    path = job_file(tmp_path, "name: big\n" + "# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match="bytes; a config file holds at most"):
+        config.load(path)
+
+
+def test_a_run_directorys_saved_config_is_bounded_too(tmp_path: Path) -> None:
+    """The config a run directory keeps is read as a model's source by eval: bounded the same way."""
+    path = job_file(tmp_path, _alias_bomb(), "config.yaml")
+    with pytest.raises(ConfigError, match="holds more than"):
+        config.load_saved(path)
+
+
+def test_the_store_a_run_directory_names_is_read_within_bounds(tmp_path: Path) -> None:
+    """``eval`` and ``export`` read a run directory's checkpoint.uri before anything else."""
+    from ringtrain.checkpoint.sources import run_store_uri
+
+    job_file(tmp_path, _alias_bomb().replace("name:", "checkpoint:\n  uri:"), "config.yaml")
+    with pytest.raises(ConfigError, match="SOURCE: .*holds more than"):
+        run_store_uri(tmp_path)
+    job_file(tmp_path, "checkpoint:\n  uri: [a, b]\n", "config.yaml")
+    with pytest.raises(ConfigError, match="checkpoint.uri must be a string"):
+        run_store_uri(tmp_path)

@@ -90,3 +90,10 @@ def test_a_bare_checkpoint_keeps_its_whole_model_section() -> None:
                              "head_dim": 24, "ffn_dim": 96, "rope_theta": 40000.0, "rope_scaling": scaling, "qk_norm": True}}
     model = _job_of_meta(meta).model
     assert (model.rope_scaling, model.rope_theta, model.head_dim, model.qk_norm, model.hf) == (scaling, 40000.0, 24, True, "")
+
+
+def test_a_hf_folder_whose_name_yaml_would_misread_is_still_that_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "my model #1 [v2]"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA))
+    assert resolve_source(str(folder)).job.model.hf == str(folder.resolve())

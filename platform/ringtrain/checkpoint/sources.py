@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from ringtrain import uris
 from ringtrain.checkpoint.layout import split_checkpoint_uri
 from ringtrain.checkpoint.loaded import LoadedCheckpoint
 from ringtrain.checkpoint.manifest import CheckpointCorrupt
 from ringtrain.checkpoint.store import CheckpointStore, Compatible, open_store
 from ringtrain.config.loading import RUN_CONFIG
+from ringtrain.config.yamlfile import read_mapping
 from ringtrain.errors import ConfigError
 
 # A run's checkpoint store when its config names none: this folder of the run directory.
@@ -91,13 +90,12 @@ def run_store_uri(run_dir: Path, key: str = "SOURCE") -> str:
     """The checkpoint store of a run: its config's checkpoint.uri, else <run_dir>/checkpoints.
     The config is read as plain YAML, not validated: a run written by an older version, whose
     config the current schema would refuse, still names its store."""
-    try:
-        saved = yaml.safe_load((run_dir / RUN_CONFIG).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(key, f"{run_dir / RUN_CONFIG} cannot be read: {exc}") from None
-    section = saved.get("checkpoint") if isinstance(saved, dict) else None
+    saved = read_mapping(run_dir / RUN_CONFIG, key)  # bounded: the folder may be someone else's
+    section = saved.get("checkpoint")
     uri = section.get("uri") if isinstance(section, dict) else None
-    return store_of_run(str(uri) if uri else "", run_dir.absolute())
+    if uri is not None and not isinstance(uri, str):
+        raise ConfigError(key, f"{run_dir / RUN_CONFIG}: checkpoint.uri must be a string, got a {type(uri).__name__}")
+    return store_of_run(uri or "", run_dir.absolute())
 
 
 def store_of_run(configured: str, run_dir: Path) -> str:

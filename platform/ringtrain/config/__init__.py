@@ -2,8 +2,10 @@
 
 Every check raises ``ConfigError(key, reason)`` naming the dotted key a user has to change,
 so the CLI can print one line and exit 2. The package's parts: ``schema`` (sections, keys,
-defaults and the name lists values come from), ``checks`` (validation, pure) and ``loading``
-(YAML and overrides through OmegaConf); callers import from ``ringtrain.config``.
+defaults and the name lists values come from), ``checks`` (validation, pure), ``loading``
+(YAML and overrides through OmegaConf), ``yamlfile`` (a config file read within bounds),
+``overrides`` (``key=value`` applied to the tree) and ``keys`` (the schema's dotted keys, for
+"did you mean"); callers import from ``ringtrain.config``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from ringtrain.config.checks import (
 from ringtrain.config.loading import (
     RUN_CONFIG,
     fill_model_defaults,
+    from_mapping,
     load,
+    load_saved,
     merge,
     replace,
     to_yaml,
@@ -103,7 +107,9 @@ __all__ = [
     "ZeroConfig",
     "checkpointing_mode",
     "fill_model_defaults",
+    "from_mapping",
     "load",
+    "load_saved",
     "merge",
     "replace",
     "to_yaml",

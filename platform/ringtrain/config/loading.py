@@ -1,44 +1,92 @@
 """Loading the job config: a YAML file and ``key=value`` overrides merged onto the schema by
-OmegaConf, unknown keys and bad values turned into ``ConfigError``s naming the key."""
+OmegaConf, unknown keys, bad values and any other failure turned into ``ConfigError``s naming
+the key."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from ringtrain.config.checks import validate
 from ringtrain.config.interpolation import refuse_resolvers
+from ringtrain.config.overrides import SECTIONS, apply, as_config_error, check_section, first_line, parse
 from ringtrain.config.schema import MODEL_DEFAULTS, JobConfig, checkpointing_mode
+from ringtrain.config.yamlfile import check_bounds, read_mapping
 from ringtrain.errors import ConfigError
 
 # The resolved config a run directory keeps, loadable again with ``load`` (and ``ringtrain run``).
 RUN_CONFIG = "config.yaml"
 
+
 def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """Build the job config from an optional YAML file and ``key=value`` overrides, then validate."""
-    schema = OmegaConf.structured(JobConfig)
-    layers: list[Any] = [schema]
-    if path is not None:
-        layers.append(_read_yaml(Path(path)))
-    if overrides:
-        _check_override_syntax(overrides)
-        layers.append(_parse_dotlist(overrides))
+    layers = [_layer(read_mapping(Path(path)), str(path))] if path is not None else []
+    return _build(layers, overrides or [])
+
+
+def load_saved(path: str | Path) -> JobConfig:
+    """A config ringtrain wrote and now reads as the source of a model (a run directory's
+    ``config.yaml``, or the one beside a checkpoint store), validated, without its ``cluster``
+    section: a file in a run folder others can write must never choose the cluster a command
+    joins (with the user's token, unpickling what its workers send back). The cluster is the
+    user's: ``cluster.*`` overrides, RAY_ADDRESS, else an embedded one."""
+    data = read_mapping(Path(path))
+    data.pop("cluster", None)
+    return _build([_layer(data, str(path))], [])
+
+
+def from_mapping(data: dict[str, Any], where: str) -> JobConfig:
+    """A job from plain data read elsewhere (a checkpoint's meta), bounded, checked and
+    validated as a job file's would be; ``where`` names it in errors."""
+    check_bounds(data, where)
+    return _build([_layer(data, where)], [])
+
+
+def _build(layers: list[DictConfig], overrides: list[str]) -> JobConfig:
+    parsed = parse(overrides)  # every override checked before any is applied
     try:
-        merged = OmegaConf.merge(*layers)
-        job = OmegaConf.to_object(merged)
+        merged = OmegaConf.merge(_schema(), *layers)  # merge copies its first argument
     except oc_errors.OmegaConfBaseException as exc:
-        raise _as_config_error(exc) from None
+        raise as_config_error(exc) from None
+    apply(merged, parsed)
+    job = _to_job(merged)
+    fill_model_defaults(job)
+    _validated(job)
+    return job
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    """The schema's tree, built once: building it is most of a load's time (about 30 ms)."""
+    return OmegaConf.structured(JobConfig)
+
+
+def _to_job(tree: DictConfig) -> JobConfig:
+    """The tree as a JobConfig once its interpolations resolve; no resolver may have been left."""
+    try:
+        job = OmegaConf.to_object(tree)
+    except oc_errors.OmegaConfBaseException as exc:
+        raise as_config_error(exc) from None
+    except Exception as exc:  # a value OmegaConf could not convert, found only when resolving
+        raise ConfigError("config", first_line(exc)) from None
     assert isinstance(job, JobConfig)
     refuse_resolvers(dataclasses.asdict(job))
     job.model.activation_checkpointing = checkpointing_mode(job.model.activation_checkpointing)
-    fill_model_defaults(job)
-    validate(job)
     return job
+
+
+def _validated(job: JobConfig) -> None:
+    try:
+        validate(job)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a check meeting a value of a shape it did not expect: still bad input
+        raise ConfigError("config", f"cannot be checked: {type(exc).__name__}: {first_line(exc)}") from None
 
 
 def fill_model_defaults(job: JobConfig) -> None:
@@ -60,7 +108,7 @@ def to_yaml(job: JobConfig) -> str:
 def replace(job: JobConfig, overrides: list[str]) -> JobConfig:
     """A copy of ``job`` with dotlist overrides applied and validated."""
     new = merge(job, overrides)
-    validate(new)
+    _validated(new)
     return new
 
 
@@ -68,73 +116,25 @@ def merge(job: JobConfig, overrides: list[str]) -> JobConfig:
     """A copy of ``job`` with dotlist overrides applied, not yet validated: for a caller that
     derives more keys from the result before validating it (``ringtrain eval`` sizes the batch
     and the sequence to the mesh the overrides ask for)."""
-    base = OmegaConf.structured(job)
-    _check_override_syntax(overrides)
-    try:
-        merged = OmegaConf.merge(base, _parse_dotlist(overrides))
-        new = OmegaConf.to_object(merged)
-    except oc_errors.OmegaConfBaseException as exc:
-        raise _as_config_error(exc) from None
-    assert isinstance(new, JobConfig)
-    refuse_resolvers(dataclasses.asdict(new))
-    new.model.activation_checkpointing = checkpointing_mode(new.model.activation_checkpointing)
+    parsed = parse(overrides)
+    tree = OmegaConf.structured(job)
+    apply(tree, parsed)
+    new = _to_job(tree)
     fill_model_defaults(new)
     return new
 
 
-def _read_yaml(path: Path) -> DictConfig:
-    if not path.is_file():
-        raise ConfigError("config", f"no such job file: {path}")
-    # Parsed with PyYAML first: OmegaConf.load would turn a bare string into a one-key mapping.
+def _layer(data: dict[str, Any], where: str) -> DictConfig:
+    """A file's (or a meta's) mapping as an OmegaConf layer, refused before anything resolves."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:  # carries the line and column
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError("config", f"{path} is not valid YAML: {first_line}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError("config", f"{path} must hold a mapping of config keys at the top level")
-    layer = OmegaConf.create(data)
-    # Before the merge resolves anything: a resolver must not run even once.
-    refuse_resolvers(layer, str(path))
-    _check_sections(layer)
-    return layer
-
-
-def _check_sections(layer: DictConfig) -> None:
-    """A plain value where the schema has a section (``mesh: 3``): name the section's key.
-
-    OmegaConf reports this as a merge error without the key, so it is caught before merging.
-    """
-    for f in dataclasses.fields(JobConfig):
-        if dataclasses.is_dataclass(f.default_factory) and f.name in layer:  # type: ignore[arg-type]
-            if not isinstance(layer[f.name], DictConfig):
-                raise ConfigError(f.name, f"must be a section of keys (e.g. {f.name}.<key>=...), got {layer[f.name]!r}")
-
-
-def _check_override_syntax(overrides: list[str]) -> None:
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(item, "overrides are key=value (for example mesh.dp=2)")
-
-
-def _parse_dotlist(overrides: list[str]) -> DictConfig:
-    try:
-        layer = OmegaConf.from_dotlist(overrides)
+        layer = OmegaConf.create(data)
     except oc_errors.OmegaConfBaseException as exc:
-        raise _as_config_error(exc) from None
-    refuse_resolvers(layer, "the overrides")
-    _check_sections(layer)
+        raise as_config_error(exc) from None
+    except Exception as exc:  # keys OmegaConf cannot hold (a list as a key, ...)
+        raise ConfigError("config", f"{where}: {first_line(exc)}") from None
+    # Before the merge resolves anything: a resolver must not run even once.
+    refuse_resolvers(layer, where)
+    for name in SECTIONS:
+        if name in layer:
+            check_section(name, layer[name])
     return layer
-
-
-def _as_config_error(exc: oc_errors.OmegaConfBaseException) -> ConfigError:
-    key = getattr(exc, "full_key", None) or "config"
-    if isinstance(exc, oc_errors.ConfigKeyError):
-        return ConfigError(key, "unknown key")
-    # OmegaConf's first line says what was wrong ("Value 'abc' of type 'str' could not be
-    # converted to Integer"); the lines after it repeat the key and internal type names.
-    text = str(getattr(exc, "msg", "") or exc).strip()
-    return ConfigError(key, text.splitlines()[0] if text else type(exc).__name__)

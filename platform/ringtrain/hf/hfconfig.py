@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 from ringtrain.config import (
     ACTIVATIONS,
     FULL_ATTENTION,
+    RUN_CONFIG,
     SLIDING_ATTENTION,
     JobConfig,
     ModelConfig,
@@ -64,6 +65,12 @@ def read_hf_config(folder: str | Path, key: str = "model.hf") -> dict[str, Any]:
     if not path.is_dir():
         raise ConfigError(key, f"no such model folder: {folder}")
     file = path / CONFIG_FILE
+    if not file.is_file() and (path / RUN_CONFIG).is_file():
+        raise ConfigError(
+            key,
+            f"{folder} is a ringtrain run directory, not a Hugging Face model folder: export it first "
+            f"with `ringtrain export {folder} OUT_DIR` and give OUT_DIR",
+        )
     if not file.is_file():
         raise ConfigError(key, f"{file} is missing (a Hugging Face model folder holds config.json and *.safetensors)")
     try:
