@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 from ringtrain import config
 from ringtrain.config import JobConfig
-from ringtrain.errors import ClusterError, RingtrainError
+from ringtrain.errors import ClusterError, ConfigError, RingtrainError
 from ringtrain.submission_files import working_dir
 
 if TYPE_CHECKING:
@@ -181,13 +181,27 @@ def package_dir() -> Path:
     return Path(ringtrain.__file__).resolve().parent
 
 
-def runtime_env(folder: Path, *, ship_package: bool = True) -> dict[str, Any]:
+def runtime_env(folder: Path, *, ship_package: bool = True, env_vars: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """working_dir: ``folder`` (see ``submission_files.working_dir``); py_modules: this
-    ringtrain, unless the cluster's is wanted."""
+    ringtrain, unless the cluster's is wanted; env_vars: what the user chose to pass (``--env``)."""
     env: dict[str, Any] = {"working_dir": str(folder), "excludes": list(PACKAGE_EXCLUDES)}
     if ship_package:
         env["py_modules"] = [str(package_dir())]
+    if env_vars:
+        env["env_vars"] = dict(env_vars)
     return env
+
+
+def passed_env(names: list[str], environ: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The variables ``--env NAME`` passes from the submitting shell (tracker credentials, say):
+    their values travel in the submission, never in the job file. A name not set is bad input."""
+    environ = dict(os.environ) if environ is None else environ
+    for name in names:
+        if not name or "=" in name:
+            raise ConfigError("--env", f"{name!r} is not a variable name: give the name only; its value is read from your shell")
+        if name not in environ:
+            raise ConfigError("--env", f"{name} is not set in this shell")
+    return {name: environ[name] for name in names}
 
 
 @contextmanager
@@ -295,6 +309,7 @@ class JobsClient:
         *,
         submission_id: Optional[str] = None,
         ship_package: bool = True,
+        env_vars: Optional[dict[str, str]] = None,
     ) -> str:
         """Submit a validated job; returns its submission id."""
         chosen = self.choose_id(job, submission_id)
@@ -302,7 +317,7 @@ class JobsClient:
             return self._client.submit_job(
                 entrypoint=entrypoint(job_path, overrides),
                 submission_id=chosen,
-                runtime_env=runtime_env(folder, ship_package=ship_package),
+                runtime_env=runtime_env(folder, ship_package=ship_package, env_vars=env_vars),
                 metadata={"ringtrain_job": job.name, "ringtrain_config_sha256": config_digest(job)},
             )
 

@@ -24,6 +24,7 @@ from ringtrain.submission import (
     JobState,
     TokenRefused,
     UnknownJobError,
+    passed_env,
     plain_http_warning,
     resolve_address,
     resolve_token,
@@ -49,6 +50,13 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of following the logs")
     submit.add_argument(
         "--submission-id", help="use this id instead of ringtrain-<name>-<config hash> (to run one config twice)"
+    )
+    submit.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass this variable of your shell to the job, e.g. WANDB_API_KEY or MLFLOW_TRACKING_TOKEN (repeatable)",
     )
     submit.add_argument(
         "--no-ship-package",
@@ -98,9 +106,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # Validated before connecting: bad input never reaches the cluster.
     job = config.load(job_path, args.overrides)
     shipped_inputs(job_path, job)
+    env_vars = passed_env(args.env)
     client = _client(args)
     submission_id = client.submit(
-        job_path, list(args.overrides), job, submission_id=args.submission_id, ship_package=not args.no_ship_package
+        job_path,
+        list(args.overrides),
+        job,
+        submission_id=args.submission_id,
+        ship_package=not args.no_ship_package,
+        env_vars=env_vars,
     )
     # The id alone on stdout, so `ID=$(ringtrain submit ... --no-wait)` works; the rest is for people.
     print(submission_id, flush=True)

@@ -47,6 +47,7 @@ def _stop_on_sigterm() -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain run``; ConfigError (exit 2) for bad input, before any cluster starts."""
     from ringtrain.hf import resolve_job
+    from ringtrain.telemetry.trackers import check_installed as check_trackers
     from ringtrain.train.mixture import check_sources
 
     _stop_on_sigterm()
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_pretrained(job)
     check_sources(job)
+    check_trackers(job)
     eval_plan = _eval_plan(job) if job.eval.every else None
 
     # Ray and torch are imported only once the input is known to be good.
@@ -93,6 +95,7 @@ def _train(
     from ringtrain.telemetry.report import write_report
     from ringtrain.telemetry.rundir import RunDir
     from ringtrain.telemetry.tensorboard import TensorBoardSink
+    from ringtrain.telemetry.trackers import open_trackers, tracker_meta
 
     cluster = connect(job)
     job = cluster.for_workers(job)
@@ -110,9 +113,11 @@ def _train(
         if store is not None and lease is not None:
             # One writer per store: taken once the run is known to start, held while it trains.
             take_store(job, store, lease)
-            persister = Persister(store, checkpoint_meta(job), guard=lease.check)
+            meta = {**checkpoint_meta(job), **tracker_meta(job, run_path, resume_from.meta if resume_from else None)}
+            persister = Persister(store, meta, guard=lease.check)
         run_dir = RunDir(run_path)
         run_dir.write_config(job)
+        trackers = open_trackers(job, run_dir, progress.message, resume_from.meta if resume_from else None)
         run_id = new_run_id()
         telemetry = run_metrics(job, run_id) if job.telemetry.metrics else None
         topo = job.topology
@@ -132,7 +137,7 @@ def _train(
                 resume_from=resume_from,
                 telemetry=telemetry,
                 run_id=run_id,
-                sinks=[TensorBoardSink(run_path)] if job.telemetry.tensorboard else [],
+                sinks=[*([TensorBoardSink(run_path)] if job.telemetry.tensorboard else []), *([trackers] if trackers is not None else [])],
                 elastic=Recovery(group),
                 eval_plan=eval_plan,
                 startup=cluster.startup,
@@ -147,6 +152,8 @@ def _train(
         except OSError as exc:
             # The run's outcome stands; `ringtrain report` can write the page later.
             print(f"ringtrain: warning: could not write {run_path / 'report.html'}: {exc}", file=sys.stderr)
+        if trackers is not None:
+            trackers.finish(summary["status"])  # after the report, which it sends
         ok = summary["status"] == "finished"
         if not ok and cluster.temp_dir:
             progress.message(f"Ray logs of the embedded cluster: {cluster.temp_dir}")

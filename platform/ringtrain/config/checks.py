@@ -19,10 +19,13 @@ from ringtrain.config.schema import (
     ATTENTION_IMPLS,
     ATTENTION_KERNELS,
     ATTENTION_KV_EXCHANGES,
+    CHAT_OVERLONG,
     CHECKPOINTING_MODES,
     DEVICES,
     DTYPES,
     LAYER_TYPES,
+    LOSS_NORMS,
+    MLFLOW_URI_SCHEMES,
     NAN_POLICIES,
     NORM_STYLES,
     PACKINGS,
@@ -30,6 +33,7 @@ from ringtrain.config.schema import (
     SLIDING_ATTENTION,
     STDLIB_CORPUS,
     STRAGGLER_POLICIES,
+    WANDB_MODES,
     DataConfig,
     EvalConfig,
     JobConfig,
@@ -97,6 +101,7 @@ def validate(job: JobConfig) -> None:
     if t.grad_clip < 0:
         raise ConfigError("train.grad_clip", f"must be >= 0, 0 disables clipping (got {t.grad_clip})")
     _one_of(t.dtype, DTYPES, "train.dtype")
+    _one_of(t.loss_norm, LOSS_NORMS, "train.loss_norm")
 
     ck = job.checkpoint
     for key in ("snapshot_every", "persist_every"):
@@ -126,6 +131,10 @@ def validate(job: JobConfig) -> None:
     port = job.telemetry.metrics_port
     if port is not None and not (1 <= port <= 65535 and not 10002 <= port <= 19999):
         raise ConfigError("telemetry.metrics_port", f"{port} must be a port outside Ray's worker range 10002-19999")
+    _one_of(job.telemetry.wandb.mode, WANDB_MODES, "telemetry.wandb.mode")
+    uri = job.telemetry.mlflow.tracking_uri
+    if uri and not uri.startswith(MLFLOW_URI_SCHEMES):
+        raise ConfigError("telemetry.mlflow.tracking_uri", f"{uri!r} must start with one of {', '.join(MLFLOW_URI_SCHEMES)}")
 
     for i, fault in enumerate(job.chaos.faults):
         key = f"chaos.faults[{i}]"
@@ -170,6 +179,7 @@ def validate_finite(job: JobConfig) -> None:
 def validate_data_sources(d: DataConfig) -> None:
     """Packing and the mixture's sources: paths given, weights and upsampling factors positive."""
     _one_of(d.packing, PACKINGS, "data.packing")
+    _one_of(d.chat_overlong, CHAT_OVERLONG, "data.chat_overlong")
     if d.sources and d.path != STDLIB_CORPUS:
         raise ConfigError("data.sources", f"and data.path={d.path!r} are both set; name the datasets in one of them")
     for i, s in enumerate(d.sources):

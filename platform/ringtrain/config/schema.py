@@ -159,6 +159,11 @@ def checkpointing_mode(value: "str | bool") -> str:
 
 
 PACKINGS = ("concat", "doc")
+# A chat dataset's conversation longer than data.seq_len: left out (counted), or cut to fit.
+CHAT_OVERLONG = ("drop", "truncate")
+# token: the mean over every trained token of the global batch; sequence: each conversation's
+# token mean, averaged over the global batch's conversations (LongAlign, Bai et al. 2024).
+LOSS_NORMS = ("token", "sequence")
 
 
 @dataclass
@@ -186,6 +191,8 @@ class DataConfig:
     # concat: documents joined with EOS, attention crosses them. doc: attention and positions
     # restart at every document boundary (needs prepared datasets, which record the boundaries).
     packing: str = "concat"
+    # A chat dataset's conversation longer than seq_len: "drop" (counted) or "truncate" to seq_len.
+    chat_overlong: str = "drop"
     # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE, else a private folder
     # of the user's own under the temp dir (ringtrain.cachedir).
     cache_dir: str = ""
@@ -246,6 +253,8 @@ class TrainConfig:
     # everywhere but ZeRO-3, q/k/v and the SwiGLU's two input projections as one GEMM each.
     # false: the eager reference path.
     fused_ops: bool = True
+    # LOSS_NORMS: how a step's token losses are averaged (sequence needs a chat dataset).
+    loss_norm: str = "token"
 
 
 @dataclass
@@ -311,6 +320,32 @@ class ControllersConfig:
     rebuild_from_replicas: bool = True
 
 
+WANDB_MODES = ("online", "offline")
+# Where an MLflow client can log: a tracking server, or a local database or folder.
+MLFLOW_URI_SCHEMES = ("http://", "https://", "sqlite:///", "file:", "databricks")
+
+
+@dataclass
+class MlflowConfig:
+    """An MLflow tracking server the driver logs the run to; off while ``tracking_uri`` is empty."""
+
+    tracking_uri: str = ""  # e.g. http://mlflow.internal:5000; credentials from MLFLOW_TRACKING_* env
+    experiment: str = "ringtrain"
+    run_name: str = ""  # empty: the job's name
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WandbConfig:
+    """A Weights & Biases project the driver logs the run to; off while ``project`` is empty."""
+
+    project: str = ""
+    entity: str = ""  # empty: the API key's default entity
+    mode: str = "online"  # online | offline (files under <run_dir>/wandb, `wandb sync` later)
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+
+
 @dataclass
 class TelemetryConfig:
     progress: bool = True  # one line per step on stdout
@@ -320,6 +355,9 @@ class TelemetryConfig:
     # The embedded cluster's metrics export port (None: Ray picks one). Keep it outside Ray's
     # worker port range 10002-19999; 8080 is KubeRay's convention.
     metrics_port: Optional[int] = None
+    # Experiment trackers, fed by the driver from its metrics stream (telemetry/trackers.py).
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

@@ -29,6 +29,7 @@ SCALAR_TAGS: dict[str, str] = {
     "mfu": "throughput/mfu",
     "tokens": "throughput/tokens",
     "step_time_s": "step_time/wall",
+    "data_wait_s": "step_time/data_wait",
     "dp": "mesh/dp",
     "cp": "mesh/cp",
     "snapshot_s": "checkpoint/snapshot_s",
@@ -68,15 +69,7 @@ class TensorBoardSink:
         writer = self._open(record.get("step"))
         if writer is None:
             return
-        scalars = {tag: float(record[key]) for key, tag in SCALAR_TAGS.items() if is_number(record.get(key))}
-        for key, prefix in RANK_TAGS.items():
-            values = record.get(key)
-            if isinstance(values, list):
-                scalars.update((f"{prefix}/rank_{rank}", float(v)) for rank, v in enumerate(values) if is_number(v))
-        evaluation = record.get("eval")
-        if isinstance(evaluation, dict):
-            scalars.update(eval_scalars(evaluation))
-        writer.add_event(_event(int(record["step"]), _scalars(scalars)))
+        writer.add_event(_event(int(record["step"]), _scalars(record_scalars(record))))
 
     def incident(self, incident: dict[str, Any]) -> None:
         writer = self._open(incident.get("detected_at_step"))
@@ -106,6 +99,19 @@ class TensorBoardSink:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._writer = EventFileWriter(str(self.log_dir), flush_secs=FLUSH_S)
         return self._writer
+
+
+def record_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record as tagged scalars: what TensorBoard and the experiment trackers show."""
+    scalars = {tag: float(record[key]) for key, tag in SCALAR_TAGS.items() if is_number(record.get(key))}
+    for key, prefix in RANK_TAGS.items():
+        values = record.get(key)
+        if isinstance(values, list):
+            scalars.update((f"{prefix}/rank_{rank}", float(v)) for rank, v in enumerate(values) if is_number(v))
+    evaluation = record.get("eval")
+    if isinstance(evaluation, dict):
+        scalars.update(eval_scalars(evaluation))
+    return scalars
 
 
 def _scalars(values: dict[str, float]) -> Summary:
