@@ -209,3 +209,47 @@ def test_a_1_gib_line_is_a_bad_record_read_in_bounded_memory(tmp_path: Path, mod
     manifest = Manifest.load(out)
     assert (manifest.num_documents, manifest.num_skipped) == (2, 1)
     assert [(s.line, s.reason) for s in manifest.skipped] == [(2, TOO_LONG)]
+
+
+def parquet_bomb(path: Path, value_bytes: int, rows: int) -> Path:
+    """A Parquet file whose text column names one ``value_bytes`` value in every row but the
+    first: dictionary-encoded and zstd-compressed, a few KB on disk for ``rows x value_bytes``
+    once decoded. Written without statistics, which would decode it to find a minimum."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    codes = np.ones(rows, dtype=np.int32)
+    codes[0] = 0
+    column = pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(["first", "a" * value_bytes]))
+    pq.write_table(pa.table({"text": column}), path, compression="zstd", use_dictionary=True,
+                   dictionary_pagesize_limit=2 * value_bytes, write_statistics=False)  # fmt: skip
+    return path
+
+
+@pytest.mark.slow
+def test_a_parquet_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    rows = 2300
+    bomb = parquet_bomb(tmp_path / "src" / "bomb.parquet", 48 << 20, rows)
+    assert bomb.stat().st_size < 64 << 10 and rows * (48 << 20) > 100 * GiB
+    out = tmp_path / "out"
+    code, err, peak = prepare_in_child([str(bomb), "--out", str(out)], tmp_path)
+    too_long = f"field 'text' ({48 << 20:,} bytes) is over the {LIMIT:,}-byte limit (--max-record-bytes)"
+    assert (code, err) == (2, f"ringtrain: data error: {bomb}:2: {too_long}\n")
+    assert peak < PEAK_BOUND, f"peak {peak / GiB:.2f} GiB"
+    assert not out.exists()
+    # Skipped, every row of it streams through, and the first row is the one document.
+    code, err, peak = prepare_in_child([str(bomb), "--out", str(out), "--on-bad-record", "skip"], tmp_path)
+    assert code == 0, err
+    assert peak < PEAK_BOUND, f"peak {peak / GiB:.2f} GiB"
+    manifest = Manifest.load(out)
+    assert (manifest.num_documents, manifest.num_skipped) == (1, rows - 1)
+
+
+def test_json_nested_too_deeply_is_a_bad_record(tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "ok"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n" + '{"text": "fine"}\n')
+    got = list(sources.read_records(sources.Piece(0, sources.SourceFile(0, str(path), "jsonl")), "text"))
+    assert got[0] == "ok" and got[2] == "fine"
+    assert got[1] == sources.BadRecord(2, "JSON nested too deeply to read")

@@ -37,8 +37,10 @@ COMPRESSED_SUFFIXES = ("", ".gz", ".zst")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".md")
 SRC_KEY = "SRC"
-# Parquet rows read per batch: bounds a reader's memory whatever the file's size.
+# Parquet rows read per batch, at most, and the bytes a batch's rows should come to (by the row
+# group's mean row): bounds a reader's memory whatever the file's size.
 PARQUET_BATCH_ROWS = 1024
+PARQUET_BATCH_BYTES = 64 << 20
 # The longest record (a JSONL line, a Parquet value, a text file) read: far beyond any context a
 # model trains at (16 MiB is about 4M tokens), far below what would exhaust a reader.
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
@@ -289,6 +291,9 @@ def _record(line: bytes, line_no: int, text_field: str) -> Record:
         obj: Any = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         return BadRecord(line_no, f"malformed JSON ({exc})")
+    except RecursionError:
+        # Thousands of nested brackets in one line: no record a corpus means to hold.
+        return BadRecord(line_no, "JSON nested too deeply to read")
     if not isinstance(obj, dict):
         return BadRecord(line_no, f"expected a JSON object, got {type(obj).__name__}")
     if text_field not in obj:
@@ -300,28 +305,57 @@ def _record(line: bytes, line_no: int, text_field: str) -> Record:
 
 
 def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
+    """A Parquet piece's values, in batches sized to a byte budget, each value's length measured
+    on the Arrow array before any Python string of it exists.
+
+    The column is read as a dictionary array, so a dictionary-encoded value repeated over many
+    rows (a file of a few KB can name one 48 MiB value in every row: a hundred GiB once decoded)
+    is held once; a plain-encoded column is read in batches whose rows, at the row group's mean
+    size, stay under ``PARQUET_BATCH_BYTES``.
+    """
+    import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     uri = piece.source.uri
     try:
-        pfile = pq.ParquetFile(path)
-        if text_field not in pfile.schema_arrow.names:
-            raise DataError(f"{uri}: no column {text_field!r} (--text-field); columns: {', '.join(pfile.schema_arrow.names)}")
+        names = pq.ParquetFile(path).schema_arrow.names
+        if text_field not in names:
+            raise DataError(f"{uri}: no column {text_field!r} (--text-field); columns: {', '.join(names)}")
+        pfile = pq.ParquetFile(path, read_dictionary=[text_field])
+        column = pfile.schema_arrow.names.index(text_field)
         end = pfile.metadata.num_row_groups if piece.end is None else piece.end
-        groups = list(range(piece.start, end))
-        for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_field]):
-            for value in batch.column(0).to_pylist():
-                counter.lines += 1
-                # At most 4 bytes a character: only a long value is worth encoding to measure.
-                if isinstance(value, str) and len(value) * 4 > max_bytes and len(value.encode()) > max_bytes:
-                    yield BadRecord(counter.lines, too_long(f"field {text_field!r} ({len(value.encode()):,} bytes)", max_bytes))
-                elif isinstance(value, str):
-                    yield value
-                else:
-                    yield BadRecord(counter.lines, f"field {text_field!r} is {type(value).__name__}, not a string")
+        for group in range(piece.start, end):
+            meta = pfile.metadata.row_group(group)
+            rows = _parquet_batch_rows(meta.num_rows, meta.column(column).total_uncompressed_size)
+            for batch in pfile.iter_batches(batch_size=rows, row_groups=[group], columns=[text_field]):
+                array = batch.column(0)
+                if not pa.types.is_dictionary(array.type):
+                    array = array.dictionary_encode()  # one code path: values and their lengths
+                if not (pa.types.is_string(array.type.value_type) or pa.types.is_large_string(array.type.value_type)):
+                    for _ in range(len(array)):
+                        counter.lines += 1
+                        yield BadRecord(counter.lines, f"field {text_field!r} is {array.type.value_type}, not a string")
+                    continue
+                lengths = np.asarray(pc.binary_length(array.dictionary).to_numpy(zero_copy_only=False), dtype=np.int64)
+                codes = np.asarray(array.indices.fill_null(-1).to_numpy(zero_copy_only=False), dtype=np.int64)
+                for code in codes.tolist():
+                    counter.lines += 1
+                    if code < 0:
+                        yield BadRecord(counter.lines, f"field {text_field!r} is null, not a string")
+                    elif lengths[code] > max_bytes:
+                        yield BadRecord(counter.lines, too_long(f"field {text_field!r} ({int(lengths[code]):,} bytes)", max_bytes))
+                    else:
+                        yield array.dictionary[code].as_py()
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{uri}: not a readable Parquet file ({exc})") from None
+
+
+def _parquet_batch_rows(num_rows: int, uncompressed_bytes: int) -> int:
+    """Rows per batch of a row group: its mean row under ``PARQUET_BATCH_BYTES`` a batch."""
+    mean = max(1, uncompressed_bytes // max(num_rows, 1))
+    return max(1, min(PARQUET_BATCH_ROWS, PARQUET_BATCH_BYTES // mean))
 
 
 def _text(path: str, uri: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
