@@ -20,7 +20,7 @@
 #
 # Settings (environment): RINGTRAIN_STACK_DIR (state, logs; default .ringtrain-cache/local-stack),
 # RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short),
-# RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), METRICS_PORT (8080), PROMETHEUS_PORT (9090),
+# RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_AGENT_PORT (52365: the job agent), METRICS_PORT (8080), PROMETHEUS_PORT (9090),
 # S3_PORT (9000), S3_BUCKET (ringtrain), PYTHON. Prometheus reads infra/prometheus.yml with the
 # metrics and Prometheus ports put in.
 set -euo pipefail
@@ -34,6 +34,7 @@ PROMETHEUS_CONFIG=$STATE_DIR/prometheus.yml
 RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ringtrain-ray-$(id -u)}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
+RAY_AGENT_PORT=${RAY_AGENT_PORT:-52365}
 METRICS_PORT=${METRICS_PORT:-8080}
 PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
 S3_PORT=${S3_PORT:-9000}
@@ -45,7 +46,8 @@ STOP_TIMEOUT_S=30
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
 fi
-RAY_BIN=$(dirname "$(command -v "$PYTHON")")/ray
+PYTHON_BIN_DIR=$(dirname "$(command -v "$PYTHON")")
+RAY_BIN=$PYTHON_BIN_DIR/ray
 [[ -x "$RAY_BIN" ]] || RAY_BIN=ray
 
 # What each service's command line contains; `stop` kills a PID only when its command line
@@ -126,7 +128,7 @@ cmd_start() {
     require "ray" "install the project (make venv) or set PYTHON" "$RAY_BIN" --version
     require "prometheus" "apt-get install --no-install-recommends prometheus" command -v prometheus
     require "moto" "pip install 'moto[server]'" "$PYTHON" -c "import moto.server, flask, flask_cors"
-    for port in "$RAY_PORT" "$RAY_DASHBOARD_PORT" "$METRICS_PORT" "$PROMETHEUS_PORT" "$S3_PORT"; do
+    for port in "$RAY_PORT" "$RAY_DASHBOARD_PORT" "$RAY_AGENT_PORT" "$METRICS_PORT" "$PROMETHEUS_PORT" "$S3_PORT"; do
         if port_open "$port"; then
             log "port $port on 127.0.0.1 is already in use"
             exit 1
@@ -145,9 +147,12 @@ cmd_start() {
 
     # Token authentication on: loopback ports are open to every user of this machine. The token
     # goes in through the environment (readable by this user only), never the command line.
-    RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$RAY_BIN" start --head --block \
+    # PYTHON's folder leads the head's PATH: a submitted job's entrypoint runs `python` there, and
+    # it must be the Python that has ringtrain's dependencies, whatever the user's shell holds.
+    PATH="$PYTHON_BIN_DIR:$PATH" RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 \
+        "$RAY_BIN" start --head --block \
         --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
-        --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" \
+        --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" --dashboard-agent-listen-port="$RAY_AGENT_PORT" \
         --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR" \
         </dev/null >"$LOG_DIR/ray.log" 2>&1 &
     local ray_pid=$!

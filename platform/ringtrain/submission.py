@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shlex
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -157,6 +158,12 @@ def family_ids(base: str, known: set[str]) -> list[str]:
     """The known ids that are ``base`` or one of its resubmissions ``base-N``."""
     pattern = re.compile(re.escape(base) + r"(-[0-9]+)?")
     return sorted(i for i in known if pattern.fullmatch(i))
+
+
+# What the job API answers while the head's job agent is still starting, and how long a
+# submission waits for it.
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 60.0
 
 
 def next_free_id(base: str, known: set[str]) -> str:
@@ -314,12 +321,20 @@ class JobsClient:
         """Submit a validated job; returns its submission id."""
         chosen = self.choose_id(job, submission_id)
         with working_dir(job_path, job) as folder, self._calls():
-            return self._client.submit_job(
-                entrypoint=entrypoint(job_path, overrides),
-                submission_id=chosen,
-                runtime_env=runtime_env(folder, ship_package=ship_package, env_vars=env_vars),
-                metadata={"ringtrain_job": job.name, "ringtrain_config_sha256": config_digest(job)},
-            )
+            deadline = time.monotonic() + AGENT_WAIT_S
+            while True:
+                try:
+                    return self._client.submit_job(
+                        entrypoint=entrypoint(job_path, overrides),
+                        submission_id=chosen,
+                        runtime_env=runtime_env(folder, ship_package=ship_package, env_vars=env_vars),
+                        metadata={"ringtrain_job": job.name, "ringtrain_config_sha256": config_digest(job)},
+                    )
+                except RuntimeError as exc:
+                    # A head that has just started answers before its job agent is up.
+                    if NO_AGENT not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
 
     def logs(self, submission_id: str) -> str:
         with self._calls(submission_id):

@@ -26,6 +26,7 @@ import pytest
 from tests.tools import tool
 
 from .harness import REPO, VENV_BIN, end_processes, free_ports, processes_using
+from .test_run_e2e import TINY
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tool("prometheus")
     state = tmp_path_factory.mktemp("stack")
     ray_tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))  # short: Ray's socket paths
-    names = ("RAY_PORT", "RAY_DASHBOARD_PORT", "METRICS_PORT", "PROMETHEUS_PORT", "S3_PORT")
+    names = ("RAY_PORT", "RAY_DASHBOARD_PORT", "RAY_AGENT_PORT", "METRICS_PORT", "PROMETHEUS_PORT", "S3_PORT")
     ports = dict(zip(names, free_ports(len(names))))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
     env.update({k: str(v) for k, v in ports.items()})
@@ -60,7 +61,8 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         RAY_TEMP_DIR=str(ray_tmp),
         HOME=str(tmp_path_factory.mktemp("home")),
         PYTHON=sys.executable,
-        PATH=os.pathsep.join([str(VENV_BIN), env.get("PATH", "")]),
+        # A user's shell that never activated the venv: its `python` lacks ringtrain's dependencies.
+        PATH=os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != VENV_BIN),
     )
     try:
         started = script(env, "start")
@@ -136,3 +138,21 @@ def test_prometheus_scrapes_the_head_with_auth_on(local_stack: Stack) -> None:
         assert time.monotonic() < deadline, f"Prometheus did not scrape the head: {result}"
         time.sleep(1)
     assert result[0]["metric"]["instance"] == f"127.0.0.1:{local_stack.ports['METRICS_PORT']}"
+
+
+def test_a_job_submitted_from_a_shell_without_the_venv_succeeds(local_stack: Stack) -> None:
+    """`ringtrain submit` as the README has it, from a shell whose `python` is not the venv's:
+    the job's entrypoint runs the head's Python, which the stack put first on its PATH."""
+    env = client_env(local_stack, **local_stack.exports)
+    submitted = ringtrain(env, "submit", "jobs/quickstart.yaml", *TINY, "train.steps=2", "mesh.dp=1", "mesh.cp=2", "--no-wait")
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    submission_id = submitted.stdout.strip().splitlines()[0]
+    deadline = time.monotonic() + 300
+    status = ""
+    while time.monotonic() < deadline:
+        status = ringtrain(env, "status", submission_id).stdout
+        if any(word in status for word in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        time.sleep(3)
+    logs = ringtrain(env, "logs", submission_id).stdout
+    assert "SUCCEEDED" in status, f"{status}\n{logs[-3000:]}"
