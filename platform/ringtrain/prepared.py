@@ -6,8 +6,14 @@ A prepared dataset is a folder (or an ``s3://`` prefix)::
     <root>/shards/00000.tokens.npy    1-D token ids, uint16 when the vocabulary fits, else uint32
     <root>/shards/00000.docs.npy      1-D int64 document start offsets into that shard's tokens,
                                       num_documents + 1 long, first 0, last num_tokens
+    <root>/shards/00000.mask.npy      a chat dataset's only (manifest "content": "chat"): 1-D
+                                      uint8 as long as the tokens, 1 where a token is a trained
+                                      target (its prediction from the token before counts)
 
-Every document's tokens end with the tokenizer's EOS id (prepare appends it), and a document
+A chat dataset's documents are whole conversations as the tokenizer's chat template renders
+them (no EOS appended; the template's end-of-turn tokens end each turn), and its manifest's
+``chat`` section says how they were rendered and masked. A text document's tokens end with the
+tokenizer's EOS id (prepare appends it), and a document
 never spans two shards, so a reader can pack or split documents shard by shard. The manifest
 holds no timestamps: the same input and options give the same bytes, manifest included.
 
@@ -22,7 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from ringtrain.errors import DataError
 from ringtrain.uris import local_path
@@ -32,6 +38,10 @@ MANIFEST_NAME = "manifest.json"
 SHARD_DIR = "shards"
 TOKENS_SUFFIX = ".tokens.npy"
 DOCS_SUFFIX = ".docs.npy"
+MASK_SUFFIX = ".mask.npy"
+# What a dataset's documents are: text (each ends with EOS) or conversations with a loss mask.
+CONTENTS = ("text", "chat")
+CHAT_TRAIN_ON = ("assistant", "last", "all")
 DOCS_DTYPE = "int64"
 TOKEN_DTYPES = ("uint16", "uint32")
 # Largest vocabulary whose ids (0 .. vocab_size - 1) all fit in a uint16.
@@ -53,6 +63,11 @@ def shard_paths(index: int) -> tuple[str, str]:
         raise ValueError(f"shard index must be >= 0, got {index}")
     stem = f"{SHARD_DIR}/{index:05d}"
     return stem + TOKENS_SUFFIX, stem + DOCS_SUFFIX
+
+
+def mask_path(index: int) -> str:
+    """The loss mask of chat shard ``index``, relative to the dataset root."""
+    return shard_paths(index)[0].removesuffix(TOKENS_SUFFIX) + MASK_SUFFIX
 
 
 def token_dtype_for(vocab_size: int) -> str:
@@ -178,23 +193,32 @@ class ShardInfo:
     num_tokens: int
     tokens_sha256: str  # of the whole .npy file, header included
     docs_sha256: str
+    # A chat shard's loss mask: uint8 a token, 1 where the token is a trained target.
+    mask: Optional[str] = None
+    mask_sha256: Optional[str] = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "tokens": self.tokens,
             "docs": self.docs,
             "num_documents": self.num_documents,
             "num_tokens": self.num_tokens,
             "sha256": {"tokens": self.tokens_sha256, "docs": self.docs_sha256},
         }
+        if self.mask is not None:
+            out["mask"] = self.mask
+            out["sha256"]["mask"] = self.mask_sha256
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "shards[]." ) -> "ShardInfo":
         f = _Fields(obj, where, prefix)
         sums = f.sub(f.raw("sha256"), "sha256")
+        has_mask = isinstance(obj, dict) and "mask" in obj
         shard = cls(f.str("tokens"), f.str("docs"), f.int("num_documents", 1), f.int("num_tokens", 1),
-                    sums.str("tokens"), sums.str("docs"))
-        for key in ("tokens", "docs"):
+                    sums.str("tokens"), sums.str("docs"),
+                    f.str("mask") if has_mask else None, sums.str("mask") if has_mask else None)  # fmt: skip
+        for key in ("tokens", "docs", "mask") if has_mask else ("tokens", "docs"):
             path = getattr(shard, key)
             # Paths stay inside the dataset: a manifest must not point a reader elsewhere.
             if path.startswith("/") or ".." in path.split("/") or "://" in path:
@@ -218,6 +242,30 @@ class SkippedRecord:
 
 
 @dataclass(frozen=True)
+class ChatInfo:
+    """How a chat dataset's conversations were rendered and masked."""
+
+    template_sha256: str  # of the chat template's text
+    template_file: str  # tokenizer_config.json or chat_template.jinja
+    train_on: str  # CHAT_TRAIN_ON: which tokens are targets
+    mask_source: str  # generation (the template's markers) or prefix (rendered prefixes)
+    messages_field: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"template_sha256": self.template_sha256, "template_file": self.template_file, "train_on": self.train_on,
+                "mask_source": self.mask_source, "messages_field": self.messages_field}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "chat.") -> "ChatInfo":
+        f = _Fields(obj, where, prefix)
+        info = cls(f.str("template_sha256"), f.str("template_file"), f.str("train_on"), f.str("mask_source"),
+                   f.str("messages_field"))  # fmt: skip
+        if info.train_on not in CHAT_TRAIN_ON:
+            raise f._fail("train_on", f"must be one of {', '.join(CHAT_TRAIN_ON)}, got {info.train_on!r}")
+        return info
+
+
+@dataclass(frozen=True)
 class Manifest:
     dtype: str
     num_documents: int
@@ -228,8 +276,11 @@ class Manifest:
     skipped: list[SkippedRecord] = field(default_factory=list)
     num_skipped: int = 0  # may exceed len(skipped): the list is capped, the count is not
     command: list[str] = field(default_factory=list)
+    content: str = "text"  # CONTENTS
+    chat: Optional[ChatInfo] = None  # with content "chat"
 
     def to_json(self) -> dict[str, Any]:
+        chat = {"content": self.content, "chat": self.chat.to_json()} if self.chat is not None else {}
         return {
             "format": FORMAT,
             "dtype": self.dtype,
@@ -241,6 +292,7 @@ class Manifest:
             "skipped": [s.to_json() for s in self.skipped],
             "num_skipped": self.num_skipped,
             "command": list(self.command),
+            **chat,
         }
 
     def dumps(self) -> str:
@@ -267,6 +319,8 @@ class Manifest:
             skipped=[SkippedRecord.from_json(s, where, f"skipped[{i}].") for i, s in enumerate(f.list("skipped"))],
             num_skipped=f.int("num_skipped"),
             command=[str(a) for a in f.list("command")],
+            content=f.str("content") if isinstance(obj, dict) and "content" in obj else "text",
+            chat=ChatInfo.from_json(f.raw("chat"), where) if isinstance(obj, dict) and "chat" in obj else None,
         )
         manifest._check(where)
         return manifest
@@ -311,3 +365,13 @@ class Manifest:
         for i, shard in enumerate(self.shards):
             if (shard.tokens, shard.docs) != shard_paths(i):
                 raise DataError(f"{where}: shards[{i}] names {shard.tokens}, expected {shard_paths(i)[0]}")
+        if self.content not in CONTENTS:
+            raise DataError(f"{where}: content must be one of {', '.join(CONTENTS)}, got {self.content!r}")
+        if (self.content == "chat") != (self.chat is not None):
+            raise DataError(f"{where}: content {self.content!r} {'needs' if self.chat is None else 'takes no'} a chat section")
+        for i, shard in enumerate(self.shards):
+            if (shard.mask is not None) != (self.content == "chat"):
+                raise DataError(f"{where}: shards[{i}] {'lacks' if shard.mask is None else 'has'} a loss mask, "
+                                f"but the dataset holds {self.content}")  # fmt: skip
+            if shard.mask is not None and shard.mask != mask_path(i):
+                raise DataError(f"{where}: shards[{i}] names mask {shard.mask}, expected {mask_path(i)}")

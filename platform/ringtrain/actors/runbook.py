@@ -32,6 +32,7 @@ from ringtrain.policies.snapshots import persist_due
 from ringtrain.status import Incident, StepReport
 from ringtrain.telemetry.rundir import RunDir
 from ringtrain.topology import Topology
+from ringtrain.train.mixture import chat_packing_counts
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,8 @@ class RunBook:
             # Step record -> snapshot readable at the node's holder and the buddy's, in ms.
             "snapshot_transit": self.transit,
             "eval": self.last_eval,
+            # A chat dataset's conversations packed into rows, dropped or truncated (None: no chat data).
+            "chat": chat_packing_counts(self.job),
             "run_dir": str(self.run_dir.path),
         }
 

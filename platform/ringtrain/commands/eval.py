@@ -5,7 +5,8 @@ SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``co
 The workers are the ones training uses (WorkerGroup, TrainWorker, Trainer), so any layout
 training runs evaluates too: ``mesh.dp=2 mesh.cp=4 attention.impl=ring`` and a 128K-token
 ``--seq-len`` put each sequence on a ring of 4. ``key=value`` overrides change the job as in
-``ringtrain run``; a run directory's mesh is the default.
+``ringtrain run``; a run directory's mesh is the default, its cluster never is (the user's
+``cluster.address`` override, else RAY_ADDRESS, else an embedded one: ``eval_source``).
 
 Exit codes: 0 done, 1 the evaluation failed, 2 bad input: one line naming the option or key
 to change, before any cluster is started.
@@ -172,7 +173,12 @@ def _checked(job: JobConfig) -> JobConfig:
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:
     """A data source the workers' Trainer accepts at ``seq_len``: the eval data itself when it
-    fits (rows of that length, or a stream with windows that long), else the stdlib corpus."""
+    fits (rows of that length, or a stream with windows that long), else the stdlib corpus. A
+    prepared dataset (a chat one) is never read by the workers' Trainer: the token rows stand in."""
+    from ringtrain.train.corpus import is_prepared_path
+
+    if is_prepared_path(path):
+        return STDLIB_CORPUS
     if Path(path).suffix == ".npy":
         import numpy as np
 

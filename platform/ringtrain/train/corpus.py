@@ -113,7 +113,8 @@ class PreparedCorpus:
         with self._lock:
             future = self._opened.get((index, kind))
             if future is None or (future.done() and future.exception() is not None):
-                future = self._pool.submit(self._open_tokens if kind == "tokens" else self._open_docs, index)
+                opener = {"tokens": self._open_tokens, "docs": self._open_docs, "mask": self._open_mask}[kind]
+                future = self._pool.submit(opener, index)
                 self._opened[(index, kind)] = future
             return future
 
@@ -132,6 +133,19 @@ class PreparedCorpus:
             raise DataError(f"{self._name(info.docs)}: document offsets do not match the manifest "
                             f"({info.num_documents} documents, {info.num_tokens} tokens)")
         return docs.astype(np.int64, copy=False)
+
+    def _open_mask(self, index: int) -> np.ndarray:
+        info = self.shards[index]
+        relative = getattr(info, "mask", None) or info.tokens.replace(".tokens.npy", ".mask.npy")
+        sha256 = getattr(info, "mask_sha256", None)
+        path = self._verified(relative, sha256, index) if sha256 else self._root / relative
+        if not path.is_file():
+            raise DataError(f"{self._name(relative)}: shard {index}'s loss mask is missing")
+        mask = np.load(path, mmap_mode="r")
+        if mask.ndim != 1 or mask.dtype != np.uint8 or len(mask) != info.num_tokens:
+            raise DataError(f"{self._name(relative)}: want a loss mask of {info.num_tokens} uint8, "
+                            f"found a {mask.ndim}-D {mask.dtype} array of {mask.size}")
+        return mask
 
     def _name(self, relative: str) -> str:
         return f"{self.uri}/{relative}"
@@ -176,6 +190,31 @@ class PreparedCorpus:
             pos = end
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
+    @property
+    def is_chat(self) -> bool:
+        """Whether the dataset holds conversations with loss masks (``prepare --format chat``)."""
+        return getattr(self.manifest, "content", "text") == "chat"
+
+    def mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of stream tokens ``[start, stop)`` of a chat dataset (1: a trained
+        target), read across shard boundaries."""
+        parts, pos = [], start
+        while pos < stop:
+            i = self.shard_of(pos)
+            mask = self._future(i, "mask").result()
+            end = min(stop, int(self.token_starts[i + 1]))
+            parts.append(np.asarray(mask[pos - self.token_starts[i] : end - self.token_starts[i]], dtype=np.uint8))
+            pos = end
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint8)
+
+    def document_span(self, document: int) -> tuple[int, int]:
+        """Stream offsets ``[start, stop)`` of document ``document`` (over the whole dataset)."""
+        i = int(np.searchsorted(self.doc_index_starts, document, side="right") - 1)
+        docs = self.docs(i)
+        local = document - int(self.doc_index_starts[i])
+        base = int(self.token_starts[i])
+        return base + int(docs[local]), base + int(docs[local + 1])
+
     def doc_starts_in(self, start: int, stop: int) -> np.ndarray:
         """Stream offsets of the document starts in ``(start, stop)``: the boundaries inside."""
         out, pos = [], start
@@ -201,3 +240,4 @@ class PreparedCorpus:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+

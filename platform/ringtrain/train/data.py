@@ -20,6 +20,13 @@ too). The last token of a document (its EOS) would predict the next document's f
 that label is ignored, as transformers' packing with flash-attention does, so no document is
 predicted from another. A sample's number of labels then depends on its documents.
 
+Chat datasets (rows of whole conversations, ``conversations.py``): a sample also carries its
+loss mask, and the label of position i is token i + 1 only when mask[i + 1] is 1 and token
+i + 1 is in the same conversation, else IGNORE_INDEX. Labels are made on the whole sample and
+only then split over CP ranks, so no label is lost or counted twice at a shard boundary (zigzag
+included). Under ``train.loss_norm: sequence`` each label also gets the weight 1 / N_i of its
+conversation's N_i labels in the row (``MicroBatch.weights``).
+
 Pure numpy: tensors are made by the caller, on its device.
 """
 
@@ -40,6 +47,7 @@ import numpy as np
 from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.topology import sequence_positions
+from ringtrain.train.conversations import conversation_weights
 
 # The label of a position that predicts nothing (the last token of a row sample), as
 # torch.nn.functional.cross_entropy's default ignore_index.
@@ -196,6 +204,7 @@ class MicroBatch:
     labels: np.ndarray
     position_ids: np.ndarray
     doc_ids: Optional[np.ndarray] = None  # document index within the sample, under doc packing
+    weights: Optional[np.ndarray] = None  # float32 per-label loss weights (train.loss_norm: sequence)
     origins: tuple[tuple[int, int], ...] = ()  # (source, document of its first token) per sample
 
 
@@ -206,6 +215,7 @@ class Sample:
     tokens: np.ndarray  # int64
     doc_ids: Optional[np.ndarray]  # int64 document index within the window (doc packing), else None
     origin: tuple[int, int]  # (source index, document index in that source) of the first token
+    targets: Optional[np.ndarray] = None  # uint8 loss mask of a chat row: 1 where a token is a trained target
 
 
 class SampleSource(Protocol):
@@ -247,8 +257,10 @@ class ShardedData:
         ring_idx: int,
         ulysses_idx: int,
         vocab_size: int,
+        loss_norm: str = "token",
     ) -> None:
         self.vocab_size = vocab_size
+        self.loss_norm = loss_norm
         self.source: Optional[SampleSource] = None
         if not isinstance(tokens, np.ndarray):
             # A sample source orders its own windows; the token-file fields below stay idle.
@@ -280,6 +292,8 @@ class ShardedData:
             if s.doc_ids is None:
                 return s.tokens[:-1], s.tokens[1:], None, None, s.origin
             inputs, labels, positions = pack_documents(s.tokens, s.doc_ids)
+            if s.targets is not None:
+                labels[s.targets[1:] == 0] = IGNORE_INDEX  # the shift on the whole sample, before any split
             return inputs, labels, positions, s.doc_ids[:-1], s.origin
         tokens = self.sample_tokens(sample)
         if self.rows:
@@ -293,16 +307,21 @@ class ShardedData:
         if inputs.max() >= self.vocab_size:
             raise DataError(f"token id {int(inputs.max())} in samples {samples} is >= model.vocab_size={self.vocab_size}")
         pos = self.positions
-        doc_ids = position_ids = None
+        doc_ids = position_ids = weights = None
         if parts[0][3] is not None:
-            doc_ids = np.stack([p[3] for p in parts])[:, pos]
+            whole_docs = np.stack([p[3] for p in parts])
+            doc_ids = whole_docs[:, pos]
             position_ids = np.stack([p[2] for p in parts])[:, pos]
+            if self.loss_norm == "sequence":
+                # Counted over the whole sample: a conversation's weight is the same on every CP rank.
+                weights = np.stack([conversation_weights(l, d, IGNORE_INDEX) for l, d in zip(labels, whole_docs)])[:, pos]
         return MicroBatch(
             samples=tuple(samples),
             input_ids=inputs[:, pos],
             labels=labels[:, pos],
             position_ids=np.broadcast_to(pos, (len(samples), len(pos))).copy() if position_ids is None else position_ids,
             doc_ids=doc_ids,
+            weights=weights,
             origins=tuple(p[4] for p in parts) if self.source is not None else (),
         )
 

@@ -5,7 +5,10 @@ sequences (each row's inputs are the row, its labels the row shifted by one with
 ignored: transformers' ``labels=input_ids``), or a stream (a ``.bin`` or 1-D ``.npy`` of token
 ids, or text: its bytes for a byte-level model, its tokens when the model brings a tokenizer)
 cut into ``seq_len + 1``-token windows spread evenly over the whole stream, so the score stands
-for the corpus rather than its first files.
+for the corpus rather than its first files. A chat dataset (``prepare --format chat``) gives
+whole conversations, one per row, padded to ``seq_len``: labels are the next tokens its loss mask
+trains on, so the loss and the count are over trained tokens, by position in the conversation;
+conversations longer than ``seq_len`` are left out (never cut: the score is of whole ones).
 
 Padding for a mesh happens here too, so that every rank pads alike: each sequence to a multiple
 of ``2 x cp`` (the zigzag layout's chunks) with ignored labels, and the rows to a multiple of
@@ -26,6 +29,8 @@ import numpy as np
 from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError
 from ringtrain.evaluation.text import Tokenizer
+from ringtrain.errors import DataError
+from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
 from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
 
 DEFAULT_WINDOWS = 64  # windows of a stream scored when no max_rows is given
@@ -91,6 +96,12 @@ def load_eval_set(
     key: str = "eval.data",
 ) -> EvalSet:
     """The sequences of ``path``; errors name ``key``."""
+    if path != STDLIB_CORPUS and is_prepared_path(path) and _is_chat(path, key):
+        found = chat_set(path, seq_len=seq_len, max_rows=max_rows, key=key)
+        top = int(found.inputs.max(initial=0))
+        if top >= vocab_size:
+            raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary [0, {vocab_size})")
+        return found
     if path != STDLIB_CORPUS and not Path(path).exists():
         raise ConfigError(key, f"no such file or directory: {path}")
     try:
@@ -109,6 +120,40 @@ def load_eval_set(
     if top >= vocab_size or low < 0:
         raise ConfigError(key, f"{path} holds token id {top if top >= vocab_size else low}, outside the model's vocabulary [0, {vocab_size})")
     return found
+
+
+def _is_chat(path: str, key: str) -> bool:
+    try:
+        corpus = PreparedCorpus(path)
+    except (DataError, ValueError, OSError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    corpus.close()
+    return corpus.is_chat
+
+
+def chat_set(path: str, *, seq_len: int, max_rows: Optional[int] = None, key: str = "eval.data") -> EvalSet:
+    """Whole conversations of chat dataset ``path``, spread evenly over it, one per row."""
+    try:
+        corpus = PreparedCorpus(path)
+    except (DataError, ValueError, OSError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    try:
+        fits = np.flatnonzero(corpus.document_lengths() <= seq_len)
+        if not len(fits):
+            raise ConfigError(key, f"no conversation of {path} fits in seq_len={seq_len} tokens")
+        chosen = fits[_starts(len(fits), 1, min(len(fits), max_rows or DEFAULT_WINDOWS))]
+        inputs = np.full((len(chosen), seq_len), PAD_ID, dtype=np.int64)
+        labels = np.full((len(chosen), seq_len), IGNORE_INDEX, dtype=np.int64)
+        for row, conversation in enumerate(chosen):
+            start, stop = corpus.document_span(int(conversation))
+            tokens, mask = corpus.tokens(start, stop), corpus.mask(start, stop)
+            inputs[row, : len(tokens)] = tokens
+            labels[row, : len(tokens) - 1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
+        return EvalSet(inputs, labels)
+    except DataError as exc:
+        raise ConfigError(key, str(exc)) from None
+    finally:
+        corpus.close()
 
 
 def _starts(num_tokens: int, span: int, count: int) -> list[int]:

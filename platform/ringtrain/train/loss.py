@@ -13,6 +13,10 @@ The gradient of a token's loss ``lse(z) - z_y`` with respect to its logits ``z``
 a token whose label is IGNORE_INDEX contributes neither loss nor gradient, as in
 ``F.cross_entropy(..., ignore_index=IGNORE_INDEX, reduction="sum")``.
 
+Given per-token ``weights`` (``train.loss_norm: sequence``: 1 / N_i for a token of conversation
+i), the result is the weighted sum, each token's loss and gradient scaled by its weight; without
+them the unweighted path runs exactly as before.
+
 The result is the sum over labelled tokens, in fp32: the caller divides it exactly as it divides
 the unchunked sum (trainer.py normalises by the labels of the micro batch across CP ranks).
 
@@ -35,7 +39,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int
+        ctx: Any, hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int,
+        weights_T: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden_TE.device)
         lse_T = torch.empty(hidden_TE.shape[0], dtype=torch.float32, device=hidden_TE.device)
@@ -48,14 +53,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             lse_T[start:stop] = lse_C
             valid_C = labels_C != IGNORE_INDEX
             target_C = logits_CV.gather(1, labels_C.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += torch.where(valid_C, lse_C - target_C, 0.0).sum()
-        ctx.save_for_backward(hidden_TE, weight_VE, labels_T, lse_T)
+            loss_C = lse_C - target_C
+            if weights_T is not None:
+                loss_C = loss_C * weights_T[start:stop]
+            total += torch.where(valid_C, loss_C, 0.0).sum()
+        ctx.save_for_backward(hidden_TE, weight_VE, labels_T, lse_T, weights_T)
         ctx.chunk_tokens = chunk_tokens
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        hidden_TE, weight_VE, labels_T, lse_T = ctx.saved_tensors
+        hidden_TE, weight_VE, labels_T, lse_T, weights_T = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden_TE) if need_hidden else None
         # Accumulated in fp32 over chunks: the sum over tokens the unchunked matmul makes at once.
@@ -70,26 +78,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_CV = torch.exp(logits_CV - lse_T[start:stop].unsqueeze(1))
             rows = torch.arange(grad_CV.shape[0], device=grad_CV.device)
             grad_CV[rows, labels_C.clamp(min=0)] -= 1.0
-            grad_CV *= (valid_C.to(grad_CV.dtype) * grad_out).unsqueeze(1)
+            scale_C = valid_C.to(grad_CV.dtype) * grad_out
+            if weights_T is not None:
+                scale_C = scale_C * weights_T[start:stop]
+            grad_CV *= scale_C.unsqueeze(1)
             grad_CV = grad_CV.to(hidden_TE.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_CV @ weight_VE
             if grad_weight is not None:
                 grad_weight += (grad_CV.t() @ h_CE).float()
-        return grad_hidden, grad_weight.to(weight_VE.dtype) if grad_weight is not None else None, None, None
+        return grad_hidden, grad_weight.to(weight_VE.dtype) if grad_weight is not None else None, None, None, None
 
 
 def chunked_cross_entropy_sum(
-    hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int
+    hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int,
+    weights_T: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The fp32 sum of the cross-entropy of ``hidden_TE @ weight_VE.T`` against ``labels_T`` over
     labelled tokens, materialising at most ``chunk_tokens`` rows of logits at a time."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
-    return _ChunkedLinearCrossEntropy.apply(hidden_TE, weight_VE, labels_T, chunk_tokens)
+    weights = None if weights_T is None else weights_T.float()
+    return _ChunkedLinearCrossEntropy.apply(hidden_TE, weight_VE, labels_T, chunk_tokens, weights)
 
 
-def full_cross_entropy_sum(hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+def logits_cross_entropy_sum(
+    logits_TV: torch.Tensor, labels_T: torch.Tensor, weights_T: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The fp32 sum of the token losses of whole logits over labelled tokens, weighted if given."""
+    if weights_T is None:
+        return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    losses_T = F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="none")
+    return (losses_T * weights_T.float()).sum()
+
+
+def full_cross_entropy_sum(
+    hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, weights_T: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The unchunked reference: the whole logits, then ``F.cross_entropy`` (what trainer.py does)."""
-    logits_TV = F.linear(hidden_TE, weight_VE)
-    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    return logits_cross_entropy_sum(F.linear(hidden_TE, weight_VE), labels_T, weights_T)

@@ -15,6 +15,9 @@ the exactly-once ledger, exact resume and elastic resizing work as they do for a
   source so that the domain mix is unchanged. Here a window whose middle token lies in a
   document of at least ``long_doc_tokens`` is drawn ``long_doc_upsample`` times per epoch (the
   fractional part by a fixed seeded draw); the source's share of samples stays its weight.
+- **Conversations.** A chat dataset's samples are rows of whole conversations
+  (``conversations.py``), drawn in a per-epoch shuffled order as windows are; each carries its
+  loss mask (``Sample.targets``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepared import tokenizer_sha256
+from ringtrain.train.conversations import ConversationRows, pack_conversations, row_sample
 from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
 from ringtrain.uris import is_s3
@@ -100,18 +104,28 @@ class MixedSamples:
     """Samples of ``seq_len + 1`` tokens from weighted prepared datasets (see the module doc)."""
 
     def __init__(self, corpora: Sequence[PreparedCorpus], specs: Sequence[SourceSpec], *, seq_len: int, seed: int,
-                 packing: str) -> None:
+                 packing: str, chat_overlong: str = "drop") -> None:
         self.corpora = list(corpora)
         self.seq_len = seq_len
         self.packing = packing
         self.schedule = SourceSchedule([s.weight for s in specs], seed) if len(specs) > 1 else None
         self.orders = []
+        # Per source: its rows of whole conversations (a chat dataset), else None (windows).
+        self.rows: list[Optional[ConversationRows]] = []
         for j, (corpus, spec) in enumerate(zip(self.corpora, specs)):
+            key = [seed] if len(specs) == 1 else [seed, j + 1]
+            if corpus.is_chat:
+                if packing != "doc":
+                    raise DataError(f"{corpus.uri} is a chat dataset: it trains with data.packing: doc")
+                rows = pack_conversations(corpus.document_lengths(), seq_len, seed, chat_overlong)
+                self.rows.append(rows)
+                self.orders.append(WindowOrder(rows.num_rows, key))
+                continue
+            self.rows.append(None)
             num_windows = (corpus.num_tokens - 1) // seq_len
             if num_windows < 1:
                 raise DataError(f"{corpus.uri} has {corpus.num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
             # A lone source keys its shuffles as a token file does, so it reads the same windows.
-            key = [seed] if len(specs) == 1 else [seed, j + 1]
             counts = None
             if spec.long_doc_upsample != 1.0:
                 counts = long_window_counts(corpus, seq_len, num_windows, upsample=spec.long_doc_upsample,
@@ -126,6 +140,9 @@ class MixedSamples:
     def sample(self, sample: int) -> Sample:
         j, window = self.locate(sample)
         corpus = self.corpora[j]
+        rows = self.rows[j]
+        if rows is not None:
+            return self._row(j, rows, window)
         start, stop = window * self.seq_len, window * self.seq_len + self.seq_len + 1
         doc_ids = None
         if self.packing == "doc":
@@ -133,6 +150,16 @@ class MixedSamples:
             doc_ids[corpus.doc_starts_in(start, stop) - start] = 1
             doc_ids = np.cumsum(doc_ids)  # 0 for the first (partial) document, then 1, 2, ...
         return Sample(tokens=corpus.tokens(start, stop), doc_ids=doc_ids, origin=(j, corpus.document_at(start)))
+
+    def _row(self, j: int, rows: ConversationRows, row: int) -> Sample:
+        """Row ``row`` of chat source ``j``: its whole conversations, their masks, padding."""
+        corpus = self.corpora[j]
+        conversations, taken = rows.row(row)
+        spans = [corpus.document_span(int(c)) for c in conversations]
+        tokens = [corpus.tokens(start, start + int(n)) for (start, _), n in zip(spans, taken)]
+        masks = [corpus.mask(start, start + int(n)) for (start, _), n in zip(spans, taken)]
+        out, doc_ids, mask = row_sample(tokens, masks, self.seq_len, corpus.eos_id)
+        return Sample(tokens=out, doc_ids=doc_ids, origin=(j, int(conversations[0])), targets=mask)
 
     def close(self) -> None:
         for corpus in self.corpora:
@@ -150,7 +177,34 @@ def source_specs(job: JobConfig) -> list[SourceSpec]:
 def open_mixture(job: JobConfig) -> MixedSamples:
     specs = source_specs(job)
     corpora = [PreparedCorpus(s.path, cache_dir=job.data.cache_dir) for s in specs]
-    return MixedSamples(corpora, specs, seq_len=job.data.seq_len, seed=job.train.seed, packing=job.data.packing)
+    return MixedSamples(corpora, specs, seq_len=job.data.seq_len, seed=job.train.seed, packing=job.data.packing,
+                        chat_overlong=job.data.chat_overlong)
+
+
+def chat_packing_counts(job: JobConfig) -> Optional[dict[str, int]]:
+    """How the job's chat datasets pack into rows (conversations, packed, dropped, truncated,
+    rows), for the run's summary; None when it trains on no chat dataset. The packing is a
+    function of the data and the seed, so the driver computes the workers' own."""
+    if not uses_prepared_data(job):
+        return None
+    try:
+        corpora = [PreparedCorpus(s.path, cache_dir=job.data.cache_dir) for s in source_specs(job)]
+    except (DataError, ValueError, OSError):
+        return None  # a summary is written whatever failed; the data's error is reported elsewhere
+    try:
+        if not any(c.is_chat for c in corpora):
+            return None
+        out: dict[str, int] = {}
+        for corpus in corpora:
+            if corpus.is_chat:
+                rows = pack_conversations(corpus.document_lengths(), job.data.seq_len, job.train.seed,
+                                          job.data.chat_overlong)
+                for key, value in rows.counts().items():
+                    out[key] = out.get(key, 0) + value
+        return out
+    finally:
+        for corpus in corpora:
+            corpus.close()
 
 
 def uses_prepared_data(job: JobConfig) -> bool:
@@ -178,10 +232,13 @@ def check_sources(job: JobConfig) -> None:
         if job.data.packing == "doc":
             raise ConfigError("data.packing", f"doc needs prepared datasets, which record document boundaries; "
                               f"{job.data.path!r} is not one (make one with `ringtrain prepare`)")
+        if job.train.loss_norm == "sequence":
+            raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
         return
     model_tok = _model_tokenizer_sha256(job.model.hf)
     vocab = job.model_int("vocab_size")
     first: Optional[tuple[str, str]] = None
+    chat: set[bool] = set()
     for key, spec in zip(_source_keys(job), source_specs(job)):
         try:
             corpus = PreparedCorpus(spec.path, cache_dir=job.data.cache_dir)
@@ -200,6 +257,10 @@ def check_sources(job: JobConfig) -> None:
                 raise ConfigError(key, f"{spec.path} was tokenized with {tok.name!r}, {first[0]} with another "
                                   "tokenizer; mixed datasets must share one")
             first = first or (spec.path, tok.sha256)
+            if corpus.is_chat and job.data.packing != "doc":
+                raise ConfigError("data.packing", f"{job.data.packing}, but {spec.path} is a chat dataset: whole "
+                                  "conversations train with data.packing: doc")
+            chat.add(corpus.is_chat)
             if corpus.num_tokens < job.data.seq_len + 1:
                 raise ConfigError("data.seq_len", f"{job.data.seq_len}, but {spec.path} holds only {corpus.num_tokens} tokens")
             if not is_s3(spec.path):
@@ -208,6 +269,10 @@ def check_sources(job: JobConfig) -> None:
             raise ConfigError(key, str(exc)) from None
         finally:
             corpus.close()
+    if len(chat) > 1:
+        raise ConfigError("data.sources", "mixes chat datasets with text datasets; train on one kind at a time")
+    if job.train.loss_norm == "sequence" and chat != {True}:
+        raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
 
 
 def _model_tokenizer_sha256(hf: str) -> Optional[str]:

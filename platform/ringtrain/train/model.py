@@ -37,9 +37,8 @@ from torch.utils.checkpoint import checkpoint
 from ringtrain.config import JobConfig, checkpointing_mode
 from ringtrain.train import fused as ops
 from ringtrain.train.attention.documents import Documents
-from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.fused import FusedOps
-from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
+from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum, logits_cross_entropy_sum
 from ringtrain.train.offload import ActivationOffloader
 from ringtrain.train.recompute import recomputed, tiled
 from ringtrain.train.rope import Rope, build_rope
@@ -282,6 +281,11 @@ class Block(nn.Module):
         return x + self._mlp(x)
 
 
+# Tokens per chunk of a weighted loss where the fused kernel would otherwise run (it takes no
+# per-token weights): the chunked loss's memory stays bounded as the fused one's does.
+WEIGHTED_CHUNK_TOKENS = 4096
+
+
 class OutputHead(nn.Linear):
     """The output projection; given labels, it returns the summed loss instead of the logits, so
     the fused and chunked losses read the weight inside this module's call (where ZeRO-3
@@ -307,19 +311,27 @@ class OutputHead(nn.Linear):
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         if labels is None:
             return self._capped(super().forward(x))
         x_TE, labels_T = x.flatten(0, -2), labels.flatten()
-        fused_loss = ops.cross_entropy_sum(x_TE, self.weight, labels_T, self.fused, self.softcap)
-        if fused_loss is not None:
-            return fused_loss
+        weights_T = None if weights is None else weights.flatten()
+        if weights_T is None:
+            fused_loss = ops.cross_entropy_sum(x_TE, self.weight, labels_T, self.fused, self.softcap)
+            if fused_loss is not None:
+                return fused_loss
         if self.softcap is not None:
             logits_TV = self._capped(F.linear(x_TE, self.weight))
-            return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
-        if self.loss_chunk_tokens > 0:
-            return chunked_cross_entropy_sum(x_TE, self.weight, labels_T, self.loss_chunk_tokens)
-        return full_cross_entropy_sum(x_TE, self.weight, labels_T)
+            return logits_cross_entropy_sum(logits_TV, labels_T, weights_T)
+        # Weighted, where the fused kernel would have run: chunked (it takes no per-token weights),
+        # so the whole logits still never exist.
+        fused_here = weights_T is not None and ops.kernels_run(self.fused, x.device.type)
+        chunk = self.loss_chunk_tokens or (WEIGHTED_CHUNK_TOKENS if fused_here else 0)
+        if chunk > 0:
+            return chunked_cross_entropy_sum(x_TE, self.weight, labels_T, chunk, weights_T)
+        return full_cross_entropy_sum(x_TE, self.weight, labels_T, weights_T)
 
 
 class Transformer(nn.Module):
@@ -417,12 +429,16 @@ class Transformer(nn.Module):
         labels_BS: Optional[torch.Tensor] = None,
         *,
         doc_ids_BS: Optional[Union[torch.Tensor, Documents]] = None,
+        weights_BS: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The logits [B, S, V]; with labels, the fp32 sum of the loss over labelled tokens
-        (chunked when ``savers.loss_chunk_tokens`` is set), never the whole logits."""
+        (chunked when ``savers.loss_chunk_tokens`` is set), never the whole logits; with
+        ``weights_BS`` too, each token's loss weighted (train/loss.py)."""
         if labels_BS is None:
             return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS))
-        return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS)
+        if weights_BS is None:
+            return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS)
+        return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS, weights_BS)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,13 @@ backpropagates the sum of its micro-batch's token losses divided by N / (dp x cp
 the step's gradient is that of the global mean loss: the same as single-rank training on the
 whole global batch. With windows every CP rank holds the same number of labels and this is its
 local mean; a row sample's last token has no label, so one rank holds one fewer.
+
+Where samples carry documents (and chat masks), N is counted: every rank sums its labels and
+one all-reduce gives the step's N over dp, cp and accumulation, never a mean of per-rank means.
+Under ``train.loss_norm: sequence`` each label carries the weight 1 / N_i of its conversation
+(data.py): the model's loss is the weighted sum, and N is the sum of the weights, which is the
+number of conversations with a trained label in the global batch. The step's loss is then the
+mean over conversations of each one's token mean.
 """
 
 from __future__ import annotations
@@ -141,7 +148,9 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
         ),
         mesh=dataclasses.replace(job.mesh, dp=1, cp=1, ulysses=None, min_dp=1, max_dp=None, spares=0),
         train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None),
-        data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64), path=_warm_up_data(job.data.path)),
+        # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
+        data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64), path=_warm_up_data(job.data.path),
+                                 chat_overlong="truncate"),
         checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0),
         chaos=ChaosConfig(),
     )
@@ -162,6 +171,13 @@ def _warm_up_data(path: str) -> str:
     from ringtrain.config import STDLIB_CORPUS
 
     return STDLIB_CORPUS if path.endswith(".npy") else path
+
+
+def _label_weight(mb: MicroBatch) -> float:
+    """What a micro-batch adds to the step's denominator: its labels, or their weights' sum."""
+    if mb.weights is None:
+        return float((mb.labels != IGNORE_INDEX).sum())
+    return float(mb.weights.sum(dtype=np.float64))
 
 
 class Trainer:
@@ -200,6 +216,7 @@ class Trainer:
             ring_idx=c.ring_idx,
             ulysses_idx=c.ulysses_idx,
             vocab_size=job.model_int("vocab_size"),
+            loss_norm=job.train.loss_norm,
         )
         self.prefetcher = BatchPrefetcher(self.data)
         self.step = 0  # optimizer steps completed
@@ -247,13 +264,25 @@ class Trainer:
             return {}
         return {"doc_ids_BS": Documents(self._tensor(mb.doc_ids), np.asarray(mb.doc_ids))}
 
+    def _weights(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """The model's per-label loss weights (train.loss_norm: sequence), else nothing: the
+        unweighted loss path runs as it always has."""
+        if mb.weights is None:
+            return {}
+        return {"weights_BS": torch.as_tensor(mb.weights, dtype=torch.float32).to(self.device)}
+
     def _count_labels(self, batches: Sequence[MicroBatch]) -> float:
-        """The labels of the whole step, over every rank (one scalar all-reduce)."""
-        local = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches)
+        """The labels of the whole step, over every rank (one scalar all-reduce); with loss
+        weights, their sum: the step's conversations with a trained label."""
+        local = sum(_label_weight(mb) for mb in batches)
         # On the rank's device: on CUDA the default group is NCCL, which takes no CPU tensors.
         total = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return max(float(total.item()), 1.0)
+        count = float(total.item())
+        if any(mb.weights is not None for mb in batches):
+            # Each conversation's fp32 weights add up to 1 within rounding: the count is whole.
+            count = float(round(count))
+        return max(count, 1.0)
 
     def _inject_faults(self) -> tuple[bool, list[FaultSpec]]:
         """Take the chaos plan's faults for the step about to run: whether its loss is poisoned,
@@ -313,7 +342,8 @@ class Trainer:
         # The model returns the summed loss itself (fused, chunked or over the whole logits, as
         # its output head says): with the fused and chunked losses the whole [tokens x vocab]
         # logits never exist. Normalised below.
-        loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb))
+        loss_sum = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb),
+                               **self._weights(mb))
         self._strike(strike)
         # The mean number of labels a rank holds per micro-batch (see the module docstring).
         loss = loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
@@ -323,7 +353,7 @@ class Trainer:
         if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
             self.snapshotter.fence()  # the optimizer step below changes what the copy reads
         self.engine.step()
-        count = (labels != IGNORE_INDEX).sum()
+        count = (labels != IGNORE_INDEX).sum() if mb.weights is None else torch.tensor(_label_weight(mb), device=self.device)
         return (loss_sum * float("nan") if poison else loss_sum).detach(), count
 
     def train_step(self) -> StepReport:
