@@ -149,8 +149,7 @@ cmd_start() {
     # goes in through the environment (readable by this user only), never the command line.
     # PYTHON's folder leads the head's PATH: a submitted job's entrypoint runs `python` there, and
     # it must be the Python that has ringtrain's dependencies, whatever the user's shell holds.
-    PATH="$PYTHON_BIN_DIR:$PATH" RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 \
-        "$RAY_BIN" start --head --block \
+    PATH="$PYTHON_BIN_DIR:$PATH" RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$RAY_BIN" start --head --block \
         --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
         --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" --dashboard-agent-listen-port="$RAY_AGENT_PORT" \
         --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR" \

@@ -337,3 +337,46 @@ def test_the_config_path_reaches_ringtrain_quoted(render: Callable[..., Render],
         assert shlex.split(text)[4] == "/opt/ring-train.d/job.yaml"
     for _, template in out.pod_templates():
         assert "/opt/ring-train.d" in {m["mountPath"] for m in ray_container(template)["volumeMounts"]}
+
+
+def admits(policy: dict[str, Any], namespace: dict[str, str], pod: dict[str, str], port: int, *, same_namespace: bool) -> bool:
+    """Whether a pod with labels ``pod`` in a namespace labelled ``namespace`` reaches ``port``
+    through the policy (a peer without a namespaceSelector means the policy's own namespace)."""
+    for peer in who_reaches(policy, port):
+        if peer == "anyone":
+            return True
+        in_namespace = selects(peer["namespaceSelector"], namespace) if "namespaceSelector" in peer else same_namespace
+        if in_namespace and selects(peer.get("podSelector", {}), pod):
+            return True
+    return False
+
+
+def test_a_spoofed_operator_label_from_another_namespace_is_not_admitted(render: Callable[..., Render]) -> None:
+    policy = render({}).one("NetworkPolicy")
+    operator_pod = {"app.kubernetes.io/name": "kuberay-operator"}
+    tenant = {"kubernetes.io/metadata.name": "tenant-a"}
+    assert not admits(policy, tenant, operator_pod, 8265, same_namespace=False)
+    operator_namespace = {"kubernetes.io/metadata.name": "ray-system"}
+    assert admits(policy, operator_namespace, operator_pod, 8265, same_namespace=False)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        # null removes the default's key (Helm merges maps): the selector left is empty.
+        ({"networkPolicy": {"operatorNamespaceSelector": {"kubernetes.io/metadata.name": None}}},
+         "at '/networkPolicy/operatorNamespaceSelector'"),
+        ({"auth": {"enabled": False}, "networkPolicy": {"enabled": False}}, "at '/auth/allowInsecure'"),
+        ({"env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}]}, "at '/env/0/name'"),
+        ({"env": [{"name": "RAY_AUTH_TOKEN", "value": "x"}]}, "at '/env/0/name'"),
+    ],
+)
+def test_the_schema_refuses_what_would_open_the_cluster(helm: Any, values: dict[str, Any], message: str) -> None:
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
+            chart.render(values, name=RELEASE)
+
+
+def test_auth_and_policy_both_off_only_when_meant(render: Callable[..., Render]) -> None:
+    out = render({"auth": {"enabled": False, "allowInsecure": True}, "networkPolicy": {"enabled": False}})
+    assert "NetworkPolicy" not in out.kinds() and "authOptions" not in out.cluster_spec()
