@@ -9,6 +9,7 @@ driver started); it never runs ``ray stop``, which would end every Ray process o
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -161,18 +162,35 @@ def check_capacity(job: JobConfig, device: str) -> None:
     """Refuse a mesh the cluster can never place, naming the keys to change."""
     import ray
 
-    total = ray.cluster_resources()
-    for resource, per_worker in worker_resources(job, device).items():
-        workers = job.world_size + job.mesh.spares
-        need = per_worker * workers
+    capacity_problem(job, worker_resources(job, device), ray.cluster_resources())
+
+
+def check_embedded_capacity(job: JobConfig) -> None:
+    """Before an embedded cluster starts (no cluster.address, no RAY_ADDRESS): refuse a mesh its
+    CPUs (cluster.num_cpus, else this machine's) can never place, with a setting that fits. A
+    joined cluster's resources are known only once joined (``check_capacity``)."""
+    if job.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return
+    capacity_problem(job, {"CPU": job.cluster.cpus_per_worker}, {"CPU": float(job.cluster.num_cpus or os.cpu_count() or 1)})
+
+
+def capacity_problem(job: JobConfig, per_worker: dict[str, float], total: dict[str, float]) -> None:
+    """CapacityError when ``total`` cannot hold every worker (and spare) of ``per_worker`` each."""
+    workers = job.world_size + job.mesh.spares
+    for resource, each in per_worker.items():
+        need = each * workers
         have = total.get(resource, 0.0)
-        if need > have:
+        if need > have + 1e-9:
             per_key = "cluster.gpus_per_worker" if resource == "GPU" else "cluster.cpus_per_worker"
             keys, values = "mesh.dp x mesh.cp", f"{job.mesh.dp} x {job.mesh.cp}"
             if job.mesh.spares:
                 keys, values = f"{keys} + mesh.spares", f"{values} + {job.mesh.spares}"
+            fits = math.floor(have / workers * 10) / 10  # Ray's fractional CPUs, to a tenth
+            hint = f"; {per_key}={fits:g} fits" if resource == "CPU" and fits > 0 else ""
             raise CapacityError(
                 "mesh.dp",
-                f"{keys} = {values} = {workers} workers need "
-                f"{need:g} {resource} ({per_key}={per_worker:g}) but the cluster has {have:g}",
+                f"{keys} = {values} = {workers} workers need {need:g} {resource} ({per_key}={each:g}) "
+                f"but the cluster has {have:g}{hint}",
             )
+
+

@@ -46,6 +46,7 @@ def _stop_on_sigterm() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain run``; ConfigError (exit 2) for bad input, before any cluster starts."""
+    from ringtrain.actors.cluster import check_embedded_capacity
     from ringtrain.hf import resolve_job
     from ringtrain.telemetry.trackers import check_installed as check_trackers
     from ringtrain.train.mixture import check_sources
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         check_pretrained(job)
     check_sources(job)
     check_trackers(job)
+    check_embedded_capacity(job)  # before an embedded cluster starts, and leaves a temp dir
     eval_plan = _eval_plan(job) if job.eval.every else None
 
     # Ray and torch are imported only once the input is known to be good.
