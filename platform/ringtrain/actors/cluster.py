@@ -82,6 +82,7 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
     (default: this machine's) exporting metrics on ``metrics_port`` (default: Ray's choice)."""
     import ray
 
+    _quiet_auth_advice()
     address = address or os.environ.get("RAY_ADDRESS")
     try:
         if address:
@@ -98,10 +99,28 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
             _metrics_export_port=metrics_port,
             logging_level=logging.WARNING,
             _temp_dir=temp_dir,
+            # Its ports on loopback only: other hosts have no business with a one-run cluster.
+            _node_ip_address="127.0.0.1",
         )
         return ClusterHandle(address="local", embedded=True, temp_dir=temp_dir)
     except ConnectionError as exc:
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {exc}") from None
+
+
+# Ray's logger that, on every start with token authentication, suggests RAY_AUTH_MODE=disabled:
+# the opposite of what ringtrain keeps on, so the advice is dropped (the warning says nothing else).
+AUTH_ADVICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropAuthAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RAY_AUTH_MODE=disabled" not in record.getMessage()
+
+
+def _quiet_auth_advice() -> None:
+    advice = logging.getLogger(AUTH_ADVICE_LOGGER)
+    if not any(isinstance(f, _DropAuthAdvice) for f in advice.filters):
+        advice.addFilter(_DropAuthAdvice())
 
 
 def resolve_device(job: JobConfig) -> str:
