@@ -183,9 +183,6 @@ class TrackerState:
         if isinstance(key, str) and key and not self._data.get(KEY_ENTRY, {}).get("key"):
             self.update(KEY_ENTRY, key=key)
 
-    def ids(self) -> dict[str, str]:
-        return {name: entry["run_id"] for name, entry in self._data.items() if isinstance(entry.get("run_id"), str)}
-
     def meta(self) -> dict[str, str]:
         """What a durable checkpoint records of the trackers: the run's key."""
         return {META_KEY: self.key()}
@@ -221,6 +218,7 @@ class TrackerSink:
         self.lost = False
         self.num_dropped = 0
         self.num_sent = 0
+        self._last_error = "no answer"
         self._trouble: list[str] = []
         self._trouble_lock = threading.Lock()
         self._queue: queue.Queue[Item] = queue.Queue(maxsize=queue_points)
@@ -347,7 +345,7 @@ class TrackerSink:
                 result = call()
                 return True if result is None else result
             except Exception as exc:  # noqa: BLE001 - any client error: the tracker is out, training is not
-                self._last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self._last_error = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 if attempt < self.retries:
                     self.sleep(delay)
                     delay *= 2
@@ -356,7 +354,7 @@ class TrackerSink:
     def _lose(self, what: str) -> None:
         self.lost = True
         self._say(
-            f"{self.tracker.name} at {self.tracker.where} {what} ({getattr(self, '_last_error', 'no answer')}, "
+            f"{self.tracker.name} at {self.tracker.where} {what} ({self._last_error}, "
             f"{self.retries} tries): training goes on without it; metrics.jsonl keeps every point"
         )
         # Whatever is queued is dropped, so nothing waits on a tracker that is gone.
@@ -404,9 +402,6 @@ class Trackers:
         for sink in self.sinks:
             sink.finish(status, self.run_dir.path, timeout_s)
         self._report()
-
-    def run_ids(self) -> dict[str, str]:
-        return {sink.tracker.name: sink.run_id for sink in self.sinks if sink.run_id}
 
     def _report(self) -> None:
         for sink in self.sinks:
