@@ -230,12 +230,12 @@ def parquet_bomb(path: Path, value_bytes: int, rows: int) -> Path:
 @pytest.mark.slow
 def test_a_parquet_bomb_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
-    rows = 2300
-    bomb = parquet_bomb(tmp_path / "src" / "bomb.parquet", 48 << 20, rows)
-    assert bomb.stat().st_size < 64 << 10 and rows * (48 << 20) > 100 * GiB
+    rows, value_bytes = 4600, 24 << 20
+    bomb = parquet_bomb(tmp_path / "src" / "bomb.parquet", value_bytes, rows)
+    assert bomb.stat().st_size < 64 << 10 and rows * value_bytes > 100 * GiB
     out = tmp_path / "out"
     code, err, peak = prepare_in_child([str(bomb), "--out", str(out)], tmp_path)
-    too_long = f"field 'text' ({48 << 20:,} bytes) is over the {LIMIT:,}-byte limit (--max-record-bytes)"
+    too_long = f"field 'text' ({value_bytes:,} bytes) is over the {LIMIT:,}-byte limit (--max-record-bytes)"
     assert (code, err) == (2, f"ringtrain: data error: {bomb}:2: {too_long}\n")
     assert peak < PEAK_BOUND, f"peak {peak / GiB:.2f} GiB"
     assert not out.exists()
