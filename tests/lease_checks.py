@@ -3,6 +3,10 @@
 
 Each check takes ``make_store``, a function returning a fresh handle on one and the same empty
 store, as a second process would open it.
+
+The fencing checks take the lease over in the middle of a save through a seam, not a sleep: the
+old run's store writes through ``Spy``, a backend that records every write and deletion and
+runs the takeover right after a chosen one.
 """
 
 from __future__ import annotations
@@ -10,11 +14,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
 
 import pytest
 
 from ringtrain.checkpoint import CheckpointStore
+from ringtrain.checkpoint.backends import ObjectBackend, ObjectInfo
+from ringtrain.checkpoint.layout import manifest_key, shard_key
 from ringtrain.checkpoint.lease import LEASE_KEY, Holder, LeaseHeld, LeaseLost, WriterLease
 
 StoreFactory = Callable[[], CheckpointStore]
@@ -129,6 +136,146 @@ def the_lease_is_not_a_checkpoint(make_store: StoreFactory) -> None:
     assert store.list() == [] and store.latest_valid() is None and store.skipped == []
 
 
+class Spy:
+    """A backend that records the store's writes and deletions (the lease's own aside) and calls
+    ``after(op, key)`` once each has happened: the seam a takeover goes through."""
+
+    def __init__(self, inner: ObjectBackend, after: Callable[[str, str], None]) -> None:
+        self.inner, self.after = inner, after
+        self.root_uri = inner.root_uri
+        self.writes: list[tuple[str, str]] = []
+
+    def _did(self, op: str, key: str) -> None:
+        if key != LEASE_KEY:
+            self.writes.append((op, key))
+            self.after(op, key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+        self._did("put", key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in list(keys):
+            self.inner.delete([key])
+            self._did("delete", key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.inner.delete_prefix(prefix)
+        self._did("delete_prefix", prefix)
+
+    def __getattr__(self, name: str) -> Any:  # reads, listings, URIs: the real backend's
+        return getattr(self.inner, name)
+
+
+SHARDS = {f"rank-{r:05d}": bytes([r]) * 64 for r in range(4)}
+
+
+def _fenced_store(make_store: StoreFactory, clock: Clock, when: Callable[[str, str], bool], takeover: Callable[[], None]) -> tuple[CheckpointStore, WriterLease, Spy]:
+    """The old run's store (keep 1, one writer thread: writes in a known order), holding a
+    committed step 5 and the lease; ``takeover`` runs after the first write ``when`` picks."""
+    store = make_store()
+    store.keep, store.num_threads = 1, 1
+    old = lease(store, "old", clock)
+    old.acquire()
+    store.save(5, SHARDS, {"step": 5}, fence=old)
+    fired: list[bool] = []
+
+    def after(op: str, key: str) -> None:
+        if not fired and when(op, key):
+            fired.append(True)
+            takeover()
+
+    spy = Spy(store.backend, after)
+    store.backend = spy
+    return store, old, spy
+
+
+def _after_the_takeover(spy: Spy, first: tuple[str, str]) -> list[tuple[str, str]]:
+    return spy.writes[spy.writes.index(first) + 1 :]
+
+
+def a_lease_that_lapsed_mid_save_stops_every_further_write(make_store: StoreFactory) -> None:
+    """The old run stopped renewing (paused, partitioned): between its second and third shard the
+    term passes and another run takes the store. No further shard, no manifest, no delete, not
+    even of its own half-written step: the folder may be the new holder's by now."""
+    clock = Clock()
+    second = shard_key(10, "rank-00001")
+    newcomer: list[WriterLease] = []
+
+    def takeover() -> None:
+        clock.now += 2 * TERM_S
+        newcomer.append(lease(make_store(), "new", clock))
+        newcomer[0].acquire()
+
+    store, old, spy = _fenced_store(make_store, clock, lambda op, key: key == second, takeover)
+    with pytest.raises(LeaseLost, match="lapsed"):
+        store.save(10, SHARDS, {"step": 10}, fence=old)
+    assert _after_the_takeover(spy, ("put", second)) == []
+    keys = {info.key for info in make_store().backend.list("")}
+    assert manifest_key(10) not in keys and {shard_key(10, n) for n in ("rank-00000", "rank-00001")} <= keys
+    assert [ref.step for ref in make_store().list()] == [5]  # retention (keep 1) deleted nothing
+    newcomer[0].check()
+
+
+def a_lease_taken_over_mid_save_stops_every_further_write(make_store: StoreFactory) -> None:
+    """The lease replaced under a holder whose own clock says it is live (removed by hand, or a
+    clock far off): the store itself is asked before each write, so the same holds."""
+    clock = Clock()
+    second = shard_key(10, "rank-00001")
+
+    def takeover() -> None:
+        thief = make_store().backend
+        thief.delete([LEASE_KEY])
+        lease(make_store(), "new", clock).acquire()
+
+    store, old, spy = _fenced_store(make_store, clock, lambda op, key: key == second, takeover)
+    with pytest.raises(LeaseLost, match="taken over"):
+        store.save(10, SHARDS, {"step": 10}, fence=old)
+    assert _after_the_takeover(spy, ("put", second)) == []
+    assert [ref.step for ref in make_store().list()] == [5]
+    with pytest.raises(LeaseLost):
+        old.check()  # and it stays lost
+
+
+def a_lease_taken_over_after_the_last_shard_commits_nothing(make_store: StoreFactory) -> None:
+    clock = Clock()
+    last = shard_key(10, "rank-00003")
+
+    def takeover() -> None:
+        clock.now += 2 * TERM_S
+        lease(make_store(), "new", clock).acquire()
+
+    store, old, spy = _fenced_store(make_store, clock, lambda op, key: key == last, takeover)
+    with pytest.raises(LeaseLost):
+        store.save(10, SHARDS, {"step": 10}, fence=old)
+    assert _after_the_takeover(spy, ("put", last)) == []
+    assert [ref.step for ref in make_store().list()] == [5]
+
+
+def a_lease_taken_over_after_the_commit_deletes_nothing(make_store: StoreFactory) -> None:
+    """Taken over right after the manifest commit: retention (keep 1) would delete step 5 next;
+    it deletes nothing."""
+    clock = Clock()
+
+    def takeover() -> None:
+        clock.now += 2 * TERM_S
+        lease(make_store(), "new", clock).acquire()
+
+    store, old, spy = _fenced_store(make_store, clock, lambda op, key: key == manifest_key(10), takeover)
+    with pytest.raises(LeaseLost):
+        store.save(10, SHARDS, {"step": 10}, fence=old)
+    assert _after_the_takeover(spy, ("put", manifest_key(10))) == []
+    assert [ref.step for ref in make_store().list()] == [10, 5]
+
+
+def a_fenced_save_without_a_takeover_writes_as_before(make_store: StoreFactory) -> None:
+    clock = Clock()
+    store, old, spy = _fenced_store(make_store, clock, lambda op, key: False, lambda: None)
+    store.save(10, SHARDS, {"step": 10}, fence=old)
+    assert [ref.step for ref in make_store().list()] == [10]  # keep 1: step 5 deleted, under the lease
+    assert ("put", manifest_key(10)) in spy.writes and spy.writes[-1][0] == "delete_prefix"
+
+
 CHECKS = [
     a_second_writer_is_refused_until_the_first_releases,
     an_expired_lease_is_taken_over_and_its_old_holder_learns_it,
@@ -136,4 +283,9 @@ CHECKS = [
     racing_writers_cannot_both_win,
     a_kept_lease_is_renewed_in_the_background_and_released,
     the_lease_is_not_a_checkpoint,
+    a_lease_that_lapsed_mid_save_stops_every_further_write,
+    a_lease_taken_over_mid_save_stops_every_further_write,
+    a_lease_taken_over_after_the_last_shard_commits_nothing,
+    a_lease_taken_over_after_the_commit_deletes_nothing,
+    a_fenced_save_without_a_takeover_writes_as_before,
 ]

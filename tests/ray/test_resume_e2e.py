@@ -3,13 +3,17 @@
 An uninterrupted 12-step run is the reference; a run stopped after step 6 and resumed with
 ``checkpoint.resume=auto`` must match it bitwise, step losses and final parameters alike; a
 resume of that step-6 checkpoint at dp=1 must match within float tolerance; a copy whose
-checkpoints are all damaged must refuse to resume, naming each.
+checkpoints are all damaged must refuse to resume, naming each. A run SIGTERMed between durable
+checkpoints saves its newest snapshot at the stop, and its resume matches the reference bitwise
+too: the stop lost no step.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +24,7 @@ import pytest
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.wire import FragmentIndex, decode
 
+from .signalled import Background, stop_line
 from .test_run_e2e import QUICKSTART, TINY, processes_using, run_cli
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -70,9 +75,16 @@ def stopped(runs: Runs) -> Path:
     return run_dir
 
 
-def test_resume_from_the_durable_store_is_exact(runs: Runs, stopped: Path, tmp_path: Path) -> None:
-    reference, resumed, other_dp = tmp_path / "reference", tmp_path / "resumed", tmp_path / "other-dp"
-    runs(f"run_dir={reference}")
+@pytest.fixture(scope="module")
+def reference(runs: Runs) -> Path:
+    """The uninterrupted run every resume is compared with."""
+    run_dir = runs.home / "reference"
+    runs(f"run_dir={run_dir}")
+    return run_dir
+
+
+def test_resume_from_the_durable_store_is_exact(runs: Runs, stopped: Path, reference: Path, tmp_path: Path) -> None:
+    resumed, other_dp = tmp_path / "resumed", tmp_path / "other-dp"
     shutil.copytree(stopped, resumed)
     shutil.copytree(stopped, other_dp)  # the same checkpoint, resumed at another dp
 
@@ -103,3 +115,35 @@ def test_resume_with_no_valid_checkpoint_stops_with_the_reason(runs: Runs, stopp
         assert f"step-{step:09d}" in out  # each skipped checkpoint is named, with its reason
     assert "Traceback" not in err
     assert len(losses(run_dir)) == STOP_AT  # nothing was trained from garbage
+
+
+def test_a_sigterm_between_durable_checkpoints_loses_no_step(runs: Runs, reference: Path, tmp_path: Path) -> None:
+    """Durable checkpoints only at the end (persist_every 12): SIGTERM after step 3 or later finds
+    nothing durable but every step's snapshot in memory. The stop saves the newest, says so in one
+    line, and `checkpoint.resume=auto` goes on from it to the reference's losses and parameters."""
+    run_dir = tmp_path / "sigterm"
+    only_at_the_end = "checkpoint.persist_every=12"
+    args = [str(QUICKSTART), *TINY, *STEPS, only_at_the_end, f"run_dir={run_dir}"]
+    run = Background(args, home=runs.home, ray_tmp=runs.ray_tmp, logs=tmp_path / "logs")
+    try:
+        run.wait_for_steps(run_dir, 3)
+        code, _ = run.stop(signal.SIGTERM)
+    finally:
+        run.kill()
+    assert code == 1, run.stderr[-3000:]  # stopped, not finished; handled, not killed (-15)
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step = summary["final_step"]
+    assert summary["status"] == "stopped" and 3 <= step < 12, summary
+    store = open_store((run_dir / "checkpoints").as_uri())
+    line = stop_line(run.stdout)
+    assert line is not None and re.fullmatch(rf"stop: saved step {step} to {re.escape(store.checkpoint_uri(step))} in [0-9.]+ s", line), line
+    assert [ref.step for ref in store.list()] == [step]
+    assert not (run_dir / "checkpoints" / "writer.lease").exists()  # released: no save was left writing
+
+    out, _ = runs(f"run_dir={run_dir}", "checkpoint.resume=auto", only_at_the_end)
+    assert f"step-{step:09d}" in out
+    assert losses(run_dir) == losses(reference)  # the steps before the stop and after the resume: bitwise
+    ref_params = final_params(reference, 12)
+    for name, value in final_params(run_dir, 12).items():
+        np.testing.assert_array_equal(value, ref_params[name], err_msg=name)

@@ -75,17 +75,19 @@ class RecordingPersister:
 
     def __init__(self) -> None:
         self.errors: list[str] = []
+        self.stopped: Optional[str] = None
         self.submitted: list[int] = []
+        self.requested = self.submitted
         self.discarded: list[int] = []
         self.closed = False
 
-    def submit(self, step: int, snapshot_refs: list[Any]) -> None:
+    def submit(self, step: int, snapshot_refs: list[Any], *, timeout_s: Optional[float] = None) -> None:
         self.submitted.append(step)
 
     def poll(self) -> list[Any]:
         return []
 
-    def flush(self) -> list[Any]:
+    def flush(self, timeout_s: Optional[float] = None) -> list[Any]:
         return []
 
     def discard_after(self, step: int) -> list[int]:
@@ -94,8 +96,9 @@ class RecordingPersister:
         self.submitted = [s for s in self.submitted if s <= step]
         return gone
 
-    def close(self) -> None:
+    def close(self, timeout_s: Optional[float] = None) -> bool:
         self.closed = True
+        return True
 
 
 def job(*overrides: str) -> config.JobConfig:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ringtrain.actors.persister import Persisted, Persister
 from ringtrain.checkpoint import open_store
@@ -15,7 +16,7 @@ META = {"model": {"dim": 64}}
 class LocalPersister(Persister):
     """Writes one small shard per step itself instead of fetching the workers' snapshots."""
 
-    def _persist(self, step: int, snapshot_refs: list[Any], t0: float) -> Persisted:
+    def _persist(self, step: int, snapshot_refs: list[Any], t0: float, timeout_s: Optional[float]) -> Persisted:
         ref = self.store.save(step, {"rank-00000": bytes([step]) * 64}, dict(self.meta, step=step, world_size=1))
         return Persisted(step, ref.uri, 64, time.perf_counter() - t0)
 
@@ -41,7 +42,7 @@ def test_a_failed_delete_is_reported_and_the_checkpoint_still_counts(tmp_path: P
     persister.submit(4, [])
     persister.flush()
 
-    def refuse(step: int) -> None:
+    def refuse(step: int, fence: object = None) -> None:
         raise PermissionError("read-only bucket")
 
     store.delete = refuse  # type: ignore[method-assign]
@@ -49,3 +50,30 @@ def test_a_failed_delete_is_reported_and_the_checkpoint_still_counts(tmp_path: P
     assert persister.last_durable_step == 4
     assert len(persister.errors) == 1 and "read-only bucket" in persister.errors[0]
     persister.close()
+
+
+class HeldPersister(LocalPersister):
+    """Its saves wait for ``release`` before writing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def _persist(self, step: int, snapshot_refs: list[Any], t0: float, timeout_s: Optional[float]) -> Persisted:
+        self.release.wait(timeout=30)
+        return super()._persist(step, snapshot_refs, t0, timeout_s)
+
+
+def test_flush_and_close_are_bounded_and_close_says_whether_a_save_still_writes(tmp_path: Path) -> None:
+    store = open_store(tmp_path.as_uri(), keep=10)
+    persister = HeldPersister(store, META)
+    persister.submit(2, [])
+    persister.submit(4, [])  # queued behind step 2
+    t0 = time.monotonic()
+    assert persister.flush(timeout_s=0.2) == []
+    assert not persister.close(timeout_s=0.2)  # step 2 is still writing
+    assert time.monotonic() - t0 < 5
+    persister.release.set()
+    assert persister.close(timeout_s=10)
+    assert [ref.step for ref in store.list()] == [2]  # step 4 was dropped by close, never started
+    assert [p.step for p in persister.flush()] == [2] and persister.errors == []

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Optional
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,8 @@ def test_resume_none_on_a_store_of_another_run_exits_2_and_touches_nothing(tmp_p
 class Saver(Persister):
     """Writes its own one-byte shard instead of fetching workers' snapshots."""
 
-    def _persist(self, step: int, snapshot_refs: list[object], t0: float) -> object:
-        return self.store.save(step, {"rank-00000": b"x"}, {"step": step})
+    def _persist(self, step: int, snapshot_refs: list[object], t0: float, timeout_s: Optional[float]) -> object:
+        return self.store.save(step, {"rank-00000": b"x"}, {"step": step}, fence=self.fence)
 
 
 def test_the_persister_writes_nothing_once_the_lease_is_lost(tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_the_persister_writes_nothing_once_the_lease_is_lost(tmp_path: Path) -> 
     store: CheckpointStore = open_store((tmp_path / "store").as_uri())
     lease = WriterLease(store.backend, Holder.this_process("mine", "/runs/mine"), 60, clock=clock)
     lease.acquire()
-    persister = Saver(store, {}, guard=lease.check)
+    persister = Saver(store, {}, fence=lease)
     persister.submit(1, [])
     persister.flush()
     assert [ref.step for ref in store.list()] == [1] and persister.errors == []
@@ -110,6 +111,10 @@ def test_the_persister_writes_nothing_once_the_lease_is_lost(tmp_path: Path) -> 
     persister.flush()
     assert [ref.step for ref in store.list()] == [1]
     assert len(persister.errors) == 1 and "LeaseLost" in persister.errors[0]
+    assert persister.stopped is not None and "lapsed" in persister.stopped
     with pytest.raises(LeaseLost):
         lease.check()
-    persister.close()
+    persister.submit(3, [])  # durable checkpointing has stopped: nothing more is even tried
+    persister.flush()
+    assert persister.requested == [1, 2] and len(persister.errors) == 1
+    assert persister.close(timeout_s=0)

@@ -8,7 +8,10 @@ carries it out; between steps the elastic policy (``policies.elastic``) grows th
 when capacity returns, and every ``controllers.sdc_every_steps`` the ranks run the SDC probes
 (``policies.sdc``): a rank that fails them is evicted and training rolls back to the last
 clean scan. Each incident is written to ``incidents/`` when it is seen and again when training
-has recovered from it. Everything the run shows goes through one list of observers
+has recovered from it. A stop (SIGINT, SIGTERM: KeyboardInterrupt here) writes the newest
+in-memory snapshot to the durable store within ``checkpoint.stop_persist_timeout_s`` and says
+what it saved; a run that lost its store's writer lease trains on without durable checkpoints,
+with an incident that says so. Everything the run shows goes through one list of observers
 (``actors.observers``): the run directory, the console, Prometheus and the sinks (TensorBoard).
 """
 
@@ -65,6 +68,9 @@ _ALLOWED = {
 
 # What each kind of worker failure is called in incidents.
 _WORKER_FAILURE_KINDS = {"died": "crash", "error": "crash", "timeout": "hang"}
+# The kind of the incident a lost writer lease raises: not a fault of the training, which the
+# policies never see; training goes on without durable checkpoints.
+DURABLE_INCIDENT = "checkpoint"
 
 
 class Controller(Watches):
@@ -125,6 +131,9 @@ class Controller(Watches):
         # Seconds by start phase, for summary.json; ``startup``: phases before the controller (ray.init).
         self.startup: dict[str, float] = dict(startup or {})
         self.transit: dict[str, Any] = {}  # snapshot transit window by holder role (actors.transit)
+        # The newest recorded step whose snapshot the workers hold: what a stop makes durable.
+        self.newest_snapshot: Optional[int] = None
+        self.durable_stopped: Optional[str] = None  # why durable checkpointing stopped (lease lost)
 
     def _transition(self, new: RunState, reason: str) -> None:
         if new not in _ALLOWED.get(self.state, set()):
@@ -165,21 +174,80 @@ class Controller(Watches):
         except KeyboardInterrupt:
             self.error = "interrupted"
             self._transition(RunState.STOPPED, "interrupted by the user")
+            self.observers.on_message(self._persist_at_stop())
         except Exception as exc:  # a bug, not a training failure: still leave the run's record
             log.exception("the controller failed")
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = RunState.FAILED
         finally:
             self._commit_all(wait_s=0.0)
-            self._close_durable()
+            # A stopping run waits for no save beyond its stop's own: one still writing is
+            # abandoned (the writer lease is then left to expire, commands/run.py).
+            self._close_durable(wait_s=0.0 if self.state is RunState.STOPPED else None)
+            self._watch_durable(self.records[-1]["step"] if self.records else self.start_step)
             holders = getattr(self.group, "holders", None)
             if holders:
                 self.transit = transit_window(self.records, gather_arrivals(list(holders.values())))
             self.group.shutdown()
             self.observers.close()
         summary = self._summary(wall_s=self.clock() - started)
+        summary["durable_stopped"] = self.durable_stopped
         self.observers.on_summary(summary)
         return summary
+
+    # --- durable checkpoints --------------------------------------------------------------
+
+    def _watch_durable(self, step: int) -> None:
+        """Once the Persister stopped for good (the store's writer lease was lost): one incident,
+        a warning, and the reason kept for the summary and the run's exit."""
+        stopped = getattr(self.persister, "stopped", None)
+        if stopped is None or self.durable_stopped is not None:
+            return
+        self.durable_stopped = stopped
+        assert self.persister is not None
+        last = self.persister.last_durable_step
+        self._incident(
+            DURABLE_INCIDENT, (), step, self.clock(), action="continue",
+            reason=f"durable checkpointing stopped (the newest durable step is {last}): {stopped}",
+        )  # fmt: skip
+
+    def _persist_at_stop(self) -> str:
+        """On a stop: the newest snapshot the workers hold written to the durable store within
+        checkpoint.stop_persist_timeout_s (saves already queued first); the line that says what
+        was saved, where and in how long, or why nothing was."""
+        if self.persister is None:
+            return "stop: nothing saved: this run keeps no durable checkpoints (checkpoint.snapshot_every=0)"
+        t0 = self.clock()
+        budget = self.job.checkpoint.stop_persist_timeout_s
+        step, p = self.newest_snapshot, self.persister
+        earlier_errors = len(p.errors)
+        try:
+            p.poll()
+            if p.stopped is not None:
+                return f"stop: nothing saved: durable checkpointing had stopped ({p.stopped})"
+            if step is None:
+                return "stop: nothing saved: no step since the start holds a snapshot yet"
+            if step <= p.last_durable_step:
+                return f"stop: step {step} was already saved to {self._durable_uri(step)}"
+            if budget <= 0:
+                return f"stop: step {step} not saved (checkpoint.stop_persist_timeout_s=0); the newest durable step is {p.last_durable_step}"
+            if step not in p.requested:
+                p.submit(step, self.group.snapshot_refs(step), timeout_s=budget)
+            p.flush(timeout_s=budget - (self.clock() - t0))
+        except Exception as exc:  # the workers went with the stop, or the store refused
+            return f"stop: step {step} not saved: {type(exc).__name__}: {exc}; the newest durable step is {p.last_durable_step}"
+        seconds = self.clock() - t0
+        saved = [d for d in p.done if d.step == step]
+        if saved:
+            self.persist_s = saved[-1].seconds
+            return f"stop: saved step {step} to {saved[-1].uri} in {seconds:.2f} s"
+        errors = p.errors[earlier_errors:]
+        why = p.stopped or (errors[-1] if errors else f"not written within checkpoint.stop_persist_timeout_s={budget:g}")
+        return f"stop: step {step} not saved: {why}; the newest durable step is {p.last_durable_step}"
+
+    def _durable_uri(self, step: int) -> str:
+        found = [d.uri for d in getattr(self.persister, "done", []) if d.step == step]
+        return found[-1] if found else "the store"
 
     def _step(self, step: int, started: float) -> int:
         """Run ``step``; returns the step to run next (an earlier one after a rollback)."""
@@ -211,6 +279,8 @@ class Controller(Watches):
                 raise NonFiniteLoss(nan.reason)
             return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
         self._record(reports, wall, started, self._maybe_evaluate(step))
+        if reports[0].snapshot_taken:
+            self.newest_snapshot = step
         if probe:  # judged before persisting: a state the probes reject is not made durable
             # The probed step is recorded first, as any step is (its snapshots safe), so a
             # rejected one counts among the steps the rollback redoes.
@@ -222,6 +292,7 @@ class Controller(Watches):
         if resumed is not None:
             return resumed + 1
         self._maybe_persist(step)
+        self._watch_durable(step)
         self._finish_recovery()
         self._maybe_grow(step)
         if self.elastic is not None and self.elastic.spares_changed():
@@ -295,6 +366,8 @@ class Controller(Watches):
         self._grow_gate.reset()
         self.stragglers.reset()
         self._settle_held(resumed)
+        # The new world's snapshots start with its next step: a stop until then saves nothing new.
+        self.newest_snapshot = None
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
         self._kept_s = sum(r["step_time_s"] for r in self.records)
@@ -438,6 +511,7 @@ class Controller(Watches):
         self._growing_to = None
         self._grow_gate.reset()
         self.stragglers.reset()
+        self.newest_snapshot = None  # the replicas that joined hold no snapshot of the steps before
         event = {"step": step, "dp_before": before, "dp_after": new_dp, "seconds": self.clock() - t0, "at": time.time()}
         self.resizes.append(event)
         self._write_layout()

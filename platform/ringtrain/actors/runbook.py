@@ -166,13 +166,18 @@ class RunBook:
         if gone:
             self.observers.on_message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
 
-    def _close_durable(self) -> None:
+    def _close_durable(self, wait_s: Optional[float] = None) -> None:
+        """Wait for the saves in flight (at most ``wait_s``: a stopping run's bound) and close
+        the Persister."""
         if self.persister is None:
             return
         try:
-            self._drain(wait=True)
+            if wait_s is None:
+                self._drain(wait=True)
+            else:
+                self.persister.flush(timeout_s=wait_s)
         finally:
-            self.persister.close()
+            self.persister.close(timeout_s=wait_s)
 
     def _maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
         """Every eval.every steps and after the last: the eval plan scored on the state after

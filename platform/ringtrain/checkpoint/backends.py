@@ -9,15 +9,22 @@ The writer lease (lease.py) needs three more, conditional on an object's version
 file's sha256): read with the version, write only if the object is still that version (or, with
 no version, still absent), delete only if it is still that version. So two runs racing for one
 lease cannot both win.
+
+A store may come from elsewhere, so nothing in it is trusted: a read with a ``limit`` reads at
+most that many bytes and raises ObjectTooLarge (naming the object) past it, and the file backend
+refuses a symbolic link anywhere below its root (UnsafeObject): a step folder linked to another
+folder is neither read, written nor deleted through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,6 +33,12 @@ from typing import Optional, Protocol
 from urllib.parse import unquote, urlsplit
 
 from ringtrain.checkpoint.layout import TEMP_PREFIX
+
+
+# Objects read and written with a version (the writer lease) are small records: one past this
+# size is not one, and is compared as OVERSIZED instead of being read whole.
+VERSIONED_LIMIT = 1 << 20
+OVERSIZED = "oversized"
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,21 @@ class ObjectMissing(LookupError):
         self.key = key
 
 
+class ObjectTooLarge(ValueError):
+    """The object holds more bytes than the reader allows: it is not what it should be."""
+
+    def __init__(self, uri: str, limit: int) -> None:
+        super().__init__(f"{uri} holds more than {limit:,} bytes, more than any such object may: not read")
+        self.uri, self.limit = uri, limit
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.uri, self.limit))
+
+
+class UnsafeObject(OSError):
+    """A path below a file store's root is a symbolic link: refused, never followed."""
+
+
 class ObjectBackend(Protocol):
     root_uri: str
 
@@ -51,8 +79,9 @@ class ObjectBackend(Protocol):
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key``, replacing any object there; durable once this returns."""
 
-    def get(self, key: str, size_hint: Optional[int] = None) -> bytes:
-        """The object's bytes, or ObjectMissing; ``size_hint`` lets large reads run in parts."""
+    def get(self, key: str, size_hint: Optional[int] = None, limit: Optional[int] = None) -> bytes:
+        """The object's bytes, or ObjectMissing; ``size_hint`` lets large reads run in parts;
+        ObjectTooLarge when it holds more than ``limit`` bytes (none read past it)."""
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object below the folder ``prefix`` ("" or ending in '/'), at any depth."""
@@ -70,8 +99,8 @@ class ObjectBackend(Protocol):
     def is_transient(self, exc: BaseException) -> bool:
         """Whether retrying the call that raised ``exc`` may succeed."""
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        """The object's bytes and version, or ObjectMissing."""
+    def get_versioned(self, key: str, limit: Optional[int] = None) -> tuple[bytes, str]:
+        """The object's bytes and version, or ObjectMissing; ObjectTooLarge past ``limit``."""
 
     def put_if(self, key: str, data: bytes, version: Optional[str]) -> Optional[str]:
         """Store ``data`` only if the object is still ``version`` (None: still absent); the new
@@ -89,7 +118,7 @@ class FileBackend:
         self.root_uri = root.as_uri()
 
     def uri(self, key: str) -> str:
-        return self._path(key).as_uri()
+        return self.root.joinpath(*[part for part in key.split("/") if part]).as_uri()
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -108,11 +137,23 @@ class FileBackend:
         # The rename is durable only once the folder holding the new entry is synced.
         _fsync_dir(path.parent)
 
-    def get(self, key: str, size_hint: Optional[int] = None) -> bytes:
+    def get(self, key: str, size_hint: Optional[int] = None, limit: Optional[int] = None) -> bytes:
+        path = self._path(key)
         try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectMissing(key) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise UnsafeObject(f"{path} is a symbolic link: a store's objects are never read through one") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ObjectMissing(key)  # a folder, or a device or pipe where an object should be
+            data = f.read() if limit is None else f.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(path.as_uri(), limit)
+        return data
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         yield from self._walk(self._path(prefix) if prefix else self.root, prefix)
@@ -137,8 +178,8 @@ class FileBackend:
     def is_transient(self, exc: BaseException) -> bool:
         return False
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
-        data = self.get(key)
+    def get_versioned(self, key: str, limit: Optional[int] = None) -> tuple[bytes, str]:
+        data = self.get(key, limit=limit)
         return data, _version(data)
 
     def put_if(self, key: str, data: bytes, version: Optional[str]) -> Optional[str]:
@@ -157,9 +198,11 @@ class FileBackend:
 
     def _current_version(self, key: str) -> Optional[str]:
         try:
-            return _version(self.get(key))
+            return _version(self.get(key, limit=VERSIONED_LIMIT))
         except ObjectMissing:
             return None
+        except ObjectTooLarge:
+            return OVERSIZED  # matches no version a writer holds: nothing replaces or removes it
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
@@ -175,7 +218,14 @@ class FileBackend:
             os.close(fd)  # closing releases the lock
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*[part for part in key.split("/") if part])
+        """The path of ``key``; UnsafeObject when a folder on the way below the root, or the
+        object itself, is a symbolic link (the root itself is the user's choice)."""
+        path = self.root
+        for part in [part for part in key.split("/") if part]:
+            path = path / part
+            if path.is_symlink():
+                raise UnsafeObject(f"{path} is a symbolic link: a store's objects are never reached through one")
+        return path
 
     def _walk(self, folder: Path, prefix: str) -> Iterator[ObjectInfo]:
         try:

@@ -12,6 +12,13 @@ Taking and renewing are conditional writes (``ObjectBackend.put_if``): two runs 
 or expired lease cannot both win, and a holder whose lease was taken over learns it at its next
 renewal (``LeaseLost``), after which it must not write. Expiry is judged by each machine's clock:
 the term is far longer than clocks drift apart.
+
+The lease fences every write, not only the first: the store asks ``confirm`` (a read of the lease
+object) before each shard, the manifest commit and each deletion, so a run whose lease was taken
+over in the middle of a save writes no further shard, commits nothing and deletes nothing. At the
+end of a run ``seal`` refuses every later write first, and the lease is released only once no
+save is in flight (commands/run.py): a save still writing when a run stops cannot outlive the
+lease it wrote under.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from ringtrain.checkpoint.backends import ObjectBackend, ObjectMissing
-from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.checkpoint.backends import ObjectBackend, ObjectMissing, ObjectTooLarge
+from ringtrain.checkpoint.fence import FenceLost
+from ringtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,8 @@ STORE_KEY = "checkpoint.uri"
 # How often a holder renews, as a share of the term: two renewals may fail before it lapses.
 RENEWALS_PER_TERM = 3
 ACQUIRE_ATTEMPTS = 3
+# A lease object is a few hundred bytes; one larger than this is not a lease (and is not read whole).
+MAX_LEASE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,7 @@ class LeaseHeld(ConfigError):
         return (type(self), (self.store_uri, self.holder, self.expires_at, self.term_s))
 
 
-class LeaseLost(RingtrainError):
+class LeaseLost(FenceLost):
     """This run no longer holds the store's lease: it must not write to the store."""
 
 
@@ -117,6 +127,7 @@ class WriterLease:
         self._version: Optional[str] = None
         self._expires_at = 0.0
         self._lost: Optional[str] = None
+        self._sealed: Optional[str] = None  # why this run writes no more (seal), the lease still held
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -145,9 +156,11 @@ class WriterLease:
         """(version, record) of the lease object, both None when there is none; LeaseHeld when
         it is another run's and live."""
         try:
-            data, version = self.backend.get_versioned(LEASE_KEY)
+            data, version = self.backend.get_versioned(LEASE_KEY, MAX_LEASE_BYTES)
         except ObjectMissing:
             return None, None
+        except ObjectTooLarge as exc:
+            raise ConfigError(STORE_KEY, f"{exc}; it is not a writer lease: remove it if no run writes {self.backend.root_uri}") from None
         current = LeaseRecord.decode(data)
         if current is not None and current.holder.id != self.holder.id and current.expires_at > self.clock():
             raise LeaseHeld(self.backend.root_uri, current.holder.describe(), current.expires_at, current.term_s)
@@ -163,13 +176,40 @@ class WriterLease:
                 raise LeaseLost(self._lost)
 
     def check(self) -> None:
-        """Before each write: LeaseLost when the lease was lost, or lapsed unrenewed."""
+        """Before each write: LeaseLost when the lease was lost, or lapsed unrenewed, or sealed."""
         if self._lost is not None:
             raise LeaseLost(self._lost)
+        if self._sealed is not None:
+            raise LeaseLost(self._sealed)
         if self._version is None:
             raise LeaseLost(f"this run never took the writer lease {self.uri}")
         if self.clock() >= self._expires_at:
             raise LeaseLost(f"the writer lease {self.uri} lapsed at {_when(self._expires_at)} without being renewed")
+
+    def confirm(self) -> None:
+        """Before each write to the store: ``check``, then ask the store itself whether the lease
+        object is still the one this run last wrote (one small read); LeaseLost when it is not:
+        taken over, or removed."""
+        self.check()
+        with self._lock:
+            before = self._version
+        try:
+            _, stored = self.backend.get_versioned(LEASE_KEY, MAX_LEASE_BYTES)
+        except (ObjectMissing, ObjectTooLarge):  # gone, or replaced by something that is no lease of ours
+            stored = None
+        with self._lock:
+            # A renewal that ran during the read moved our version on: either one is ours.
+            if stored is not None and stored in (before, self._version) and self._lost is None:
+                return
+            if self._lost is None:
+                self._lost = f"the writer lease {self.uri} was taken over by another run (or removed): this run no longer writes checkpoints there"
+            lost = self._lost
+        raise LeaseLost(lost)
+
+    def seal(self, reason: str = "this run is ending: it writes no more checkpoints") -> None:
+        """Refuse every later write under this lease (``check`` and ``confirm`` raise LeaseLost
+        with ``reason``); the lease itself is kept until ``release``."""
+        self._sealed = reason
 
     def release(self) -> None:
         """Give the lease up, if it is still ours (a failure leaves it to expire)."""
@@ -188,13 +228,19 @@ class WriterLease:
         self._thread = threading.Thread(target=self._renew_until, args=(self._stop,), name="writer-lease", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop renewing and release the lease."""
+    def stop(self, *, release: bool = True) -> None:
+        """Stop renewing and release the lease; with ``release`` false (a save may still be
+        writing) it is left to expire on its own instead."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=self.term_s)
             self._thread = None
-        self.release()
+        if release:
+            self.release()
+        elif self._version is not None:
+            log.warning(
+                "left the writer lease %s to expire (in %g s at most): a save may still be writing", self.uri, self.term_s
+            )
 
     @contextmanager
     def kept(self) -> Iterator[WriterLease]:

@@ -21,6 +21,9 @@ FORMAT_VERSION = 1
 # about twice as fast as blake2b; blake2b is the faster one on CPUs without them.
 CHECKSUM_ALGOS = ("sha256", "blake2b")
 DEFAULT_CHECKSUM_ALGO = "sha256"
+# A manifest lists one entry (about 120 bytes) per shard besides the job's meta: one past this is
+# not a manifest this code wrote, and is refused rather than read whole.
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 class CheckpointCorrupt(RingtrainError):

@@ -24,7 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, Inc
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ringtrain import uris
-from ringtrain.checkpoint.backends import ObjectInfo, ObjectMissing
+from ringtrain.checkpoint.backends import ObjectInfo, ObjectMissing, ObjectTooLarge
 from ringtrain.checkpoint.options import S3Options
 
 # S3's DeleteObjects takes at most this many keys per call.
@@ -112,15 +112,14 @@ class S3Backend:
         else:
             self.client.put_object(Bucket=self.bucket, Key=full, Body=data)
 
-    def get(self, key: str, size_hint: Optional[int] = None) -> bytes:
+    def get(self, key: str, size_hint: Optional[int] = None, limit: Optional[int] = None) -> bytes:
         full = self._key_prefix + key
         try:
             if size_hint is not None and size_hint >= self.options.multipart_threshold:
-                buffer = io.BytesIO()
+                buffer = _Bounded(self.uri(key), limit)
                 self.client.download_fileobj(self.bucket, full, buffer, Config=self._transfer)
                 return buffer.getvalue()
-            body: bytes = self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
-            return body
+            return _read(self.client.get_object(Bucket=self.bucket, Key=full)["Body"], self.uri(key), limit)
         except ClientError as exc:
             if _code(exc) in _MISSING_CODES:
                 raise ObjectMissing(key) from None
@@ -151,14 +150,14 @@ class S3Backend:
     def delete_prefix(self, prefix: str) -> None:
         self.delete([info.key for info in self.list(prefix)])
 
-    def get_versioned(self, key: str) -> tuple[bytes, str]:
+    def get_versioned(self, key: str, limit: Optional[int] = None) -> tuple[bytes, str]:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key_prefix + key)
         except ClientError as exc:
             if _code(exc) in _MISSING_CODES:
                 raise ObjectMissing(key) from None
             raise
-        return response["Body"].read(), str(response["ETag"])
+        return _read(response["Body"], self.uri(key), limit), str(response["ETag"])
 
     def put_if(self, key: str, data: bytes, version: Optional[str]) -> Optional[str]:
         # S3's conditional writes: If-None-Match "*" creates only, If-Match replaces only that ETag.
@@ -200,6 +199,30 @@ class S3Backend:
                 f"S3 could not delete {len(errors)} object(s) under {self.root_uri}, "
                 f"first s3://{self.bucket}/{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
             )
+
+
+def _read(body: Any, uri: str, limit: Optional[int]) -> bytes:
+    """A GetObject body's bytes; at most ``limit`` + 1 read (ObjectTooLarge past ``limit``)."""
+    try:
+        data: bytes = body.read() if limit is None else body.read(limit + 1)
+    finally:
+        body.close()  # unread bytes of an oversized object are dropped with the connection
+    if limit is not None and len(data) > limit:
+        raise ObjectTooLarge(uri, limit)
+    return data
+
+
+class _Bounded(io.BytesIO):
+    """A download's buffer that refuses a byte past ``limit`` (parts may land out of order)."""
+
+    def __init__(self, uri: str, limit: Optional[int]) -> None:
+        super().__init__()
+        self.uri, self.limit = uri, limit
+
+    def write(self, data: Any) -> int:
+        if self.limit is not None and self.tell() + len(data) > self.limit:
+            raise ObjectTooLarge(self.uri, self.limit)
+        return super().write(data)
 
 
 def _code(exc: ClientError) -> str:

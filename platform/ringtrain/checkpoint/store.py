@@ -7,7 +7,10 @@ checkpoint is never taken for a valid one. ``latest_valid`` walks the checkpoint
 and passes over (and reports) any that is uncommitted, damaged, or made for another model.
 
 One store serializes its own saves and deletions; reads may run alongside them. Several
-processes may read one root, but only one may write to it. A store pickles (an S3 client is
+processes may read one root, but only one may write to it: a ``Fence`` (the run's writer lease,
+lease.py) passed to ``save`` and ``delete`` is confirmed before every shard, the manifest commit
+and every deletion, and once it raises nothing more is written or deleted, not even the pieces
+of the save it interrupted (the store may be another run's by then). A store pickles (an S3 client is
 made again on the other side), so it can be handed to actors.
 """
 
@@ -24,7 +27,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar, Union
 
 from ringtrain import uris
-from ringtrain.checkpoint.backends import FileBackend, ObjectBackend, ObjectInfo, ObjectMissing, file_root
+from ringtrain.checkpoint.backends import (
+    FileBackend,
+    ObjectBackend,
+    ObjectInfo,
+    ObjectMissing,
+    ObjectTooLarge,
+    UnsafeObject,
+    file_root,
+)
+from ringtrain.checkpoint.fence import Fence, FenceLost
+from ringtrain.checkpoint.fence import confirm as _confirm
 from ringtrain.checkpoint.layout import (
     MANIFEST_NAME,
     TEMP_PREFIX,
@@ -38,6 +51,7 @@ from ringtrain.checkpoint.layout import (
 from ringtrain.checkpoint.loaded import CheckpointRef, LoadedCheckpoint, ShardMap, Skipped
 from ringtrain.checkpoint.manifest import (
     DEFAULT_CHECKSUM_ALGO,
+    MAX_MANIFEST_BYTES,
     CheckpointCorrupt,
     Manifest,
     ManifestInvalid,
@@ -119,12 +133,15 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, keep={self.keep})"
 
-    def save(self, step: int, shards: Mapping[str, bytes], meta: Mapping[str, Any]) -> CheckpointRef:
+    def save(
+        self, step: int, shards: Mapping[str, bytes], meta: Mapping[str, Any], *, fence: Optional[Fence] = None
+    ) -> CheckpointRef:
         """Write ``shards``, commit them with a manifest holding ``meta``, then apply retention.
 
         Arguments are checked before anything is written: the step, the shard names (see
         layout.py) and ``meta``, which must be JSON (it is stored as JSON and read back so).
         Saving a step that already exists replaces it, uncommitting the old one first.
+        ``fence`` is confirmed before each write and deletion; what it raises ends the save.
         """
         check_step(step)
         check_shard_names(shards)
@@ -132,8 +149,8 @@ class CheckpointStore:
         payload = {name: data if isinstance(data, bytes) else bytes(data) for name, data in shards.items()}
         with self._write_lock:
             started = time.perf_counter()
-            self._clear_step(step)
-            entries = self._write_shards(step, payload)
+            self._clear_step(step, fence)
+            entries = self._write_shards(step, payload, fence)
             manifest = Manifest(
                 step=step,
                 created_at=time.time(),
@@ -143,13 +160,14 @@ class CheckpointStore:
             )
             encoded = manifest.encode()
             commit_key = manifest_key(step)
+            _confirm(fence)
             self._retrying(f"commit {self.backend.uri(commit_key)}", lambda: self.backend.put(commit_key, encoded))
             seconds = time.perf_counter() - started
             logger.info(
                 "committed checkpoint %s: %d shards, %d bytes in %.3fs",
                 self.checkpoint_uri(step), len(entries), manifest.num_bytes, seconds,
             )
-            deleted = self._apply_retention(step)
+            deleted = self._apply_retention(step, fence)
         return CheckpointRef(
             step=step,
             uri=self.checkpoint_uri(step),
@@ -213,11 +231,11 @@ class CheckpointStore:
         found.skipped = tuple(skipped)
         return found
 
-    def delete(self, ref_or_step: Union[CheckpointRef, int]) -> None:
+    def delete(self, ref_or_step: Union[CheckpointRef, int], *, fence: Optional[Fence] = None) -> None:
         """Delete one checkpoint, manifest first; deleting one that is not there does nothing."""
         step = ref_or_step.step if isinstance(ref_or_step, CheckpointRef) else check_step(ref_or_step)
         with self._write_lock:
-            self._delete_step(step)
+            self._delete_step(step, fence)
 
     def _check(
         self, folder: _StepObjects, compatible: Optional[Compatible], verify: bool
@@ -250,9 +268,11 @@ class CheckpointStore:
         uri = self.checkpoint_uri(step)
         key = manifest_key(step)
         try:
-            data = self._retrying(f"read {self.backend.uri(key)}", lambda: self.backend.get(key))
+            data = self._retrying(f"read {self.backend.uri(key)}", lambda: self.backend.get(key, limit=MAX_MANIFEST_BYTES))
         except ObjectMissing:
             raise CheckpointCorrupt(uri, "manifest is missing (never committed, or deleted)") from None
+        except (ObjectTooLarge, UnsafeObject) as exc:
+            raise CheckpointCorrupt(uri, f"manifest refused: {exc}") from None
         try:
             manifest = Manifest.decode(data, step=step)
         except ManifestInvalid as exc:
@@ -267,9 +287,13 @@ class CheckpointStore:
         entry = manifest.shards[name]
         uri = self.checkpoint_uri(manifest.step)
         try:
-            data = self._retrying(f"read {object_uri}", lambda: self.backend.get(key, entry.size))
+            data = self._retrying(f"read {object_uri}", lambda: self.backend.get(key, entry.size, limit=entry.size))
         except ObjectMissing:
             raise CheckpointCorrupt(uri, f"shard {name!r} is missing ({object_uri})") from None
+        except ObjectTooLarge:
+            raise CheckpointCorrupt(uri, f"shard {name!r} holds more than the {entry.size} bytes the manifest says ({object_uri})") from None
+        except UnsafeObject as exc:
+            raise CheckpointCorrupt(uri, f"shard {name!r} refused: {exc}") from None
         if verify:
             if len(data) != entry.size:
                 raise CheckpointCorrupt(uri, _size_problem(name, len(data), entry.size, object_uri))
@@ -280,10 +304,11 @@ class CheckpointStore:
                 )
         return data
 
-    def _write_shards(self, step: int, payload: Mapping[str, bytes]) -> dict[str, ShardEntry]:
+    def _write_shards(self, step: int, payload: Mapping[str, bytes], fence: Optional[Fence]) -> dict[str, ShardEntry]:
         def write(name: str) -> ShardEntry:
             data = payload[name]
             entry = ShardEntry(size=len(data), checksum=checksum(self.checksum_algo, data))
+            _confirm(fence)
             self.backend.put(shard_key(step, name), data)
             return entry
 
@@ -302,29 +327,37 @@ class CheckpointStore:
                     raise
         except BaseException:
             # Never committed, so never visible; removing the pieces only saves space, and
-            # retention removes them later if this fails too.
+            # retention removes them later if this fails too. Not without the fence: the
+            # folder may hold another writer's save of this step by now.
             try:
+                _confirm(fence)
                 self.backend.delete_prefix(f"{step_dir(step)}/")
             except Exception as cleanup:
                 logger.warning("could not remove the partial checkpoint %s: %s", self.checkpoint_uri(step), cleanup)
             raise
 
-    def _clear_step(self, step: int) -> None:
+    def _clear_step(self, step: int, fence: Optional[Fence]) -> None:
         existing = {info.key for info in self.backend.list(f"{step_dir(step)}/")}
         if not existing:
             return
         if manifest_key(step) in existing:
             logger.warning("replacing committed checkpoint %s", self.checkpoint_uri(step))
-        self._delete_step(step)
+        self._delete_step(step, fence)
 
-    def _delete_step(self, step: int) -> None:
+    def _delete_step(self, step: int, fence: Optional[Fence]) -> None:
         # The manifest goes first: once it is gone the checkpoint no longer exists, whatever
         # happens to the deletion of its shards.
+        _confirm(fence)
         self.backend.delete([manifest_key(step)])
+        _confirm(fence)
         self.backend.delete_prefix(f"{step_dir(step)}/")
 
-    def _apply_retention(self, saved: int) -> tuple[int, ...]:
-        """Delete committed checkpoints beyond the newest ``keep`` and dead saves older than ``saved``."""
+    def _apply_retention(self, saved: int, fence: Optional[Fence]) -> tuple[int, ...]:
+        """Delete committed checkpoints beyond the newest ``keep`` and dead saves older than ``saved``.
+
+        A failure stops retention with a warning (the checkpoint is committed: failing to delete
+        old ones must not fail the save), except the fence's: that one ends the save."""
+        deleted: list[int] = []
         try:
             folders = self._scan()
             committed = [folder.step for folder in folders if folder.committed]
@@ -338,14 +371,20 @@ class CheckpointStore:
                 )
             # An uncommitted folder older than the step just saved is a save that died.
             doomed = [f.step for f in folders if f.step not in kept and (f.committed or f.step < saved)]
-            for step in doomed:
-                logger.info("retention (keep=%d) deletes checkpoint %s", self.keep, self.checkpoint_uri(step))
-                self._delete_step(step)
-            return tuple(doomed)
         except Exception as exc:
-            # The checkpoint is committed: failing to delete old ones must not fail the save.
             logger.warning("retention under %s failed, old checkpoints remain: %s", self.uri, exc)
             return ()
+        for step in doomed:
+            logger.info("retention (keep=%d) deletes checkpoint %s", self.keep, self.checkpoint_uri(step))
+            try:
+                self._delete_step(step, fence)
+            except FenceLost:
+                raise
+            except Exception as exc:
+                logger.warning("retention under %s failed, old checkpoints remain: %s", self.uri, exc)
+                break
+            deleted.append(step)
+        return tuple(deleted)
 
     def _scan(self) -> builtins.list[_StepObjects]:
         """Every step folder under the root with its objects, newest first (one listing)."""

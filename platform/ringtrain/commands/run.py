@@ -4,15 +4,24 @@
 checked (exit 2, one line naming the key) before Ray or torch is imported; then the cluster
 starts, the Controller trains, and the run directory gets its summary and report. Exit codes:
 0 the run finished, 1 it did not (its summary says why).
+
+SIGINT (Ctrl-C) and SIGTERM (``ray job stop``, Kubernetes) stop the run cleanly: the Controller
+writes the newest in-memory snapshot to the store within ``checkpoint.stop_persist_timeout_s``
+and says so, then the summary is written. A second signal exits at once (128 + its number),
+abandoning any save in flight. The store's writer lease is sealed first and released only once
+no save is writing; otherwise it is left to expire.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
@@ -20,12 +29,21 @@ from ringtrain.planner.fit import fit_warning
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
+    from ringtrain.actors.persister import Persister
     from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
     from ringtrain.checkpoint.lease import WriterLease
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.prometheus import RunMetrics
 
 EXIT_OK, EXIT_FAILED = 0, 1
+# After a stop, how long the lease waits for a save still writing (it stops at its next write,
+# the lease being sealed) before it is left to expire instead of being released.
+ABANDON_WAIT_S = 2.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# After the stop's save: the summary, the report, the workers and the cluster closed.
+STOP_MARGIN_S = 15.0
+# Ray's job supervisor reads it from the job's runtime env: seconds from its SIGTERM to SIGKILL.
+STOP_WAIT_VARIABLE = "RAY_JOB_STOP_WAIT_TIME_S"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +52,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.dp=2 train.steps=50")
 
 
-def _stop_on_sigterm() -> None:
-    """Treat SIGTERM (``ray job stop``, Kubernetes) like Ctrl-C: stop cleanly, write the summary."""
+class StopSignals:
+    """SIGINT and SIGTERM alike: the first stops the run cleanly (KeyboardInterrupt, which the
+    Controller turns into a stop that saves the newest snapshot); a second exits at once."""
 
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+    def __init__(self) -> None:
+        self.seen = 0
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.seen += 1
+        if self.seen == 1:
+            raise KeyboardInterrupt
+        # os.write and os._exit: nothing that could block, or run a cleanup that waits on a save.
+        name = signal.Signals(signum).name
+        os.write(2, f"ringtrain: {name} again: exiting now; a save in flight is abandoned, the store's writer lease expires on its own\n".encode())
+        os._exit(128 + signum)
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self)
+
+
+def stop_wait_env(job: config.JobConfig) -> dict[str, str]:
+    """What a submission tells Ray's job supervisor: how long to wait after its SIGTERM before it
+    SIGKILLs the job (its own default is 3 s), so that a stop's save and summary get written."""
+    return {STOP_WAIT_VARIABLE: str(math.ceil(job.checkpoint.stop_persist_timeout_s + STOP_MARGIN_S))}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from ringtrain.telemetry.trackers import check_installed as check_trackers
     from ringtrain.train.mixture import check_sources
 
-    _stop_on_sigterm()
+    stop = StopSignals()
+    stop.install()
     job = resolve_job(config.load(args.job, args.overrides))
     if job.model.hf:
         from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
@@ -74,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     resume_from = find_resume_point(job, run_path, progress.message)
     store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
     lease = store_claim(job, store, run_path)
-    return _train(job, run_path, progress, resume_from, store, lease, eval_plan)
+    return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop)
 
 
 def _train(
@@ -85,6 +122,7 @@ def _train(
     store: "Optional[CheckpointStore]",
     lease: "Optional[WriterLease]",
     eval_plan: "Optional[EvalPlan]",
+    stop: StopSignals,
 ) -> int:
     """The run itself, on a cluster, once every input is known to be good and the store is ours."""
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
@@ -103,20 +141,20 @@ def _train(
     job = cluster.for_workers(job)
     # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's
     # crash handler aborts the process): install ours again so a stop still writes the summary.
-    _stop_on_sigterm()
+    stop.install()
     ok = False
+    persister: "Optional[Persister]" = None
     try:
         device = resolve_device(job)
         check_capacity(job, device)
         warning = fit_warning(job, device)
         if warning:
             print(warning, file=sys.stderr)
-        persister = None
         if store is not None and lease is not None:
             # One writer per store: taken once the run is known to start, held while it trains.
             take_store(job, store, lease)
             meta = {**checkpoint_meta(job), **tracker_meta(job, run_path, resume_from.meta if resume_from else None)}
-            persister = Persister(store, meta, guard=lease.check)
+            persister = Persister(store, meta, fence=lease)
         run_dir = RunDir(run_path)
         run_dir.write_config(job)
         trackers = open_trackers(job, run_dir, progress.message, resume_from.meta if resume_from else None)
@@ -148,6 +186,12 @@ def _train(
         finally:
             run_dir.close()
         progress.summary(summary)
+        if summary.get("durable_stopped"):
+            print(
+                f"ringtrain: warning: durable checkpoints stopped during the run (the newest is step "
+                f"{summary['last_durable_step']}): {summary['durable_stopped']}",
+                file=sys.stderr,
+            )
         try:
             report_path, _ = write_report(run_path)
             progress.message(f"report: {report_path}")
@@ -162,7 +206,10 @@ def _train(
         return EXIT_OK if ok else EXIT_FAILED
     finally:
         if lease is not None:
-            lease.stop()  # releases it, if it was taken
+            # No write after this point; the lease goes only once no save is writing under it.
+            lease.seal()
+            idle = persister.close(timeout_s=ABANDON_WAIT_S) if persister is not None else True
+            lease.stop(release=idle)
         # Ray's logs are kept when something went wrong: they hold the workers' output.
         cluster.close(keep_logs=not ok)
 

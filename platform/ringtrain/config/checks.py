@@ -42,6 +42,11 @@ from ringtrain.config.schema import (
 from ringtrain.config.tree import leaves
 from ringtrain.errors import ConfigError
 
+# The longest save at a stop a job may ask for (a pod that runs a driver must be granted it:
+# Kubernetes sends SIGKILL 30 s after SIGTERM unless terminationGracePeriodSeconds says more).
+MAX_STOP_PERSIST_S = 600.0
+
+
 def validate(job: JobConfig) -> None:
     """Check every value and every relation between values; raise on the first problem."""
     validate_finite(job)
@@ -120,6 +125,11 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")
     if not ck.lease_s > 0:
         raise ConfigError("checkpoint.lease_s", f"must be > 0 (got {ck.lease_s})")
+    if not 0 <= ck.stop_persist_timeout_s <= MAX_STOP_PERSIST_S:
+        raise ConfigError(
+            "checkpoint.stop_persist_timeout_s",
+            f"must be within 0..{MAX_STOP_PERSIST_S:g} seconds, 0 saving nothing at a stop (got {ck.stop_persist_timeout_s})",
+        )
 
     _validate_elastic(job)
     if job.controllers.step_timeout_s <= 0:

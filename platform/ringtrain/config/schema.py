@@ -271,6 +271,9 @@ class CheckpointConfig:
     # One run writes a store at a time: it holds the store's writer lease, renewed every third of
     # this term; a run killed without releasing it blocks the store this long at most.
     lease_s: float = 60.0
+    # On SIGINT or SIGTERM the newest in-memory snapshot is written to the store within this many
+    # seconds (0: not at all), well inside the 30 s Kubernetes grants a pod between SIGTERM and SIGKILL.
+    stop_persist_timeout_s: float = 20.0
 
 
 @dataclass
