@@ -10,16 +10,26 @@
 #
 #   eval "$(infra/local-stack.sh env)" && ringtrain run jobs/quickstart.yaml
 #
-# The Ray head authenticates with a token (RAY_AUTH_MODE=token): `start` generates one, keeps it
-# in $RINGTRAIN_STACK_DIR/auth_token (mode 0600) and prints it; `env` exports it as
-# RAY_AUTH_TOKEN, which ringtrain, Ray's CLI and Ray's clients read. Every other local user
-# reaches the loopback ports too; without the token they cannot run code on the head.
+# The Ray head authenticates with a token (RAY_AUTH_MODE=token): `start` generates one and keeps
+# it in $RINGTRAIN_STACK_DIR/auth_token (mode 0600), never printing it; `env` exports that file's
+# path as RAY_AUTH_TOKEN_PATH, which ringtrain, Ray's CLI and Ray's clients read. Every other
+# local user reaches the loopback ports too; without the token they cannot run code on the head.
+#
+# The head runs on PYTHON (the repo's .venv by default), and `env` exports that interpreter as
+# RINGTRAIN_CLUSTER_PYTHON: `ringtrain submit` runs jobs with it, so a job finds ringtrain's
+# dependencies whatever `python` the PATH of the shell that ran `start` holds.
+#
+# Ray's temp folder must be this user's own: one that is a link, not a folder, or another
+# user's (made first by someone else in /tmp, say) is refused with exit 2; an open one of ours
+# is made 0700. Ray itself runs in its `ray` subfolder: Ray makes every folder it uses
+# world-writable (0777), which behind a 0700 parent nobody else can reach.
 #
 # It never runs `ray stop`, which would kill every Ray process on the machine: the Ray head is
 # started with --block, and stopping that one process stops the processes it started.
 #
 # Settings (environment): RINGTRAIN_STACK_DIR (state, logs; default .ringtrain-cache/local-stack),
-# RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short),
+# RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short; Ray unpacks
+# every job's files there),
 # RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_AGENT_PORT (52365: the job agent), METRICS_PORT (8080), PROMETHEUS_PORT (9090),
 # S3_PORT (9000), S3_BUCKET (ringtrain), PYTHON. Prometheus reads infra/prometheus.yml with the
 # metrics and Prometheus ports put in.
@@ -27,9 +37,13 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STATE_DIR=${RINGTRAIN_STACK_DIR:-$REPO/.ringtrain-cache/local-stack}
+# Absolute: `env` hands out paths inside it.
+[[ $STATE_DIR == /* ]] || STATE_DIR=$PWD/$STATE_DIR
 PID_FILE=$STATE_DIR/pids
 LOG_DIR=$STATE_DIR/logs
 TOKEN_FILE=$STATE_DIR/auth_token
+# The interpreter the head runs, as `start` found it (`env` exports it).
+PYTHON_FILE=$STATE_DIR/cluster_python
 PROMETHEUS_CONFIG=$STATE_DIR/prometheus.yml
 RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ringtrain-ray-$(id -u)}
 RAY_PORT=${RAY_PORT:-6379}
@@ -46,9 +60,6 @@ STOP_TIMEOUT_S=30
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
 fi
-PYTHON_BIN_DIR=$(dirname "$(command -v "$PYTHON")")
-RAY_BIN=$PYTHON_BIN_DIR/ray
-[[ -x "$RAY_BIN" ]] || RAY_BIN=ray
 
 # What each service's command line contains; `stop` kills a PID only when its command line
 # still matches, so a PID reused by an unrelated process after a reboot is left alone.
@@ -115,6 +126,33 @@ record() {
     echo "$1 $2" >>"$PID_FILE"
 }
 
+# Bad input (a temp folder we must not use): one line naming it, exit 2, nothing started.
+refuse() {
+    log "$*"
+    exit 2
+}
+
+# $1 as a folder only this user can enter: made 0700 when missing; refused when it is a link,
+# not a folder, or another user's. In a sticky /tmp nobody else can rename or replace a folder
+# of ours once checked.
+private_dir() {
+    local dir=$1
+    if [[ ! -e $dir && ! -L $dir ]]; then
+        mkdir -p -- "$(dirname -- "$dir")"
+        # Fails when someone made it meanwhile: that one is checked below like any other.
+        mkdir -m 700 -- "$dir" 2>/dev/null || true
+    fi
+    if [[ -L $dir || ! -d $dir ]]; then
+        refuse "RAY_TEMP_DIR $dir is a link or not a folder; remove it, or set RAY_TEMP_DIR to a folder of your own"
+    fi
+    if [[ ! -O $dir ]]; then
+        local owner
+        owner=$("$PYTHON" -c "import os, sys; print(os.lstat(sys.argv[1]).st_uid)" "$dir" 2>/dev/null) || owner="?"
+        refuse "RAY_TEMP_DIR $dir belongs to another user (uid $owner), who could plant code in it; remove it, or set RAY_TEMP_DIR to a folder of your own"
+    fi
+    chmod 700 -- "$dir"
+}
+
 cmd_start() {
     if [[ -s "$PID_FILE" ]]; then
         while read -r name pid; do
@@ -125,7 +163,8 @@ cmd_start() {
         done <"$PID_FILE"
         rm -f "$PID_FILE"
     fi
-    require "ray" "install the project (make venv) or set PYTHON" "$RAY_BIN" --version
+    private_dir "$RAY_TEMP_DIR"
+    require "ray" "install the project (make venv) or set PYTHON" "$PYTHON" -c "import ray"
     require "prometheus" "apt-get install --no-install-recommends prometheus" command -v prometheus
     require "moto" "pip install 'moto[server]'" "$PYTHON" -c "import moto.server, flask, flask_cors"
     for port in "$RAY_PORT" "$RAY_DASHBOARD_PORT" "$RAY_AGENT_PORT" "$METRICS_PORT" "$PROMETHEUS_PORT" "$S3_PORT"; do
@@ -134,10 +173,13 @@ cmd_start() {
             exit 1
         fi
     done
-    mkdir -p "$LOG_DIR" "$RAY_TEMP_DIR"
+    mkdir -p "$LOG_DIR"
     chmod 700 "$STATE_DIR"
     # Made before anything starts: a token that only exists after `start` could be lost with it.
     new_token
+    # The path Python reports for itself: a venv's interpreter stays the venv's (a resolved
+    # symlink would be the base Python, without the venv's packages).
+    "$PYTHON" -c "import sys; print(sys.executable)" >"$PYTHON_FILE"
     sed -e "s/127\.0\.0\.1:8080/127.0.0.1:$METRICS_PORT/" -e "s/127\.0\.0\.1:9090/127.0.0.1:$PROMETHEUS_PORT/" \
         "$REPO/infra/prometheus.yml" >"$PROMETHEUS_CONFIG"
     trap 'log "start failed; stopping what was started"; cmd_stop' ERR
@@ -147,12 +189,11 @@ cmd_start() {
 
     # Token authentication on: loopback ports are open to every user of this machine. The token
     # goes in through the environment (readable by this user only), never the command line.
-    # PYTHON's folder leads the head's PATH: a submitted job's entrypoint runs `python` there, and
-    # it must be the Python that has ringtrain's dependencies, whatever the user's shell holds.
-    PATH="$PYTHON_BIN_DIR:$PATH" RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$RAY_BIN" start --head --block \
+    # Ray runs on PYTHON itself (its workers too), whatever `ray` the PATH holds.
+    RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
         --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
         --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" --dashboard-agent-listen-port="$RAY_AGENT_PORT" \
-        --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR" \
+        --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR/ray" \
         </dev/null >"$LOG_DIR/ray.log" 2>&1 &
     local ray_pid=$!
     record ray "$ray_pid"
@@ -180,7 +221,7 @@ boto3.client('s3', endpoint_url='http://127.0.0.1:$S3_PORT', region_name='$S3_RE
 
     log "started; PIDs in $PID_FILE, logs in $LOG_DIR"
     log "Ray dashboard http://127.0.0.1:$RAY_DASHBOARD_PORT, Prometheus http://127.0.0.1:$PROMETHEUS_PORT, S3 http://127.0.0.1:$S3_PORT (bucket $S3_BUCKET)"
-    log "Ray auth token: $(cat "$TOKEN_FILE") (kept in $TOKEN_FILE)"
+    log "Ray runs on $(cat "$PYTHON_FILE"); its auth token is in $TOKEN_FILE (mode 0600, never printed)"
     log "point ringtrain at it with: eval \"\$($0 env)\""
 }
 
@@ -196,11 +237,16 @@ cmd_env() {
         log "no token in $TOKEN_FILE: run '$0 start' first"
         exit 1
     fi
+    local python
+    python=$(cat "$PYTHON_FILE" 2>/dev/null) || python=$("$PYTHON" -c "import sys; print(sys.executable)")
+    # %q: paths with spaces survive `eval`.
     cat <<EOF
 export RAY_ADDRESS=127.0.0.1:$RAY_PORT
 export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$RAY_DASHBOARD_PORT
 export RAY_AUTH_MODE=token
-export RAY_AUTH_TOKEN=$(cat "$TOKEN_FILE")
+export RAY_AUTH_TOKEN_PATH=$(printf %q "$TOKEN_FILE")
+unset RAY_AUTH_TOKEN
+export RINGTRAIN_CLUSTER_PYTHON=$(printf %q "$python")
 export AWS_ENDPOINT_URL=http://127.0.0.1:$S3_PORT
 export AWS_ACCESS_KEY_ID=testing
 export AWS_SECRET_ACCESS_KEY=testing
@@ -221,7 +267,7 @@ cmd_status() {
 
 cmd_stop() {
     # The token dies with the stack: the next `start` makes a new one.
-    rm -f "$TOKEN_FILE"
+    rm -f "$TOKEN_FILE" "$PYTHON_FILE"
     if [[ ! -s "$PID_FILE" ]]; then
         log "nothing to stop ($PID_FILE is absent)"
         rm -f "$PID_FILE"

@@ -1,7 +1,10 @@
 """Submitting ringtrain jobs to a Ray cluster's job API: entrypoint, runtime env, submission ids, client calls.
 
-A submitted job runs ``python -m ringtrain run <job file> <overrides>`` as a Ray job driver.
-Its working_dir holds the job file and the relative inputs it declares, nothing else
+A submitted job runs ``<python> -m ringtrain run <job file> <overrides>`` as a Ray job driver,
+where ``<python>`` is the cluster's interpreter as the user names it (``--python``, else
+RINGTRAIN_CLUSTER_PYTHON, which ``infra/local-stack.sh env`` exports), else a bare ``python``:
+the entrypoint is a shell command on the head, and a bare name is looked up on the PATH of
+whoever started the head, which need not be the Python Ray runs with. Its working_dir holds the job file and the relative inputs it declares, nothing else
 (``submission_files``), and the ringtrain package of this client travels as a ``py_modules``
 entry, so a cluster without ringtrain installed runs it and one with ringtrain installed runs
 the same code the client validated the config with (a py_modules entry comes first on the
@@ -10,8 +13,9 @@ driver's and every worker's ``sys.path``). Inside the job Ray sets ``RAY_ADDRESS
 
 A cluster with token authentication (the chart's, the local stack's, and by default a new
 ``ray.init()`` cluster's) answers only requests that carry its token as ``Authorization: Bearer
-<token>``; the token comes from ``--token`` or ``RAY_AUTH_TOKEN`` and is sent on every call, the
-log stream included. Without one, or with a wrong one, the cluster's refusal says which to pass.
+<token>``; the token comes from ``--token``, ``--token-file``, ``RAY_AUTH_TOKEN`` or the file
+``RAY_AUTH_TOKEN_PATH`` names (Ray's own variables), and is sent on every call, the log stream
+included. Without one, or with a wrong one, the cluster's refusal says which to pass.
 Plain http to an address off this machine sends the token and the job's files readable by anyone
 on the path: the command warns about it.
 
@@ -54,9 +58,20 @@ ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 TERMINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 ACTIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
 ID_HASH_CHARS = 10
-# The variable Ray's own clients read a cluster's token from; ``--token`` wins over it.
+# The variables Ray's own clients read a cluster's token from, the token itself first, as Ray
+# reads them; ``--token`` and ``--token-file`` win over both.
 TOKEN_VARIABLE = "RAY_AUTH_TOKEN"
-TOKEN_HINT = f"pass the cluster's token with --token TOKEN or set {TOKEN_VARIABLE}"
+TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"
+TOKEN_HINT = (
+    f"pass the cluster's token with --token-file PATH or --token TOKEN, "
+    f"or set {TOKEN_PATH_VARIABLE} or {TOKEN_VARIABLE}"
+)
+# A token is a few dozen characters; a file much larger is not one (and is not read whole).
+TOKEN_FILE_MAX_BYTES = 4096
+# The interpreter a job's entrypoint runs on the cluster: ``--python``, else this variable, else
+# whatever ``python`` the head's PATH finds.
+CLUSTER_PYTHON_VARIABLE = "RINGTRAIN_CLUSTER_PYTHON"
+DEFAULT_CLUSTER_PYTHON = "python"
 QUIET_LOGGERS = (
     "ray.dashboard.modules.dashboard_sdk",
     "ray.dashboard.modules.job.sdk",
@@ -107,10 +122,54 @@ def resolve_address(explicit: Optional[str] = None) -> str:
     return DEFAULT_ADDRESS
 
 
-def resolve_token(explicit: Optional[str] = None) -> Optional[str]:
-    """The cluster's token: the given one, else RAY_AUTH_TOKEN, else None (send none)."""
-    token = (explicit if explicit is not None else os.environ.get(TOKEN_VARIABLE, "")).strip()
-    return token or None
+def resolve_token(explicit: Optional[str] = None, file: Optional[str] = None) -> Optional[str]:
+    """The cluster's token: the given one, else the given file's, else RAY_AUTH_TOKEN, else the
+    file RAY_AUTH_TOKEN_PATH names, else None (send none)."""
+    if explicit is not None:
+        return explicit.strip() or None
+    if file is not None:
+        return read_token_file(file, "--token-file")
+    token = os.environ.get(TOKEN_VARIABLE, "").strip()
+    if token:
+        return token
+    path = os.environ.get(TOKEN_PATH_VARIABLE, "")
+    return read_token_file(path, TOKEN_PATH_VARIABLE) if path else None
+
+
+def read_token_file(path: str, key: str) -> str:
+    """The token a file holds (surrounding whitespace dropped); a missing, unreadable, empty or
+    oversized file is bad input naming ``key`` and the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(TOKEN_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read the token file {path}: {exc.strerror or exc}") from None
+    if len(data) > TOKEN_FILE_MAX_BYTES:
+        raise ConfigError(key, f"{path} is over {TOKEN_FILE_MAX_BYTES} bytes: not a token file")
+    token = data.decode("utf-8", errors="replace").strip()
+    if not token:
+        raise ConfigError(key, f"the token file {path} is empty")
+    return token
+
+
+def resolve_cluster_python(explicit: Optional[str] = None) -> str:
+    """The interpreter a job runs with on the cluster: the given one, else RINGTRAIN_CLUSTER_PYTHON,
+    else ``python``. A relative path is refused: the entrypoint runs in Ray's copy of the job's
+    folder on the head, where it would name nothing."""
+    key = "--python" if explicit is not None else CLUSTER_PYTHON_VARIABLE
+    chosen = explicit if explicit is not None else os.environ.get(CLUSTER_PYTHON_VARIABLE, "")
+    chosen = chosen.strip()
+    if explicit is None and not chosen:
+        return DEFAULT_CLUSTER_PYTHON
+    if not chosen:
+        raise ConfigError(key, "empty: name the cluster's Python, e.g. /opt/venv/bin/python")
+    if "/" in chosen and not chosen.startswith("/"):
+        raise ConfigError(
+            key,
+            f"{chosen} is a relative path, which the job would resolve in its own folder on the "
+            "cluster: give an absolute path (or a command name on the head's PATH)",
+        )
+    return chosen
 
 
 def auth_headers(token: Optional[str]) -> dict[str, str]:
@@ -175,9 +234,10 @@ def next_free_id(base: str, known: set[str]) -> str:
     return f"{base}-{n}"
 
 
-def entrypoint(job_path: Path, overrides: list[str]) -> str:
-    """The driver command, relative to the working_dir that holds the job file."""
-    args = ["python", "-m", "ringtrain", "run", job_path.name, *overrides]
+def entrypoint(job_path: Path, overrides: list[str], python: str = DEFAULT_CLUSTER_PYTHON) -> str:
+    """The driver command, relative to the working_dir that holds the job file, run by ``python``
+    (the cluster's interpreter, see ``resolve_cluster_python``)."""
+    args = [python, "-m", "ringtrain", "run", job_path.name, *overrides]
     return " ".join(shlex.quote(a) for a in args)
 
 
@@ -317,15 +377,16 @@ class JobsClient:
         submission_id: Optional[str] = None,
         ship_package: bool = True,
         env_vars: Optional[dict[str, str]] = None,
+        python: str = DEFAULT_CLUSTER_PYTHON,
     ) -> str:
-        """Submit a validated job; returns its submission id."""
+        """Submit a validated job, run by the cluster's ``python``; returns its submission id."""
         chosen = self.choose_id(job, submission_id)
         with working_dir(job_path, job) as folder, self._calls():
             deadline = time.monotonic() + AGENT_WAIT_S
             while True:
                 try:
                     return self._client.submit_job(
-                        entrypoint=entrypoint(job_path, overrides),
+                        entrypoint=entrypoint(job_path, overrides, python),
                         submission_id=chosen,
                         runtime_env=runtime_env(folder, ship_package=ship_package, env_vars=env_vars),
                         metadata={"ringtrain_job": job.name, "ringtrain_config_sha256": config_digest(job)},

@@ -11,8 +11,10 @@ job reads relative to its working_dir. Absolute paths and URIs are the cluster's
 are not shipped.
 
 Refused, naming the key: a relative input that does not exist, that leaves the job file's
-folder, that names a hidden file or folder, or that holds a link to somewhere outside the job
-file's folder (it would ship the link's target). Inside a shipped folder, hidden entries and
+folder, that names a hidden file or folder, that holds a link to somewhere outside the job
+file's folder (it would ship the link's target), or that reaches its files through such a link
+(``data.path=shared/corpus`` where ``shared`` links elsewhere). Every file is placed from its
+resolved path, checked again as it is placed. Inside a shipped folder, hidden entries and
 compiled leftovers are left out.
 """
 
@@ -60,12 +62,16 @@ def shipped_inputs(job_path: Path, job: JobConfig) -> list[Path]:
 
 
 def _check_links(key: str, source: Path, base: Path) -> None:
-    """Every link that would be shipped must point inside ``base`` (its target is what ships)."""
+    """Everything that would be shipped must resolve inside ``base``: a link's target is what
+    ships, and so is what lies behind a linked folder on the way to ``source``."""
     candidates = [source] if not source.is_dir() else [source, *_entries(source)]
     for path in candidates:
-        if path.is_symlink() and not _inside(path.resolve(), base):
-            raise ConfigError(key, f"{path} links to {path.resolve()}, outside the job file's folder {base}; "
-                              "a submission would ship what it points to")
+        target = path.resolve()
+        if _inside(target, base):
+            continue
+        how = "links to" if path.is_symlink() else "passes through a link, to"
+        raise ConfigError(key, f"{path} {how} {target}, outside the job file's folder {base}; "
+                          "a submission would ship what it points to")
 
 
 def _entries(folder: Path) -> Iterator[Path]:
@@ -84,14 +90,18 @@ def _inside(path: Path, base: Path) -> bool:
     return path == base or base in path.parents
 
 
-def _place(source: Path, dest: Path) -> None:
+def _place(source: Path, dest: Path, base: Path) -> None:
     """A file's bytes at ``dest``: a hard link when the file system allows it (data can be
-    large and is only read), else a copy."""
+    large and is only read), else a copy; from its resolved path, which must still lie inside
+    ``base`` (a link swapped in since the check is not followed out)."""
+    target = source.resolve()
+    if not _inside(target, base):
+        raise ConfigError(str(source), f"now resolves to {target}, outside the job file's folder {base}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.link(source.resolve(), dest)
+        os.link(target, dest)
     except OSError:
-        shutil.copyfile(source, dest)
+        shutil.copyfile(target, dest)
 
 
 @contextmanager
@@ -102,16 +112,17 @@ def working_dir(job_path: Path, job: JobConfig) -> Iterator[Path]:
     base = job_path.resolve().parent
     folder = Path(tempfile.mkdtemp(prefix="ringtrain-submit-"))
     try:
-        _place(job_path, folder / job_path.name)
+        # The job file is the one the user named, wherever a link of theirs leads.
+        _place(job_path, folder / job_path.name, job_path.resolve().parent)
         for relative in inputs:
             source = base / relative
             if not source.is_dir():
-                _place(source, folder / relative)
+                _place(source, folder / relative, base)
                 continue
             (folder / relative).mkdir(parents=True, exist_ok=True)
             for entry in _entries(source):
                 if entry.is_file():
-                    _place(entry, folder / entry.relative_to(base))
+                    _place(entry, folder / entry.relative_to(base), base)
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 No Docker engine is available here, so the Dockerfile is checked for what the chart relies on.
 The local-stack script is checked without starting Ray (that takes seconds and gigabytes): its
-syntax, its commands, and that `stop` kills exactly the processes named in its PID file.
+syntax, its commands, that `stop` kills exactly the processes named in its PID file, and that a
+Ray temp folder someone else could have planted is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def test_local_stack_script_parses_and_never_runs_ray_stop() -> None:
     assert any('--config.file="$PROMETHEUS_CONFIG"' in line for line in code)
     assert any("moto.server -H 127.0.0.1" in line for line in code)
     # Token authentication on, with the token kept off every command line.
-    (ray_start,) = [line for line in code if '"$RAY_BIN" start --head' in line]
+    (ray_start,) = [line for line in code if '"$PYTHON" -m ray.scripts.scripts start --head' in line]
     assert "RAY_AUTH_MODE=token" in ray_start and 'RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")"' in ray_start
     assert not [line for line in code if "RAY_AUTH_MODE=disabled" in line]
 
@@ -129,8 +130,9 @@ def test_local_stack_script_passes_shellcheck() -> None:
     assert result.returncode == 0, result.stdout
 
 
-def stack(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RINGTRAIN_STACK_DIR": str(state)}
+def stack(*args: str, state: Path, **settings: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RINGTRAIN_STACK_DIR=str(state), **settings)
     command = ["bash", str(SCRIPT), *args]
     return subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=60)
 
@@ -143,12 +145,19 @@ def test_local_stack_usage_env_and_status(tmp_path: Path) -> None:
     assert before.returncode == 1 and "run" in before.stderr and "start" in before.stderr
     token = "ab" * 32
     (tmp_path / "auth_token").write_text(token + "\n")
-    exports = dict(re.findall(r"^export (\w+)=(\S+)$", stack("env", state=tmp_path).stdout, re.MULTILINE))
+    (tmp_path / "cluster_python").write_text("/opt/the cluster/bin/python\n")
+    printed = stack("env", state=tmp_path).stdout
+    assert token not in printed
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", printed, re.MULTILINE))
     assert exports["RAY_ADDRESS"] == "127.0.0.1:6379"
     assert exports["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:8265"
     assert exports["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
     assert exports["RAY_AUTH_MODE"] == "token"
-    assert exports["RAY_AUTH_TOKEN"] == token
+    assert exports["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "auth_token")
+    # What a shell gets from eval: the head's Python, quoted; no token of an earlier cluster.
+    shell = f'RAY_AUTH_TOKEN=stale; {printed}\nprintf "%s|%s" "$RINGTRAIN_CLUSTER_PYTHON" "${{RAY_AUTH_TOKEN-unset}}"'
+    evaluated = subprocess.run(["bash", "-c", shell], check=True, capture_output=True, text=True).stdout
+    assert evaluated == "/opt/the cluster/bin/python|unset"
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} <= exports.keys()
     assert stack("status", state=tmp_path).stdout.strip() == "not running"
     stopped = stack("stop", state=tmp_path)
@@ -212,3 +221,43 @@ def test_stop_kills_exactly_the_recorded_processes(
     finally:
         if not _gone(grandchild):
             os.kill(grandchild, 9)
+
+
+def test_a_ray_temp_dir_that_is_a_link_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    state, elsewhere, link = tmp_path / "state", tmp_path / "elsewhere", tmp_path / "ray"
+    elsewhere.mkdir(mode=0o700)
+    link.symlink_to(elsewhere)
+    result = stack("start", state=state, RAY_TEMP_DIR=str(link))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"local-stack: RAY_TEMP_DIR {link} is a link or not a folder; "
+        "remove it, or set RAY_TEMP_DIR to a folder of your own"
+    )
+    assert not state.exists(), "nothing may start, no token be made"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_ray_temp_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    state, planted = tmp_path / "state", tmp_path / "ray"
+    planted.mkdir(mode=0o777)
+    nobody = 65534
+    os.chown(planted, nobody, nobody)
+    result = stack("start", state=state, RAY_TEMP_DIR=str(planted))
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith(f"local-stack: RAY_TEMP_DIR {planted} belongs to another user (uid {nobody})"), line
+    assert len(line.splitlines()) == 1
+    assert not state.exists()
+
+
+def test_a_ray_temp_dir_is_made_or_kept_private(tmp_path: Path) -> None:
+    """A missing folder is made 0700 and an open one of ours made 0700, before anything else
+    (here the stack then stops, at a Python without Ray)."""
+    made, opened = tmp_path / "new" / "ray", tmp_path / "open"
+    opened.mkdir(mode=0o755)
+    opened.chmod(0o777)
+    for folder in (made, opened):
+        result = stack("start", state=tmp_path / "state", RAY_TEMP_DIR=str(folder), PYTHON="/bin/false")
+        assert result.returncode == 1 and "ray is missing" in result.stderr, result.stderr
+        assert folder.is_dir() and not folder.is_symlink()
+        assert folder.stat().st_mode & 0o777 == 0o700

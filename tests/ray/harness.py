@@ -115,9 +115,30 @@ def end_processes(path: Path) -> None:
         psutil.wait_procs(alive, timeout=10)
 
 
+# What the `python` of a user's shell that never activated the venv is, made certain: a Python
+# without ringtrain's dependencies fails the same way, but whether one is on the PATH varies.
+DECOY_PYTHON = '#!/bin/sh\necho "ringtrain test: $0 is the shell\'s python, not the cluster\'s" >&2\nexit 97\n'
+
+
+def shell_path(decoy_dir: Path) -> str:
+    """A PATH as a user's shell has it without the venv: this one minus the venv's folder, led
+    by a ``python`` (and ``python3``) that is not the cluster's and fails when run (``DECOY_PYTHON``).
+    A job whose entrypoint relies on ``python`` of the head's PATH fails on it."""
+    decoy_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("python", "python3"):
+        decoy = decoy_dir / name
+        decoy.write_text(DECOY_PYTHON)
+        decoy.chmod(0o755)
+    kept = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p) != VENV_BIN]
+    return os.pathsep.join([str(decoy_dir), *kept])
+
+
 def head_env(home: Path, temp_dir: Path, *, token: Optional[str] = None) -> dict[str, str]:
     """The environment of a head and of every command run against it: token authentication
-    with ``token`` (Ray's daemons, job drivers and clients all read RAY_AUTH_TOKEN), else off."""
+    with ``token`` (Ray's daemons, job drivers and clients all read RAY_AUTH_TOKEN), else off.
+    The PATH is a user's shell's without the venv (``shell_path``): the head is started by the
+    venv's ``ray`` by its path, and jobs name the venv's Python (RINGTRAIN_CLUSTER_PYTHON), as the
+    README has it."""
     env = dict(os.environ)
     for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(name, None)
@@ -129,8 +150,8 @@ def head_env(home: Path, temp_dir: Path, *, token: Optional[str] = None) -> dict
         HOME=str(home),
         RAY_TMPDIR=str(temp_dir),
         TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
-        # Job entrypoints say `python`: it must be this venv's, which has Ray and torch.
-        PATH=os.pathsep.join([str(VENV_BIN), env.get("PATH", "")]),
+        PATH=shell_path(home / "shell-bin"),
+        RINGTRAIN_CLUSTER_PYTHON=sys.executable,
         PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
     )
     return env

@@ -1,5 +1,6 @@
-"""infra/local-stack.sh for real: the Ray head runs with token authentication, the token the
-stack printed and exports opens it, and nothing else does; Prometheus still scrapes the head.
+"""infra/local-stack.sh for real: the Ray head runs with token authentication, the token file the
+stack keeps (and never prints) opens it, and nothing else does; Prometheus still scrapes the head;
+a job submitted from a shell whose PATH has no venv runs on the head's Python and succeeds.
 
 The stack runs on free loopback ports with its own state folder, Ray temp folder and HOME, and
 `stop` must leave no process of it behind (found by its RAY_TMPDIR, as tests/ray/harness.py does).
@@ -25,7 +26,7 @@ import pytest
 
 from tests.tools import tool
 
-from .harness import REPO, VENV_BIN, end_processes, free_ports, processes_using
+from .harness import REPO, VENV_BIN, end_processes, free_ports, processes_using, shell_path
 from .test_run_e2e import TINY
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -61,8 +62,9 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         RAY_TEMP_DIR=str(ray_tmp),
         HOME=str(tmp_path_factory.mktemp("home")),
         PYTHON=sys.executable,
-        # A user's shell that never activated the venv: its `python` lacks ringtrain's dependencies.
-        PATH=os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != VENV_BIN),
+        # A user's shell that never activated the venv: its `python` is not the one with
+        # ringtrain's dependencies (here one that fails when run).
+        PATH=shell_path(state / "shell-bin"),
     )
     try:
         started = script(env, "start")
@@ -94,15 +96,21 @@ def ringtrain(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[st
     )
 
 
-def test_the_stack_generates_prints_and_exports_a_token(local_stack: Stack) -> None:
+def test_the_stack_keeps_its_token_in_a_private_file_and_never_prints_it(local_stack: Stack) -> None:
     token_file = local_stack.state / "auth_token"
     token = token_file.read_text().strip()
     assert re.fullmatch(r"[0-9a-f]{64}", token)
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(local_stack.state.stat().st_mode) == 0o700
-    assert f"Ray auth token: {token}" in local_stack.started.stderr
+    assert str(token_file) in local_stack.started.stderr
+    assert token not in local_stack.started.stderr + local_stack.started.stdout
+    printed = script(local_stack.env, "env")
+    assert token not in printed.stdout + printed.stderr
     assert local_stack.exports["RAY_AUTH_MODE"] == "token"
-    assert local_stack.exports["RAY_AUTH_TOKEN"] == token
+    assert local_stack.exports["RAY_AUTH_TOKEN_PATH"] == str(token_file)
+    assert "RAY_AUTH_TOKEN" not in local_stack.exports and "unset RAY_AUTH_TOKEN" in printed.stdout
+    assert local_stack.exports["RINGTRAIN_CLUSTER_PYTHON"] == sys.executable
+    assert stat.S_IMODE(Path(local_stack.env["RAY_TEMP_DIR"]).stat().st_mode) == 0o700
     # Never on a command line, where every local user can read it.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert token not in ps
@@ -141,8 +149,9 @@ def test_prometheus_scrapes_the_head_with_auth_on(local_stack: Stack) -> None:
 
 
 def test_a_job_submitted_from_a_shell_without_the_venv_succeeds(local_stack: Stack) -> None:
-    """`ringtrain submit` as the README has it, from a shell whose `python` is not the venv's:
-    the job's entrypoint runs the head's Python, which the stack put first on its PATH."""
+    """`ringtrain submit` as the README has it, from a shell whose `python` is not the venv's (nor
+    was it when the stack started): the job's entrypoint names the head's Python, which `env`
+    exported as RINGTRAIN_CLUSTER_PYTHON."""
     env = client_env(local_stack, **local_stack.exports)
     submitted = ringtrain(env, "submit", "jobs/quickstart.yaml", *TINY, "train.steps=2", "mesh.dp=1", "mesh.cp=2", "--no-wait")
     assert submitted.returncode == 0, submitted.stderr[-2000:]

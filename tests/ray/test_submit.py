@@ -2,7 +2,9 @@
 
 One head is started for the module with the venv's `ray start --head`, on free ports, with its
 own HOME and RAY_TMPDIR, and token authentication on (as the chart and the local stack run
-Ray): commands get its token from RAY_AUTH_TOKEN (``head.env``) or ``--token``. At teardown
+Ray): commands get its token from RAY_AUTH_TOKEN (``head.env``), ``--token`` or ``--token-file``.
+Its PATH is a user's shell's without the venv, led by a ``python`` that fails (``shell_path``):
+jobs run on the venv's Python because they name it (RINGTRAIN_CLUSTER_PYTHON in ``head.env``). At teardown
 every process whose environment names that RAY_TMPDIR (the head's daemons, job drivers,
 training workers) is ended by PID and none may be left.
 """
@@ -26,6 +28,7 @@ from typing import IO, Iterator
 import pytest
 
 from ringtrain import config
+from ringtrain.checkpoint import open_store
 from ringtrain.submission import (
     DEFAULT_ADDRESS,
     JobsClient,
@@ -211,6 +214,7 @@ def test_the_job_runs_its_file_from_its_working_dir_with_this_ringtrain(tmp_path
     assert entrypoint(QUICKSTART, ["train.steps=3", "run_dir=/tmp/a b"]) == (
         "python -m ringtrain run quickstart.yaml train.steps=3 'run_dir=/tmp/a b'"
     )
+    assert entrypoint(QUICKSTART, [], "/opt/my env/bin/python") == "'/opt/my env/bin/python' -m ringtrain run quickstart.yaml"
     env = runtime_env(tmp_path)
     assert env["working_dir"] == str(tmp_path)
     assert env["py_modules"] == [str(REPO / "platform" / "ringtrain")]
@@ -277,8 +281,10 @@ def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares
     assert "embedded Ray" not in logs.stdout
     assert re.search(rf"ringtrain: quickstart: dp 2 x cp 2 .*:{head.gcs_port}$", logs.stdout, re.M), logs.stdout
 
+    token_file = tmp_path / "token"
+    token_file.write_text(head.token + "\n")
     followed = ringtrain(
-        head, "logs", submission_id, "--follow", "--address", head.address, "--token", head.token,
+        head, "logs", submission_id, "--follow", "--address", head.address, "--token-file", str(token_file),
         env=head.env_without_token(),
     )  # fmt: skip
     assert followed.returncode == 0, followed.stderr[-2000:]
@@ -359,7 +365,7 @@ def test_the_shipped_package_is_what_the_job_imports(head: Head) -> None:
         "    print(client.submit_job(entrypoint=sys.argv[3], runtime_env=submission.runtime_env(folder)))\n"
     )
     submitted = subprocess.run(
-        [sys.executable, "-c", code, head.address, str(QUICKSTART), f"python -c {shlex.quote(probe)}"],
+        [sys.executable, "-c", code, head.address, str(QUICKSTART), f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}"],
         env=head.env,
         capture_output=True,
         text=True,
@@ -381,7 +387,7 @@ def test_plain_ray_job_submit_runs_the_job(head: Head) -> None:
             str(VENV_BIN / "ray"), "job", "submit",
             "--address", head.address,
             "--working-dir", "jobs",
-            "--", "python", "-m", "ringtrain", "run", "quickstart.yaml", *ONE_WORKER,
+            "--", head.env["RINGTRAIN_CLUSTER_PYTHON"], "-m", "ringtrain", "run", "quickstart.yaml", *ONE_WORKER,
         ],  # fmt: skip
         env=head.env,
         cwd=REPO,
@@ -446,6 +452,35 @@ def test_stop_ends_a_training_job_and_the_same_config_is_not_run_twice(head: Hea
     assert resubmitted.stdout.strip() == f"{submission_id}-2"
     stopped = ringtrain(head, "stop", f"{submission_id}-2", "--address", head.address)
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"{submission_id}-2: STOPPED", stopped.stderr[-3000:]
+
+
+def test_stop_of_a_submitted_run_saves_its_newest_snapshot(head: Head, tmp_path: Path) -> None:
+    """`ringtrain stop`: Ray's job supervisor sends SIGTERM and, told so by the submission
+    (RAY_JOB_STOP_WAIT_TIME_S), waits for the run's stop to save the newest in-memory snapshot
+    (no durable checkpoint before: persist_every 0) before it would SIGKILL it."""
+    store = tmp_path / "store"
+    args = [*LONG, f"checkpoint.uri={store.as_uri()}", "--address", head.address, "--no-wait"]
+    submitted = ringtrain(head, "submit", str(QUICKSTART), *args)
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    submission_id = submitted.stdout.strip()
+    client = JobsClient(head.address, head.token)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not re.search(r"^step +3/100000 ", client.logs(submission_id), re.M):
+        assert time.monotonic() < deadline, f"no step 3 within {JOB_TIMEOUT_S:g} s: {client.logs(submission_id)[-3000:]}"
+        time.sleep(1)
+    stopped = ringtrain(head, "stop", submission_id, "--address", head.address)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == f"{submission_id}: STOPPED", stopped.stderr[-3000:]
+    logs = client.logs(submission_id)
+    last = max(int(m) for m in re.findall(r"^step +(\d+)/100000 ", logs, re.M))
+    saved = [line for line in logs.splitlines() if line.startswith("stop: ")]
+    assert saved and saved[0].startswith(f"stop: saved step {last} to {(store / f'step-{last:09d}').as_uri()} in "), logs[-3000:]
+    assert [ref.step for ref in open_store(store.as_uri()).list()] == [last]  # the last step it printed: none lost
+    assert not (store / "writer.lease").exists()
+    assert no_training_workers(head, timeout=30)
+    from ray.job_submission import JobSubmissionClient
+
+    info = JobSubmissionClient(head.address, headers=auth_headers(head.token)).get_job_info(submission_id)
+    assert info.runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "35"  # the default 20 s bound + 15 s
 
 
 def test_bad_override_is_refused_before_anything_is_submitted(head: Head) -> None:

@@ -10,7 +10,14 @@ import pytest
 
 from ringtrain import config
 from ringtrain.errors import ConfigError
-from ringtrain.submission import auth_headers, plain_http_warning, resolve_token
+from ringtrain.submission import (
+    CLUSTER_PYTHON_VARIABLE,
+    TOKEN_FILE_MAX_BYTES,
+    auth_headers,
+    plain_http_warning,
+    resolve_cluster_python,
+    resolve_token,
+)
 from ringtrain.submission_files import listing, shipped_inputs, working_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,8 +111,50 @@ def test_a_link_out_of_the_folder_is_refused(tmp_path: Path) -> None:
     assert "data/same.txt" in shipped(job, ["data.path=data"])
 
 
+@pytest.mark.parametrize("through", ["shared/corpus", "shared/corpus/doc.txt", "data/out/doc.txt"])
+def test_a_path_through_a_linked_folder_out_of_the_folder_is_refused(tmp_path: Path, through: str) -> None:
+    """``shared -> ~/private``: ``data.path=shared/corpus`` names no link itself, but what it ships
+    lies outside the job's folder."""
+    private = tmp_path / "home" / "private"
+    (private / "corpus").mkdir(parents=True)
+    (private / "corpus" / "doc.txt").write_text("secret")
+    (private / "doc.txt").write_text("secret")
+    job = job_folder(tmp_path / "job")
+    os.symlink(private, job.parent / "shared")
+    os.symlink(private, job.parent / "data" / "out")
+    with pytest.raises(ConfigError) as caught:
+        shipped_inputs(job, config.load(job, [f"data.path={through}"]))
+    assert caught.value.key == "data.path"
+    assert "passes through a link" in caught.value.reason and str(private) in caught.value.reason
+    # A linked folder that stays inside ships what it holds.
+    os.symlink(job.parent / "data" / "sub", job.parent / "inside")
+    assert shipped(job, ["data.path=inside/b.txt"]) == ["inside/b.txt", "job.yaml"]
+
+
+def test_a_file_swapped_for_a_link_after_the_check_is_not_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ringtrain.submission_files as submission_files
+
+    outside = tmp_path / "secret.txt"
+    outside.write_text("secret")
+    job = job_folder(tmp_path / "job")
+    target = job.parent / "data" / "a.txt"
+    checked = submission_files.shipped_inputs
+
+    def check_then_swap(job_path: Path, job_config: config.JobConfig) -> list[Path]:
+        found = checked(job_path, job_config)
+        target.unlink()
+        target.symlink_to(outside)
+        return found
+
+    monkeypatch.setattr(submission_files, "shipped_inputs", check_then_swap)
+    with pytest.raises(ConfigError, match="outside the job file's folder"):
+        with working_dir(job, config.load(job, ["data.path=data/a.txt"])):
+            pass
+
+
 def test_the_token_is_the_flag_then_ray_auth_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     assert resolve_token(None) is None
     monkeypatch.setenv("RAY_AUTH_TOKEN", " from-env\n")
     assert resolve_token(None) == "from-env"
@@ -114,6 +163,92 @@ def test_the_token_is_the_flag_then_ray_auth_token(monkeypatch: pytest.MonkeyPat
     assert resolve_token(None) is None
     assert auth_headers("t") == {"Authorization": "Bearer t"}
     assert auth_headers(None) == {}
+
+
+def test_a_token_file_from_the_flag_or_ray_auth_token_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's order: RAY_AUTH_TOKEN, then the file RAY_AUTH_TOKEN_PATH names; the flags before both."""
+    flag_file, env_file = tmp_path / "flag-token", tmp_path / "env-token"
+    flag_file.write_text("from-flag-file\n")
+    env_file.write_text("  from-env-file\n")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(env_file))
+    assert resolve_token(None) == "from-env-file"
+    assert resolve_token(None, str(flag_file)) == "from-flag-file"
+    assert resolve_token("from-flag", str(flag_file)) == "from-flag"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert resolve_token(None) == "from-env"
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "folder", "huge"])
+def test_a_bad_token_file_is_bad_input_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    path = tmp_path / "token"
+    if kind == "empty":
+        path.write_text("\n")
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "huge":
+        path.write_text("x" * (TOKEN_FILE_MAX_BYTES + 1))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as flag:
+        resolve_token(None, str(path))
+    assert flag.value.key == "--token-file" and str(path) in flag.value.reason
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    with pytest.raises(ConfigError) as variable:
+        resolve_token(None)
+    assert variable.value.key == "RAY_AUTH_TOKEN_PATH"
+
+
+def test_the_clusters_python_is_the_flag_then_the_variable_then_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CLUSTER_PYTHON_VARIABLE, raising=False)
+    assert resolve_cluster_python(None) == "python"
+    monkeypatch.setenv(CLUSTER_PYTHON_VARIABLE, "/opt/venv/bin/python")
+    assert resolve_cluster_python(None) == "/opt/venv/bin/python"
+    assert resolve_cluster_python("/usr/bin/python3.11") == "/usr/bin/python3.11"
+    assert resolve_cluster_python("python3") == "python3"  # a name on the head's PATH
+    for relative in (".venv/bin/python", "bin/python"):
+        with pytest.raises(ConfigError, match="relative path"):
+            resolve_cluster_python(relative)
+    with pytest.raises(ConfigError) as empty:
+        resolve_cluster_python("  ")
+    assert empty.value.key == "--python"
+
+
+def test_submit_runs_the_job_on_the_named_python(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What reaches the cluster's job API: the entrypoint names the interpreter; a bad one is
+    one line, exit 2, before any connection."""
+    from ringtrain import cli
+    from ringtrain.commands import jobs as submission_command
+
+    sent: list[dict[str, object]] = []
+
+    class Recorded:
+        def __init__(self, address: str, token: object = None) -> None:
+            self.address, self.token = address, token
+
+        def choose_id(self, job: object, requested: object = None) -> str:
+            return "ringtrain-quickstart-0000000000"
+
+        def submit(self, job_path: Path, overrides: list[str], job: object, **kwargs: object) -> str:
+            from ringtrain.submission import entrypoint
+
+            sent.append({"entrypoint": entrypoint(job_path, overrides, str(kwargs["python"]))})
+            return "ringtrain-quickstart-0000000000"
+
+    monkeypatch.setattr(submission_command, "JobsClient", Recorded)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv(CLUSTER_PYTHON_VARIABLE, "/opt/cluster env/bin/python")
+    args = ["submit", str(QUICKSTART), "train.steps=2", "--no-wait", "--address", "http://127.0.0.1:1"]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--python", "/srv/py/bin/python"]) == 0
+    assert [s["entrypoint"] for s in sent] == [
+        "'/opt/cluster env/bin/python' -m ringtrain run quickstart.yaml train.steps=2",
+        "/srv/py/bin/python -m ringtrain run quickstart.yaml train.steps=2",
+    ]
+    capsys.readouterr()
+    assert cli.main([*args, "--python", ".venv/bin/python"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ringtrain: config error: --python: .venv/bin/python is a relative path")
+    assert len(sent) == 2
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,16 @@ An embedded cluster is started with ``address="local"``, never ``ray.init()`` wi
 the latter joins whatever cluster was last started on the machine, someone else's included.
 What ringtrain starts it stops itself, through ``ray.shutdown()`` (which ends the processes the
 driver started); it never runs ``ray stop``, which would end every Ray process on the host.
+
+An embedded cluster listens on 127.0.0.1 only and authenticates with a token made for the run
+(``embedded_environment``). Ray 2.60 turns a node address of 127.0.0.1 into the machine's
+routable one, and its servers then listen on every interface, unless it is told that the node
+is a cluster of one (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on macOS and Windows): an
+embedded cluster is exactly that. The token lives in this process's environment, which Ray's
+processes inherit and only this user can read, never in a file: left to itself, Ray would write
+one to ``~/.ray/auth_token`` with the default umask (readable by every local user) and reuse it
+for every later cluster. A token or mode the user chose (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH,
+RAY_AUTH_MODE=disabled) is left as it is. Both are undone when the cluster is closed.
 """
 
 from __future__ import annotations
@@ -11,14 +21,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from ringtrain.actors.console import quiet_ray_console
 from ringtrain.config import JobConfig, validate_gpus_per_worker
 from ringtrain.errors import CapacityError, ClusterError
 from ringtrain.inputs import anchored
@@ -33,6 +45,8 @@ class ClusterHandle:
     temp_dir: Optional[str]
     # summary.json's startup: the process's start to ray.init's, and ray.init itself
     startup: dict[str, float] = field(default_factory=dict)
+    # The environment variables the embedded start set, with the values they had before.
+    restore_env: dict[str, Optional[str]] = field(default_factory=dict)
 
     def for_workers(self, job: JobConfig) -> JobConfig:
         """``job`` as its workers read it: on a cluster this driver joined, outside a submitted
@@ -50,6 +64,8 @@ class ClusterHandle:
 
         if ray.is_initialized():
             ray.shutdown()
+        _set_environment(self.restore_env)
+        self.restore_env = {}
         if self.temp_dir and not keep_logs:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
@@ -82,8 +98,9 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
     (default: this machine's) exporting metrics on ``metrics_port`` (default: Ray's choice)."""
     import ray
 
-    _quiet_auth_advice()
+    quiet_ray_console()
     address = address or os.environ.get("RAY_ADDRESS")
+    restore: dict[str, Optional[str]] = {}
     try:
         if address:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
@@ -91,6 +108,9 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
         # Short path: Ray's unix sockets live under it and must stay below 107 characters.
         # RAY_TMPDIR is Ray's own variable for where its temp dirs go.
         temp_dir = tempfile.mkdtemp(prefix="rt-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
+        # Ray sets RAY_AUTH_MODE itself when it is unset: put that back afterwards too.
+        restore = {name: os.environ.get(name) for name in EMBEDDED_VARIABLES}
+        _set_environment(embedded_environment(os.environ))
         ray.init(
             address="local",
             num_cpus=num_cpus or os.cpu_count() or 1,
@@ -102,25 +122,55 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
             # Its ports on loopback only: other hosts have no business with a one-run cluster.
             _node_ip_address="127.0.0.1",
         )
-        return ClusterHandle(address="local", embedded=True, temp_dir=temp_dir)
+        return ClusterHandle(address="local", embedded=True, temp_dir=temp_dir, restore_env=restore)
     except ConnectionError as exc:
+        _set_environment(restore)
         raise ClusterError(f"cannot reach the Ray cluster at {address}: {exc}") from None
+    except BaseException:
+        _set_environment(restore)
+        raise
 
 
-# Ray's logger that, on every start with token authentication, suggests RAY_AUTH_MODE=disabled:
-# the opposite of what ringtrain keeps on, so the advice is dropped (the warning says nothing else).
-AUTH_ADVICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+# Ray's variable for "this node is the whole cluster": its node address stays 127.0.0.1.
+SINGLE_NODE_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"
+# What an embedded start may set, so what closing it puts back.
+EMBEDDED_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", SINGLE_NODE_VARIABLE)
 
 
-class _DropAuthAdvice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "RAY_AUTH_MODE=disabled" not in record.getMessage()
+def embedded_environment(environ: Mapping[str, str]) -> dict[str, Optional[str]]:
+    """The variables an embedded start sets: a cluster of one (loopback only), and a fresh
+    per-run token (token authentication is Ray's default; Ray switches it on) unless the user
+    turned authentication off or chose a token of their own."""
+    chosen: dict[str, Optional[str]] = {SINGLE_NODE_VARIABLE: "0"}
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return chosen
+    if environ.get("RAY_AUTH_TOKEN", "").strip() or environ.get(TOKEN_PATH_VARIABLE, "").strip():
+        return chosen
+    return {**chosen, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
-def _quiet_auth_advice() -> None:
-    advice = logging.getLogger(AUTH_ADVICE_LOGGER)
-    if not any(isinstance(f, _DropAuthAdvice) for f in advice.filters):
-        advice.addFilter(_DropAuthAdvice())
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    """Set (None: remove) each variable, and have this process's Ray read them again: it reads
+    the single-node flag once at import, and caches the token it loaded once per process (a
+    later cluster in this process has another)."""
+    if not values:
+        return
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    import ray._private.ray_constants as ray_constants
+    from ray._common.utils import env_bool
+
+    ray_constants.ENABLE_RAY_CLUSTER = env_bool(SINGLE_NODE_VARIABLE, not ray_constants.IS_WINDOWS_OR_OSX)
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):
+        pass
 
 
 def resolve_device(job: JobConfig) -> str:

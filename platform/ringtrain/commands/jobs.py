@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ringtrain import config
+from ringtrain.commands.run import stop_wait_env
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.submission import (
+    CLUSTER_PYTHON_VARIABLE,
     DEFAULT_ADDRESS,
+    TOKEN_PATH_VARIABLE,
     TOKEN_VARIABLE,
     JobsClient,
     JobState,
@@ -27,6 +30,7 @@ from ringtrain.submission import (
     passed_env,
     plain_http_warning,
     resolve_address,
+    resolve_cluster_python,
     resolve_token,
 )
 from ringtrain.submission_files import shipped_inputs
@@ -35,8 +39,13 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_POLL_S = 0.5
 ADDRESS_HELP = f"the cluster's job API (default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, else {DEFAULT_ADDRESS})"
 TOKEN_HELP = (
-    f"the cluster's auth token (default: {TOKEN_VARIABLE}); prefer the variable, since other users "
-    "of this machine can read a command line"
+    f"the cluster's auth token (default: {TOKEN_VARIABLE}, else the file {TOKEN_PATH_VARIABLE} names); "
+    "prefer --token-file or the variables, since other users of this machine can read a command line"
+)
+TOKEN_FILE_HELP = "a file holding the cluster's auth token (mode 0600), e.g. the local stack's auth_token"
+PYTHON_HELP = (
+    f"the Python on the cluster that runs the job, as an absolute path (default: {CLUSTER_PYTHON_VARIABLE}, "
+    "else `python` on the PATH the head was started with); it needs ringtrain's dependencies"
 )
 
 
@@ -46,7 +55,8 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     submit.add_argument("job", help="job YAML; its folder becomes the job's working_dir, e.g. jobs/quickstart.yaml")
     submit.add_argument("overrides", nargs="*", help="key=value config overrides, as for `ringtrain run`")
     submit.add_argument("--address", help=ADDRESS_HELP)
-    submit.add_argument("--token", help=TOKEN_HELP)
+    _token_arguments(submit)
+    submit.add_argument("--python", metavar="PATH", help=PYTHON_HELP)
     submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of following the logs")
     submit.add_argument(
         "--submission-id", help="use this id instead of ringtrain-<name>-<config hash> (to run one config twice)"
@@ -67,20 +77,26 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     status = subparsers.add_parser("status", help="a submitted job's status, or every job's without an id")
     status.add_argument("submission_id", nargs="?", help="the id `ringtrain submit` printed")
     status.add_argument("--address", help=ADDRESS_HELP)
-    status.add_argument("--token", help=TOKEN_HELP)
+    _token_arguments(status)
 
     logs = subparsers.add_parser("logs", help="a submitted job's output")
     logs.add_argument("submission_id", help="the id `ringtrain submit` printed")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     logs.add_argument("--address", help=ADDRESS_HELP)
-    logs.add_argument("--token", help=TOKEN_HELP)
+    _token_arguments(logs)
 
     stop = subparsers.add_parser("stop", help="stop a submitted job")
     stop.add_argument("submission_id", help="the id `ringtrain submit` printed")
     stop.add_argument("--no-wait", action="store_true", help="return once the stop is requested")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
     stop.add_argument("--address", help=ADDRESS_HELP)
-    stop.add_argument("--token", help=TOKEN_HELP)
+    _token_arguments(stop)
+
+
+def _token_arguments(parser: argparse.ArgumentParser) -> None:
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--token", help=TOKEN_HELP)
+    given.add_argument("--token-file", metavar="PATH", help=TOKEN_FILE_HELP)
 
 
 def run(args: argparse.Namespace) -> Optional[int]:
@@ -106,7 +122,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # Validated before connecting: bad input never reaches the cluster.
     job = config.load(job_path, args.overrides)
     shipped_inputs(job_path, job)
-    env_vars = passed_env(args.env)
+    # Ray's job supervisor SIGKILLs a stopped job 3 s after its SIGTERM unless told to wait for
+    # the stop's save (commands/run.py); a user's own --env value wins.
+    env_vars = {**stop_wait_env(job), **passed_env(args.env)}
+    python = resolve_cluster_python(args.python)
     client = _client(args)
     submission_id = client.submit(
         job_path,
@@ -115,6 +134,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         submission_id=args.submission_id,
         ship_package=not args.no_ship_package,
         env_vars=env_vars,
+        python=python,
     )
     # The id alone on stdout, so `ID=$(ringtrain submit ... --no-wait)` works; the rest is for people.
     print(submission_id, flush=True)
@@ -177,7 +197,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> JobsClient:
     """A connection to the cluster the flags and variables name, with its token; warns first
     when the way there is plain http to another machine."""
-    address, token = resolve_address(args.address), resolve_token(args.token)
+    address, token = resolve_address(args.address), resolve_token(args.token, args.token_file)
     warning = plain_http_warning(address, sends_token=token is not None)
     if warning:
         _say(f"ringtrain: warning: {warning}")
@@ -206,7 +226,10 @@ def _next_steps(submission_id: str, address: str, *, with_token: bool) -> list[s
     ]
     if with_token:
         # Never the token itself: these lines end up in terminals' scrollback and CI logs.
-        lines.append(f"  each with the same token (--token, or {TOKEN_VARIABLE}; Ray's CLI reads {TOKEN_VARIABLE} with RAY_AUTH_MODE=token)")
+        lines.append(
+            f"  each with the same token (--token-file, --token, {TOKEN_PATH_VARIABLE} or {TOKEN_VARIABLE}; "
+            f"Ray's CLI reads the variables with RAY_AUTH_MODE=token)"
+        )
     return lines
 
 

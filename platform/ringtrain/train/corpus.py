@@ -18,7 +18,6 @@ positions in that stream.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ringtrain.cachedir import data_cache_dir
+from ringtrain.cachedir import data_cache_dir, write_cached
 from ringtrain.errors import DataError
 from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path
@@ -165,10 +164,7 @@ class PreparedCorpus:
         data = self._remote.get(relative)
         if hashlib.sha256(data).hexdigest() != sha256:
             raise DataError(f"{self._name(relative)}: shard {index} fails its sha256 check against the manifest")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # atomic: readers see the old name or the whole new file
+        write_cached(path, data)  # atomic, through an exclusively opened temp file
         return path
 
     # ---- the token stream -----------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""The embedded cluster a run starts: on loopback only, with a token made for the run and kept in
+the process environment, never written under ~/.ray; the user's own choice of token left alone.
+
+Each case runs in a fresh Python (as `ringtrain run` does) with its own HOME and RAY_TMPDIR and
+no Ray variable of the test's environment; the probe starts the cluster twice in one process, as
+a driver that runs and then evaluates does.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import REPO, end_processes, processes_using
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROBE = r"""
+import json, os, sys
+import psutil, ray
+from ringtrain.actors.cluster import connect_to
+
+def cluster_processes():
+    return [p for p in psutil.Process().children(recursive=True)]
+
+def listening(procs):
+    pids = {p.pid for p in procs}
+    return sorted({c.laddr.ip for c in psutil.net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN and c.pid in pids})
+
+def token_of(procs, name):
+    for p in procs:
+        try:
+            if name in " ".join(p.cmdline()):
+                return p.environ().get("RAY_AUTH_TOKEN")
+        except psutil.Error:
+            pass
+    return "no such process"
+
+runs = []
+for _ in range(2):
+    handle = connect_to(None, num_cpus=1)
+    procs = cluster_processes()
+    answer = ray.get(ray.remote(lambda: "answered").remote())
+    runs.append({
+        "token": os.environ.get("RAY_AUTH_TOKEN"),
+        "gcs_token": token_of(procs, "gcs_server"),
+        "listening": listening(procs),
+        "answer": answer,
+    })
+    handle.close()
+    runs[-1]["after"] = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+print("PROBE " + json.dumps(runs))
+"""
+
+
+@pytest.fixture
+def ray_home(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    home = tmp_path / "home"
+    home.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtc-", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        yield home, ray_tmp
+    finally:
+        end_processes(ray_tmp)
+        left = processes_using(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert left == []
+
+
+def probe(home: Path, ray_tmp: Path, **extra: str) -> list[dict[str, object]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(
+        HOME=str(home),
+        RAY_TMPDIR=str(ray_tmp),
+        PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
+        **extra,
+    )
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("PROBE ")]
+    runs: list[dict[str, object]] = json.loads(line.removeprefix("PROBE "))
+    return runs
+
+
+def loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def test_an_embedded_cluster_listens_on_loopback_with_a_per_run_token_off_disk(ray_home: tuple[Path, Path]) -> None:
+    home, ray_tmp = ray_home
+    first, second = probe(home, ray_tmp)
+    for run in (first, second):
+        assert re.fullmatch(r"[0-9a-f]{64}", str(run["token"])), run
+        assert run["gcs_token"] == run["token"], "Ray's processes take the token from the environment"
+        assert run["answer"] == "answered"
+        # Loopback only: 127.0.0.1, or its IPv4-mapped IPv6 form where a server opened an IPv6 socket.
+        assert run["listening"] and all(loopback(address) for address in run["listening"]), run["listening"]
+        assert run["after"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None}
+    assert first["token"] != second["token"], "a token per run"
+    written = [p for p in home.rglob("*") if p.is_file()]
+    assert not (home / ".ray" / "auth_token").exists(), written
+    for path in written:
+        assert str(first["token"]) not in path.read_text(errors="replace"), path
+
+
+def test_a_token_the_user_chose_is_kept(ray_home: tuple[Path, Path]) -> None:
+    home, ray_tmp = ray_home
+    token_file = home / "my-token"
+    token_file.write_text("b" * 64)
+    token_file.chmod(0o600)
+    (run, _) = probe(home, ray_tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+    assert run["token"] is None and run["gcs_token"] is None  # read from the file by Ray itself
+    assert run["answer"] == "answered"
+    assert run["after"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": "token"}
