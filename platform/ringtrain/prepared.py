@@ -42,6 +42,9 @@ MASK_SUFFIX = ".mask.npy"
 # What a dataset's documents are: text (each ends with EOS) or conversations with a loss mask.
 CONTENTS = ("text", "chat")
 CHAT_TRAIN_ON = ("assistant", "last", "all")
+# Where a chat dataset's assistant masks came from: the template's {% generation %} markers, or
+# the character spans between its renderings of the conversation's prefixes.
+CHAT_MASK_SOURCES = ("generation", "prefix")
 DOCS_DTYPE = "int64"
 TOKEN_DTYPES = ("uint16", "uint32")
 # Largest vocabulary whose ids (0 .. vocab_size - 1) all fit in a uint16.
@@ -248,20 +251,29 @@ class ChatInfo:
     template_sha256: str  # of the chat template's text
     template_file: str  # tokenizer_config.json or chat_template.jinja
     train_on: str  # CHAT_TRAIN_ON: which tokens are targets
-    mask_source: str  # generation (the template's markers) or prefix (rendered prefixes)
+    mask_source: str  # CHAT_MASK_SOURCES: generation (the template's markers) or prefix (rendered prefixes)
     messages_field: str
+    # Tokens whose mask is 1, over the whole dataset; None in a manifest written without it.
+    num_trained_tokens: Optional[int] = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"template_sha256": self.template_sha256, "template_file": self.template_file, "train_on": self.train_on,
-                "mask_source": self.mask_source, "messages_field": self.messages_field}  # fmt: skip
+        out: dict[str, Any] = {"template_sha256": self.template_sha256, "template_file": self.template_file,
+                               "train_on": self.train_on, "mask_source": self.mask_source,
+                               "messages_field": self.messages_field}  # fmt: skip
+        if self.num_trained_tokens is not None:
+            out["num_trained_tokens"] = self.num_trained_tokens
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "chat.") -> "ChatInfo":
         f = _Fields(obj, where, prefix)
+        trained = f.int("num_trained_tokens") if isinstance(obj, dict) and "num_trained_tokens" in obj else None
         info = cls(f.str("template_sha256"), f.str("template_file"), f.str("train_on"), f.str("mask_source"),
-                   f.str("messages_field"))  # fmt: skip
+                   f.str("messages_field"), trained)  # fmt: skip
         if info.train_on not in CHAT_TRAIN_ON:
             raise f._fail("train_on", f"must be one of {', '.join(CHAT_TRAIN_ON)}, got {info.train_on!r}")
+        if info.mask_source not in CHAT_MASK_SOURCES:
+            raise f._fail("mask_source", f"must be one of {', '.join(CHAT_MASK_SOURCES)}, got {info.mask_source!r}")
         return info
 
 
@@ -375,3 +387,8 @@ class Manifest:
                                 f"but the dataset holds {self.content}")  # fmt: skip
             if shard.mask is not None and shard.mask != mask_path(i):
                 raise DataError(f"{where}: shards[{i}] names mask {shard.mask}, expected {mask_path(i)}")
+        trained = self.chat.num_trained_tokens if self.chat is not None else None
+        # A conversation's first token is never a target: at most num_tokens - num_documents are.
+        if trained is not None and trained > self.num_tokens - self.num_documents:
+            raise DataError(f"{where}: chat.num_trained_tokens {trained} exceeds the {self.num_tokens - self.num_documents} "
+                            "tokens that can be targets (all but each conversation's first)")

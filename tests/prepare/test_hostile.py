@@ -253,3 +253,20 @@ def test_json_nested_too_deeply_is_a_bad_record(tmp_path: Path) -> None:
     got = list(sources.read_records(sources.Piece(0, sources.SourceFile(0, str(path), "jsonl")), "text"))
     assert got[0] == "ok" and got[2] == "fine"
     assert got[1] == sources.BadRecord(2, "JSON nested too deeply to read")
+
+
+def test_bad_records_skipped_leave_the_actor_in_bounded_chunks(tmp_path: Path) -> None:
+    """17 KB of zstd hold 100 million bad lines; an actor skipping them once held every one
+    (some 20 GB): it sends them on at most CHUNK_DOCUMENTS at a time, in order."""
+    from ringtrain.prepare import tokenize
+    from ringtrain.prepare.pipeline import CHUNK_DOCUMENTS, Job, PieceTokenizer
+
+    count = 3 * CHUNK_DOCUMENTS + 7
+    path = tmp_path / "bad.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(b"x\n" * count + b'{"text": "last"}\n'))
+    piece = sources.Piece(0, sources.SourceFile(0, str(path), "jsonl"))
+    rows = list(PieceTokenizer(Job(tokenize.resolve("bytes"), "uint8", "text", skip_bad=True)).piece(piece))
+    bad = [json.loads(row["bad"][0]) for row in rows]
+    assert max(len(b) for b in bad) <= CHUNK_DOCUMENTS
+    assert [line for b in bad for line, _ in b] == list(range(1, count + 1))
+    assert [int(row["lines"][0]) for row in rows][-1] == count + 1 and sum(len(row["lengths"][0]) for row in rows) == 8

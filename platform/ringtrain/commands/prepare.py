@@ -5,6 +5,10 @@ reads Parquet footers; the tokenizer loads; the output is free), so bad input ex
 second; what only reading the records can tell (a bad line, a corrupt stream, no documents) is
 found by the actors and reported by the driver in document order. Exit codes follow the other
 commands: 2 for bad input (one line naming the file, line or flag), 1 for anything else.
+
+``--format chat`` reads conversations instead of texts and renders each with the tokenizer's
+chat template, keeping a loss mask beside the tokens (``prepare/chat_render``); the template is
+found and tried on a probe conversation before the cluster starts.
 """
 
 from __future__ import annotations
@@ -13,11 +17,16 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
-from ringtrain.errors import DataError
+from ringtrain.errors import ConfigError, DataError
+from ringtrain.prepare.chat_records import DEFAULT_MESSAGES_FIELD, MESSAGES_FLAG
 from ringtrain.prepare.sources import DEFAULT_MAX_RECORD_BYTES, MAX_RECORD_FLAG
-from ringtrain.prepared import Manifest, SkippedRecord, SourceInfo, token_dtype_for
+from ringtrain.prepared import CHAT_TRAIN_ON, CONTENTS, ChatInfo, Manifest, SkippedRecord, SourceInfo, token_dtype_for
+
+if TYPE_CHECKING:
+    from ringtrain.prepare.chat_render import ChatSpec
+    from ringtrain.prepare.sources import SourceFile
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 tokens: large reads, few files
 # Work per actor call: seconds of tokenizing, so Ray's per-piece cost is noise, and a 1 GB file
@@ -35,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="+", metavar="SRC", help="files, folders, globs or s3:// prefixes: .jsonl[.gz|.zst], .ndjson, .parquet, .txt, .md")
     parser.add_argument("--tokenizer", required=True, help="a folder with tokenizer.json (a model folder), a tokenizer.json, or 'bytes'")
     parser.add_argument("--out", required=True, help="output folder, file:// or s3:// prefix")
+    parser.add_argument("--format", choices=CONTENTS, default="text", help="text: a document per record; chat: a conversation per record, rendered with the tokenizer's chat template and stored with a loss mask (default: text)")
     parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text (default: text)")
+    parser.add_argument(MESSAGES_FLAG, default=None, help=f"--format chat: the JSONL field / Parquet list<struct> column holding the messages, OpenAI-style (role, content) or ShareGPT (from, value) (default: {DEFAULT_MESSAGES_FIELD})")
+    parser.add_argument("--train-on", choices=CHAT_TRAIN_ON, default=None, help="--format chat: the tokens trained: every assistant turn with its end-of-turn token (assistant, the default), the last assistant turn only (last), or every token but the first (all)")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed, text-less or too long record stops the run (fail) or is counted and listed in the manifest (skip)")
     parser.add_argument(
         "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
@@ -108,18 +120,18 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
 
     from ringtrain.prepare import pipeline, sources, tokenize, writer
 
-    from ringtrain.errors import ConfigError
-
     if args.shard_tokens < 1:
         raise ConfigError("--shard-tokens", f"must be positive, got {args.shard_tokens}")
     if args.max_record_bytes < 1:
         raise ConfigError(MAX_RECORD_FLAG, f"must be positive, got {args.max_record_bytes}")
     files = sources.expand(list(args.sources))
     spec = tokenize.resolve(args.tokenizer)
+    chat = chat_spec(args, files, spec.info.vocab_size)
     output = writer.open_output(args.out, args.overwrite)
     pieces = sources.plan(sources.absolute(files), args.split_bytes)
     dtype = token_dtype_for(spec.info.vocab_size)
-    job = pipeline.Job(tokenize.absolute(spec), dtype, args.text_field, args.on_bad_record == "skip", args.max_record_bytes)
+    field = chat.messages_field if chat is not None else args.text_field
+    job = pipeline.Job(tokenize.absolute(spec), dtype, field, args.on_bad_record == "skip", args.max_record_bytes, chat)
 
     started = time.monotonic()
     handle = pipeline.connect(args.address, args.num_cpus or None)
@@ -130,7 +142,8 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         # One actor per piece at most: a piece is the unit of work.
         parallelism = min(len(pieces), args.parallelism or max(1, int(ray.cluster_resources().get("CPU", 1))))
         folder = output.begin()
-        packer = writer.Packer(folder, np.dtype(dtype), args.shard_tokens, output.shard_written)
+        packer = writer.Packer(folder, np.dtype(dtype), args.shard_tokens, output.shard_written, chat is not None)
+        num_trained = 0
         tally = pipeline.Tally(len(files), [f.uri for f in files])
         progress = Progress(stream, len(files), not args.quiet)
         t0 = time.monotonic()
@@ -139,6 +152,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
                 got = pipeline.consume(row, job, tally)
                 if got is not None:
                     packer.add(*got)
+                    num_trained += int(np.count_nonzero(got[2])) if got[2] is not None else 0
                 progress.update(tally.num_documents, tally.num_tokens, tally.last_source)
             if tally.num_documents == 0:
                 raise DataError(f"{', '.join(args.sources)}: no documents (every record was empty or skipped)")
@@ -154,6 +168,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
                 skipped=[SkippedRecord(files[s].uri, line, reason) for s, line, reason in tally.skipped],
                 num_skipped=tally.num_skipped,
                 command=["ringtrain", "prepare", *recorded_command(argv)],
+                content=args.format,
+                chat=None if chat is None else ChatInfo(chat.template.sha256, chat.template.file, chat.train_on,
+                                                        chat.template.mask_source, chat.messages_field, num_trained),  # fmt: skip
             )
             output.publish(manifest)
         except BaseException:
@@ -165,11 +182,32 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         handle.close()
 
 
+def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: int) -> "Optional[ChatSpec]":
+    """``--format chat``'s ChatSpec (the template found and tried on a probe conversation), None
+    for text; the chat flags without it, or a plain-text source with it, are refused."""
+    from ringtrain.prepare import chat_render, chat_template
+
+    if args.format != "chat":
+        for flag, value in ((MESSAGES_FLAG, args.messages_field), ("--train-on", args.train_on)):
+            if value is not None:
+                raise ConfigError(flag, "applies to --format chat only")
+        return None
+    text_files = [f.uri for f in files if f.kind == "text"]
+    if text_files:
+        raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not conversations (--format chat reads JSONL or Parquet)")
+    template = chat_template.find(args.tokenizer)
+    spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD, vocab_size)
+    chat_render.check(spec)
+    return spec
+
+
 def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
     m = summary.manifest
     rate = m.num_tokens / max(summary.seconds, 1e-9)
+    what = "conversations" if m.chat is not None else "documents"
+    trained = f", {m.chat.num_trained_tokens:,} trained (--train-on {m.chat.train_on})" if m.chat is not None else ""
     stream.write(
-        f"prepared {m.num_documents:,} documents, {m.num_tokens:,} tokens ({m.dtype}) from {len(m.sources)} files "
+        f"prepared {m.num_documents:,} {what}, {m.num_tokens:,} tokens{trained} ({m.dtype}) from {len(m.sources)} files "
         f"into {len(m.shards)} shards at {out_uri}\n"
         f"  tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size}, eos {m.tokenizer.eos_id}); "
         f"{m.num_skipped} records skipped\n"

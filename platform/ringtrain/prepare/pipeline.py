@@ -10,6 +10,9 @@ chunk carries its documents in piece order, so the driver sees the documents in 
 index, record index) order whatever the number of actors or the split size, and cuts shards
 from that stream (``writer.Packer``): the bytes depend on neither.
 
+With ``--format chat`` a record is a conversation, rendered and masked in the actor by the
+tokenizer's chat template (``chat_render``): its tokens travel with a loss mask, a byte a token.
+
 Bad records are not raised inside the actors: they travel in order with the tokens, numbered
 from their piece's first line, so the driver reports (or, with ``--on-bad-record skip``, lists)
 the first one in document order at its true line in the file. Line numbers cost no extra pass
@@ -34,6 +37,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.errors import DataError
+from ringtrain.prepare.chat_records import Conversation
+from ringtrain.prepare.chat_render import ChatEncoder, ChatSpec
 from ringtrain.prepare.sources import (
     DEFAULT_MAX_RECORD_BYTES,
     BadRecord,
@@ -46,8 +51,9 @@ from ringtrain.prepare.sources import (
 )
 from ringtrain.prepare.tokenize import Encoder, TokenizerSpec
 
-# A chunk (one output row) closes at this many documents or characters of text, whichever
-# comes first: enough work per call to hide Ray's per-row cost, small enough to stream.
+# A chunk (one output row) closes at this many documents (or skipped records) or characters of
+# text, whichever comes first: enough work per call to hide Ray's per-row cost, small enough to
+# stream.
 CHUNK_DOCUMENTS = 512
 CHUNK_CHARS = 4 << 20
 # Skipped records listed in the manifest; the count covers them all.
@@ -63,14 +69,16 @@ class Job:
     text_field: str
     skip_bad: bool
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    chat: Optional[ChatSpec] = None  # --format chat: text_field names the messages field
 
 
 def _row(
-    piece: Piece, lines: int, tokens: np.ndarray, lengths: np.ndarray, bad: list[tuple[int, str]], fatal: bool = False, error: str = ""
+    piece: Piece, lines: int, tokens: np.ndarray, lengths: np.ndarray, bad: list[tuple[int, str]], fatal: bool = False, error: str = "",
+    mask: Optional[np.ndarray] = None,
 ) -> dict[str, np.ndarray]:
     """One output row. ``bad`` lines count from the piece's first line; ``lines``: the lines the
     piece has consumed so far; ``fatal``: the last bad record stops the run; ``error``: the piece
-    could not be read."""
+    could not be read; ``mask``: chat conversations' loss mask, a byte a token."""
     return {
         "src": np.array([piece.source.index], dtype=np.int64),
         "piece": np.array([piece.number], dtype=np.int64),
@@ -80,6 +88,7 @@ def _row(
         "bad": np.array([json.dumps(bad)], dtype=object),
         "fatal": np.array([fatal], dtype=bool),
         "error": np.array([error], dtype=object),
+        "mask": np.array([b"" if mask is None else mask.astype(np.uint8).tobytes()], dtype=object),
     }
 
 
@@ -91,6 +100,7 @@ class PieceTokenizer:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.job = job
         self.encoder = Encoder(job.tokenizer, job.dtype)
+        self.chat = ChatEncoder(job.chat, job.dtype) if job.chat is not None else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(batch["number"])):
@@ -101,17 +111,25 @@ class PieceTokenizer:
     def piece(self, piece: Piece) -> Iterator[dict[str, np.ndarray]]:
         folder = tempfile.mkdtemp(prefix="rt-src-") if needs_fetch(piece) else None
         counter = LineCounter()
-        texts: list[str] = []
+        texts: list[Any] = []  # texts, or with --format chat rendered conversations
         bad: list[tuple[int, str]] = []
         chars = 0
         try:
             local = fetch(piece.source.uri, folder) if folder else None
-            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes):
+            chat = self.chat
+            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes, chat is not None):
+                if isinstance(record, Conversation) and chat is not None:
+                    record = chat.convert(record, counter.lines)
                 if isinstance(record, BadRecord):
                     bad.append((record.line, record.reason))
-                    if not self.job.skip_bad:
+                    if not self.job.skip_bad or record.fatal:
                         yield self._chunk(piece, counter, texts, bad, fatal=True)
                         return
+                    if len(bad) >= CHUNK_DOCUMENTS:
+                        # Else a file of nothing but bad records would have them all held here:
+                        # 17 KB of zstd holds 100 million bad lines, some 20 GB as Python tuples.
+                        yield self._chunk(piece, counter, texts, bad)
+                        texts, bad, chars = [], [], 0
                     continue
                 if not record:
                     continue  # an empty text makes no document (it would be a lone EOS)
@@ -128,8 +146,11 @@ class PieceTokenizer:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def _chunk(
-        self, piece: Piece, counter: LineCounter, texts: list[str], bad: list[tuple[int, str]], fatal: bool = False, error: str = ""
+        self, piece: Piece, counter: LineCounter, texts: list[Any], bad: list[tuple[int, str]], fatal: bool = False, error: str = ""
     ) -> dict[str, np.ndarray]:
+        if self.chat is not None:
+            tokens, lengths, mask = self.chat.encode(texts)
+            return _row(piece, counter.lines, tokens, lengths, bad, fatal, error, mask)
         tokens, lengths = self.encoder.encode(texts)
         return _row(piece, counter.lines, tokens, lengths, bad, fatal, error)
 
@@ -209,8 +230,9 @@ def _tokenize_stage(ds: Any, job: Job, parallelism: int) -> Any:
     )
 
 
-def consume(row: dict[str, Any], job: Job, tally: Tally) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """Account for one row; its (tokens, lengths), or DataError for a bad record under ``fail``."""
+def consume(row: dict[str, Any], job: Job, tally: Tally) -> Optional[tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+    """Account for one row; its (tokens, lengths, chat mask or None), or DataError for a bad
+    record under ``fail``."""
     src, piece = int(row["src"]), int(row["piece"])
     if piece != tally.piece:
         # Every piece yields at least one row, in plan order: a gap would misnumber lines.
@@ -237,7 +259,8 @@ def consume(row: dict[str, Any], job: Job, tally: Tally) -> Optional[tuple[np.nd
     tally.num_tokens += int(tokens.size)
     if row["error"]:
         raise DataError(str(row["error"]))
-    return (tokens, lengths) if lengths.size else None
+    mask = np.frombuffer(row["mask"], dtype=np.uint8) if job.chat is not None else None
+    return (tokens, lengths, mask) if lengths.size else None
 
 
 class _Borrowed:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.prepare.chat_records import MESSAGES_FLAG, Conversation, parquet_conversations
 from ringtrain.prepare.streams import READ_CHUNK, LongLine, decompressed_chunks, lines
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -37,10 +38,12 @@ COMPRESSED_SUFFIXES = ("", ".gz", ".zst")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".md")
 SRC_KEY = "SRC"
-# Parquet rows read per batch, at most, and the bytes a batch's rows should come to (by the row
-# group's mean row): bounds a reader's memory whatever the file's size.
+# Parquet rows read per batch, at most, and the bytes a batch's rows should come to (by the
+# densest page's bytes per row): bounds a reader's memory whatever the file's size. A page of
+# the text column decodes to at most PARQUET_PAGE_BYTES (or twice the record limit, if more).
 PARQUET_BATCH_ROWS = 1024
 PARQUET_BATCH_BYTES = 64 << 20
+PARQUET_PAGE_BYTES = 64 << 20
 # The longest record (a JSONL line, a Parquet value, a text file) read: far beyond any context a
 # model trains at (16 MiB is about 4M tokens), far below what would exhaust a reader.
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
@@ -72,9 +75,13 @@ class Piece:
 class BadRecord:
     line: int  # 1-based line (JSONL) or row (Parquet)
     reason: str
+    # Stops the run even under --on-bad-record skip: what is wrong is not the record's (a chat
+    # template that cannot be masked, seen on this record).
+    fatal: bool = False
 
 
-Record = Union[str, BadRecord]
+# A document's text, a chat record's messages field (``chat_records``), or a bad record.
+Record = Union[str, Conversation, BadRecord]
 
 
 def kind_of(name: str) -> str | None:
@@ -266,7 +273,7 @@ class LineCounter:
         self.lines = 0
 
 
-def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
+def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int, chat: bool = False) -> Iterator[Record]:
     uri = piece.source.uri
     ranged = splittable(piece.source)
     try:
@@ -278,7 +285,7 @@ def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_b
                 continue
             if not line.strip():
                 continue  # blank lines (a trailing newline too) are not records
-            yield _record(line, counter.lines, text_field)
+            yield _record(line, counter.lines, text_field, chat)
     except _corrupt_errors() as exc:
         raise DataError(f"{uri}: corrupt compressed data after line {counter.lines} ({exc or type(exc).__name__})") from None
     except OSError as exc:
@@ -286,7 +293,7 @@ def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_b
         raise DataError(f"{uri}: cannot read {where} ({exc})") from None
 
 
-def _record(line: bytes, line_no: int, text_field: str) -> Record:
+def _record(line: bytes, line_no: int, text_field: str, chat: bool = False) -> Record:
     try:
         obj: Any = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -297,7 +304,9 @@ def _record(line: bytes, line_no: int, text_field: str) -> Record:
     if not isinstance(obj, dict):
         return BadRecord(line_no, f"expected a JSON object, got {type(obj).__name__}")
     if text_field not in obj:
-        return BadRecord(line_no, f"no field {text_field!r} (--text-field)")
+        return BadRecord(line_no, f"no field {text_field!r} ({MESSAGES_FLAG if chat else '--text-field'})")
+    if chat:
+        return Conversation(obj[text_field])  # checked by the renderer's caller: chat_records.messages
     text = obj[text_field]
     if not isinstance(text, str):
         return BadRecord(line_no, f"field {text_field!r} is {type(text).__name__}, not a string")
@@ -308,54 +317,103 @@ def _parquet(piece: Piece, path: str, text_field: str, counter: LineCounter, max
     """A Parquet piece's values, in batches sized to a byte budget, each value's length measured
     on the Arrow array before any Python string of it exists.
 
-    The column is read as a dictionary array, so a dictionary-encoded value repeated over many
-    rows (a file of a few KB can name one 48 MiB value in every row: a hundred GiB once decoded)
-    is held once; a plain-encoded column is read in batches whose rows, at the row group's mean
-    size, stay under ``PARQUET_BATCH_BYTES``.
+    Before a row group is decoded its column chunk's page headers are read (``pages``): a page
+    decoding to more than ``_page_limit`` makes every row of the row group a bad record unread
+    (Arrow decompresses a page whole, so a few KB can cost 2 GiB), and the pages size the
+    batches, whatever the metadata claims. A chunk of codes into its dictionary page is read as
+    a dictionary array, so a value repeated over many rows (a file of a few KB can name one
+    48 MiB value in every row: a hundred GiB once decoded) is held once. Any other chunk is read
+    as plain values, in batches of ``PARQUET_BATCH_BYTES`` at its densest page's bytes per row
+    (or its dictionary page's size, for codes among plain pages): Arrow, asked for a dictionary
+    there, would keep every distinct value of the row group. A column that is not text is a
+    bad record in every row, unread.
     """
-    import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
+
+    from ringtrain.prepare import pages
 
     uri = piece.source.uri
     try:
-        names = pq.ParquetFile(path).schema_arrow.names
+        pfile = pq.ParquetFile(path)
+        names = pfile.schema_arrow.names
         if text_field not in names:
             raise DataError(f"{uri}: no column {text_field!r} (--text-field); columns: {', '.join(names)}")
-        pfile = pq.ParquetFile(path, read_dictionary=[text_field])
-        column = pfile.schema_arrow.names.index(text_field)
-        end = pfile.metadata.num_row_groups if piece.end is None else piece.end
-        for group in range(piece.start, end):
-            meta = pfile.metadata.row_group(group)
-            rows = _parquet_batch_rows(meta.num_rows, meta.column(column).total_uncompressed_size)
-            for batch in pfile.iter_batches(batch_size=rows, row_groups=[group], columns=[text_field]):
-                array = batch.column(0)
-                if not pa.types.is_dictionary(array.type):
-                    array = array.dictionary_encode()  # one code path: values and their lengths
-                if not (pa.types.is_string(array.type.value_type) or pa.types.is_large_string(array.type.value_type)):
-                    for _ in range(len(array)):
-                        counter.lines += 1
-                        yield BadRecord(counter.lines, f"field {text_field!r} is {array.type.value_type}, not a string")
-                    continue
-                lengths = np.asarray(pc.binary_length(array.dictionary).to_numpy(zero_copy_only=False), dtype=np.int64)
-                codes = np.asarray(array.indices.fill_null(-1).to_numpy(zero_copy_only=False), dtype=np.int64)
-                for code in codes.tolist():
+        meta = pfile.metadata
+        end = meta.num_row_groups if piece.end is None else piece.end
+        value_type = pfile.schema_arrow.field(text_field).type
+        if pa.types.is_dictionary(value_type):
+            value_type = value_type.value_type
+        leaf = _parquet_leaf(pfile, text_field, uri)
+        if leaf is None or not (pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
+            for group in range(piece.start, end):
+                for _ in range(meta.row_group(group).num_rows):
                     counter.lines += 1
-                    if code < 0:
-                        yield BadRecord(counter.lines, f"field {text_field!r} is null, not a string")
-                    elif lengths[code] > max_bytes:
-                        yield BadRecord(counter.lines, too_long(f"field {text_field!r} ({int(lengths[code]):,} bytes)", max_bytes))
-                    else:
-                        yield array.dictionary[code].as_py()
+                    yield BadRecord(counter.lines, f"field {text_field!r} is {value_type}, not a string")
+            return
+        # Unbuffered or pre-buffered, Arrow reads a whole column chunk's stored bytes at once.
+        plain = pq.ParquetFile(path, pre_buffer=False, buffer_size=READ_CHUNK)
+        coded = pq.ParquetFile(path, pre_buffer=False, buffer_size=READ_CHUNK, read_dictionary=[text_field])
+        limit = _page_limit(max_bytes)
+        with open(path, "rb") as raw:
+            for group in range(piece.start, end):
+                try:
+                    chunk = pages.chunk(raw, meta.row_group(group).column(leaf))
+                except pages.PageError as exc:
+                    raise DataError(f"{uri}: not a readable Parquet file (row group {group}: {exc})") from None
+                if chunk.largest > limit:
+                    reason = (f"row group {group} holds a page of field {text_field!r} that decodes to {chunk.largest:,} "
+                              f"bytes, over the {limit:,}-byte page limit (2 x {MAX_RECORD_FLAG}, 64 MiB at least): its rows are not read")  # fmt: skip
+                    for _ in range(meta.row_group(group).num_rows):
+                        counter.lines += 1
+                        yield BadRecord(counter.lines, reason)
+                    continue
+                reader, row_bytes = (coded, 1) if chunk.all_coded else (plain, max(chunk.density, chunk.dictionary_bytes))
+                rows = max(1, min(PARQUET_BATCH_ROWS, PARQUET_BATCH_BYTES // row_bytes))
+                for batch in reader.iter_batches(batch_size=rows, row_groups=[group], columns=[text_field], use_threads=False):
+                    yield from _parquet_values(batch.column(0), text_field, counter, max_bytes)
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{uri}: not a readable Parquet file ({exc})") from None
 
 
-def _parquet_batch_rows(num_rows: int, uncompressed_bytes: int) -> int:
-    """Rows per batch of a row group: its mean row under ``PARQUET_BATCH_BYTES`` a batch."""
-    mean = max(1, uncompressed_bytes // max(num_rows, 1))
-    return max(1, min(PARQUET_BATCH_ROWS, PARQUET_BATCH_BYTES // mean))
+def _parquet_values(array: Any, text_field: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
+    """A batch's records (a string or dictionary array): lengths read off the array first."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(array.type):
+        values = array.dictionary
+        codes = np.asarray(array.indices.fill_null(-1).to_numpy(zero_copy_only=False), dtype=np.int64)
+    else:
+        values = array
+        codes = np.where(array.is_null().to_numpy(zero_copy_only=False), -1, np.arange(len(array)))
+    lengths = np.asarray(pc.binary_length(values).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    for code in codes.tolist():
+        counter.lines += 1
+        if code < 0:
+            yield BadRecord(counter.lines, f"field {text_field!r} is null, not a string")
+        elif lengths[code] > max_bytes:
+            yield BadRecord(counter.lines, too_long(f"field {text_field!r} ({int(lengths[code]):,} bytes)", max_bytes))
+        else:
+            yield values[code].as_py()
+
+
+def _parquet_leaf(pfile: Any, name: str, uri: str) -> Optional[int]:
+    """The leaf column (its index in a row group's metadata) of top-level column ``name`` when it
+    is a flat one; None for a nested column (a list, a struct)."""
+    found = [j for j in range(len(pfile.schema)) if pfile.schema.column(j).path == name]
+    if len(found) > 1:
+        raise DataError(f"{uri}: {len(found)} Parquet columns are named {name!r} (--text-field)")
+    if not found or pfile.schema.column(found[0]).max_repetition_level:
+        return None
+    return found[0]
+
+
+def _page_limit(max_bytes: int) -> int:
+    """The most a Parquet page of the text column may decode to: room for a value of the record
+    limit and its neighbours, and never under the 1 MiB pages writers cut by default."""
+    return max(PARQUET_PAGE_BYTES, 2 * max_bytes)
 
 
 def _text(path: str, uri: str, counter: LineCounter, max_bytes: int) -> Iterator[Record]:
@@ -382,10 +440,11 @@ def read_records(
     local: str | None = None,
     counter: LineCounter | None = None,
     max_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    chat: bool = False,
 ) -> Iterator[Record]:
-    """The records of ``piece`` in file order: a document's text or a BadRecord (its line counted
-    from the piece's first line; a record over ``max_bytes`` is one). ``counter`` follows the
-    lines consumed.
+    """The records of ``piece`` in file order: a document's text (with ``chat``: the messages
+    field ``text_field`` names, as a Conversation) or a BadRecord (its line counted from the
+    piece's first line; a record over ``max_bytes`` is one). ``counter`` follows the lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -394,7 +453,9 @@ def read_records(
     source = piece.source
     path = local or source.uri.removeprefix("file://")
     if source.kind == "jsonl":
-        return _jsonl(piece, path, text_field, counter, max_bytes)
+        return _jsonl(piece, path, text_field, counter, max_bytes, chat)
+    if source.kind == "parquet" and chat:
+        return parquet_conversations(piece, path, text_field, counter, max_bytes)
     if source.kind == "parquet":
         return _parquet(piece, path, text_field, counter, max_bytes)
     return _text(path, source.uri, counter, max_bytes)

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, shard_paths
+from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, mask_path, shard_paths
 from ringtrain.uris import local_path
 
 OUT_KEY = "--out"
@@ -58,20 +58,27 @@ def _write_npy(dest: Path, dtype: np.dtype, count: int, body: BinaryIO) -> str:
 
 
 class ShardBuilder:
-    """One shard under construction: tokens appended to a raw file, document lengths in memory."""
+    """One shard under construction: tokens (and a chat shard's mask) appended to raw files,
+    document lengths in memory."""
 
-    def __init__(self, folder: Path, index: int, dtype: np.dtype) -> None:
+    def __init__(self, folder: Path, index: int, dtype: np.dtype, chat: bool = False) -> None:
         self.index, self.dtype, self.folder = index, dtype, folder
         self.tokens_rel, self.docs_rel = shard_paths(index)
         self._raw_path = folder / (self.tokens_rel + ".raw")
         self._raw_path.parent.mkdir(parents=True, exist_ok=True)
         self._raw = open(self._raw_path, "wb")
+        self.mask_rel = mask_path(index) if chat else None
+        self._mask_raw = open(folder / (self.mask_rel + ".raw"), "wb") if self.mask_rel else None
         self._lengths: list[np.ndarray] = []
         self.num_tokens = 0
         self.num_documents = 0
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
+        if (mask is None) != (self._mask_raw is None) or (mask is not None and mask.size != tokens.size):
+            raise ValueError(f"shard {self.index}: a chat shard takes a mask as long as its tokens, a text shard none")
         self._raw.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        if self._mask_raw is not None and mask is not None:
+            self._mask_raw.write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
         self._lengths.append(lengths)
         self.num_tokens += int(tokens.size)
         self.num_documents += int(lengths.size)
@@ -86,24 +93,39 @@ class ShardBuilder:
         np.cumsum(np.concatenate(self._lengths), out=offsets[1:])
         body = io.BytesIO(offsets.tobytes())
         docs_sha = _write_npy(self.folder / self.docs_rel, offsets.dtype, offsets.size, body)
-        return ShardInfo(self.tokens_rel, self.docs_rel, self.num_documents, self.num_tokens, tokens_sha, docs_sha)
+        mask_sha = None
+        if self._mask_raw is not None and self.mask_rel is not None:
+            self._mask_raw.close()
+            raw_mask = self.folder / (self.mask_rel + ".raw")
+            with open(raw_mask, "rb") as raw:
+                mask_sha = _write_npy(self.folder / self.mask_rel, np.dtype(np.uint8), self.num_tokens, raw)
+            raw_mask.unlink()
+        return ShardInfo(self.tokens_rel, self.docs_rel, self.num_documents, self.num_tokens, tokens_sha, docs_sha,
+                         self.mask_rel, mask_sha)  # fmt: skip
 
     def discard(self) -> None:
         self._raw.close()
+        if self._mask_raw is not None:
+            self._mask_raw.close()
 
 
 class Packer:
-    """Documents in order -> shards of at most ``shard_tokens`` tokens; ``on_shard`` gets each finished one."""
+    """Documents in order -> shards of at most ``shard_tokens`` tokens; ``on_shard`` gets each
+    finished one. ``chat``: every document comes with its loss mask, written beside the tokens."""
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, on_shard: Callable[[ShardInfo], None]) -> None:
+    def __init__(
+        self, folder: Path, dtype: np.dtype, shard_tokens: int, on_shard: Callable[[ShardInfo], None], chat: bool = False
+    ) -> None:
         if shard_tokens < 1:
             raise ConfigError("--shard-tokens", f"must be positive, got {shard_tokens}")
         self.folder, self.dtype, self.shard_tokens, self.on_shard = folder, dtype, shard_tokens, on_shard
+        self.chat = chat
         self.shards: list[ShardInfo] = []
         self._current: Optional[ShardBuilder] = None
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Documents ``lengths`` (tokens each, EOS included) laid end to end in ``tokens``."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
+        """Documents ``lengths`` (tokens each, EOS included) laid end to end in ``tokens``; a chat
+        dataset's ``mask`` is as long as ``tokens``."""
         first, pos = 0, 0
         while first < lengths.size:
             shard = self._current or self._open()
@@ -114,7 +136,7 @@ class Packer:
                 continue
             fit = max(fit, 1)  # a document longer than a whole shard fills one alone
             size = int(ends[fit - 1])
-            shard.add(tokens[pos : pos + size], lengths[first : first + fit])
+            shard.add(tokens[pos : pos + size], lengths[first : first + fit], None if mask is None else mask[pos : pos + size])
             first, pos = first + fit, pos + size
             if shard.num_tokens >= self.shard_tokens or first < lengths.size:
                 self._close()
@@ -129,7 +151,7 @@ class Packer:
             self._current.discard()
 
     def _open(self) -> ShardBuilder:
-        self._current = ShardBuilder(self.folder, len(self.shards), self.dtype)
+        self._current = ShardBuilder(self.folder, len(self.shards), self.dtype, self.chat)
         return self._current
 
     def _close(self) -> None:
@@ -138,6 +160,11 @@ class Packer:
         self._current = None
         self.shards.append(info)
         self.on_shard(info)
+
+
+def _files(shard: ShardInfo) -> tuple[str, ...]:
+    """The files of a shard, relative to the dataset root: tokens, docs and a chat shard's mask."""
+    return (shard.tokens, shard.docs) if shard.mask is None else (shard.tokens, shard.docs, shard.mask)
 
 
 class LocalOutput:
@@ -222,7 +249,7 @@ class S3Output:
 
     def shard_written(self, info: ShardInfo) -> None:
         assert self._local is not None
-        for rel in (info.tokens, info.docs):
+        for rel in _files(info):
             local = self._local / rel
             self.root.client.upload_file(str(local), self.bucket, self._key(self.staging, rel))
             local.unlink()  # local disk holds one shard at a time
@@ -233,7 +260,7 @@ class S3Output:
         # Readers never see a manifest naming a half-copied set: the old one goes first.
         self.root.delete([MANIFEST_NAME])
         for shard in manifest.shards:
-            for rel in (shard.tokens, shard.docs):
+            for rel in _files(shard):
                 keep.add(rel)
                 source = {"Bucket": self.bucket, "Key": self._key(self.staging, rel)}
                 client.copy(source, self.bucket, self._key(self.root, rel))
@@ -273,7 +300,7 @@ def check_replaceable(uri: str, manifest_text: Optional[str], entries: list[str]
         manifest = Manifest.loads(manifest_text, f"{uri}/{MANIFEST_NAME}")
     except DataError as exc:
         raise ConfigError(OUT_KEY, f"{exc}; {refuse}") from None
-    ours = {MANIFEST_NAME} | {rel for shard in manifest.shards for rel in (shard.tokens, shard.docs)}
+    ours = {MANIFEST_NAME} | {rel for shard in manifest.shards for rel in _files(shard)}
     foreign = [entry for entry in entries if entry not in ours]
     if foreign:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
