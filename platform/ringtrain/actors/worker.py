@@ -432,6 +432,9 @@ def _node_ip() -> str:
 def _quiet_deepspeed(level: Optional[int] = None) -> None:
     import logging
 
+    from ringtrain.train.deepspeed_import import import_deepspeed
+
+    import_deepspeed()  # the package first, without what its import would pull in
     from deepspeed.utils import logger
 
     logger.setLevel(level or logging.WARNING)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.chaos import FaultPlan, FaultSpec
+from ringtrain.train.deepspeed_import import import_deepspeed
 from ringtrain.checkpoint.wire import FragmentIndex, decode
 from ringtrain.config import ChaosConfig, JobConfig, checkpointing_mode
 from ringtrain.planner.recompute import Recompute, recompute_for
@@ -72,6 +73,7 @@ def skip_shm_comm_op() -> None:
     serves only ``inference_all_reduce``, which training never calls, yet each rank paid the
     probe and a load under torch's extension-directory lock (serialised across the ranks of a
     node): seconds per process on a busy host. Naming it incompatible skips both."""
+    import_deepspeed()  # the package first, without what its import would pull in
     import deepspeed.ops
 
     table = deepspeed.ops.__dict__.get("__compatible_ops__")
