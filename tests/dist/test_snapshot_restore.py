@@ -121,3 +121,23 @@ def test_zero0_bf16_snapshot_holds_the_fp32_master_and_resumes_bitwise(tmp_path:
     assert resumed_losses == losses[CUT:]
     for name, value in params.items():
         np.testing.assert_array_equal(resumed_params[name], value, err_msg=name)
+
+
+def test_a_chat_run_shrunk_mid_epoch_goes_on_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Elastic shrink on a chat dataset: dp 2 x cp 2 snapshotted at step CUT, inside an epoch,
+    resumed on one rank. The rows a step trains depend on the seed and the data alone
+    (tests/unit/test_chat_packing.py), so the resumed steps see the same conversations, masks
+    and per-conversation weights: losses and parameters as the uninterrupted run's, within fp32
+    tolerance (the gradient is summed in another order on one rank)."""
+    from tests.chat_data import random_conversations, write_chat
+
+    root = tmp_path / "chat"
+    # ~26 rows of 64 tokens: step CUT (12 rows in) falls inside the first epoch, STEPS crosses it.
+    write_chat(root, random_conversations(48, vocab_size=256, min_len=10, max_len=60, seed=5), vocab_size=256, docs_per_shard=16)
+    chat = [*TINY, f"data.path={root}", "data.packing=doc", "train.loss_norm=sequence", "zero.stage=2"]
+    losses, shards, params = run([*chat, "mesh.dp=2", "mesh.cp=2"], tmp_path)
+    shrunk_losses, _, shrunk_params = run([*chat, "mesh.dp=1", "mesh.cp=1"], tmp_path, blobs=shards)
+    assert len(shrunk_losses) == STEPS - CUT
+    np.testing.assert_allclose(shrunk_losses, losses[CUT:], rtol=1e-5)
+    for name, value in params.items():
+        np.testing.assert_allclose(shrunk_params[name], value, rtol=0, atol=1e-5, err_msg=name)
