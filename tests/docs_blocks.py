@@ -6,8 +6,10 @@ script, a ``console`` block command by command (each ``$ `` line, its output the
 run again from inside the suite. Any other block of shell commands says why it cannot run here
 on its first line (``WHY_NOT``).
 
-The workspace has tiny copies of the job files (the keys a documented command sets still win),
-``.venv/bin/`` commands that run this Python, a ``corpus/`` for the prepare examples, and a
+The workspace has tiny copies of the job files (the keys a documented command sets still win)
+and the scripts beside them,
+``.venv/bin/`` commands that run this Python, the checkout's ``docs/`` and ``platform/`` (which
+the examples read as a reader's checkout has them: nothing else is prepared for them), and a
 ``tmp/`` folder that every ``/tmp/`` path of a block and of the job files is moved into.
 """
 
@@ -24,7 +26,6 @@ from typing import Any, Optional
 
 import yaml
 
-from tests.corpus import documents, write_jsonl
 from tests.tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +38,8 @@ WHY_NOT = ("# needs a cluster", "# needs a GPU", "# a benchmark")
 # Commands that start a Ray cluster (or a Ray Data pipeline): their blocks run in the Ray tier.
 STARTS_A_CLUSTER = re.compile(r"\bringtrain (run|eval|prepare)\b")
 PROMPT = "$ "
+# What of the checkout the examples read (a corpus for prepare, the docs' pages).
+CHECKOUT_FOLDERS = ("docs", "platform")
 
 # Per job file: the keys that make it tiny. The model is tests/tiny.py's; sequences of 64 tokens
 # (extend-context keeps 256: its YaRN scaling is over 512), a few steps, and logical CPUs for a
@@ -128,7 +131,10 @@ class Workspace:
             shim.chmod(0o755)
         for job in sorted((REPO / "jobs").glob("*.yaml")):
             self._write_job(job)
-        self._write_corpus()
+        for script in sorted((REPO / "jobs").glob("*.py")):  # the jobs' own generators, as they are
+            shutil.copy(script, root / "jobs" / script.name)
+        for name in CHECKOUT_FOLDERS:  # read, never written, by the examples
+            (root / name).symlink_to(REPO / name, target_is_directory=True)
         env = dict(os.environ)
         for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             env.pop(name, None)
@@ -151,15 +157,6 @@ class Workspace:
         job = yaml.safe_load(source.read_text())
         _merge(job, TINY_JOBS.get(source.name, {}))
         (self.root / "jobs" / source.name).write_text(self.local(yaml.safe_dump(job, sort_keys=False)))
-
-    def _write_corpus(self) -> None:
-        records = list(documents(4))
-        write_jsonl(self.root / "corpus" / "code" / "part-0.jsonl.zst", records[: len(records) // 2])
-        write_jsonl(self.root / "corpus" / "code" / "part-1.jsonl.zst", records[len(records) // 2 :])
-        docs = self.root / "corpus" / "docs"
-        docs.mkdir(parents=True)
-        for page in PAGES[:4]:
-            shutil.copy(page, docs / page.name)
 
     def run(self, command: str, timeout: float) -> subprocess.CompletedProcess[str]:
         """``command`` run by bash in the workspace; a failing command stops it (``-e``, pipefail)."""
