@@ -4,12 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 TOOLS_STAMP := $(VENV)/.tools
 TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check bench clean
+.PHONY: venv venv-test tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +24,7 @@ TOOLS := promtool:prometheus prometheus:prometheus chromium:chromium shellcheck:
 
 tools: $(TOOLS_STAMP)
 
-$(TOOLS_STAMP): $(STAMP) Makefile
+$(TOOLS_STAMP): $(TEST_STAMP) Makefile
 	@missing=""; \
 	for tool in $(TOOLS); do \
 		command -v "$${tool%%:*}" >/dev/null || missing="$$missing $${tool#*:}"; \
@@ -38,13 +39,22 @@ $(TOOLS_STAMP): $(STAMP) Makefile
 	fi
 	touch $(TOOLS_STAMP)
 
+# What running needs (make run): ringtrain and its dependencies, pip's progress shown (the first
+# install downloads about a GiB). The test extras (pytest, moto, mlflow, wandb, playwright,
+# triton, ...) come with the test targets only.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, and only when none is present: an unpinned torch pulls the CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e ".[test]"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --progress-bar on "torch==$(TORCH_VERSION)"
+	$(PIP) install --progress-bar on -e .
 	touch $(STAMP)
+
+venv-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[test]"
+	touch $(TEST_STAMP)
 
 run: venv
 	$(VENV)/bin/ringtrain run $(JOB)
@@ -53,16 +63,16 @@ run: venv
 # cluster or a spawned gloo group, are built once); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: venv tools
+test: venv-test tools
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
-test-unit: venv tools
+test-unit: venv-test tools
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
 
-test-dist: venv
+test-dist: venv-test
 	$(PY) -m pytest tests/dist $(PYTEST_ARGS)
 
-test-ray: venv tools
+test-ray: venv-test tools
 	$(PY) -m pytest tests/ray $(PYTEST_ARGS)
 
 # The GPU tier. Where nvidia-smi sees a GPU, torch must be able to use it (a CPU build or a
@@ -99,7 +109,7 @@ GPU_PATH = $(abspath $(GPU_SITE)):$(CURDIR)/platform
 GPU_LEFT_OUT := flash-attn ray
 GPU_TORCH_FIX = set PYTHON to the Python that has the CUDA build of torch for this driver
 else
-GPU_DEPS := venv
+GPU_DEPS := venv-test
 GPU_PY = $(PY)
 GPU_PATH = $(CURDIR)/platform
 GPU_LEFT_OUT :=
@@ -216,7 +226,7 @@ gpu-start: venv
 	PYTHONPATH=platform $(PY) bench/startup.py --repeats 3 --ranks 1 --device cuda --out bench/results/startup-cuda-1rank.json
 	PYTHONPATH=platform $(PY) bench/startup.py --repeats 3 --ranks 4 --device cpu --out bench/results/startup-gpu-node-cpu-4ranks.json
 
-helm-check: venv tools
+helm-check: venv-test tools
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 
 bench: venv
