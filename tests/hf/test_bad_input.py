@@ -4,6 +4,7 @@ key and the file or tensor, no traceback, no run directory."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -79,6 +80,9 @@ CASES: dict[str, tuple[Breaker, list[str], str]] = {
     "folder missing": (lambda f: None, ["model.hf=/nonexistent/model"], "no such model folder: /nonexistent/model"),
     "config.json missing": (lambda f: (f / "config.json").unlink(), [], "config.json is missing"),
     "config.json not JSON": (lambda f: (f / "config.json").write_text("{not json"), [], "config.json is not valid JSON"),
+    # A config.json of a folder from elsewhere is a few KB: one of 17 GiB (sparse here) is refused unread.
+    "config.json huge": (lambda f: os.truncate(f / "config.json", 17 << 30), [], "config.json holds more than 16,777,216 bytes"),
+    "config.json nested too deep": (lambda f: (f / "config.json").write_text("[" * 100_000), [], "config.json nests too deeply"),
     "unsupported architecture": (
         _rewrite_config(architectures=["GPT2LMHeadModel"]), [], "'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"
     ),

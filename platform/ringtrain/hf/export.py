@@ -37,6 +37,7 @@ from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
 from ringtrain.checkpoint.sources import open_source
 from ringtrain.config import JobConfig, ModelConfig
 from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.jsonfile import read_json
 from ringtrain.hf.fragments import MasterWeights
 from ringtrain.hf.hfconfig import CONFIG_FILE, hf_config
 from ringtrain.hf.names import to_hf
@@ -250,7 +251,7 @@ def _check_replaceable(out: Path) -> None:
     """ExportError unless ``out`` holds an export's files and nothing else."""
     refuse = "--overwrite replaces only a folder `ringtrain export` wrote; choose a new or empty OUT_DIR"
     try:
-        record = json.loads((out / EXPORT_MANIFEST).read_text(encoding="utf-8"))
+        record = read_json(out / EXPORT_MANIFEST)
     except FileNotFoundError:
         raise ExportError("OUT_DIR", f"{out} holds no {EXPORT_MANIFEST}: {refuse}") from None
     except (OSError, ValueError) as exc:

@@ -13,7 +13,6 @@ Gemma 3); an export writes the spelling its source used.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -29,6 +28,7 @@ from ringtrain.config import (
     validate_rope_scaling,
 )
 from ringtrain.errors import ConfigError
+from ringtrain.jsonfile import JsonFileError, read_json
 from ringtrain.hf.architectures import (
     ARCHITECTURES,
     GEMMA3,
@@ -74,9 +74,9 @@ def read_hf_config(folder: str | Path, key: str = "model.hf") -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(key, f"{file} is missing (a Hugging Face model folder holds config.json and *.safetensors)")
     try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(key, f"{file} is not valid JSON: {exc}") from None
+        cfg = read_json(file)
+    except JsonFileError as exc:
+        raise ConfigError(key, f"{file} {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(key, f"{file} must hold a JSON object")
     return cfg

@@ -9,7 +9,6 @@ moments of a pretrained model start at zero.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping, Optional
@@ -19,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ringtrain.errors import ConfigError
+from ringtrain.jsonfile import JsonFileError, read_json
 from ringtrain.hf.hfconfig import CONFIG_FILE, norm_style_of, read_hf_config
 from ringtrain.hf.names import from_hf, to_hf
 from ringtrain.hf.shards import INDEX_FILE
@@ -44,8 +44,10 @@ class PretrainedWeights:
         index = self.folder / INDEX_FILE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                weight_map = read_json(index)["weight_map"]
+            except JsonFileError as exc:
+                raise ConfigError(self.key, f"{index} {exc}") from None
+            except (KeyError, TypeError) as exc:
                 raise ConfigError(self.key, f"{index} is not a safetensors index: {exc}") from None
             if not isinstance(weight_map, dict):
                 raise ConfigError(self.key, f"{index} is not a safetensors index: weight_map is not a mapping")

@@ -14,12 +14,12 @@ is masked from its renderings of the conversation's prefixes (``chat_render``).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ringtrain.errors import ConfigError
+from ringtrain.jsonfile import read_json
 from ringtrain.evaluation.tokenizer import TOKENIZER_FILE
 from ringtrain.prepared import BYTES_TOKENIZER
 
@@ -86,8 +86,8 @@ def find(tokenizer: str) -> ChatTemplate:
     text = None
     if config_file.is_file():
         try:
-            text = _from_config(json.loads(config_file.read_text(encoding="utf-8")), config_file)
-        except (OSError, ValueError) as exc:
+            text = _from_config(read_json(config_file), config_file)
+        except (OSError, ValueError) as exc:  # JsonFileError among them
             raise ConfigError(KEY, f"{config_file}: cannot read ({exc})") from None
     if text is None:
         raise ConfigError(KEY, f"{folder} has no chat template (a {TEMPLATE_FILE}, or chat_template in {CONFIG_FILE})")

@@ -9,7 +9,6 @@ EOS id to each, so every document ends the same way whatever the tokenizer's tem
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.errors import ConfigError
+from ringtrain.jsonfile import read_json
 from ringtrain.evaluation.tokenizer import TOKENIZER_FILE, HFTokenizer
 from ringtrain.prepared import BYTES_EOS_ID, BYTES_TOKENIZER, BYTES_VOCAB_SIZE, TokenizerInfo, tokenizer_sha256
 
@@ -54,8 +54,8 @@ def _config_eos(folder: Path) -> tuple[Optional[str], Optional[int]]:
     eos_id: Optional[int] = None
     for name in ("tokenizer_config.json", "generation_config.json", "config.json"):
         try:
-            cfg: Any = json.loads((folder / name).read_text())
-        except (OSError, ValueError):
+            cfg: Any = read_json(folder / name)
+        except (OSError, ValueError):  # JsonFileError among them: the next file may say
             continue
         value = cfg.get("eos_token") if isinstance(cfg, dict) else None
         if token is None and isinstance(value, dict):
