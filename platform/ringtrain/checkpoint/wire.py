@@ -202,12 +202,51 @@ def decode(blob: Buffer) -> DecodedShard:
     (header_len,) = struct.unpack("<Q", view[len(_MAGIC) : _PREFIX])
     if _PREFIX + header_len > len(view):
         raise SnapshotFormatError("truncated snapshot header")
-    header = json.loads(bytes(view[_PREFIX : _PREFIX + header_len]))
+    try:
+        header = json.loads(bytes(view[_PREFIX : _PREFIX + header_len]))
+    except RecursionError:
+        raise SnapshotFormatError("the header nests too deeply to be read") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SnapshotFormatError(f"the header is not JSON ({exc})") from None
+    need = _check_header(header)
     payload = view[_PREFIX + header_len :]
-    need = sum(4 * e["numel"] for e in header["arrays"])
     if len(payload) != need:
         raise SnapshotFormatError(f"payload is {len(payload)} bytes, the header describes {need}")
     return DecodedShard(header["step"], header["rank"], header["world_size"], header["scalars"], header["arrays"], payload)
+
+
+def _check_header(header: Any) -> int:
+    """The payload bytes a decoded header describes, once every field has the type and range
+    the encoder writes: a blob from a store may come from anywhere, and a field the readers
+    index with (an offset, a count, a shape) must not send them outside the blob or a tensor.
+    SnapshotFormatError naming the first field that is wrong."""
+    if not isinstance(header, dict):
+        raise SnapshotFormatError("the header is not a JSON object")
+    for field in ("step", "rank", "world_size"):
+        if not _count(header.get(field)):
+            raise SnapshotFormatError(f"header field {field!r} is {header.get(field)!r}, not a count")
+    if header["rank"] >= max(header["world_size"], 1):
+        raise SnapshotFormatError(f"rank {header['rank']} is outside a world of {header['world_size']}")
+    if not isinstance(header.get("scalars"), dict) or not isinstance(header.get("arrays"), list):
+        raise SnapshotFormatError("the header lacks its scalars (an object) or arrays (a list)")
+    offset = 0
+    for i, entry in enumerate(header["arrays"]):
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(entry.get("key"), str)
+                or not isinstance(shape, list) or not all(_count(d) for d in shape)
+                or not all(_count(entry.get(f)) for f in ("start", "numel", "offset"))):  # fmt: skip
+            raise SnapshotFormatError(f"arrays[{i}] is not a fragment entry (name, key, shape, start, numel, offset)")
+        if entry["offset"] != offset:
+            raise SnapshotFormatError(f"arrays[{i}] ({entry['name']}/{entry['key']}) starts at byte {entry['offset']}, not {offset}")
+        if entry["start"] + entry["numel"] > math.prod(shape):
+            raise SnapshotFormatError(f"arrays[{i}] ({entry['name']}/{entry['key']}) runs past its tensor of shape {shape}")
+        offset += 4 * entry["numel"]
+    return offset
+
+
+def _count(value: Any) -> bool:
+    """A JSON integer >= 0 (not a bool, which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class FragmentIndex:
@@ -225,7 +264,9 @@ class FragmentIndex:
         self._pieces: dict[tuple[str, str], list[tuple[int, int, DecodedShard, dict[str, Any]]]] = {}
         for shard in shards:
             for e in shard.entries:
-                self.shapes[e["name"]] = tuple(e["shape"])
+                shape = self.shapes.setdefault(e["name"], tuple(e["shape"]))
+                if shape != tuple(e["shape"]):
+                    raise SnapshotFormatError(f"{e['name']}: shape {e['shape']} in rank {shard.rank}'s shard, {list(shape)} in another's")
                 self._pieces.setdefault((e["name"], e["key"]), []).append((e["start"], e["numel"], shard, e))
         for (name, key), pieces in self._pieces.items():
             pieces.sort(key=lambda piece: piece[0])
