@@ -78,3 +78,33 @@ def test_overwrite_refuses_what_prepare_did_not_write(
     assert "--overwrite replaces only a dataset `ringtrain prepare` wrote" in err
     assert snapshot(out) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["into-a-new-folder", "over-a-dataset"])
+def test_what_appears_at_out_while_prepare_runs_is_never_replaced(
+    serial: None, src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    overwrite: bool,
+) -> None:
+    """--out is checked before prepare starts and judged again when the dataset is published: a
+    file the user writes there meanwhile stops the publish (exit 2, naming --out); the folder is
+    left as it was and the prepared dataset kept beside it, named in the message."""
+    from ringtrain.prepare import writer
+
+    out = tmp_path / "out"
+    if overwrite:
+        assert prepare([str(src), "--out", str(out)], capsys)[0] == 0
+    publish = writer.LocalOutput.publish
+
+    def after_the_user_writes(self: writer.LocalOutput, manifest: Manifest) -> None:
+        out.mkdir(exist_ok=True)
+        (out / "notes.txt").write_text("mine")
+        publish(self, manifest)
+
+    monkeypatch.setattr(writer.LocalOutput, "publish", after_the_user_writes)
+    before = snapshot(out) if overwrite else {}
+    code, err = prepare([str(src), "--out", str(out), *(["--overwrite"] if overwrite else [])], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--out: {out}" in err and "nothing there was replaced, and the prepared dataset is kept at" in err
+    assert snapshot(out) == {**before, "notes.txt": b"mine"}
+    kept = Path(err.strip().rsplit(" at ", 1)[1])
+    assert Manifest.load(kept).num_documents == 20

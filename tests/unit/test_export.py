@@ -473,3 +473,31 @@ def test_a_resume_checks_the_new_shape_keys_and_accepts_old_checkpoints() -> Non
         reason = check(dict(meta, model=dict(meta["model"], **{key: value})))
         assert reason is not None and f"model.{key}={value}" in reason, (key, reason)
     assert check(dict(old, model=dict(old["model"], mlp_bias=True))) is not None
+
+
+@pytest.mark.parametrize("appears", ["a file in the export being replaced", "a folder where there was none"])
+def test_what_appears_at_the_destination_during_an_export_is_never_deleted(
+    appears: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The destination is checked before the export and judged again when it is replaced: a
+    file of the user's written into it meanwhile (or a folder made there) stops the export."""
+    import ringtrain.hf.export as export_module
+
+    job, model = scratch()
+    write_checkpoint(tmp_path / "ckpt", job, params_of(model))
+    dest = tmp_path / "hf"
+    if appears.startswith("a file"):
+        assert run_export(capsys, tmp_path / "ckpt", dest)[0] == 0  # an export of ours: --overwrite may replace it
+    write_shard = export_module._write_shard
+
+    def then_the_user_writes(*args: Any, **kwargs: Any) -> Any:
+        dest.mkdir(exist_ok=True)
+        (dest / "notes.txt").write_text("mine")
+        return write_shard(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_write_shard", then_the_user_writes)
+    code, _, err = run_export(capsys, tmp_path / "ckpt", dest, "--overwrite")
+    assert code == 2
+    assert_one_line_error(err, "OUT_DIR", str(dest), "notes.txt" if appears.startswith("a file") else f"holds no {EXPORT_MANIFEST}")
+    assert (dest / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # put back, nothing half-done left

@@ -247,21 +247,25 @@ def _check_destination(out: Path, overwrite: bool) -> None:
         raise ExportError("OUT_DIR", f"{out} is not empty; use --overwrite to replace it")
 
 
-def _check_replaceable(out: Path) -> None:
-    """ExportError unless ``out`` holds an export's files and nothing else."""
+def _check_replaceable(out: Path, named: Optional[Path] = None) -> None:
+    """ExportError unless ``out`` holds an export's files and nothing else; messages name the
+    folder as ``named`` (where the user knows it; default ``out``)."""
+    named = named or out
     refuse = "--overwrite replaces only a folder `ringtrain export` wrote; choose a new or empty OUT_DIR"
+    if out.is_symlink() or not out.is_dir():
+        raise ExportError("OUT_DIR", f"{named} is a file or a link, not a folder: {refuse}")
     try:
         record = read_json(out / EXPORT_MANIFEST)
     except FileNotFoundError:
-        raise ExportError("OUT_DIR", f"{out} holds no {EXPORT_MANIFEST}: {refuse}") from None
+        raise ExportError("OUT_DIR", f"{named} holds no {EXPORT_MANIFEST}: {refuse}") from None
     except (OSError, ValueError) as exc:
-        raise ExportError("OUT_DIR", f"{out / EXPORT_MANIFEST} is unreadable ({exc}): {refuse}") from None
+        raise ExportError("OUT_DIR", f"{named / EXPORT_MANIFEST} is unreadable ({exc}): {refuse}") from None
     if not isinstance(record, dict) or record.get("format") != EXPORT_FORMAT or not isinstance(record.get("files"), list):
-        raise ExportError("OUT_DIR", f"{out / EXPORT_MANIFEST} is not a ringtrain export record: {refuse}")
+        raise ExportError("OUT_DIR", f"{named / EXPORT_MANIFEST} is not a ringtrain export record: {refuse}")
     ours = {EXPORT_MANIFEST, *(f for f in record["files"] if isinstance(f, str))}
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in ours or p.is_dir())
     if foreign:
-        raise ExportError("OUT_DIR", f"{out} holds {', '.join(foreign[:3])}, which its {EXPORT_MANIFEST} does not list: {refuse}")
+        raise ExportError("OUT_DIR", f"{named} holds {', '.join(foreign[:3])}, which its {EXPORT_MANIFEST} does not list: {refuse}")
 
 
 def _check_not_inside(store: CheckpointStore, out: Path) -> None:
@@ -291,14 +295,29 @@ def _copy_side_files(folder: Path, source: Optional[str], *, explicit: bool, say
 
 
 def _publish(tmp: Path, out: Path) -> None:
-    """Put the finished folder in place; a replaced one is moved aside first, then deleted."""
+    """Put the finished folder in place; a replaced one is moved aside first, then deleted.
+
+    What is at ``out`` may have changed since it was checked (an export takes minutes): it is
+    judged again once moved aside, where nothing else can add to it, and put back untouched
+    unless it is still an export's folder or empty. A folder made at ``out`` meanwhile stops
+    the final rename (a directory is renamed only onto an empty one)."""
     for path in tmp.iterdir():  # on disk before the folder becomes visible under its name
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     old: Optional[Path] = None
-    if out.exists():
+    if out.exists() or out.is_symlink():
         old = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
         os.rename(out, old)
-    os.rename(tmp, out)
+        if old.is_symlink() or not old.is_dir() or any(old.iterdir()):
+            try:
+                _check_replaceable(old, named=out)
+            except ExportError:
+                os.rename(old, out)
+                raise
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        kept = f"; the export it was to replace is at {old}" if old is not None else ""
+        raise ExportError("OUT_DIR", f"{out} appeared while exporting ({exc.strerror}): nothing there was replaced{kept}") from None
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

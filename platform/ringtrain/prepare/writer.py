@@ -168,24 +168,23 @@ def _files(shard: ShardInfo) -> tuple[str, ...]:
 
 
 class LocalOutput:
-    """A local folder: staged in a hidden sibling folder, published by renaming it into place."""
+    """A local folder: staged in a hidden sibling folder, published by renaming it into place.
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    What is at the folder may change while prepare runs (for hours, on a shared file system): it
+    is judged again when it is replaced, once moved aside where nothing else can add to it, and
+    put back untouched unless ``--overwrite`` may replace it (``check_replaceable``). The staged
+    dataset is then kept, and the error says where."""
+
+    def __init__(self, root: Path, uri: str = "", overwrite: bool = False) -> None:
+        self.root, self.uri, self.overwrite = root, uri or str(root), overwrite
         self.staging = root.parent / f".{root.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.kept = False  # the staged dataset outlives a refused publish
 
     def exists(self) -> bool:
         return self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir()))
 
     def contents(self) -> tuple[Optional[str], list[str]]:
-        """The manifest's text (None when there is none) and every entry's relative path."""
-        manifest = self.root / MANIFEST_NAME
-        text = manifest.read_text(encoding="utf-8", errors="replace") if manifest.is_file() else None
-        entries = []
-        for path in sorted(self.root.rglob("*")):
-            if path.is_file() or path.is_symlink() or (path.is_dir() and not any(path.iterdir())):
-                entries.append(str(path.relative_to(self.root)))
-        return text, entries
+        return _folder_contents(self.root)
 
     def begin(self) -> Path:
         self.staging.mkdir(parents=True)
@@ -199,14 +198,51 @@ class LocalOutput:
         old = self.root.parent / f".{self.root.name}.old-{uuid.uuid4().hex[:8]}"
         if self.root.exists() or self.root.is_symlink():
             self.root.rename(old)
-        self.staging.rename(self.root)
+            try:
+                self._judge(old)
+            except ConfigError as exc:
+                old.rename(self.root)  # as it was
+                raise self._refused(exc.reason) from None
+        try:
+            self.staging.rename(self.root)
+        except OSError as exc:  # a folder made there meanwhile, and not empty
+            kept = f"; the dataset it was to replace is at {old}" if old.exists() else ""
+            raise self._refused(f"{self.uri} appeared while preparing ({exc.strerror}){kept}") from None
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
-        elif old.exists():
+        elif old.exists() or old.is_symlink():
             old.unlink()
 
+    def _judge(self, moved: Path) -> None:
+        """ConfigError unless what was at the folder (now at ``moved``) may be replaced: nothing,
+        an empty folder, or with --overwrite a dataset of ours and nothing else."""
+        if moved.is_symlink() or not moved.is_dir():
+            raise ConfigError(OUT_KEY, f"{self.uri} is a file or a link, not a folder")
+        if not any(moved.iterdir()):
+            return
+        if not self.overwrite:
+            raise ConfigError(OUT_KEY, f"{self.uri} already exists; pass --overwrite to replace it")
+        check_replaceable(self.uri, *_folder_contents(moved))
+
+    def _refused(self, reason: str) -> ConfigError:
+        self.kept = True
+        return ConfigError(OUT_KEY, f"{reason}; nothing there was replaced, and the prepared dataset is kept at {self.staging}")
+
     def abort(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
+        if not self.kept:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _folder_contents(folder: Path) -> tuple[Optional[str], list[str]]:
+    """A local output folder's manifest text (None when there is none) and every entry's
+    relative path (files, links and empty folders)."""
+    manifest = folder / MANIFEST_NAME
+    text = manifest.read_text(encoding="utf-8", errors="replace") if manifest.is_file() else None
+    entries = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() or path.is_symlink() or (path.is_dir() and not any(path.iterdir())):
+            entries.append(str(path.relative_to(folder)))
+    return text, entries
 
 
 class S3Output:
@@ -281,7 +317,7 @@ def open_output(uri: str, overwrite: bool) -> Output:
     """The output ``uri`` names; refused when it holds anything and ``overwrite`` is off, or
     holds anything but a dataset of ours when it is on."""
     path = local_path(uri)
-    output: Output = LocalOutput(path.absolute()) if path is not None else S3Output(uri)
+    output: Output = LocalOutput(path.absolute(), uri, overwrite) if path is not None else S3Output(uri)
     if path is not None and (path.is_symlink() or (path.exists() and not path.is_dir())):
         raise ConfigError(OUT_KEY, f"{uri} is a file or a link, not a folder")
     if output.exists():
