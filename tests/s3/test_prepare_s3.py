@@ -37,12 +37,19 @@ def test_prepare_reads_and_writes_s3(
     s3_client.put_object(Bucket=bucket, Key="corpus-other/ignored.jsonl", Body=b'{"text": "not under corpus/"}\n')
     tokenizer = save_tokenizer(tmp_path / "tok", num_modules=12, vocab_size=512)
     out = f"s3://{bucket}/datasets/stdlib"
-    # Plain JSONL in 16 KB ranges (ranged GETs), Parquet read whole (downloaded), .gz/.zst whole.
+    # Plain JSONL in 16 KB ranges (ranged GETs), Parquet downloaded (read at random), .gz/.zst
+    # streamed through one GET each, never downloaded whole.
+    from ringtrain.prepare import pipeline
+
+    downloaded: list[str] = []
+    fetch = pipeline.fetch
+    monkeypatch.setattr(pipeline, "fetch", lambda uri, folder: downloaded.append(uri) or fetch(uri, folder))
     code = cli.main(["prepare", f"s3://{bucket}/corpus", "--tokenizer", str(tokenizer), "--out", out,
                      "--shard-tokens", "30000", "--split-bytes", "16000", "--parallelism", "1"])
     stdout, stderr = capsys.readouterr()
     assert code == 0, stderr[-3000:]
     assert "into " in stdout and "M tokens/s" in stdout
+    assert downloaded == [f"s3://{bucket}/corpus/{p.name}" for p in sorted(files) if p.suffix == ".parquet"]
 
     keys = sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"])
     published = [k for k in keys if k.startswith("datasets/")]

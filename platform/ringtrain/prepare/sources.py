@@ -18,6 +18,7 @@ driver, which sees the pieces of a file in order, adds the lines of the pieces b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import gzip
@@ -27,7 +28,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare.chat_records import MESSAGES_FLAG, Conversation, parquet_conversations
@@ -273,24 +274,53 @@ class LineCounter:
         self.lines = 0
 
 
+@contextlib.contextmanager
+def _raw(uri: str, path: str) -> Iterator[IO[bytes]]:
+    """The bytes of a whole source as a stream: the local file at ``path``, or the S3 object
+    ``uri`` (when ``path`` is that URI) as its GET's body, read as it is consumed, never
+    downloaded whole."""
+    if not path.startswith("s3://"):
+        with open(path, "rb") as f:
+            yield f
+        return
+    from ringtrain.checkpoint.s3 import parse_s3_uri
+
+    bucket, key = parse_s3_uri(uri)
+    try:
+        body = _s3_client(bucket).get_object(Bucket=bucket, Key=key)["Body"]
+    except Exception as exc:  # botocore's errors share no useful base beyond Exception
+        raise DataError(f"{uri}: cannot read ({exc})") from None
+    try:
+        yield body
+    finally:
+        body.close()  # unread bytes (a refused record's rest) go with the connection
+
+
 def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int, chat: bool = False) -> Iterator[Record]:
     uri = piece.source.uri
     ranged = splittable(piece.source)
     try:
-        chunks = _range_chunks(path, uri, piece.start) if ranged else decompressed_chunks(path)
-        for line in lines(chunks, piece.start, piece.end if ranged else None, max_bytes):
-            counter.lines += 1
-            if isinstance(line, LongLine):
-                yield BadRecord(counter.lines, too_long("the line", max_bytes))
-                continue
-            if not line.strip():
-                continue  # blank lines (a trailing newline too) are not records
-            yield _record(line, counter.lines, text_field, chat)
+        with contextlib.ExitStack() as stack:
+            chunks = _range_chunks(path, uri, piece.start) if ranged else decompressed_chunks(stack.enter_context(_raw(uri, path)), uri)
+            yield from _jsonl_records(chunks, piece, ranged, text_field, counter, max_bytes, chat)
     except _corrupt_errors() as exc:
         raise DataError(f"{uri}: corrupt compressed data after line {counter.lines} ({exc or type(exc).__name__})") from None
     except OSError as exc:
         where = f"bytes {piece.start}-{piece.end}" if piece.start else f"after line {counter.lines}"
         raise DataError(f"{uri}: cannot read {where} ({exc})") from None
+
+
+def _jsonl_records(
+    chunks: Iterator[bytes], piece: Piece, ranged: bool, text_field: str, counter: LineCounter, max_bytes: int, chat: bool
+) -> Iterator[Record]:
+    for line in lines(chunks, piece.start, piece.end if ranged else None, max_bytes):
+        counter.lines += 1
+        if isinstance(line, LongLine):
+            yield BadRecord(counter.lines, too_long("the line", max_bytes))
+            continue
+        if not line.strip():
+            continue  # blank lines (a trailing newline too) are not records
+        yield _record(line, counter.lines, text_field, chat)
 
 
 def _record(line: bytes, line_no: int, text_field: str, chat: bool = False) -> Record:
@@ -420,13 +450,12 @@ def _text(path: str, uri: str, counter: LineCounter, max_bytes: int) -> Iterator
     """The file as one document, read no further than the limit: a bigger file is a bad record."""
     counter.lines = 1
     try:
-        with open(path, "rb") as stream:
+        with _raw(uri, path) as stream:
             data = stream.read(max_bytes + 1)
-            size = os.fstat(stream.fileno()).st_size
     except OSError as exc:
         raise DataError(f"{uri}: cannot read ({exc})") from None
     if len(data) > max_bytes:
-        yield BadRecord(1, too_long(f"the file ({max(size, len(data)):,} bytes)", max_bytes))
+        yield BadRecord(1, too_long(f"the file ({_size(uri if path.startswith('s3://') else path):,} bytes)", max_bytes))
         return
     try:
         yield data.decode("utf-8")
@@ -462,8 +491,9 @@ def read_records(
 
 
 def needs_fetch(piece: Piece) -> bool:
-    """S3 objects read whole are downloaded first; plain JSONL is streamed by ranged GETs."""
-    return piece.source.uri.startswith("s3://") and not splittable(piece.source)
+    """An S3 Parquet object is downloaded first (its footer and row groups are read at random);
+    plain JSONL is streamed by ranged GETs, and .gz, .zst and text objects by one GET each."""
+    return piece.source.uri.startswith("s3://") and piece.source.kind == "parquet"
 
 
 def fetch(uri: str, folder: str) -> str:

@@ -58,16 +58,16 @@ def zstd_chunks(raw: IO[bytes]) -> Iterator[bytes]:
         raise zstandard.ZstdError("the file ends inside a frame (truncated)")
 
 
-def decompressed_chunks(path: str) -> Iterator[bytes]:
-    """The decompressed bytes of a (plain, .gz or .zst) file, in bounded chunks."""
-    lower = path.lower()
+def decompressed_chunks(raw: IO[bytes], name: str) -> Iterator[bytes]:
+    """The decompressed bytes of the stream ``raw`` of file ``name`` (plain, .gz or .zst by its
+    suffix), in bounded chunks: read as they are needed, never whole."""
+    lower = name.lower()
     if lower.endswith(".zst"):
-        with open(path, "rb") as raw:
-            yield from zstd_chunks(raw)
+        yield from zstd_chunks(raw)
         return
-    with gzip.open(path, "rb") if lower.endswith(".gz") else open(path, "rb") as stream:
-        while chunk := stream.read(READ_CHUNK):
-            yield chunk
+    stream = gzip.GzipFile(fileobj=raw, mode="rb") if lower.endswith(".gz") else raw
+    while chunk := stream.read(READ_CHUNK):
+        yield chunk
 
 
 def lines(chunks: Iterator[bytes], start: int = 0, end: Optional[int] = None, max_bytes: Optional[int] = None) -> Iterator[Line]:
