@@ -35,6 +35,9 @@ from ringtrain.uris import local_path
 
 FORMAT = "ringtrain-dataset/1"
 MANIFEST_NAME = "manifest.json"
+# A dataset's manifest is ~300 bytes a shard (40,000 shards of 256 MiB: 10T tokens, 12 MB) plus
+# the skipped records it lists (at most 1,000, prepare/pipeline.py): one larger is not a manifest.
+MAX_MANIFEST_BYTES = 256 << 20
 SHARD_DIR = "shards"
 TOKENS_SUFFIX = ".tokens.npy"
 DOCS_SUFFIX = ".docs.npy"
@@ -339,8 +342,12 @@ class Manifest:
 
     @classmethod
     def loads(cls, text: Union[str, bytes], where: str = MANIFEST_NAME) -> "Manifest":
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise DataError(f"{where}: over {MAX_MANIFEST_BYTES:,} bytes, not a manifest: not read")
         try:
             obj = json.loads(text)
+        except RecursionError:
+            raise DataError(f"{where}: nests too deeply to be a manifest") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise DataError(f"{where}: not valid JSON ({exc})") from None
         return cls.from_json(obj, where)
@@ -353,7 +360,8 @@ class Manifest:
             raise DataError(f"{root}: an s3:// dataset is read through its store, not as a local file")
         file = path / MANIFEST_NAME
         try:
-            text = file.read_bytes()
+            with open(file, "rb") as f:
+                text = f.read(MAX_MANIFEST_BYTES + 1)  # loads refuses one past the bound
         except FileNotFoundError:
             raise DataError(f"{file}: no manifest; {path} is not a prepared dataset (run `ringtrain prepare`)") from None
         except OSError as exc:

@@ -48,6 +48,19 @@ def test_manifest_round_trips_and_checks_its_totals() -> None:
         Manifest.loads(json.dumps(_manifest(tokenizer={"name": "b", "sha256": "b", "vocab_size": 256})))
 
 
+def test_a_manifest_too_large_or_too_deep_is_refused_unread(tmp_path: Path) -> None:
+    """A dataset may come from elsewhere: a 300 MiB manifest.json (sparse here) is not read, and
+    one nested past the parser's depth is a DataError, not a RecursionError."""
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    with open(huge / "manifest.json", "wb") as f:
+        f.truncate(300 << 20)
+    with pytest.raises(DataError, match=r"manifest.json: over 268,435,456 bytes, not a manifest"):
+        Manifest.load(huge)
+    with pytest.raises(DataError, match="nests too deeply to be a manifest"):
+        Manifest.loads("[" * 100_000, "deep/manifest.json")
+
+
 def test_token_dtype_and_names() -> None:
     assert token_dtype_for(65536) == "uint16" and token_dtype_for(65537) == "uint32"
     assert shard_paths(7) == ("shards/00007.tokens.npy", "shards/00007.docs.npy")

@@ -27,7 +27,7 @@ import numpy as np
 
 from ringtrain.cachedir import data_cache_dir, write_cached
 from ringtrain.errors import DataError
-from ringtrain.prepared import MANIFEST_NAME, SHARD_DIR, Manifest, ShardInfo, sha256_file
+from ringtrain.prepared import MANIFEST_NAME, MAX_MANIFEST_BYTES, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path
 
 
@@ -57,7 +57,7 @@ def read_manifest(uri: str) -> Manifest:
     from ringtrain.checkpoint.backends import ObjectMissing
 
     try:
-        text = _s3_backend(uri).get(MANIFEST_NAME)
+        text = _s3_backend(uri).get(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
     except ObjectMissing:
         raise DataError(f"{uri}/{MANIFEST_NAME}: no manifest; {uri} is not a prepared dataset (run `ringtrain prepare`)") from None
     except Exception as exc:  # boto3's errors (credentials, network) are many; name the object
