@@ -501,3 +501,26 @@ def test_what_appears_at_the_destination_during_an_export_is_never_deleted(
     assert_one_line_error(err, "OUT_DIR", str(dest), "notes.txt" if appears.startswith("a file") else f"holds no {EXPORT_MANIFEST}")
     assert (dest / "notes.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # put back, nothing half-done left
+
+
+def test_a_checkpoint_meta_is_data_checked_as_a_job_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint from elsewhere names no folder of this machine (its model section's ``hf`` is
+    not read) and a value of the wrong type is one line naming SOURCE, not a traceback."""
+    job, model = scratch()
+
+    def point_elsewhere(meta: dict[str, Any]) -> None:
+        meta["model_config"]["hf"] = str(tmp_path / "elsewhere")
+
+    write_checkpoint(tmp_path / "elsewhere-ckpt", job, params_of(model), edit_meta=point_elsewhere)
+    code, _, err = run_export(capsys, tmp_path / "elsewhere-ckpt", tmp_path / "hf")
+    assert code == 0, err
+    assert read_hf_config(tmp_path / "hf")["hidden_size"] == job.model.dim
+
+    def garble(meta: dict[str, Any]) -> None:
+        meta["model_config"]["dim"] = "sixty-four"
+
+    write_checkpoint(tmp_path / "garbled", job, params_of(model), edit_meta=garble)
+    code, _, err = run_export(capsys, tmp_path / "garbled", tmp_path / "hf2")
+    assert code == 2
+    assert_one_line_error(err, "SOURCE", "the model section its meta records is not valid", "model.dim")
+    assert not (tmp_path / "hf2").exists()

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from safetensors.torch import save_file
 
+from ringtrain import config
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
 from ringtrain.checkpoint.sources import open_source
@@ -195,8 +196,14 @@ def model_config(meta: Mapping[str, Any], uri: str) -> ModelConfig:
             f"{uri} was written before checkpoints recorded their model section, which an export needs; "
             "resume the run for a step to write one that does",
         )
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in section.items() if k in known})
+    # A checkpoint may come from elsewhere: only ModelConfig's own keys are read (never ``hf``, a
+    # folder of this machine), and their values are checked as a job file's would be.
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - {"hf"}
+    values = {k: v for k, v in section.items() if k in known and v is not None}
+    try:
+        return config.from_mapping({"model": values}, f"{uri}'s meta").model
+    except ConfigError as exc:
+        raise ExportError("SOURCE", f"{uri}: the model section its meta records is not valid: {exc}") from None
 
 
 def default_dtype(source_cfg: Optional[Mapping[str, Any]], say: Say) -> str:
