@@ -414,3 +414,24 @@ def test_the_file_backend_lists_nested_objects_with_sizes(tmp_path: Path) -> Non
     assert sorted((i.key, i.size) for i in found) == [("a/b/c", 3), ("a/d", 0)]
     assert [i.key for i in backend.list("a/b/")] == ["a/b/c"]
     assert list(backend.list("nope/")) == []
+
+
+def test_a_step_folder_that_is_a_link_is_never_followed(tmp_path: Path) -> None:
+    """A store may be shared: a step folder replaced by a link to a folder elsewhere (another
+    run's checkpoint, a planted one) is not read as a checkpoint, and neither written through nor
+    deleted through."""
+    root, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store = store_at(root)
+    store.save(1, shards_of(1), {"n": 1})
+    store.save(2, shards_of(2), {"n": 2})
+    step_path(root, 2).rename(elsewhere)
+    step_path(root, 2).symlink_to(elsewhere, target_is_directory=True)
+
+    assert [ref.step for ref in store.list()] == [1]
+    loaded = store.latest_valid()
+    assert loaded is not None and loaded.step == 1
+    with pytest.raises(OSError, match="symbolic link"):
+        store.delete(2)
+    with pytest.raises(OSError, match="symbolic link"):
+        store.save(2, shards_of(3), {"n": 3})
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(p.name for p in step_path(root, 1).iterdir())
