@@ -242,3 +242,26 @@ def test_gzip_fixture_is_deterministic(tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl.gz", [{"text": "x"}])
     b = write_jsonl(tmp_path / "b.jsonl.gz", [{"text": "x"}])
     assert a.read_bytes() == b.read_bytes() and gzip.decompress(a.read_bytes()) == b'{"text": "x"}\n'
+
+
+def test_an_s3_body_that_fails_mid_read_is_an_os_error_the_readers_name() -> None:
+    """botocore's and urllib3's streaming errors are no OSErrors: the S3 stream makes them one, so
+    a connection lost mid-object is prepare's one-line data error, not an actor's traceback."""
+
+    class Reset(Exception):
+        pass
+
+    class Body:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def read(self, size: object = None) -> bytes:
+            self.reads += 1
+            if self.reads > 1:
+                raise Reset("connection reset by peer")
+            return b'{"text": "a"}\n'
+
+    stream = sources._S3Stream(Body())
+    assert stream.read(16) == b'{"text": "a"}\n'
+    with pytest.raises(OSError, match="Reset: connection reset by peer"):
+        stream.read(16)

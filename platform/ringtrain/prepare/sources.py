@@ -291,9 +291,27 @@ def _raw(uri: str, path: str) -> Iterator[IO[bytes]]:
     except Exception as exc:  # botocore's errors share no useful base beyond Exception
         raise DataError(f"{uri}: cannot read ({exc})") from None
     try:
-        yield body
+        yield _S3Stream(body)
     finally:
         body.close()  # unread bytes (a refused record's rest) go with the connection
+
+
+class _S3Stream:
+    """A GET's body whose read errors are OSErrors, as a file's are: botocore's and urllib3's
+    (a connection reset or timed out mid-object) share no base with them, and the readers turn
+    an OSError into one line naming the object and where it stopped."""
+
+    def __init__(self, body: Any) -> None:
+        self._body = body
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            data: bytes = self._body.read(size if size >= 0 else None)
+            return data
+        except OSError:
+            raise
+        except Exception as exc:  # botocore.exceptions.ResponseStreamingError, urllib3's ProtocolError, ...
+            raise OSError(f"{type(exc).__name__}: {exc}") from None
 
 
 def _jsonl(piece: Piece, path: str, text_field: str, counter: LineCounter, max_bytes: int, chat: bool = False) -> Iterator[Record]:
