@@ -1,5 +1,6 @@
 """The embedded cluster a run starts: on loopback only, with a token made for the run and kept in
-the process environment, never written under ~/.ray; the user's own choice of token left alone.
+the process environment, never written under ~/.ray; the user's own choice of token left alone;
+none of its processes, nor any its workers started, left once it is closed.
 
 Each case runs in a fresh Python (as `ringtrain run` does) with its own HOME and RAY_TMPDIR and
 no Ray variable of the test's environment; the probe starts the cluster twice in one process, as
@@ -47,11 +48,27 @@ def token_of(procs, name):
             pass
     return "no such process"
 
+@ray.remote
+class Spawner:
+    def spawn(self):
+        # A process of the run's own that would outlive its worker: a new session (no SIGHUP),
+        # its parent gone at once (so no longer the worker's child).
+        import subprocess
+        out = subprocess.run(["setsid", "sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+        return [os.getpid(), int(out.stdout)]
+
+def running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
 runs = []
-for _ in range(2):
+for first in (True, False):
     handle = connect_to(None, num_cpus=1)
     procs = cluster_processes()
     answer = ray.get(ray.remote(lambda: "answered").remote())
+    spawned = ray.get(Spawner.remote().spawn.remote()) if first else []
     runs.append({
         "token": os.environ.get("RAY_AUTH_TOKEN"),
         "gcs_token": token_of(procs, "gcs_server"),
@@ -60,6 +77,8 @@ for _ in range(2):
     })
     handle.close()
     runs[-1]["after"] = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    runs[-1]["spawned"] = len(spawned)
+    runs[-1]["left"] = [pid for pid in spawned + [p.pid for p in procs] if running(pid)]
 print("PROBE " + json.dumps(runs))
 """
 
@@ -109,6 +128,8 @@ def test_an_embedded_cluster_listens_on_loopback_with_a_per_run_token_off_disk(r
         # Loopback only: 127.0.0.1, or its IPv4-mapped IPv6 form where a server opened an IPv6 socket.
         assert run["listening"] and all(loopback(address) for address in run["listening"]), run["listening"]
         assert run["after"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None}
+        assert run["left"] == [], "every process of the cluster, and what its workers started, ends with close"
+    assert first["spawned"] == 2
     assert first["token"] != second["token"], "a token per run"
     written = [p for p in home.rglob("*") if p.is_file()]
     assert not (home / ".ray" / "auth_token").exists(), written

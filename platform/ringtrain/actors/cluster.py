@@ -14,6 +14,13 @@ processes inherit and only this user can read, never in a file: left to itself, 
 one to ``~/.ray/auth_token`` with the default umask (readable by every local user) and reuse it
 for every later cluster. A token or mode the user chose (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH,
 RAY_AUTH_MODE=disabled) is left as it is. Both are undone when the cluster is closed.
+
+Closing an embedded cluster ends every process it started. ``ray.shutdown()`` ends the ones the
+driver started (GCS, raylet, ...), but the raylet's workers exit on their own once they notice
+it is gone, a moment later on a loaded machine, and a process a worker started may have left
+the process tree altogether. Each process of the cluster inherits a variable naming it
+(CLUSTER_MARK_VARIABLE), so close finds the ones still there, waits for them, and ends, by PID,
+those that linger.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class ClusterHandle:
 
         if ray.is_initialized():
             ray.shutdown()
+        if self.embedded and self.temp_dir:
+            _end_processes(_processes_marked(self.temp_dir))
         _set_environment(self.restore_env)
         self.restore_env = {}
         if self.temp_dir and not keep_logs:
@@ -109,8 +118,8 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
         # RAY_TMPDIR is Ray's own variable for where its temp dirs go.
         temp_dir = tempfile.mkdtemp(prefix="rt-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
         # Ray sets RAY_AUTH_MODE itself when it is unset: put that back afterwards too.
-        restore = {name: os.environ.get(name) for name in EMBEDDED_VARIABLES}
-        _set_environment(embedded_environment(os.environ))
+        restore = {name: os.environ.get(name) for name in (*EMBEDDED_VARIABLES, CLUSTER_MARK_VARIABLE)}
+        _set_environment({**embedded_environment(os.environ), CLUSTER_MARK_VARIABLE: temp_dir})
         ray.init(
             address="local",
             num_cpus=num_cpus or os.cpu_count() or 1,
@@ -129,6 +138,46 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
     except BaseException:
         _set_environment(restore)
         raise
+
+
+# Inherited by every process of an embedded cluster, naming it (by its temp dir: one per cluster).
+CLUSTER_MARK_VARIABLE = "RINGTRAIN_EMBEDDED_CLUSTER"
+# How long an embedded cluster's processes get to exit after ray.shutdown(), then to die when killed.
+EXIT_WAIT_S = 10.0
+KILL_WAIT_S = 5.0
+
+
+def _processes_marked(mark: str) -> list:
+    """The processes other than this one whose CLUSTER_MARK_VARIABLE is ``mark``: the embedded
+    cluster's. Another user's processes are not readable, and so never found."""
+    import psutil  # comes with Ray
+
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(CLUSTER_MARK_VARIABLE) == mark:
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _end_processes(procs: list) -> None:
+    """Wait for ``procs`` to exit; kill, by PID, those still there after EXIT_WAIT_S."""
+    if not procs:
+        return
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=EXIT_WAIT_S)
+    for proc in alive:
+        log.warning("a process of the embedded cluster outlived it: killing pid %d", proc.pid)
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=KILL_WAIT_S)
 
 
 # Ray's variable for "this node is the whole cluster": its node address stays 127.0.0.1.
