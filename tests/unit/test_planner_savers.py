@@ -164,3 +164,17 @@ def test_selective_recomputation_with_tiles_recomputes_the_mlp_once() -> None:
     flops = {(sel, tiles): extra_flops_per_token(model, Layout(1, 8, 1, 3, False, selective=sel, mlp_tiles=tiles))
              for sel in (False, True) for tiles in (1, 4)}
     assert flops == {(False, 1): 0.0, (False, 4): mlp, (True, 1): mlp, (True, 4): mlp}
+
+
+def test_each_plan_row_shows_the_savers_its_run_line_selects(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--top", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("#  dp"))
+    rows = lines[head + 1 : head + 6]
+    (run,) = [line for line in lines if line.strip().startswith("run: ringtrain run")]
+    # The best row's recompute mode is the one its `run:` line selects, not "no checkpointing".
+    mode = run.split("model.activation_checkpointing=")[1].split()[0]
+    assert mode == "selective" and rows[0].split()[6].rstrip(",") == mode, rows[0]
+    # No two rows alike in every layout column (dp to savers): a saver that differs is shown.
+    layout_columns = [row[1 : lines[head].index("GB/GPU")] for row in rows]
+    assert len(set(layout_columns)) == len(rows), layout_columns

@@ -32,12 +32,20 @@ HANG_INCIDENT: dict[str, Any] = {
     "action": "shrink",
     "dp_after": 1,
     "reason": "no progress for 30 s",
+    # As the controller writes it: how each rank's step ended, and the hang's diagnosis.
     "verdict": {
-        "culprit_rank": 3,
-        "host": "node-b",
-        "op": "all_reduce",
-        "seq": 12,
-        "stack": "\n".join(f"frame {i}" for i in range(40)) + "\n  dist.all_reduce(grads)",
+        "outcomes": [
+            {"rank": 2, "outcome": "ok", "error": "", "where": "", "node_alive": True},
+            {"rank": 3, "outcome": "timeout", "error": "no reply in 30 s", "where": "train_step", "node_alive": False},
+        ],
+        "hang": {
+            "culprit_rank": 3,
+            "host": "node-b",
+            "op": "all_reduce",
+            "seq": 12,
+            "waited_on": {"rank": 3, "for_s": 31.5},
+            "stack": "\n".join(f"frame {i}" for i in range(40)) + "\n  dist.all_reduce(grads)",
+        },
     },
 }
 
@@ -108,7 +116,26 @@ def test_a_failed_run_shows_curves_ranks_incidents_and_config(tmp_path: Path) ->
     assert "Incident 1: nan" in page.text and "Incident 2: hang" in page.text
     assert "culprit rank 3" in page.text and "host node-b" in page.text and "op all_reduce" in page.text
     assert "dist.all_reduce(grads)" in page.text and "frame 39" in page.text and "frame 5 " not in page.text
+    # Each rank's outcome, and the verdict's other values, as text rather than Python reprs.
+    assert "rank 2 ok rank 3 timeout (no reply in 30 s) in train_step, its node gone" in page.text
+    assert "verdict waited_on for_s: 31.5, rank: 3" in page.text  # keys as written: sorted
+    assert "{" not in page.text.split("Overview", 1)[1].split("Resolved config")[0]
     assert "config.yaml" in page.text and "quickstart" in page.text and "details" in page.tags
+
+
+def test_counts_a_flat_durable_line_and_a_cpu_mfu_are_explained(tmp_path: Path) -> None:
+    records = [step_record(step, last_durable_step=0) for step in range(1, 5)]
+    summary = {**FAILED_SUMMARY, "status": "finished", "num_params": 834176, "device": "cpu"}
+    config = "name: quickstart\ntrain:\n  steps: 4\ncheckpoint:\n  persist_every: 50\n"
+    page, _ = report_of(write_run_dir(tmp_path / "run", records=records, incidents=(), summary=summary, config_yaml=config))
+    assert "parameters 834,176" in page.text
+    assert "No checkpoint was persisted during these steps (checkpoint.persist_every is 50): the last durable step was none." in page.text
+    assert "On CPU, against a nominal peak of 96 GFLOP/s a core" in page.text
+
+    # A GPU's MFU, and a durable step that moves, need no note.
+    summary = {**summary, "device": "NVIDIA H100 80GB HBM3"}
+    page, _ = report_of(write_run_dir(tmp_path / "gpu", steps=4, incidents=(), summary=summary))
+    assert "nominal peak" not in page.text and "No checkpoint was persisted" not in page.text
 
 
 def test_a_run_still_going_has_no_summary_and_a_half_written_line(tmp_path: Path) -> None:

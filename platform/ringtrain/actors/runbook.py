@@ -265,6 +265,8 @@ class RunBook:
             "goodput": train_s / wall_s if wall_s > 0 else 0.0,
             "run_id": self.run_id,
             "num_params": self.group.num_params,
+            # The workers' device as they name it: the report says what peak its MFU is against.
+            "device": self.group.infos[0].device_name if self.group.infos else None,
             "num_samples": ledger["samples"],
             "ledger": ledger,
             "dp": self.dp,

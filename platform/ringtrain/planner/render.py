@@ -93,7 +93,9 @@ def _windows_line(w: Workload) -> list[str]:
     ]
 
 
-COLUMNS = ("#", "dp", "cp", "ring", "ulysses", "ZeRO", "ckpt", "offload", "GB/GPU", "tokens/s", "MFU", "step s")
+# "savers": the recompute mode (full, selective, none) and every other saver in use, so no two
+# rows differ in a knob the table does not show, as the reach table's column does.
+COLUMNS = ("#", "dp", "cp", "ring", "ulysses", "ZeRO", "savers", "GB/GPU", "tokens/s", "MFU", "step s")
 
 
 def _row(rank: str, c: Candidate) -> tuple[str, ...]:
@@ -105,8 +107,7 @@ def _row(rank: str, c: Candidate) -> tuple[str, ...]:
         str(lay.ring),
         str(lay.ulysses),
         str(lay.zero_stage),
-        "yes" if lay.checkpointing else "no",
-        "opt+params" if lay.offload_params else "optimizer" if lay.offload_optimizer else "-",
+        lay.saver_column(),
         _gb(c.memory.total),
         f"{c.step.tokens_per_s:,.0f}",
         f"{c.step.mfu:.2f}",
@@ -116,7 +117,7 @@ def _row(rank: str, c: Candidate) -> tuple[str, ...]:
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
-    left = {6, 7}  # text columns
+    left = {COLUMNS.index("savers")}  # text columns
     out = []
     for r in [COLUMNS, *rows]:
         cells = [v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))]

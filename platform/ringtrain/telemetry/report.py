@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ringtrain.evaluation.buckets import short_count
+from ringtrain.planner.devices import CPU_CORE_PEAK_FLOPS
 from ringtrain.telemetry.runfiles import NO_SUMMARY, IncidentFile, RunFiles, incident_anchor, is_number, read_run
 from ringtrain.telemetry.svgchart import Point, Series, drawn, escape, fmt, kind_color, line_chart, series_color
 
@@ -78,7 +79,7 @@ def _overview(run: RunFiles) -> str:
         ("wall time", f"{fmt(summary.get('wall_time_s'))} s" if "wall_time_s" in summary else "-"),
         ("goodput", _percent(summary.get("goodput", last.get("goodput")))),
         ("last durable step", fmt(summary.get("last_durable_step", last.get("last_durable_step")))),
-        ("parameters", fmt(summary.get("num_params"))),
+        ("parameters", _count(summary.get("num_params"))),
         ("incidents", str(len(run.incidents))),
     ]
     if run.num_replayed:
@@ -132,10 +133,10 @@ def _charts(run: RunFiles) -> str:
             "",
         ),
         ("goodput", "Goodput (training time / wall time)", one("goodput", "goodput"), ""),
-        ("durable", "Last durable step", one("durable step", "last_durable_step", stepped=True), ""),
+        ("durable", "Last durable step", one("durable step", "last_durable_step", stepped=True), _durable_note(run)),
         ("lr", "Learning rate", one("lr", "lr"), ""),
         ("grad-norm", "Gradient norm", one("grad norm", "grad_norm"), ""),
-        ("mfu", "Model FLOPs utilisation", one("MFU", "mfu"), ""),
+        ("mfu", "Model FLOPs utilisation", one("MFU", "mfu"), _mfu_note(run)),
     ]
     cards = []
     for chart_id, title, series, note in specs:
@@ -150,6 +151,29 @@ def _charts(run: RunFiles) -> str:
             f'{line_chart(series, run.incidents)}<ul class="legend">{legend}</ul>{caption}</figure>'
         )
     return f'<section id="charts"><h2>Charts</h2><div class="grid">{"".join(cards)}</div></section>'
+
+
+def _durable_note(run: RunFiles) -> str:
+    """What a flat durable-step line means: no checkpoint persisted during the run (short runs)."""
+    durable = {r["last_durable_step"] for r in run.records if is_number(r.get("last_durable_step"))}
+    if len(durable) > 1 or not run.records:
+        return ""
+    checkpoint = run.config.get("checkpoint")
+    every = checkpoint.get("persist_every") if isinstance(checkpoint, dict) else None
+    cadence = f" (checkpoint.persist_every is {fmt(every)})" if every is not None else ""
+    held = f"stayed at step {fmt(next(iter(durable)))}" if durable and next(iter(durable)) else "was none"
+    return f"No checkpoint was persisted during these steps{cadence}: the last durable step {held}."
+
+
+def _mfu_note(run: RunFiles) -> str:
+    """On CPU the peak is a nominal per-core figure, not a measured or datasheet one."""
+    device = (run.summary or {}).get("device")
+    if not isinstance(device, str) or not device.lower().startswith("cpu"):
+        return ""
+    return (
+        f"On CPU, against a nominal peak of {CPU_CORE_PEAK_FLOPS / 1e9:.0f} GFLOP/s a core (AVX2 FMA at ~3 GHz): "
+        "for comparing runs on one machine, not with a GPU's MFU."
+    )
 
 
 def _straggler_note(ranks: list[Series]) -> str:
@@ -279,16 +303,42 @@ def _incident_detail(incident: IncidentFile) -> str:
     verdict = d.get("verdict")
     stack = ""
     if isinstance(verdict, dict):
+        outcomes = verdict.get("outcomes")
+        facts += [_outcome_fact(o) for o in outcomes if isinstance(o, dict)] if isinstance(outcomes, list) else []
+        # A hang's diagnosis: under "hang" beside the outcomes, or the verdict itself (older runs).
+        hang = verdict["hang"] if isinstance(verdict.get("hang"), dict) else verdict
         labels = {"culprit_rank": "culprit rank", "host": "host", "op": "op", "seq": "collective seq"}
-        facts += [(label, fmt(verdict[key])) for key, label in labels.items() if key in verdict]
-        facts += [(f"verdict {k}", fmt(v)) for k, v in verdict.items() if k not in labels and k != "stack"]
-        if isinstance(verdict.get("stack"), str) and verdict["stack"].strip():
-            lines = verdict["stack"].strip().splitlines()
+        facts += [(label, fmt(hang[key])) for key, label in labels.items() if key in hang]
+        shown_elsewhere = {*labels, "stack", "outcomes", "hang"}
+        facts += [(f"verdict {k}", _plain(v)) for k, v in {**verdict, **hang}.items() if k not in shown_elsewhere]
+        if isinstance(hang.get("stack"), str) and hang["stack"].strip():
+            lines = hang["stack"].strip().splitlines()
             shown = f"its last {STACK_LINES} of {len(lines)} lines" if len(lines) > STACK_LINES else "whole"
             excerpt = "\n".join(lines[-STACK_LINES:])
             stack = f'<p>Stack ({shown}):</p><pre class="stack">{escape(excerpt)}</pre>'
     title = f"Incident {fmt(d.get('id'))}: {d.get('kind', '?')}"
     return f'<article class="incident" id="{incident_anchor(incident)}"><h3>{escape(title)}</h3>{_facts(facts)}{stack}</article>'
+
+
+def _outcome_fact(outcome: dict[str, Any]) -> tuple[str, str]:
+    """How one rank's step ended: ``rank 1: died (ActorDiedError), its node gone``."""
+    text = str(outcome.get("outcome", "?"))
+    if outcome.get("error"):
+        text += f" ({outcome['error']})"
+    if outcome.get("where"):
+        text += f" in {outcome['where']}"
+    if outcome.get("node_alive") is False:
+        text += ", its node gone"
+    return (f"rank {fmt(outcome.get('rank'))}", text)
+
+
+def _plain(value: Any) -> str:
+    """A verdict's other values as text a reader scans: mappings as ``key: value``, lists joined."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_plain(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_plain(v) for v in value)
+    return fmt(value)
 
 
 def _config(run: RunFiles) -> str:
@@ -326,6 +376,11 @@ def _mean(records: list[dict[str, Any]], key: str) -> Optional[float]:
 
 def _ranks(value: Any) -> str:
     return ", ".join(str(r) for r in value) if isinstance(value, (list, tuple)) else fmt(value)
+
+
+def _count(value: Any) -> str:
+    """A count in full, with thousands separators: 834,176."""
+    return f"{int(value):,}" if is_number(value) and math.isfinite(value) else "-"
 
 
 def _secs(value: Any) -> str:
