@@ -38,6 +38,7 @@ from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
 from ringtrain.checkpoint.sources import open_source
 from ringtrain.config import JobConfig, ModelConfig
 from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.folderswap import DestinationAppeared, swap_in
 from ringtrain.jsonfile import read_json
 from ringtrain.hf.fragments import MasterWeights
 from ringtrain.hf.hfconfig import CONFIG_FILE, hf_config
@@ -302,29 +303,18 @@ def _copy_side_files(folder: Path, source: Optional[str], *, explicit: bool, say
 
 
 def _publish(tmp: Path, out: Path) -> None:
-    """Put the finished folder in place; a replaced one is moved aside first, then deleted.
-
-    What is at ``out`` may have changed since it was checked (an export takes minutes): it is
-    judged again once moved aside, where nothing else can add to it, and put back untouched
-    unless it is still an export's folder or empty. A folder made at ``out`` meanwhile stops
-    the final rename (a directory is renamed only onto an empty one)."""
+    """Put the finished folder in place (``folderswap``): what is at ``out`` is replaced only if
+    it is still an export's folder or empty when the export ends."""
     for path in tmp.iterdir():  # on disk before the folder becomes visible under its name
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-    old: Optional[Path] = None
-    if out.exists() or out.is_symlink():
-        old = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
+
+    def judge(old: Path) -> None:
         if old.is_symlink() or not old.is_dir() or any(old.iterdir()):
-            try:
-                _check_replaceable(old, named=out)
-            except ExportError:
-                os.rename(old, out)
-                raise
+            _check_replaceable(old, named=out)
+
     try:
-        os.rename(tmp, out)
-    except OSError as exc:
-        kept = f"; the export it was to replace is at {old}" if old is not None else ""
-        raise ExportError("OUT_DIR", f"{out} appeared while exporting ({exc.strerror}): nothing there was replaced{kept}") from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, out, judge)
+    except DestinationAppeared as exc:
+        kept = f"; the export it was to replace is at {exc.aside}" if exc.aside is not None else ""
+        raise ExportError("OUT_DIR", f"{out} appeared while exporting ({exc.reason}): nothing there was replaced{kept}") from None

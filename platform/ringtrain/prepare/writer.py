@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.folderswap import DestinationAppeared, swap_in
 from ringtrain.prepared import DOCS_DTYPE, MANIFEST_NAME, Manifest, ShardInfo, mask_path, shard_paths
 from ringtrain.uris import local_path
 
@@ -195,23 +196,13 @@ class LocalOutput:
 
     def publish(self, manifest: Manifest) -> None:
         (self.staging / MANIFEST_NAME).write_text(manifest.dumps())
-        old = self.root.parent / f".{self.root.name}.old-{uuid.uuid4().hex[:8]}"
-        if self.root.exists() or self.root.is_symlink():
-            self.root.rename(old)
-            try:
-                self._judge(old)
-            except ConfigError as exc:
-                old.rename(self.root)  # as it was
-                raise self._refused(exc.reason) from None
         try:
-            self.staging.rename(self.root)
-        except OSError as exc:  # a folder made there meanwhile, and not empty
-            kept = f"; the dataset it was to replace is at {old}" if old.exists() else ""
-            raise self._refused(f"{self.uri} appeared while preparing ({exc.strerror}){kept}") from None
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        elif old.exists() or old.is_symlink():
-            old.unlink()
+            swap_in(self.staging, self.root, self._judge)
+        except ConfigError as exc:
+            raise self._refused(exc.reason) from None
+        except DestinationAppeared as exc:
+            kept = f"; the dataset it was to replace is at {exc.aside}" if exc.aside is not None else ""
+            raise self._refused(f"{self.uri} appeared while preparing ({exc.reason}){kept}") from None
 
     def _judge(self, moved: Path) -> None:
         """ConfigError unless what was at the folder (now at ``moved``) may be replaced: nothing,
