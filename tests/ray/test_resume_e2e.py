@@ -4,8 +4,9 @@ An uninterrupted 12-step run is the reference; a run stopped after step 6 and re
 ``checkpoint.resume=auto`` must match it bitwise, step losses and final parameters alike; a
 resume of that step-6 checkpoint at dp=1 must match within float tolerance; a copy whose
 checkpoints are all damaged must refuse to resume, naming each. A run SIGTERMed between durable
-checkpoints saves its newest snapshot at the stop, and its resume matches the reference bitwise
-too: the stop lost no step.
+checkpoints (what ``ray job stop`` and Kubernetes send) holds its store's writer lease while it
+trains, ends cleanly with a summary that says ``stopped``, saves its newest snapshot at the stop,
+and its resume matches the reference bitwise too: the stop lost no step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +26,7 @@ import pytest
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.wire import FragmentIndex, decode
 
-from .signalled import Background, stop_line
+from .signalled import Background, records, stop_line
 from .test_run_e2e import QUICKSTART, TINY, processes_using, run_cli
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -117,16 +119,42 @@ def test_resume_with_no_valid_checkpoint_stops_with_the_reason(runs: Runs, stopp
     assert len(losses(run_dir)) == STOP_AT  # nothing was trained from garbage
 
 
+# Every rank sleeps this long in each of steps 3-11 (the same on all: no straggler): the run is
+# still training while the test watches its lease and starts a second run on its store.
+SLOW_STEPS = ",".join(f"{{kind: slow, rank: {rank}, step: 3, seconds: 1.0, count: 9}}" for rank in range(4))
+LEASE_S = 3  # renewed every second: seen renewed well within the slowed steps
+
+
 def test_a_sigterm_between_durable_checkpoints_loses_no_step(runs: Runs, reference: Path, tmp_path: Path) -> None:
     """Durable checkpoints only at the end (persist_every 12): SIGTERM after step 3 or later finds
     nothing durable but every step's snapshot in memory. The stop saves the newest, says so in one
-    line, and `checkpoint.resume=auto` goes on from it to the reference's losses and parameters."""
+    line, and `checkpoint.resume=auto` goes on from it to the reference's losses and parameters.
+
+    While it trains, the run holds its store's writer lease, renewed as it goes: a second run on
+    the same store is refused with exit 2 naming it, and the lease is gone once it has stopped."""
     run_dir = tmp_path / "sigterm"
     only_at_the_end = "checkpoint.persist_every=12"
-    args = [str(QUICKSTART), *TINY, *STEPS, only_at_the_end, f"run_dir={run_dir}"]
+    args = [str(QUICKSTART), *TINY, *STEPS, only_at_the_end, f"run_dir={run_dir}", f"checkpoint.lease_s={LEASE_S}",
+            f"chaos.faults=[{SLOW_STEPS}]"]  # fmt: skip
     run = Background(args, home=runs.home, ray_tmp=runs.ray_tmp, logs=tmp_path / "logs")
     try:
         run.wait_for_steps(run_dir, 3)
+        lease_path = run_dir / "checkpoints" / "writer.lease"
+        first = json.loads(lease_path.read_text())
+        assert first["holder"]["pid"] == run.proc.pid and first["holder"]["run_dir"] == str(run_dir)
+        renewed = time.monotonic() + 30
+        while json.loads(lease_path.read_text())["expires_at"] <= first["expires_at"]:
+            assert time.monotonic() < renewed, "the lease was not renewed while the run trained"
+            time.sleep(0.2)
+        # A second run on the same store: refused before it starts anything.
+        store_uri = (run_dir / "checkpoints").as_uri()
+        second = run_cli([str(QUICKSTART), *TINY, f"checkpoint.uri={store_uri}", "checkpoint.resume=auto",
+                          f"run_dir={tmp_path / 'second'}"], home=runs.home, ray_tmp=runs.ray_tmp, timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"is being written by run 'quickstart' (pid {run.proc.pid} on " in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1 and "Traceback" not in second.stderr
+        assert not (tmp_path / "second").exists()
+        assert len(records(run_dir)) < 12, "the run ended before the signal: slow its steps more"
         code, _ = run.stop(signal.SIGTERM)
     finally:
         run.kill()
@@ -134,7 +162,10 @@ def test_a_sigterm_between_durable_checkpoints_loses_no_step(runs: Runs, referen
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     step = summary["final_step"]
-    assert summary["status"] == "stopped" and 3 <= step < 12, summary
+    assert (summary["status"], summary["error"]) == ("stopped", "interrupted") and 3 <= step < 12, summary
+    steps = [r["step"] for r in records(run_dir)]
+    assert steps == list(range(1, step + 1))
+    assert summary["final_loss"] == records(run_dir)[-1]["loss"] and summary["ledger"]["steps"] == step
     store = open_store((run_dir / "checkpoints").as_uri())
     line = stop_line(run.stdout)
     assert line is not None and re.fullmatch(rf"stop: saved step {step} to {re.escape(store.checkpoint_uri(step))} in [0-9.]+ s", line), line
