@@ -2,8 +2,9 @@
 
 One in-process Ray cluster serves the module (prepare borrows a connection it finds): the
 reference run at parallelism 1 with whole files, the same corpus at parallelism 2 cut into many
-pieces, and a bad line in a late piece, through real actors. Bad input and the command line's
-exit status are in test_bad_input.py (no cluster needed to check them).
+pieces, and a bad line in a late piece, through real actors; and a small corpus tokenized in a
+fresh process that starts no cluster, to the same bytes. Bad input and the command line's exit
+status are in test_bad_input.py (no cluster needed to check them).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +26,8 @@ from ringtrain.prepared import Manifest
 from tests.corpus import write_jsonl
 
 ray = pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,26 @@ def test_bytes_are_the_same_at_parallelism_1_and_2_and_any_split(
                                "--parallelism", "2", "--split-bytes", "16000", "--overwrite", "--quiet"]), *capsys.readouterr()
     assert code == 0, err
     assert "M tokens/s" in out and "into 4 shards" in out
+    assert files_of(prepared) == first
+
+
+def test_a_small_local_corpus_is_tokenized_in_this_process_to_the_same_bytes(prepared: Path, corpus: Path, tokenizer: Path, tmp_path: Path) -> None:
+    """Without --parallelism or --num-cpus, a local corpus of --split-bytes (64 MiB) or less
+    starts no cluster: a fresh `ringtrain prepare` rewrites the dataset in place with nothing
+    under its RAY_TMPDIR, to the same bytes as the cluster's actors wrote."""
+    first = files_of(prepared)
+    ray_tmp = tmp_path / "ray"
+    ray_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out", str(prepared),
+         "--shard-tokens", SHARD_TOKENS, "--overwrite", "--quiet"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in this process" in done.stdout and "into 4 shards" in done.stdout
+    assert list(ray_tmp.iterdir()) == [], "no cluster started"
     assert files_of(prepared) == first
 
 

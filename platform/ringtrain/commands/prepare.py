@@ -9,11 +9,16 @@ commands: 2 for bad input (one line naming the file, line or flag), 1 for anythi
 ``--format chat`` reads conversations instead of texts and renders each with the tokenizer's
 chat template, keeping a loss mask beside the tokens (``prepare/chat_render``); the template is
 found and tried on a probe conversation before the cluster starts.
+
+A local corpus of one piece's work or less (``--split-bytes``, 64 MiB) is tokenized in this
+process by the actors' own code, in the same order, so the bytes written are the same: starting
+a cluster would take longer than the work (``pipeline.in_process`` says when).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -64,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--parallelism", type=int, default=0, help="tokenizer actors (default: the cluster's CPUs); never changes the output")
     parser.add_argument("--num-cpus", type=int, default=0, help="CPUs of the embedded cluster (default: all)")
-    parser.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS, else an embedded local one)")
+    parser.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS, else an embedded local one; a local corpus of --split-bytes or less in all, with neither --parallelism nor --num-cpus, is tokenized in this process, no cluster started)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
@@ -112,7 +117,7 @@ class Progress:
 class Summary:
     manifest: Manifest
     seconds: float  # the pipeline, from the first row asked for to the manifest published
-    cluster_start_s: float
+    cluster_start_s: Optional[float]  # None: tokenized in this process, no cluster started
 
 
 def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stderr) -> Summary:
@@ -133,14 +138,25 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
     field = chat.messages_field if chat is not None else args.text_field
     job = pipeline.Job(tokenize.absolute(spec), dtype, field, args.on_bad_record == "skip", args.max_record_bytes, chat)
 
+    import ray
+
+    local = pipeline.in_process(
+        address=args.address or os.environ.get("RAY_ADDRESS"),
+        connected=ray.is_initialized(),
+        chosen_workers=bool(args.parallelism or args.num_cpus),
+        corpus_bytes=sources.local_bytes(files),
+        split_bytes=args.split_bytes,
+    )
     started = time.monotonic()
-    handle = pipeline.connect(args.address, args.num_cpus or None)
+    handle = None if local else pipeline.connect(args.address, args.num_cpus or None)
     cluster_start_s = time.monotonic() - started
     try:
-        import ray
-
-        # One actor per piece at most: a piece is the unit of work.
-        parallelism = min(len(pieces), args.parallelism or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        if local:
+            rows = pipeline.chunks_in_process(pieces, job)
+        else:
+            # One actor per piece at most: a piece is the unit of work.
+            parallelism = min(len(pieces), args.parallelism or max(1, int(ray.cluster_resources().get("CPU", 1))))
+            rows = pipeline.chunks(pieces, job, parallelism)
         folder = output.begin()
         packer = writer.Packer(folder, np.dtype(dtype), args.shard_tokens, output.shard_written, chat is not None)
         num_trained = 0
@@ -148,7 +164,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         progress = Progress(stream, len(files), not args.quiet)
         t0 = time.monotonic()
         try:
-            for row in pipeline.chunks(pieces, job, parallelism):
+            for row in rows:
                 got = pipeline.consume(row, job, tally)
                 if got is not None:
                     packer.add(*got)
@@ -177,9 +193,10 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
             packer.discard()
             output.abort()
             raise
-        return Summary(manifest, time.monotonic() - t0, cluster_start_s)
+        return Summary(manifest, time.monotonic() - t0, None if local else cluster_start_s)
     finally:
-        handle.close()
+        if handle is not None:
+            handle.close()
 
 
 def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: int) -> "Optional[ChatSpec]":
@@ -205,6 +222,11 @@ def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
     m = summary.manifest
     rate = m.num_tokens / max(summary.seconds, 1e-9)
     what = "conversations" if m.chat is not None else "documents"
+    where = (
+        "in this process: a corpus of one piece's work (--split-bytes) starts no cluster"
+        if summary.cluster_start_s is None
+        else f"cluster start {summary.cluster_start_s:.1f} s not included"
+    )
     trained = f", {m.chat.num_trained_tokens:,} trained (--train-on {m.chat.train_on})" if m.chat is not None else ""
     stream.write(
         f"prepared {m.num_documents:,} {what}, {m.num_tokens:,} tokens{trained} ({m.dtype}) from {len(m.sources)} files "
@@ -212,7 +234,7 @@ def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
         f"  tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size}, eos {m.tokenizer.eos_id}); "
         f"{m.num_skipped} records skipped\n"
         f"  {summary.seconds:.1f} s: {m.num_documents / max(summary.seconds, 1e-9):,.0f} docs/s, "
-        f"{rate / 1e6:.2f}M tokens/s (cluster start {summary.cluster_start_s:.1f} s not included)\n"
+        f"{rate / 1e6:.2f}M tokens/s ({where})\n"
     )
 
 

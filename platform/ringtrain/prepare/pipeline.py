@@ -215,6 +215,24 @@ def chunks(pieces: list[Piece], job: Job, parallelism: int) -> Iterator[dict[str
             logger.setLevel(levels[name])
 
 
+def in_process(*, address: Optional[str], connected: bool, chosen_workers: bool, corpus_bytes: Optional[int], split_bytes: int) -> bool:
+    """Whether prepare tokenizes in this process, without a cluster: for a local corpus of one
+    piece's work (``split_bytes``) at most, where starting a cluster (seconds) would cost more
+    than the work, unless the user named a cluster, is already connected to one, or chose its
+    workers (``--parallelism``, ``--num-cpus``)."""
+    if address or connected or chosen_workers or corpus_bytes is None:
+        return False
+    return corpus_bytes <= split_bytes
+
+
+def chunks_in_process(pieces: list[Piece], job: Job) -> Iterator[dict[str, Any]]:
+    """The rows ``chunks`` yields, in the same order, made here by one ``PieceTokenizer``."""
+    actor = PieceTokenizer(job)
+    for item in piece_items(pieces):
+        for row in actor({key: np.array([value]) for key, value in item.items()}):
+            yield {key: column[0] for key, column in row.items()}
+
+
 def _tokenize_stage(ds: Any, job: Job, parallelism: int) -> Any:
     import ray.data
 

@@ -166,6 +166,14 @@ def absolute(files: list[SourceFile]) -> list[SourceFile]:
             for f in files]
 
 
+def local_bytes(files: list[SourceFile]) -> Optional[int]:
+    """The size of ``files`` on local disk in all; None when any is on S3 (a size there is a
+    request per object, and an S3 corpus is the cluster's work anyway)."""
+    if any(f.uri.startswith("s3://") for f in files):
+        return None
+    return sum(_size(f.uri) for f in files)
+
+
 def splittable(source: SourceFile) -> bool:
     """Plain JSONL on local disk or S3 (ranged reads), and local Parquet (its footer is read here)."""
     if source.kind == "jsonl":
