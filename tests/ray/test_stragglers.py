@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # ranks' compute times are noisy enough on a 2-core machine that one early step can look slow,
 # which with straggler_steps=2 would name the rank a step before its second slow one.
 SLOW_RANK, STRAGGLER_FROM, STRAGGLER_STEPS, SLOW_S = 1, 6, 2, 1.0
+# The slow rank computes some 6x its peers' median (1 s against ~0.15 s). Load alone has made a
+# healthy rank look 2x slow for two steps on a 2-core machine running another test beside this
+# one, and the warm spare went to it: a factor of 3 tells the fault from the noise.
+STRAGGLER_FACTOR = 3.0
 
 
 def test_a_persistent_straggler_is_named_and_its_seat_taken_by_a_spare(tmp_path: Path, reference: Path) -> None:
@@ -40,6 +44,7 @@ def test_a_persistent_straggler_is_named_and_its_seat_taken_by_a_spare(tmp_path:
                 "mesh.spares=1",
                 "controllers.on_straggler=evict",
                 f"controllers.straggler_steps={STRAGGLER_STEPS}",
+                f"controllers.straggler_factor={STRAGGLER_FACTOR}",
                 f"chaos.faults=[{slow}]",
             ],
             home=home,
@@ -59,7 +64,7 @@ def test_a_persistent_straggler_is_named_and_its_seat_taken_by_a_spare(tmp_path:
     # before can look slow by chance, and that rank is the straggler from then on.
     assert STRAGGLER_FROM <= incident["detected_at_step"] <= STRAGGLER_FROM + STRAGGLER_STEPS
     assert (found["replica"], found["ring_pos"], found["rank"]) == (0, 1, SLOW_RANK) and found["host"]
-    assert found["slowdown"] >= 1.5
+    assert found["slowdown"] >= STRAGGLER_FACTOR
     assert incident["recover_s"] is not None
     # The compute times say who was slow, where the step times of all ranks look alike.
     step = next(r for r in records(run_dir) if r["step"] == STRAGGLER_FROM)
