@@ -173,3 +173,38 @@ def test_overwrite_replaces_only_a_dataset_prepare_wrote_on_s3(
     assert cli.main([*args, "--out", out]) == 2
     assert f"--out: {out} holds notes.txt, which its manifest does not list" in capsys.readouterr().err
     assert objects("ds/") == before
+
+
+def test_what_appears_under_the_prefix_while_preparing_is_judged_again_before_the_copy(
+    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """S3 has no rename: the prefix is judged again just before the dataset is copied in. An
+    object written there meanwhile stops the publish (exit 2, naming --out and where the
+    prepared dataset is kept, manifest and all) and is left as it is."""
+    from ringtrain.prepare import writer
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    run_serially(monkeypatch)
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(10)))
+    shard_written = writer.S3Output.shard_written
+
+    def someone_writes(self: Any, info: Any) -> None:
+        s3_client.put_object(Bucket=bucket, Key=f"{self.prefix}/notes.txt", Body=b"mine")
+        shard_written(self, info)
+
+    monkeypatch.setattr(writer.S3Output, "shard_written", someone_writes)
+    for name, flags, why in (("new", [], "appeared while preparing; pass --overwrite to replace it"),
+                             ("over", ["--overwrite"], "holds no manifest.json of a prepared dataset")):
+        out = f"s3://{bucket}/{name}"
+        code = cli.main(["prepare", str(src), "--tokenizer", "bytes", "--quiet", "--parallelism", "1", "--out", out, *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--out: {out} {why}" in err, err
+        staged = err.split("the prepared dataset is kept at ")[1].strip()
+        assert staged.startswith(f"{out}.partial-")
+        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=f"{name}/")["Contents"]
+        assert [o["Key"] for o in listed] == [f"{name}/notes.txt"]  # untouched, nothing copied beside it
+        key = staged.removeprefix(f"s3://{bucket}/") + "/manifest.json"
+        manifest = Manifest.loads(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read(), staged)
+        assert manifest.num_documents == 10

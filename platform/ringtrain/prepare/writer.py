@@ -237,9 +237,13 @@ def _folder_contents(folder: Path) -> tuple[Optional[str], list[str]]:
 
 
 class S3Output:
-    """An s3:// prefix: shards uploaded under a sibling staging prefix, copied into place, manifest last."""
+    """An s3:// prefix: shards uploaded under a sibling staging prefix, copied into place, manifest last.
 
-    def __init__(self, uri: str) -> None:
+    S3 has no rename, so what is under the prefix is judged again just before the copy (prepare
+    may run for hours, and something may have been written there meanwhile): a refused publish
+    writes the manifest into the staging prefix instead, a whole dataset there, and names it."""
+
+    def __init__(self, uri: str, overwrite: bool = False) -> None:
         from ringtrain.checkpoint.options import S3Options
         from ringtrain.checkpoint.s3 import S3Backend, parse_s3_uri
 
@@ -251,6 +255,8 @@ class S3Output:
             raise ConfigError(OUT_KEY, f"{uri}: name a prefix inside the bucket, not the bucket itself")
         self.root = S3Backend(self.bucket, self.prefix, S3Options())
         self.staging = S3Backend(self.bucket, f"{self.prefix}.partial-{uuid.uuid4().hex[:8]}", S3Options())
+        self.uri, self.overwrite = uri, overwrite
+        self.kept = False  # the staged dataset outlives a refused publish
         self._local: Optional[Path] = None
 
     def exists(self) -> bool:
@@ -282,6 +288,13 @@ class S3Output:
             local.unlink()  # local disk holds one shard at a time
 
     def publish(self, manifest: Manifest) -> None:
+        try:
+            self._judge()
+        except ConfigError as exc:
+            self.staging.put(MANIFEST_NAME, manifest.dumps().encode())
+            self.kept = True
+            staged = f"s3://{self.bucket}/{self.staging.prefix}"
+            raise ConfigError(OUT_KEY, f"{exc.reason}; nothing there was replaced, and the prepared dataset is kept at {staged}") from None
         client: Any = self.root.client
         keep = {MANIFEST_NAME}
         # Readers never see a manifest naming a half-copied set: the old one goes first.
@@ -295,10 +308,20 @@ class S3Output:
         self.root.put(MANIFEST_NAME, manifest.dumps().encode())
         self.abort()
 
+    def _judge(self) -> None:
+        """ConfigError unless what is under the prefix now may be replaced: nothing, or with
+        --overwrite a dataset of ours and nothing else."""
+        if not self.exists():
+            return
+        if not self.overwrite:
+            raise ConfigError(OUT_KEY, f"{self.uri} appeared while preparing; pass --overwrite to replace it")
+        check_replaceable(self.uri, *self.contents())
+
     def abort(self) -> None:
         if self._local is not None:
             shutil.rmtree(self._local, ignore_errors=True)
-        self.staging.delete_prefix("")
+        if not self.kept:
+            self.staging.delete_prefix("")
 
 
 Output = LocalOutput | S3Output
@@ -308,7 +331,7 @@ def open_output(uri: str, overwrite: bool) -> Output:
     """The output ``uri`` names; refused when it holds anything and ``overwrite`` is off, or
     holds anything but a dataset of ours when it is on."""
     path = local_path(uri)
-    output: Output = LocalOutput(path.absolute(), uri, overwrite) if path is not None else S3Output(uri)
+    output: Output = LocalOutput(path.absolute(), uri, overwrite) if path is not None else S3Output(uri, overwrite)
     if path is not None and (path.is_symlink() or (path.exists() and not path.is_dir())):
         raise ConfigError(OUT_KEY, f"{uri} is a file or a link, not a folder")
     if output.exists():
