@@ -161,7 +161,8 @@ def _durable_note(run: RunFiles) -> str:
     checkpoint = run.config.get("checkpoint")
     every = checkpoint.get("persist_every") if isinstance(checkpoint, dict) else None
     cadence = f" (checkpoint.persist_every is {fmt(every)})" if every is not None else ""
-    held = f"stayed at step {fmt(next(iter(durable)))}" if durable and next(iter(durable)) else "was none"
+    step = next(iter(durable), 0)
+    held = f"stayed at step {fmt(step)}" if step else "was none"
     return f"No checkpoint was persisted during these steps{cadence}: the last durable step {held}."
 
 
