@@ -666,7 +666,7 @@ def measure_stragglers(faults: Records, records: Records, incidents: Records, ga
 
 def run_ended_well(status: Optional[str], returncode: Optional[int]) -> bool:
     """Trained to its end (exit 0), or stopped by the bench's SIGTERM (``ringtrain run`` exits 1
-    then, with summary.json ``stopped``, as tests/ray/test_stop.py expects)."""
+    then, with summary.json ``stopped``, as tests/ray/test_resume_e2e.py expects)."""
     return (status, returncode) in (("finished", 0), ("stopped", 1))
 
 
