@@ -246,19 +246,7 @@ def plan(files: list[SourceFile], split_bytes: int) -> list[Piece]:
 
 def _range_chunks(path: str, uri: str, start: int) -> Iterator[bytes]:
     """The bytes of a plain file from offset ``start`` to its end, in chunks (stop early at will)."""
-    if uri.startswith("s3://") and path == uri:
-        from ringtrain.checkpoint.s3 import parse_s3_uri
-
-        bucket, key = parse_s3_uri(uri)
-        body = _s3_client(bucket).get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-")["Body"]
-        try:
-            while chunk := body.read(READ_CHUNK):
-                yield chunk
-        finally:
-            body.close()
-        return
-    with open(path, "rb") as stream:
-        stream.seek(start)
+    with _raw(uri, path, start) as stream:
         while chunk := stream.read(READ_CHUNK):
             yield chunk
 
@@ -283,19 +271,21 @@ class LineCounter:
 
 
 @contextlib.contextmanager
-def _raw(uri: str, path: str) -> Iterator[IO[bytes]]:
-    """The bytes of a whole source as a stream: the local file at ``path``, or the S3 object
-    ``uri`` (when ``path`` is that URI) as its GET's body, read as it is consumed, never
-    downloaded whole."""
+def _raw(uri: str, path: str, start: int = 0) -> Iterator[IO[bytes]]:
+    """The bytes of a source from offset ``start`` as a stream: the local file at ``path``, or
+    the S3 object ``uri`` (when ``path`` is that URI) as its GET's body, read as it is
+    consumed, never downloaded whole."""
     if not path.startswith("s3://"):
         with open(path, "rb") as f:
+            f.seek(start)
             yield f
         return
     from ringtrain.checkpoint.s3 import parse_s3_uri
 
     bucket, key = parse_s3_uri(uri)
+    ranged = {"Range": f"bytes={start}-"} if start else {}
     try:
-        body = _s3_client(bucket).get_object(Bucket=bucket, Key=key)["Body"]
+        body = _s3_client(bucket).get_object(Bucket=bucket, Key=key, **ranged)["Body"]
     except Exception as exc:  # botocore's errors share no useful base beyond Exception
         raise DataError(f"{uri}: cannot read ({exc})") from None
     try:

@@ -209,15 +209,12 @@ class LocalOutput:
         an empty folder, or with --overwrite a dataset of ours and nothing else."""
         if moved.is_symlink() or not moved.is_dir():
             raise ConfigError(OUT_KEY, f"{self.uri} is a file or a link, not a folder")
-        if not any(moved.iterdir()):
-            return
-        if not self.overwrite:
-            raise ConfigError(OUT_KEY, f"{self.uri} already exists; pass --overwrite to replace it")
-        check_replaceable(self.uri, *_folder_contents(moved))
+        if any(moved.iterdir()):
+            may_replace(self.uri, self.overwrite, lambda: _folder_contents(moved))
 
     def _refused(self, reason: str) -> ConfigError:
         self.kept = True
-        return ConfigError(OUT_KEY, f"{reason}; nothing there was replaced, and the prepared dataset is kept at {self.staging}")
+        return kept_at(reason, str(self.staging))
 
     def abort(self) -> None:
         if not self.kept:
@@ -293,8 +290,7 @@ class S3Output:
         except ConfigError as exc:
             self.staging.put(MANIFEST_NAME, manifest.dumps().encode())
             self.kept = True
-            staged = f"s3://{self.bucket}/{self.staging.prefix}"
-            raise ConfigError(OUT_KEY, f"{exc.reason}; nothing there was replaced, and the prepared dataset is kept at {staged}") from None
+            raise kept_at(exc.reason, f"s3://{self.bucket}/{self.staging.prefix}") from None
         client: Any = self.root.client
         keep = {MANIFEST_NAME}
         # Readers never see a manifest naming a half-copied set: the old one goes first.
@@ -311,11 +307,8 @@ class S3Output:
     def _judge(self) -> None:
         """ConfigError unless what is under the prefix now may be replaced: nothing, or with
         --overwrite a dataset of ours and nothing else."""
-        if not self.exists():
-            return
-        if not self.overwrite:
-            raise ConfigError(OUT_KEY, f"{self.uri} appeared while preparing; pass --overwrite to replace it")
-        check_replaceable(self.uri, *self.contents())
+        if self.exists():
+            may_replace(self.uri, self.overwrite, self.contents, taken="appeared while preparing")
 
     def abort(self) -> None:
         if self._local is not None:
@@ -335,10 +328,21 @@ def open_output(uri: str, overwrite: bool) -> Output:
     if path is not None and (path.is_symlink() or (path.exists() and not path.is_dir())):
         raise ConfigError(OUT_KEY, f"{uri} is a file or a link, not a folder")
     if output.exists():
-        if not overwrite:
-            raise ConfigError(OUT_KEY, f"{uri} already exists; pass --overwrite to replace it")
-        check_replaceable(uri, *output.contents())
+        may_replace(uri, overwrite, output.contents)
     return output
+
+
+def may_replace(uri: str, overwrite: bool, contents: Callable[[], tuple[Optional[str], list[str]]], *, taken: str = "already exists") -> None:
+    """ConfigError unless what is at ``uri`` (``taken``: found there) may be replaced: with
+    --overwrite, a dataset of ours and nothing else (``contents``, listed only then)."""
+    if not overwrite:
+        raise ConfigError(OUT_KEY, f"{uri} {taken}; pass --overwrite to replace it")
+    check_replaceable(uri, *contents())
+
+
+def kept_at(reason: str, staged: str) -> ConfigError:
+    """A refused publish's error: why, and where the prepared dataset is kept instead."""
+    return ConfigError(OUT_KEY, f"{reason}; nothing there was replaced, and the prepared dataset is kept at {staged}")
 
 
 def check_replaceable(uri: str, manifest_text: Optional[str], entries: list[str]) -> None:
