@@ -2,9 +2,9 @@
 sequence, on one GPU; and packed documents against the same sequence unpacked.
 
 Ring, all-gathered K/V: for a ring of R ranks this runs the real ``ring_attention`` (both K/V
-exchanges: passed around the ring, and all gathered, train/attention/allgather.py) forward and
+exchanges: passed around the ring, and all gathered, train/attention/exchanges/allgather.py) forward and
 backward through autograd, for one rank, the worst one: under a causal mask the last rank's rows
-take part in every merge. Its transport is replaced by a loopback on the one GPU (a visiting
+take part in every merge. It is handed a loopback transport on the one GPU (a visiting
 block is a device copy of the rank's own K/V; the gather stacks R copies), so what is timed is
 the rank's compute and copies, not the network; in a real ring the transfers overlap the compute
 (ring) or precede it (all-gather, one collective of K/V, small under GQA). Its TFLOP/s over one
@@ -31,20 +31,19 @@ Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ringtrain.train.attention import comm, local_attention, ring_attention
-from ringtrain.train.attention import ring as ring_module
+from ringtrain.train.attention import local_attention, ring_attention
+from ringtrain.train.attention.transport import Done
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import causal_work, zigzag_shard
 
@@ -77,8 +76,10 @@ def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
 
 
 @dataclass(frozen=True)
-class LoopbackGroup:
-    """A ring seen from one rank: what the attention code asks of a process group."""
+class LoopbackTransport:
+    """A ``Transport`` for one rank of a ring on one device: what it receives is a device copy of
+    what it sends (the rank's own block), a gather stacks R copies, a reduce-scatter keeps its
+    own slice."""
 
     index: int
     world: int
@@ -89,55 +90,22 @@ class LoopbackGroup:
     def size(self) -> int:
         return self.world
 
+    def send_recv(self, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]], *,
+                  tag: int) -> Done:
+        outgoing = next(iter(sends.values()), None)
+        for buffers in recvs.values():
+            for i, buffer in enumerate(buffers):
+                buffer.copy_(outgoing[i]) if outgoing is not None else buffer.zero_()
+        return Done()
 
-class _Done:
-    def wait(self) -> None:
-        pass
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        output.copy_(input)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0).expand(self.world, *x.shape).contiguous()
 
-class LoopbackExchange:
-    """``RingExchange`` that receives a device copy of what it sends (the rank's own block)."""
-
-    def __init__(self, group: LoopbackGroup) -> None:
-        self.rank, self.world = group.index, group.world
-
-    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], *, tag: int) -> _Done:
-        for outgoing, incoming in zip(send, recv):
-            incoming.copy_(outgoing)
-        return _Done()
-
-
-def _gather_loopback(x: torch.Tensor, group: LoopbackGroup) -> torch.Tensor:
-    return x.unsqueeze(0).expand(group.world, *x.shape).contiguous()
-
-
-def _scatter_loopback(x_U: torch.Tensor, group: LoopbackGroup) -> torch.Tensor:
-    return x_U[group.index].clone()
-
-
-def _exchange_loopback(sends: dict[int, Sequence[torch.Tensor]], recvs: dict[int, Sequence[torch.Tensor]],
-                       group: Any, *, tag: int) -> Any:
-    """``comm.exchange`` (a window's neighbour exchange) on one device: every receive buffer
-    gets a copy of what is sent."""
-    outgoing = next(iter(sends.values()), None)
-    for buffers in recvs.values():
-        for i, buffer in enumerate(buffers):
-            buffer.copy_(outgoing[i] if outgoing is not None else torch.zeros_like(buffer))
-    return comm.Pending([])
-
-
-@contextlib.contextmanager
-def loopback() -> Iterator[None]:
-    swaps = [(ring_module, "RingExchange", LoopbackExchange), (comm, "all_gather_stacked", _gather_loopback),
-             (comm, "reduce_scatter_stacked", _scatter_loopback), (comm, "exchange", _exchange_loopback)]
-    saved = [getattr(module, name) for module, name, _ in swaps]
-    for module, name, stand_in in swaps:
-        setattr(module, name, stand_in)
-    try:
-        yield
-    finally:
-        for (module, name, _), real in zip(swaps, saved):
-            setattr(module, name, real)
+    def reduce_scatter(self, x_U: torch.Tensor) -> torch.Tensor:
+        return x_U[self.index].clone()
 
 
 # -- timing --------------------------------------------------------------------------------
@@ -195,11 +163,10 @@ def bench_ring(args: argparse.Namespace, device: torch.device) -> list[dict[str,
             for exchange in EXCHANGES:
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: str = exchange,
                            world: int = world) -> torch.Tensor:
-                    return ring_attention(q, k, v, group=LoopbackGroup(rank, world), causal=True,  # type: ignore[arg-type]
+                    return ring_attention(q, k, v, group=LoopbackTransport(rank, world), causal=True,
                                           kernel=kernel, kv_exchange=exchange)
 
-                with loopback():
-                    fwd, bwd = fwd_bwd_ms(attend, *shard, device, warmup=args.warmup, iters=args.iters)
+                fwd, bwd = fwd_bwd_ms(attend, *shard, device, warmup=args.warmup, iters=args.iters)
                 # One rank's share of the FLOPs is 1/R of the whole (zigzag balances them exactly).
                 row = {"seq": seq, "ring": world, "tokens_per_rank": seq // world, "exchange": exchange,
                        "kernel": kernel.name, "monolithic_fwd_ms": mono[0], "monolithic_bwd_ms": mono[1],

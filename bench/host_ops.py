@@ -79,30 +79,42 @@ LAYOUTS = (
 
 
 class _CountOps(TorchDispatchMode):
+    """Every aten op the thread dispatches, but the emulated transport's (a job's network work is
+    the process group's, not the attention code's)."""
+
     def __init__(self, counter: Counter[str]) -> None:
         super().__init__()
         self.counter = counter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counter[str(func.overloadpacket)] += 1
+        from tests.emulated_cp import in_transport
+
+        if not in_transport():
+            self.counter[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 
 class _PerRank:
-    """Each rank thread's op counts and host time, keyed by the thread's name."""
+    """Each rank thread's op counts or host time, keyed by the thread's name (counting slows every
+    op, so a run either counts or times)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool) -> None:
+        self.count = count
         self.ops: dict[str, Counter[str]] = {}
         self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
+        from tests.emulated_cp import transport_seconds
+
         counter: Counter[str] = Counter()
-        started = time.perf_counter()
-        with _CountOps(counter):
+        # The thread's own CPU time, less the emulated transport's: what waiting for other ranks
+        # and standing in for the network cost is not this rank's host work.
+        started = time.thread_time() - transport_seconds()
+        with _CountOps(counter) if self.count else contextlib.nullcontext():
             yield
-        elapsed = time.perf_counter() - started
+        elapsed = time.thread_time() - transport_seconds() - started
         with self._lock:
             name = threading.current_thread().name
             self.ops[name] = counter
@@ -126,7 +138,20 @@ def _doc_ids(seq: int) -> torch.Tensor:
     return (torch.arange(seq)[None, :, None] >= bounds[None, None, :]).sum(-1) - 1
 
 
-def _call(layout: Layout, rank_context: Callable[[], Any]) -> None:
+def _documents(layout: Layout) -> Optional[list[Any]]:
+    """Each rank's documents, made once for every call of a layout: as a forward's layers share
+    theirs, so that a call is a layer's work (the gather and the plan are the forward's)."""
+    if not layout.documents:
+        return None
+    from ringtrain.train.attention.documents import Documents
+    from ringtrain.train.attention.zigzag import cp_shard
+
+    docs = _doc_ids(TOKENS_PER_RANK * layout.ring * layout.ulysses)
+    return [Documents.of(cp_shard(docs, dim=1, ring=layout.ring, ulysses=layout.ulysses, cp_rank=r))
+            for r in range(layout.ring * layout.ulysses)]
+
+
+def _call(layout: Layout, rank_context: Callable[[], Any], documents: Optional[list[Any]]) -> None:
     from tests.emulated_cp import emulated_attention, emulated_ring
 
     from ringtrain.train.attention.kernels import get_kernel
@@ -138,18 +163,20 @@ def _call(layout: Layout, rank_context: Callable[[], Any]) -> None:
         return
     docs = _doc_ids(q.shape[1]) if layout.documents else None
     emulated_attention(layout.impl, q, k, v, dout, ring=layout.ring, ulysses=layout.ulysses, kernel="cpu_flash",
-                       doc_ids_BS=docs, kv_exchange=layout.kv_exchange, rank_context=rank_context)  # fmt: skip
+                       doc_ids_BS=docs, kv_exchange=layout.kv_exchange, rank_context=rank_context,
+                       documents=documents)  # fmt: skip
 
 
 def measure(layout: Layout, repeats: int) -> dict[str, Any]:
-    _call(layout, contextlib.nullcontext)  # warm-up: caches, lazy imports, first-call work
-    counted = _PerRank()
-    _call(layout, counted.context)
+    documents = _documents(layout)
+    _call(layout, contextlib.nullcontext, documents)  # warm-up: caches, lazy imports, the first layer's work
+    counted = _PerRank(count=True)
+    _call(layout, counted.context, documents)
     ops = sorted(sum(c.values()) for c in counted.ops.values())
     times: list[float] = []
     for _ in range(repeats):
-        timed = _PerRank()
-        _call(layout, timed.context)
+        timed = _PerRank(count=False)
+        _call(layout, timed.context, documents)
         times.append(max(timed.seconds.values()))
     # The busiest rank's op mix: where the launches go.
     busiest = max(counted.ops.values(), key=lambda c: sum(c.values()))

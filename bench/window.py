@@ -29,7 +29,7 @@ from ringtrain.train.attention import local_attention, ring_attention
 from ringtrain.train.attention.window import CAUSAL, UPPER, shard_positions, window_tiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import LoopbackGroup, fwd_bwd_ms, loopback  # noqa: E402
+from attention import LoopbackTransport, fwd_bwd_ms  # noqa: E402
 from record import RESULTS_DIR, Run  # noqa: E402
 
 TARGET = 0.1
@@ -60,13 +60,12 @@ def measure(args: argparse.Namespace, cp: int, window: Optional[int], device: to
         entries = computed_entries(np.arange(args.seq), np.arange(args.seq), window)
     else:
         rank = cp - 1  # the worst rank of the full causal ring (every merge); any rank under a window
-        group = LoopbackGroup(rank, cp)
+        group = LoopbackTransport(rank, cp)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, group=group, causal=True, window=window, kv_exchange="ring")  # type: ignore[arg-type]
+            return ring_attention(q, k, v, group=group, causal=True, window=window, kv_exchange="ring")
 
-        with loopback():
-            fwd, bwd = fwd_bwd_ms(attend, q, k, v, dout, device, warmup=1, iters=args.iters)
+        fwd, bwd = fwd_bwd_ms(attend, q, k, v, dout, device, warmup=1, iters=args.iters)
         positions = [shard_positions(cp, r, local) for r in range(cp)]
         entries = sum(computed_entries(positions[rank], positions[j], window) for j in range(cp))
     return {"cp": cp, "window": window, "fwd_ms": fwd, "bwd_ms": bwd, "entries": entries}

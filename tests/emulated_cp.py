@@ -3,13 +3,13 @@
 NCCL refuses two ranks of one communicator on the same GPU, so a one-GPU machine cannot run a
 real ring; and a CPU machine cannot run CUDA at all, but can run the CUDA code path on fake
 CUDA tensors (``FakeTensorMode``), which is how the unit tier catches a tensor made on the
-wrong device. Both run the real attention code of every rank at once, each rank a thread, with
-the transport swapped for in-memory mailboxes: the ring's P2P exchange (``RingExchange``),
-Ulysses' all-to-all and the doc-id all-gather. The zigzag blocks, their kernels, the LSE merges
+wrong device. Both run the real attention code of every rank at once, each rank a thread, each
+handed an ``EmulatedTransport`` (the attention package's ``Transport`` over in-memory mailboxes)
+where a job hands a process group's. The exchanges, the blocks, their kernels, the LSE merges
 and the fp32 dK/dV accumulators that travel around the ring are the real code's; only the
 transport is not, and the CPU tier's gloo tests (tests/dist/test_attention.py) cover it.
 
-``emulated_ring`` calls the ring's autograd ``Function``'s forward and backward directly rather
+``emulated_ring`` calls the loop's forward and backward halves directly rather
 than through autograd: on CUDA the engine runs every node of every graph on one thread per
 device, where rank 0's backward, waiting for rank 1's message, would keep rank 1's backward from
 ever running. ``emulated_attention`` runs any implementation through autograd, for devices whose
@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ContextManager, Optional
 
 import torch
 
-from ringtrain.train.attention import comm
-from ringtrain.train.attention import allgather as allgather_module
-from ringtrain.train.attention import ring as ring_module
+from ringtrain.train.attention.call import AttentionCall
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.implementations import build_attention
 from ringtrain.train.attention.kernels import AttentionKernel
+from ringtrain.train.attention.loop import attend_backward, attend_forward
 from ringtrain.train.attention.zigzag import cp_shard, cp_unshard, zigzag_shard, zigzag_unshard
 
 Tensor = torch.Tensor
@@ -82,10 +82,50 @@ class _Mailboxes:
             self._cond.notify_all()
 
 
+_in_transport = threading.local()
+
+
+def in_transport() -> bool:
+    """Whether this thread is inside the emulated transport: a measure of the attention code's own
+    work (bench/host_ops.py) leaves out what stands in for the network."""
+    return bool(getattr(_in_transport, "depth", 0))
+
+
+def transport_seconds() -> float:
+    """CPU seconds this thread has spent inside the emulated transport."""
+    return float(getattr(_in_transport, "seconds", 0.0))
+
+
+@contextlib.contextmanager
+def _transport_work() -> Iterator[None]:
+    depth = getattr(_in_transport, "depth", 0)
+    _in_transport.depth = depth + 1
+    started = time.thread_time()
+    try:
+        yield
+    finally:
+        _in_transport.depth = depth
+        if depth == 0:
+            _in_transport.seconds = transport_seconds() + time.thread_time() - started
+
+
+class _Arrivals:
+    """Receives posted by ``send_recv``: each buffer filled from its mailbox on ``wait()``."""
+
+    def __init__(self, mailboxes: _Mailboxes, dst: int, expected: list[tuple[int, int, Tensor]]) -> None:
+        self._mailboxes, self._dst, self._expected = mailboxes, dst, expected
+
+    def wait(self) -> None:
+        with _transport_work():
+            for src, tag, buffer in self._expected:
+                buffer.copy_(self._mailboxes.take(src, self._dst, tag))
+        self._expected = []
+
+
 @dataclass(frozen=True)
-class EmulatedGroup:
-    """What the attention code gets instead of a process group: its rank and size (the
-    ``ProcessGroup`` methods ``comm`` reads) and the mailboxes its ranks share."""
+class EmulatedTransport:
+    """A ``Transport`` whose messages go through mailboxes in memory: rank ``index`` of a group of
+    ``world`` ranks that share ``mailboxes``."""
 
     index: int
     world: int
@@ -97,96 +137,57 @@ class EmulatedGroup:
     def size(self) -> int:
         return self.world
 
+    def send_recv(self, sends: Mapping[int, Sequence[Tensor]], recvs: Mapping[int, Sequence[Tensor]], *,
+                  tag: int) -> _Arrivals:
+        with _transport_work():
+            for peer, tensors in sends.items():
+                for i, outgoing in enumerate(tensors):
+                    self.mailboxes.post(self.index, peer, tag + i, outgoing)
+        return _Arrivals(self.mailboxes, self.index,
+                         [(peer, tag + i, buffer) for peer, buffers in recvs.items() for i, buffer in enumerate(buffers)])
 
-class _EmulatedPending:
-    def __init__(self, mailboxes: _Mailboxes, src: int, dst: int, tag: int, recv: list[Tensor]) -> None:
-        self._mailboxes, self._src, self._dst, self._tag, self._recv = mailboxes, src, dst, tag, recv
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        with _transport_work():
+            for dst, piece in enumerate(input.chunk(self.world)):
+                self.mailboxes.post(self.index, dst, _ALL_TO_ALL_TAG, piece)
+            for src, buffer in enumerate(output.chunk(self.world)):
+                buffer.copy_(self.mailboxes.take(src, self.index, _ALL_TO_ALL_TAG))
 
-    def wait(self) -> None:
-        for i, buffer in enumerate(self._recv):
-            buffer.copy_(self._mailboxes.take(self._src, self._dst, self._tag + i))
-        self._recv = []
+    def all_gather(self, x: Tensor) -> Tensor:
+        with _transport_work():
+            for dst in range(self.world):
+                self.mailboxes.post(self.index, dst, _ALL_GATHER_TAG, x)
+            return torch.stack([self.mailboxes.take(src, self.index, _ALL_GATHER_TAG) for src in range(self.world)])
 
-
-class EmulatedExchange:
-    """``RingExchange``'s interface over mailboxes: send to the next rank, receive from the previous."""
-
-    def __init__(self, group: EmulatedGroup) -> None:
-        self.group = group
-        self.rank = group.index
-        self.world = group.world
-
-    def start(self, send: Sequence[Tensor], recv: Sequence[Tensor], *, tag: int) -> _EmulatedPending:
-        if len(send) != len(recv):
-            raise ValueError(f"{len(send)} tensors to send but {len(recv)} receive buffers")
-        for i, outgoing in enumerate(send):
-            self.group.mailboxes.post(self.rank, (self.rank + 1) % self.world, tag + i, outgoing)
-        return _EmulatedPending(self.group.mailboxes, (self.rank - 1) % self.world, self.rank, tag, list(recv))
-
-
-def _all_to_all(output: Tensor, input: Tensor, group: EmulatedGroup) -> None:
-    """``comm.all_to_all``: slice u of ``input`` to rank u, slice u of ``output`` from rank u."""
-    for dst, piece in enumerate(input.chunk(group.world)):
-        group.mailboxes.post(group.index, dst, _ALL_TO_ALL_TAG, piece)
-    for src, buffer in enumerate(output.chunk(group.world)):
-        buffer.copy_(group.mailboxes.take(src, group.index, _ALL_TO_ALL_TAG))
+    def reduce_scatter(self, x_U: Tensor) -> Tensor:
+        """Slice u of every rank's ``x``, summed on rank u (in rank order, so every rank adds the
+        same numbers in the same order)."""
+        with _transport_work():
+            for dst, piece in enumerate(x_U.unbind(0)):
+                self.mailboxes.post(self.index, dst, _REDUCE_SCATTER_TAG, piece)
+            parts = [self.mailboxes.take(src, self.index, _REDUCE_SCATTER_TAG) for src in range(self.world)]
+            return torch.stack(parts).sum(dim=0)
 
 
-def _all_gather_stacked(x: Tensor, group: EmulatedGroup) -> Tensor:
-    """``comm.all_gather_stacked``: every rank's ``x`` stacked in rank order."""
-    for dst in range(group.world):
-        group.mailboxes.post(group.index, dst, _ALL_GATHER_TAG, x)
-    return torch.stack([group.mailboxes.take(src, group.index, _ALL_GATHER_TAG) for src in range(group.world)])
-
-
-def _reduce_scatter_stacked(x_U: Tensor, group: EmulatedGroup) -> Tensor:
-    """``comm.reduce_scatter_stacked``: slice u of every rank's ``x``, summed on rank u (in rank
-    order, so every rank adds the same numbers in the same order)."""
-    for dst, piece in enumerate(x_U.unbind(0)):
-        group.mailboxes.post(group.index, dst, _REDUCE_SCATTER_TAG, piece)
-    parts = [group.mailboxes.take(src, group.index, _REDUCE_SCATTER_TAG) for src in range(group.world)]
-    return torch.stack(parts).sum(dim=0)
-
-
-@contextlib.contextmanager
-def emulated_transport() -> Iterator[None]:
-    """The attention code's transfers go to the mailboxes of ``EmulatedGroup``s meanwhile."""
-    swaps = [(ring_module, "RingExchange", EmulatedExchange), (comm, "all_to_all", _all_to_all),
-             (comm, "all_gather_stacked", _all_gather_stacked),
-             (comm, "reduce_scatter_stacked", _reduce_scatter_stacked)]
-    saved = [getattr(module, name) for module, name, _ in swaps]
-    for module, name, stand_in in swaps:
-        setattr(module, name, stand_in)
-    try:
-        yield
-    finally:
-        for (module, name, _), real in zip(swaps, saved):
-            setattr(module, name, real)
-
-
-def run_in_threads(world: int, rank_main: Callable[[int], Any], mailboxes: Sequence[_Mailboxes],
-                   rank_context: RankContext = contextlib.nullcontext) -> list[Any]:
-    """``rank_main(rank)`` for every rank, each in a thread inside ``rank_context()``, under the
-    emulated transport; their results in rank order. One rank's failure wakes every waiting
+def run_in_threads(world: int, rank_main: Callable[[int], Any], mailboxes: Sequence[_Mailboxes]) -> list[Any]:
+    """``rank_main(rank)`` for every rank, each in a thread; their results in rank order. One rank's failure wakes every waiting
     rank and is raised here, after every thread ended."""
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
 
     def main(rank: int) -> None:
         try:
-            with rank_context():
-                results[rank] = rank_main(rank)
+            results[rank] = rank_main(rank)
         except BaseException as error:  # noqa: BLE001 - reported below, after every thread ended
             errors.append(error)
             for boxes in mailboxes:
                 boxes.fail(error)
 
-    with emulated_transport():
-        threads = [threading.Thread(target=main, args=(r,), name=f"cp-rank{r}") for r in range(world)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    threads = [threading.Thread(target=main, args=(r,), name=f"cp-rank{r}") for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     if errors:
         raise errors[0]
     return results
@@ -233,11 +234,10 @@ def emulated_ring(
     rank_context: RankContext = contextlib.nullcontext,
 ) -> RingResult:
     """Zigzag-shard the full-sequence inputs over ``world`` ranks, run every rank's ring
-    forward and backward (each in a thread; K/V passed around or all gathered, as
-    ``kv_exchange`` says), and unshard the results."""
-    function: Any = getattr(ring_module, "_RingAttention") if kv_exchange == "ring" else getattr(
-        allgather_module, "_AllGatherAttention"
-    )
+    forward and backward (each in a thread, the loop's halves called directly; K/V passed around
+    or all gathered, as ``kv_exchange`` says), and unshard the results."""
+    if kv_exchange not in ("ring", "allgather"):
+        raise ValueError(f"kv_exchange {kv_exchange!r}: the emulated ring runs 'ring' or 'allgather'")
     shard = [
         [zigzag_shard(x, dim=1, world=world, rank=r).contiguous() for r in range(world)]
         for x in (q_BSHD, k_BSKD, v_BSKD, dout_BSHD)
@@ -251,13 +251,15 @@ def emulated_ring(
             torch.cuda.set_device(q_BSHD.device)  # the current device is per thread
         q, k, v, dout = (parts[rank] for parts in shard)
         ctx = _Ctx()
-        group = EmulatedGroup(rank, world, mailboxes)
-        with torch.no_grad():
-            out = function.forward(ctx, q, k, v, Documents.of(docs[rank]), group, causal, kernel, scale, window)
-            dq, dk, dv, *_ = function.backward(ctx, dout)
+        # The exchange as asked, even where a window would send K/V to the neighbours alone.
+        call = AttentionCall(EmulatedTransport(rank, world, mailboxes), rank, world, q.shape[1], causal,
+                             Documents.of(docs[rank]), window, scale, kernel, kv_exchange)
+        with rank_context(), torch.no_grad():
+            out = attend_forward(ctx, call, q, k, v)
+            dq, dk, dv = attend_backward(ctx, dout)
         return out, dq, dk, dv
 
-    done = run_in_threads(world, rank_main, [mailboxes], rank_context)
+    done = run_in_threads(world, rank_main, [mailboxes])
     if _real_cuda(q_BSHD):
         torch.cuda.synchronize(q_BSHD.device)
     out, dq, dk, dv = (zigzag_unshard([r[i] for r in done], dim=1) for i in range(4))
@@ -279,34 +281,45 @@ def emulated_attention(
     kv_exchange: str = "ring",
     timeout_s: float = 60.0,
     rank_context: RankContext = contextlib.nullcontext,
+    documents: Optional[list[Optional[Documents]]] = None,
 ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor, Tensor]]]:
     """Attention implementation ``impl`` over a ``ring`` x ``ulysses`` CP group of threads, on the
     full-sequence inputs sharded as a job shards them: the unsharded output, and with ``dout``
-    the unsharded (dq, dk, dv) through autograd (CPU or meta tensors: see the module doc)."""
+    the unsharded (dq, dk, dv) through autograd (CPU or meta tensors: see the module doc).
+    ``rank_context()`` holds each rank's attention call and backward; ``documents``: each rank's
+    ``Documents`` of ``doc_ids_BS`` where a caller keeps them across calls (as a forward's layers
+    share theirs)."""
     world = ring * ulysses
     ring_boxes = [_Mailboxes(timeout_s) for _ in range(ulysses)]  # one ring per Ulysses index
     ulysses_boxes = [_Mailboxes(timeout_s) for _ in range(ring)]  # one Ulysses group per ring index
 
-    def part(x: Optional[Tensor], rank: int) -> Optional[Tensor]:
-        return None if x is None else cp_shard(x, dim=1, ring=ring, ulysses=ulysses, cp_rank=rank).contiguous()
+    def parts(x: Optional[Tensor]) -> list[Optional[Tensor]]:
+        return [None if x is None else cp_shard(x, dim=1, ring=ring, ulysses=ulysses, cp_rank=rank).contiguous()
+                for rank in range(world)]
+
+    # Each rank's inputs arrive sharded, as a job's do, and its documents made, as a model makes
+    # them once a forward for every layer: ``rank_context()`` holds a layer's work alone.
+    q_parts, k_parts, v_parts, dout_parts, doc_parts = map(parts, (q_BSHD, k_BSKD, v_BSKD, dout_BSHD, doc_ids_BS))
+    documents = documents if documents is not None else [Documents.of(d) for d in doc_parts]
 
     def rank_main(rank: int) -> tuple[Tensor, ...]:
         ring_idx, ulysses_idx = divmod(rank, ulysses)
         attention = build_attention(
             impl, kernel,
-            ring_group=EmulatedGroup(ring_idx, ring, ring_boxes[ulysses_idx]),  # type: ignore[arg-type]
-            ulysses_group=EmulatedGroup(ulysses_idx, ulysses, ulysses_boxes[ring_idx]),  # type: ignore[arg-type]
+            ring_group=EmulatedTransport(ring_idx, ring, ring_boxes[ulysses_idx]),
+            ulysses_group=EmulatedTransport(ulysses_idx, ulysses, ulysses_boxes[ring_idx]),
             kv_exchange=kv_exchange,
         )
-        inputs = [part(x, rank) for x in (q_BSHD, k_BSKD, v_BSKD)]
+        inputs = [q_parts[rank], k_parts[rank], v_parts[rank]]
         if dout_BSHD is None:
-            with torch.no_grad():
-                return (attention(*inputs, causal=causal, doc_ids=part(doc_ids_BS, rank)),)
+            with rank_context(), torch.no_grad():
+                return (attention(*inputs, causal=causal, doc_ids=documents[rank]),)
         leaves = [x.detach().requires_grad_() for x in inputs if x is not None]
-        out = attention(*leaves, causal=causal, doc_ids=part(doc_ids_BS, rank))
-        out.backward(part(dout_BSHD, rank))
+        with rank_context():
+            out = attention(*leaves, causal=causal, doc_ids=documents[rank])
+            out.backward(dout_parts[rank])
         return (out.detach(), *(x.grad for x in leaves))
 
-    done = run_in_threads(world, rank_main, [*ring_boxes, *ulysses_boxes], rank_context)
+    done = run_in_threads(world, rank_main, [*ring_boxes, *ulysses_boxes])
     out, *grads = (cp_unshard([r[i] for r in done], dim=1, ring=ring, ulysses=ulysses) for i in range(len(done[0])))
     return out, (tuple(grads) if grads else None)  # type: ignore[return-value]

@@ -242,7 +242,7 @@ def test_a_training_step_records_every_collective_consistently(trained: list[dic
         ring = tuple(sorted({r["rank"], r["rank"] ^ 1}))  # rank = replica * cp + ring_pos
         kinds = {(rec["op"], tuple(rec["group_ranks"])) for rec in r["step"]}
         sites = {rec["op"]: rec["site"] for rec in r["step"]}
-        assert ("batch_isend_irecv", ring) in kinds and "attention/ring.py" in sites["batch_isend_irecv"]
+        assert ("batch_isend_irecv", ring) in kinds and "attention/exchanges/ring.py" in sites["batch_isend_irecv"]
         # ZeRO-2 on gloo reduces gradients with all_reduce and regathers parameters after the step.
         assert {("all_reduce", (0, 1, 2, 3)), ("all_gather_into_tensor", (0, 1, 2, 3))} <= kinds
         assert any("mesh.py" in rec["site"] and "all_reduce_mean" in rec["site"] for rec in r["step"])
@@ -330,7 +330,7 @@ def _hang_rank(
     from ringtrain.policies.hangs import RankDiagnostics, diagnose
     from ringtrain.topology import Topology
     from ringtrain.train import collectives
-    from ringtrain.train.attention.comm import RingExchange
+    from ringtrain.train.attention.transport import ProcessGroupTransport
     from ringtrain.train.mesh import all_reduce_mean
 
     _init(rank, store_path)
@@ -344,14 +344,15 @@ def _hang_rank(
 
         dp_group, ring_group = mine(topology.dp_groups()), mine(topology.ring_groups())
         recorder = collectives.install()
-        ring = RingExchange(ring_group)
+        ring = ProcessGroupTransport(ring_group)
+        nxt, prev = (ring.rank() + 1) % ring.size(), (ring.rank() - 1) % ring.size()
         kv = torch.full((2, 8), float(rank))
 
         def reduce_gradients(grad: torch.Tensor) -> None:
             dist.all_reduce(grad, group=dp_group)
 
         def step(fault: bool) -> None:
-            ring.start([kv], [torch.empty_like(kv)], tag=0).wait()
+            ring.send_recv({nxt: [kv]}, {prev: [torch.empty_like(kv)]}, tag=0).wait()
             if fault and rank == 3 and scenario == "compute":
                 _stuck_in_compute(entering)
             elif fault and rank == 3 and scenario == "missing":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ringtrain.train.attention import kernels, sdpa_kernels
-from ringtrain.train.attention.block_kernel import BlockCall
+from ringtrain.train.attention.block_kernel import BackwardInputs, BlockCall
 from ringtrain.train.attention.blocks import Cut, block_backward, block_forward
 from ringtrain.train.attention.documents import doc_visibility
 from ringtrain.train.attention.kernels import (
@@ -138,15 +138,13 @@ class _NeedsMultipleOf8(MathKernel):
     supports_mask = False
     pad_head_dim_to = 8
 
-    def _forward(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Any]:
+    def _op_forward(self, q: Tensor, k: Tensor, v: Tensor, call: BlockCall) -> tuple[Tensor, Tensor, Any]:
         assert q.shape[-1] % 8 == 0 and k.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0, "head dim not padded"
-        return super()._forward(q, k, v, **kw)
+        return super()._op_forward(q, k, v, call)
 
-    def _backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Any, **kw: Any
-    ) -> Any:
-        assert all(t.shape[-1] % 8 == 0 for t in (dout, q, k, v, out)), "head dim not padded"
-        return super()._backward(dout, q, k, v, out, lse, aux, **kw)
+    def _op_backward(self, inputs: BackwardInputs, aux: Any, call: BlockCall) -> Any:
+        assert all(t.shape[-1] % 8 == 0 for t in inputs[:5]), "head dim not padded"
+        return super()._op_backward(inputs, aux, call)
 
 
 @pytest.mark.parametrize("head_dim", [36, 40, 3])
@@ -237,18 +235,17 @@ class _Spy(MathKernel):
         self.expanded_grads = expanded_grads
         self.kv_heads_seen: list[int] = []
 
-    def _forward(self, q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor, Any]:
+    def _op_forward(self, q: Tensor, k: Tensor, v: Tensor, call: BlockCall) -> tuple[Tensor, Tensor, Any]:
         self.kv_heads_seen.append(k.shape[2])
-        return super()._forward(q, k, v, **kw)
+        return super()._op_forward(q, k, v, call)
 
-    def _backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: Any, **kw: Any
-    ) -> Any:
-        self.kv_heads_seen.append(k.shape[2])
+    def _op_backward(self, inputs: BackwardInputs, aux: Any, call: BlockCall) -> Any:
+        self.kv_heads_seen.append(inputs.k.shape[2])
         if self.expanded_grads:
-            groups = q.shape[2] // k.shape[2]
-            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-        return super()._backward(dout, q, k, v, out, lse, aux, **kw)
+            groups = inputs.q.shape[2] // inputs.k.shape[2]
+            inputs = inputs._replace(k=inputs.k.repeat_interleave(groups, dim=2),
+                                     v=inputs.v.repeat_interleave(groups, dim=2))
+        return super()._op_backward(inputs, aux, call)
 
 
 @pytest.mark.parametrize(

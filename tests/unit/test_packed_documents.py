@@ -117,25 +117,25 @@ def test_documents_are_gathered_once_per_forward_and_group() -> None:
     calls: list[Optional[str]] = []
 
     class Group:
+        """The part of a ``Transport`` documents use: rank, size and an all-gather (rank 1's ids are
+        rank 0's plus 2)."""
+
         def size(self) -> int:
             return 2
 
         def rank(self) -> int:
             return 0
 
+        def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append("gather")
+            return torch.stack([x, x + 2])
+
     docs = Documents.of(torch.tensor([[0, 0, 1, 1]]))
     assert docs is not None
-    from ringtrain.train.attention import comm
-
-    real = comm.all_gather_stacked
-    try:
-        comm.all_gather_stacked = lambda x, group: calls.append("gather") or torch.stack([x, x + 2])  # type: ignore[assignment]
-        group = Group()
-        whole = docs.whole_sequence(group)  # type: ignore[arg-type]
-        again = docs.whole_sequence(group)  # type: ignore[arg-type]
-        shards = docs.shards(group)  # type: ignore[arg-type]
-    finally:
-        comm.all_gather_stacked = real
+    group = Group()
+    whole = docs.whole_sequence(group)  # type: ignore[arg-type]
+    again = docs.whole_sequence(group)  # type: ignore[arg-type]
+    shards = docs.shards(group)  # type: ignore[arg-type]
     assert calls == ["gather"] and whole is again
     # A ring of 2: rank 0 holds chunks 0 and 3 (ids 0 0 | 1 1), rank 1 chunks 1 and 2 (2 2 | 3 3).
     assert whole.host_BS.tolist() == [[0, 0, 2, 2, 3, 3, 1, 1]]

@@ -56,9 +56,9 @@ class _FalseLse(MathKernel):
     """The math kernel reporting an LSE too high by 0.1 per key of the block: right outputs,
     wrong merge weights. (A shift equal for every block of a row would cancel in the merge.)"""
 
-    def forward(self, q_BQHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, *, causal: bool,
-                scale: float, visible_BQS: Optional[torch.Tensor] = None) -> BlockOutput:
-        out = super().forward(q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale, visible_BQS=visible_BQS)
+    def forward_in_layout(self, q_BQHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, *, causal: bool,
+                          scale: float, visible: Optional[torch.Tensor] = None) -> BlockOutput:
+        out = super().forward_in_layout(q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale, visible=visible)
         return BlockOutput(out.out_BQHD, out.lse_BHQ + 0.1 * k_BSKD.shape[1], out.aux)
 
 
@@ -74,11 +74,11 @@ def test_a_failing_rank_fails_the_ring_without_hanging_the_others() -> None:
     class _Broken(MathKernel):
         calls = 0
 
-        def forward(self, *args: Any, **kwargs: Any) -> BlockOutput:
+        def forward_in_layout(self, *args: Any, **kwargs: Any) -> BlockOutput:
             _Broken.calls += 1
             if _Broken.calls == 3:  # one rank's second block: its peer is waiting for a message
                 raise RuntimeError("kernel failed")
-            return super().forward(*args, **kwargs)
+            return super().forward_in_layout(*args, **kwargs)
 
     q, k, v, dout = _inputs(16, torch.float64)
     with pytest.raises(RuntimeError):

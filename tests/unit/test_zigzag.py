@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringtrain.topology import sequence_positions
-from ringtrain.train.attention.ring import zigzag_block
+from ringtrain.train.attention.exchanges.ring import zigzag_block
 from ringtrain.train.attention.zigzag import causal_work, cp_shard, cp_unshard, zigzag_shard, zigzag_unshard
 
 

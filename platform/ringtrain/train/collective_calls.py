@@ -1,6 +1,6 @@
 """The torch.distributed calls the collective recorder wraps, and how one call is described:
 its tensors' shapes and dtypes, its P2P peers, and the caller's site (the first frame outside
-torch, DeepSpeed, the recorder and the attention package's pass-through ``comm.py``)."""
+torch, DeepSpeed, the recorder and the attention package's transport (``transport.py``))."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def skipped_locations() -> tuple[frozenset[str], tuple[str, ...]]:
     if spec is not None and spec.submodule_search_locations:
         roots += [Path(p) for p in spec.submodule_search_locations]
     here = Path(__file__).parent
-    files = (here / "collectives.py", Path(__file__), here / "attention" / "comm.py")
+    files = (here / "collectives.py", Path(__file__), here / "attention" / "transport.py")
     return frozenset(str(p.resolve()) for p in files), tuple(str(p.resolve()) + os.sep for p in roots)
 
 

@@ -18,7 +18,7 @@ whose functions call each other through module globals). Each call becomes one r
                  to the host at once, so a rank stuck on a collective blocks later, in a
                  synchronisation; this says which collective that is.
     site         the caller, "path:line function": the first frame outside torch, DeepSpeed,
-                 this module and the attention package's pass-through ``comm.py``
+                 this module and the attention package's transport (``transport.py``)
     thread, error
 
 Calls nested inside a recorded call (``batch_isend_irecv`` posting ``isend``s,

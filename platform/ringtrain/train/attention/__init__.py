@@ -1,15 +1,17 @@
 """Context-parallel attention: zigzag ring, Ulysses and their hybrid, over LSE-returning block kernels.
 
 ``build_attention`` turns the configured implementation and kernel into the attention function
-the model calls (``implementations``); the functions below it are usable directly. Block
-kernels and their registry are in ``kernels``.
+the model calls (``implementations``); the functions below it are usable directly. Every
+layout runs one loop (``loop``) over a K/V exchange (``exchanges``), planned once a forward
+(``plan``), through a ``Transport`` (``transport``). Block kernels and their registry are in
+``kernels``.
 
 Shape legend: B batch, S local sequence, H query heads, K key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-from ringtrain.train.attention.comm import count_comm
+from ringtrain.train.attention.attend import local_attention, ring_attention
 from ringtrain.train.attention.hybrid import hybrid_attention
 from ringtrain.train.attention.implementations import IMPLS, ContextParallelAttention, build_attention
 from ringtrain.train.attention.kernels import (
@@ -21,9 +23,8 @@ from ringtrain.train.attention.kernels import (
     get_kernel,
     select_kernel,
 )
-from ringtrain.train.attention.local import local_attention
 from ringtrain.train.attention.merge import merge_partials
-from ringtrain.train.attention.ring import ring_attention
+from ringtrain.train.attention.transport import ProcessGroupTransport, Transport, count_comm
 from ringtrain.train.attention.ulysses import ulysses_attention
 from ringtrain.train.attention.zigzag import causal_work, cp_shard, cp_unshard, zigzag_shard, zigzag_unshard
 
@@ -34,6 +35,8 @@ __all__ = [
     "BlockOutput",
     "ContextParallelAttention",
     "KernelUnavailableError",
+    "ProcessGroupTransport",
+    "Transport",
     "available_kernels",
     "build_attention",
     "causal_work",

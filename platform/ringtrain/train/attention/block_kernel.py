@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import torch
 
@@ -67,16 +67,44 @@ class BlockOutput(NamedTuple):
     aux: Any  # kernel-private state its backward needs (RNG state, varlen metadata)
 
 
+class BlockMask:
+    """A block's visibility ``[B, Q, S]`` (True: may attend), with what kernels derive from it
+    (an additive bias, the rows that see nothing) made once and kept: a plan's masks serve every
+    layer of a forward (``plan``), so each is derived once, not once per call."""
+
+    def __init__(self, visible_BQS: Tensor, *, any_unseen: bool = True) -> None:
+        """``any_unseen``: whether some row sees no key (known on the host where the mask was
+        made there; True, the safe side, otherwise)."""
+        self.visible_BQS = visible_BQS
+        self.any_unseen = any_unseen
+        self._made: dict[Any, Any] = {}
+
+    @classmethod
+    def of(cls, visible: Union[Tensor, BlockMask, None]) -> Optional[BlockMask]:
+        return visible if visible is None or isinstance(visible, BlockMask) else cls(visible)
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, the first time ``key`` is asked for."""
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    @property
+    def unseen_BQ(self) -> Tensor:
+        """Rows with no visible key."""
+        return self.derived("unseen", lambda: self.visible_BQS.any(dim=-1).logical_not())
+
+
 class BlockCall(NamedTuple):
     """What one block call is, besides its tensors: the same for its forward and its backward."""
 
     causal: bool
     scale: float
-    visible_BQS: Optional[Tensor]
+    visible_BQS: Union[Tensor, BlockMask, None]
 
 
 class BackwardInputs(NamedTuple):
-    """The tensors a block's backward reads, in one layout (``lse`` is ``[B, H, Q]`` in both)."""
+    """The tensors a block's backward reads, in the op's layout (``lse`` is ``[B, H, Q]`` in both)."""
 
     dout: Tensor
     q: Tensor
@@ -84,11 +112,6 @@ class BackwardInputs(NamedTuple):
     v: Tensor
     out: Tensor
     lse: Tensor
-
-    def head_major(self) -> BackwardInputs:
-        """BSHD -> BHSD for every tensor but the LSE."""
-        dout, q, k, v, out = to_head_major(self.dout, self.q, self.k, self.v, self.out)
-        return BackwardInputs(dout, q, k, v, out, self.lse)
 
 
 def to_head_major(*xs_BSHD: Tensor) -> tuple[Tensor, ...]:
@@ -155,6 +178,12 @@ def _check_square_if_causal(causal: bool, q_len: int, k_len: int) -> None:
         )
 
 
+def visible_of(call: BlockCall) -> Optional[Tensor]:
+    """The call's visibility ``[B, Q, S]`` as a tensor, or None."""
+    visible = call.visible_BQS
+    return visible.visible_BQS if isinstance(visible, BlockMask) else visible
+
+
 def allowed_mask(
     visible_BQS: Optional[Tensor], causal: bool, q_len: int, k_len: int, *, device: torch.device
 ) -> Optional[Tensor]:
@@ -217,6 +246,19 @@ class AttentionKernel:
         """Whether this kernel's op takes fewer K/V heads than query heads as they are."""
         return False
 
+    @property
+    def seq_dim(self) -> int:
+        """The sequence dim of the op's layout (the heads dim is the other of 1 and 2)."""
+        return 2 if self.head_major else 1
+
+    def to_layout(self, *xs_BSHD: Tensor) -> tuple[Tensor, ...]:
+        """BSHD views in the op's layout."""
+        return to_head_major(*xs_BSHD) if self.head_major else xs_BSHD
+
+    def from_layout(self, *xs: Tensor) -> tuple[Tensor, ...]:
+        """The op's layout back to BSHD views."""
+        return to_seq_major(*xs) if self.head_major else xs
+
     def forward(
         self,
         q_BQHD: Tensor,
@@ -225,30 +267,12 @@ class AttentionKernel:
         *,
         causal: bool,
         scale: float,
-        visible_BQS: Optional[Tensor] = None,
+        visible_BQS: Union[Tensor, BlockMask, None] = None,
     ) -> BlockOutput:
-        self._check_mask(visible_BQS)
-        _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
-        head_dim = q_BQHD.shape[-1]
-        q_BQHD, k_BSKD, v_BSKD = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q_BQHD, k_BSKD, v_BSKD))
-        groups = q_BQHD.shape[2] // k_BSKD.shape[2]
-        if groups > 1 and not self.native_gqa:
-            k_BSKD, v_BSKD = k_BSKD.repeat_interleave(groups, dim=2), v_BSKD.repeat_interleave(groups, dim=2)
-        out_BQHD, lse_BHQ, aux = self._forward(
-            q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale, visible_BQS=visible_BQS
-        )
-        out_BQHD = out_BQHD[..., :head_dim]
-        if lse_BHQ.dtype != torch.float64:
-            lse_BHQ = lse_BHQ.float()
-        if visible_BQS is not None:
-            # A fused kernel may report LSE 0 rather than -inf for a row whose keys are all
-            # masked (torch's CPU flash kernel does); the merge needs the truth, or that row's
-            # zero output would get real weight.
-            seen_BQ = visible_BQS.any(dim=-1)
-            unseen_BQ = seen_BQ.logical_not()
-            lse_BHQ = lse_BHQ.masked_fill(unseen_BQ[:, None, :], -math.inf)
-            out_BQHD = out_BQHD.masked_fill(unseen_BQ[:, :, None, None], 0.0)
-        return BlockOutput(out_BQHD, lse_BHQ, aux)
+        """One block, BSHD in and out."""
+        q, k, v = self.to_layout(q_BQHD, k_BSKD, v_BSKD)
+        res = self.forward_in_layout(q, k, v, causal=causal, scale=scale, visible=visible_BQS)
+        return BlockOutput(self.from_layout(res.out_BQHD)[0], res.lse_BHQ, res.aux)
 
     def backward(
         self,
@@ -262,76 +286,81 @@ class AttentionKernel:
         *,
         causal: bool,
         scale: float,
-        visible_BQS: Optional[Tensor] = None,
+        visible_BQS: Union[Tensor, BlockMask, None] = None,
     ) -> Grads:
-        """Gradients of this block for the merged ``out``/``lse`` of its query rows."""
-        self._check_mask(visible_BQS)
-        _check_square_if_causal(causal, q_BQHD.shape[1], k_BSKD.shape[1])
+        """Gradients of this block for the merged ``out``/``lse`` of its query rows, BSHD in and out."""
+        dout, q, k, v, out = self.to_layout(dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD)
+        dq, dk, dv = self.backward_in_layout(dout, q, k, v, out, lse_BHQ, aux, causal=causal, scale=scale,
+                                             visible=visible_BQS)
+        return self.from_layout(dq, dk, dv)  # type: ignore[return-value]
+
+    def forward_in_layout(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        visible: Union[Tensor, BlockMask, None] = None,
+    ) -> BlockOutput:
+        """One block with its tensors in the op's layout (``to_layout``), the output too: what a
+        context-parallel loop calls, having put its tensors in the layout once."""
+        mask = BlockMask.of(visible)
+        self._check_mask(mask)
+        heads, seq = 3 - self.seq_dim, self.seq_dim
+        _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
+        head_dim = q.shape[-1]
+        q, k, v = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q, k, v))
+        groups = q.shape[heads] // k.shape[heads]
+        if groups > 1 and not self.native_gqa:
+            k, v = k.repeat_interleave(groups, dim=heads), v.repeat_interleave(groups, dim=heads)
+        out, lse_BHQ, aux = self._op_forward(q, k, v, BlockCall(causal, scale, mask))
+        if out.shape[-1] != head_dim:
+            out = out[..., :head_dim]
+        if lse_BHQ.dtype not in (torch.float32, torch.float64):
+            lse_BHQ = lse_BHQ.float()
+        if mask is not None and mask.any_unseen:
+            # A fused kernel may report LSE 0 rather than -inf for a row whose keys are all
+            # masked (torch's CPU flash kernel does); the merge needs the truth, or that row's
+            # zero output would get real weight.
+            lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), -math.inf)
+            out = out.masked_fill(_unseen_as(mask, "out", seq), 0.0)
+        return BlockOutput(out, lse_BHQ, aux)
+
+    def backward_in_layout(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse_BHQ: Tensor, aux: Any, *,
+        causal: bool, scale: float, visible: Union[Tensor, BlockMask, None] = None,
+    ) -> Grads:
+        """``backward`` with its tensors in the op's layout, the gradients too."""
+        mask = BlockMask.of(visible)
+        self._check_mask(mask)
+        heads, seq = 3 - self.seq_dim, self.seq_dim
+        _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
         # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
         # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
         # gets zero gradient through fused and explicit kernels alike. Only a mask leaves a row
-        # empty (a square causal block always shows a row its own key): unmasked, the LSE
-        # goes through as it is, and contiguous, as callers that keep it contiguous pass it.
-        if visible_BQS is not None:
-            lse_BHQ = lse_BHQ.masked_fill(lse_BHQ == -math.inf, math.inf)
+        # of a block empty (a square causal block always shows a row its own key), and such a
+        # row's gradient here is zero whatever its merged LSE: unmasked, the LSE goes through as
+        # it is, and contiguous, as callers that keep it contiguous pass it.
+        if mask is not None and mask.any_unseen:
+            lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), math.inf)
         lse_BHQ = lse_BHQ.contiguous()
-        head_dim = q_BQHD.shape[-1]
-        dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD = (
-            _pad_head_dim(t, self.pad_head_dim_to) for t in (dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD)
-        )
-        kv_heads = k_BSKD.shape[2]
-        groups = q_BQHD.shape[2] // kv_heads
+        head_dim = q.shape[-1]
+        dout, q, k, v, out = (_pad_head_dim(t, self.pad_head_dim_to) for t in (dout, q, k, v, out))
+        kv_heads = k.shape[heads]
+        groups = q.shape[heads] // kv_heads
         if groups > 1 and not self.native_gqa:
-            k_BSKD, v_BSKD = k_BSKD.repeat_interleave(groups, dim=2), v_BSKD.repeat_interleave(groups, dim=2)
-        dq, dk, dv = self._backward(
-            dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD, lse_BHQ, aux,
-            causal=causal, scale=scale, visible_BQS=visible_BQS,
-        )
-        if dk.shape[2] != kv_heads:
+            k, v = k.repeat_interleave(groups, dim=heads), v.repeat_interleave(groups, dim=heads)
+        dq, dk, dv = self._op_backward(BackwardInputs(dout, q, k, v, out, lse_BHQ), aux, BlockCall(causal, scale, mask))
+        if dk.shape[heads] != kv_heads:
             # Each KV head fed ``groups`` query heads; its gradient is the sum over them. Also
             # taken when a native-GQA op hands back per-query-head gradients.
-            dk = dk.unflatten(2, (kv_heads, groups)).sum(dim=3)
-            dv = dv.unflatten(2, (kv_heads, groups)).sum(dim=3)
-        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+            dk = dk.unflatten(heads, (kv_heads, groups)).sum(dim=heads + 1)
+            dv = dv.unflatten(heads, (kv_heads, groups)).sum(dim=heads + 1)
+        if dq.shape[-1] != head_dim:
+            dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+        return dq, dk, dv
 
-    def _check_mask(self, visible_BQS: Optional[Tensor]) -> None:
-        if visible_BQS is not None and not self.supports_mask:
+    def _check_mask(self, mask: Optional[BlockMask]) -> None:
+        if mask is not None and not self.supports_mask:
             raise ValueError(f"attention kernel {self.name!r} takes no mask; use a mask-capable kernel")
 
-    # The two hooks below see BSHD tensors, padded and GQA-expanded as the class says; they
-    # turn them into the op's layout once, here, and are what tests and probes wrap.
-
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, visible_BQS: Optional[Tensor]
-    ) -> tuple[Tensor, Tensor, Any]:
-        call = BlockCall(causal, scale, visible_BQS)
-        if not self.head_major:
-            return self._op_forward(q, k, v, call)
-        q_BHQD, k_BKSD, v_BKSD = to_head_major(q, k, v)
-        out_BHQD, lse_BHQ, aux = self._op_forward(q_BHQD, k_BKSD, v_BKSD, call)
-        return out_BHQD.transpose(1, 2), lse_BHQ, aux
-
-    def _backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
-        visible_BQS: Optional[Tensor],
-    ) -> Grads:
-        call = BlockCall(causal, scale, visible_BQS)
-        inputs = BackwardInputs(dout, q, k, v, out, lse)
-        if not self.head_major:
-            return self._op_backward(inputs, aux, call)
-        dq_BHQD, dk_BKSD, dv_BKSD = self._op_backward(inputs.head_major(), aux, call)
-        dq, dk, dv = to_seq_major(dq_BHQD, dk_BKSD, dv_BKSD)
-        return dq, dk, dv
+    # The two hooks below see tensors in the op's layout, padded and GQA-expanded as the class says.
 
     def _op_forward(self, q: Tensor, k: Tensor, v: Tensor, call: BlockCall) -> tuple[Tensor, Tensor, Any]:
         """``(out, lse [B, H, Q], aux)`` from the op, in its layout."""
@@ -343,3 +372,15 @@ class AttentionKernel:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(native_gqa={self.native_gqa})"
+
+
+def _unseen_as(mask: BlockMask, what: str, seq_dim: int) -> Tensor:
+    """The mask's empty rows shaped to fill an LSE ``[B, H, Q]`` or an output with its sequence on
+    ``seq_dim`` (kept with the mask: every layer fills the same rows)."""
+    def make() -> Tensor:
+        rows_BQ = mask.unseen_BQ
+        if what == "lse":
+            return rows_BQ[:, None, :]
+        return rows_BQ[:, None, :, None] if seq_dim == 2 else rows_BQ[:, :, None, None]
+
+    return mask.derived(("unseen as", what, seq_dim), make)  # type: ignore[no-any-return]

@@ -40,6 +40,9 @@ from ringtrain.train.attention.window import CAUSAL, FULL, MASKED, UPPER, tile_m
 Tensor = torch.Tensor
 
 
+ALL = slice(None)  # every row, or every column
+
+
 @dataclass(frozen=True)
 class Block:
     """Which local query rows attend to which columns of the K/V at hand (a ring's visiting
@@ -100,7 +103,8 @@ def _batched(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def _pieces(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[Piece]:
+def pieces_of(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[Piece]:
+    """The pieces ``cut`` cuts a block of ``q_len`` rows and ``k_len`` columns into."""
     if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
         rects = [(slice(s.b, s.b + 1), s.rows, s.cols) for s in segments(cut.q_docs_BQ, cut.k_docs_BS)]
     else:
@@ -195,8 +199,10 @@ def block_forward(
     causal: bool,
     scale: float,
     cut: Cut = Cut(),
+    pieces: Optional[list[Piece]] = None,
 ) -> BlockOutput:
-    """The block's output and LSE, cut as ``cut`` says (see the module doc)."""
+    """The block's output and LSE, cut as ``cut`` says (see the module doc); ``pieces``: the cut's
+    pieces (``pieces_of``) where already known."""
     if cut.whole:
         return kernel.forward(q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale)
     B, Q, H, _ = q_BQHD.shape
@@ -204,7 +210,9 @@ def block_forward(
     out_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     lse_BHQ = torch.full((B, H, Q), -math.inf, dtype=acc, device=q_BQHD.device)
     auxes = []
-    for piece in _pieces(B, Q, k_BSKD.shape[1], causal, cut):
+    if pieces is None:
+        pieces = pieces_of(B, Q, k_BSKD.shape[1], causal, cut)
+    for piece in pieces:
         run, visible = _run_kernel(kernel, piece, q_BQHD)
         b, rows, cols, n = piece.b, piece.rows, piece.cols, piece.tiles
         q, k, v = (_as_tiles(x[b, index], n) for x, index in ((q_BQHD, rows), (k_BSKD, cols), (v_BSKD, cols)))
@@ -233,6 +241,7 @@ def block_backward(
     causal: bool,
     scale: float,
     cut: Cut = Cut(),
+    pieces: Optional[list[Piece]] = None,
 ) -> Grads:
     """The block's gradients for the merged ``out``/``lse`` of its rows; cut as the forward was."""
     if cut.whole:
@@ -242,7 +251,8 @@ def block_backward(
     dq_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     dk_BSKD = torch.zeros(k_BSKD.shape, dtype=acc, device=k_BSKD.device)
     dv_BSKD = torch.zeros(v_BSKD.shape, dtype=acc, device=v_BSKD.device)
-    pieces = _pieces(q_BQHD.shape[0], q_BQHD.shape[1], k_BSKD.shape[1], causal, cut)
+    if pieces is None:
+        pieces = pieces_of(q_BQHD.shape[0], q_BQHD.shape[1], k_BSKD.shape[1], causal, cut)
     for piece, piece_aux in zip(pieces, aux):
         run, visible = _run_kernel(kernel, piece, q_BQHD)
         b, rows, cols, n = piece.b, piece.rows, piece.cols, piece.tiles

@@ -20,13 +20,13 @@ Shape legend: B batch, S sequence, Q / K a block's rows / columns, U ranks in a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
-from ringtrain.train.attention import comm
-from ringtrain.train.attention.comm import ProcessGroup
+from ringtrain.train.attention.transport import Transport
 from ringtrain.train.attention.zigzag import zigzag_unshard
 
 Tensor = torch.Tensor
@@ -96,27 +96,34 @@ class Documents:
     def __getitem__(self, index: Any) -> Documents:
         return Documents(self.ids_BS[index], self.host_BS[index])
 
-    def shards(self, group: ProcessGroup) -> list[Documents]:
+    def shards(self, group: Transport) -> list[Documents]:
         """Every rank's ids of ``group``, by rank: one all-gather per forward and group (cached,
-        as are the joins below; every layer asks for the same)."""
-        key = (id(group), "shards")
+        as are the joins below and whatever ``cached`` keeps; every layer asks for the same)."""
+        key = (_group_key(group), "shards")
         if key not in self._gathered:
-            ids_UBS = comm.all_gather_stacked(self.ids_BS, group)
+            ids_UBS = group.all_gather(self.ids_BS)
             host_UBS = ids_UBS.cpu().numpy()
             self._gathered[key] = [Documents(ids_UBS[u], host_UBS[u]) for u in range(ids_UBS.shape[0])]
         shards: list[Documents] = self._gathered[key]
         return shards
 
-    def whole_sequence(self, group: ProcessGroup) -> Documents:
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` the first time ``key`` is asked for in this forward (a plan of the blocks
+        these documents cut, shared by every layer)."""
+        if key not in self._gathered:
+            self._gathered[key] = make()
+        return self._gathered[key]
+
+    def whole_sequence(self, group: Transport) -> Documents:
         """The ring's whole sequence in order, from every rank's zigzag shard."""
         return self._joined(group, "zigzag")
 
-    def concatenated(self, group: ProcessGroup) -> Documents:
+    def concatenated(self, group: Transport) -> Documents:
         """The group's contiguous parts end to end, by rank (a Ulysses group's)."""
         return self._joined(group, "concatenated")
 
-    def _joined(self, group: ProcessGroup, how: str) -> Documents:
-        key = (id(group), how)
+    def _joined(self, group: Transport, how: str) -> Documents:
+        key = (_group_key(group), how)
         if key not in self._gathered:
             shards = self.shards(group)
 
@@ -128,3 +135,8 @@ class Documents:
             self._gathered[key] = Documents(join([shard.ids_BS for shard in shards]), host)
         joined: Documents = self._gathered[key]
         return joined
+
+
+def _group_key(group: Transport) -> int:
+    """What identifies a group across the transports made for it in one forward."""
+    return id(getattr(group, "group", group))

@@ -15,11 +15,12 @@ from typing import Optional, Union
 
 import torch
 
-from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.attend import ring_attention
+from ringtrain.train.attention.block_kernel import default_scale
+from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
 from ringtrain.train.attention.documents import Documents
-from ringtrain.train.attention.kernels import KernelArg
-from ringtrain.train.attention.local import check_qkv
-from ringtrain.train.attention.ring import ring_attention
+from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
+from ringtrain.train.attention.transport import GroupArg, as_transport, group_size
 from ringtrain.train.attention.ulysses import all_to_all_attention, ulysses_attention
 
 Tensor = torch.Tensor
@@ -30,8 +31,8 @@ def hybrid_attention(
     k: Tensor,
     v: Tensor,
     *,
-    ring_group: Optional[ProcessGroup],
-    ulysses_group: Optional[ProcessGroup],
+    ring_group: GroupArg,
+    ulysses_group: GroupArg,
     causal: bool = True,
     doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
@@ -44,10 +45,11 @@ def hybrid_attention(
     ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).
     ``ulysses_group``: the U ranks with this rank's ring index (group rank = Ulysses index).
     Either of one rank (or None) degrades to pure Ulysses or pure ring. ``kv_exchange``: how the
-    ring group exchanges K/V (``ring.ring_attention``); ``window``: a causal sliding window of that
+    ring group exchanges K/V (``attend.ring_attention``); ``window``: a causal sliding window of that
     many tokens.
     """
     check_qkv(q, k, v, doc_ids)
+    check_window(window, causal)
     if group_size(ulysses_group) == 1:
         return ring_attention(
             q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale,
@@ -57,12 +59,15 @@ def hybrid_attention(
         return ulysses_attention(
             q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window
         )
+    ring, ulysses = as_transport(ring_group), as_transport(ulysses_group)
+    assert ring is not None and ulysses is not None
+    chosen = resolve_kernel(kernel, q)
+    scale = default_scale(q.shape[-1]) if scale is None else scale
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float) -> Tensor:
-        return ring_attention(
-            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale,
-            kv_exchange=kv_exchange, window=window,
-        )
+    def inner(seq: int, docs: Optional[Documents]) -> AttentionCall:
+        if seq % 2:
+            raise ValueError(f"a ring shard of {seq} tokens is odd; a zigzag shard is two equal chunks")
+        return AttentionCall.of(ring, seq, causal=causal, docs=docs, window=window, scale=scale, kernel=chosen,
+                                kv_exchange=kv_exchange)
 
-    assert ulysses_group is not None
-    return all_to_all_attention(attend, q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, scale=scale)
+    return all_to_all_attention(inner, q, k, v, group=ulysses, kernel=chosen, doc_ids=doc_ids)

@@ -17,13 +17,12 @@ from typing import Optional, Protocol, Union
 import torch
 
 from ringtrain.config import ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL
-from ringtrain.train.attention.allgather import kv_exchange_for
-from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.attend import local_attention, ring_attention
+from ringtrain.train.attention.call import choose_exchange
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.hybrid import hybrid_attention
 from ringtrain.train.attention.kernels import check_kernel_name, keyed_by
-from ringtrain.train.attention.local import local_attention
-from ringtrain.train.attention.ring import ring_attention
+from ringtrain.train.attention.transport import GroupArg, Transport, as_transport, group_size
 from ringtrain.train.attention.ulysses import ulysses_attention
 
 Tensor = torch.Tensor
@@ -41,8 +40,8 @@ class ImplFn(Protocol):
         v_BSKD: Tensor,
         /,
         *,
-        ring_group: Optional[ProcessGroup],
-        ulysses_group: Optional[ProcessGroup],
+        ring_group: Optional[Transport],
+        ulysses_group: Optional[Transport],
         causal: bool,
         doc_ids: Optional[Union[Tensor, Documents]],
         kernel: str,
@@ -57,8 +56,8 @@ def _ring(
     k_BSKD: Tensor,
     v_BSKD: Tensor,
     *,
-    ring_group: Optional[ProcessGroup],
-    ulysses_group: Optional[ProcessGroup],
+    ring_group: Optional[Transport],
+    ulysses_group: Optional[Transport],
     causal: bool,
     doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
@@ -77,8 +76,8 @@ def _ulysses(
     k_BSKD: Tensor,
     v_BSKD: Tensor,
     *,
-    ring_group: Optional[ProcessGroup],
-    ulysses_group: Optional[ProcessGroup],
+    ring_group: Optional[Transport],
+    ulysses_group: Optional[Transport],
     causal: bool,
     doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
@@ -97,8 +96,8 @@ def _local(
     k_BSKD: Tensor,
     v_BSKD: Tensor,
     *,
-    ring_group: Optional[ProcessGroup],
-    ulysses_group: Optional[ProcessGroup],
+    ring_group: Optional[Transport],
+    ulysses_group: Optional[Transport],
     causal: bool,
     doc_ids: Optional[Union[Tensor, Documents]],
     kernel: str,
@@ -142,15 +141,16 @@ class ContextParallelAttention:
         self,
         impl: str,
         kernel: str,
-        ring_group: Optional[ProcessGroup],
-        ulysses_group: Optional[ProcessGroup],
+        ring_group: GroupArg,
+        ulysses_group: GroupArg,
         kv_exchange: str = "auto",
     ) -> None:
         self.impl = impl
         self.kernel = kernel
         self.kv_exchange = kv_exchange
-        self.ring_group = ring_group
-        self.ulysses_group = ulysses_group
+        # Each group's transport, made once: every layer's call goes through the same.
+        self.ring_group = as_transport(ring_group)
+        self.ulysses_group = as_transport(ulysses_group)
         self._run = IMPLEMENTATIONS[impl].run
 
     def __call__(
@@ -191,13 +191,14 @@ def build_attention(
     impl: str,
     kernel: str,
     *,
-    ring_group: Optional[ProcessGroup],
-    ulysses_group: Optional[ProcessGroup],
+    ring_group: GroupArg,
+    ulysses_group: GroupArg,
     kv_exchange: str = "auto",
 ) -> ContextParallelAttention:
     """The attention function for ``impl`` in IMPLS with block kernel ``kernel`` in KERNEL_NAMES.
 
-    ``ring_group`` / ``ulysses_group`` are this rank's groups (None counts as one rank); "ring"
+    ``ring_group`` / ``ulysses_group`` are this rank's groups, process groups or ``Transport``s
+    (None counts as one rank); "ring"
     needs a Ulysses group of one, "ulysses" a ring group of one, "local" both. The kernel name is
     checked now; which kernel "auto" means is decided per call from the inputs' device and dtype,
     and which K/V exchange ``kv_exchange="auto"`` means from the ring's block length.
@@ -205,7 +206,7 @@ def build_attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl {impl!r} is unknown; choose one of {', '.join(IMPLS)}")
     check_kernel_name(kernel)
-    kv_exchange_for(kv_exchange, 0)  # refuses an unknown name now, not at the first call
+    choose_exchange(kv_exchange, 2, 2, None)  # refuses an unknown name now, not at the first call
     ring, ulysses = group_size(ring_group), group_size(ulysses_group)
     spec = IMPLEMENTATIONS[impl]
     if (ring > 1 and not spec.multi_rank_ring) or (ulysses > 1 and not spec.multi_rank_ulysses):

@@ -23,6 +23,7 @@ from ringtrain.train.attention.block_kernel import (
     Grads,
     KernelSpec,
     allowed_mask,
+    visible_of,
 )
 
 Tensor = torch.Tensor
@@ -52,7 +53,7 @@ class MathKernel(AttentionKernel):
         q_BQKGD = q_BQHD.to(dtype).unflatten(2, (k_BSKD.shape[2], -1))
         s_BKGQS = torch.einsum("bqkgd,bskd->bkgqs", q_BQKGD, k_BSKD.to(dtype)) * call.scale
         allowed = allowed_mask(
-            call.visible_BQS, call.causal, q_BQHD.shape[1], k_BSKD.shape[1], device=s_BKGQS.device
+            visible_of(call), call.causal, q_BQHD.shape[1], k_BSKD.shape[1], device=s_BKGQS.device
         )
         if allowed is not None:
             hidden = (allowed[:, None, None] if allowed.dim() == 3 else allowed).logical_not()

@@ -13,7 +13,9 @@ rows, both weights are 0, and the row stays at out 0, lse -inf.
 Two forms: ``merge_partials`` returns new fp32 tensors (the reference), and ``merge_into_``
 updates an fp32 accumulator in place, views included (a ring's half-block rows), so nothing is
 copied out and back. On CUDA, where Triton runs, ``merge_into_`` is one kernel
-(``merge_kernel``) instead of about twenty elementwise ones per merge.
+(``merge_kernel``); elsewhere it is five or six in-place ops: the block's share of a row is
+sigmoid(b - a), the output moves that far towards the block's (``lerp_``), and the LSE becomes
+logaddexp(a, b) (which keeps -inf where both are).
 
 Shape legend: B batch, Q query rows, H heads, D head dim.
 """
@@ -58,15 +60,26 @@ def _triton_merge() -> Optional[ModuleType]:
     return merge_kernel
 
 
-def merge_into_(acc_out_BQHD: Tensor, acc_lse_BHQ: Tensor, blk_out_BQHD: Tensor, blk_lse_BHQ: Tensor) -> None:
+def merge_into_(
+    acc_out: Tensor, acc_lse_BHQ: Tensor, blk_out: Tensor, blk_lse_BHQ: Tensor, *, seq_dim: int = 1,
+    may_be_empty: bool = True,
+) -> None:
     """``(acc_out, acc_lse) <- merge(acc, blk)`` in place; the accumulators are fp32 (float64 LSEs
     of float64 inputs too) and may be strided views of larger tensors, the block's output in any
-    float dtype."""
-    fp32 = acc_out_BQHD.dtype == acc_lse_BHQ.dtype == torch.float32
-    kernel = _triton_merge() if acc_out_BQHD.is_cuda and fp32 else None
+    float dtype. Outputs are ``[B, Q, H, D]`` (``seq_dim`` 1) or ``[B, H, Q, D]`` (2).
+    ``may_be_empty``: whether a row may have seen no key in both (False saves a launch)."""
+    fp32 = acc_out.dtype == acc_lse_BHQ.dtype == torch.float32
+    kernel = _triton_merge() if acc_out.is_cuda and fp32 else None
     if kernel is not None:
-        kernel.merge_into_(acc_out_BQHD, acc_lse_BHQ, blk_out_BQHD, blk_lse_BHQ)
+        if seq_dim == 2:
+            acc_out, blk_out = acc_out.transpose(1, 2), blk_out.transpose(1, 2)
+        kernel.merge_into_(acc_out, acc_lse_BHQ, blk_out, blk_lse_BHQ)
         return
-    out_BQHD, lse_BHQ = merge_partials(acc_out_BQHD, acc_lse_BHQ, blk_out_BQHD, blk_lse_BHQ)
-    acc_out_BQHD.copy_(out_BQHD)
-    acc_lse_BHQ.copy_(lse_BHQ)
+    # The block's share of each row is sigmoid(b - a) = e^b / (e^a + e^b): NaN only where both are
+    # -inf (a row that saw nothing in either), where the row must stay as it is (share 0).
+    share_BHQ = torch.sigmoid(blk_lse_BHQ - acc_lse_BHQ)
+    if may_be_empty:
+        share_BHQ.nan_to_num_(0.0)
+    share = share_BHQ.unsqueeze(-1) if seq_dim == 2 else share_BHQ.transpose(1, 2).unsqueeze(-1)
+    acc_out.lerp_(blk_out if blk_out.dtype == acc_out.dtype else blk_out.to(acc_out.dtype), share)
+    torch.logaddexp(acc_lse_BHQ, blk_lse_BHQ, out=acc_lse_BHQ)

@@ -20,6 +20,7 @@ from ringtrain.train.attention.block_kernel import (
     AttentionKernel,
     BackwardInputs,
     BlockCall,
+    BlockMask,
     Grads,
     KernelSpec,
     SchemaLookup,
@@ -52,17 +53,21 @@ def mask_as_bias(
 ) -> tuple[Optional[Tensor], bool]:
     """The op's ``(attn_bias, is_causal)`` for a block: the causal flag alone when unmasked,
     else the causal and document masks folded into one additive bias of the query's dtype
-    (``[B, 1, Q, S]``, or ``[B, H, Q, S]`` with a stride-0 head dim if ``expand_heads``)."""
-    if call.visible_BQS is None:
+    (``[B, 1, Q, S]``, or ``[B, H, Q, S]`` with a stride-0 head dim if ``expand_heads``), made
+    once per mask (``BlockMask``), not per call."""
+    mask = BlockMask.of(call.visible_BQS)
+    if mask is None:
         return None, call.causal
-    allowed_BQS = allowed_mask(
-        call.visible_BQS, call.causal, q_BHQD.shape[2], k_BKSD.shape[2], device=q_BHQD.device
-    )
-    assert allowed_BQS is not None
-    bias_B1QS = additive_bias(allowed_BQS, q_BHQD.dtype, align=align)
-    if expand_heads:
-        return bias_B1QS.expand(-1, q_BHQD.shape[1], -1, -1), False
-    return bias_B1QS, False
+    q_len, k_len, heads = q_BHQD.shape[2], k_BKSD.shape[2], q_BHQD.shape[1]
+
+    def make() -> Tensor:
+        allowed_BQS = allowed_mask(mask.visible_BQS, call.causal, q_len, k_len, device=q_BHQD.device)
+        assert allowed_BQS is not None
+        bias_B1QS = additive_bias(allowed_BQS, q_BHQD.dtype, align=align)
+        return bias_B1QS.expand(-1, heads, -1, -1) if expand_heads else bias_B1QS
+
+    key = ("bias", call.causal, q_BHQD.dtype, q_BHQD.device, align, expand_heads and heads, q_len, k_len)
+    return mask.derived(key, make), False
 
 
 class CpuFlashKernel(AttentionKernel):

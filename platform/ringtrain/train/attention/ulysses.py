@@ -6,137 +6,205 @@ attention runs there unchanged, and the inverse all-to-all returns the output to
 shards. q, k and v travel in a single packed all-to-all, so a forward issues two all-to-alls
 (q/k/v in, output back) and a backward two more (output grad in, q/k/v grads back).
 
-``all_to_all_attention`` wraps any attention over the gathered sequence: local attention for
-pure Ulysses, ring attention across ring groups for the hybrid.
+One autograd function does all of it: the all-to-alls on either side and, between them, the
+loop's forward and backward halves (``loop``) on the gathered sequence, in the block kernel's
+layout from the all-to-all on; the attention between them is local for pure Ulysses and a ring
+across ring groups for the hybrid (``hybrid``). The loop's saved tensors go through this
+function's context, so autograd's saved-tensor hooks see them as they see any layer's.
 
-Heads: query heads are split evenly; when the KV heads do not split evenly (fewer than U, as
-in MQA, or not a multiple of U) each KV head is replicated just enough that every rank holds
-whole KV heads for its query heads. When the query heads themselves do not split into U, the
-heads are padded with zero heads (KV expanded to one per query head first so the padding pairs
-up) and the padding is cut off the output.
+Heads (``head_routes``): query heads are split evenly; when the KV heads do not split evenly
+(fewer than U, as in MQA, or not a multiple of U) each rank receives copies of the KV heads its
+query heads read; when the query heads themselves do not split into U, they are padded with zero
+heads, each paired with a KV head of zeros, and the padding is cut off the output. Which source
+head goes where is one index list, so packing q, k and v for the all-to-all is one gather (and
+its backward one scatter-add, which also sums a replicated KV head's gradients).
 
 Shape legend: B batch, s local sequence (S = U*s gathered), H query heads, K key/value heads,
-D head dim, U ranks in the Ulysses group, h heads per rank after the all-to-all.
+D head dim, U ranks in the Ulysses group, h query and g key/value heads a rank attends to, N the
+source heads (H + 2K, and one zero head where padding needs it).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional, Protocol, Union
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 
-from ringtrain.train.attention import comm
-from ringtrain.train.attention.comm import ProcessGroup, group_size
+from ringtrain.train.attention.attend import local_attention
+from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
+from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
 from ringtrain.train.attention.documents import Documents
-from ringtrain.train.attention.block_kernel import default_scale
-from ringtrain.train.attention.kernels import KernelArg
-from ringtrain.train.attention.local import check_qkv, local_attention
+from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
+from ringtrain.train.attention.loop import attend_backward, attend_forward
+from ringtrain.train.attention.transport import GroupArg, Transport, as_transport, group_size
 
 Tensor = torch.Tensor
+# The attention over the gathered sequence, as a call of the loop: (gathered length, documents) -> call.
+InnerCall = Callable[[int, Optional[Documents]], AttentionCall]
 
 
-class SequenceAttention(Protocol):
-    """Attention over a sequence that is complete (or ring-sharded) on this rank."""
+@dataclass(frozen=True)
+class HeadRoutes:
+    """Where each source head goes: ``route`` lists, rank by rank, the source heads it receives
+    (h query heads, then g key and g value heads); a rank's query head i reads its key/value head
+    i // (h // g)."""
 
-    def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float
-    ) -> Tensor: ...
-
-
-def _seq_to_heads(x_BsUhD: Tensor, group: ProcessGroup) -> Tensor:
-    """[B, s, U, h, D] (head group u bound for rank u) -> [B, U*s, h, D] (rank u's s tokens at u*s)."""
-    B, s, U, h, D = x_BsUhD.shape
-    send_UBshD = x_BsUhD.permute(2, 0, 1, 3, 4).contiguous()
-    recv_UBshD = torch.empty_like(send_UBshD)
-    comm.all_to_all(recv_UBshD, send_UBshD, group)
-    return recv_UBshD.permute(1, 0, 2, 3, 4).reshape(B, U * s, h, D)
+    route: tuple[int, ...]
+    h: int
+    g: int
+    zero_head: bool  # whether the source has a zero head appended (index N - 1)
 
 
-def _heads_to_seq(x_BShD: Tensor, group: ProcessGroup) -> Tensor:
-    """[B, U*s, h, D] -> [B, s, U, h, D] (the head group of rank u at index u): inverse of the above."""
-    B, S, h, D = x_BShD.shape
-    U = group_size(group)
-    send_UBshD = x_BShD.reshape(B, U, S // U, h, D).transpose(0, 1).contiguous()
-    recv_UBshD = torch.empty_like(send_UBshD)
-    comm.all_to_all(recv_UBshD, send_UBshD, group)
-    return recv_UBshD.permute(1, 2, 0, 3, 4)
+@functools.lru_cache(maxsize=64)
+def head_routes(heads: int, kv_heads: int, degree: int) -> HeadRoutes:
+    """The routes of ``heads`` query and ``kv_heads`` key/value heads over ``degree`` ranks; pure."""
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    k0, v0 = heads, heads + kv_heads  # where the key and value heads start among the sources
+    if heads % degree == 0:
+        # The fewest copies f of each KV head with K*f divisible by the degree; H is divisible by
+        # lcm(K, degree) = K*f, so query head i still reads (a copy of) KV head i // (H // K).
+        copies = degree // math.gcd(kv_heads, degree)
+        h, g = heads // degree, kv_heads * copies // degree
+        route = [head for u in range(degree) for head in (
+            *range(u * h, (u + 1) * h),
+            *(k0 + j // copies for j in range(u * g, (u + 1) * g)),
+            *(v0 + j // copies for j in range(u * g, (u + 1) * g)),
+        )]
+        return HeadRoutes(tuple(route), h, g, False)
+    # One KV head per query head, and zero heads up to a multiple of the degree.
+    zero, group = heads + 2 * kv_heads, heads // kv_heads
+    padded = heads + (-heads % degree)
+    h = padded // degree
+    route = [head for u in range(degree) for head in (
+        *(i if i < heads else zero for i in range(u * h, (u + 1) * h)),
+        *(k0 + i // group if i < heads else zero for i in range(u * h, (u + 1) * h)),
+        *(v0 + i // group if i < heads else zero for i in range(u * h, (u + 1) * h)),
+    )]
+    return HeadRoutes(tuple(route), h, h, True)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """Sequence shards of several tensors -> head shards of the full sequence, in one all-to-all."""
+@functools.lru_cache(maxsize=64)
+def _route_index(route: tuple[int, ...], device: torch.device) -> Tensor:
+    return torch.tensor(route, device=device)
+
+
+class _Nested:
+    """The context of the loop's halves inside this function: their tensors are saved through
+    this function's own context (saved-tensor hooks included), the rest kept here."""
+
+    def __init__(self, outer: Any) -> None:
+        self._outer = outer
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        self._outer.save_for_backward(*tensors)
+
+    @property
+    def saved_tensors(self) -> tuple[Tensor, ...]:
+        saved: tuple[Tensor, ...] = self._outer.saved_tensors
+        return saved
+
+
+class _Ulysses(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q_BsHD: Tensor, k_BsKD: Tensor, v_BsKD: Tensor, group: Transport, kernel: AttentionKernel,
+        inner: InnerCall, docs: Optional[Documents],
+    ) -> Tensor:
+        B, s, H, D = q_BsHD.shape
+        U = group.size()
+        routes = head_routes(H, k_BsKD.shape[2], U)
+        sources = [q_BsHD, k_BsKD, v_BsKD]
+        if routes.zero_head:
+            sources.append(q_BsHD.new_zeros((B, s, 1, D)))
+        # Every rank's heads, in the order the ranks take them: one gather, contiguous by rank.
+        heads_NBsD = torch.cat(sources, dim=2).permute(2, 0, 1, 3)
+        index = _route_index(routes.route, q_BsHD.device)
+        sent = heads_NBsD.index_select(0, index)
+        received = torch.empty_like(sent)
+        group.all_to_all(received, sent)
+        qkv = _gathered_in_layout(received.unflatten(0, (U, -1)), kernel)
+        q, k, v = qkv.split((routes.h, routes.g, routes.g), dim=3 - kernel.seq_dim)
+        nested = _Nested(ctx)
+        out = attend_forward(nested, inner(U * s, docs), q, k, v, in_layout=True)
+        ctx.nested, ctx.group, ctx.kernel, ctx.routes, ctx.index = nested, group, kernel, routes, index
+        ctx.source_heads = [x.shape[2] for x in sources]
+        out_BsHD = _back_to_sequence(out, group, kernel)
+        return out_BsHD if out_BsHD.shape[2] == H else out_BsHD[:, :, :H]
 
     @staticmethod
-    def forward(ctx: Any, group: ProcessGroup, *xs_BsHD: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        U = group_size(group)
-        ctx.group = group
-        ctx.heads = [x.shape[2] // U for x in xs_BsHD]
-        packed_BsUhD = torch.cat([x.unflatten(2, (U, -1)) for x in xs_BsHD], dim=3)
-        return _seq_to_heads(packed_BsUhD, group).split(ctx.heads, dim=2)
-
-    @staticmethod
-    def backward(ctx: Any, *grads_BShD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        packed_BsUhD = _heads_to_seq(torch.cat(grads_BShD, dim=2), ctx.group)
-        return (None, *(g.flatten(2, 3) for g in packed_BsUhD.split(ctx.heads, dim=3)))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """Head shards of the full sequence -> sequence shards with all heads."""
-
-    @staticmethod
-    def forward(ctx: Any, group: ProcessGroup, x_BShD: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _heads_to_seq(x_BShD, group).flatten(2, 3)
-
-    @staticmethod
-    def backward(ctx: Any, grad_BsHD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        U = group_size(ctx.group)
-        return None, _seq_to_heads(grad_BsHD.unflatten(2, (U, -1)), ctx.group)
+    def backward(ctx: Any, dout_BsHD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        group, kernel, routes = ctx.group, ctx.kernel, ctx.routes
+        U = group.size()
+        B, s, H, D = dout_BsHD.shape
+        padded = routes.h * U
+        if padded != H:
+            dout_BsHD = torch.nn.functional.pad(dout_BsHD, (0, 0, 0, padded - H))
+        # The output's gradient to the ranks that made each head's output, as the output came back.
+        sent = dout_BsHD.reshape(B, s, U, routes.h, D).permute(2, 3, 0, 1, 4).contiguous()
+        received = torch.empty_like(sent)
+        group.all_to_all(received, sent)
+        dout = _gathered_in_layout(received, kernel)
+        dq, dk, dv = attend_backward(ctx.nested, dout, in_layout=True)
+        # The gradients home by the routes they came: one all-to-all, one scatter-add into the
+        # source heads (which sums the copies of a replicated KV head).
+        grads = torch.cat((dq, dk, dv), dim=3 - kernel.seq_dim)
+        back = _by_rank(grads, U, kernel)
+        arrived = torch.empty_like(back)
+        group.all_to_all(arrived, back)
+        sources_NBsD = arrived.new_zeros((sum(ctx.source_heads), B, s, D))
+        sources_NBsD.index_add_(0, ctx.index, arrived.flatten(0, 1))
+        dq_BsHD, dk_BsKD, dv_BsKD, *_ = sources_NBsD.permute(1, 2, 0, 3).split(ctx.source_heads, dim=2)
+        return dq_BsHD, dk_BsKD, dv_BsKD, None, None, None, None
 
 
-def spread_heads(q_BsHD: Tensor, k_BsKD: Tensor, v_BsKD: Tensor, degree: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v with head counts that split into ``degree`` ranks, GQA pairing kept (see module doc)."""
-    H, K = q_BsHD.shape[2], k_BsKD.shape[2]
-    if H % K:
-        raise ValueError(f"{H} query heads are not a multiple of {K} key/value heads")
-    if H % degree == 0:
-        # The fewest copies f with K*f divisible by the degree; H is divisible by lcm(K, degree) = K*f,
-        # so query head i still reads (copy of) KV head i // (H // K).
-        copies = degree // math.gcd(K, degree)
-        if copies > 1:
-            k_BsKD, v_BsKD = k_BsKD.repeat_interleave(copies, dim=2), v_BsKD.repeat_interleave(copies, dim=2)
-        return q_BsHD, k_BsKD, v_BsKD
-    groups = H // K
-    k_BsHD, v_BsHD = k_BsKD.repeat_interleave(groups, dim=2), v_BsKD.repeat_interleave(groups, dim=2)
-    pad = (0, 0, 0, -H % degree)  # zero heads appended on dim 2
-    return (
-        torch.nn.functional.pad(q_BsHD, pad),
-        torch.nn.functional.pad(k_BsHD, pad),
-        torch.nn.functional.pad(v_BsHD, pad),
-    )
+def _gathered_in_layout(by_rank: Tensor, kernel: AttentionKernel) -> Tensor:
+    """``[U, n, B, s, D]`` (rank u's s tokens of n heads) -> the gathered sequence, ``[B, n, U s, D]``
+    or ``[B, U s, n, D]`` as the kernel's layout is, in one copy."""
+    U, n, B, s, D = by_rank.shape
+    if kernel.head_major:
+        return by_rank.permute(2, 1, 0, 3, 4).reshape(B, n, U * s, D)
+    return by_rank.permute(2, 0, 3, 1, 4).reshape(B, U * s, n, D)
+
+
+def _by_rank(gathered: Tensor, U: int, kernel: AttentionKernel) -> Tensor:
+    """The inverse of ``_gathered_in_layout``: ``[U, n, B, s, D]``, contiguous."""
+    if kernel.head_major:
+        B, n, S, D = gathered.shape
+        return gathered.reshape(B, n, U, S // U, D).permute(2, 1, 0, 3, 4).contiguous()
+    B, S, n, D = gathered.shape
+    return gathered.reshape(B, U, S // U, n, D).permute(1, 3, 0, 2, 4).contiguous()
+
+
+def _back_to_sequence(out: Tensor, group: Transport, kernel: AttentionKernel) -> Tensor:
+    """This rank's heads of the gathered output -> every head of this rank's tokens, ``[B, s, U h, D]``."""
+    U = group.size()
+    sent = _by_rank(out, U, kernel)
+    received = torch.empty_like(sent)
+    group.all_to_all(received, sent)
+    _, h, B, s, D = received.shape  # rank u's heads, at u h
+    return received.permute(2, 3, 0, 1, 4).reshape(B, s, U * h, D)
 
 
 def all_to_all_attention(
-    attend: SequenceAttention,
+    inner: InnerCall,
     q_BsHD: Tensor,
     k_BsKD: Tensor,
     v_BsKD: Tensor,
     *,
-    group: ProcessGroup,
-    causal: bool,
+    group: Transport,
+    kernel: AttentionKernel,
     doc_ids: Optional[Union[Tensor, Documents]],
-    scale: Optional[float],
 ) -> Tensor:
-    """Run ``attend`` on the sequence gathered over ``group`` for a share of the heads."""
-    heads = q_BsHD.shape[2]
-    scale = default_scale(q_BsHD.shape[-1]) if scale is None else scale
-    q_BsHD, k_BsKD, v_BsKD = spread_heads(q_BsHD, k_BsKD, v_BsKD, group_size(group))
-    q_BShD, k_BSkD, v_BSkD = _SeqToHeads.apply(group, q_BsHD, k_BsKD, v_BsKD)
+    """``inner``'s attention over the sequence gathered over ``group``, for a share of the heads."""
     docs = Documents.of(doc_ids)
     gathered = None if docs is None else docs.concatenated(group)
-    out_BShD = attend(q_BShD, k_BSkD, v_BSkD, causal=causal, doc_ids=gathered, scale=scale)
-    out_BsHD = _HeadsToSeq.apply(group, out_BShD)
-    return out_BsHD[:, :, :heads] if out_BsHD.shape[2] != heads else out_BsHD
+    out: Tensor = _Ulysses.apply(q_BsHD, k_BsKD, v_BsKD, group, kernel, inner, gathered)
+    return out
 
 
 def ulysses_attention(
@@ -144,7 +212,7 @@ def ulysses_attention(
     k: Tensor,
     v: Tensor,
     *,
-    group: Optional[ProcessGroup],
+    group: GroupArg,
     causal: bool = True,
     doc_ids: Optional[Union[Tensor, Documents]] = None,
     kernel: KernelArg = "auto",
@@ -155,17 +223,20 @@ def ulysses_attention(
 
     ``q`` [B, s, H, D], ``k``/``v`` [B, s, K, D] and ``doc_ids`` [B, s] hold part u (of U equal
     contiguous parts) of the sequence on group rank u; returns this rank's output part
-    [B, s, H, D]. A ``group`` of None or of one rank is plain local attention. ``window``: a
-    causal sliding window of that many tokens, over the gathered sequence.
+    [B, s, H, D]. ``group``: a process group or a ``Transport``; None or one rank is plain local
+    attention. ``window``: a causal sliding window of that many tokens, over the gathered sequence.
     """
     check_qkv(q, k, v, doc_ids)
+    check_window(window, causal)
     if group_size(group) == 1:
         return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
+    transport = as_transport(group)
+    assert transport is not None
+    chosen = resolve_kernel(kernel, q)
+    scale = default_scale(q.shape[-1]) if scale is None else scale
 
-    def attend(
-        q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Union[Tensor, Documents]], scale: float
-    ) -> Tensor:
-        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
+    def inner(seq: int, docs: Optional[Documents]) -> AttentionCall:
+        return AttentionCall.of(None, seq, causal=causal, docs=docs, window=window, scale=scale, kernel=chosen,
+                                kv_exchange="auto")
 
-    assert group is not None
-    return all_to_all_attention(attend, q, k, v, group=group, causal=causal, doc_ids=doc_ids, scale=scale)
+    return all_to_all_attention(inner, q, k, v, group=transport, kernel=chosen, doc_ids=doc_ids)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ringtrain.topology import zigzag_chunks
+from ringtrain.topology import sequence_positions
 
 FULL, CAUSAL, UPPER, MASKED = "full", "causal", "upper", "masked"
 MIN_TILE = 64  # tiles below this cost more in kernel launches than their masks save
@@ -54,10 +54,13 @@ def tile_size(window: int) -> int:
     return max(window, MIN_TILE)
 
 
+@functools.lru_cache(maxsize=256)
 def shard_positions(world: int, rank: int, seq_local: int) -> np.ndarray:
-    """The sequence positions of a zigzag shard's tokens, in its local order."""
-    half = seq_local // 2
-    return np.concatenate([np.arange(c * half, (c + 1) * half) for c in zigzag_chunks(world, rank)])
+    """The sequence positions of ring rank ``rank``'s zigzag shard, in its local order: the
+    topology's (``topology.sequence_positions``), as a read-only array."""
+    positions = np.array(sequence_positions(world * seq_local, world, 1, rank, 0))
+    positions.setflags(write=False)
+    return positions
 
 
 def position_runs(positions: np.ndarray) -> list[tuple[int, int, int]]:
@@ -145,3 +148,15 @@ def needed_sources(world: int, seq_local: int, window: int) -> list[list[int]]:
         [j for j in range(world) if window_tiles(positions[r], positions[j], window)]
         for r in range(world)
     ]
+
+
+@functools.lru_cache(maxsize=None)
+def needs(world: int, seq_local: int, window: int) -> tuple[tuple[int, ...], ...]:
+    """``needed_sources``, kept: every layer of every step asks the same."""
+    return tuple(tuple(sources) for sources in needed_sources(world, seq_local, window))
+
+
+def sparse(world: int, seq_local: int, window: int) -> bool:
+    """Whether some rank needs fewer than all ranks' K/V: then sending them to those alone beats
+    the ring."""
+    return any(len(sources) < world for sources in needs(world, seq_local, window))

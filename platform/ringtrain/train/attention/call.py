@@ -1,0 +1,144 @@
+"""One context-parallel attention call as a value, and the pure choice of how its K/V travel.
+
+An ``AttentionCall`` holds what a call is besides its tensors: this rank's place in its ring
+(the ring's transport, rank, size and the local sequence length), the documents, the window, the
+scale, the block kernel, and the K/V exchange ``choose_exchange`` picked. The loop (``loop``)
+runs any call; the exchange (``exchanges``) is the only part that differs between layouts.
+
+Shape legend: B batch, S local sequence, H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from ringtrain.config import KV_EXCHANGES
+from ringtrain.train.attention.block_kernel import AttentionKernel
+from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.transport import Transport
+from ringtrain.train.attention.window import shard_positions, sparse
+
+Tensor = torch.Tensor
+
+# Below this many tokens per rank the ring's per-step costs dominate: on an H200 (head dim 128,
+# bf16) one rank's ring ran 0.80 / 0.94 of a monolithic call forward / backward at 8K tokens per
+# rank and 0.97 / 0.97 at 16K (bench/attention.py).
+ALLGATHER_BELOW_TOKENS = 16384
+
+
+def choose_exchange(name: str, world: int, seq_local: int, window: Optional[int]) -> str:
+    """How a ring of ``world`` ranks with ``seq_local`` tokens each exchanges K/V when
+    ``attention.kv_exchange`` is ``name``; pure.
+
+    One rank: "local". A window that leaves some ranks' K/V unseen by others: "neighbours" (each
+    rank's K/V straight to the ranks that see them). Otherwise ``name``, where "auto" is "allgather"
+    below ``ALLGATHER_BELOW_TOKENS`` tokens a rank (the ring's per-step costs dominate there) and
+    "ring" from there on.
+    """
+    if name != "auto" and name not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange {name!r} is not one of auto, {', '.join(KV_EXCHANGES)}")
+    if world == 1:
+        return "local"
+    if window is not None and sparse(world, seq_local, window):
+        return "neighbours"
+    if name == "auto":
+        return "allgather" if seq_local < ALLGATHER_BELOW_TOKENS else "ring"
+    return name
+
+
+@dataclass(frozen=True)
+class Side:
+    """The rows or the columns of a visit, on the host: their sequence positions and, with packed
+    documents, their document ids ``[B, n]``."""
+
+    positions: np.ndarray
+    docs_BS: Optional[np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One rank's attention call over its ring's whole sequence, besides its tensors."""
+
+    transport: Optional[Transport]  # the ring's; None for a single rank
+    rank: int
+    world: int
+    seq_local: int
+    causal: bool
+    docs: Optional[Documents]
+    window: Optional[int]
+    scale: float
+    kernel: AttentionKernel
+    exchange: str  # as ``choose_exchange`` says
+
+    @classmethod
+    def of(
+        cls,
+        transport: Optional[Transport],
+        seq_local: int,
+        *,
+        causal: bool,
+        docs: Optional[Documents],
+        window: Optional[int],
+        scale: float,
+        kernel: AttentionKernel,
+        kv_exchange: str,
+    ) -> AttentionCall:
+        world = 1 if transport is None else transport.size()
+        rank = 0 if transport is None else transport.rank()
+        exchange = choose_exchange(kv_exchange, world, seq_local, window)
+        return cls(transport, rank, world, seq_local, causal, docs, window, scale, kernel, exchange)
+
+    def shard_side(self, source: int) -> Side:
+        """Ring rank ``source``'s shard: its positions and documents."""
+        docs = None
+        if self.docs is not None:
+            docs = self.docs.host_BS if self.transport is None else self.docs.shards(self.transport)[source].host_BS
+        if self.world == 1:
+            return Side(_whole_positions(self.seq_local), docs)
+        return Side(shard_positions(self.world, source, self.seq_local), docs)
+
+    def whole_side(self) -> Side:
+        """The ring's whole sequence in order."""
+        docs = None
+        if self.docs is not None:
+            assert self.transport is not None
+            docs = self.docs.whole_sequence(self.transport).host_BS
+        return Side(_whole_positions(self.world * self.seq_local), docs)
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_positions(length: int) -> np.ndarray:
+    positions = np.arange(length)
+    positions.setflags(write=False)
+    return positions
+
+
+def check_window(window: Optional[int], causal: bool) -> None:
+    """Raise ValueError unless ``window`` is None or a positive token count of causal attention."""
+    if window is None:
+        return
+    if window < 1:
+        raise ValueError(f"a sliding window must hold at least one token, got {window}")
+    if not causal:
+        raise ValueError("a sliding window is causal: it needs causal=True")
+
+
+def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: Optional[Union[Tensor, Documents]]) -> None:
+    """Raise ValueError unless q, k, v (and doc ids) have consistent [B, S, heads, D] shapes."""
+    if q_BSHD.dim() != 4 or k_BSKD.dim() != 4 or k_BSKD.shape != v_BSKD.shape:
+        shapes = ", ".join(str(tuple(t.shape)) for t in (q_BSHD, k_BSKD, v_BSKD))
+        raise ValueError(f"want q [B, S, H, D] and k, v [B, S, K, D]; got {shapes}")
+    B, S, H, D = q_BSHD.shape
+    if k_BSKD.shape[:2] != (B, S) or k_BSKD.shape[3] != D:
+        raise ValueError(
+            f"q {tuple(q_BSHD.shape)} and k {tuple(k_BSKD.shape)} disagree on batch, sequence or head dim"
+        )
+    if H % k_BSKD.shape[2]:
+        raise ValueError(f"{H} query heads are not a multiple of {k_BSKD.shape[2]} key/value heads")
+    if doc_ids is not None and tuple(doc_ids.shape) != (B, S):
+        raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}, want [B, S] = {(B, S)}")

@@ -1,0 +1,61 @@
+"""Sliding-window context parallelism: each rank's K/V go straight to the ranks whose windows
+reach them, not around the ring.
+
+Under a window of W tokens a query sees only keys within W positions before it. On a zigzag
+ring a rank's two chunks then see into few other ranks' shards (``window.needed_sources``; with
+W no longer than a chunk, its two ring neighbours), so passing every K/V block around all R
+ranks would move and wait for blocks nobody reads. Here a rank sends its K and V once to each
+rank that needs them and receives from each rank it needs, in one group launch, and attends its
+own block while they are in flight. The backward sends each visiting block's dK/dV home to its
+owner, which adds them to its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ringtrain.train.attention.blocks import ALL, Block
+from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec, stacked
+from ringtrain.train.attention.window import needs
+
+_KV_TAG = 16
+_DKV_TAG = 24
+
+
+class NeighbourExchange(Exchange):
+    def _peers(self) -> tuple[list[int], list[int]]:
+        """(the ranks whose K/V this rank reads, the ranks that read this rank's)."""
+        call = self.call
+        assert call.window is not None
+        reads = needs(call.world, call.seq_local, call.window)
+        sources = [j for j in reads[call.rank] if j != call.rank]
+        readers = [r for r in range(call.world) if r != call.rank and call.rank in reads[r]]
+        return sources, readers
+
+    def visits(self) -> list[VisitSpec]:
+        sources, _ = self._peers()
+        # Each visit is one whole block; the window cuts it.
+        return [VisitSpec(j, (Block(ALL, ALL, causal=True),), self.call.shard_side(j))
+                for j in (self.call.rank, *sources)]
+
+    def forward(self, k: Tensor, v: Tensor) -> Iterator[KV]:
+        assert self.call.transport is not None
+        sources, readers = self._peers()
+        own = self.own_kv(k, v)
+        visiting = {j: (own[0].new_empty(own[0].shape), own[1].new_empty(own[1].shape)) for j in sources}
+        pending = self.call.transport.send_recv({r: own for r in readers}, visiting, tag=_KV_TAG)
+        self.kept = (*own, *(t for j in sources for t in visiting[j]))
+        yield own  # its own block first, while the others' K/V travel
+        pending.wait()
+        yield from (visiting[j] for j in sources)
+
+    def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> Tensor:
+        assert self.call.transport is not None
+        sources, readers = self._peers()
+        dkv = [stacked(visit_grads(i, kept[2 * i], kept[2 * i + 1], lambda: None)) for i in range(1 + len(sources))]
+        # Every visiting block's gradients home to its owner; the readers' shares of ours here.
+        arriving = {r: [dkv[0].new_empty(dkv[0].shape)] for r in readers}
+        self.call.transport.send_recv({j: [dkv[1 + i]] for i, j in enumerate(sources)}, arriving, tag=_DKV_TAG).wait()
+        for (share,) in arriving.values():
+            dkv[0] += share
+        return dkv[0]

@@ -1,0 +1,145 @@
+"""The plan of a call: each visit's blocks, each with its cut, and how it runs, made once.
+
+A block is rows of this rank's shard against columns of a visit's K/V (``blocks.Block``). Where
+packed documents or a sliding window leave only part of it visible, the block has a ``Cut``
+(``cut_of``, the one place a cut is built: the rows' and columns' documents and positions, sliced
+to the block) and runs one of three ways:
+
+- ``MASKED``: one call with the block's mask, on a kernel that takes masks, when the block is
+  short (at most ``MASKED_BELOW_SCORES`` scores): there one call beats a call per piece, and the
+  mask is small;
+- ``PIECES``: cut into unmasked pieces (``blocks``): every longer block, and every block of a
+  kernel that takes no mask;
+- ``EMPTY``: nothing in it is visible: no call at all.
+
+An uncut block is ``WHOLE``: one call. The plan depends only on the layout (and the documents,
+with which it is kept for the forward: every layer and the backward share it), so it is made
+once, not per layer and again in the backward.
+
+Shape legend: B batch, Q / S a block's rows / columns.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ringtrain.train.attention.block_kernel import BlockMask
+from ringtrain.train.attention.blocks import Block, Cut, Piece, pieces_of
+from ringtrain.train.attention.call import AttentionCall, Side
+from ringtrain.train.attention.exchanges import EXCHANGES, Exchange
+from ringtrain.train.attention.window import band_mask
+
+WHOLE, MASKED, PIECES, EMPTY = "whole", "masked", "pieces", "empty"
+# A block of at most this many scores takes one masked call rather than a call per piece.
+MASKED_BELOW_SCORES = 128 * 128
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    rows: tuple[int, int]  # [start, stop) of this rank's rows
+    cols: tuple[int, int]  # [start, stop) of the visit's columns
+    all_rows: bool
+    all_cols: bool
+    causal: bool
+    how: str
+    cut: Cut = Cut()
+    mask: Optional[BlockMask] = None
+    pieces: Optional[list[Piece]] = None
+
+
+@dataclass(frozen=True)
+class Visit:
+    source: int
+    blocks: tuple[PlannedBlock, ...]
+
+
+def cut_of(block: Block, rows: Side, cols: Side, window: Optional[int]) -> Cut:
+    """What cuts ``block``: its rows' and columns' documents and, under a window, their positions."""
+    docs: dict[str, np.ndarray] = {}
+    if rows.docs_BS is not None and cols.docs_BS is not None:
+        docs = {"q_docs_BQ": rows.docs_BS[:, block.rows], "k_docs_BS": cols.docs_BS[:, block.cols]}
+    if window is None:
+        return Cut(**docs)
+    return Cut(**docs, window=window, q_positions=rows.positions[block.rows], k_positions=cols.positions[block.cols])
+
+
+def visible_of(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -> np.ndarray:
+    """``[B, Q, S]``: which scores of a block ``cut`` leaves. Under a window the positions say what
+    is causal; otherwise a causal block is a square on the diagonal."""
+    visible = np.ones((1, q_len, k_len), dtype=bool)
+    if causal and cut.window is None:
+        visible &= np.tril(visible[0])[None]
+    if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
+        q_docs, k_docs = cut.q_docs_BQ, cut.k_docs_BS
+        visible = visible & (q_docs[:, :, None] == k_docs[:, None, :]) & (q_docs >= 0)[:, :, None]
+    if cut.window is not None:
+        assert cut.q_positions is not None and cut.k_positions is not None
+        visible = visible & band_mask(cut.q_positions, cut.k_positions, cut.window)[None]
+    return np.broadcast_to(visible, (batch, q_len, k_len))
+
+
+def _span(index: slice, length: int) -> tuple[int, int]:
+    start, stop, _ = index.indices(length)
+    return start, stop
+
+
+def _planned(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: int, k_len: int,
+             device: torch.device) -> PlannedBlock:
+    row_span, col_span = _span(block.rows, call.seq_local), _span(block.cols, k_len)
+    q_len, s_len = row_span[1] - row_span[0], col_span[1] - col_span[0]
+    spans = dict(rows=row_span, cols=col_span, all_rows=q_len == call.seq_local, all_cols=s_len == k_len,
+                 causal=block.causal)
+    cut = cut_of(block, rows, cols, call.window)
+    if cut.whole:
+        return PlannedBlock(**spans, how=WHOLE)
+    if call.kernel.supports_mask and q_len * s_len <= MASKED_BELOW_SCORES:
+        visible = visible_of(cut, block.causal, batch, q_len, s_len)
+        if not visible.any():
+            return PlannedBlock(**spans, how=EMPTY)
+        # Causality is in the mask: the call itself is not causal.
+        mask = BlockMask(torch.tensor(visible, device=device), any_unseen=not visible.any(axis=-1).all())
+        return PlannedBlock(**{**spans, "causal": False}, how=MASKED, cut=cut, mask=mask)
+    pieces = pieces_of(batch, q_len, s_len, block.causal, cut)
+    return PlannedBlock(**spans, how=PIECES if pieces else EMPTY, cut=cut, pieces=pieces)
+
+
+def _make(call: AttentionCall, exchange: Exchange, batch: int, device: torch.device) -> tuple[Visit, ...]:
+    rows = call.shard_side(call.rank)
+    visits = []
+    for spec in exchange.visits():
+        k_len = len(spec.cols.positions)
+        visits.append(Visit(spec.source, tuple(_planned(call, b, rows, spec.cols, batch, k_len, device)
+                                               for b in spec.blocks)))
+    return tuple(visits)
+
+
+# Plans without documents depend on the layout alone: kept for the next forward, the fewest
+# recently used first to go.
+_LAYOUT_PLANS: OrderedDict[tuple[object, ...], tuple[Visit, ...]] = OrderedDict()
+_LAYOUT_PLANS_KEPT = 256
+
+
+def plan(call: AttentionCall, exchange: Exchange, batch: int, device: torch.device) -> tuple[Visit, ...]:
+    """The visits of ``call``'s exchange, each block planned; kept with the documents (for the
+    forward) or, without any, for the layout."""
+    key = (call.exchange, call.world, call.rank, call.seq_local, call.causal, call.window,
+           call.kernel.supports_mask, batch, device)
+    if call.docs is not None:
+        visits: tuple[Visit, ...] = call.docs.cached(("plan", *key), lambda: _make(call, exchange, batch, device))
+        return visits
+    found = _LAYOUT_PLANS.get(key)
+    if found is None:
+        found = _LAYOUT_PLANS[key] = _make(call, exchange, batch, device)
+        while len(_LAYOUT_PLANS) > _LAYOUT_PLANS_KEPT:
+            _LAYOUT_PLANS.popitem(last=False)
+    return found
+
+
+def exchange_for(call: AttentionCall) -> Exchange:
+    """The exchange ``call`` runs."""
+    return EXCHANGES[call.exchange](call)
