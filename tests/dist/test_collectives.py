@@ -166,19 +166,19 @@ def _attention_one_ulp_off(device: Any) -> Iterator[list[str]]:
     from ringtrain.train.attention.kernels import get_kernel
 
     kernel = type(get_kernel("auto", device_type=device.type, dtype=torch.float32))
-    original = kernel._forward
+    original = kernel._op_forward
     hits: list[str] = []
 
     def bad_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out_BQHD, lse, aux = original(self, *args, **kwargs)
+        out, lse, aux = original(self, *args, **kwargs)  # in the op's layout: query 9, head 1
         hits.append(self.name)
-        return _one_ulp_up(out_BQHD, (0, 9, 1, 3)), lse, aux
+        return _one_ulp_up(out, (0, 1, 9, 3) if self.head_major else (0, 9, 1, 3)), lse, aux
 
-    kernel._forward = bad_forward  # type: ignore[method-assign]
+    kernel._op_forward = bad_forward  # type: ignore[method-assign]
     try:
         yield hits
     finally:
-        kernel._forward = original  # type: ignore[method-assign]
+        kernel._op_forward = original  # type: ignore[method-assign]
 
 
 def _train_rank(rank: int, world: int, store_path: str, results: mp.Queue) -> None:

@@ -26,7 +26,7 @@ DP = {0: "d0", 1: "d1", 2: "d0", 3: "d1"}
 RING = {0: "r0", 1: "r0", 2: "r1", 3: "r1"}
 SITE_A = "ringtrain/train/engine.py:90 reduce_gradients"
 SITE_B = "ringtrain/train/mesh.py:140 all_reduce_mean"
-SITE_RING = "ringtrain/train/attention/ring.py:101 forward"
+SITE_RING = "ringtrain/train/attention/exchanges/ring.py:60 _turn"
 T0 = 1000.0
 
 

@@ -31,7 +31,7 @@ ATTENTION_KERNELS = (AUTO_KERNEL, *ATTENTION_BLOCK_KERNELS)
 
 # attention.kv_exchange: how a ring's ranks see each other's K/V: passed around the ring block by
 # block ("ring"), or all gathered at once ("allgather", for short blocks); "auto" picks by the
-# length of a rank's block (train/attention/allgather.py).
+# length of a rank's block (train/attention/call.py, choose_exchange).
 KV_EXCHANGES = ("ring", "allgather")
 ATTENTION_KV_EXCHANGES = ("auto", *KV_EXCHANGES)
 DEVICES = ("auto", "cpu", "cuda")

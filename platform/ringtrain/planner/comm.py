@@ -4,7 +4,7 @@ Notation as in ``memory``: t tokens on a rank per micro batch, L layers, h model
 KV width, p bytes per activation element, R ring and U Ulysses degree, c = U / gcd(k, U) KV
 copies, N parameters, P / G bytes per parameter / gradient, Z = dp x cp ranks in ZeRO's group.
 
-Ring attention (``train/attention/ring.py``), per layer and micro batch: the forward passes the
+Ring attention (``train/attention/exchanges/ring.py``), per layer and micro batch: the forward passes the
 rank's K/V block R - 1 times, 2 t k d c p bytes each (the ring of a hybrid runs on the Ulysses
 all-to-all's output: U t tokens of k c / U KV heads); the backward passes K/V R - 1 times again
 and the fp32 dK/dV accumulators R times, 2 t k d c 4 bytes each. Checkpointing recomputes the

@@ -4,7 +4,7 @@ A window of W tokens lets the query at position p see the keys at p - W < q <= p
 sequence of S tokens the queries see sum over p of min(p + 1, W) keys in all; a full causal layer
 is counted S^2 / 2 by the planner's convention (``throughput``), so a window counts at most that.
 
-Under context parallelism (``train/attention/neighbours.py``) a zigzag ring of R ranks cuts the
+Under context parallelism (``train/attention/exchanges/neighbours.py``) a zigzag ring of R ranks cuts the
 sequence into 2R chunks of L = S / 2R tokens, rank r holding chunks r and 2R - 1 - r. The query
 chunk a reads key chunk b <= a when its nearest pair, (a - b - 1) L + 1 positions apart, lies
 inside the window. When some rank reads fewer than all ranks, each rank sends its K/V once to

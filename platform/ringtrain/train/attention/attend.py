@@ -10,13 +10,13 @@ Shape legend: B batch, S local sequence, H query heads, K key/value heads, D hea
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ringtrain.train.attention.block_kernel import default_scale
 from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
-from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.loop import attend
 from ringtrain.train.attention.transport import GroupArg, as_transport, group_size
@@ -24,17 +24,8 @@ from ringtrain.train.attention.transport import GroupArg, as_transport, group_si
 Tensor = torch.Tensor
 
 
-def local_attention(
-    q_BSHD: Tensor,
-    k_BSKD: Tensor,
-    v_BSKD: Tensor,
-    *,
-    causal: bool = True,
-    doc_ids: Optional[Union[Tensor, Documents]] = None,
-    kernel: KernelArg = "auto",
-    scale: Optional[float] = None,
-    window: Optional[int] = None,
-) -> Tensor:
+def local_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: DocIds = None,
+                    kernel: KernelArg = "auto", scale: Optional[float] = None, window: Optional[int] = None) -> Tensor:
     """Attention over this rank's whole sequence; ``doc_ids`` [B, S] (ids, or ``Documents``)
     confines it to documents, ``window`` (tokens, causal only) to a sliding window."""
     check_qkv(q_BSHD, k_BSKD, v_BSKD, doc_ids)
@@ -47,19 +38,9 @@ def local_attention(
     return attend(call, q_BSHD, k_BSKD, v_BSKD)
 
 
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    group: GroupArg,
-    causal: bool = True,
-    doc_ids: Optional[Union[Tensor, Documents]] = None,
-    kernel: KernelArg = "auto",
-    scale: Optional[float] = None,
-    kv_exchange: str = "ring",
-    window: Optional[int] = None,
-) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causal: bool = True, doc_ids: DocIds = None,
+                   kernel: KernelArg = "auto", scale: Optional[float] = None, kv_exchange: str = "ring",
+                   window: Optional[int] = None) -> Tensor:
     """Attention over the ring's whole sequence from this rank's zigzag shards.
 
     ``q`` [B, S, H, D], ``k``/``v`` [B, S, K, D] and ``doc_ids`` [B, S] are this rank's shard

@@ -259,35 +259,16 @@ class AttentionKernel:
         """The op's layout back to BSHD views."""
         return to_seq_major(*xs) if self.head_major else xs
 
-    def forward(
-        self,
-        q_BQHD: Tensor,
-        k_BSKD: Tensor,
-        v_BSKD: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        visible_BQS: Union[Tensor, BlockMask, None] = None,
-    ) -> BlockOutput:
+    def forward(self, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool, scale: float,
+                visible_BQS: Union[Tensor, BlockMask, None] = None) -> BlockOutput:
         """One block, BSHD in and out."""
         q, k, v = self.to_layout(q_BQHD, k_BSKD, v_BSKD)
         res = self.forward_in_layout(q, k, v, causal=causal, scale=scale, visible=visible_BQS)
         return BlockOutput(self.from_layout(res.out_BQHD)[0], res.lse_BHQ, res.aux)
 
-    def backward(
-        self,
-        dout_BQHD: Tensor,
-        q_BQHD: Tensor,
-        k_BSKD: Tensor,
-        v_BSKD: Tensor,
-        out_BQHD: Tensor,
-        lse_BHQ: Tensor,
-        aux: Any,
-        *,
-        causal: bool,
-        scale: float,
-        visible_BQS: Union[Tensor, BlockMask, None] = None,
-    ) -> Grads:
+    def backward(self, dout_BQHD: Tensor, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, out_BQHD: Tensor,
+                 lse_BHQ: Tensor, aux: Any, *, causal: bool, scale: float,
+                 visible_BQS: Union[Tensor, BlockMask, None] = None) -> Grads:
         """Gradients of this block for the merged ``out``/``lse`` of its query rows, BSHD in and out."""
         dout, q, k, v, out = self.to_layout(dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD)
         dq, dk, dv = self.backward_in_layout(dout, q, k, v, out, lse_BHQ, aux, causal=causal, scale=scale,
@@ -305,7 +286,8 @@ class AttentionKernel:
         heads, seq = 3 - self.seq_dim, self.seq_dim
         _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
         head_dim = q.shape[-1]
-        q, k, v = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q, k, v))
+        if head_dim % self.pad_head_dim_to:
+            q, k, v = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q, k, v))
         groups = q.shape[heads] // k.shape[heads]
         if groups > 1 and not self.native_gqa:
             k, v = k.repeat_interleave(groups, dim=heads), v.repeat_interleave(groups, dim=heads)
@@ -341,7 +323,8 @@ class AttentionKernel:
             lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), math.inf)
         lse_BHQ = lse_BHQ.contiguous()
         head_dim = q.shape[-1]
-        dout, q, k, v, out = (_pad_head_dim(t, self.pad_head_dim_to) for t in (dout, q, k, v, out))
+        if head_dim % self.pad_head_dim_to:
+            dout, q, k, v, out = (_pad_head_dim(t, self.pad_head_dim_to) for t in (dout, q, k, v, out))
         kv_heads = k.shape[heads]
         groups = q.shape[heads] // kv_heads
         if groups > 1 and not self.native_gqa:

@@ -190,17 +190,8 @@ def _run_kernel(kernel: AttentionKernel, piece: Piece, like: Tensor) -> tuple[At
     return mask_kernel(kernel, like), mask_QS[None].expand(piece.b.stop - piece.b.start, -1, -1)
 
 
-def block_forward(
-    kernel: AttentionKernel,
-    q_BQHD: Tensor,
-    k_BSKD: Tensor,
-    v_BSKD: Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    cut: Cut = Cut(),
-    pieces: Optional[list[Piece]] = None,
-) -> BlockOutput:
+def block_forward(kernel: AttentionKernel, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool,
+                  scale: float, cut: Cut = Cut(), pieces: Optional[list[Piece]] = None) -> BlockOutput:
     """The block's output and LSE, cut as ``cut`` says (see the module doc); ``pieces``: the cut's
     pieces (``pieces_of``) where already known."""
     if cut.whole:
@@ -228,21 +219,9 @@ def block_forward(
     return BlockOutput(out_BQHD.to(q_BQHD.dtype), lse_BHQ, auxes)
 
 
-def block_backward(
-    kernel: AttentionKernel,
-    dout_BQHD: Tensor,
-    q_BQHD: Tensor,
-    k_BSKD: Tensor,
-    v_BSKD: Tensor,
-    out_BQHD: Tensor,
-    lse_BHQ: Tensor,
-    aux: Any,
-    *,
-    causal: bool,
-    scale: float,
-    cut: Cut = Cut(),
-    pieces: Optional[list[Piece]] = None,
-) -> Grads:
+def block_backward(kernel: AttentionKernel, dout_BQHD: Tensor, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
+                   out_BQHD: Tensor, lse_BHQ: Tensor, aux: Any, *, causal: bool, scale: float, cut: Cut = Cut(),
+                   pieces: Optional[list[Piece]] = None) -> Grads:
     """The block's gradients for the merged ``out``/``lse`` of its rows; cut as the forward was."""
     if cut.whole:
         return kernel.backward(dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD, lse_BHQ, aux, causal=causal, scale=scale)

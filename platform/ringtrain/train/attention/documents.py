@@ -140,3 +140,7 @@ class Documents:
 def _group_key(group: Transport) -> int:
     """What identifies a group across the transports made for it in one forward."""
     return id(getattr(group, "group", group))
+
+
+# Packed documents as the attention functions take them: device ids [B, S], or ``Documents``.
+DocIds = Optional[Union[Tensor, Documents]]

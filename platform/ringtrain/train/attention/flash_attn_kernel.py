@@ -20,15 +20,8 @@ from typing import Any
 
 import torch
 
-from ringtrain.train.attention.block_kernel import (
-    HALF,
-    AttentionKernel,
-    BackwardInputs,
-    BlockCall,
-    Grads,
-    KernelSpec,
-    KernelUnavailableError,
-)
+from ringtrain.train.attention.block_kernel import (HALF, AttentionKernel, BackwardInputs, BlockCall, Grads, KernelSpec,
+                                                    KernelUnavailableError)
 
 Tensor = torch.Tensor
 
@@ -100,16 +93,8 @@ class FlashAttnKernel(AttentionKernel):
 
     def _op_forward(self, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, call: BlockCall) -> tuple[Tensor, Tensor, Any]:
         fa = importlib.import_module("flash_attn.flash_attn_interface")
-        kwargs = _flash_attn_call_kwargs(
-            fa._flash_attn_forward,
-            q=q_BQHD,
-            k=k_BSKD,
-            v=v_BSKD,
-            dropout_p=0.0,
-            softmax_scale=call.scale,
-            causal=call.causal,
-            return_softmax=False,
-        )
+        kwargs = _flash_attn_call_kwargs(fa._flash_attn_forward, q=q_BQHD, k=k_BSKD, v=v_BSKD, dropout_p=0.0,
+                                         softmax_scale=call.scale, causal=call.causal, return_softmax=False)
         result = fa._flash_attn_forward(**kwargs)
         # >= 2.6: (out, lse, S_dmask, rng_state); before: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
         if len(result) == 4:
@@ -119,22 +104,9 @@ class FlashAttnKernel(AttentionKernel):
     def _op_backward(self, inputs: BackwardInputs, aux: Any, call: BlockCall) -> Grads:
         fa = importlib.import_module("flash_attn.flash_attn_interface")
         dq, dk, dv = torch.empty_like(inputs.q), torch.empty_like(inputs.k), torch.empty_like(inputs.v)
-        kwargs = _flash_attn_call_kwargs(
-            fa._flash_attn_backward,
-            dout=inputs.dout,
-            q=inputs.q,
-            k=inputs.k,
-            v=inputs.v,
-            out=inputs.out,
-            softmax_lse=inputs.lse,
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            dropout_p=0.0,
-            softmax_scale=call.scale,
-            causal=call.causal,
-            deterministic=False,
-            rng_state=aux,
-        )
+        kwargs = _flash_attn_call_kwargs(fa._flash_attn_backward, dout=inputs.dout, q=inputs.q, k=inputs.k, v=inputs.v,
+                                         out=inputs.out, softmax_lse=inputs.lse, dq=dq, dk=dk, dv=dv, dropout_p=0.0,
+                                         softmax_scale=call.scale, causal=call.causal, deterministic=False,
+                                         rng_state=aux)
         fa._flash_attn_backward(**kwargs)
         return dq, dk, dv

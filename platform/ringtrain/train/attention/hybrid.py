@@ -11,14 +11,14 @@ Shape legend: B batch, s local sequence, H query heads, K key/value heads, D hea
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ringtrain.train.attention.attend import ring_attention
 from ringtrain.train.attention.block_kernel import default_scale
 from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
-from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.transport import GroupArg, as_transport, group_size
 from ringtrain.train.attention.ulysses import all_to_all_attention, ulysses_attention
@@ -26,20 +26,9 @@ from ringtrain.train.attention.ulysses import all_to_all_attention, ulysses_atte
 Tensor = torch.Tensor
 
 
-def hybrid_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    ring_group: GroupArg,
-    ulysses_group: GroupArg,
-    causal: bool = True,
-    doc_ids: Optional[Union[Tensor, Documents]] = None,
-    kernel: KernelArg = "auto",
-    scale: Optional[float] = None,
-    kv_exchange: str = "ring",
-    window: Optional[int] = None,
-) -> Tensor:
+def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, ring_group: GroupArg, ulysses_group: GroupArg,
+                     causal: bool = True, doc_ids: DocIds = None, kernel: KernelArg = "auto",
+                     scale: Optional[float] = None, kv_exchange: str = "ring", window: Optional[int] = None) -> Tensor:
     """Attention over the CP group's sequence from this rank's part ([B, s, ...] in, [B, s, H, D] out).
 
     ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).

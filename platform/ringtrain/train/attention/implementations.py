@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Any, Optional, Protocol
 
 import torch
 
 from ringtrain.config import ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL
 from ringtrain.train.attention.attend import local_attention, ring_attention
 from ringtrain.train.attention.call import choose_exchange
-from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.documents import DocIds
 from ringtrain.train.attention.hybrid import hybrid_attention
-from ringtrain.train.attention.kernels import check_kernel_name, keyed_by
+from ringtrain.train.attention.kernels import KernelArg, check_kernel_name, keyed_by
 from ringtrain.train.attention.transport import GroupArg, Transport, as_transport, group_size
 from ringtrain.train.attention.ulysses import ulysses_attention
 
@@ -33,81 +33,27 @@ IMPLS: tuple[str, ...] = (*ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL)
 class ImplFn(Protocol):
     """One implementation, called with both of a rank's CP groups (it uses the ones it needs)."""
 
-    def __call__(
-        self,
-        q_BSHD: Tensor,
-        k_BSKD: Tensor,
-        v_BSKD: Tensor,
-        /,
-        *,
-        ring_group: Optional[Transport],
-        ulysses_group: Optional[Transport],
-        causal: bool,
-        doc_ids: Optional[Union[Tensor, Documents]],
-        kernel: str,
-        kv_exchange: str,
-        window: Optional[int],
-        scale: Optional[float],
-    ) -> Tensor: ...
+    def __call__(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, /, *, ring_group: Optional[Transport],
+                 ulysses_group: Optional[Transport], causal: bool, doc_ids: DocIds, kernel: KernelArg,
+                 kv_exchange: str, window: Optional[int], scale: Optional[float]) -> Tensor: ...
 
 
-def _ring(
-    q_BSHD: Tensor,
-    k_BSKD: Tensor,
-    v_BSKD: Tensor,
-    *,
-    ring_group: Optional[Transport],
-    ulysses_group: Optional[Transport],
-    causal: bool,
-    doc_ids: Optional[Union[Tensor, Documents]],
-    kernel: str,
-    kv_exchange: str,
-    window: Optional[int],
-    scale: Optional[float],
-) -> Tensor:
-    return ring_attention(
-        q_BSHD, k_BSKD, v_BSKD, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel,
-        kv_exchange=kv_exchange, window=window, scale=scale,
-    )
+# Each implementation's function, called with the groups it needs; the rest of the options as given.
 
 
-def _ulysses(
-    q_BSHD: Tensor,
-    k_BSKD: Tensor,
-    v_BSKD: Tensor,
-    *,
-    ring_group: Optional[Transport],
-    ulysses_group: Optional[Transport],
-    causal: bool,
-    doc_ids: Optional[Union[Tensor, Documents]],
-    kernel: str,
-    kv_exchange: str,
-    window: Optional[int],
-    scale: Optional[float],
-) -> Tensor:
-    return ulysses_attention(
-        q_BSHD, k_BSKD, v_BSKD, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, window=window,
-        scale=scale,
-    )
+def _ring(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transport], ulysses_group: Optional[Transport],
+          **options: Any) -> Tensor:
+    return ring_attention(q, k, v, group=ring_group, **options)
 
 
-def _local(
-    q_BSHD: Tensor,
-    k_BSKD: Tensor,
-    v_BSKD: Tensor,
-    *,
-    ring_group: Optional[Transport],
-    ulysses_group: Optional[Transport],
-    causal: bool,
-    doc_ids: Optional[Union[Tensor, Documents]],
-    kernel: str,
-    kv_exchange: str,
-    window: Optional[int],
-    scale: Optional[float],
-) -> Tensor:
-    return local_attention(
-        q_BSHD, k_BSKD, v_BSKD, causal=causal, doc_ids=doc_ids, kernel=kernel, window=window, scale=scale
-    )
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transport],
+             ulysses_group: Optional[Transport], kv_exchange: str, **options: Any) -> Tensor:
+    return ulysses_attention(q, k, v, group=ulysses_group, **options)
+
+
+def _local(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transport], ulysses_group: Optional[Transport],
+           kv_exchange: str, **options: Any) -> Tensor:
+    return local_attention(q, k, v, **options)
 
 
 @dataclass(frozen=True)
@@ -140,7 +86,7 @@ class ContextParallelAttention:
     def __init__(
         self,
         impl: str,
-        kernel: str,
+        kernel: KernelArg,
         ring_group: GroupArg,
         ulysses_group: GroupArg,
         kv_exchange: str = "auto",
@@ -153,17 +99,8 @@ class ContextParallelAttention:
         self.ulysses_group = as_transport(ulysses_group)
         self._run = IMPLEMENTATIONS[impl].run
 
-    def __call__(
-        self,
-        q_BSHD: Tensor,
-        k_BSKD: Tensor,
-        v_BSKD: Tensor,
-        *,
-        causal: bool = True,
-        doc_ids: Optional[Union[Tensor, Documents]] = None,
-        window: Optional[int] = None,
-        scale: Optional[float] = None,
-    ) -> Tensor:
+    def __call__(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: DocIds = None,
+                 window: Optional[int] = None, scale: Optional[float] = None) -> Tensor:
         """``window``: a causal sliding window of that many tokens (None: full attention);
         ``scale``: the softmax scale (None: head_dim ** -0.5)."""
         return self._run(
@@ -189,23 +126,25 @@ class ContextParallelAttention:
 
 def build_attention(
     impl: str,
-    kernel: str,
+    kernel: KernelArg,
     *,
     ring_group: GroupArg,
     ulysses_group: GroupArg,
     kv_exchange: str = "auto",
 ) -> ContextParallelAttention:
-    """The attention function for ``impl`` in IMPLS with block kernel ``kernel`` in KERNEL_NAMES.
+    """The attention function for ``impl`` in IMPLS with block kernel ``kernel`` in KERNEL_NAMES
+    (or a kernel object, as tests and benches hand one).
 
     ``ring_group`` / ``ulysses_group`` are this rank's groups, process groups or ``Transport``s
-    (None counts as one rank); "ring"
-    needs a Ulysses group of one, "ulysses" a ring group of one, "local" both. The kernel name is
-    checked now; which kernel "auto" means is decided per call from the inputs' device and dtype,
-    and which K/V exchange ``kv_exchange="auto"`` means from the ring's block length.
+    (None counts as one rank); "ring" needs a Ulysses group of one, "ulysses" a ring group of
+    one, "local" both. The kernel name is checked now; which kernel "auto" means is decided per
+    call from the inputs' device and dtype, and which K/V exchange ``kv_exchange="auto"`` means
+    from the ring's block length.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl {impl!r} is unknown; choose one of {', '.join(IMPLS)}")
-    check_kernel_name(kernel)
+    if isinstance(kernel, str):
+        check_kernel_name(kernel)
     choose_exchange(kv_exchange, 2, 2, None)  # refuses an unknown name now, not at the first call
     ring, ulysses = group_size(ring_group), group_size(ulysses_group)
     spec = IMPLEMENTATIONS[impl]

@@ -158,8 +158,10 @@ GroupArg = Union[ProcessGroup, Transport, None]
 def as_transport(group: GroupArg) -> Optional[Transport]:
     """The transport of ``group``: a process group wrapped, a transport as it is; None (no
     context parallelism) stays None."""
-    if group is None or isinstance(group, Transport):
-        return group
+    # A process group has rank() and size() too; only a transport sends (and a protocol's own
+    # isinstance check costs more than a layer's ops at short blocks).
+    if group is None or hasattr(group, "send_recv"):
+        return group  # type: ignore[return-value]
     return ProcessGroupTransport(group)
 
 

@@ -30,14 +30,14 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
 from ringtrain.train.attention.attend import local_attention
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
 from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
-from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.loop import attend_backward, attend_forward
 from ringtrain.train.attention.transport import GroupArg, Transport, as_transport, group_size
@@ -190,16 +190,8 @@ def _back_to_sequence(out: Tensor, group: Transport, kernel: AttentionKernel) ->
     return received.permute(2, 3, 0, 1, 4).reshape(B, s, U * h, D)
 
 
-def all_to_all_attention(
-    inner: InnerCall,
-    q_BsHD: Tensor,
-    k_BsKD: Tensor,
-    v_BsKD: Tensor,
-    *,
-    group: Transport,
-    kernel: AttentionKernel,
-    doc_ids: Optional[Union[Tensor, Documents]],
-) -> Tensor:
+def all_to_all_attention(inner: InnerCall, q_BsHD: Tensor, k_BsKD: Tensor, v_BsKD: Tensor, *, group: Transport,
+                         kernel: AttentionKernel, doc_ids: DocIds) -> Tensor:
     """``inner``'s attention over the sequence gathered over ``group``, for a share of the heads."""
     docs = Documents.of(doc_ids)
     gathered = None if docs is None else docs.concatenated(group)
@@ -207,18 +199,9 @@ def all_to_all_attention(
     return out
 
 
-def ulysses_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    group: GroupArg,
-    causal: bool = True,
-    doc_ids: Optional[Union[Tensor, Documents]] = None,
-    kernel: KernelArg = "auto",
-    scale: Optional[float] = None,
-    window: Optional[int] = None,
-) -> Tensor:
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causal: bool = True, doc_ids: DocIds = None,
+                      kernel: KernelArg = "auto", scale: Optional[float] = None,
+                      window: Optional[int] = None) -> Tensor:
     """Attention over the group's whole sequence from this rank's contiguous part.
 
     ``q`` [B, s, H, D], ``k``/``v`` [B, s, K, D] and ``doc_ids`` [B, s] hold part u (of U equal

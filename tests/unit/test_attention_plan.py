@@ -1,0 +1,115 @@
+"""How a call's blocks run (train/attention/plan.py, call.py): whole, one masked call, pieces, or
+not at all, and which K/V exchange a layout gets; and blocks cut by documents and windows, through
+the emulated ring (tests/emulated_cp.py), equal to one call over the sequence, masked and in
+pieces alike (the CPU kernels take masks, so short blocks run masked here; the fused GPU kernels
+do not, and a kernel refusing masks stands in for them)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain.train.attention.call import ALLGATHER_BELOW_TOKENS, AttentionCall, choose_exchange
+from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.kernels import MATH, MathKernel, default_scale
+from ringtrain.train.attention.plan import EMPTY, MASKED, MASKED_BELOW_SCORES, PIECES, WHOLE, exchange_for, plan
+from tests.emulated_cp import emulated_ring
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+class _NoMasks(MathKernel):
+    """The math kernel refusing masks, as the fused GPU kernels do."""
+
+    name = "no-masks"
+    supports_mask = False
+
+
+def test_the_exchange_is_chosen_by_name_layout_and_window() -> None:
+    assert choose_exchange("auto", 1, 64, None) == "local"
+    assert choose_exchange("auto", 4, ALLGATHER_BELOW_TOKENS - 2, None) == "allgather"
+    assert choose_exchange("auto", 4, ALLGATHER_BELOW_TOKENS, None) == "ring"
+    assert choose_exchange("ring", 4, 64, None) == "ring"
+    assert choose_exchange("allgather", 4, 1 << 20, None) == "allgather"
+    # A window that reaches only the neighbouring ranks' K/V sends them there, whatever was asked.
+    assert choose_exchange("ring", 8, 64, 16) == "neighbours"
+    # One that reaches every rank's does not.
+    assert choose_exchange("ring", 2, 64, 200) == "ring"
+    with pytest.raises(ValueError, match="kv_exchange 'nccl'"):
+        choose_exchange("nccl", 4, 64, None)
+
+
+def _call(docs: Optional[torch.Tensor], *, seq: int, kernel: MathKernel = MATH, window: Optional[int] = None,
+          causal: bool = True) -> AttentionCall:
+    return AttentionCall.of(None, seq, causal=causal, docs=Documents.of(docs), window=window, scale=0.5,
+                            kernel=kernel, kv_exchange="auto")
+
+
+def _hows(call: AttentionCall) -> list[str]:
+    return [blk.how for visit in plan(call, exchange_for(call), 1, torch.device("cpu")) for blk in visit.blocks]
+
+
+def test_a_short_cut_block_runs_as_one_masked_call_on_a_kernel_that_takes_masks() -> None:
+    docs = torch.tensor([[0] * 10 + [1] * 22])
+    assert _hows(_call(None, seq=32)) == [WHOLE]
+    assert _hows(_call(docs, seq=32)) == [MASKED]
+    assert _hows(_call(None, seq=32, window=8)) == [MASKED]
+    assert _hows(_call(docs, seq=32, kernel=_NoMasks())) == [PIECES]
+
+
+def test_a_long_cut_block_runs_in_pieces_and_makes_no_mask() -> None:
+    seq = 2 * int(np.sqrt(MASKED_BELOW_SCORES))
+    docs = torch.tensor([[0] * (seq // 3) + [1] * (seq - seq // 3)])
+    (visit,) = plan(_call(docs, seq=seq), exchange_for(_call(docs, seq=seq)), 1, torch.device("cpu"))
+    (blk,) = visit.blocks
+    assert blk.how == PIECES and blk.mask is None and blk.pieces is not None and len(blk.pieces) == 2
+
+
+def test_a_block_where_nothing_is_visible_runs_no_call() -> None:
+    padding = torch.full((1, 16), -1)
+    assert _hows(_call(padding, seq=16)) == [EMPTY]
+    assert _hows(_call(padding, seq=16, kernel=_NoMasks())) == [EMPTY]
+
+
+def test_the_plan_is_made_once_a_forward() -> None:
+    docs = Documents.of(torch.tensor([[0] * 10 + [1] * 22]))
+    call = AttentionCall.of(None, 32, causal=True, docs=docs, window=None, scale=0.5, kernel=MATH, kv_exchange="auto")
+    first = plan(call, exchange_for(call), 1, torch.device("cpu"))
+    assert plan(call, exchange_for(call), 1, torch.device("cpu")) is first
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, docs: Optional[torch.Tensor],
+               window: Optional[int]) -> list[torch.Tensor]:
+    seq = q.shape[1]
+    visible = torch.ones(1, seq, seq, dtype=torch.bool)
+    if docs is not None:
+        visible &= (docs[:, :, None] == docs[:, None, :]) & (docs >= 0)[:, :, None]
+    if window is not None:
+        gap = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+        visible &= (gap < window)[None]
+    scale = default_scale(HEAD_DIM)
+    fwd = MATH.forward(q, k, v, causal=True, scale=scale, visible_BQS=visible)
+    grads = MATH.backward(dout, q, k, v, fwd.out_BQHD, fwd.lse_BHQ, None, causal=True, scale=scale,
+                          visible_BQS=visible)
+    return [fwd.out_BQHD, *grads]
+
+
+@pytest.mark.parametrize("kernel", [MATH, _NoMasks()], ids=["masked", "pieces"])
+@pytest.mark.parametrize("cut", ["documents", "window", "documents-and-window"])
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+def test_cut_blocks_through_the_emulated_ring_equal_one_call(kernel: MathKernel, cut: str, kv_exchange: str) -> None:
+    world, seq = 4, 64
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, seq, heads, HEAD_DIM, generator=gen, dtype=torch.float64)
+                     for heads in (HEADS, KV_HEADS, KV_HEADS, HEADS))
+    # Documents across shard boundaries, and padding at the end (rows that see nothing).
+    docs = torch.tensor([[0] * 13 + [1] * 27 + [2] * 18 + [-1] * 6]) if "documents" in cut else None
+    window = 11 if "window" in cut else None
+    ring = emulated_ring(q, k, v, dout, world=world, kernel=kernel, causal=True, scale=default_scale(HEAD_DIM),
+                         doc_ids_BS=docs, kv_exchange=kv_exchange, window=window, timeout_s=20.0)
+    got = (ring.out_BSHD, ring.dq_BSHD, ring.dk_BSKD, ring.dv_BSKD)
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, dout, docs, window)):
+        torch.testing.assert_close(g, want, atol=1e-10, rtol=0, msg=name)
