@@ -10,8 +10,9 @@ dK/dV home.
 Tensors stay in the block kernel's layout from the first op to the last (``to_layout``: BHSD for
 torch's fused ops), so no block transposes anything; outputs and LSEs are kept as the kernel
 gave them where a block covers every row, and merged in place otherwise. ``ContextParallel`` is
-the one autograd function; ``attend_forward``/``attend_backward`` are its halves, callable
-without autograd (the one-process emulator of the tests runs every rank's halves in threads).
+the autograd function of every layout but Ulysses'; ``attend_forward``/``attend_backward`` are
+its halves, callable without autograd: Ulysses runs them inside its own function (``ulysses``),
+and the tests' one-process emulator runs every rank's in threads.
 
 Shape legend: B batch, S local sequence, H query heads, K key/value heads, D head dim; the
 sequence dim is the kernel's (``AttentionKernel.seq_dim``).
@@ -27,7 +28,7 @@ import torch
 from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads
 from ringtrain.train.attention.blocks import block_backward, block_forward
 from ringtrain.train.attention.call import AttentionCall
-from ringtrain.train.attention.exchanges.base import VisitGradients
+from ringtrain.train.attention.exchanges.base import VisitGradients, stacked
 from ringtrain.train.attention.merge import merge_into_
 from ringtrain.train.attention.plan import EMPTY, MASKED, PIECES, WHOLE, PlannedBlock, Visit, exchange_for, plan
 
@@ -150,22 +151,15 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
     return out_BSHD
 
 
-def attend_backward(ctx: Any, dout_BSHD: Tensor, *, in_layout: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of this rank's shard, in the inputs' dtypes (and, ``in_layout``, in the
-    kernel's layout, as ``dout`` is)."""
+def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of this rank's shard, in the inputs' dtypes (and in the kernel's layout,
+    as ``dout`` is, where the forward was ``in_layout``)."""
     q_BSHD, out_BSHD, *saved = ctx.saved_tensors
     lses = dict(zip(ctx.lse_spans, saved))
     kept = saved[len(ctx.lse_spans):]
-
-    def lse_of(rows: tuple[int, int]) -> Tensor:
-        """The merged LSE of ``rows``, contiguous (as the kernels' backward ops take it)."""
-        held = _holder(lses, rows)
-        assert held is not None, f"no block of rows {rows} in the forward"
-        span, whole, lse_BHQ = held
-        return _narrow(lse_BHQ, 2, span, whole).contiguous()
     call: AttentionCall = ctx.call
     visits: tuple[Visit, ...] = ctx.visits
-    kernel, seq, scale = call.kernel, call.kernel.seq_dim, call.scale
+    kernel, seq, scale, in_layout = call.kernel, call.kernel.seq_dim, call.scale, ctx.in_layout
     dout, q, out = (dout_BSHD, q_BSHD, out_BSHD) if in_layout else kernel.to_layout(dout_BSHD, q_BSHD, out_BSHD)
     acc = _acc_dtype(q.dtype)
     auxes = iter(ctx.auxes)
@@ -173,6 +167,12 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor, *, in_layout: bool = False) -> 
     # the kernels' backward ops take it).
     by_rows: dict[tuple[int, int], tuple[Tensor, ...]] = {}
     dq_rows = _Rows(seq, call.seq_local)
+
+    def lse_of(rows: tuple[int, int]) -> Tensor:
+        held = _holder(lses, rows)
+        assert held is not None, f"no block of rows {rows} in the forward"
+        span, whole, lse_BHQ = held
+        return _narrow(lse_BHQ, 2, span, whole).contiguous()
 
     def visit_grads(index: int, k: Tensor, v: Tensor, into: Callable[[], Optional[Tensor]]) -> VisitGradients:
         dkv: Optional[Tensor] = None  # stacked, where this visit's dK/dV accumulate
@@ -194,10 +194,8 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor, *, in_layout: bool = False) -> 
                 pair = (dk, dv)
                 continue
             if dkv is None:
-                dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-                if pair is not None:
-                    dkv.add_(torch.stack(pair))
-                    pair = None
+                dkv = stacked(pair) if pair is not None else torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+                pair = None
             _narrow(dkv, seq + 1, blk.cols, blk.all_cols).add_(torch.stack((dk, dv)))
         if waiting:
             dkv = into()

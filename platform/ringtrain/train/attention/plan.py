@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ringtrain.train.attention.block_kernel import BlockMask
 from ringtrain.train.attention.blocks import Block, Cut, Piece, pieces_of
@@ -118,7 +119,7 @@ def _make(call: AttentionCall, exchange: Exchange, batch: int, device: torch.dev
     return tuple(visits)
 
 
-# Plans without documents depend on the layout alone: kept for the next forward, the fewest
+# Plans without documents depend on the layout alone: kept for the next forward, the least
 # recently used first to go.
 _LAYOUT_PLANS: OrderedDict[tuple[object, ...], tuple[Visit, ...]] = OrderedDict()
 _LAYOUT_PLANS_KEPT = 256
@@ -133,11 +134,16 @@ def plan(call: AttentionCall, exchange: Exchange, batch: int, device: torch.devi
         visits: tuple[Visit, ...] = call.docs.cached(("plan", *key), lambda: _make(call, exchange, batch, device))
         return visits
     found = _LAYOUT_PLANS.get(key)
-    if found is None:
-        found = _LAYOUT_PLANS[key] = _make(call, exchange, batch, device)
+    if found is not None:
+        _LAYOUT_PLANS.move_to_end(key)
+        return found
+    made = _make(call, exchange, batch, device)
+    # A mask made under a fake-tensor mode (the tests' CUDA stand-in) belongs to that mode alone.
+    if not any(isinstance(b.mask.visible_BQS, FakeTensor) for v in made for b in v.blocks if b.mask is not None):
+        _LAYOUT_PLANS[key] = made
         while len(_LAYOUT_PLANS) > _LAYOUT_PLANS_KEPT:
             _LAYOUT_PLANS.popitem(last=False)
-    return found
+    return made
 
 
 def exchange_for(call: AttentionCall) -> Exchange:

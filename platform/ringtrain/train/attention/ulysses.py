@@ -149,7 +149,7 @@ class _Ulysses(torch.autograd.Function):
         received = torch.empty_like(sent)
         group.all_to_all(received, sent)
         dout = _gathered_in_layout(received, kernel)
-        dq, dk, dv = attend_backward(ctx.nested, dout, in_layout=True)
+        dq, dk, dv = attend_backward(ctx.nested, dout)
         # The gradients home by the routes they came: one all-to-all, one scatter-add into the
         # source heads (which sums the copies of a replicated KV head).
         grads = torch.cat((dq, dk, dv), dim=3 - kernel.seq_dim)
