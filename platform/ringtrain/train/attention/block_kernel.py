@@ -281,20 +281,23 @@ class AttentionKernel:
     ) -> BlockOutput:
         """One block with its tensors in the op's layout (``to_layout``), the output too: what a
         context-parallel loop calls, having put its tensors in the layout once."""
-        mask = BlockMask.of(visible)
-        self._check_mask(mask)
-        heads, seq = 3 - self.seq_dim, self.seq_dim
-        _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
+        mask = visible if visible is None or isinstance(visible, BlockMask) else BlockMask(visible)
+        if mask is not None:
+            self._check_mask(mask)
+        seq = self.seq_dim
+        heads = 3 - seq
+        if causal:
+            _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
         head_dim = q.shape[-1]
         if head_dim % self.pad_head_dim_to:
             q, k, v = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q, k, v))
-        groups = q.shape[heads] // k.shape[heads]
-        if groups > 1 and not self.native_gqa:
+        if not self.native_gqa and q.shape[heads] != k.shape[heads]:
+            groups = q.shape[heads] // k.shape[heads]
             k, v = k.repeat_interleave(groups, dim=heads), v.repeat_interleave(groups, dim=heads)
         out, lse_BHQ, aux = self._op_forward(q, k, v, BlockCall(causal, scale, mask))
         if out.shape[-1] != head_dim:
             out = out[..., :head_dim]
-        if lse_BHQ.dtype not in (torch.float32, torch.float64):
+        if lse_BHQ.dtype is not torch.float32 and lse_BHQ.dtype is not torch.float64:
             lse_BHQ = lse_BHQ.float()
         if mask is not None and mask.any_unseen:
             # A fused kernel may report LSE 0 rather than -inf for a row whose keys are all
@@ -309,18 +312,21 @@ class AttentionKernel:
         causal: bool, scale: float, visible: Union[Tensor, BlockMask, None] = None,
     ) -> Grads:
         """``backward`` with its tensors in the op's layout, the gradients too."""
-        mask = BlockMask.of(visible)
-        self._check_mask(mask)
-        heads, seq = 3 - self.seq_dim, self.seq_dim
-        _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
-        # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
-        # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
-        # gets zero gradient through fused and explicit kernels alike. Only a mask leaves a row
-        # of a block empty (a square causal block always shows a row its own key), and such a
-        # row's gradient here is zero whatever its merged LSE: unmasked, the LSE goes through as
-        # it is, and contiguous, as callers that keep it contiguous pass it.
-        if mask is not None and mask.any_unseen:
-            lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), math.inf)
+        mask = visible if visible is None or isinstance(visible, BlockMask) else BlockMask(visible)
+        seq = self.seq_dim
+        heads = 3 - seq
+        if causal:
+            _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
+        if mask is not None:
+            self._check_mask(mask)
+            # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
+            # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
+            # gets zero gradient through fused and explicit kernels alike. Only a mask leaves a
+            # row of a block empty (a square causal block always shows a row its own key), and
+            # such a row's gradient here is zero whatever its merged LSE: unmasked, the LSE goes
+            # through as it is, and contiguous, as callers that keep it contiguous pass it.
+            if mask.any_unseen:
+                lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), math.inf)
         lse_BHQ = lse_BHQ.contiguous()
         head_dim = q.shape[-1]
         if head_dim % self.pad_head_dim_to:

@@ -108,6 +108,9 @@ class _Rows:
 
 def _holder(parts: Mapping[tuple[int, int], _T], rows: tuple[int, int]) -> Optional[tuple[tuple[int, int], bool, _T]]:
     """The part whose rows hold ``rows``: ``rows`` relative to it, whether they are all of it, the part."""
+    part = parts.get(rows)
+    if part is not None:
+        return (0, rows[1] - rows[0]), True, part
     for (start, stop), part in parts.items():
         if start <= rows[0] and rows[1] <= stop:
             return (rows[0] - start, rows[1] - start), rows == (start, stop), part
