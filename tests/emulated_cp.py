@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,7 +56,6 @@ class _Mailboxes:
         self._queues: defaultdict[tuple[int, int, int], deque[Tensor]] = defaultdict(deque)
         self._timeout_s = timeout_s
         self._failure: Optional[BaseException] = None
-        self.baton: Optional[threading.Lock] = None  # held by the one rank that runs (``run_in_threads``)
 
     def post(self, src: int, dst: int, tag: int, tensor: Tensor) -> None:
         # A copy, as a send reads the buffer when it runs: the sender may reuse its own after.
@@ -68,21 +66,13 @@ class _Mailboxes:
 
     def take(self, src: int, dst: int, tag: int) -> Tensor:
         key = (src, dst, tag)
-        baton = self.baton
-        if baton is not None:
-            baton.release()  # another rank runs while this one waits
-        try:
-            with self._cond:
-                arrived = self._cond.wait_for(lambda: self._failure is not None or bool(self._queues[key]),
-                                              self._timeout_s)
-                if self._failure is not None:
-                    raise RuntimeError(f"rank {dst}: another rank failed") from self._failure
-                if not arrived:
-                    raise TimeoutError(f"rank {dst}: nothing from rank {src} with tag {tag} within {self._timeout_s:g} s")
-                return self._queues[key].popleft()
-        finally:
-            if baton is not None:
-                baton.acquire()
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: self._failure is not None or bool(self._queues[key]), self._timeout_s)
+            if self._failure is not None:
+                raise RuntimeError(f"rank {dst}: another rank failed") from self._failure
+            if not arrived:
+                raise TimeoutError(f"rank {dst}: nothing from rank {src} with tag {tag} within {self._timeout_s:g} s")
+            return self._queues[key].popleft()
 
     def fail(self, error: BaseException) -> None:
         """Wake every waiting rank: one rank's failure must not leave the others blocked."""
@@ -95,27 +85,19 @@ _in_transport = threading.local()
 
 
 def in_transport() -> bool:
-    """Whether this thread is inside the emulated transport: a measure of the attention code's own
-    work (bench/host_ops.py) leaves out what stands in for the network."""
+    """Whether this thread is inside the emulated transport: a count of the attention code's own
+    ops (bench/host_ops.py) leaves out what stands in for the network."""
     return bool(getattr(_in_transport, "depth", 0))
-
-
-def transport_seconds() -> float:
-    """CPU seconds this thread has spent inside the emulated transport."""
-    return float(getattr(_in_transport, "seconds", 0.0))
 
 
 @contextlib.contextmanager
 def _transport_work() -> Iterator[None]:
     depth = getattr(_in_transport, "depth", 0)
     _in_transport.depth = depth + 1
-    started = time.thread_time()
     try:
         yield
     finally:
         _in_transport.depth = depth
-        if depth == 0:
-            _in_transport.seconds = transport_seconds() + time.thread_time() - started
 
 
 class _Arrivals:
@@ -180,25 +162,17 @@ class EmulatedTransport:
 
 def run_in_threads(world: int, rank_main: Callable[[int], Any], mailboxes: Sequence[_Mailboxes]) -> list[Any]:
     """``rank_main(rank)`` for every rank, each in a thread; their results in rank order. One
-    rank runs at a time, as on one core: a rank holds the baton until it waits for a message
-    (so a rank's thread time is its own work, not the others' contention). One rank's failure
-    wakes every waiting rank and is raised here, after every thread ended."""
+    rank's failure wakes every waiting rank and is raised here, after every thread ended."""
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
-    baton = threading.Lock()
-    for boxes in mailboxes:
-        boxes.baton = baton
 
     def main(rank: int) -> None:
-        baton.acquire()
         try:
             results[rank] = rank_main(rank)
         except BaseException as error:  # noqa: BLE001 - reported below, after every thread ended
             errors.append(error)
             for boxes in mailboxes:
                 boxes.fail(error)
-        finally:
-            baton.release()
 
     threads = [threading.Thread(target=main, args=(r,), name=f"cp-rank{r}") for r in range(world)]
     for thread in threads:

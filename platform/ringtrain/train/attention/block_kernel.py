@@ -158,6 +158,11 @@ def ops_fit(ops: AtenOps, schema_of: SchemaLookup = aten_schema) -> bool:
     return True
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What LSEs and sums of partial results of ``dtype`` inputs are kept in: fp32, fp64 for fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 

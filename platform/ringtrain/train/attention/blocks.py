@@ -31,7 +31,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads
+from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads, accumulation_dtype
 from ringtrain.train.attention.documents import segments
 from ringtrain.train.attention.kernels import mask_kernel
 from ringtrain.train.attention.merge import merge_into_
@@ -197,7 +197,7 @@ def block_forward(kernel: AttentionKernel, q_BQHD: Tensor, k_BSKD: Tensor, v_BSK
     if cut.whole:
         return kernel.forward(q_BQHD, k_BSKD, v_BSKD, causal=causal, scale=scale)
     B, Q, H, _ = q_BQHD.shape
-    acc = torch.float64 if q_BQHD.dtype == torch.float64 else torch.float32  # as the kernels give the LSE
+    acc = accumulation_dtype(q_BQHD.dtype)  # as the kernels give the LSE
     out_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     lse_BHQ = torch.full((B, H, Q), -math.inf, dtype=acc, device=q_BQHD.device)
     auxes = []
@@ -226,7 +226,7 @@ def block_backward(kernel: AttentionKernel, dout_BQHD: Tensor, q_BQHD: Tensor, k
     if cut.whole:
         return kernel.backward(dout_BQHD, q_BQHD, k_BSKD, v_BSKD, out_BQHD, lse_BHQ, aux, causal=causal, scale=scale)
     # fp32 (fp64 for fp64 inputs): several pieces add into the same rows and columns.
-    acc = torch.float64 if q_BQHD.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q_BQHD.dtype)
     dq_BQHD = torch.zeros(q_BQHD.shape, dtype=acc, device=q_BQHD.device)
     dk_BSKD = torch.zeros(k_BSKD.shape, dtype=acc, device=k_BSKD.device)
     dv_BSKD = torch.zeros(v_BSKD.shape, dtype=acc, device=v_BSKD.device)

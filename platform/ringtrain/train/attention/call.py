@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 import torch
 
 from ringtrain.config import KV_EXCHANGES
 from ringtrain.train.attention.block_kernel import AttentionKernel
-from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.transport import Transport
 from ringtrain.train.attention.window import shard_positions, sparse
 
@@ -128,7 +128,7 @@ def check_window(window: Optional[int], causal: bool) -> None:
         raise ValueError("a sliding window is causal: it needs causal=True")
 
 
-def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: Optional[Union[Tensor, Documents]]) -> None:
+def check_qkv(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, doc_ids: DocIds) -> None:
     """Raise ValueError unless q, k, v (and doc ids) have consistent [B, S, heads, D] shapes."""
     if q_BSHD.dim() != 4 or k_BSKD.dim() != 4 or k_BSKD.shape != v_BSKD.shape:
         shapes = ", ".join(str(tuple(t.shape)) for t in (q_BSHD, k_BSKD, v_BSKD))

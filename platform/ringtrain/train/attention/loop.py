@@ -25,7 +25,7 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads
+from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads, accumulation_dtype
 from ringtrain.train.attention.blocks import block_backward, block_forward
 from ringtrain.train.attention.call import AttentionCall
 from ringtrain.train.attention.exchanges.base import VisitGradients, stacked
@@ -38,10 +38,6 @@ _T = TypeVar("_T")
 
 def _narrow(x: Tensor, dim: int, span: tuple[int, int], whole: bool) -> Tensor:
     return x if whole else x.narrow(dim, span[0], span[1] - span[0])
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _block_forward(kernel: AttentionKernel, blk: PlannedBlock, q: Tensor, k: Tensor, v: Tensor,
@@ -76,7 +72,7 @@ class _Rows:
         """A block's output and LSE into its rows'."""
         held = _holder(self.parts, rows)
         if held is None:
-            self.parts[rows] = (out if out.dtype == _acc_dtype(out.dtype) else out.float(), lse_BHQ)
+            self.parts[rows] = (out if out.dtype == accumulation_dtype(out.dtype) else out.float(), lse_BHQ)
             return
         span, whole, (acc_out, acc_lse) = held
         merge_into_(_narrow(acc_out, self.seq_dim, span, whole), _narrow(acc_lse, 2, span, whole), out, lse_BHQ,
@@ -86,7 +82,7 @@ class _Rows:
         """A block's gradient into its rows'."""
         held = _holder(self.parts, rows)
         if held is None:
-            self.parts[rows] = (grad if grad.dtype == _acc_dtype(grad.dtype) else grad.float(),)
+            self.parts[rows] = (grad if grad.dtype == accumulation_dtype(grad.dtype) else grad.float(),)
             return
         span, whole, (acc,) = held
         _narrow(acc, self.seq_dim, span, whole).add_(grad)
@@ -139,7 +135,7 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
                                  _narrow(v, seq, blk.cols, blk.all_cols), call.scale)
             auxes.append(res.aux)
             rows.merge(blk.rows, res.out_BQHD, res.lse_BHQ, may_be_empty=blk.how != WHOLE)
-    out = rows.joined(lambda: torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device))
+    out = rows.joined(lambda: torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device))
     if in_layout:
         out_BSHD = out.to(q.dtype)
     else:
@@ -164,7 +160,7 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
     visits: tuple[Visit, ...] = ctx.visits
     kernel, seq, scale, in_layout = call.kernel, call.kernel.seq_dim, call.scale, ctx.in_layout
     dout, q, out = (dout_BSHD, q_BSHD, out_BSHD) if in_layout else kernel.to_layout(dout_BSHD, q_BSHD, out_BSHD)
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     auxes = iter(ctx.auxes)
     # Each set of rows cut once, for every block of it: dout, q, out, and the LSE contiguous (as
     # the kernels' backward ops take it).

@@ -22,6 +22,7 @@ from ringtrain.train.attention.block_kernel import (
     BlockCall,
     Grads,
     KernelSpec,
+    accumulation_dtype,
     allowed_mask,
     visible_of,
 )
@@ -45,7 +46,7 @@ class MathKernel(AttentionKernel):
 
     @staticmethod
     def _compute_dtype(x: Tensor) -> torch.dtype:
-        return torch.float64 if x.dtype == torch.float64 else torch.float32
+        return accumulation_dtype(x.dtype)
 
     def _scores(self, q_BQHD: Tensor, k_BSKD: Tensor, call: BlockCall) -> Tensor:
         """``[B, K, G, Q, S]`` scaled scores with masked entries at -inf."""

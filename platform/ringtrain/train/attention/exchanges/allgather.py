@@ -31,6 +31,7 @@ import torch
 
 from ringtrain.topology import zigzag_chunks
 from ringtrain.train.attention.blocks import ALL, Block
+from ringtrain.train.attention.block_kernel import accumulation_dtype
 from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec
 
 
@@ -88,7 +89,7 @@ class AllGatherExchange(Exchange):
     def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> Tensor:
         assert self.call.transport is not None
         whole = kept[0]
-        dkv_whole = torch.zeros(whole.shape, dtype=_acc(whole.dtype), device=whole.device)
+        dkv_whole = torch.zeros(whole.shape, dtype=accumulation_dtype(whole.dtype), device=whole.device)
         k, v = whole.unbind(0)
         visit_grads(0, k, v, lambda: dkv_whole)  # adds into it
         # Every rank's share of each rank's K/V gradient, by owner; summed on its owner.
@@ -101,7 +102,3 @@ class AllGatherExchange(Exchange):
         # this rank's dK/dV then reach autograd as contiguous BSHD, with no copy there.
         mine = self.call.transport.reduce_scatter(by_owner.transpose(3, 4).contiguous())
         return mine.transpose(2, 3)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32

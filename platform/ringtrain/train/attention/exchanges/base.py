@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 import torch
 
+from ringtrain.train.attention.block_kernel import accumulation_dtype
 from ringtrain.train.attention.blocks import Block
 from ringtrain.train.attention.call import AttentionCall, Side
 
@@ -32,7 +33,7 @@ def stacked(grads: VisitGradients) -> Tensor:
     if isinstance(grads, Tensor):
         return grads
     both = torch.stack(grads)
-    return both if both.dtype in (torch.float32, torch.float64) else both.float()
+    return both if both.dtype == accumulation_dtype(both.dtype) else both.float()
 
 
 @dataclass(frozen=True)
