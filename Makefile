@@ -60,13 +60,11 @@ run: venv
 	$(VENV)/bin/ringtrain run $(JOB)
 
 # Test files run on TEST_WORKERS processes, each file whole on one (its module fixtures, a Ray
-# cluster or a spawned gloo group, are built once), in the order tests/conftest.py collects them
-# (the longest first; xdist would otherwise order them by their count of tests);
-# TEST_WORKERS=0 runs them in this process.
+# cluster or a spawned gloo group, are built once); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
 test: venv-test tools
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-unit: venv-test tools
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
