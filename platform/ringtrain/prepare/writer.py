@@ -332,7 +332,8 @@ def open_output(uri: str, overwrite: bool) -> Output:
     return output
 
 
-def may_replace(uri: str, overwrite: bool, contents: Callable[[], tuple[Optional[str], list[str]]], *, taken: str = "already exists") -> None:
+def may_replace(uri: str, overwrite: bool, contents: Callable[[], tuple[Optional[str], list[str]]], *,
+                taken: str = "already exists") -> None:
     """ConfigError unless what is at ``uri`` (``taken``: found there) may be replaced: with
     --overwrite, a dataset of ours and nothing else (``contents``, listed only then)."""
     if not overwrite:

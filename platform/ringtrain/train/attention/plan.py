@@ -69,7 +69,7 @@ def cut_of(block: Block, rows: Side, cols: Side, window: Optional[int]) -> Cut:
     return Cut(**docs, window=window, q_positions=rows.positions[block.rows], k_positions=cols.positions[block.cols])
 
 
-def visible_of(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -> np.ndarray:
+def cut_visibility(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -> np.ndarray:
     """``[B, Q, S]``: which scores of a block ``cut`` leaves. Under a window the positions say what
     is causal; otherwise a causal block is a square on the diagonal."""
     visible = np.ones((1, q_len, k_len), dtype=bool)
@@ -99,7 +99,7 @@ def _planned(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: i
     if cut.whole:
         return PlannedBlock(**spans, how=WHOLE)
     if call.kernel.supports_mask and q_len * s_len <= MASKED_BELOW_SCORES:
-        visible = visible_of(cut, block.causal, batch, q_len, s_len)
+        visible = cut_visibility(cut, block.causal, batch, q_len, s_len)
         if not visible.any():
             return PlannedBlock(**spans, how=EMPTY)
         # Causality is in the mask: the call itself is not causal.
