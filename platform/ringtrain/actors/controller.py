@@ -1,9 +1,11 @@
 """Controller: the job's state machine, driving the WorkerGroup step by step.
 
-States: starting -> running <-> recovering -> finished | failed | stopped. Every transition is
-logged with the reason behind it, and the run directory records each step and the outcome
-whatever happens: a failed or interrupted run still leaves a summary saying how far it got and
-why. When a step fails, the fault policy (``policies.faults``) decides and the Recovery
+``run()`` moves from state to state (``actors.states``: starting, training, recovering,
+restoring, resizing, stopping; finished, failed or stopped at the end), each state a value
+carrying what its handler needs and each handler returning the next. Every transition is
+checked and logged with the reason behind it, and the run directory records each step and the
+outcome whatever happens: a failed or interrupted run still leaves a summary saying how far it
+got and why. When a step fails, the fault policy (``policies.faults``) decides and the Recovery
 carries it out; between steps the elastic policy (``policies.elastic``) grows the job back
 when capacity returns, and every ``controllers.sdc_every_steps`` the ranks run the SDC probes
 (``policies.sdc``): a rank that fails them is evicted and training rolls back to the last
@@ -18,7 +20,6 @@ with an incident that says so. Everything the run shows goes through one list of
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import math
 import time
@@ -29,6 +30,9 @@ from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
 from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
 from ringtrain.actors.runbook import HeldRecord
+from ringtrain.actors.states import (
+    ALLOWED, Failed, Finished, Recovering, Resizing, Restoring, Starting, State, Stopped, Stopping, Training,
+)
 from ringtrain.actors.watches import Watches
 from ringtrain.actors.transit import gather_arrivals, transit_window
 from ringtrain.checkpoint import LoadedCheckpoint
@@ -47,23 +51,6 @@ from ringtrain.telemetry.prometheus import RunMetrics
 from ringtrain.telemetry.rundir import RunDir
 
 log = logging.getLogger(__name__)
-
-
-class RunState(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-_ALLOWED = {
-    RunState.STARTING: {RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
-    RunState.RUNNING: {RunState.RECOVERING, RunState.FINISHED, RunState.FAILED, RunState.STOPPED},
-    # A recovery interrupted by another failure starts over (policies.retries).
-    RunState.RECOVERING: {RunState.RECOVERING, RunState.RUNNING, RunState.FAILED, RunState.STOPPED},
-}
 
 
 # What each kind of worker failure is called in incidents.
@@ -105,7 +92,8 @@ class Controller(Watches):
         self.elastic = elastic  # None: any failure ends the run
         self.incidents: list[Incident] = []
         self.clock = clock
-        self.state = RunState.STARTING
+        self.state: State = Starting("the controller was made")
+        self._started = 0.0  # clock time run() began
         self.records: list[dict[str, Any]] = []
         self.held: list[HeldRecord] = []  # records waiting for their snapshots (actors.runbook)
         self.ledger = SampleLedger()
@@ -135,55 +123,18 @@ class Controller(Watches):
         self.newest_snapshot: Optional[int] = None
         self.durable_stopped: Optional[str] = None  # why durable checkpointing stopped (lease lost)
 
-    def _transition(self, new: RunState, reason: str) -> None:
-        if new not in _ALLOWED.get(self.state, set()):
-            raise RuntimeError(f"illegal transition {self.state.value} -> {new.value}")
-        log.info("state %s -> %s: %s", self.state.value, new.value, reason)
-        self.state = new
-
     def run(self) -> dict[str, Any]:
-        started = self.clock()
+        """Move from state to state (``actors.states``) until a terminal one; returns the
+        run's summary, whatever the outcome."""
+        self._started = started = self.clock()
         try:
-            self.group.start()
-            self.startup.update({**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started})
-            self.observers.on_start(self.group.infos)
-            if self.resume_from is not None:
-                self.start_step = self._resume(self.resume_from)
-            self._write_layout()
-            self._transition(
-                RunState.RUNNING,
-                f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "
-                f"from step {self.start_step}",
-            )
-            self.last_clean_scan = self.start_step
-            step = self.start_step + 1
-            while step <= self.job.last_step:
-                step = self._step(step, started)
-            self._commit_all(wait_s=self.job.controllers.step_timeout_s)
-            self._finish_recovery()
-            self._drain(wait=True)
-            reason = (
-                f"train.stop_at_step={self.job.last_step} reached"
-                if self.job.train.stop_at_step
-                else f"train.steps={self.job.train.steps} reached"
-            )
-            self._transition(RunState.FINISHED, reason)
-        except RingtrainError as exc:
-            self.error = str(exc)
-            self._transition(RunState.FAILED, self.error)
-        except KeyboardInterrupt:
-            self.error = "interrupted"
-            self._transition(RunState.STOPPED, "interrupted by the user")
-            self.observers.on_message(self._persist_at_stop())
-        except Exception as exc:  # a bug, not a training failure: still leave the run's record
-            log.exception("the controller failed")
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.state = RunState.FAILED
+            while not self.state.terminal:
+                self._enter(self._next_state(self.state))
         finally:
             self._commit_all(wait_s=0.0)
             # A stopping run waits for no save beyond its stop's own: one still writing is
             # abandoned (the writer lease is then left to expire, commands/run.py).
-            self._close_durable(wait_s=0.0 if self.state is RunState.STOPPED else None)
+            self._close_durable(wait_s=0.0 if isinstance(self.state, (Stopping, Stopped)) else None)
             self._watch_durable(self.records[-1]["step"] if self.records else self.start_step)
             holders = getattr(self.group, "holders", None)
             if holders:
@@ -194,6 +145,74 @@ class Controller(Watches):
         summary["durable_stopped"] = self.durable_stopped
         self.observers.on_summary(summary)
         return summary
+
+    def _next_state(self, state: State) -> State:
+        """The work of ``state``, and the state it leads to. A platform error fails the run, a
+        stop (SIGINT, SIGTERM: KeyboardInterrupt here) stops it; a second stop while the first
+        one saves leaves at once."""
+        try:
+            match state:
+                case Starting():
+                    return self._start()
+                case Training():
+                    return self._train(state)
+                case Recovering():
+                    return self._recover(state)
+                case Restoring():
+                    return self._restore(state)
+                case Resizing():
+                    return self._resize(state)
+                case Stopping():
+                    self.observers.on_message(self._persist_at_stop())
+                    return Stopped(state.reason)
+            raise TypeError(f"the controller has no move from {state!r}")
+        except RingtrainError as exc:
+            self.error = str(exc)
+            return Failed(self.error)
+        except KeyboardInterrupt:
+            if isinstance(state, Stopping):
+                raise
+            self.error = "interrupted"
+            return Stopping("interrupted by the user")
+        except Exception as exc:  # a bug, not a training failure: still leave the run's record
+            log.exception("the controller failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            return Failed(self.error)
+
+    def _enter(self, new: State) -> None:
+        """Take on ``new`` if the transition table allows it from the current state; every
+        change of state is logged with its reason."""
+        old = self.state
+        if type(new) not in ALLOWED.get(type(old), ()):
+            raise RuntimeError(f"illegal transition {old.name} -> {new.name}")
+        if type(new) is not type(old):
+            log.info("state %s -> %s: %s", old.name, new.name, new.reason)
+        self.state = new
+
+    def _start(self) -> State:
+        started = self.clock()
+        self.group.start()
+        self.startup.update({**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started})
+        self.observers.on_start(self.group.infos)
+        if self.resume_from is not None:
+            self.start_step = self._resume(self.resume_from)
+        self._write_layout()
+        self.last_clean_scan = self.start_step
+        return Training(
+            f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "
+            f"from step {self.start_step}",
+            step=self.start_step + 1,
+        )
+
+    def _train(self, state: Training) -> State:
+        """The step ``state`` names, or past the last one: the run's end (every record written)."""
+        if state.step <= self.job.last_step:
+            return self._step(state.step)
+        self._commit_all(wait_s=self.job.controllers.step_timeout_s)
+        self._finish_recovery()
+        self._drain(wait=True)
+        t = self.job.train
+        return Finished(f"train.stop_at_step={self.job.last_step} reached" if t.stop_at_step else f"train.steps={t.steps} reached")
 
     # --- durable checkpoints --------------------------------------------------------------
 
@@ -249,8 +268,9 @@ class Controller(Watches):
         found = [d.uri for d in getattr(self.persister, "done", []) if d.step == step]
         return found[-1] if found else "the store"
 
-    def _step(self, step: int, started: float) -> int:
-        """Run ``step``; returns the step to run next (an earlier one after a rollback)."""
+    def _step(self, step: int) -> State:
+        """Run ``step`` and watch it; the next state: the next step, a recovery from what went
+        wrong, or a grow that is ready."""
         t0 = self.clock()
         probe = self._scan_due(step)
         try:
@@ -270,61 +290,50 @@ class Controller(Watches):
             if getattr(failed, "verdict", None):
                 evidence["hang"] = failed.verdict
                 self.observers.on_count(metrics.HANG_VERDICTS, 1)
-            return self._recover(failure, step, t0, seen_at=failed.seen_at, seen_unix=failed.seen_unix, verdict=evidence) + 1
+            return Recovering(failure.reason, failure, step, t0, failed.seen_at, failed.seen_unix, verdict=evidence)
         wall = self.clock() - t0
         nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None
         if nan is not None:
             if self.elastic is None:
                 self._incident("nan", nan.ranks, step, t0, reason=nan.reason)
                 raise NonFiniteLoss(nan.reason)
-            return self._recover(nan, step, t0, seen_at=self.clock(), seen_unix=time.time(), batch=reports[0].batch) + 1
-        self._record(reports, wall, started, self._maybe_evaluate(step))
+            return Recovering(nan.reason, nan, step, t0, self.clock(), time.time(), batch=reports[0].batch)
+        self._record(reports, wall, self._started, self._maybe_evaluate(step))
         if reports[0].snapshot_taken:
             self.newest_snapshot = step
         if probe:  # judged before persisting: a state the probes reject is not made durable
             # The probed step is recorded first, as any step is (its snapshots safe), so a
             # rejected one counts among the steps the rollback redoes.
             self._commit(self.group.safe_through(wait_s=self.job.controllers.step_timeout_s))
-            resumed = self._judge(step, t0, {r.rank: r.probes or {} for r in reports})
-            if resumed is not None:
-                return resumed + 1
-        resumed = self._watch_stragglers(step, t0, reports)
-        if resumed is not None:
-            return resumed + 1
+            corrupt = self._judge(step, t0, {r.rank: r.probes or {} for r in reports})
+            if corrupt is not None:
+                return corrupt
+        straggler = self._watch_stragglers(step, t0, reports)
+        if straggler is not None:
+            return straggler
         self._maybe_persist(step)
         self._watch_durable(step)
         self._finish_recovery()
-        self._maybe_grow(step)
+        grow_to = self._maybe_grow(step)
         if self.elastic is not None and self.elastic.spares_changed():
             self._write_layout()
-        return step + 1
+        if grow_to is not None:
+            return Resizing(f"capacity for dp {grow_to} is ready", step=step, new_dp=grow_to)
+        return Training("", step=step + 1)
 
     # --- recovery ------------------------------------------------------------------------
 
-    def _recover(
-        self,
-        failure: Failure,
-        step: int,
-        t0: float,
-        *,
-        seen_at: float,
-        seen_unix: float,
-        verdict: Optional[dict[str, Any]] = None,
-        batch: Optional[int] = None,
-        restore_to: Optional[int] = None,
-    ) -> int:
-        """Decide and carry out the recovery from ``failure`` seen in ``step``; returns the
-        step training resumes after: the newest snapshot at or before ``restore_to`` (default:
-        the step before ``step``)."""
+    def _recover(self, state: Recovering) -> State:
+        """Decide what to do about ``state.failure`` (``policies.faults``) and write its
+        incident: abort, only report it, or restore (the next state carries the decision out)."""
         assert self.elastic is not None
-        self._transition(RunState.RECOVERING, failure.reason)
+        failure, step = state.failure, state.step
         if failure.suspect_devices and self.job.controllers.sdc_evict_node:
             self.elastic.cordon(failure.ranks)  # first: capacity there no longer counts
         reuse = not failure.quarantine
         capacity = self.elastic.capacity(failure.ranks, reuse_slots=reuse) if failure.lost_workers else Capacity(0, 0)
         repeated = self._repeated(failure, step)
-        if repeated:
-            verdict = {**(verdict or {}), "error": self.error_location}
+        verdict = {**(state.verdict or {}), "error": self.error_location} if repeated else state.verdict
         t = self.job.train
         decision = decide(
             failure,
@@ -332,7 +341,7 @@ class Controller(Watches):
             cp=self.topology.cp,
             min_dp=self.job.mesh.min_dp,
             capacity=capacity,
-            recoveries=sum(1 for i in self.incidents if i.action not in ("abort", "report")),
+            recoveries=self._recoveries(),
             max_recoveries=self.job.controllers.max_recoveries,
             on_nan=self.job.controllers.on_nan,
             allowed_dps=allowed_dps(global_batch=t.global_batch, micro_batch=t.micro_batch, min_dp=1, max_dp=self.dp),
@@ -342,25 +351,38 @@ class Controller(Watches):
             failure.kind.value,
             failure.ranks,
             step,
-            t0,
+            state.t0,
             reason=f"{failure.reason}; {decision.reason}",
             action=decision.action.value,
-            detected_at=seen_unix,
-            detect_s=seen_at - t0,
+            detected_at=state.seen_unix,
+            detect_s=state.seen_at - state.t0,
             verdict=verdict,
         )
         if decision.action is Action.ABORT:
             raise (NonFiniteLoss if failure.kind is Kind.NAN else RingtrainError)(incident.reason)
         if decision.action is Action.REPORT:
-            self._transition(RunState.RUNNING, decision.reason)
-            return step if restore_to is None else restore_to
-        last_step = step - 1 if restore_to is None else restore_to
+            return Training(decision.reason, step=(step if state.restore_to is None else state.restore_to) + 1)
+        last_step = step - 1 if state.restore_to is None else state.restore_to
+        return Restoring(decision.reason, recovery=state, decision=decision, incident=incident, last_step=last_step)
+
+    def _recoveries(self) -> int:
+        """The recoveries made so far: every incident acted on, retries included."""
+        return sum(1 for i in self.incidents if i.action not in ("abort", "report"))
+
+    def _restore(self, state: Restoring) -> State:
+        """Carry out the decision; training resumes after the step restored. A worker failing
+        while the new world forms starts the recovery over, from the same restore point, as a
+        failure of that world (``policies.retries``); the run fails once
+        controllers.max_recoveries is spent."""
+        recovery, decision = state.recovery, state.decision
         try:
-            resumed, phases = self._execute(decision, failure, last_step=last_step, fired_through=step, batch=batch)
-        except WorkerError as exc:  # the world being formed broke: try again from the same point
-            return self._retry(exc, decision, incident, step, t0, last_step=last_step, seen_at=seen_at)
+            resumed, phases = self._execute(
+                decision, recovery.failure, last_step=state.last_step, fired_through=recovery.step, batch=recovery.batch
+            )
+        except WorkerError as exc:
+            return self._retry(exc, state)
         self._repin(min(self.last_clean_scan, resumed))  # a state from before a clean scan is clean
-        if failure.kind is Kind.SDC:
+        if recovery.failure.kind is Kind.SDC:
             self._discard_durable_after(resumed)
         self._growing_to = None
         self._grow_gate.reset()
@@ -371,44 +393,46 @@ class Controller(Watches):
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
         self._kept_s = sum(r["step_time_s"] for r in self.records)
-        incident = dataclasses.replace(incident, dp_after=self.dp, lost_steps=len(struck), phases=phases)
+        incident = dataclasses.replace(state.incident, dp_after=self.dp, lost_steps=len(struck), phases=phases)
         self._update_incident(incident)
-        self._recovering.append((incident, seen_at))
+        self._recovering.append((incident, recovery.seen_at))
+        # The recoveries this one retried end with it: same restore point, same steps redone.
+        for interrupted, seen_at in reversed(recovery.interrupted):
+            done = dataclasses.replace(interrupted, dp_after=self.dp, lost_steps=incident.lost_steps)
+            self._update_incident(done)
+            self._recovering.append((done, seen_at))
         self._write_layout()
         self.observers.on_message(
             f"incident {incident.id}: {decision.action.value} done, dp {incident.dp_before} -> {self.dp}, "
             f"resuming after step {resumed} ({len(struck)} completed steps redone)"
         )
-        self._transition(RunState.RUNNING, f"resumed after step {resumed}")
-        return resumed
+        return Training(f"resumed after step {resumed}", step=resumed + 1)
 
-    def _retry(
-        self, exc: WorkerError, decision: Decision, incident: Incident, step: int, t0: float, *, last_step: int, seen_at: float
-    ) -> int:
-        """A worker failed while the recovery of ``incident`` formed its new world: recover
-        again, from the same restore point, as from a failure of that world
-        (``policies.retries``); the run fails once controllers.max_recoveries is spent."""
-        assert self.elastic is not None
+    def _retry(self, exc: WorkerError, state: Restoring) -> Recovering:
+        """The recovery ``state`` carried out broke: the failure to recover from next."""
         # self.dp is already that of the world that broke: the group took it on as it began forming.
         fault = RecoveryFault(exc.rank, exc.kind, exc.cause, phase_of(getattr(self.group, "phases", {})))
-        attempts = sum(1 for i in self.incidents if i.action not in ("abort", "report"))
+        max_recoveries = self.job.controllers.max_recoveries
         retry = retry_recovery(
-            fault, incident=incident.id, restore_to=last_step, attempts=attempts, max_recoveries=self.job.controllers.max_recoveries
+            fault, incident=state.incident.id, restore_to=state.last_step, attempts=self._recoveries(), max_recoveries=max_recoveries
         )
         if retry is None:
             raise RingtrainError(
-                f"{exc}: during the recovery of incident {incident.id}, with controllers.max_recoveries="
-                f"{self.job.controllers.max_recoveries} recoveries made"
+                f"{exc}: during the recovery of incident {state.incident.id}, with controllers.max_recoveries="
+                f"{max_recoveries} recoveries made"
             ) from exc
-        resumed = self._recover(
-            retry.failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=retry.evidence, restore_to=retry.restore_to
+        recovery = state.recovery
+        return Recovering(
+            retry.failure.reason,
+            retry.failure,
+            recovery.step,
+            recovery.t0,
+            self.clock(),
+            time.time(),
+            verdict=retry.evidence,
+            restore_to=retry.restore_to,
+            interrupted=(*recovery.interrupted, (state.incident, recovery.seen_at)),
         )
-        # The interrupted recovery ends with its retry: same restore point, same steps redone.
-        retried = self.incidents[-1] if self.incidents[-1].id != incident.id else incident
-        done = dataclasses.replace(incident, dp_after=self.dp, lost_steps=retried.lost_steps)
-        self._update_incident(done)
-        self._recovering.append((done, seen_at))
-        return resumed
 
     def _repeated(self, failure: Failure, step: int) -> str:
         """Why ``failure`` will not be retried: the same exception on the same step again
@@ -472,17 +496,16 @@ class Controller(Watches):
             self.observers.on_gauge(metrics.DP_SIZE, self.dp)
         self._recovering = []
 
-    def _maybe_grow(self, step: int) -> None:
-        """Between steps: grow back towards max_dp when capacity has returned and stayed."""
+    def _maybe_grow(self, step: int) -> Optional[int]:
+        """Between steps: grow back towards max_dp when capacity has returned and stayed.
+        Returns the dp to grow to once its replicas are ready."""
         if self.elastic is None or self.dp >= self.job.max_dp or step >= self.job.last_step:
-            return
+            return None
         if self._growing_to is not None:
-            if self.elastic.growth_ready():
-                self._grow(step, self._growing_to)
-            return
+            return self._growing_to if self.elastic.growth_ready() else None
         now = self.clock()
         if now < self._next_capacity_check:
-            return
+            return None
         self._next_capacity_check = now + self.job.controllers.heartbeat_s
         t = self.job.train
         possible = target_dp(
@@ -499,9 +522,11 @@ class Controller(Watches):
             )
             self.elastic.prepare_growth(grow_to - self.dp)
             self._growing_to = grow_to
+        return None
 
-    def _grow(self, step: int, new_dp: int) -> None:
+    def _resize(self, state: Resizing) -> State:
         assert self.elastic is not None
+        step, new_dp = state.step, state.new_dp
         t0 = self.clock()
         before = self.dp
         out = self.elastic.grow(new_dp=new_dp, last_step=step)
@@ -517,3 +542,4 @@ class Controller(Watches):
         self._write_layout()
         self.observers.on_gauge(metrics.DP_SIZE, new_dp)
         self.observers.on_message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
+        return Training(f"grew to dp {new_dp}", step=step + 1)

@@ -24,6 +24,7 @@ from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tok
 from ringtrain.actors.observers import Observers
 from ringtrain.actors.protocols import Durable, Elastic, Group
 from ringtrain.actors.records import recovery_entry, step_record
+from ringtrain.actors.states import State
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.policies.ledger import SampleLedger
@@ -79,7 +80,7 @@ class RunBook:
     last_eval: Optional[dict[str, Any]]
     startup: dict[str, float]
     transit: dict[str, Any]
-    state: Any  # the Controller's RunState
+    state: State  # the Controller's (actors.states)
     sdc: Optional[SdcScanner]
 
     @property
@@ -251,7 +252,7 @@ class RunBook:
         train_s = self._kept_s
         ledger = self.ledger.totals()
         return {
-            "status": self.state.value,
+            "status": self.state.name,
             "steps": self.job.train.steps,
             "start_step": self.start_step,
             "final_step": last["step"] if last else self.start_step,

@@ -7,10 +7,11 @@ its golden values and its peers'). A mixin of the Controller, beside its RunBook
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from ringtrain import metrics
 from ringtrain.actors.runbook import RunBook
+from ringtrain.actors.states import Recovering
 from ringtrain.errors import RingtrainError
 from ringtrain.incidents import Kind
 from ringtrain.policies.faults import Failure
@@ -23,13 +24,11 @@ class Watches(RunBook):
     """The between-step checks; the attributes are the Controller's (set in its __init__)."""
 
     stragglers: StragglerWatch
-    _recover: Callable[..., int]  # the Controller's: a verdict that evicts recovers through it
 
-
-    def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[int]:
+    def _watch_stragglers(self, step: int, t0: float, reports: list[StepReport]) -> Optional[Recovering]:
         """Export each rank's slowdown; with controllers.on_straggler set, name a persistent
         straggler (policies.stragglers) and, with evict, recover from it as from a lost rank
-        whose slot is not reused. Returns the step resumed after an eviction."""
+        whose slot is not reused. Returns the recovery an eviction starts."""
         compute = {r.rank: r.compute_s for r in reports}
         for rank, ratio in slowdowns(compute).items():
             self.observers.on_gauge(metrics.RANK_SLOWDOWN, ratio, rank=str(rank))
@@ -50,7 +49,7 @@ class Watches(RunBook):
             self._incident("straggler", (found.rank,), step, t0, reason=reason, action="report", verdict=evidence)
             return None
         failure = Failure(Kind.STRAGGLER, (found.rank,), reason)
-        return self._recover(failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=step)
+        return Recovering(reason, failure, step, t0, self.clock(), time.time(), verdict=evidence, restore_to=step)
 
     # --- silent data corruption ---------------------------------------------------------
 
@@ -62,10 +61,10 @@ class Watches(RunBook):
         every = self.job.controllers.sdc_every_steps
         return step == self.start_step + 1 or scan_due(step, every=every, last_step=self.job.last_step)
 
-    def _judge(self, step: int, t0: float, digests: dict[int, dict[str, str]]) -> Optional[int]:
+    def _judge(self, step: int, t0: float, digests: dict[int, dict[str, str]]) -> Optional[Recovering]:
         """Judge the probe round that ended ``step`` (rank -> probe -> digest). Clean: the newest
         snapshot at or before ``step`` becomes the rollback point. A failure is recovered from
-        at once; returns the step resumed after."""
+        at once: returns that recovery."""
         assert self.sdc is not None
         self.scans += 1
         self.observers.on_count(metrics.SDC_PROBES, 1)
@@ -81,8 +80,8 @@ class Watches(RunBook):
         if self.elastic is None:
             self._incident("sdc", failure.ranks, step, t0, reason=failure.reason, verdict=evidence)
             raise RingtrainError(f"silent data corruption: {failure.reason}")
-        return self._recover(
-            failure, step, t0, seen_at=self.clock(), seen_unix=time.time(), verdict=evidence, restore_to=self.last_clean_scan
+        return Recovering(
+            failure.reason, failure, step, t0, self.clock(), time.time(), verdict=evidence, restore_to=self.last_clean_scan
         )
 
     def _repin(self, last_clean: int) -> None:
