@@ -297,3 +297,65 @@ def test_light_modules_import_no_torch_ray_or_deepspeed(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (type-only imports included: a cycle of
+    types is a cycle of understanding). A package's own ``__init__`` is left out as a target:
+    ``from package import module`` names the module, not the package."""
+    return {m: {n for n in _imports(m) if n in MODULES and n != m and not _is_package(n)} for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected set of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                members.append(top)
+                if top == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+# Cycles closed only by a lazy import inside a function, where a module picks an optional
+# implementation that is built on its own types: the tracker a job configured (each tracker
+# module implements trackers.py's contract), and the Parquet chat reader (which reads with
+# sources.py's batch limits and errors).
+LAZY_PLUGIN_CYCLES = [
+    ["ringtrain.prepare.chat_records", "ringtrain.prepare.sources"],
+    ["ringtrain.telemetry.mlflow_tracker", "ringtrain.telemetry.trackers", "ringtrain.telemetry.wandb_tracker"],
+]
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No other import cycles: a module's collaborators take what they use rather than
+    reaching back into it (actors/group.py's helpers did, through type-only imports)."""
+    assert sorted(_cycles(_import_graph())) == LAZY_PLUGIN_CYCLES
+
+
+def test_a_cycle_is_found() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -8,13 +8,15 @@ rank lands where its ring is.
 
 The group has no policy of its own: the Controller decides (``policies.faults`` and
 ``policies.elastic``), ``policies.stepwatch`` says when a rank of a step is lost or the step
-stalled, and the group carries it out: ``train_step`` reports how every rank's step ended, ``form_world`` moves a set of live workers into a new world, ``spawn`` starts new
-ones in the background.
+stalled, and the group carries it out: ``train_step`` reports how every rank's step ended,
+``form_world`` moves a set of live workers into a new world, ``spawn`` starts new ones in the
+background.
 
 The group is the facade its callers use; the work is shared out by noun: ``actors.placement``
 (placement groups, holders, capacity), ``actors.world`` (forming a world, restoring it, the
 calls a failed one left running), ``actors.steps`` (a step watched on every rank), and
-``actors.roster`` (who sits where).
+``actors.roster`` (who sits where), ``actors.calls`` (calls to the workers, and Ray's errors
+turned into the platform's). None of them imports this module: each takes what it uses.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ringtrain.actors import placement, steps, world
+from ringtrain.actors.calls import gather, get, host_of
 from ringtrain.actors.roster import Member, Roster, Slot, WarmDeaths, settle
 from ringtrain.actors.safekeeping import Safekeeping
-from ringtrain.actors.steps import StepFailed, first_line as _first_line
+from ringtrain.actors.steps import StepFailed
 from ringtrain.config import JobConfig
-from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
 
@@ -162,7 +164,7 @@ class WorkerGroup:
     def _wait_warm(self, members: list[Member], timeout: float) -> None:
         for i, m in enumerate(members):
             if m.info is None:
-                m.info = self._call(m.warm, rank=i, timeout=max(0.001, timeout))
+                m.info = get(m.warm, rank=i, host=host_of(members, i), timeout=max(0.001, timeout))
                 m.warm = None
 
     # --- worlds --------------------------------------------------------------------------
@@ -178,14 +180,33 @@ class WorkerGroup:
         (one pending shard per rank of the snapshot's world), every rank restores it; returns the
         step restored (0 without one). ``crash_restoring``: ranks whose process exits as it
         restores (chaos: a second failure inside the recovery). See ``actors.world``."""
-        step = world.form_world(self, members, job, snapshot, crash_restoring)
-        self.safekeeping.restart(step)
-        return step
+        timeout = self.job.controllers.start_timeout_s
+        self.job = job
+        self.roster.seat(members)
+        self.phases = {}
+        try:
+            formed = world.form_world(
+                members,
+                job,
+                leftovers=self.leftovers,
+                phases=self.phases,
+                wait_warm=self._wait_warm,
+                seat_holders=self.seat_holders,
+                timeout=timeout,
+                snapshot=snapshot,
+                crash_restoring=crash_restoring,
+            )
+        finally:
+            if "warm_s" in self.phases:  # a world counts once its workers are warm and its holders seated
+                self.generation += 1
+        self.num_params = formed.num_params
+        self.safekeeping.restart(formed.step)
+        return formed.step
 
     def restore_refs(self, shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
         """Every rank loads the snapshot whose shards are pending in ``shards`` (``crash_restoring``
         as for ``form_world``)."""
-        step = world.restore_refs(self, shards, crash_restoring)
+        step = world.restore_refs(self.members, self.job, self.leftovers, shards, crash_restoring)
         self.safekeeping.restart(step)
         return step
 
@@ -253,7 +274,7 @@ class WorkerGroup:
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank and wait for all (names the first rank that fails)."""
-        return self._gather(lambda _, w: getattr(w, method).remote(*args), self.job.controllers.start_timeout_s)
+        return gather(self.members, lambda _, w: getattr(w, method).remote(*args), self.job.controllers.start_timeout_s)
 
     def spawn(self, count: int) -> list[Member]:
         """Start ``count`` workers, in free slots first, then in a new PACK placement group."""
@@ -347,7 +368,7 @@ class WorkerGroup:
 
         ref = ray.put(evalset)  # one copy in the object store for every rank
         forwards = -(-evalset.num_rows // self.topology.dp)
-        tallies = self._gather(lambda _, w: w.evaluate.remote(ref, bucket_tokens), self._collective_timeout(forwards))
+        tallies = gather(self.members, lambda _, w: w.evaluate.remote(ref, bucket_tokens), self._collective_timeout(forwards))
         return merge_all(tallies)
 
     def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
@@ -357,7 +378,7 @@ class WorkerGroup:
         topo = self.topology
         ref = ray.put(prompts)
         forwards = -(-len(prompts) // topo.dp) * num_new
-        outputs = self._gather(lambda _, w: w.generate.remote(ref, num_new), self._collective_timeout(forwards))
+        outputs = gather(self.members, lambda _, w: w.generate.remote(ref, num_new), self._collective_timeout(forwards))
         # Every rank of a replica holds its replica's answers; ring position 0 speaks for it.
         return [ids for d in range(topo.dp) for ids in outputs[topo.rank_of(d, 0)]][: len(prompts)]
 
@@ -402,56 +423,6 @@ class WorkerGroup:
                 pass
         self.roster.clear()
         self.placement_groups, self.holders, self.holders_by_rank = [], {}, []
-
-    # --- calls ---------------------------------------------------------------------------
-
-    def _gather(
-        self,
-        call: Callable[[int, Any], Any],
-        timeout: float,
-        on_failure: Optional[Callable[[dict[Any, Member]], None]] = None,
-    ) -> list[Any]:
-        """Call every worker (with its rank), wait for all; the first failure names its rank.
-        ``on_failure`` is given the calls still pending when one failed (with the member running
-        each), before the error."""
-        import ray
-
-        rank_of = {call(rank, w): rank for rank, w in enumerate(self.workers)}
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        pending = list(rank_of)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            try:
-                if not done:
-                    stuck = sorted(rank_of[r] for r in pending)
-                    raise WorkerError(
-                        stuck[0], self._host(stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})", kind="timeout"
-                    )
-                rank = rank_of[done[0]]
-                results[rank] = self._call(done[0], rank=rank, timeout=0)
-            except WorkerError:
-                if on_failure is not None:
-                    on_failure({ref: self.members[rank_of[ref]] for ref in pending})
-                raise
-        return [results[rank] for rank in range(len(self.workers))]
-
-    def _call(self, ref: Any, *, rank: int, timeout: float) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref, timeout=timeout or None)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerError(rank, self._host(rank), f"no answer within {timeout:g} s", kind="timeout") from None
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerError(rank, self._host(rank), f"worker process died ({type(exc).__name__})", kind="died") from None
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise WorkerError(rank, self._host(rank), f"{type(cause).__name__}: {_first_line(cause)}") from None
-
-    def _host(self, rank: int) -> str:
-        info = self.members[rank].info if rank < len(self.members) else None
-        return info.host if info else "?"
 
 
 def _poll_warm(refs: list[Any]) -> dict[int, "WorkerInfo | BaseException"]:

@@ -10,16 +10,33 @@ StepFailed with how each rank's call ended.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
+from ringtrain.actors.calls import answered, host_of, outcome
+from ringtrain.actors.roster import Member
+from ringtrain.actors.safekeeping import Safekeeping
+from ringtrain.config import JobConfig
 from ringtrain.policies.faults import Outcome, RankOutcome, abort_survivors
 from ringtrain.policies.hangs import RankDiagnostics, Verdict, diagnose
-from ringtrain.policies.repeats import user_frame
 from ringtrain.policies.stepwatch import Action, StepWatch
 from ringtrain.status import StepReport
+from ringtrain.topology import Topology
 
-if TYPE_CHECKING:
-    from ringtrain.actors.group import WorkerGroup
+
+class Stepping(Protocol):
+    """What a step needs of the worker group (``actors.group``): its world and where the
+    snapshots go."""
+
+    job: JobConfig
+    device: str
+    safekeeping: Safekeeping
+
+    @property
+    def members(self) -> list[Member]: ...
+    @property
+    def workers(self) -> list[Any]: ...
+    @property
+    def topology(self) -> Topology: ...
 
 
 class StepFailed(Exception):
@@ -37,7 +54,7 @@ class StepFailed(Exception):
         self.verdict = verdict
 
 
-def run_step(g: "WorkerGroup", probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+def run_step(g: Stepping, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
     """As ``WorkerGroup.train_step``: every rank's report of one step, or StepFailed. The
     holders' answers about an earlier step's snapshots are waited on with the step's calls, so
     ``on_safe`` hears of them as they land (``actors.safekeeping``)."""
@@ -104,7 +121,7 @@ def run_step(g: "WorkerGroup", probe: bool = False, on_safe: Optional[Callable[[
     return [results[rank] for rank in range(len(g.members))]  # type: ignore[misc]
 
 
-def diagnose_stall(g: "WorkerGroup", timeout_s: float = 5.0) -> Optional[Verdict]:
+def diagnose_stall(g: Stepping, timeout_s: float = 5.0) -> Optional[Verdict]:
     """Every rank's collective records and stacks (answered on its second concurrency slot
     while its step is blocked), and the culprit they point at."""
     import ray
@@ -115,41 +132,10 @@ def diagnose_stall(g: "WorkerGroup", timeout_s: float = 5.0) -> Optional[Verdict
     found = []
     for rank, ref in enumerate(refs):
         c = topo.coord(rank)
-        where = {"replica": c.replica, "ring_pos": c.ring_pos, "host": g._host(rank)}
+        where = {"replica": c.replica, "ring_pos": c.ring_pos, "host": host_of(g.members, rank)}
         try:
             d = ray.get(ref, timeout=0)
             found.append(RankDiagnostics.from_probe(rank, d, busy=bool(d.get("busy", True)), **where))
         except Exception:  # dead, or too stuck to answer: that is a finding too
             found.append(RankDiagnostics.unreachable(rank, **where))
     return diagnose(found)
-
-
-def outcome(ref: Any, rank: int) -> RankOutcome | StepReport:
-    """How one rank's step call ended: its report, or why not."""
-    import ray
-
-    try:
-        report = ray.get(ref)
-        assert isinstance(report, StepReport)
-        return report
-    except ray.exceptions.RayActorError as exc:
-        return RankOutcome(rank, Outcome.DIED, type(exc).__name__)
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        where = user_frame(str(getattr(exc, "traceback_str", "") or ""))
-        return RankOutcome(rank, Outcome.ERROR, f"{type(cause).__name__}: {first_line(cause)}", where=where)
-
-
-def answered(ref: Any) -> bool:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-        return True
-    except Exception:  # the actor died: its step call reports that
-        return False
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""

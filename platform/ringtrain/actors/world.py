@@ -8,21 +8,23 @@ next world (it cannot leave a blocked native call before the process group's tim
 retry replaces it). A rank that fails in the join closes rank 0's store, so the others stop
 waiting in it for the dead one.
 
-Functions over the WorkerGroup, which calls them from its ``form_world`` and ``restore_refs``.
+The WorkerGroup calls these from its ``form_world`` and ``restore_refs``, handing them what
+they use: the members to seat, its leftovers, how to wait for a worker to warm and to seat the
+holders, and the dict the phases' times go in as each completes (a failure's phase is the first
+missing one, ``policies.retries.phase_of``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
+from ringtrain.actors.calls import gather, get, host_of
 from ringtrain.actors.roster import Member
 from ringtrain.config import JobConfig
 from ringtrain.errors import WorkerError
-
-if TYPE_CHECKING:
-    from ringtrain.actors.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -63,65 +65,77 @@ def leftover_wait(job: JobConfig) -> float:
     return job.controllers.join_timeout_s + job.controllers.heartbeat_timeout_s
 
 
-def settle_leftovers(g: "WorkerGroup", members: list[Member]) -> None:
+def settle_leftovers(leftovers: Leftovers, job: JobConfig, members: list[Member]) -> None:
     """Wait for the calls of the last world that failed (``leftover_wait``). A worker still
     inside one cannot be asked into another world: the first is named as a failed rank of the
     world of ``members``."""
-    waited = leftover_wait(g.job)
-    stuck = g.leftovers.settle(waited)
+    waited = leftover_wait(job)
+    stuck = leftovers.settle(waited)
     for rank, m in enumerate(members):
         if any(m is s for s in stuck):
-            raise WorkerError(rank, g._host(rank), f"still inside the failed world's call after {waited:g} s", kind="timeout")
+            raise WorkerError(rank, host_of(members, rank), f"still inside the failed world's call after {waited:g} s", kind="timeout")
+
+
+@dataclass(frozen=True)
+class World:
+    """A world formed: the step its ranks restored (0 without a snapshot), the model's
+    parameter count, and how long each phase of forming it took."""
+
+    step: int
+    num_params: int
+    phases: dict[str, float]
 
 
 def form_world(
-    g: "WorkerGroup",
     members: list[Member],
     job: JobConfig,
+    *,
+    leftovers: Leftovers,
+    phases: dict[str, float],
+    wait_warm: Callable[[list[Member], float], None],
+    seat_holders: Callable[[], list[list[Any]]],
+    timeout: float,
     snapshot: Optional[list[Any]] = None,
     crash_restoring: frozenset[int] = frozenset(),
-) -> int:
-    """As ``WorkerGroup.form_world``: seat ``members`` as ranks of ``job``'s world, join them,
-    restore ``snapshot`` when given; the step restored (0 without one)."""
-    timeout = g.job.controllers.start_timeout_s
-    g.job = job
-    g.roster.seat(members)
-    g.phases = {}  # filled as phases complete: a failure's phase is the first missing
-    settle_leftovers(g, members)
+) -> World:
+    """Join the seated ``members`` as ranks 0..n-1 of ``job``'s world, once each has warmed
+    (``wait_warm``) and the holders are seated, restoring ``snapshot`` when given. ``phases``
+    takes each phase's time as it completes."""
+    settle_leftovers(leftovers, job, members)
     t0 = time.monotonic()
-    g._wait_warm(members, timeout)
-    holders = g.seat_holders()
-    g.generation += 1
+    wait_warm(members, timeout)
+    holders = seat_holders()
     t1 = time.monotonic()
-    g.phases["warm_s"] = t1 - t0
-    host, port = g._call(members[0].handle.create_store.remote(job.world_size), rank=0, timeout=timeout)
+    phases["warm_s"] = t1 - t0
+    host, port = get(members[0].handle.create_store.remote(job.world_size), rank=0, host=host_of(members, 0), timeout=timeout)
 
     def abandon_join(pending: dict[Any, Member]) -> None:
         # A rank failed while the world was joining: the others may wait in rank 0's store for
         # it until the store's timeout. Close the store (rank 0 answers on its second slot) so
         # they fail now, and give the world up at once.
-        stop_store(g.members[0].handle)
-        g.leftovers.give_up(pending)
+        stop_store(members[0].handle)
+        leftovers.give_up(pending)
 
-    counts = g._gather(lambda rank, w: w.join.remote(job, rank, host, port, holders[rank]), timeout, on_failure=abandon_join)
-    g.num_params = counts[0]
+    counts = gather(members, lambda rank, w: w.join.remote(job, rank, host, port, holders[rank]), timeout, on_failure=abandon_join)
     t2 = time.monotonic()
-    g.phases["join_s"] = t2 - t1
+    phases["join_s"] = t2 - t1
     if snapshot is None:
-        return 0
-    steps = g._gather(
-        lambda rank, w: w.restore.remote(*snapshot, chaos_exit=rank in crash_restoring), timeout, on_failure=g.leftovers.give_up
+        return World(0, counts[0], phases)
+    steps = gather(
+        members, lambda rank, w: w.restore.remote(*snapshot, chaos_exit=rank in crash_restoring), timeout, on_failure=leftovers.give_up
     )
-    g.phases["restore_s"] = time.monotonic() - t2
-    return int(steps[0])
+    phases["restore_s"] = time.monotonic() - t2
+    return World(int(steps[0]), counts[0], phases)
 
 
-def restore_refs(g: "WorkerGroup", shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
-    """As ``WorkerGroup.restore_refs``: every rank of the current world loads the snapshot whose
-    shards are pending in ``shards``; the step restored."""
-    settle_leftovers(g, g.members)
-    steps = g._gather(
-        lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), g.job.controllers.start_timeout_s
+def restore_refs(
+    members: list[Member], job: JobConfig, leftovers: Leftovers, shards: list[Any], crash_restoring: frozenset[int] = frozenset()
+) -> int:
+    """Every rank of the world of ``members`` loads the snapshot whose shards are pending in
+    ``shards``; the step restored."""
+    settle_leftovers(leftovers, job, members)
+    steps = gather(
+        members, lambda rank, w: w.restore.remote(*shards, chaos_exit=rank in crash_restoring), job.controllers.start_timeout_s
     )
     return int(steps[0])
 
