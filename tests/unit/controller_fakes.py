@@ -27,6 +27,12 @@ from ringtrain.topology import Topology
 class ScriptedGroup:
     """Two ranks whose step ``fail_at`` goes wrong in the scripted way."""
 
+    # What the Group protocol asks beyond the steps: no phases, one world, no holders.
+    startup: dict[str, float] = {}
+    phases: dict[str, float] = {}
+    generation = 1
+    holders: dict[str, Any] = {}
+
     def __init__(self, *, fail_at: Optional[int] = None, failure: str = "nan") -> None:
         self.num_params = 123
         self.infos = [WorkerInfo(rank=r, host="h", pid=r, device="cpu") for r in range(2)]
@@ -173,6 +179,12 @@ class ElasticGroup:
     a ``poisoned`` batch (a data cursor) gives a NaN loss on rank 1 every time it is trained.
     With ``transit``, a step's snapshots reach the holders during the next step (or when waited
     for), as the workers' do: only then is the step safe (``safe_through``)."""
+
+    # What the Group protocol asks beyond the steps: one world, no holders.
+    startup: dict[str, float] = {}
+    phases: dict[str, float] = {}
+    generation = 1
+    holders: dict[str, Any] = {}
 
     def __init__(self, job: config.JobConfig, clock: Clock, faults: Optional[dict[int, list[Fault]]] = None,
                  poisoned: frozenset[int] = frozenset(), snapshot_every: int = 1,

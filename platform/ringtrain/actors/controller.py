@@ -136,9 +136,8 @@ class Controller(Watches):
             # abandoned (the writer lease is then left to expire, commands/run.py).
             self._close_durable(wait_s=0.0 if isinstance(self.state, (Stopping, Stopped)) else None)
             self._watch_durable(self.records[-1]["step"] if self.records else self.start_step)
-            holders = getattr(self.group, "holders", None)
-            if holders:
-                self.transit = transit_window(self.records, gather_arrivals(list(holders.values())))
+            if self.group.holders:
+                self.transit = transit_window(self.records, gather_arrivals(list(self.group.holders.values())))
             self.group.shutdown()
             self.observers.close()
         summary = self._summary(wall_s=self.clock() - started)
@@ -192,7 +191,7 @@ class Controller(Watches):
     def _start(self) -> State:
         started = self.clock()
         self.group.start()
-        self.startup.update({**getattr(self.group, "startup", {}), "group_start_s": self.clock() - started})
+        self.startup.update({**self.group.startup, "group_start_s": self.clock() - started})
         self.observers.on_start(self.group.infos)
         if self.resume_from is not None:
             self.start_step = self._resume(self.resume_from)
@@ -411,7 +410,7 @@ class Controller(Watches):
     def _retry(self, exc: WorkerError, state: Restoring) -> Recovering:
         """The recovery ``state`` carried out broke: the failure to recover from next."""
         # self.dp is already that of the world that broke: the group took it on as it began forming.
-        fault = RecoveryFault(exc.rank, exc.kind, exc.cause, phase_of(getattr(self.group, "phases", {})))
+        fault = RecoveryFault(exc.rank, exc.kind, exc.cause, phase_of(self.group.phases))
         max_recoveries = self.job.controllers.max_recoveries
         retry = retry_recovery(
             fault, incident=state.incident.id, restore_to=state.last_step, attempts=self._recoveries(), max_recoveries=max_recoveries

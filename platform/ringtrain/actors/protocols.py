@@ -16,6 +16,10 @@ from ringtrain.topology import Topology
 class Group(Protocol):
     num_params: int
     infos: list[WorkerInfo]
+    startup: dict[str, float]  # seconds by phase of the first world's start (summary.json)
+    phases: dict[str, float]  # seconds by phase of the last world formed: a failure's is the first missing
+    generation: int  # worlds formed so far
+    holders: dict[str, Any]  # node id -> the snapshot holder there (none where nothing holds snapshots)
 
     @property
     def topology(self) -> Topology:

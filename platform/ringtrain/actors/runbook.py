@@ -209,7 +209,7 @@ class RunBook:
         if evaluation is not None:
             record["eval"] = evaluation
         record["reported_at"] = time.time()  # every rank's report in; "time" is when it is written
-        record["generation"] = getattr(self.group, "generation", 1)
+        record["generation"] = self.group.generation
         record["persist_s"] = self.persist_s
         record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
         # Wall time on steps that were kept: a step struck out by a rollback stops counting.
