@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -15,7 +16,7 @@ import pytest
 
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.policies.faults import Action, Capacity, Failure, Kind, decide
-from ringtrain.policies.stragglers import StragglerWatch, slowdowns
+from ringtrain.policies.stragglers import StragglerWatch, peer_medians, slowdowns
 from ringtrain.status import StepReport
 
 from tests.unit.controller_fakes import ElasticGroup, elastic_job, elastic_run, incident_files, reform_call, whole
@@ -164,3 +165,14 @@ def test_bad_straggler_settings_name_their_key(controllers: dict[str, Any], key:
     with pytest.raises(ConfigError) as err:
         elastic_job(**controllers)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_peer_medians_are_each_ranks_peers_median(seed: int) -> None:
+    """Against the median of each rank's peers taken one rank at a time: ties, an even and an
+    odd number of peers, two ranks."""
+    rng = random.Random(seed)
+    n = [2, 3, 4, 7, 10, 33][seed]
+    compute = {r: float(rng.choice([0.5, 1.0, 1.0, 2.0, rng.random()])) for r in range(n)}
+    expected = {r: statistics.median([t for q, t in compute.items() if q != r]) for r in compute}
+    assert peer_medians(compute) == pytest.approx(expected, rel=0, abs=1e-15)

@@ -14,7 +14,6 @@ renumbered by a resize, and a straggler evicted leaves its peers with a clean sl
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -44,11 +43,24 @@ class Straggler:
 
 
 def peer_medians(compute_s: dict[int, float]) -> dict[int, float]:
-    """Each rank's peers' median compute time (its own for a lone rank)."""
-    return {
-        rank: statistics.median([t for r, t in compute_s.items() if r != rank]) if len(compute_s) > 1 else own
-        for rank, own in compute_s.items()
-    }
+    """Each rank's peers' median compute time (its own for a lone rank). One sort for all
+    ranks: the controller does this every step, and at 16,384 ranks a median per rank over its
+    peers took seconds a step."""
+    if len(compute_s) <= 1:
+        return dict(compute_s)
+    order = sorted(compute_s, key=compute_s.__getitem__)
+    values = [compute_s[r] for r in order]
+    mid, odd = divmod(len(values) - 1, 2)  # of each rank's peers
+    medians = {}
+    for position, rank in enumerate(order):
+        upper = _peer(values, position, mid)
+        medians[rank] = upper if odd else (_peer(values, position, mid - 1) + upper) / 2
+    return medians
+
+
+def _peer(values: list[float], position: int, i: int) -> float:
+    """The i-th smallest of ``values`` (sorted) without the one at ``position``."""
+    return values[i if i < position else i + 1]
 
 
 def slowdowns(compute_s: dict[int, float], medians: Optional[dict[int, float]] = None) -> dict[int, float]:
