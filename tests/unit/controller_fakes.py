@@ -129,7 +129,8 @@ class FakeElastic(SimulatedRecovery):
     """The simulated recovery, every call recorded (``calls``, ``named``)."""
 
     def __init__(self, group: SimulatedGroup, run_dir: Path, **capacity: Any) -> None:
-        super().__init__(group, **capacity)
+        # A lost node takes only the rank that reported it: these tests script one rank's loss.
+        super().__init__(group, whole_nodes=False, **capacity)
         self.run_dir = run_dir
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.incidents_at_reform: list[dict[str, Any]] = []

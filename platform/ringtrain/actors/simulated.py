@@ -104,7 +104,7 @@ class Reformed:
 
 
 class SimulatedGroup:
-    """A dp x cp world of simulated ranks, one node per replica (``actors.protocols.Group``)."""
+    """A dp x cp world of simulated ranks, ``ranks_per_node`` to a node (``actors.protocols.Group``)."""
 
     # One world as far as the records go, no phases timed, no holder actors.
     startup: dict[str, float] = {}
@@ -123,9 +123,11 @@ class SimulatedGroup:
         keep: Optional[int] = None,
         transit: bool = False,
         durations: Durations = Durations(),
+        ranks_per_node: Optional[int] = None,
     ) -> None:
         self.num_params = 7
         self.G, self.dp, self.cp = job.train.global_batch, job.mesh.dp, job.mesh.cp
+        self.ranks_per_node = ranks_per_node or self.cp  # default: a ring on its own node
         self.clock = clock
         self.durations = durations
         self.faults = {step: list(fs) for step, fs in (faults or {}).items()}
@@ -152,7 +154,7 @@ class SimulatedGroup:
     @property
     def infos(self) -> list[WorkerInfo]:
         return [
-            WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu", node_id=f"node-{r // self.cp}")
+            WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu", node_id=f"node-{r // self.ranks_per_node}")
             for r in range(self.dp * self.cp)
         ]
 
@@ -267,7 +269,8 @@ class SimulatedRecovery:
     ``spares``: warm spares at the start; ``free_slots``: room for new workers; from clock time
     ``capacity_from`` on, ``capacity_replicas`` more replicas' worth of workers are free for
     growth; ``warm_polls``: how many ``growth_ready`` polls answer False before the workers
-    started for growth are ready."""
+    started for growth are ready. ``whole_nodes``: a node found gone takes every rank on it, as
+    ``actors.recovery.Recovery.assess`` finds on Ray (off: only the rank that reported it)."""
 
     failure_type = SimulatedStepFailed
 
@@ -280,14 +283,24 @@ class SimulatedRecovery:
         capacity_from: Optional[float] = None,
         capacity_replicas: int = 1,
         warm_polls: int = 0,
+        whole_nodes: bool = True,
     ) -> None:
         self.group = group
+        self.whole_nodes = whole_nodes
         self.spares, self.free_slots = spares, free_slots
         self.capacity_from, self.capacity_replicas, self.warm_polls = capacity_from, capacity_replicas, warm_polls
         self.preparing = 0
 
     def assess(self, failure: SimulatedStepFailed) -> list[RankOutcome]:
-        return list(failure.outcomes)
+        if not self.whole_nodes:
+            return list(failure.outcomes)
+        per_node = self.group.ranks_per_node
+        gone = {o.rank // per_node for o in failure.outcomes if o.outcome is Outcome.DIED and not o.node_alive}
+        return [
+            dataclasses.replace(o, outcome=Outcome.DIED, node_alive=False, error=o.error or "node lost")
+            if o.rank // per_node in gone else o
+            for o in failure.outcomes
+        ]
 
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
         return Capacity(self.spares, self.free_slots)
