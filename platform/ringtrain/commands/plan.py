@@ -8,6 +8,8 @@ input. The check ``ringtrain run`` makes before it launches a job is ``planner.f
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
@@ -16,11 +18,13 @@ from typing import Callable, Optional
 from ringtrain import config
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
-from ringtrain.planner import devices
+from ringtrain.planner import devices, goodput_report
+from ringtrain.planner.failures import PROFILES, profile
+from ringtrain.planner.goodput import MODES, Costs, Job
 from ringtrain.planner.layout import DTYPES, Workload, resolve_dtype, workload_of
 from ringtrain.planner.models import PRESETS, preset
 from ringtrain.planner.plans import Request, job_candidate, plan_text, reach_text, states_plan
-from ringtrain.planner.search import Cluster
+from ringtrain.planner.search import Cluster, search
 from ringtrain.planner.throughput import Assumptions
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -60,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the longest sequence that fits per layout (with the long-context savers), instead of a plan at --seq-len",
     )
+    goodput = parser.add_argument_group("goodput under failures (--goodput; docs/planner.md)")
+    goodput.add_argument("--goodput", action="store_true", help="simulate the job's goodput under failures instead")
+    goodput.add_argument("--failures", default="llama3", help=f"a failure profile ({', '.join(PROFILES)}) or a JSON file of rates")
+    goodput.add_argument("--recovery", default="ringtrain", help=f"how failures are recovered from: {' or '.join(MODES)}")
+    goodput.add_argument("--days", default="30", help="days simulated (default 30)")
+    goodput.add_argument("--seeds", default="5", help="failure timelines simulated per setting (default 5)")
+    goodput.add_argument("--step-s", help="seconds a step takes (default: the planner's estimate for the layout)")
+    goodput.add_argument("--costs", help="JSON file of recovery costs in seconds (planner.goodput.Costs' keys)")
+    goodput.add_argument("--chart", help="write an SVG of goodput against the settings swept to this path")
 
 
 JobLoader = Callable[[Optional[str], list[str]], JobConfig]
@@ -137,7 +150,98 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         global_batch = job.train.global_batch if job is not None else max(1, DEFAULT_GLOBAL_BATCH_TOKENS // seq)
     flash = not args.no_flash and (job is None or job.attention.kernel != "math")
     workload = Workload(model, seq, dtype, flash, optimizer_bytes, global_batch)
+    if args.goodput:
+        return _goodput_text(args, job, workload, request, name if job is not None else str(args.model))
     return plan_text(workload, request, job_candidate(job, workload, request), name)
+
+
+def _goodput_text(args: argparse.Namespace, job: Optional[JobConfig], workload: Workload, request: Request, name: str) -> str:
+    """The job's goodput under failures (``planner.goodput_report``): on the job's own layout
+    when it has --gpus GPUs, else on the planner's best; in ringtrain mode every failure is
+    decided by the Controller itself, replayed on a simulated cluster (``actors.decisions``).
+    A job file's recovery settings (spares, min_dp, snapshot and persist cadence) apply."""
+    if args.recovery not in MODES:
+        raise ConfigError("--recovery", f"{args.recovery!r} is not one of {', '.join(MODES)}")
+    failures = profile(args.failures)
+    days = _positive(args.days, "--days")
+    seeds = _int(args.seeds, "--seeds")
+    costs = _costs(args.costs)
+    own = job_candidate(job, workload, request)
+    picked = own or next((c for c in search(workload, request.cluster, request.assume, micro_batch=request.micro_batch) if c.fits), None)
+    if picked is None:
+        raise ConfigError("--gpus", f"no layout fits {workload.model.name} at {workload.seq_len} tokens on {request.cluster.gpus} GPUs")
+    dp, cp = picked.layout.dp, picked.layout.ring * picked.layout.ulysses
+    step_s = _positive(args.step_s, "--step-s") if args.step_s is not None else picked.step.step_s
+    step_from = "given" if args.step_s is not None else f"the planner's estimate at --mfu {request.assume.mfu:g}"
+    settings = job
+    sim = Job(
+        dp=dp,
+        gpus_per_replica=cp,
+        step_s=step_s,
+        gpus_per_node=request.cluster.gpus_per_node,
+        min_dp=min(settings.mesh.min_dp, dp) if settings else 1,
+        spares=settings.mesh.spares if settings else 0,
+        snapshot_every=settings.checkpoint.snapshot_every if settings else 1,
+        persist_every_s=settings.checkpoint.persist_every * step_s if settings and settings.checkpoint.persist_every else 1800.0,
+        sdc_every_steps=settings.controllers.sdc_every_steps if settings else 100,
+    )
+    decider = None
+    if args.recovery == "ringtrain":
+        from ringtrain.actors.decisions import ControllerDecisions
+
+        decider = ControllerDecisions(_shape_job(settings, dp, cp, workload, request), gpus_per_node=request.cluster.gpus_per_node)
+    done = goodput_report.study(sim, failures, costs, mode=args.recovery, days=days, seeds=seeds, decider=decider)
+    replays = decider.replays if decider is not None else None
+    if args.chart:
+        Path(args.chart).write_text(goodput_report.chart(done) + "\n")
+    if args.json:
+        return json.dumps(goodput_report.record(done, name, step_from, replays), indent=2)
+    text = goodput_report.text(done, name, step_from, replays)
+    return text + (f"\nchart: {args.chart}" if args.chart else "")
+
+
+def _shape_job(job: Optional[JobConfig], dp: int, cp: int, workload: Workload, request: Request) -> JobConfig:
+    """The job the Controller decides for: the job file's settings (or the defaults) on the
+    layout simulated."""
+    base = job or config.JobConfig()
+    shaped = dataclasses.replace(
+        base,
+        mesh=dataclasses.replace(base.mesh, dp=dp, cp=cp, ulysses=1, max_dp=None, min_dp=min(base.mesh.min_dp, dp)),
+        train=dataclasses.replace(base.train, global_batch=workload.global_batch, micro_batch=request.micro_batch),
+    )
+    config.validate(shaped)
+    return shaped
+
+
+def _costs(path: Optional[str]) -> Costs:
+    """Costs() with the keys a JSON file gives (seconds; snapshot_overhead a fraction)."""
+    if path is None:
+        return Costs()
+    known = {f.name for f in dataclasses.fields(Costs)} - {"source"}
+    try:
+        given = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--costs", f"{path}: {exc}") from None
+    unknown = sorted(set(given) - known) if isinstance(given, dict) else ["(not an object)"]
+    if unknown:
+        raise ConfigError("--costs", f"{path}: unknown keys {unknown}; the keys are {', '.join(sorted(known))}")
+    try:
+        values = {k: float(v) for k, v in given.items()}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("--costs", f"{path}: {exc}") from None
+    if any(v < 0 for v in values.values()):
+        raise ConfigError("--costs", f"{path}: costs must be >= 0")
+    return dataclasses.replace(Costs(), **values, source=path)
+
+
+def _positive(value: str, flag: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(flag, f"{value!r} is not a number") from None
+    if not number > 0:
+        raise ConfigError(flag, f"must be > 0 (got {value})")
+    return number
 
 
 def _dtype(value: Optional[str], job: Optional[JobConfig]) -> str:

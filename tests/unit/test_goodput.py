@@ -1,0 +1,186 @@
+"""Goodput under failures (planner.goodput, actors.decisions, `ringtrain plan --goodput`): the
+timeline against first-order formulas for the same job, the Controller's decisions on the
+simulated cluster against those the Controller's own tests and the Ray tier's chaos runs
+assert, and the command's output and errors."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ringtrain import cli, config
+from ringtrain.actors.decisions import ControllerDecisions
+from ringtrain.planner.failures import LLAMA3, META_RSC, FailureProfile
+from ringtrain.planner.goodput import Costs, Job, Recovery, simulate
+
+HOUR = 3600.0
+
+
+def only(kind: str, mtbf_h: float, gpus: int) -> FailureProfile:
+    """Failures of one ``kind``, one every ``mtbf_h`` hours on ``gpus`` GPUs."""
+    return FailureProfile(kind, "test", {kind: 1.0 / (mtbf_h * gpus)})
+
+
+class Replace:
+    """A decider that always seats warm spares (one per GPU lost) and never shrinks."""
+
+    def recover(self, kind: str, *, dp: int, spares: int, free_gpus: int) -> Recovery:
+        return Recovery("replace", dp, 0, 0)
+
+    def grow_to(self, *, dp: int, free_gpus: int) -> int:
+        return dp
+
+
+def test_the_llama3_profile_gives_its_419_interruptions_in_54_days_on_16384_gpus() -> None:
+    assert 54 * 24 / LLAMA3.mtbf_h(16_384) == pytest.approx(419)
+    assert LLAMA3.per_gpu_hour["device"] / LLAMA3.total_per_gpu_hour == pytest.approx(0.573)
+    # 6.50 failures per 1,000 node-days of 8 GPUs
+    assert 1000 * 8 * 24 / META_RSC.mtbf_h(1) == pytest.approx(6.50)
+
+
+def test_restart_mode_matches_the_first_order_model() -> None:
+    """Lost per failure: detection, the restart, the step in flight and, on average, half a
+    checkpoint interval; and one blocking save per interval (Young 1974's terms)."""
+    job = Job(dp=64, gpus_per_replica=8, step_s=10.0, persist_every_s=1800.0)
+    costs = Costs(detect_s=20.0, restart_s=600.0, save_s=30.0)
+    mtbf_s = 10 * HOUR
+    runs = [simulate(job, only("device", 10, job.gpus), costs, mode="restart", days=60, seed=s) for s in range(40)]
+    saving = costs.save_s / (job.persist_every_s + costs.save_s)
+    per_failure = costs.detect_s + costs.restart_s + job.step_s / 2 + job.persist_every_s / 2
+    # Failures strike only while the job trains: one every mtbf of training time.
+    expected = (1 - saving) * mtbf_s / (mtbf_s + per_failure)
+    assert statistics.fmean(r.ettr for r in runs) == pytest.approx(expected, abs=0.003)
+    assert sum(r.lost_s["checkpoints"] for r in runs) > 0 and all(r.lost_s["shrunk"] == 0 for r in runs)
+
+
+def test_ringtrain_mode_with_spares_matches_the_first_order_model() -> None:
+    """Per failure: detection, a re-form, the step in flight and half the steps between
+    snapshots; every snapshot makes its step snapshot_overhead longer."""
+    job = Job(dp=64, gpus_per_replica=8, step_s=30.0, spares=8, snapshot_every=16)
+    costs = Costs(detect_s=20.0, reform_s=120.0, snapshot_overhead=0.05)
+    mtbf_s = 5 * HOUR
+    runs = [simulate(job, only("device", 5, job.gpus), costs, mode="ringtrain", days=60, seed=s, decider=Replace()) for s in range(40)]
+    snapshots = costs.snapshot_overhead / (job.snapshot_every + costs.snapshot_overhead)
+    per_failure = costs.detect_s + costs.reform_s + job.step_s / 2 + job.step_s * (job.snapshot_every - 1) / 2
+    expected = (1 - snapshots) * mtbf_s / (mtbf_s + per_failure)
+    assert statistics.fmean(r.ettr for r in runs) == pytest.approx(expected, abs=0.003)
+
+
+def test_a_shrunk_job_trains_slower_until_repaired_gpus_grow_it_back() -> None:
+    class Shrink(Replace):
+        def recover(self, kind: str, *, dp: int, spares: int, free_gpus: int) -> Recovery:
+            return Recovery("shrink", dp - 1, 0, 0)
+
+        def grow_to(self, *, dp: int, free_gpus: int) -> int:
+            return dp + free_gpus // 8
+
+    job = Job(dp=4, gpus_per_replica=8, step_s=10.0)
+    costs = Costs(repair_s=2 * HOUR)
+    run = simulate(job, only("node", 24, job.gpus), costs, mode="ringtrain", days=30, seed=0, decider=Shrink())
+    assert run.actions["shrink"] == run.actions["grow"] or run.actions["shrink"] == run.actions["grow"] + 1
+    # A quarter of the job is gone for each repair's two hours, give or take the last one.
+    shrunk_h = run.lost_s["shrunk"] / HOUR
+    assert shrunk_h == pytest.approx(run.actions["shrink"] * 2 / 4, rel=0.15)
+
+
+def job_config(dp: int, cp: int, *, min_dp: int = 1, global_batch: int = 0) -> config.JobConfig:
+    job = config.JobConfig(
+        mesh=config.MeshConfig(dp=dp, cp=cp, min_dp=min_dp),
+        train=config.TrainConfig(global_batch=global_batch or 2 * dp, steps=10),
+    )
+    config.validate(job)
+    return job
+
+
+@pytest.mark.parametrize(
+    "kind, spares, free, min_dp, expected",
+    [
+        # A crash with a warm spare: the spare takes the seat (test_elastic's killed worker).
+        ("device", 1, 0, 1, Recovery("replace", 4, 1, 0)),
+        # No spare: the replica goes, to the largest dp the global batch allows (8 / 3 is not whole).
+        ("device", 0, 0, 1, Recovery("shrink", 2, 0, 0)),
+        # At min_dp, an idle GPU starts a new worker; with none the run cannot go on.
+        ("device", 0, 1, 4, Recovery("replace", 4, 0, 0)),
+        ("device", 0, 0, 4, Recovery("abort", 4, 0, 0)),
+        # A lost node takes both ranks on it: one spare is not enough (test_elastic's lost node).
+        ("node", 1, 0, 1, Recovery("shrink", 2, 0, 0)),
+        ("node", 2, 0, 1, Recovery("replace", 4, 2, 0)),
+        # A software error rolls back in place; a corrupt device is evicted after its scan, the
+        # step it corrupted redone (test_hangs_sdc's bitflip).
+        ("software", 0, 0, 1, Recovery("rollback", 4, 0, 0)),
+        ("sdc", 1, 0, 1, Recovery("replace", 4, 1, 1)),
+    ],
+)
+def test_the_controller_decides_as_its_own_tests_and_the_chaos_runs_expect(
+    kind: str, spares: int, free: int, min_dp: int, expected: Recovery
+) -> None:
+    decisions = ControllerDecisions(job_config(4, 2, min_dp=min_dp), gpus_per_node=2)
+    assert decisions.recover(kind, dp=4, spares=spares, free_gpus=free) == expected
+
+
+def test_decisions_are_replayed_once_per_state_that_can_change_them() -> None:
+    decisions = ControllerDecisions(job_config(4, 2), gpus_per_node=2)
+    first = decisions.recover("device", dp=4, spares=5, free_gpus=9)
+    assert decisions.recover("device", dp=4, spares=2, free_gpus=2) == first  # both past a node's 2 GPUs
+    assert decisions.replays == 1
+    assert decisions.grow_to(dp=2, free_gpus=4) == 4 and decisions.grow_to(dp=2, free_gpus=2) == 2  # 3 does not divide 8
+
+
+def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", "--model", "llama3-8b", "--seq-len", "8192", "--gpus", "64", "--goodput", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_goodput_prints_the_ettr_its_spread_and_the_best_settings(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    chart = tmp_path / "goodput.svg"
+    code, out, _ = plan(capsys, "--days", "3", "--seeds", "2", "--chart", str(chart))
+    assert code == 0
+    assert "recovery: ringtrain (the Controller's own decisions" in out and "over seeds" in out
+    assert "best setting:" in out and "GPU-hours lost per run" in out
+    svg = ET.fromstring(chart.read_text())
+    assert len([e for e in svg.iter() if e.tag.endswith("polyline")]) == 5  # a line per spares count
+
+
+def test_plan_goodput_json_holds_the_ettr_and_the_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = plan(capsys, "--days", "3", "--seeds", "2", "--recovery", "restart", "--json")
+    assert code == 0
+    record: dict[str, Any] = json.loads(out)
+    assert 0 < record["ettr"] <= 1 and record["mode"] == "restart" and record["controller_replays"] is None
+    assert set(record["given"]["lost_gpu_hours"]) >= {"detection", "recovery", "recomputation", "checkpoints"}
+    assert record["best"]["goodput"] >= record["given"]["goodput"] - 1e-12 or record["best"] == record["swept"][0]
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--recovery", "pray"], "--recovery"),
+        (["--failures", "nowhere.json"], "--failures"),
+        (["--days", "0"], "--days"),
+        (["--seeds", "none"], "--seeds"),
+        (["--step-s", "-1"], "--step-s"),
+    ],
+)
+def test_bad_goodput_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], args: list[str], flag: str) -> None:
+    code, _, err = plan(capsys, *args)
+    assert code == 2 and flag in err and "Traceback" not in err
+
+
+def test_a_failures_or_costs_file_names_what_is_wrong(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"per_gpu_hour": {"gpu": 1e-5}}))
+    code, _, err = plan(capsys, "--failures", str(rates))
+    assert code == 2 and "unknown kinds ['gpu']" in err
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"reform_seconds": 60}))
+    code, _, err = plan(capsys, "--costs", str(costs))
+    assert code == 2 and "unknown keys ['reform_seconds']" in err
+    rates.write_text(json.dumps({"per_gpu_hour": {"device": 1e-5}, "source": "our fleet"}))
+    costs.write_text(json.dumps({"reform_s": 60}))
+    code, out, _ = plan(capsys, "--failures", str(rates), "--costs", str(costs), "--days", "2", "--seeds", "1")
+    assert code == 0 and "our fleet" in out and "reform_s 60" in out
