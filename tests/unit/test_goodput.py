@@ -88,6 +88,26 @@ def test_a_shrunk_job_trains_slower_until_repaired_gpus_grow_it_back() -> None:
     assert shrunk_h == pytest.approx(run.actions["shrink"] * 2 / 4, rel=0.15)
 
 
+def test_failures_strike_at_the_rate_of_the_gpus_at_work_through_shrinks_and_grows() -> None:
+    """A shrunk job fails less often, and as often as before once grown back: a failure drawn
+    while it was small must not outlast the grow."""
+
+    class HalveAndRegrow(Replace):
+        def recover(self, kind: str, *, dp: int, spares: int, free_gpus: int) -> Recovery:
+            return Recovery("shrink", dp // 2, 0, 0)
+
+        def grow_to(self, *, dp: int, free_gpus: int) -> int:
+            return 2 * dp if free_gpus >= 8 * dp else dp  # back once the failed GPU is repaired
+
+    job = Job(dp=4, gpus_per_replica=8, step_s=10.0)
+    costs = Costs(repair_s=0.5 * HOUR)
+    runs = [simulate(job, only("device", 12, job.gpus), costs, mode="ringtrain", days=30, seed=s, decider=HalveAndRegrow()) for s in range(100)]
+    # Up time at full size counts whole, at half size half: up time less the "shrunk" loss.
+    down = ("detection", "recovery", "recomputation", "resizes")
+    expected = [(r.wall_s - sum(r.lost_s[c] for c in down) - r.lost_s["shrunk"]) / (12 * HOUR) for r in runs]
+    assert statistics.fmean(sum(r.failures.values()) for r in runs) == pytest.approx(statistics.fmean(expected), rel=0.05)
+
+
 def job_config(dp: int, cp: int, *, min_dp: int = 1, global_batch: int = 0) -> config.JobConfig:
     job = config.JobConfig(
         mesh=config.MeshConfig(dp=dp, cp=cp, min_dp=min_dp),

@@ -174,8 +174,10 @@ class _Run:
                 self.lost["aborted"] += self.end_s - self.t
                 self.t = self.end_s
                 break
-            if next_failure <= self.t:  # drawn after the job is back: a failure needs GPUs at work
-                next_failure = self._draw_failure()
+            # Drawn again after every event, from the job's GPUs at work now (the draw is
+            # memoryless): a grow or a shrink changes the rate, and a failure needs GPUs at work,
+            # so none strikes while the job is down.
+            next_failure = self._draw_failure()
         return Outcome(self.end_s, self.kept, self.lost, self.job.gpus, self.job.spares, self.failures, self.actions)
 
     def _draw_failure(self) -> float:

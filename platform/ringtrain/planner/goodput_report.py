@@ -117,9 +117,9 @@ def text(s: Study, name: str, step_from: str, replays: Optional[int]) -> str:
     expected = s.days * 24 / s.profile.mtbf_h(j.gpus)
     lines = [
         f"goodput: {name} on {j.gpus:,} GPUs (dp {j.dp} x {j.gpus_per_replica} GPUs a replica), "
-        f"step {j.step_s:g} s ({step_from}), {s.days:g} days, {s.seeds} seeds",
+        f"step {j.step_s:.3g} s ({step_from}), {s.days:g} days, {s.seeds} seeds",
         f"failures: {s.profile.name}, one every {s.profile.mtbf_h(j.gpus):.2f} h on these GPUs "
-        f"({expected:.0f} in {s.days:g} days): {s.profile.source}",
+        f"({expected:.1f} in {s.days:g} days): {s.profile.source}",
         f"recovery: {s.mode}"
         + (f" (the Controller's own decisions, {replays} replayed on a simulated cluster)" if replays is not None else
            " (every failure restarts the job from its last durable checkpoint)"),
