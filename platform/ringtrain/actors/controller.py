@@ -318,7 +318,7 @@ class Controller(Watches):
             self._write_layout()
         if grow_to is not None:
             return Resizing(f"capacity for dp {grow_to} is ready", step=step, new_dp=grow_to)
-        return Training("", step=step + 1)
+        return Training(f"step {step} done", step=step + 1)
 
     # --- recovery ------------------------------------------------------------------------
 

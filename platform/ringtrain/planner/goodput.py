@@ -250,9 +250,10 @@ class _Run:
         self._count(decided.action)
         if decided.action == "abort":
             return False
-        redone = decided.lost_steps + (self.rng.randrange(j.snapshot_every) if decided.action != "report" else 0)
         if kind == "sdc":  # found at the next probe round, then back to the last clean one
-            redone += self.rng.randint(1, j.sdc_every_steps)
+            redone = self.rng.randint(1, j.sdc_every_steps)  # the replay probed every step; the job does not
+        else:  # back to the newest snapshot: the replay's world took one every step
+            redone = decided.lost_steps + self.rng.randrange(j.snapshot_every)
         self._down("detection", c.detect_s)
         self._down("recovery", c.rollback_s if decided.action == "rollback" else c.reform_s)
         self._down("recomputation", in_flight + redone * step_s)
