@@ -184,6 +184,7 @@ def test_plan_goodput_json_holds_the_ettr_and_the_breakdown(capsys: pytest.Captu
         (["--days", "0"], "--days"),
         (["--seeds", "none"], "--seeds"),
         (["--step-s", "-1"], "--step-s"),
+        (["--max-seq-len"], "--goodput"),
     ],
 )
 def test_bad_goodput_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], args: list[str], flag: str) -> None:

@@ -108,6 +108,8 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         raise ConfigError("--model", f"give exactly one of a job file, --model or --params (got {which})")
     if args.overrides and not args.job:
         raise ConfigError(args.overrides[0], "key=value overrides apply to a job file; give one first")
+    if args.goodput and (args.params or args.max_seq_len):
+        raise ConfigError("--goodput", "simulates a job on a layout: give a job file or --model, without --params or --max-seq-len")
     job = load_job(args.job, args.overrides) if args.job else None
 
     device = devices.device(args.gpu_type)
