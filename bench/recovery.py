@@ -53,6 +53,12 @@ ringtrain: ``python -m ringtrain run <job.yaml> key=value ...`` on an embedded R
   steps before the event and against the ``clean`` run (same settings, no fault), which also
   counts false straggler reports.
 
+Simulated: each ``warm_spare`` and ``cold_replace`` run is replayed on the simulated cluster
+(``actors.simulated``) by the Controller itself, with the run's kills (step, rank), its mean step
+time and its kills' mean detection and recovery; the goodput it predicts is held against the
+run's own from its first step's start to its last step's end (no start-up, no stop), and its
+lost steps against the redone steps measured, kill by kill.
+
 The victim's pid comes from ``<run_dir>/workers.json``, read at every kill; step records from
 ``metrics.jsonl``, incidents from ``incidents/*.json``, the outcome from ``summary.json``. A run
 has ``--steps`` as its schedule but is stopped by SIGTERM (``summary.json``: ``stopped``)
@@ -72,7 +78,9 @@ Writes bench/results/recovery-cpu.json.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import os
 import random
 import shutil
@@ -736,7 +744,71 @@ def watch_ringtrain(args: argparse.Namespace, scenario: str, proc: subprocess.Po
     if scenario == "clean":
         out["clean_step_s"] = median_or_none(step_gaps(records, 4, out["last_step"]))
         out["false_straggler_reports"] = sum(i.get("kind") == "straggler" for i in incidents)
+    simulated = simulated_run(args, scenario, {**out, "records": records, "num_records": len(records)}, summary)
+    if simulated is not None:
+        out["simulated"] = simulated
     return out
+
+
+# --- the same run on the simulated cluster --------------------------------------------------------
+
+# One failure at a time, at one data-parallel size: the simulated group's step takes the same time
+# at any dp, so a shrink's slower steps at dp 1 are not predicted.
+PREDICTED_SCENARIOS = ("warm_spare", "cold_replace")
+
+
+def training_goodput(records: Records, train_time_s: float) -> Optional[float]:
+    """Kept step time over the wall time from the first step's start to the last step's end: the
+    run's goodput less its start-up and its stop, which a simulated run has not."""
+    if not records:
+        return None
+    begin = done_at(records[0]) - records[0]["step_time_s"]
+    return train_time_s / (max(done_at(r) for r in records) - begin)
+
+
+def simulated_run(args: argparse.Namespace, scenario: str, out: dict[str, Any], summary: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The run replayed on the simulated cluster (``actors.simulated``) by the Controller,
+    unchanged: its kills at the steps and ranks they struck, its mean step time, and each kill's
+    measured detection (from the failed step's start) and recovery (to the next step's start).
+    Returns the goodput and lost steps it predicts beside the measured ones."""
+    from ringtrain import config
+    from ringtrain.actors.controller import Controller
+    from ringtrain.actors.simulated import Clock, Durations, Fault, SimulatedGroup, SimulatedRecovery
+    from ringtrain.telemetry.progress import Progress
+    from ringtrain.telemetry.rundir import RunDir
+
+    kills = out["kills"]
+    if scenario not in PREDICTED_SCENARIOS or not out.get("finished") or not kills or "train_time_s" not in summary:
+        return None
+    if any(k.get("detect_s") is None or k.get("recover_s") is None for k in kills):
+        return None
+    kept = out["num_records"]
+    step_s = summary["train_time_s"] / kept
+    durations = Durations(
+        step_s=step_s,
+        detect_s=statistics.fmean(k["fraction"] * step_s + k["detect_s"] for k in kills),
+        recover_s=statistics.fmean(max(0.0, k["recover_s"] - step_s) for k in kills),
+    )
+    job = config.load(None, [*workload(args), *scenario_overrides(scenario), f"train.steps={out['last_step']}",
+                             f"controllers.max_recoveries={MAX_RECOVERIES}", "controllers.sdc_every_steps=0"])
+    faults = {k["after_step"] + 1: [Fault("crash", k["rank"])] for k in kills}
+    clock = Clock()
+    group = SimulatedGroup(job, clock, faults, durations=durations)
+    # The bench kills again only once the run is back at full strength, its spare warm again; a
+    # cold replacement starts in the dead worker's own slot.
+    recovery = SimulatedRecovery(group, spares=job.mesh.spares, free_slots=WORLD, replenish=True)
+    with tempfile.TemporaryDirectory(prefix="rtb-sim-") as scratch:
+        quiet = Progress(job.train.steps, enabled=False, out=io.StringIO())
+        sim = Controller(job, group, RunDir(Path(scratch)), progress=quiet, elastic=recovery, clock=clock).run()
+    measured = training_goodput(out["records"], summary["train_time_s"])
+    return {
+        "durations": {"step_s": durations.step_s, "detect_s": durations.detect_s, "recover_s": durations.recover_s},
+        "goodput": sim["goodput"], "measured_goodput": measured,
+        "goodput_ratio": sim["goodput"] / measured if measured else None,
+        "lost_steps": [r["lost_steps"] for r in sim["recoveries"]],
+        "measured_lost_steps": [k["redone_steps"] for k in kills],
+        "actions": [r["action"] for r in sim["recoveries"]], "measured_actions": [k.get("action") for k in kills],
+    }
 
 
 def run_ringtrain(args: argparse.Namespace, scenario: str, rng: random.Random) -> dict[str, Any]:
@@ -903,6 +975,19 @@ def targets(results: dict[str, dict[str, Any]]) -> Records:
              ">=", dr["num_kills_planned"], False),
             ("double_restore: redone steps max", dr["redone_steps"]["max"], "<=", 0, False),
         ]
+    for name in PREDICTED_SCENARIOS:
+        sims = [run.get("simulated") for run in results.get(name, {}).get("runs", [])]
+        if name not in results:
+            continue
+        if not all(sims):  # a run the simulation could not replay (unfinished, a kill unmatched) fails both
+            rows += [(f"{name}: simulated goodput / measured, off by", None, "<=", 0.1, True),
+                     (f"{name}: kills whose simulated lost steps differ from the measured", None, "<=", 0, True)]
+            continue
+        off = max(abs(sim["goodput_ratio"] - 1) if sim["goodput_ratio"] else math.inf for sim in sims)
+        differ = sum(a != b for sim in sims for a, b in zip(sim["lost_steps"], sim["measured_lost_steps"]))
+        differ += sum(len(sim["lost_steps"]) != len(sim["measured_lost_steps"]) for sim in sims)
+        rows += [(f"{name}: simulated goodput / measured, off by", off, "<=", 0.1, False),
+                 (f"{name}: kills whose simulated lost steps differ from the measured", differ, "<=", 0, False)]
     out = []
     for name, value, op, bound, missed in rows:
         ok = None if value is None or bound is None else {"<=": value <= bound, "<": value < bound, ">=": value >= bound}[op]
@@ -954,6 +1039,14 @@ def report(results: dict[str, dict[str, Any]], ratios: dict[str, Optional[float]
         c = results["clean"]
         lines.append(f"clean: {c['steps']} steps, step time p50 {fmt(c['clean_step_s'], spec='.3f')} s, "
                      f"{c['false_straggler_reports']} straggler reports")
+    for name in PREDICTED_SCENARIOS:
+        for i, run in enumerate(results.get(name, {}).get("runs", [])):
+            sim = run.get("simulated")
+            if sim:
+                lines.append(f"{name} run {i} simulated: goodput {fmt(sim['goodput'], spec='.3f')} against "
+                             f"{fmt(sim['measured_goodput'], spec='.3f')} measured (x{fmt(sim['goodput_ratio'], spec='.3f')}); "
+                             f"lost steps {sim['lost_steps']} against {sim['measured_lost_steps']}; "
+                             f"actions {sim['actions']}")
     if "torchrun" in results:
         tr = results["torchrun"]
         lines.append(f"torchrun: {tr['restarts']} restarts; after the kill (p50): rank 0 respawned "

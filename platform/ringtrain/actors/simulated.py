@@ -270,7 +270,9 @@ class SimulatedRecovery:
     ``capacity_from`` on, ``capacity_replicas`` more replicas' worth of workers are free for
     growth; ``warm_polls``: how many ``growth_ready`` polls answer False before the workers
     started for growth are ready. ``whole_nodes``: a node found gone takes every rank on it, as
-    ``actors.recovery.Recovery.assess`` finds on Ray (off: only the rank that reported it)."""
+    ``actors.recovery.Recovery.assess`` finds on Ray (off: only the rank that reported it).
+    ``replenish``: after a recovery the warm spares are made whole at once, as on a cluster with
+    room for them once their warm-up is done (off: spares seated are gone)."""
 
     failure_type = SimulatedStepFailed
 
@@ -284,9 +286,11 @@ class SimulatedRecovery:
         capacity_replicas: int = 1,
         warm_polls: int = 0,
         whole_nodes: bool = True,
+        replenish: bool = False,
     ) -> None:
         self.group = group
         self.whole_nodes = whole_nodes
+        self.replenish = replenish
         self.spares, self.free_slots = spares, free_slots
         self.capacity_from, self.capacity_replicas, self.warm_polls = capacity_from, capacity_replicas, warm_polls
         self.preparing = 0
@@ -339,7 +343,8 @@ class SimulatedRecovery:
         return range(batch * g.G, (batch + 1) * g.G)
 
     def replenish_spares(self, target: int) -> None:
-        pass
+        if self.replenish:
+            self.spares = max(self.spares, target)
 
     def spares_changed(self) -> bool:
         return False
