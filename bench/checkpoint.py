@@ -265,7 +265,7 @@ def measure_blocks(group: Any, args: argparse.Namespace) -> tuple[list[dict[str,
         cpu0 = cluster_cpu_s()
         for i in range(args.steps):
             t0 = time.perf_counter()
-            reports = group.train_step()
+            reports = group.train_step().reports_or_raise()
             if i == args.steps - 1:
                 on_every(group, _drain)
             steps.append({"block": block, "on": on, "step": reports[0].step, "wall_s": time.perf_counter() - t0,
@@ -318,7 +318,7 @@ def measure_persist(group: Any, job: Any, step: int, args: argparse.Namespace, t
 def measure_restore(group: Any, step: int, args: argparse.Namespace) -> dict[str, Any]:
     """Restore ``step`` from the holders after one more step moved the state on."""
     on_every(group, _keep_parameters)
-    group.train_step()
+    group.train_step().reports_or_raise()
     moved = max(on_every(group, _parameter_diff))
     nodes = list(group.holders)
     own = [group.infos[rank].node_id for rank in range(len(group.workers))]
@@ -353,14 +353,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for on in (True, False):  # allocator, gloo buffers, the snapshots' host buffers
                 on_every(group, _set_snapshots, on)
                 for _ in range(args.warmup):
-                    group.train_step()
+                    group.train_step().reports_or_raise()
                 on_every(group, _drain)
             load = OutsideLoad()
             load.start()
             steps, blocks = measure_blocks(group, args)
             machine_load = load.stop()
             delivered = on_every(group, _delivered)
-            group.train_step()  # a step whose snapshot every holder has
+            group.train_step().reports_or_raise()  # a step whose snapshot every holder has
             step = steps[-1]["step"] + 1
             holders = check_holders(group, step)
             persist = measure_persist(group, job, step, args, Path(tmp))

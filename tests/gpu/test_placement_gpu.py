@@ -131,7 +131,7 @@ def test_a_job_with_one_rank_per_gpu_trains(cluster: bool) -> None:
         group.start()
         assert len(group.infos) == NUM_GPUS
         for _ in range(2):
-            reports = group.train_step()
+            reports = group.train_step().reports_or_raise()
             assert len(reports) == NUM_GPUS
             assert len({r.loss for r in reports}) == 1, [r.loss for r in reports]  # one world, one mean loss
     finally:

@@ -71,7 +71,7 @@ def test_snapshots_survive_a_killed_worker_on_its_node_and_a_buddy_node(two_node
         nodes = [i.node_id for i in group.infos]
         assert group.holders_by_rank == [[group.holders[own], group.holders[other]] for own, other in (nodes, nodes[::-1])]
         for _ in range(2):
-            group.train_step()
+            group.train_step().reports_or_raise()
         ray.get(group.snapshot_refs(2))  # step 2 is finished (and so handed to the holders)
         assert group.safe_through(wait_s=30) == 2  # both holders, asked, say they have it
 

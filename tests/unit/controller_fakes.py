@@ -16,8 +16,8 @@ from ringtrain import config
 from ringtrain.actors.controller import Controller
 from ringtrain.actors.simulated import (  # noqa: F401  (the tests import these from here)
     ERROR_FRAME, UNIX0, Clock, Corruption, Durations, Fault, Reformed, SimulatedGroup, SimulatedRecovery,
-    SimulatedStepFailed,
 )
+from ringtrain.actors.steps import StepResult
 from ringtrain.policies.faults import Capacity, RankOutcome
 from ringtrain.errors import WorkerError
 from ringtrain.status import StepReport, WorkerInfo
@@ -47,18 +47,18 @@ class ScriptedGroup:
     def start(self) -> None:
         pass
 
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
         self.step += 1
         if self.step == self.fail_at and self.failure == "died":
             raise WorkerError(1, "h", "worker process died", kind="died")
         bad = self.step == self.fail_at and self.failure == "nan"
         loss = math.nan if bad else 5.0 / self.step
-        return [
+        return StepResult(reports=tuple(
             StepReport(step=self.step, rank=r, loss=loss, local_loss=math.nan if bad and r == 1 else 5.0,
                        lr=1e-3, grad_norm=1.0, num_tokens=64, step_time_s=0.01, samples=(self.step,) if r == 0 else (),
                        probes={"gemm": "good"} if probe else None)
             for r in range(2)
-        ]
+        ))
 
     def safe_through(self, wait_s: float = 0.0) -> int:
         return self.step
@@ -138,7 +138,7 @@ class FakeElastic(SimulatedRecovery):
     def named(self, method: str) -> list[dict[str, Any]]:
         return [kwargs for name, kwargs in self.calls if name == method]
 
-    def assess(self, failure: SimulatedStepFailed) -> list[RankOutcome]:
+    def assess(self, failure: StepResult) -> list[RankOutcome]:
         self.calls.append(("assess", {}))
         return super().assess(failure)
 

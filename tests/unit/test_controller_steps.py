@@ -4,6 +4,7 @@ stop_at_step, a failed step without recovery, a bug in the group. No Ray, no tor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -11,10 +12,10 @@ from typing import Callable, Optional
 import pytest
 
 from ringtrain.actors.controller import Controller
-from ringtrain.status import StepReport
+from ringtrain.actors.steps import StepResult
 from ringtrain.telemetry.rundir import RunDir
 
-from tests.unit.controller_fakes import Clock, ElasticGroup, FakeElastic, RecordingPersister, ScriptedGroup, elastic_job, job
+from tests.unit.controller_fakes import Clock, ElasticGroup, FakeElastic, Fault, RecordingPersister, ScriptedGroup, elastic_job, job
 
 
 def test_a_clean_run_finishes_and_persists_on_cadence(tmp_path: Path) -> None:
@@ -58,7 +59,7 @@ def test_a_failed_step_records_an_incident_and_fails_the_run(tmp_path: Path, fai
 
 
 class BrokenGroup(ElasticGroup):
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
         if self.step == 2:
             raise RuntimeError("a bug in the group")
         return super().train_step()
@@ -76,3 +77,17 @@ def test_an_unexpected_exception_still_leaves_a_summary(tmp_path: Path) -> None:
     assert group.shut_down
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["status"], summary["final_step"]) == ("failed", 2)
+
+
+def test_a_step_result_is_frozen_and_a_failed_one_without_recovery_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
+    job = elastic_job()
+    clock = Clock()
+    group = ElasticGroup(job, clock, faults={3: [Fault("crash", 1)]})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        StepResult().reports = ()  # type: ignore[misc]
+
+    summary = Controller(job, group, RunDir(tmp_path), clock=clock).run()
+
+    assert (summary["status"], summary["final_step"]) == ("failed", 2)
+    assert summary["error"] == "rank 1 on h: worker process of ranks [1] died"
+    assert summary["incidents"] == [{"id": 1, "kind": "crash", "ranks": [1], "step": 3}]

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
+from ringtrain.actors.steps import StepResult
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.telemetry.report import write_report
@@ -48,10 +49,10 @@ class EvaluatingGroup:
     def safe_through(self, wait_s: float = 0.0) -> int:
         return self.step
 
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
         self.step += 1
-        return [StepReport(step=self.step, rank=0, loss=1.0, local_loss=1.0, lr=1e-3, grad_norm=1.0,
-                           num_tokens=8, step_time_s=0.01, samples=(self.step,))]
+        return StepResult(reports=(StepReport(step=self.step, rank=0, loss=1.0, local_loss=1.0, lr=1e-3, grad_norm=1.0,
+                           num_tokens=8, step_time_s=0.01, samples=(self.step,)),))
 
     def evaluate(self, evalset: EvalSet, bucket_tokens: int) -> LossTally:
         self.evaluated_after.append(self.step)

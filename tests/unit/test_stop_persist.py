@@ -24,7 +24,7 @@ from ringtrain.actors.persister import Persisted, Persister
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.lease import Holder, WriterLease
 from ringtrain.errors import ConfigError
-from ringtrain.status import StepReport
+from ringtrain.actors.steps import StepResult
 from ringtrain.telemetry.progress import Progress
 from ringtrain.telemetry.rundir import RunDir
 from tests.lease_checks import Clock
@@ -42,11 +42,12 @@ class SnapshottingGroup(ScriptedGroup):
         self.stop_at = stop_at
         self.before_step = lambda step: None
 
-    def train_step(self, probe: bool = False, on_safe: Any = None) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Any = None) -> StepResult:
         self.before_step(self.step + 1)
         if self.step + 1 == self.stop_at:
             raise KeyboardInterrupt
-        return [dataclasses.replace(r, snapshot_taken=True) for r in super().train_step(probe, on_safe)]
+        taken = tuple(dataclasses.replace(r, snapshot_taken=True) for r in super().train_step(probe, on_safe).reports)
+        return StepResult(reports=taken)
 
 
 class LocalPersister(Persister):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from ringtrain.actors.steps import StepResult
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.policies.faults import Action, Capacity, Failure, Kind, decide
 from ringtrain.policies.stragglers import StragglerWatch, peer_medians, slowdowns
@@ -101,11 +102,13 @@ class SlowGroup(ElasticGroup):
         super().__init__(*args, **kwargs)
         self.slow, self.from_step = slow, from_step
 
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
-        reports = super().train_step(probe, on_safe)
-        step = reports[0].step
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
+        result = super().train_step(probe, on_safe)
+        if result.failed:
+            return result
+        step = result.reports[0].step
         slow = self.slow if self.slow is not None and step >= self.from_step else None
-        return [dataclasses.replace(r, compute_s=0.3 if r.rank == slow else 0.1) for r in reports]
+        return StepResult(reports=tuple(dataclasses.replace(r, compute_s=0.3 if r.rank == slow else 0.1) for r in result.reports))
 
     def restore_to(self, newest: int) -> int:
         self.slow = None  # evicted: a fast worker sits there now

@@ -23,13 +23,14 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence
 
 from ringtrain import metrics
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
-from ringtrain.actors.protocols import Durable, Elastic, Group, Sink, StepFailure
+from ringtrain.actors.protocols import Durable, Elastic, Group, Sink
 from ringtrain.actors.runbook import HeldRecord
+from ringtrain.actors.steps import StepResult
 from ringtrain.actors.states import (
     ALLOWED, Failed, Finished, Recovering, Resizing, Restoring, Starting, State, Stopped, Stopping, Training,
 )
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 
 # What each kind of worker failure is called in incidents.
 _WORKER_FAILURE_KINDS = {"died": "crash", "error": "crash", "timeout": "hang"}
+# A failed step's kind as the WorkerError that ends a run without recovery.
+_FAILURE_ERROR_KINDS = {Kind.CRASH: "died", Kind.NODE_LOST: "died", Kind.HANG: "timeout", Kind.ERROR: "error"}
 # The kind of the incident a lost writer lease raises: not a fault of the training, which the
 # policies never see; training goes on without durable checkpoints.
 DURABLE_INCIDENT = "checkpoint"
@@ -273,23 +276,14 @@ class Controller(Watches):
         t0 = self.clock()
         probe = self._scan_due(step)
         try:
-            reports = self.group.train_step(probe=probe, on_safe=self._safe)
-        except WorkerError as exc:  # a group without recovery reports a failed step this way
+            result = self.group.train_step(probe=probe, on_safe=self._safe)
+        except WorkerError as exc:  # a group that cannot tell how each rank ended raises this
             kind = _WORKER_FAILURE_KINDS.get(exc.kind, "crash")
             self._incident(kind, (exc.rank,), step, t0, reason=str(exc))
             raise
-        except Exception as exc:
-            if self.elastic is None or not isinstance(exc, self.elastic.failure_type):
-                raise
-            failed = cast(StepFailure, exc)
-            outcomes = self.elastic.assess(failed)
-            failure = classify(outcomes) or Failure(Kind.ERROR, (), str(exc))
-            # How each rank's step ended: the evidence behind the classification.
-            evidence: dict[str, Any] = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
-            if getattr(failed, "verdict", None):
-                evidence["hang"] = failed.verdict
-                self.observers.on_count(metrics.HANG_VERDICTS, 1)
-            return Recovering(failure.reason, failure, step, t0, failed.seen_at, failed.seen_unix, verdict=evidence)
+        if result.failed:
+            return self._step_failed(result, step, t0)
+        reports = list(result.reports)
         wall = self.clock() - t0
         nan = non_finite({r.rank: r.local_loss for r in reports}, step) if not math.isfinite(reports[0].loss) else None
         if nan is not None:
@@ -319,6 +313,25 @@ class Controller(Watches):
         if grow_to is not None:
             return Resizing(f"capacity for dp {grow_to} is ready", step=step, new_dp=grow_to)
         return Training(f"step {step} done", step=step + 1)
+
+    def _step_failed(self, result: StepResult, step: int, t0: float) -> State:
+        """The recovery from a step that did not finish on every rank; without one, the run
+        ends naming the rank the failure is on."""
+        outcomes = self.elastic.assess(result) if self.elastic is not None else list(result.outcomes)
+        failure = classify(outcomes) or Failure(Kind.ERROR, (), result.why())
+        if self.elastic is None:
+            rank = failure.ranks[0] if failure.ranks else 0
+            infos = self.group.infos
+            host = infos[rank].host if rank < len(infos) else "an unknown host"
+            exc = WorkerError(rank, host, failure.reason, kind=_FAILURE_ERROR_KINDS.get(failure.kind, "error"))
+            self._incident(_WORKER_FAILURE_KINDS[exc.kind], failure.ranks, step, t0, reason=str(exc))
+            raise exc
+        # How each rank's step ended: the evidence behind the classification.
+        evidence: dict[str, Any] = {"outcomes": [dataclasses.asdict(o) | {"outcome": o.outcome.value} for o in outcomes]}
+        if result.verdict:
+            evidence["hang"] = result.verdict
+            self.observers.on_count(metrics.HANG_VERDICTS, 1)
+        return Recovering(failure.reason, failure, step, t0, result.seen_at, result.seen_unix, verdict=evidence)
 
     # --- recovery ------------------------------------------------------------------------
 

@@ -29,9 +29,9 @@ from ringtrain.actors import placement, steps, world
 from ringtrain.actors.calls import gather, get, host_of
 from ringtrain.actors.roster import Member, Roster, Slot, WarmDeaths, settle
 from ringtrain.actors.safekeeping import Safekeeping
-from ringtrain.actors.steps import StepFailed
+from ringtrain.actors.steps import StepResult
 from ringtrain.config import JobConfig
-from ringtrain.status import StepReport, WorkerInfo
+from ringtrain.status import WorkerInfo
 from ringtrain.topology import Topology
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _slot_node = placement.slot_node  # the group's own names for these: tests stand in for them here
 
-__all__ = ["Member", "StepFailed", "WorkerGroup"]
+__all__ = ["Member", "StepResult", "WorkerGroup"]
 
 
 class WorkerGroup:
@@ -332,15 +332,16 @@ class WorkerGroup:
 
     # --- steps and snapshots -------------------------------------------------------------
 
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
-        """Every rank's report of one step (with ``probe``, ending in an SDC probe round, so a
-        rank that dies or stalls in it is handled as in any step); raises StepFailed with every
-        rank's outcome (see ``actors.steps``). ``on_safe(step)`` is called while the step runs
-        when the holders confirm an earlier step's snapshots (``safe_through`` moved)."""
-        reports = steps.run_step(self, probe, on_safe)
-        if reports[0].snapshot_taken:
-            self.safekeeping.taken(reports[0].step)
-        return reports
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
+        """How one step ended on every rank (with ``probe``, ending in an SDC probe round, so a
+        rank that dies or stalls in it is handled as in any step): each rank's report, or each
+        rank's outcome when one did not finish it (see ``actors.steps``). ``on_safe(step)`` is
+        called while the step runs when the holders confirm an earlier step's snapshots
+        (``safe_through`` moved)."""
+        result = steps.run_step(self, probe, on_safe)
+        if not result.failed and result.reports[0].snapshot_taken:
+            self.safekeeping.taken(result.reports[0].step)
+        return result
 
     def safe_through(self, wait_s: float = 0.0) -> int:
         """The newest step whose snapshots every holder has, as far as known (waiting up to

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol
 
+from ringtrain.actors.steps import StepResult
 from ringtrain.policies.faults import Capacity, RankOutcome
-from ringtrain.status import StepReport, WorkerInfo
+from ringtrain.status import WorkerInfo
 from ringtrain.topology import Topology
 
 
@@ -28,7 +29,9 @@ class Group(Protocol):
         ...
 
     def start(self) -> None: ...
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]: ...
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
+        """How one step ended on every rank, as a value (``actors.steps.StepResult``)."""
+        ...
     def safe_through(self, wait_s: float = 0.0) -> int:
         """The newest step whose snapshots are safe off their workers (``actors.safekeeping``);
         ``on_safe`` hears of it moving while a step runs."""
@@ -40,21 +43,13 @@ class Group(Protocol):
     def shutdown(self) -> None: ...
 
 
-class StepFailure(Protocol):
-    """What a group raises when a step did not finish on every rank."""
-
-    outcomes: list[RankOutcome]
-    seen_at: float  # clock time the first failure was seen
-    seen_unix: float
-    verdict: Optional[dict[str, Any]]  # a stall's diagnosis: the culprit and why
-
-
 class Elastic(Protocol):
     """Carries out recoveries and resizes on the group (``actors.recovery.Recovery``)."""
 
-    failure_type: type[Exception]  # the StepFailure exception type the group raises
-
-    def assess(self, failure: StepFailure) -> list[RankOutcome]: ...
+    def assess(self, failure: StepResult) -> list[RankOutcome]:
+        """A failed step's outcomes, with what the cluster knows added (a node found gone takes
+        every rank on it)."""
+        ...
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity: ...
     def reform(
         self,

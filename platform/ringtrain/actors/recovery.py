@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ringtrain.actors.group import Member, StepFailed, WorkerGroup
+from ringtrain.actors.group import Member, StepResult, WorkerGroup
 from ringtrain.chaos import RESTORING_FAULT, FaultPlan, FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.policies.elastic import evicted, reseat
@@ -90,8 +90,6 @@ def evicted_alive(*, quarantine: bool, last_step: int, fired_through: int) -> bo
 
 
 class Recovery:
-    failure_type = StepFailed
-
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
         self._growth_workers = 0  # workers the growth being prepared needs (0: none prepared)
@@ -106,7 +104,7 @@ class Recovery:
 
     # --- what happened -------------------------------------------------------------------
 
-    def assess(self, failure: StepFailed) -> list[RankOutcome]:
+    def assess(self, failure: StepResult) -> list[RankOutcome]:
         """The step's outcomes, with each dead rank's node checked; a node found gone takes
         every rank on it, whatever that rank's own call reported."""
         g = self.group

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ringtrain.actors.steps import StepResult
 from ringtrain.checkpoint.retention import retained
 from ringtrain.config import JobConfig
 from ringtrain.policies.elastic import reseat
@@ -63,17 +64,6 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-class SimulatedStepFailed(Exception):
-    """A step that did not finish on every rank (``actors.protocols.StepFailure``)."""
-
-    def __init__(self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float) -> None:
-        super().__init__("step failed")
-        self.outcomes = outcomes
-        self.seen_at = seen_at
-        self.seen_unix = seen_unix
-        self.verdict: Optional[dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +156,7 @@ class SimulatedGroup:
             self.safe = self.step
         return self.safe
 
-    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
+    def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
         step = self.step + 1
         self.attempts.append(step)
         world = self.dp * self.cp
@@ -182,7 +172,7 @@ class SimulatedGroup:
             self.clock.advance(self.durations.detect_s)
             first_hand = _first_hand(fault)
             outcomes = [first_hand if r == fault.rank else RankOutcome(r, Outcome.ERROR, error=PEER_ERROR) for r in range(world)]
-            raise SimulatedStepFailed(outcomes, self.clock(), UNIX0 + self.clock())
+            return StepResult(outcomes=tuple(outcomes), seen_at=self.clock(), seen_unix=UNIX0 + self.clock())
         self.clock.advance(self.durations.step_s)
         while self.cursor in self.skipped:
             self.cursor += 1
@@ -208,7 +198,7 @@ class SimulatedGroup:
         if probe:
             found = self._probe_round()
             reports = [dataclasses.replace(r, probes=found[r.rank]) for r in reports]
-        return reports
+        return StepResult(reports=tuple(reports))
 
     def _probe_round(self) -> dict[int, dict[str, str]]:
         self.scanned.append(self.step)
@@ -274,8 +264,6 @@ class SimulatedRecovery:
     ``replenish``: after a recovery the warm spares are made whole at once, as on a cluster with
     room for them once their warm-up is done (off: spares seated are gone)."""
 
-    failure_type = SimulatedStepFailed
-
     def __init__(
         self,
         group: SimulatedGroup,
@@ -295,7 +283,7 @@ class SimulatedRecovery:
         self.capacity_from, self.capacity_replicas, self.warm_polls = capacity_from, capacity_replicas, warm_polls
         self.preparing = 0
 
-    def assess(self, failure: SimulatedStepFailed) -> list[RankOutcome]:
+    def assess(self, failure: StepResult) -> list[RankOutcome]:
         if not self.whole_nodes:
             return list(failure.outcomes)
         per_node = self.group.ranks_per_node

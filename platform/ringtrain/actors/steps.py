@@ -3,13 +3,14 @@
 ``policies.stepwatch`` says when a rank of the step is lost (no heartbeat, past the step
 timeout) or the step stalled; ``run_step`` carries its decisions out: on a stall it asks every
 rank for its collective records and stacks, names the culprit (``policies.hangs``), evicts it
-and aborts the survivors' collectives. A step that did not finish on every rank raises
-StepFailed with how each rank's call ended.
+and aborts the survivors' collectives. The step's end comes back as a value, a ``StepResult``:
+every rank's report, or how each rank's call ended when one did not finish it.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from ringtrain.actors.calls import answered, host_of, outcome
@@ -39,23 +40,35 @@ class Stepping(Protocol):
     def topology(self) -> Topology: ...
 
 
-class StepFailed(Exception):
-    """A step did not finish on every rank; ``outcomes`` says how each rank's call ended, and
-    ``verdict`` (a stall only) who stopped it and why."""
+@dataclass(frozen=True)
+class StepResult:
+    """How one step ended on the world's ranks: every rank's report when each finished it;
+    otherwise how each rank's call ended (``outcomes``), when the first failure was seen, and,
+    for a stall, who stopped the step and why (``verdict``)."""
 
-    def __init__(
-        self, outcomes: list[RankOutcome], seen_at: float, seen_unix: float, verdict: Optional[dict[str, Any]] = None
-    ) -> None:
-        failed = [f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in outcomes if o.outcome is not Outcome.OK]
-        super().__init__(", ".join(failed))
-        self.outcomes = outcomes
-        self.seen_at = seen_at  # monotonic time the first failure was seen
-        self.seen_unix = seen_unix
-        self.verdict = verdict
+    reports: tuple[StepReport, ...] = ()
+    outcomes: tuple[RankOutcome, ...] = ()
+    seen_at: float = 0.0  # the group's clock (monotonic on Ray) when the first failure was seen
+    seen_unix: float = 0.0
+    verdict: Optional[dict[str, Any]] = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.outcomes)
+
+    def why(self) -> str:
+        """The ranks that did not finish, and how."""
+        return ", ".join(f"rank {o.rank}: {o.outcome.value} {o.error}".strip() for o in self.outcomes if o.outcome is not Outcome.OK)
+
+    def reports_or_raise(self) -> tuple[StepReport, ...]:
+        """The reports, for a caller with no recovery (benches, tests): a failed step raises."""
+        if self.failed:
+            raise RuntimeError(f"the step failed: {self.why()}")
+        return self.reports
 
 
-def run_step(g: Stepping, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> list[StepReport]:
-    """As ``WorkerGroup.train_step``: every rank's report of one step, or StepFailed. The
+def run_step(g: Stepping, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
+    """As ``WorkerGroup.train_step``: how one step ended on every rank (``StepResult``). The
     holders' answers about an earlier step's snapshots are waited on with the step's calls, so
     ``on_safe`` hears of them as they land (``actors.safekeeping``)."""
     import ray
@@ -117,8 +130,11 @@ def run_step(g: Stepping, probe: bool = False, on_safe: Optional[Callable[[int],
     if watch.failed_at is not None:
         outcomes = [r if isinstance(r, RankOutcome) else RankOutcome(rank, Outcome.OK) for rank, r in sorted(results.items())]
         seen_unix = time.time() - (time.monotonic() - watch.failed_at)
-        raise StepFailed(outcomes, watch.failed_at, seen_unix, verdict=verdict.to_dict() if verdict is not None else None)
-    return [results[rank] for rank in range(len(g.members))]  # type: ignore[misc]
+        return StepResult(
+            outcomes=tuple(outcomes), seen_at=watch.failed_at, seen_unix=seen_unix,
+            verdict=verdict.to_dict() if verdict is not None else None,
+        )
+    return StepResult(reports=tuple(results[rank] for rank in range(len(g.members))))  # type: ignore[misc]
 
 
 def diagnose_stall(g: Stepping, timeout_s: float = 5.0) -> Optional[Verdict]:
