@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-test tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check bench clean
+.PHONY: venv venv-test tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check chaos-records bench clean
 
 venv: $(STAMP)
 
@@ -228,6 +228,12 @@ gpu-start: venv
 
 helm-check: venv-test tools
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
+
+# The Ray tier's chaos runs, kept under tests/chaos_records/ for the unit tier to replay on the
+# simulated cluster (tests/chaos_replay.py): run after a change to what the Controller decides.
+CHAOS_TESTS := tests/ray/test_elastic.py tests/ray/test_recovery_retry.py tests/ray/test_stragglers.py tests/ray/test_hangs_sdc.py
+chaos-records: venv-test tools
+	RINGTRAIN_KEEP_CHAOS_RUNS=$(CURDIR)/tests/chaos_records $(PY) -m pytest $(CHAOS_TESTS) $(PYTEST_ARGS)
 
 bench: venv
 	PYTHONPATH=platform $(PY) bench/attention.py

@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
+from tests.chaos_replay import keep
+
 from .test_resume_e2e import final_params, losses
 from .test_run_e2e import REPO, TORCH_EXTENSIONS_DIR, processes_using
 
@@ -187,6 +189,7 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_training_matches_an_uni
     assert summary["status"] == "finished" and summary["dp"] == 2
     assert [r["id"] for r in summary["recoveries"]] == [1, 2]
     check_ledger(summary)
+    keep(run_dir, "crash_replaced_by_a_spare_then_nan")
 
 
 def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(
@@ -236,3 +239,4 @@ def test_a_lost_node_shrinks_the_job_and_returning_capacity_grows_it_back(
     assert len(skipped) == STEPS and len(mine) == STEPS
     np.testing.assert_allclose([mine[s] for s in range(1, STEPS + 1)], skipped, rtol=1e-4)
     check_ledger(summary, skipped=GLOBAL_BATCH)
+    keep(run_dir, "node_lost_shrink_nan_skip_grow")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.chaos_replay import keep
+
 from .test_elastic import JOB, STEPS, check_ledger, check_matches_reference, incidents, job_file, records
 from .test_run_e2e import processes_using, run_cli
 
@@ -69,6 +71,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert processes_using(ray_tmp) == []
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    keep(home / "run", "three_stalls_then_a_bitflip")
     return home / "run"
 
 

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.chaos_replay import keep
+
 from .test_elastic import check_ledger, check_matches_reference, cluster, finish, incidents, start_job  # noqa: F401 (cluster: fixture)
 
 import pytest
@@ -45,3 +47,4 @@ def test_a_worker_dying_while_the_recovery_restores_is_retried_and_training_matc
     assert summary["status"] == "finished" and summary["dp"] == 2
     assert [r["id"] for r in summary["recoveries"]] == [1, 2]
     check_ledger(summary)
+    keep(run_dir, "death_inside_the_recovery")

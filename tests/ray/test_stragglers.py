@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.chaos_replay import keep
+
 from .test_elastic import JOB, check_ledger, check_matches_reference, incidents, job_file, records
 from .test_run_e2e import processes_using, run_cli
 
@@ -77,3 +79,4 @@ def test_a_persistent_straggler_is_named_and_its_seat_taken_by_a_spare(tmp_path:
     assert summary["status"] == "finished" and summary["dp"] == 2
     check_matches_reference(run_dir, reference)
     check_ledger(summary)
+    keep(run_dir, "straggler_replaced_by_a_spare")

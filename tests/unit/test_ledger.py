@@ -99,6 +99,14 @@ def test_a_skipped_batch_is_accounted_for_not_missing() -> None:
     assert ledger.skipped == [8, 9, 10, 11]
 
 
+def test_a_skipped_batch_that_a_kept_step_trained_anyway_is_a_duplicate() -> None:
+    # The skip was recorded, but the batch was trained all the same (a skip that did not happen).
+    ledger = run(2)
+    ledger.skip(range(4, 8))
+
+    assert ledger.totals() == {"steps": 2, "samples": 8, "duplicates": 4, "skipped": 4, "missing": 0}
+
+
 def test_skipping_the_same_batch_twice_counts_its_samples_once() -> None:
     ledger = run(1)
     ledger.skip(range(4, 8))

@@ -8,11 +8,14 @@ steps, kept as the workers keep them (``checkpoint.retention``), and a step's sn
 off their ranks either at once or, with ``transit``, while the next step runs. ``faults`` strike
 a step once, on its next attempt (``Fault``: a crash, a lost node, a hang, an error, a NaN, a
 crash before the last step's snapshots left the rank), a ``poisoned`` batch makes every attempt
-at it NaN, and a ``Corruption`` makes some ranks' SDC probe digests differ from the rest.
+at it NaN, a ``Corruption`` makes some ranks' SDC probe digests differ from the rest, and a
+``Straggle`` makes a rank compute slowly for some steps, until a new world replaces it.
 
 ``SimulatedRecovery`` carries the Controller's decisions out on it (``actors.protocols.Elastic``):
 a reform or a rollback restores the newest snapshot at or before the step asked for, a skip
-drops a batch, a grow adds replicas; spares, free slots and returning capacity are numbers.
+drops a batch, a grow adds replicas; spares, free slots and returning capacity are numbers. The
+job's ``crash_restoring`` chaos faults strike its reforms as they strike ``actors.recovery``'s:
+a worker of the world being formed dies while it restores.
 
 The Controller and its policies run on them unchanged: the same decisions, incidents and sample
 ledger as on Ray, in milliseconds, each move taking the time ``Durations`` says.
@@ -26,8 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ringtrain.actors.steps import StepResult
+from ringtrain.chaos import FaultPlan
 from ringtrain.checkpoint.retention import retained
 from ringtrain.config import JobConfig
+from ringtrain.errors import WorkerError
 from ringtrain.policies.elastic import reseat
 from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
 from ringtrain.status import StepReport, WorkerInfo
@@ -85,6 +90,16 @@ class Corruption:
 
 
 @dataclass(frozen=True)
+class Straggle:
+    """``rank`` computes ``slowdown`` x as long as its peers in ``steps``, until a new world
+    replaces it (a chaos fault is not met again by the process taking its seat)."""
+
+    rank: int
+    steps: range
+    slowdown: float = 10.0
+
+
+@dataclass(frozen=True)
 class Reformed:
     """A world formed again: the step it restored, the time of each phase, who sits where."""
 
@@ -96,9 +111,8 @@ class Reformed:
 class SimulatedGroup:
     """A dp x cp world of simulated ranks, ``ranks_per_node`` to a node (``actors.protocols.Group``)."""
 
-    # One world as far as the records go, no phases timed, no holder actors.
+    # One world as far as the records go, no start-up timed, no holder actors.
     startup: dict[str, float] = {}
-    phases: dict[str, float] = {}
     generation = 1
     holders: dict[str, Any] = {}
 
@@ -114,6 +128,7 @@ class SimulatedGroup:
         transit: bool = False,
         durations: Durations = Durations(),
         ranks_per_node: Optional[int] = None,
+        straggles: tuple[Straggle, ...] = (),
     ) -> None:
         self.num_params = 7
         self.G, self.dp, self.cp = job.train.global_batch, job.mesh.dp, job.mesh.cp
@@ -136,6 +151,8 @@ class SimulatedGroup:
         self.pins: list[int] = []
         self.transit = transit
         self.safe = 0  # the newest step whose snapshots reached the holders
+        self.straggles = straggles
+        self.phases: dict[str, float] = {}  # of the last world formed: a failed one's ends where it broke
 
     @property
     def topology(self) -> Topology:
@@ -180,6 +197,8 @@ class SimulatedGroup:
         loss = math.nan if nan_rank is not None else 4.0 / step
         batch = range(self.cursor * self.G, (self.cursor + 1) * self.G)
         per = self.G // self.dp
+        compute_s = self.durations.step_s / 2  # the rest of a step is its collectives
+        slow = {s.rank: s.slowdown for s in self.straggles if step in s.steps}
         reports = []
         for rank in range(world):
             replica, ring_pos = divmod(rank, self.cp)
@@ -188,7 +207,7 @@ class SimulatedGroup:
                     step=step, rank=rank, loss=loss, local_loss=math.nan if rank == nan_rank else 4.0 / step, lr=1e-3,
                     grad_norm=1.0, num_tokens=32, step_time_s=self.durations.step_s, batch=self.cursor,
                     samples=tuple(batch[replica * per : (replica + 1) * per]) if ring_pos == 0 else (),
-                    snapshot_taken=step % self.snapshot_every == 0,
+                    snapshot_taken=step % self.snapshot_every == 0, compute_s=compute_s * slow.get(rank, 1.0),
                 )
             )  # fmt: skip
         self.step, self.cursor = step, self.cursor + 1
@@ -257,12 +276,13 @@ class SimulatedRecovery:
     """Carries the Controller's decisions out on a SimulatedGroup (``actors.protocols.Elastic``).
 
     ``spares``: warm spares at the start; ``free_slots``: room for new workers; from clock time
-    ``capacity_from`` on, ``capacity_replicas`` more replicas' worth of workers are free for
-    growth; ``warm_polls``: how many ``growth_ready`` polls answer False before the workers
+    ``capacity_from`` on (or once step ``capacity_after_step`` is done), ``capacity_replicas``
+    more replicas' worth of workers are free for growth; ``warm_polls``: how many ``growth_ready`` polls answer False before the workers
     started for growth are ready. ``whole_nodes``: a node found gone takes every rank on it, as
     ``actors.recovery.Recovery.assess`` finds on Ray (off: only the rank that reported it).
     ``replenish``: after a recovery the warm spares are made whole at once, as on a cluster with
-    room for them once their warm-up is done (off: spares seated are gone)."""
+    room for them once their warm-up is done (off: spares seated are gone). ``job``: whose
+    ``crash_restoring`` faults strike the reforms."""
 
     def __init__(
         self,
@@ -271,17 +291,22 @@ class SimulatedRecovery:
         spares: int = 0,
         free_slots: int = 0,
         capacity_from: Optional[float] = None,
+        capacity_after_step: Optional[int] = None,
         capacity_replicas: int = 1,
         warm_polls: int = 0,
         whole_nodes: bool = True,
         replenish: bool = False,
+        job: Optional[JobConfig] = None,
     ) -> None:
         self.group = group
         self.whole_nodes = whole_nodes
         self.replenish = replenish
         self.spares, self.free_slots = spares, free_slots
-        self.capacity_from, self.capacity_replicas, self.warm_polls = capacity_from, capacity_replicas, warm_polls
+        self.capacity_from, self.capacity_after_step = capacity_from, capacity_after_step
+        self.capacity_replicas, self.warm_polls = capacity_replicas, warm_polls
         self.preparing = 0
+        # The job's crash_restoring faults, each taken by the first reform it strikes.
+        self.restoring = FaultPlan(list(job.chaos.faults) if job is not None else [])
 
     def assess(self, failure: StepResult) -> list[RankOutcome]:
         if not self.whole_nodes:
@@ -312,9 +337,17 @@ class SimulatedRecovery:
         seats = reseat(dp=g.dp, cp=g.cp, lost=lost, new_dp=new_dp)
         # A bad device leaves with its worker; one that keeps a seat moves with it.
         g.bad_ranks = {new for new, old in enumerate(seats) if old in g.bad_ranks}
+        g.straggles = ()  # the world's processes are new to their seats, or met their faults already
         g.dp = new_dp
         self.spares -= spares
         g.clock.advance(g.durations.recover_s)
+        fired = last_step + 1 if fired_through is None else fired_through
+        crashes = self.restoring.restoring_due(fired) if step > 0 else []  # they wait for a snapshot to restore
+        g.phases = {"warm_s": 0.0, "join_s": 0.0}  # a world formed to its restore
+        if crashes:
+            self.restoring.faults = [f for f in self.restoring.faults if all(f is not c for c in crashes)]
+            raise WorkerError(crashes[0].rank, "h", "worker process died (ActorDiedError)", kind="died")
+        g.phases = {**g.phases, "restore_s": 0.0}
         return Reformed(step, {"plan_s": 0.5}, tuple(seats))
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
@@ -338,9 +371,11 @@ class SimulatedRecovery:
         return False
 
     def growth_capacity(self) -> int:
-        now = self.group.clock()
-        free = self.capacity_from is not None and now >= self.capacity_from
-        return self.capacity_replicas * self.group.cp if free else 0
+        g = self.group
+        free = (self.capacity_from is not None and g.clock() >= self.capacity_from) or (
+            self.capacity_after_step is not None and g.step >= self.capacity_after_step
+        )
+        return self.capacity_replicas * g.cp if free else 0
 
     def prepare_growth(self, replicas: int) -> None:
         self.preparing = replicas

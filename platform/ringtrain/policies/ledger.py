@@ -41,10 +41,12 @@ class SampleLedger:
         counts = Counter(s for samples in self.steps.values() for s in samples)
         accounted = set(counts) | set(self.skipped)
         span = (max(accounted) - min(accounted) + 1) if accounted else 0
+        # A skipped sample a kept step trained all the same was consumed twice: its skip failed.
+        consumed = counts + Counter(set(self.skipped))
         return {
             "steps": len(self.steps),
             "samples": len(counts),
-            "duplicates": sum(n - 1 for n in counts.values() if n > 1),
+            "duplicates": sum(n - 1 for n in consumed.values() if n > 1),
             "skipped": len(set(self.skipped)),
             "missing": span - len(accounted),
         }
