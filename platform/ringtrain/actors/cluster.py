@@ -165,11 +165,22 @@ def _processes_marked(mark: str) -> list:
 
 
 def _end_processes(procs: list) -> None:
-    """Wait for ``procs`` to exit; kill, by PID, those still there after EXIT_WAIT_S."""
+    """Wait for ``procs`` to exit; kill, by PID, those still there after EXIT_WAIT_S.
+
+    Those that are not this process's descendants were left behind by a parent that is gone (a
+    daemon a worker started, a worker whose raylet went first): nothing else will end them, so
+    they are asked to stop at once (SIGTERM) instead of being waited for."""
     if not procs:
         return
     import psutil
 
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    for proc in procs:
+        if proc.pid not in mine:
+            try:
+                proc.terminate()
+            except psutil.Error:
+                pass
     _, alive = psutil.wait_procs(procs, timeout=EXIT_WAIT_S)
     for proc in alive:
         log.warning("a process of the embedded cluster outlived it: killing pid %d", proc.pid)
