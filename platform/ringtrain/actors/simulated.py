@@ -277,8 +277,8 @@ class SimulatedRecovery:
 
     ``spares``: warm spares at the start; ``free_slots``: room for new workers; from clock time
     ``capacity_from`` on (or once step ``capacity_after_step`` is done), ``capacity_replicas``
-    more replicas' worth of workers are free for growth; ``warm_polls``: how many ``growth_ready`` polls answer False before the workers
-    started for growth are ready. ``whole_nodes``: a node found gone takes every rank on it, as
+    more replicas' worth of workers are free for growth; ``warm_polls``: how many
+    ``growth_ready`` polls answer False before the workers started for growth are ready. ``whole_nodes``: a node found gone takes every rank on it, as
     ``actors.recovery.Recovery.assess`` finds on Ray (off: only the rank that reported it).
     ``replenish``: after a recovery the warm spares are made whole at once, as on a cluster with
     room for them once their warm-up is done (off: spares seated are gone). ``job``: whose
