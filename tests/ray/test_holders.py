@@ -20,13 +20,20 @@ from .test_run_e2e import TORCH_EXTENSIONS_DIR
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture
-def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Two Ray nodes of one CPU each on this machine; the test process is the driver."""
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Two Ray nodes of one CPU each on this machine, shared by the module's tests (none takes a
+    node away, and each ends the actors it started that hold a CPU); the test process is the
+    driver."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield from _two_nodes(tmp_path_factory.mktemp("home"), monkeypatch)
+
+
+def _two_nodes(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     import ray
     from ray.cluster_utils import Cluster
 
-    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
