@@ -58,8 +58,11 @@ def start_mlflow(folder: Path) -> MlflowServer:
         "--backend-store-uri", f"sqlite:///{folder / 'db.sqlite'}", "--artifacts-destination", str(folder / "artifacts"),
         "--workers", "1",
     ]  # fmt: skip
+    # Without job execution: MLflow 3 otherwise starts five job-queue consumers beside the
+    # server, each importing mlflow and polling, CPU the tests' training runs need.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env)
     server = MlflowServer(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
