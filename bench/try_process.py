@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
@@ -26,6 +27,17 @@ def context(device: str) -> BaseContext:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # DeepSpeed picks its accelerator once, as it is imported: the server imports it for CPU
+    # tries, whatever this process's DS_ACCELERATOR says.
+    before = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = before
     return ctx
 
 
