@@ -17,8 +17,16 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
-# What the server imports before it forks a try: what every try's body imports.
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "transformers", "ringtrain.train.trainer"]
+# What the server imports before it forks a try: what every try's body imports. The same list as
+# tests/dist/ranks.py's, whose ranks fork from this server when a test process started it first.
+PRELOAD = [
+    "torch",
+    "torch._dynamo",  # torch's optimizers import it at their first step
+    "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",  # ZeRO's optimizers import it (torch.compile at import)
+    "transformers",
+    "ringtrain.train.trainer",
+]
 
 
 def context(device: str) -> BaseContext:
