@@ -13,14 +13,15 @@ For each model shape, two systems:
   ``model(input_ids=..., labels=...).loss``, bf16 weights with fp32 AdamW masters (the recipe of
   bench/train.py's hf variant).
 
-Each try is one length in a spawned process of its own (a fresh CUDA context and allocator):
-``--steps`` optimizer steps (forward, backward, step; the second catches allocator growth), with
-a timeout. An out-of-memory is a result: the try is recorded as ``oom`` with the limit that
-stopped it (``device``: torch's OutOfMemoryError; ``host``: a host allocation failed, or the
-kernel killed the process), and the search goes on. Each try records its length, outcome, peak
-device memory (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``; on a CPU the
-peak of torch-allocated bytes, counted as bench/planner_memory.py counts them), the process's
-peak RSS, the planner's predicted peak for the layout it ran, and its step times.
+Each try is one length in a process of its own (bench/try_process.py; on CUDA a spawned one: a
+fresh CUDA context and allocator): ``--steps`` optimizer steps (forward, backward, step; the
+second catches allocator growth), with a timeout. An out-of-memory is a result: the try is
+recorded as ``oom`` with the limit that stopped it (``device``: torch's OutOfMemoryError;
+``host``: a host allocation failed, or the kernel killed the process), and the search goes on.
+Each try records its length, outcome, peak device memory (``torch.cuda.max_memory_allocated``
+and ``max_memory_reserved``; on a CPU the peak of torch-allocated bytes, counted as
+bench/planner_memory.py counts them), the process's peak RSS, the planner's predicted peak for
+the layout it ran, and its step times.
 
 The search (``next_length``): start from the planner's predicted maximum (``ringtrain plan
 --max-seq-len`` for one device: ``reach.longest``; for hf, the planner's reach of full
@@ -77,7 +78,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import multiprocessing as mp
 import os
 import queue
 import re
@@ -94,6 +94,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS_DIR, Run  # noqa: E402
+from try_process import context, try_process  # noqa: E402
 
 if TYPE_CHECKING:
     from ringtrain.config import JobConfig
@@ -561,11 +562,11 @@ def _await_result(proc: Any, results: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def run_try(t: Try, timeout_s: float, runner: Optional[Runner] = None) -> dict[str, Any]:
-    """``t`` in a spawned process of its own: its result, whatever happened to it. The process is
-    gone when this returns (killed if it outlives its timeout, or its grace after reporting)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_try_main, args=(t, runner, results), daemon=True)
+    """``t`` in a process of its own (bench/try_process.py): its result, whatever happened to it.
+    The process is gone when this returns (killed if it outlives its timeout, or its grace after
+    reporting)."""
+    results = context(t.device).Queue()
+    proc = try_process(t.device, _try_main, t, runner, results)
     t0 = time.perf_counter()
     out: dict[str, Any] = {"outcome": ERROR, "limit": "", "error": "interrupted before it reported"}
     try:
@@ -1058,7 +1059,7 @@ def main(argv: list[str]) -> int:
         return _bad_input("--device cpu runs only with --tiny (a 1B model's longest step takes days on a CPU)")
     run = Run("max_context")
     smoke = args.device == "cpu"
-    # The same allocator setting for every try (inherited by the spawned processes).
+    # The same allocator setting for every try (each try's process starts with this environment).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     budget = Budget(args.budget_s)
     machine = machine_for(args)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing as mp
 import queue
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from record import Run  # noqa: E402
+from try_process import context, try_process  # noqa: E402
 
 STEPS = 2
 
@@ -246,12 +246,11 @@ def measure(configs: dict[str, list[str]], *, timeout_s: float = 300) -> dict[st
     for name, ov in configs.items():
         by_world.setdefault(config.load(None, ov).world_size, {})[name] = ov
     out: dict[str, int] = {}
-    ctx = mp.get_context("spawn")
     for world, group in by_world.items():
-        results = ctx.Queue()
+        results = context("cpu").Queue()  # the ranks train on the CPU: forked, not spawned
         with tempfile.TemporaryDirectory() as tmp:
             store = str(Path(tmp) / "store")
-            procs = [ctx.Process(target=_rank_main, args=(r, world, store, group, results)) for r in range(world)]
+            procs = [try_process("cpu", _rank_main, r, world, store, group, results) for r in range(world)]
             for p in procs:
                 p.start()
             try:

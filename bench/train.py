@@ -8,8 +8,8 @@ Shapes (``SHAPES``), one 32,768-token sequence per optimizer step, bf16:
 - qwen3: Qwen3-1.7B (its config.json): vocabulary 151,936, dim 2048, 28 layers, 16 query / 8 KV
   heads of dim 128, FFN 6144, per-head q/k RMSNorm, tied embeddings, rope theta 1e6, eps 1e-6.
 
-Variants, each in a spawned process of its own (a fresh CUDA context, allocator and process
-group), one after the other:
+Variants, each in a process of its own (bench/try_process.py; on CUDA a spawned one: a fresh CUDA
+context, allocator and process group), one after the other:
 
 - trainer: ringtrain's ``Trainer`` of one rank in an NCCL world of one, as a worker runs it:
   DeepSpeed ZeRO-``--zero``, the job's defaults (``model.activation_checkpointing=auto``,
@@ -77,7 +77,6 @@ Needs CUDA unless ``--device cpu``: without it, it exits 2 at once with a messag
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import queue
 import re
@@ -94,6 +93,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS_DIR, Run  # noqa: E402
+from try_process import context, try_process  # noqa: E402
 
 if TYPE_CHECKING:
     from ringtrain.config import JobConfig
@@ -508,10 +508,9 @@ def _await_result(proc: Any, results: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def run_variant(case: Case, timeout_s: float) -> dict[str, Any]:
-    """``case`` in a spawned process of its own: its result, or {"error": ...}."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_variant_main, args=(case, results), daemon=True)
+    """``case`` in a process of its own (bench/try_process.py): its result, or {"error": ...}."""
+    results = context(case.device).Queue()
+    proc = try_process(case.device, _variant_main, case, results)
     t0 = time.perf_counter()
     # A process that reported gets a while to tear its process group down; one past its time,
     # or interrupted (the exception goes on to the caller), is killed at once.

@@ -258,7 +258,7 @@ def unpacked_working_dirs(head: Head, job_name: str) -> list[Path]:
 def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares(head: Head, tmp_path: Path) -> None:
     job = job_folder(tmp_path / "job")
     submitted = ringtrain(
-        head, "submit", str(job), *TINY, "data.path=corpus",
+        head, "submit", str(job), *ONE_WORKER, "data.path=corpus",
         "--address", head.address, "--token", head.token, "--no-wait", env=head.env_without_token(),
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr[-3000:]
@@ -279,7 +279,8 @@ def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares
     assert "run finished: 3/3 steps" in logs.stdout
     # The driver joined this head (Ray sets RAY_ADDRESS for it) instead of starting its own.
     assert "embedded Ray" not in logs.stdout
-    assert re.search(rf"ringtrain: quickstart: dp 2 x cp 2 .*:{head.gcs_port}$", logs.stdout, re.M), logs.stdout
+    # ONE_WORKER's mesh, not the job file's: the overrides went with the submission.
+    assert re.search(rf"ringtrain: quickstart: dp 1 x cp 1 .*:{head.gcs_port}$", logs.stdout, re.M), logs.stdout
 
     token_file = tmp_path / "token"
     token_file.write_text(head.token + "\n")

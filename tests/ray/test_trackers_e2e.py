@@ -52,8 +52,9 @@ def test_a_crashed_shrunk_stopped_and_resumed_run_is_one_tracker_run(mlflow_serv
 
     run_dir = tmp_path / "run"
     common = [
+        # Two replicas of one rank: the crash takes one and shrinks the job, as with rings of two.
         str(QUICKSTART), *TINY, f"run_dir={run_dir}", f"train.steps={STEPS}", "checkpoint.persist_every=2",
-        "mesh.min_dp=1", "controllers.grow_after_s=1000",
+        "mesh.dp=2", "mesh.cp=1", "mesh.min_dp=1", "controllers.grow_after_s=1000",
         f"telemetry.mlflow.tracking_uri={mlflow_server.uri}", "telemetry.mlflow.experiment=e2e",
         "telemetry.wandb.project=ringtrain-e2e", "telemetry.wandb.mode=offline",
     ]  # fmt: skip
