@@ -96,7 +96,7 @@ def replay(record: Path, scratch: Path, cluster: Cluster) -> Path:
     for f in job.chaos.faults:
         if f.kind in FAULTS_AS_STRUCK:
             faults.setdefault(f.step, []).append(Fault(FAULTS_AS_STRUCK[f.kind], f.rank))
-        elif f.kind == "slow" and f.seconds >= 1.0:  # shorter ones only slow the run down (and change no number)
+        elif f.kind == "slow":  # a straggler where controllers.on_straggler watches; else a slower run
             straggles.append(Straggle(f.rank, range(f.step, f.step + max(1, f.count))))
         elif f.kind == "bitflip":
             corruption = Corruption(step=f.step, ranks=(f.rank,))
