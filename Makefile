@@ -44,9 +44,9 @@ $(TOOLS_STAMP): $(TEST_STAMP) Makefile
 # triton, ...) come with the test targets only.
 #
 # pip compiles what it installs one file after another; the venv's modules are compiled
-# afterwards on every core instead (the test extras' 26,000 files: 72 CPU-s). Compiled they must
-# be: where PYTHONDONTWRITEBYTECODE is set no process would write its own. A module that does not
-# compile (a package's test fixture) is passed over, as pip passes over it.
+# afterwards on every core instead (a venv with the test extras: 26,000 modules, 72 CPU-s). They
+# must be compiled: where PYTHONDONTWRITEBYTECODE is set no process writes its own. A module that
+# does not compile (a package's test fixture) is passed over, as pip passes over it.
 COMPILE_VENV = $(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 
 $(STAMP): pyproject.toml
