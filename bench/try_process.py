@@ -17,8 +17,8 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
-# What the server imports before it forks a try: what every try's body imports. The same list as
-# tests/dist/ranks.py's, whose ranks fork from this server when a test process started it first.
+# What the server imports before it forks a try: what every try's body imports (and every gloo
+# test rank's: tests/dist/ranks.py forks its ranks from this same server).
 PRELOAD = [
     "torch",
     "torch._dynamo",  # torch's optimizers import it at their first step
@@ -49,10 +49,10 @@ def context(device: str) -> BaseContext:
     return ctx
 
 
-def try_process(device: str, target: Callable[..., None], *args: Any) -> BaseProcess:
-    """A daemon process, not yet started, that calls ``target(*args)``."""
+def try_process(device: str, target: Callable[..., None], *args: Any, daemon: bool = True) -> BaseProcess:
+    """A process (a daemon unless told otherwise), not yet started, that calls ``target(*args)``."""
     started = (dict(os.environ), os.getcwd(), target)
-    return context(device).Process(target=_as_started, args=(*started, *args), daemon=True)  # type: ignore[attr-defined]
+    return context(device).Process(target=_as_started, args=(*started, *args), daemon=daemon)  # type: ignore[attr-defined]
 
 
 def _as_started(env: dict[str, str], cwd: str, target: Callable[..., None], *args: Any) -> None:

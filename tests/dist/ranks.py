@@ -1,7 +1,7 @@
 """Start one process per gloo rank, wait for rank 0's result, and always reap every process.
 
-On the CPU the ranks are forked from a fork server that has imported torch, DeepSpeed and the
-trainer once: a rank then starts in milliseconds instead of paying seconds of CPU for those
+On the CPU the ranks are forked from the benches' fork server (``bench/try_process.py``), which
+has imported torch, DeepSpeed and the trainer once: a rank then starts in milliseconds instead of paying seconds of CPU for those
 imports, and a suite starts hundreds of ranks. Each rank still runs in the environment and
 folder of the test that started it. With CUDA the ranks are spawned fresh: a process forked
 from one that has touched the CUDA driver (DeepSpeed's import asks for the devices) cannot use it.
@@ -11,57 +11,35 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing as mp
 import os
 import queue
-from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable, Iterator
-from unittest import mock
+
+from bench.try_process import context, try_process
 
 TIMEOUT_S = 240.0
-# What the fork server imports before it forks any rank: what every rank's body imports.
-PRELOAD = [
-    "torch",
-    "torch._dynamo",  # torch's optimizers import it at their first step
-    "deepspeed",
-    "deepspeed.runtime.zero.muon.muon_optimizer",  # ZeRO's optimizers import it (torch.compile at import)
-    "transformers",
-    "ringtrain.train.trainer",
-]
 
 
 @functools.cache
-def rank_context() -> BaseContext:
-    """The multiprocessing context ranks (and the queues and events they share) are made in."""
+def rank_device() -> str:
     import torch
 
-    if torch.cuda.is_available():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    # DeepSpeed picks its accelerator once, as it is imported, from DS_ACCELERATOR: the server
-    # imports it for CPU ranks, whatever an earlier test of this process left in the variable.
-    with mock.patch.dict(os.environ, {"DS_ACCELERATOR": "cpu"}):
-        forkserver.ensure_running()
-    return context
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank_context() -> BaseContext:
+    """The multiprocessing context ranks (and the queues and events they share) are made in:
+    the benches' (``bench/try_process.py``), so a rank forks from the same preloaded server."""
+    return context(rank_device())
 
 
 def rank_process(target: Callable[..., None], *args: Any, daemon: bool = False) -> BaseProcess:
-    """A rank's process, not yet started, that calls ``target(*args)``."""
-    started = (dict(os.environ), os.getcwd(), target)
-    return rank_context().Process(target=_as_started, args=(*started, *args), daemon=daemon)  # type: ignore[attr-defined]
-
-
-def _as_started(env: dict[str, str], cwd: str, target: Callable[..., None], *args: Any) -> None:
-    """``target(*args)`` in the environment and folder its test had when it started the rank (a
-    forked rank would otherwise have the fork server's, from its own start)."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    target(*args)
+    """A rank's process, not yet started, that calls ``target(*args)`` in the environment and
+    folder its test had when it started the rank."""
+    return try_process(rank_device(), target, *args, daemon=daemon)
 
 
 def run_ranks(target: Callable[..., None], world: int, tmp_path: Path, *args: Any, timeout: float = TIMEOUT_S) -> Any:
