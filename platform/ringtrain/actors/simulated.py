@@ -91,8 +91,8 @@ class Corruption:
 
 @dataclass(frozen=True)
 class Straggle:
-    """``rank`` computes ``slowdown`` x as long as its peers in ``steps``, until a new world
-    replaces it (a chaos fault is not met again by the process taking its seat)."""
+    """``rank`` computes ``slowdown`` x as long as its peers in ``steps``, until a world formed
+    after its first step drops it (as a new world's job drops the chaos faults already due)."""
 
     rank: int
     steps: range
@@ -333,15 +333,16 @@ class SimulatedRecovery:
         quarantine: bool = False,
     ) -> Reformed:
         g = self.group
+        fired = last_step + 1 if fired_through is None else fired_through
         step = g.restore_to(last_step)
         seats = reseat(dp=g.dp, cp=g.cp, lost=lost, new_dp=new_dp)
         # A bad device leaves with its worker; one that keeps a seat moves with it.
         g.bad_ranks = {new for new, old in enumerate(seats) if old in g.bad_ranks}
-        g.straggles = ()  # the world's processes are new to their seats, or met their faults already
+        # A new world's job drops the faults due by the failed step (``actors.recovery.world_job``).
+        g.straggles = tuple(s for s in g.straggles if s.steps.start > fired)
         g.dp = new_dp
         self.spares -= spares
         g.clock.advance(g.durations.recover_s)
-        fired = last_step + 1 if fired_through is None else fired_through
         crashes = self.restoring.restoring_due(fired) if step > 0 else []  # they wait for a snapshot to restore
         g.phases = {"warm_s": 0.0, "join_s": 0.0}  # a world formed to its restore
         if crashes:
