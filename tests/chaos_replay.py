@@ -18,7 +18,6 @@ import io
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +77,10 @@ def decisions(run_dir: Path) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """What the Ray test's cluster had room for beside the job: warm spares come from the job."""
-
-    free_slots: int = 0
-
-
-def replay(record: Path, scratch: Path, cluster: Cluster) -> Path:
-    """Run the job of the kept run ``record`` on the simulated cluster, with its faults; the
-    simulated run's folder."""
+def replay(record: Path, scratch: Path, free_slots: int) -> Path:
+    """Run the job of the kept run ``record`` on the simulated cluster, with its faults and room
+    for ``free_slots`` workers beside the job's own and its warm spares; the simulated run's
+    folder."""
     job = config.load_saved(record / "config.yaml")
     incidents = [json.loads(p.read_text()) for p in sorted((record / "incidents").glob("*.json"))]
     summary = json.loads((record / "summary.json").read_text())
@@ -120,7 +113,7 @@ def replay(record: Path, scratch: Path, cluster: Cluster) -> Path:
         ranks_per_node=ranks_per_node, straggles=tuple(straggles),
     )  # fmt: skip
     recovery = SimulatedRecovery(
-        group, spares=job.mesh.spares, free_slots=cluster.free_slots, replenish=False, job=job,
+        group, spares=job.mesh.spares, free_slots=free_slots, replenish=False, job=job,
         # Ready at the step boundary the Ray run grew at: seen a step before, prepared, then taken.
         capacity_after_step=grows[0] - 1 if grows else None,
     )  # fmt: skip

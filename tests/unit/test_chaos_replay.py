@@ -13,31 +13,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos_replay import RECORDS, Cluster, decisions, replay, scenarios
+from tests.chaos_replay import RECORDS, decisions, replay, scenarios
 
-# The room each Ray test's cluster had beside the job's workers and spares (0.5 CPU a worker).
-CLUSTERS = {
+# The workers each Ray test's cluster had room for beside the job's own and its spares (0.5 CPU a worker).
+FREE_SLOTS = {
     # test_elastic: three 1-CPU nodes for 4 workers and a spare
-    "crash_replaced_by_a_spare_then_nan": Cluster(free_slots=1),
+    "crash_replaced_by_a_spare_then_nan": 1,
     # test_elastic: two 1-CPU nodes, one replica on each, nothing spare
-    "node_lost_shrink_nan_skip_grow": Cluster(free_slots=0),
+    "node_lost_shrink_nan_skip_grow": 0,
     # test_recovery_retry: three 1-CPU nodes for 4 workers and 2 spares
-    "death_inside_the_recovery": Cluster(free_slots=0),
+    "death_inside_the_recovery": 0,
     # test_stragglers: 3 CPUs for 4 workers and a spare
-    "straggler_replaced_by_a_spare": Cluster(free_slots=1),
+    "straggler_replaced_by_a_spare": 1,
     # test_hangs_sdc: 3 CPUs for 4 workers
-    "three_stalls_then_a_bitflip": Cluster(free_slots=2),
+    "three_stalls_then_a_bitflip": 2,
 }
 
 
 def test_every_chaos_scenario_of_the_ray_tier_is_kept() -> None:
-    assert scenarios() == sorted(CLUSTERS)
+    assert scenarios() == sorted(FREE_SLOTS)
 
 
-@pytest.mark.parametrize("scenario", sorted(CLUSTERS))
+@pytest.mark.parametrize("scenario", sorted(FREE_SLOTS))
 def test_the_simulated_cluster_decides_as_the_ray_run_did(scenario: str, tmp_path: Path) -> None:
     kept = RECORDS / scenario
-    simulated = replay(kept, tmp_path, CLUSTERS[scenario])
+    simulated = replay(kept, tmp_path, FREE_SLOTS[scenario])
 
     on_ray, replayed = decisions(kept), decisions(simulated)
     assert replayed["incidents"] == on_ray["incidents"]
