@@ -344,8 +344,8 @@ class AttentionKernel:
         if dk.shape[heads] != kv_heads:
             # Each KV head fed ``groups`` query heads; its gradient is the sum over them. Also
             # taken when a native-GQA op hands back per-query-head gradients.
-            dk = dk.unflatten(heads, (kv_heads, groups)).sum(dim=heads + 1)
-            dv = dv.unflatten(heads, (kv_heads, groups)).sum(dim=heads + 1)
+            per_group = (*dk.shape[:heads], kv_heads, groups, *dk.shape[heads + 1:])
+            dk, dv = dk.reshape(per_group).sum(dim=heads + 1), dv.reshape(per_group).sum(dim=heads + 1)
         if dq.shape[-1] != head_dim:
             dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
         return dq, dk, dv

@@ -131,21 +131,21 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
                 continue
             if blk.rows not in q_rows:
                 q_rows[blk.rows] = _narrow(q, seq, blk.rows, blk.all_rows)
-            res = _block_forward(kernel, blk, q_rows[blk.rows], _narrow(k, seq, blk.cols, blk.all_cols),
-                                 _narrow(v, seq, blk.cols, blk.all_cols), call.scale)
+            k_b, v_b = (k, v) if blk.all_cols else exchange.cut((k, v), seq, blk.cols)
+            res = _block_forward(kernel, blk, q_rows[blk.rows], k_b, v_b, call.scale)
             auxes.append(res.aux)
             rows.merge(blk.rows, res.out_BQHD, res.lse_BHQ, may_be_empty=blk.how != WHOLE)
     out = rows.joined(lambda: torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device))
-    if in_layout:
-        out_BSHD = out.to(q.dtype)
-    else:
-        (out_BSHD,) = kernel.from_layout(out)
-        out_BSHD = out_BSHD.to(q_BSHD.dtype, memory_format=torch.contiguous_format)
-    # The LSEs as merged, a tensor a set of rows: the backward reads each set's own.
+    out_BSHD = out if in_layout else kernel.from_layout(out)[0]
+    if out_BSHD.dtype != q.dtype or not (in_layout or out_BSHD.is_contiguous()):
+        out_BSHD = out_BSHD.to(q.dtype, memory_format=torch.preserve_format if in_layout else torch.contiguous_format)
+    # The LSEs as merged, a tensor a set of rows: the backward reads each set's own. q is kept in
+    # the kernel's layout (a view of the input), so the backward lays out only dout and out.
     spans = list(rows.parts)
-    ctx.save_for_backward(q_BSHD, out_BSHD, *(rows.parts[s][1] for s in spans), *exchange.kept)
+    ctx.save_for_backward(q, out_BSHD, *(rows.parts[s][1] for s in spans), *exchange.kept)
     exchange.kept = ()
-    ctx.call, ctx.exchange, ctx.visits, ctx.auxes, ctx.kv_dtype = call, exchange, visits, auxes, k_BSKD.dtype
+    ctx.call, ctx.exchange, ctx.visits, ctx.auxes = call, exchange, visits, auxes
+    ctx.kv_dtype = k_BSKD.dtype
     ctx.lse_spans, ctx.in_layout = spans, in_layout
     return out_BSHD
 
@@ -153,13 +153,14 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
 def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of this rank's shard, in the inputs' dtypes (and in the kernel's layout,
     as ``dout`` is, where the forward was ``in_layout``)."""
-    q_BSHD, out_BSHD, *saved = ctx.saved_tensors
+    q, out_BSHD, *saved = ctx.saved_tensors
     lses = dict(zip(ctx.lse_spans, saved))
     kept = saved[len(ctx.lse_spans):]
     call: AttentionCall = ctx.call
     visits: tuple[Visit, ...] = ctx.visits
+    exchange = ctx.exchange
     kernel, seq, scale, in_layout = call.kernel, call.kernel.seq_dim, call.scale, ctx.in_layout
-    dout, q, out = (dout_BSHD, q_BSHD, out_BSHD) if in_layout else kernel.to_layout(dout_BSHD, q_BSHD, out_BSHD)
+    dout, out = (dout_BSHD, out_BSHD) if in_layout else kernel.to_layout(dout_BSHD, out_BSHD)
     acc = accumulation_dtype(q.dtype)
     auxes = iter(ctx.auxes)
     # Each set of rows cut once, for every block of it: dout, q, out, and the LSE contiguous (as
@@ -184,8 +185,8 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
                 by_rows[blk.rows] = (*(_narrow(x, seq, blk.rows, blk.all_rows) for x in (dout, q, out)),
                                      lse_of(blk.rows))
             dout_b, q_b, out_b, lse_b = by_rows[blk.rows]
-            dq, dk, dv = _block_backward(kernel, blk, dout_b, q_b, _narrow(k, seq, blk.cols, blk.all_cols),
-                                         _narrow(v, seq, blk.cols, blk.all_cols), out_b, lse_b, next(auxes), scale)
+            k_b, v_b = (k, v) if blk.all_cols else exchange.cut((k, v), seq, blk.cols)
+            dq, dk, dv = _block_backward(kernel, blk, dout_b, q_b, k_b, v_b, out_b, lse_b, next(auxes), scale)
             dq_rows.add(blk.rows, dq)
             if waiting:
                 dkv, waiting = into(), False
@@ -202,12 +203,16 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
             return dkv
         return pair if pair is not None else torch.zeros((2, *k.shape), dtype=acc, device=k.device)
 
-    dkv = ctx.exchange.backward(tuple(kept), visit_grads)
+    dkv = exchange.backward(tuple(kept), visit_grads)
     dq = dq_rows.joined(lambda: torch.zeros(q.shape, dtype=acc, device=q.device))
     dk, dv = dkv.unbind(0) if isinstance(dkv, Tensor) else dkv
     if not in_layout:
         dq, dk, dv = kernel.from_layout(dq, dk, dv)
-    return dq.to(q_BSHD.dtype), dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype)
+    if dq.dtype != q.dtype:
+        dq = dq.to(q.dtype)
+    if dk.dtype != ctx.kv_dtype:
+        dk, dv = dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype)
+    return dq, dk, dv
 
 
 class ContextParallel(torch.autograd.Function):

@@ -77,7 +77,7 @@ def merge_into_(
         return
     # The block's share of each row is sigmoid(b - a) = e^b / (e^a + e^b): NaN only where both are
     # -inf (a row that saw nothing in either), where the row must stay as it is (share 0).
-    share_BHQ = torch.sigmoid(blk_lse_BHQ - acc_lse_BHQ)
+    share_BHQ = (blk_lse_BHQ - acc_lse_BHQ).sigmoid_()
     if may_be_empty:
         share_BHQ.nan_to_num_(0.0)
     share = share_BHQ.unsqueeze(-1) if seq_dim == 2 else share_BHQ.transpose(1, 2).unsqueeze(-1)

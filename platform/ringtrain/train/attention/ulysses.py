@@ -7,17 +7,19 @@ shards. q, k and v travel in a single packed all-to-all, so a forward issues two
 (q/k/v in, output back) and a backward two more (output grad in, q/k/v grads back).
 
 One autograd function does all of it: the all-to-alls on either side and, between them, the
-loop's forward and backward halves (``loop``) on the gathered sequence, in the block kernel's
-layout from the all-to-all on; the attention between them is local for pure Ulysses and a ring
-across ring groups for the hybrid (``hybrid``). The loop's saved tensors go through this
+loop's forward and backward halves (``loop``) on the gathered sequence; the attention between
+them is local for pure Ulysses and a ring across ring groups for the hybrid (``hybrid``). Every
+rank sends its heads rank by rank, each rank's part sequence-major (``[U, B, s, n, D]``), so
+what arrives is the gathered sequence itself for one sequence (B = 1, as long contexts run: a
+view, no copy), and the kernel's layout is a view of it. The loop's saved tensors go through this
 function's context, so autograd's saved-tensor hooks see them as they see any layer's.
 
 Heads (``head_routes``): query heads are split evenly; when the KV heads do not split evenly
 (fewer than U, as in MQA, or not a multiple of U) each rank receives copies of the KV heads its
 query heads read; when the query heads themselves do not split into U, they are padded with zero
 heads, each paired with a KV head of zeros, and the padding is cut off the output. Which source
-head goes where is one index list, so packing q, k and v for the all-to-all is one gather (and
-its backward one scatter-add, which also sums a replicated KV head's gradients).
+head goes where is one index list, so packing q, k and v for the all-to-all is one gather of
+their rows (and its backward one scatter-add, which also sums a replicated KV head's gradients).
 
 Shape legend: B batch, s local sequence (S = U*s gathered), H query heads, K key/value heads,
 D head dim, U ranks in the Ulysses group, h query and g key/value heads a rank attends to, N the
@@ -88,9 +90,25 @@ def head_routes(heads: int, kv_heads: int, degree: int) -> HeadRoutes:
     return HeadRoutes(tuple(route), h, h, True)
 
 
-@functools.lru_cache(maxsize=64)
-def _route_index(route: tuple[int, ...], device: torch.device) -> Tensor:
-    return torch.tensor(route, device=device)
+@dataclass(frozen=True)
+class _Routing:
+    """How a call's tensors move, for one shape: the flat gather that packs every rank's heads
+    rank-major (``[U, B, s, n, D]``, as the all-to-all sends them) from the sources ``[B, s, N, D]``
+    in one op, and whose scatter-add brings their gradients home."""
+
+    routes: HeadRoutes
+    gather: Tensor  # [U B s n]: row (b s + t) N + route[u n + j] of the sources' [B s N, D] rows
+    source_heads: tuple[int, ...]  # H, K, K (and the zero head)
+
+
+@functools.lru_cache(maxsize=16)
+def _routing(B: int, s: int, heads: int, kv_heads: int, degree: int, device: torch.device) -> _Routing:
+    routes = head_routes(heads, kv_heads, degree)
+    source_heads = (heads, kv_heads, kv_heads, *((1,) if routes.zero_head else ()))
+    route_Un = torch.tensor(routes.route, device=device).view(degree, 1, 1, -1)
+    tokens_Bs = torch.arange(B * s, device=device).view(1, B, s, 1)
+    gather = (tokens_Bs * sum(source_heads) + route_Un).flatten()
+    return _Routing(routes, gather, source_heads)
 
 
 class _Nested:
@@ -117,77 +135,71 @@ class _Ulysses(torch.autograd.Function):
     ) -> Tensor:
         B, s, H, D = q_BsHD.shape
         U = group.size()
-        routes = head_routes(H, k_BsKD.shape[2], U)
+        routing = _routing(B, s, H, k_BsKD.shape[2], U, q_BsHD.device)
+        routes = routing.routes
         sources = [q_BsHD, k_BsKD, v_BsKD]
         if routes.zero_head:
             sources.append(q_BsHD.new_zeros((B, s, 1, D)))
-        # Every rank's heads, in the order the ranks take them: one gather, contiguous by rank.
-        heads_NBsD = torch.cat(sources, dim=2).permute(2, 0, 1, 3)
-        index = _route_index(routes.route, q_BsHD.device)
-        sent = heads_NBsD.index_select(0, index)
+        # Every rank's heads, rank by rank, in one gather from the sources' rows.
+        sent = torch.cat(sources, dim=2).view(-1, D).index_select(0, routing.gather)
         received = torch.empty_like(sent)
         group.all_to_all(received, sent)
-        qkv = _gathered_in_layout(received.unflatten(0, (U, -1)), kernel)
-        q, k, v = qkv.split((routes.h, routes.g, routes.g), dim=3 - kernel.seq_dim)
+        # The gathered sequence in the kernel's layout (one view), split into q, k and v there.
+        (qkv,) = kernel.to_layout(_gathered(received.view(U, B, s, -1, D)))
+        q, k, v = qkv.split_with_sizes((routes.h, routes.g, routes.g), dim=3 - kernel.seq_dim)
         nested = _Nested(ctx)
         out = attend_forward(nested, inner(U * s, docs), q, k, v, in_layout=True)
-        ctx.nested, ctx.group, ctx.kernel, ctx.routes, ctx.index = nested, group, kernel, routes, index
-        ctx.source_heads = [x.shape[2] for x in sources]
-        out_BsHD = _back_to_sequence(out, group, kernel)
+        ctx.nested, ctx.group, ctx.kernel, ctx.routing = nested, group, kernel, routing
+        out_BsHD = _back_to_sequence(kernel.from_layout(out)[0], group)
         return out_BsHD if out_BsHD.shape[2] == H else out_BsHD[:, :, :H]
 
     @staticmethod
     def backward(ctx: Any, dout_BsHD: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        group, kernel, routes = ctx.group, ctx.kernel, ctx.routes
-        U = group.size()
+        group, kernel, routing = ctx.group, ctx.kernel, ctx.routing
+        U, h = group.size(), routing.routes.h
         B, s, H, D = dout_BsHD.shape
-        padded = routes.h * U
-        if padded != H:
-            dout_BsHD = torch.nn.functional.pad(dout_BsHD, (0, 0, 0, padded - H))
+        if h * U != H:
+            dout_BsHD = torch.nn.functional.pad(dout_BsHD, (0, 0, 0, h * U - H))
         # The output's gradient to the ranks that made each head's output, as the output came back.
-        sent = dout_BsHD.reshape(B, s, U, routes.h, D).permute(2, 3, 0, 1, 4).contiguous()
+        sent = dout_BsHD.reshape(B, s, U, h, D).permute(2, 0, 1, 3, 4).contiguous()
         received = torch.empty_like(sent)
         group.all_to_all(received, sent)
-        dout = _gathered_in_layout(received, kernel)
-        dq, dk, dv = attend_backward(ctx.nested, dout)
+        dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received))[0])
         # The gradients home by the routes they came: one all-to-all, one scatter-add into the
-        # source heads (which sums the copies of a replicated KV head).
-        grads = torch.cat((dq, dk, dv), dim=3 - kernel.seq_dim)
-        back = _by_rank(grads, U, kernel)
+        # source rows (which sums the copies of a replicated KV head).
+        (grads,) = kernel.from_layout(torch.cat((dq, dk, dv), dim=3 - kernel.seq_dim))
+        back = _by_rank(grads, U)
         arrived = torch.empty_like(back)
         group.all_to_all(arrived, back)
-        sources_NBsD = arrived.new_zeros((sum(ctx.source_heads), B, s, D))
-        sources_NBsD.index_add_(0, ctx.index, arrived.flatten(0, 1))
-        dq_BsHD, dk_BsKD, dv_BsKD, *_ = sources_NBsD.permute(1, 2, 0, 3).split(ctx.source_heads, dim=2)
+        sources = arrived.new_zeros((B * s * sum(routing.source_heads), D))
+        sources.index_add_(0, routing.gather, arrived.view(-1, D))
+        dq_BsHD, dk_BsKD, dv_BsKD, *_ = sources.view(B, s, -1, D).split_with_sizes(routing.source_heads, dim=2)
         return dq_BsHD, dk_BsKD, dv_BsKD, None, None, None, None
 
 
-def _gathered_in_layout(by_rank: Tensor, kernel: AttentionKernel) -> Tensor:
-    """``[U, n, B, s, D]`` (rank u's s tokens of n heads) -> the gathered sequence, ``[B, n, U s, D]``
-    or ``[B, U s, n, D]`` as the kernel's layout is, in one copy."""
-    U, n, B, s, D = by_rank.shape
-    if kernel.head_major:
-        return by_rank.permute(2, 1, 0, 3, 4).reshape(B, n, U * s, D)
-    return by_rank.permute(2, 0, 3, 1, 4).reshape(B, U * s, n, D)
+def _gathered(by_rank: Tensor) -> Tensor:
+    """``[U, B, s, n, D]`` (rank u's s tokens of n heads) -> the gathered sequence ``[B, U s, n, D]``:
+    a view for one sequence (B = 1, as long contexts run), one copy otherwise."""
+    U, B, s, n, D = by_rank.shape
+    if B == 1:
+        return by_rank.view(1, U * s, n, D)
+    return by_rank.transpose(0, 1).reshape(B, U * s, n, D)
 
 
-def _by_rank(gathered: Tensor, U: int, kernel: AttentionKernel) -> Tensor:
-    """The inverse of ``_gathered_in_layout``: ``[U, n, B, s, D]``, contiguous."""
-    if kernel.head_major:
-        B, n, S, D = gathered.shape
-        return gathered.reshape(B, n, U, S // U, D).permute(2, 1, 0, 3, 4).contiguous()
+def _by_rank(gathered: Tensor, U: int) -> Tensor:
+    """The inverse of ``_gathered``: ``[U, B, s, n, D]``, contiguous (a view of a contiguous B = 1)."""
     B, S, n, D = gathered.shape
-    return gathered.reshape(B, U, S // U, n, D).permute(1, 3, 0, 2, 4).contiguous()
+    return gathered.reshape(B, U, S // U, n, D).transpose(0, 1).contiguous()
 
 
-def _back_to_sequence(out: Tensor, group: Transport, kernel: AttentionKernel) -> Tensor:
+def _back_to_sequence(out_BShD: Tensor, group: Transport) -> Tensor:
     """This rank's heads of the gathered output -> every head of this rank's tokens, ``[B, s, U h, D]``."""
     U = group.size()
-    sent = _by_rank(out, U, kernel)
+    sent = _by_rank(out_BShD, U)
     received = torch.empty_like(sent)
     group.all_to_all(received, sent)
-    _, h, B, s, D = received.shape  # rank u's heads, at u h
-    return received.permute(2, 3, 0, 1, 4).reshape(B, s, U * h, D)
+    _, B, s, h, D = received.shape  # rank u's heads, at u h
+    return received.permute(1, 2, 0, 3, 4).reshape(B, s, U * h, D)
 
 
 def all_to_all_attention(inner: InnerCall, q_BsHD: Tensor, k_BsKD: Tensor, v_BsKD: Tensor, *, group: Transport,

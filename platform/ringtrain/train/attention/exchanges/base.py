@@ -72,6 +72,17 @@ class Exchange(ABC):
         """This rank's K and V contiguous: what travels is sent as it is."""
         return k.contiguous(), v.contiguous()
 
+    @staticmethod
+    def narrowed(kv: KV, dim: int, cols: tuple[int, int]) -> KV:
+        """K and V narrowed to ``cols`` along ``dim``."""
+        start, length = cols[0], cols[1] - cols[0]
+        return kv[0].narrow(dim, start, length), kv[1].narrow(dim, start, length)
+
+    def cut(self, kv: KV, dim: int, cols: tuple[int, int]) -> KV:
+        """A visit's K and V cut to a block's columns (an exchange whose buffers outlive the call
+        keeps the cuts with them)."""
+        return self.narrowed(kv, dim, cols)
+
     def ring_peers(self) -> tuple[int, int]:
         """(next, previous) rank of the ring."""
         rank, world = self.call.rank, self.call.world

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from ringtrain.train.attention.blocks import ALL, Block
 from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec, stacked
 from ringtrain.train.attention.window import needs
@@ -42,7 +44,7 @@ class NeighbourExchange(Exchange):
         assert self.call.transport is not None
         sources, readers = self._peers()
         own = self.own_kv(k, v)
-        visiting = {j: (own[0].new_empty(own[0].shape), own[1].new_empty(own[1].shape)) for j in sources}
+        visiting = {j: (torch.empty_like(own[0]), torch.empty_like(own[1])) for j in sources}
         pending = self.call.transport.send_recv({r: own for r in readers}, visiting, tag=_KV_TAG)
         self.kept = (*own, *(t for j in sources for t in visiting[j]))
         yield own  # its own block first, while the others' K/V travel
@@ -54,7 +56,7 @@ class NeighbourExchange(Exchange):
         sources, readers = self._peers()
         dkv = [stacked(visit_grads(i, kept[2 * i], kept[2 * i + 1], lambda: None)) for i in range(1 + len(sources))]
         # Every visiting block's gradients home to its owner; the readers' shares of ours here.
-        arriving = {r: [dkv[0].new_empty(dkv[0].shape)] for r in readers}
+        arriving = {r: [torch.empty_like(dkv[0])] for r in readers}
         self.call.transport.send_recv({j: [dkv[1 + i]] for i, j in enumerate(sources)}, arriving, tag=_DKV_TAG).wait()
         for (share,) in arriving.values():
             dkv[0] += share

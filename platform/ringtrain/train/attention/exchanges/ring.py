@@ -11,14 +11,20 @@ and computes one block (ring-flash-attention's zigzag decomposition; its names b
 Every rank thus does one diagonal block plus R-1 half blocks: balanced. The next K/V block is in
 flight while the current one computes; K and V go as two messages of one group launch,
 unexpanded (K heads, not H: the kernel handles GQA), into one of two receive buffers that take
-turns. The backward sends K/V around again, and with them the fp32 dK/dV accumulator of each
+turns. The buffers and the column views blocks take of them are kept for the next call
+(``VisitorBuffers``), so a layer allocates and slices nothing for its visitors. The backward sends K/V around again, and with them the fp32 dK/dV accumulator of each
 block, which reaches its owner after a full turn.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ringtrain.train.attention.blocks import ALL, Block
 from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec, stacked
@@ -41,7 +47,55 @@ def zigzag_block(source: int, rank: int, seq_local: int, *, causal: bool) -> Blo
     return Block(slice(half, seq_local), ALL, causal=False)
 
 
+class VisitorBuffers:
+    """The two buffers of one shape that visiting K/V take in turn, and the column views blocks
+    take of them, each cut once: kept from call to call.
+
+    A rank's calls run one after another in its thread (a backward's recomputed forward ends
+    before its ring turns again), and what a visitor brings is read within the call, so the next
+    call may write them again; on a GPU the transfer that does is ordered after the kernels that
+    read them (a process group's launch waits on the current stream).
+    """
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        self.pairs: tuple[KV, ...] = tuple((torch.empty_like(k), torch.empty_like(v)) for _ in range(2))
+        self._views: dict[tuple[int, int, int, int], KV] = {}
+
+    def cut(self, kv: KV, dim: int, cols: tuple[int, int]) -> Optional[KV]:
+        """``kv`` cut to ``cols`` along ``dim`` if it is one of these buffers' pairs, else None."""
+        for i, pair in enumerate(self.pairs):
+            if pair[0] is kv[0]:
+                key = (i, dim, *cols)
+                if key not in self._views:
+                    self._views[key] = Exchange.narrowed(pair, dim, cols)
+                return self._views[key]
+        return None
+
+
+_thread = threading.local()
+_SHAPES_KEPT = 4  # a model's layers share one shape; a few more serve evaluation and tests
+
+
+def visitor_buffers(k: Tensor, v: Tensor) -> Optional[VisitorBuffers]:
+    """This thread's buffers for visitors shaped as ``k`` and ``v`` (None for fake tensors, which
+    belong to their mode alone)."""
+    if isinstance(k, FakeTensor):
+        return None
+    kept: OrderedDict[tuple[object, ...], VisitorBuffers] = _thread.__dict__.setdefault("buffers", OrderedDict())
+    key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, k.device, torch.is_inference_mode_enabled())
+    found = kept.get(key)
+    if found is None:
+        found = kept[key] = VisitorBuffers(k, v)
+        while len(kept) > _SHAPES_KEPT:
+            kept.popitem(last=False)
+    else:
+        kept.move_to_end(key)
+    return found
+
+
 class RingExchange(Exchange):
+    _buffers: Optional[VisitorBuffers] = None
+
     def visits(self) -> list[VisitSpec]:
         call = self.call
         sources = [(call.rank - step) % call.world for step in range(call.world)]
@@ -52,17 +106,22 @@ class RingExchange(Exchange):
         """Every rank's K/V in ring order, starting with ``kv``, each passed on while it is used."""
         nxt, prev = self.ring_peers()
         assert self.call.transport is not None
-        free: Optional[KV] = None  # a visitor's buffers, once used and passed on
+        self._buffers = visitor_buffers(*kv) if self.call.world > 1 else None
+        turns = self._buffers.pairs if self._buffers is not None else None
         for step in range(self.call.world):
             pending: Optional[Pending] = None
             if step + 1 < self.call.world:
-                incoming = free or (kv[0].new_empty(kv[0].shape), kv[1].new_empty(kv[1].shape))
+                # Visitors take the two buffers in turn (never the rank's own K/V, which the backward keeps).
+                incoming = turns[step % 2] if turns is not None else (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
                 pending = self.call.transport.send_recv({nxt: kv}, {prev: incoming}, tag=_KV_TAG)
             yield kv
             if pending is not None:
                 pending.wait()
-                free = kv if step > 0 else None  # never the rank's own, which the backward keeps
                 kv = incoming
+
+    def cut(self, kv: KV, dim: int, cols: tuple[int, int]) -> KV:
+        kept = self._buffers.cut(kv, dim, cols) if self._buffers is not None else None
+        return kept if kept is not None else super().cut(kv, dim, cols)
 
     def forward(self, k: Tensor, v: Tensor) -> Iterator[KV]:
         own = self.own_kv(k, v)
@@ -87,7 +146,7 @@ class RingExchange(Exchange):
             dkv = stacked(visit_grads(step, k, v, into))
             # Passed on; after the last step the accumulator belongs to the next rank, and this
             # send brings it home. It arrives in the one sent a step ago, which has gone by now.
-            incoming = sent if sent is not None else dkv.new_empty(dkv.shape)
+            incoming = sent if sent is not None else torch.empty_like(dkv)
             pending = self.call.transport.send_recv({nxt: [dkv]}, {prev: [incoming]}, tag=_DKV_TAG)
             arrived, sent = incoming, dkv
         assert pending is not None
