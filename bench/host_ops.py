@@ -25,6 +25,10 @@ What a rank's layer is, here:
   packed documents the loopback's gather hands the rank its own documents back as every rank's:
   the same cut before and after.)
 
+For reference it also times Ulysses cp4's op sequence written bare (``_bare_ulysses``: the same
+gather, all-to-alls, views, kernel ops and scatter-add, with nothing between them): the floor of a
+Ulysses layer's host time.
+
 Before: the same bench at d5f494a (``bench/results/host_ops-cpu-d5f494a.json``, made with
 ``--baseline-run``: that commit's emulator with this counting applied, the patch beside it), and
 the figures of 110e587 (the issue's table, counted with the harness's sharding and the mailbox
@@ -77,6 +81,8 @@ BASELINE = RESULTS_DIR / "host_ops-cpu-d5f494a.json"
 RING_OPS_TARGET = 0.33
 PACKED_TARGET = 1.3
 HOST_TIME_TARGET = 0.5
+# Ulysses cp4's ops written bare (``_bare_ulysses``): the floor of its host time, for reference.
+BARE_ULYSSES = "ulysses cp4 bare"
 B, HEADS, KV_HEADS, HEAD_DIM = 1, 4, 2, 16
 TOKENS_PER_RANK = 32
 
@@ -298,6 +304,76 @@ def _alone(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
     return min(totals), min(hosts)
 
 
+def _bare_ulysses(repeats: int) -> tuple[float, float]:
+    """(CPU seconds, host seconds) of Ulysses cp4's op sequence written bare, timed as ``_alone``
+    times a layout: the packing gather, the four all-to-alls and their buffers, the layout views,
+    the kernel's two ops and the scatter-add home, with no loop, no checks and no transport seam
+    between them. What a Ulysses layer's host cannot go below, whatever holds the ops together."""
+    rank, world = 3, 4
+    q, k, v, dout = (x.chunk(world, dim=1)[rank].contiguous() for x in _inputs(Layout("", "ulysses", 1, world)))
+    from ringtrain.train.attention.ulysses import head_routes
+
+    B, s, H, D = q.shape
+    K, N = k.shape[2], HEADS + 2 * KV_HEADS
+    routes = head_routes(HEADS, KV_HEADS, world)  # pure: which heads each rank takes
+    h, g = routes.h, routes.g
+    rows = (torch.arange(B * s).view(1, B, s, 1) * N + torch.tensor(routes.route).view(world, 1, 1, -1)).flatten()
+    group, scale = _TimedLoopback(rank, world), HEAD_DIM**-0.5
+    kernel_s = [0.0]
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            sent = torch.cat((q, k, v), dim=2).view(-1, D).index_select(0, rows)
+            received = torch.empty_like(sent)
+            group.all_to_all(received, sent)
+            qg, kg, vg = received.view(1, world * s, -1, D).transpose(1, 2).split_with_sizes((h, g, g), dim=1)
+            started = time.thread_time()
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, kg, vg, 0.0, True, scale=scale)
+            kernel_s[0] += time.thread_time() - started
+            ctx.save_for_backward(qg, kg, vg, out, lse)
+            back = out.transpose(1, 2).reshape(1, world, s, h, D).transpose(0, 1).contiguous()
+            arrived = torch.empty_like(back)
+            group.all_to_all(arrived, back)
+            return arrived.permute(1, 2, 0, 3, 4).reshape(B, s, world * h, D)
+
+        @staticmethod
+        def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            qg, kg, vg, out, lse = ctx.saved_tensors
+            sent = dout.reshape(B, s, world, h, D).permute(2, 0, 1, 3, 4).contiguous()
+            received = torch.empty_like(sent)
+            group.all_to_all(received, sent)
+            started = time.thread_time()
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                received.view(1, world * s, h, D).transpose(1, 2), qg, kg, vg, out, lse, 0.0, True, scale=scale)
+            kernel_s[0] += time.thread_time() - started
+            back = torch.cat(grads, dim=1).transpose(1, 2).reshape(1, world, s, -1, D).transpose(0, 1).contiguous()
+            arrived = torch.empty_like(back)
+            group.all_to_all(arrived, back)
+            sources = arrived.new_zeros((B * s * N, D)).index_add_(0, rows, arrived.view(-1, D))
+            return tuple(sources.view(B, s, N, D).split_with_sizes((H, K, K), dim=2))
+
+    def layer() -> None:
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        Bare.apply(*leaves).backward(dout)
+
+    totals, hosts = [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            layer()
+        for _ in range(repeats):
+            started, kernel_before, transport_s = time.thread_time(), kernel_s[0], _TimedLoopback.seconds
+            layer()
+            total = time.thread_time() - started - (_TimedLoopback.seconds - transport_s)
+            totals.append(total)
+            hosts.append(total - (kernel_s[0] - kernel_before))
+    finally:
+        gc.enable()
+    return min(totals), min(hosts)
+
+
 def _alone_in_processes(repeats: int, processes: int) -> dict[str, tuple[float, float]]:
     """``_alone`` for every layout in ``processes`` fresh processes, the least of each: a run's
     speed here varies with the process (where its memory lands) more than from run to run."""
@@ -334,7 +410,8 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.alone:
         kernel = _timed_kernel()
-        print(json.dumps({layout.name: _alone(layout, kernel, args.repeats) for layout in LAYOUTS}))
+        alone = {layout.name: _alone(layout, kernel, args.repeats) for layout in LAYOUTS}
+        print(json.dumps({**alone, BARE_ULYSSES: _bare_ulysses(args.repeats)}))
         return 0
 
     run = Run("host_ops")
@@ -365,6 +442,10 @@ def main() -> int:
         if r["host_ratio"] is not None:
             checks.append((f"{layout.name}: host time <= {HOST_TIME_TARGET}x before ({r['host_ratio']:.2f})",
                            r["host_ratio"] <= HOST_TIME_TARGET))
+    bare_cpu_s, bare_host_s = alone[BARE_ULYSSES]
+    bare_ratio = bare_host_s / before["ulysses cp4"]["host_s"] if before else None
+    print(f"{BARE_ULYSSES:<20} {'':>22} {bare_host_s * 1e3:>17.2f} {'':>7} "
+          f"{'-' if bare_ratio is None else format(bare_ratio, '.2f'):>6} {bare_cpu_s * 1e3:>7.2f}  (reference)")
     if before:
         for name in ("ring cp4", "ring cp4 allgather"):
             ratio = results[name]["ops_ratio"]
@@ -374,7 +455,8 @@ def main() -> int:
     for what, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
     ok = all(passed for _, passed in checks)
-    out = run.write({"layouts": results, "checks": [{"check": c, "pass": p} for c, p in checks], "pass": ok,
+    bare = {"cpu_s": bare_cpu_s, "host_s": bare_host_s, "host_ratio": bare_ratio}
+    out = run.write({"layouts": results, BARE_ULYSSES.replace(" ", "_"): bare, "checks": [{"check": c, "pass": p} for c, p in checks], "pass": ok,
                      "before": None if args.baseline_run else str(args.baseline.relative_to(ROOT)),
                      "shapes": {"batch": B, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                 "tokens_per_rank": TOKENS_PER_RANK}}, device_type="cpu", out=args.out)  # fmt: skip
