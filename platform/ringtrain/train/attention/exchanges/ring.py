@@ -11,9 +11,10 @@ and computes one block (ring-flash-attention's zigzag decomposition; its names b
 Every rank thus does one diagonal block plus R-1 half blocks: balanced. The next K/V block is in
 flight while the current one computes; K and V go as two messages of one group launch,
 unexpanded (K heads, not H: the kernel handles GQA), into one of two receive buffers that take
-turns. The buffers and the column views blocks take of them are kept for the next call
-(``VisitorBuffers``), so a layer allocates and slices nothing for its visitors. The backward sends K/V around again, and with them the fp32 dK/dV accumulator of each
-block, which reaches its owner after a full turn.
+turns; the buffers and the column views blocks take of them are kept for the next call
+(``VisitorBuffers``), so a layer allocates and slices nothing for its visitors. The backward sends
+K/V around again, and with them the fp32 dK/dV accumulator of each block, which reaches its owner
+after a full turn.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class RingExchange(Exchange):
         for step in range(self.call.world):
             pending: Optional[Pending] = None
             if step + 1 < self.call.world:
-                # Visitors take the two buffers in turn (never the rank's own K/V, which the backward keeps).
-                incoming = turns[step % 2] if turns is not None else (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+                # Visitors take the two buffers in turn (never the rank's own K/V: the backward keeps it).
+                incoming = turns[step % 2] if turns else (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
                 pending = self.call.transport.send_recv({nxt: kv}, {prev: incoming}, tag=_KV_TAG)
             yield kv
             if pending is not None:
@@ -120,8 +121,8 @@ class RingExchange(Exchange):
                 kv = incoming
 
     def cut(self, kv: KV, dim: int, cols: tuple[int, int]) -> KV:
-        kept = self._buffers.cut(kv, dim, cols) if self._buffers is not None else None
-        return kept if kept is not None else super().cut(kv, dim, cols)
+        views = self._buffers.cut(kv, dim, cols) if self._buffers is not None else None
+        return views if views is not None else super().cut(kv, dim, cols)
 
     def forward(self, k: Tensor, v: Tensor) -> Iterator[KV]:
         own = self.own_kv(k, v)
