@@ -285,6 +285,12 @@ def _alone(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         attention(*leaves).backward(dout)
 
+    return _least_of(layer, repeats)
+
+
+def _least_of(layer: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(CPU seconds, host seconds) of ``layer``, each the least of ``repeats`` runs: its thread's
+    CPU time less the loopback's transfers, and that less the block kernel's op (``_kernel_seconds``)."""
     totals, hosts = [], []
     # As timeit does, no garbage collection in the timed runs (one landing in a run would be timed
     # as its work); collected once before them, not between (a collection leaves the caches cold).
@@ -319,7 +325,6 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
     h, g = routes.h, routes.g
     rows = (torch.arange(B * s).view(1, B, s, 1) * N + torch.tensor(routes.route).view(world, 1, 1, -1)).flatten()
     group, scale = _TimedLoopback(rank, world), HEAD_DIM**-0.5
-    kernel_s = [0.0]
 
     class Bare(torch.autograd.Function):
         @staticmethod
@@ -330,7 +335,7 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
             qg, kg, vg = received.view(1, world * s, -1, D).transpose(1, 2).split_with_sizes((h, g, g), dim=1)
             started = time.thread_time()
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, kg, vg, 0.0, True, scale=scale)
-            kernel_s[0] += time.thread_time() - started
+            _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
             ctx.save_for_backward(qg, kg, vg, out, lse)
             back = out.transpose(1, 2).reshape(1, world, s, h, D).transpose(0, 1).contiguous()
             arrived = torch.empty_like(back)
@@ -346,7 +351,7 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
             started = time.thread_time()
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 received.view(1, world * s, h, D).transpose(1, 2), qg, kg, vg, out, lse, 0.0, True, scale=scale)
-            kernel_s[0] += time.thread_time() - started
+            _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
             back = torch.cat(grads, dim=1).transpose(1, 2).reshape(1, world, s, -1, D).transpose(0, 1).contiguous()
             arrived = torch.empty_like(back)
             group.all_to_all(arrived, back)
@@ -357,21 +362,7 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         Bare.apply(*leaves).backward(dout)
 
-    totals, hosts = [], []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(3):
-            layer()
-        for _ in range(repeats):
-            started, kernel_before, transport_s = time.thread_time(), kernel_s[0], _TimedLoopback.seconds
-            layer()
-            total = time.thread_time() - started - (_TimedLoopback.seconds - transport_s)
-            totals.append(total)
-            hosts.append(total - (kernel_s[0] - kernel_before))
-    finally:
-        gc.enable()
-    return min(totals), min(hosts)
+    return _least_of(layer, repeats)
 
 
 def _alone_in_processes(repeats: int, processes: int) -> dict[str, tuple[float, float]]:
