@@ -136,9 +136,14 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
             auxes.append(res.aux)
             rows.merge(blk.rows, res.out_BQHD, res.lse_BHQ, may_be_empty=blk.how != WHOLE)
     out = rows.joined(lambda: torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device))
-    out_BSHD = out if in_layout else kernel.from_layout(out)[0]
-    if out_BSHD.dtype != q.dtype or not (in_layout or out_BSHD.is_contiguous()):
-        out_BSHD = out_BSHD.to(q.dtype, memory_format=torch.preserve_format if in_layout else torch.contiguous_format)
+    # In q's dtype, and contiguous where it leaves in BSHD; cast only where it is not (a cast that
+    # changes nothing is still a dispatch).
+    if in_layout:
+        out_BSHD = out if out.dtype == q.dtype else out.to(q.dtype)
+    else:
+        (out_BSHD,) = kernel.from_layout(out)
+        if out_BSHD.dtype != q.dtype or not out_BSHD.is_contiguous():
+            out_BSHD = out_BSHD.to(q.dtype, memory_format=torch.contiguous_format)
     # The LSEs as merged, a tensor a set of rows: the backward reads each set's own. q is kept in
     # the kernel's layout (a view of the input), so the backward lays out only dout and out.
     spans = list(rows.parts)

@@ -91,7 +91,7 @@ def head_routes(heads: int, kv_heads: int, degree: int) -> HeadRoutes:
 
 
 @dataclass(frozen=True)
-class _Routing:
+class Routing:
     """How a call's tensors move, for one shape: the flat gather that packs every rank's heads
     rank-major (``[U, B, s, n, D]``, as the all-to-all sends them) from the sources ``[B, s, N, D]``
     in one op, and whose scatter-add brings their gradients home."""
@@ -102,13 +102,14 @@ class _Routing:
 
 
 @functools.lru_cache(maxsize=16)
-def _routing(B: int, s: int, heads: int, kv_heads: int, degree: int, device: torch.device) -> _Routing:
+def routing_of(B: int, s: int, heads: int, kv_heads: int, degree: int, device: torch.device) -> Routing:
+    """The routing of ``B`` sequences of ``s`` tokens over ``degree`` ranks (kept: every layer shares it)."""
     routes = head_routes(heads, kv_heads, degree)
     source_heads = (heads, kv_heads, kv_heads, *((1,) if routes.zero_head else ()))
     route_Un = torch.tensor(routes.route, device=device).view(degree, 1, 1, -1)
     tokens_Bs = torch.arange(B * s, device=device).view(1, B, s, 1)
     gather = (tokens_Bs * sum(source_heads) + route_Un).flatten()
-    return _Routing(routes, gather, source_heads)
+    return Routing(routes, gather, source_heads)
 
 
 class _Nested:
@@ -135,7 +136,7 @@ class _Ulysses(torch.autograd.Function):
     ) -> Tensor:
         B, s, H, D = q_BsHD.shape
         U = group.size()
-        routing = _routing(B, s, H, k_BsKD.shape[2], U, q_BsHD.device)
+        routing = routing_of(B, s, H, k_BsKD.shape[2], U, q_BsHD.device)
         routes = routing.routes
         sources = [q_BsHD, k_BsKD, v_BsKD]
         if routes.zero_head:
