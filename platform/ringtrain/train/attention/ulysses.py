@@ -93,11 +93,12 @@ def head_routes(heads: int, kv_heads: int, degree: int) -> HeadRoutes:
 @dataclass(frozen=True)
 class Routing:
     """How a call's tensors move, for one shape: the flat gather that packs every rank's heads
-    rank-major (``[U, B, s, n, D]``, as the all-to-all sends them) from the sources ``[B, s, N, D]``
-    in one op, and whose scatter-add brings their gradients home."""
+    rank-major (``[U, B, s, n, D]``, as the all-to-all sends them) from the sources' rows in one
+    op, and the rows their gradients come home to in one scatter-add."""
 
     routes: HeadRoutes
-    gather: Tensor  # [U B s n]: row (b s + t) N + route[u n + j] of the sources' [B s N, D] rows
+    gather: Tensor  # [U B s n]: row (b s + t) N + route[u n + j] of the sources ``[B s N, D]`` (heads side by side)
+    home: Tensor  # [U B s n]: the same source row's place with the sources one after another, each [B s n_i, D]
     source_heads: tuple[int, ...]  # H, K, K (and the zero head)
 
 
@@ -105,11 +106,18 @@ class Routing:
 def routing_of(B: int, s: int, heads: int, kv_heads: int, degree: int, device: torch.device) -> Routing:
     """The routing of ``B`` sequences of ``s`` tokens over ``degree`` ranks (kept: every layer shares it)."""
     routes = head_routes(heads, kv_heads, degree)
-    source_heads = (heads, kv_heads, kv_heads, *((1,) if routes.zero_head else ()))
-    route_Un = torch.tensor(routes.route, device=device).view(degree, 1, 1, -1)
-    tokens_Bs = torch.arange(B * s, device=device).view(1, B, s, 1)
-    gather = (tokens_Bs * sum(source_heads) + route_Un).flatten()
-    return Routing(routes, gather, source_heads)
+    source_heads = torch.tensor((heads, kv_heads, kv_heads, *((1,) if routes.zero_head else ())))
+    route_Un = torch.tensor(routes.route).view(degree, 1, 1, -1)
+    # Which source each routed head is of, and its head index within that source.
+    source_Un = torch.bucketize(route_Un, source_heads.cumsum(0), right=True)
+    within_Un = route_Un - (source_heads.cumsum(0) - source_heads)[source_Un]
+    tokens_Bs1 = torch.arange(B * s).view(B, s, 1)
+    gather = tokens_Bs1 * int(source_heads.sum()) + route_Un
+    # At home the gradients of a source take B s rows per head of it, source after source, so
+    # each is one contiguous tensor of its own: autograd takes it as the input's gradient as it is.
+    rows = B * s * source_heads
+    home = (rows.cumsum(0) - rows)[source_Un] + tokens_Bs1 * source_heads[source_Un] + within_Un
+    return Routing(routes, gather.flatten().to(device), home.flatten().to(device), tuple(source_heads.tolist()))
 
 
 class _Nested:
@@ -167,15 +175,17 @@ class _Ulysses(torch.autograd.Function):
         group.all_to_all(received, sent)
         dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received))[0])
         # The gradients home by the routes they came: one all-to-all, one scatter-add into the
-        # source rows (which sums the copies of a replicated KV head).
+        # sources' rows (which sums the copies of a replicated KV head), each source's its own
+        # contiguous tensor: what autograd hands on as the input's gradient without a copy.
         (grads,) = kernel.from_layout(torch.cat((dq, dk, dv), dim=3 - kernel.seq_dim))
         back = _by_rank(grads, U)
         arrived = torch.empty_like(back)
         group.all_to_all(arrived, back)
-        sources = arrived.new_zeros((B * s * sum(routing.source_heads), D))
-        sources.index_add_(0, routing.gather, arrived.view(-1, D))
-        dq_BsHD, dk_BsKD, dv_BsKD, *_ = sources.view(B, s, -1, D).split_with_sizes(routing.source_heads, dim=2)
-        return dq_BsHD, dk_BsKD, dv_BsKD, None, None, None, None
+        heads = routing.source_heads
+        home = arrived.new_zeros((B * s * sum(heads), D))
+        home.index_add_(0, routing.home, arrived.view(-1, D))
+        dq, dk, dv, *_ = home.split_with_sizes([B * s * n for n in heads])
+        return dq.view(B, s, H, D), dk.view(B, s, heads[1], D), dv.view(B, s, heads[2], D), None, None, None, None
 
 
 def _gathered(by_rank: Tensor) -> Tensor:
