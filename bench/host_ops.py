@@ -322,7 +322,7 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
     B, s, H, D = q.shape
     K = k.shape[2]
     routing = routing_of(B, s, H, K, world, q.device)  # made once, as the product's is: not timed
-    h, g, N, rows = routing.routes.h, routing.routes.g, sum(routing.source_heads), routing.gather
+    h, g, N, rows, home = routing.routes.h, routing.routes.g, sum(routing.source_heads), routing.gather, routing.home
     group, scale = _TimedLoopback(rank, world), HEAD_DIM**-0.5
 
     class Bare(torch.autograd.Function):
@@ -355,8 +355,9 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
             back = torch.cat(grads, dim=1).transpose(1, 2).reshape(1, world, s, -1, D).transpose(0, 1).contiguous()
             arrived = torch.empty_like(back)
             group.all_to_all(arrived, back)
-            sources = arrived.new_zeros((B * s * N, D)).index_add_(0, rows, arrived.view(-1, D))
-            return tuple(sources.view(B, s, N, D).split_with_sizes((H, K, K), dim=2))
+            sources = arrived.new_zeros((B * s * N, D)).index_add_(0, home, arrived.view(-1, D))
+            dq, dk, dv, *_ = sources.split_with_sizes([B * s * n for n in routing.source_heads])
+            return dq.view(B, s, H, D), dk.view(B, s, K, D), dv.view(B, s, K, D)
 
     def layer() -> None:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
