@@ -2,7 +2,8 @@
 not at all, and which K/V exchange a layout gets; and blocks cut by documents and windows, through
 the emulated ring (tests/emulated_cp.py), equal to one call over the sequence, masked and in
 pieces alike (the CPU kernels take masks, so short blocks run masked here; the fused GPU kernels
-do not, and a kernel refusing masks stands in for them)."""
+do not, and a kernel refusing masks stands in for them); and an all-gathered chunk's rows against
+its prefix and itself as one call, one masked call or split, each equal to one call."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ class _NoMasks(MathKernel):
 
     name = "no-masks"
     supports_mask = False
+
+
+class _BottomRight(MathKernel):
+    """The math kernel taking a causal block wider than tall (its mask aligns bottom-right) and
+    no masks, as flash-attn does."""
+
+    name = "bottom-right"
+    supports_mask = False
+    aligns_causal_bottom_right = True
 
 
 def test_the_exchange_is_chosen_by_name_layout_and_window() -> None:
@@ -136,3 +146,38 @@ def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring:
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), _reference(q, k, v, dout, docs, None)):
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
+
+
+def _allgather_blocks(kernel: MathKernel, *, rank: int, world: int, seq: int) -> list[tuple[str, tuple[int, int], bool]]:
+    """(how, columns, causal) of each block rank ``rank`` of an all-gathered ring runs."""
+    call = AttentionCall(None, rank, world, seq, True, None, None, 0.5, kernel, "allgather")
+    (visit,) = plan(call, exchange_for(call), 1, torch.device("cpu"))
+    return [(blk.how, blk.cols, blk.causal) for blk in visit.blocks]
+
+
+def test_a_chunks_rows_against_its_prefix_and_itself_run_as_one_call_where_the_kernel_takes_it() -> None:
+    # Rank 1 of 4 holds chunks 1 and 6 (of 8 tokens each): keys [0, 16) and [0, 56).
+    assert _allgather_blocks(_BottomRight(), rank=1, world=4, seq=16) == [
+        (WHOLE, (0, 16), True), (WHOLE, (0, 56), True)]
+    assert _allgather_blocks(MATH, rank=1, world=4, seq=16) == [(MASKED, (0, 16), False), (MASKED, (0, 56), False)]
+    # A kernel that takes neither: the square diagonal first, then the prefix.
+    assert _allgather_blocks(_NoMasks(), rank=1, world=4, seq=16) == [
+        (WHOLE, (8, 16), True), (WHOLE, (0, 8), False), (WHOLE, (48, 56), True), (WHOLE, (0, 48), False)]
+    # Rank 0's first chunk is the sequence's first: a square, one call on any kernel.
+    assert _allgather_blocks(_NoMasks(), rank=0, world=4, seq=16)[0] == (WHOLE, (0, 8), True)
+    # A long block makes no mask: split.
+    long = 2 * int(np.sqrt(MASKED_BELOW_SCORES))
+    assert [how for how, _, _ in _allgather_blocks(MATH, rank=1, world=4, seq=long)] == [WHOLE] * 4
+
+
+@pytest.mark.parametrize("kernel", [_BottomRight(), MATH, _NoMasks()], ids=["one-call", "masked", "split"])
+def test_all_gathered_blocks_equal_one_call_however_they_run(kernel: MathKernel) -> None:
+    world, seq = 4, 64
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, seq, heads, HEAD_DIM, generator=gen, dtype=torch.float64)
+                     for heads in (HEADS, KV_HEADS, KV_HEADS, HEADS))
+    ring = emulated_ring(q, k, v, dout, world=world, kernel=kernel, causal=True, scale=default_scale(HEAD_DIM),
+                         kv_exchange="allgather", timeout_s=20.0)
+    got = (ring.out_BSHD, ring.dq_BSHD, ring.dk_BSKD, ring.dv_BSKD)
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, dout, None, None)):
+        torch.testing.assert_close(g, want, atol=1e-10, rtol=0, msg=name)

@@ -13,10 +13,13 @@ dim. Tensors are ``[B, Q, H, D]`` and ``[B, S, K, D]`` (sequence-major, "BSHD");
 
 Conventions every kernel keeps (``AttentionKernel`` enforces them, so a kernel cannot forget):
 
-- ``causal`` only on square blocks (Q == S, refused otherwise): there query i sees keys 0..i
-  under top-left and bottom-right (flash-attn's) alignment alike, and no row is left empty.
-  On a non-square block the two alignments disagree, and flash-attn gives a row that sees no
-  key an LSE of +inf, which the merge would weigh as everything instead of nothing.
+- ``causal`` on square blocks (Q == S): there query i sees keys 0..i under top-left (torch's
+  ``is_causal``) and bottom-right (flash-attn's) alignment alike, and no row is left empty. A
+  kernel whose causal mask aligns bottom-right (``aligns_causal_bottom_right``) also takes a
+  block wider than tall (Q < S): query i sees keys 0..i + S - Q, the queries at the end of the
+  keys, as a chunk's rows against its whole prefix and itself are; every row sees a key. Any
+  other non-square causal block is refused: the two alignments disagree there, and flash-attn
+  gives a row that sees no key an LSE of +inf, which the merge would weigh as everything.
 - ``visible_BQS`` (boolean, True = may attend) restricts attention further; only kernels with
   ``supports_mask`` accept it.
 - A query row with no visible key has output 0 and LSE -inf, and receives zero gradient.
@@ -174,13 +177,15 @@ def _pad_head_dim(x: Tensor, multiple: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, extra)) if extra else x
 
 
-def _check_square_if_causal(causal: bool, q_len: int, k_len: int) -> None:
-    if causal and q_len != k_len:
-        raise ValueError(
-            f"causal attention needs a square block, got {q_len} queries and {k_len} keys: kernels "
-            "align a non-square causal mask differently (flash-attn bottom-right, with LSE +inf for "
-            "rows that see no key), so split the block or pass an explicit mask"
-        )
+def _check_causal_shape(causal: bool, q_len: int, k_len: int, *, bottom_right: bool) -> None:
+    if not causal or q_len == k_len or (bottom_right and q_len < k_len):
+        return
+    takes = "a square block or one wider than tall" if bottom_right else "a square block"
+    raise ValueError(
+        f"causal attention needs {takes}, got {q_len} queries and {k_len} keys: kernels "
+        "align a non-square causal mask differently (flash-attn bottom-right, with LSE +inf for "
+        "rows that see no key), so split the block or pass an explicit mask"
+    )
 
 
 def visible_of(call: BlockCall) -> Optional[Tensor]:
@@ -199,7 +204,8 @@ def allowed_mask(
     """
     if not causal:
         return visible_BQS
-    tril_QS = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+    # Aligned bottom-right: the queries are the last Q of the keys (top-left too on a square block).
+    tril_QS = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
     return tril_QS if visible_BQS is None else visible_BQS & tril_QS
 
 
@@ -219,7 +225,7 @@ def additive_bias(allowed_BQS: Tensor, dtype: torch.dtype, *, align: int = 1) ->
 class AttentionKernel:
     """Forward and backward of one attention block.
 
-    This base class owns what must hold for every kernel: square causal blocks, head-dim
+    This base class owns what must hold for every kernel: the shapes of causal blocks, head-dim
     padding, GQA expansion for kernels that lack it, the layout its op takes, the LSE of rows
     that see no key, and fp32 LSEs. A kernel implements ``_op_forward``/``_op_backward`` in
     its op's layout (BHSD if ``head_major``, else BSHD), with the head dim padded to a multiple
@@ -233,6 +239,8 @@ class AttentionKernel:
     name: ClassVar[str]
     spec: ClassVar[KernelSpec]
     supports_mask: ClassVar[bool] = False
+    # Whether its causal mask aligns a block wider than tall bottom-right (see the module doc).
+    aligns_causal_bottom_right: ClassVar[bool] = False
     pad_head_dim_to: ClassVar[int] = 1
     head_major: ClassVar[bool] = False
     ops: ClassVar[AtenOps] = {}
@@ -292,7 +300,7 @@ class AttentionKernel:
         seq = self.seq_dim
         heads = 3 - seq
         if causal:
-            _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
+            _check_causal_shape(causal, q.shape[seq], k.shape[seq], bottom_right=self.aligns_causal_bottom_right)
         head_dim = q.shape[-1]
         if head_dim % self.pad_head_dim_to:
             q, k, v = (_pad_head_dim(t, self.pad_head_dim_to) for t in (q, k, v))
@@ -321,7 +329,7 @@ class AttentionKernel:
         seq = self.seq_dim
         heads = 3 - seq
         if causal:
-            _check_square_if_causal(causal, q.shape[seq], k.shape[seq])
+            _check_causal_shape(causal, q.shape[seq], k.shape[seq], bottom_right=self.aligns_causal_bottom_right)
         if mask is not None:
             self._check_mask(mask)
             # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is

@@ -77,6 +77,9 @@ class FlashAttnKernel(AttentionKernel):
     # ``_flash_attn_forward``/``_backward`` take D % 8 == 0 and leave the padding to
     # ``FlashAttnFunc``, which this kernel bypasses to get the LSE.
     pad_head_dim_to = 8
+    # flash-attn aligns a non-square causal mask bottom-right (from 2.1; ringtrain requires 2.6):
+    # a chunk's rows against its prefix and itself run as one call.
+    aligns_causal_bottom_right = True
     unavailable = "the flash_attn package is not importable here, or the GPU is older than sm80"
 
     @classmethod

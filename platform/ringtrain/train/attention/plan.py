@@ -12,7 +12,11 @@ to the block) and runs one of three ways:
   kernel that takes no mask;
 - ``EMPTY``: nothing in it is visible: no call at all.
 
-An uncut block is ``WHOLE``: one call. The plan depends only on the layout (and the documents,
+An uncut block is ``WHOLE``: one call. A causal block wider than tall (a chunk's rows against
+its whole prefix and itself, as all-gathered K/V give them) is one call too where the kernel
+aligns its causal mask bottom-right (flash-attn), and one masked call where the block is short and
+the kernel takes masks; otherwise the plan splits it into its causal diagonal and the prefix,
+which every kernel runs (two calls and a merge). The plan depends only on the layout (and the documents,
 with which it is kept for the forward: every layer and the backward share it), so it is made
 once, not per layer and again in the backward.
 
@@ -71,10 +75,11 @@ def cut_of(block: Block, rows: Side, cols: Side, window: Optional[int]) -> Cut:
 
 def cut_visibility(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -> np.ndarray:
     """``[B, Q, S]``: which scores of a block ``cut`` leaves. Under a window the positions say what
-    is causal; otherwise a causal block is a square on the diagonal."""
+    is causal; otherwise a causal block's rows are the last of its columns (a square on the
+    diagonal, and for a block wider than tall the prefix before it)."""
     visible = np.ones((1, q_len, k_len), dtype=bool)
     if causal and cut.window is None:
-        visible &= np.tril(visible[0])[None]
+        visible &= np.tril(visible[0], k_len - q_len)[None]
     if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
         q_docs, k_docs = cut.q_docs_BQ, cut.k_docs_BS
         visible = visible & (q_docs[:, :, None] == k_docs[:, None, :]) & (q_docs >= 0)[:, :, None]
@@ -89,14 +94,30 @@ def _span(index: slice, length: int) -> tuple[int, int]:
     return start, stop
 
 
+def _planned_blocks(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: int, k_len: int,
+                    device: torch.device) -> tuple[PlannedBlock, ...]:
+    """``block`` planned: as one block or, a wide causal block that no single call here runs, as
+    its causal diagonal and its prefix (the diagonal first: its rows' LSE is finite from the start)."""
+    one = _planned(call, block, rows, cols, batch, k_len, device)
+    if one is not None:
+        return (one,)
+    (row_start, row_stop), (col_start, col_stop) = _span(block.rows, call.seq_local), _span(block.cols, k_len)
+    diagonal = col_stop - (row_stop - row_start)
+    parts = (Block(block.rows, slice(diagonal, col_stop), causal=True),
+             Block(block.rows, slice(col_start, diagonal), causal=False))
+    return tuple(b for part in parts for b in _planned_blocks(call, part, rows, cols, batch, k_len, device))
+
+
 def _planned(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: int, k_len: int,
-             device: torch.device) -> PlannedBlock:
+             device: torch.device) -> Optional[PlannedBlock]:
+    """``block`` as one planned block, or None for a wide causal block that no single call here runs."""
     row_span, col_span = _span(block.rows, call.seq_local), _span(block.cols, k_len)
     q_len, s_len = row_span[1] - row_span[0], col_span[1] - col_span[0]
     spans = dict(rows=row_span, cols=col_span, all_rows=q_len == call.seq_local, all_cols=s_len == k_len,
                  causal=block.causal)
+    wide_causal = block.causal and s_len > q_len
     cut = cut_of(block, rows, cols, call.window)
-    if cut.whole:
+    if cut.whole and (not wide_causal or call.kernel.aligns_causal_bottom_right):
         return PlannedBlock(**spans, how=WHOLE)
     if call.kernel.supports_mask and q_len * s_len <= MASKED_BELOW_SCORES:
         visible = cut_visibility(cut, block.causal, batch, q_len, s_len)
@@ -105,6 +126,8 @@ def _planned(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: i
         # Causality is in the mask: the call itself is not causal.
         mask = BlockMask(torch.tensor(visible, device=device), any_unseen=not visible.any(axis=-1).all())
         return PlannedBlock(**{**spans, "causal": False}, how=MASKED, cut=cut, mask=mask)
+    if wide_causal:
+        return None
     pieces = pieces_of(batch, q_len, s_len, block.causal, cut)
     return PlannedBlock(**spans, how=PIECES if pieces else EMPTY, cut=cut, pieces=pieces)
 
@@ -114,8 +137,8 @@ def _make(call: AttentionCall, exchange: Exchange, batch: int, device: torch.dev
     visits = []
     for spec in exchange.visits():
         k_len = len(spec.cols.positions)
-        visits.append(Visit(spec.source, tuple(_planned(call, b, rows, spec.cols, batch, k_len, device)
-                                               for b in spec.blocks)))
+        blocks = (p for b in spec.blocks for p in _planned_blocks(call, b, rows, spec.cols, batch, k_len, device))
+        visits.append(Visit(spec.source, tuple(blocks)))
     return tuple(visits)
 
 
@@ -129,7 +152,7 @@ def plan(call: AttentionCall, exchange: Exchange, batch: int, device: torch.devi
     """The visits of ``call``'s exchange, each block planned; kept with the documents (for the
     forward) or, without any, for the layout."""
     key = (call.exchange, call.world, call.rank, call.seq_local, call.causal, call.window,
-           call.kernel.supports_mask, batch, device)
+           call.kernel.supports_mask, call.kernel.aligns_causal_bottom_right, batch, device)
     if call.docs is not None:
         visits: tuple[Visit, ...] = call.docs.cached(("plan", *key), lambda: _make(call, exchange, batch, device))
         return visits

@@ -10,9 +10,11 @@ collective (under GQA K/V are a fraction of Q), after which each rank runs a fix
 kernel calls however many ranks there are:
 
 - causal: rank r holds zigzag chunks r and 2R-1-r of L tokens. Chunk c's queries see keys
-  [0, cL) in full (one block against the gathered prefix, none for c = 0) and keys
-  [cL, (c+1)L) causally (a square diagonal block); the two merge into the chunk's output. Four
-  kernel calls and two merges a rank.
+  [0, cL) in full and keys [cL, (c+1)L) causally: one causal block of the chunk's rows against
+  keys [0, (c+1)L), its rows the last of its columns. Two kernel calls a rank and no merge where
+  the kernel runs such a block at once (flash-attn at any length, a mask on a short block); the
+  plan splits it into the square diagonal and the prefix otherwise (``plan``), four calls and
+  two merges.
 - non-causal: the local queries against every key, one call.
 
 The backward accumulates dK/dV over the whole gathered sequence, and a reduce-scatter hands each
@@ -37,17 +39,12 @@ from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, Visit
 
 def allgather_blocks(rank: int, world: int, seq_local: int, *, causal: bool) -> list[Block]:
     """The blocks rank ``rank`` computes, rows of its shard against columns of the gathered
-    sequence; a chunk's diagonal block comes before its prefix (its rows' LSE is finite first)."""
+    sequence: under a causal mask each chunk's rows against every key up to its own last."""
     if not causal:
         return [Block(ALL, ALL, causal=False)]
     half = seq_local // 2
-    blocks = []
-    for i, chunk in enumerate(zigzag_chunks(world, rank)):
-        rows = slice(i * half, (i + 1) * half)
-        blocks.append(Block(rows, slice(chunk * half, (chunk + 1) * half), causal=True))
-        if chunk > 0:
-            blocks.append(Block(rows, slice(0, chunk * half), causal=False))
-    return blocks
+    return [Block(slice(i * half, (i + 1) * half), slice(0, (chunk + 1) * half), causal=True)
+            for i, chunk in enumerate(zigzag_chunks(world, rank))]
 
 
 @functools.lru_cache(maxsize=64)
