@@ -5,41 +5,23 @@ a call reads in them is always its own K/V, never a previous call's."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
 
 import torch
 
 from ringtrain.train.attention.attend import ring_attention
 from ringtrain.train.attention.exchanges.ring import visitor_buffers
 from ringtrain.train.attention.kernels import get_kernel
-from ringtrain.train.attention.transport import Done
+from tests.loopback import Loopback
 
 B, S, HEADS, KV_HEADS, D, WORLD = 1, 16, 4, 2, 8, 4
-
-
-class _Loopback:
-    """One rank of a ring in one thread: what it sends comes back as the visitor."""
-
-    def rank(self) -> int:
-        return WORLD - 1  # the last rank: every visitor's block takes half its columns (kept cuts)
-
-    def size(self) -> int:
-        return WORLD
-
-    def send_recv(self, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]], *,
-                  tag: int) -> Done:
-        (sent,), (into,) = sends.values(), recvs.values()
-        for buffer, tensor in zip(into, sent):
-            buffer.copy_(tensor)
-        return Done()
 
 
 def _layer(seed: int) -> list[torch.Tensor]:
     """A ring layer's output and input gradients for inputs drawn from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, S, n, D, generator=gen).requires_grad_() for n in (HEADS, KV_HEADS, KV_HEADS))
-    out = ring_attention(q, k, v, group=_Loopback(), kernel=get_kernel("cpu_flash", device_type="cpu",
-                                                                        dtype=torch.float32))
+    kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.float32)
+    out = ring_attention(q, k, v, group=Loopback(WORLD), kernel=kernel)
     out.backward(torch.ones_like(out))
     return [out.detach(), q.grad, k.grad, v.grad]
 

@@ -211,12 +211,15 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
     dkv = exchange.backward(tuple(kept), visit_grads)
     dq = dq_rows.joined(lambda: torch.zeros(q.shape, dtype=acc, device=q.device))
     dk, dv = dkv.unbind(0) if isinstance(dkv, Tensor) else dkv
+    # A cast is a copy: where one is made, it also lays a BSHD gradient out contiguous, as the
+    # input's own gradient must be (autograd, or the projection's backward, would copy it again).
+    layout = torch.preserve_format if in_layout else torch.contiguous_format
     if not in_layout:
         dq, dk, dv = kernel.from_layout(dq, dk, dv)
     if dq.dtype != q.dtype:
-        dq = dq.to(q.dtype)
+        dq = dq.to(q.dtype, memory_format=layout)
     if dk.dtype != ctx.kv_dtype:
-        dk, dv = dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype)
+        dk, dv = dk.to(ctx.kv_dtype, memory_format=layout), dv.to(ctx.kv_dtype, memory_format=layout)
     return dq, dk, dv
 
 

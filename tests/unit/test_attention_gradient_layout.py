@@ -1,0 +1,50 @@
+"""The gradients context-parallel attention hands autograd are each input's own contiguous
+tensor, as an input's gradient must be laid out (autograd copies one that is not, and so does a
+projection's backward): Ulysses brings q, k and v's home in one scatter-add whose rows are laid
+out input by input (``ulysses.Routing.home``); the ring's, accumulated in fp32 in the kernel's
+layout, are laid out BSHD by the cast to the inputs' dtype that copies them anyway."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringtrain.train.attention.attend import ring_attention
+from ringtrain.train.attention.kernels import get_kernel
+from ringtrain.train.attention.ulysses import ulysses_attention
+from tests.loopback import Loopback
+
+B, S, D = 2, 8, 8
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "degree"),
+    [(4, 4, 2), (4, 2, 4), (3, 1, 2)],
+    ids=["heads split evenly", "KV heads copied to every rank", "query heads padded with a zero head"],
+)
+def test_the_inputs_gradients_are_the_scatter_adds_rows_not_copies(heads: int, kv_heads: int, degree: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, S, n, D, generator=gen).requires_grad_() for n in (heads, kv_heads, kv_heads))
+    kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.float32)
+    out = ulysses_attention(q, k, v, group=Loopback(degree), kernel=kernel)
+    out.backward(torch.randn(out.shape, generator=gen))
+    grads = [x.grad for x in (q, k, v)]
+    assert all(g is not None and g.is_contiguous() for g in grads)
+    # One scatter-add's rows, q's then k's then v's, each handed on as it is.
+    storages = {g.untyped_storage().data_ptr() for g in grads if g is not None}
+    assert len(storages) == 1, "autograd copied a gradient: its strides were not its input's"
+    offsets = [g.storage_offset() for g in grads if g is not None]
+    assert offsets == [0, B * S * heads * D, B * S * (heads + kv_heads) * D]
+
+
+def test_the_rings_gradients_leave_bshd_contiguous_from_the_cast_that_copies_them() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, n, D, generator=gen).bfloat16().requires_grad_() for n in (4, 2, 2))
+    handed: list[torch.Tensor] = []
+    for x in (q, k, v):
+        x.register_hook(handed.append)  # the gradient as the attention returns it, before autograd's copy
+    kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.bfloat16)
+    out = ring_attention(q, k, v, group=Loopback(4), kernel=kernel)
+    out.backward(torch.ones_like(out))
+    assert [g.dtype for g in handed] == [torch.bfloat16] * 3
+    assert all(g.is_contiguous() for g in handed), [g.stride() for g in handed]
