@@ -148,7 +148,8 @@ def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring:
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=name)
 
 
-def _allgather_blocks(kernel: MathKernel, *, rank: int, world: int, seq: int) -> list[tuple[str, tuple[int, int], bool]]:
+def _allgather_blocks(kernel: MathKernel, *, rank: int, world: int,
+                      seq: int) -> list[tuple[str, tuple[int, int], bool]]:
     """(how, columns, causal) of each block rank ``rank`` of an all-gathered ring runs."""
     call = AttentionCall(None, rank, world, seq, True, None, None, 0.5, kernel, "allgather")
     (visit,) = plan(call, exchange_for(call), 1, torch.device("cpu"))

@@ -14,11 +14,11 @@ to the block) and runs one of three ways:
 
 An uncut block is ``WHOLE``: one call. A causal block wider than tall (a chunk's rows against
 its whole prefix and itself, as all-gathered K/V give them) is one call too where the kernel
-aligns its causal mask bottom-right (flash-attn), and one masked call where the block is short and
-the kernel takes masks; otherwise the plan splits it into its causal diagonal and the prefix,
-which every kernel runs (two calls and a merge). The plan depends only on the layout (and the documents,
-with which it is kept for the forward: every layer and the backward share it), so it is made
-once, not per layer and again in the backward.
+aligns its causal mask bottom-right (flash-attn), and one masked call where the block is short
+and the kernel takes masks; otherwise the plan splits it into its causal diagonal and the
+prefix, which every kernel runs (two calls and a merge). The plan depends only on the layout
+(and the documents, with which it is kept for the forward: every layer and the backward share
+it), so it is made once, not per layer and again in the backward.
 
 Shape legend: B batch, Q / S a block's rows / columns.
 """
@@ -96,8 +96,8 @@ def _span(index: slice, length: int) -> tuple[int, int]:
 
 def _planned_blocks(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: int, k_len: int,
                     device: torch.device) -> tuple[PlannedBlock, ...]:
-    """``block`` planned: as one block or, a wide causal block that no single call here runs, as
-    its causal diagonal and its prefix (the diagonal first: its rows' LSE is finite from the start)."""
+    """``block`` planned: one block, or for a wide causal block that no single call here runs, its
+    causal diagonal and then its prefix (the diagonal first: its rows' LSE is finite from the start)."""
     one = _planned(call, block, rows, cols, batch, k_len, device)
     if one is not None:
         return (one,)
