@@ -90,6 +90,10 @@ class _Rows:
     def joined(self, empty: Callable[[], Tensor]) -> Tensor:
         """Every row's output (or gradient): the parts joined, and where they leave rows that no
         block reached, written into ``empty()`` (zeros)."""
+        if len(self.parts) == 1:  # one set of rows, as a local call or a ring's diagonal has: no sorting
+            ((span, parts),) = self.parts.items()
+            if span == (0, self.seq_local):
+                return parts[0]
         spans = sorted(self.parts)
         tiled = bool(spans) and spans[0][0] == 0 and spans[-1][1] == self.seq_local and all(
             a[1] == b[0] for a, b in zip(spans, spans[1:]))
