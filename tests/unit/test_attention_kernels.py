@@ -407,3 +407,24 @@ def test_auto_keeps_flash_attention_first_before_hopper(capability: "tuple[int, 
     got = select_kernel("auto", device_type="cuda", dtype=torch.bfloat16, available=CUDA_ALL, head_dim=128,
                         capability=capability)
     assert got == "flash_attn"
+
+
+# ------------------------------------------------- flash-attn's causal alignment (its release)
+
+
+@pytest.mark.parametrize(("version", "offered"), [("2.0.9", False), ("2.1.0", True), ("2.8.3.post2", True),
+                                                  ("nightly", False)])
+def test_flash_attn_is_offered_only_where_it_aligns_a_wide_causal_block_bottom_right(
+    monkeypatch: pytest.MonkeyPatch, version: str, offered: bool
+) -> None:
+    import sys
+    import types
+
+    from ringtrain.train.attention import flash_attn_kernel
+
+    package = types.ModuleType("flash_attn")
+    package.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    interface = "flash_attn.flash_attn_interface"
+    monkeypatch.setitem(sys.modules, interface, types.ModuleType(interface))
+    assert flash_attn_kernel._flash_attn_importable() is offered

@@ -335,9 +335,10 @@ class AttentionKernel:
             # Every kernel recomputes P = exp(s - lse). For a row that saw no key that is
             # exp(-inf + inf) = NaN; with +inf instead of -inf it is exp(-inf) = 0, so the row
             # gets zero gradient through fused and explicit kernels alike. Only a mask leaves a
-            # row of a block empty (a square causal block always shows a row its own key), and
-            # such a row's gradient here is zero whatever its merged LSE: unmasked, the LSE goes
-            # through as it is, and contiguous, as callers that keep it contiguous pass it.
+            # row of a block empty (a causal block, square or aligned bottom-right, shows every
+            # row its own key), and such a row's gradient here is zero whatever its merged LSE:
+            # unmasked, the LSE goes through as it is, and contiguous, as callers that keep it
+            # contiguous pass it.
             if mask.any_unseen:
                 lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), math.inf)
         lse_BHQ = lse_BHQ.contiguous()

@@ -16,7 +16,8 @@ piece it can. The backward cuts the same way, each piece against the merged outp
 rows.
 
 A rectangle of a causal block without a window is square and on its diagonal: a causal block's
-rows and columns are the same positions, so a document's runs in both are the same slice.
+rows and columns are the same positions, so a document's runs in both are the same slice (the
+plan splits a causal block wider than tall into its diagonal and its prefix before it is cut).
 
 Shape legend: B batch, Q query length of the block, S key length of the block, H query heads,
 K key/value heads, D head dim.

@@ -60,12 +60,23 @@ def _flash_attn_call_kwargs(fn: Callable[..., Any], **given: Any) -> dict[str, A
     return kwargs
 
 
+# From 2.1 flash-attn aligns the causal mask of a block wider than tall bottom-right, as
+# ``aligns_causal_bottom_right`` says; an older one aligns it top-left and is not offered.
+_OLDEST = (2, 1)
+
+
 def _flash_attn_importable() -> bool:
     try:
         importlib.import_module("flash_attn.flash_attn_interface")
-    except Exception:  # an ImportError, or a CUDA/ABI mismatch raised while loading its extension
+        release = _release(importlib.import_module("flash_attn").__version__)
+    except Exception:  # an ImportError, a CUDA/ABI mismatch raised while loading its extension, a bad version
         return False
-    return True
+    return release >= _OLDEST
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.8.3.post2"`` -> ``(2, 8)``: the major and minor release of a version string."""
+    return tuple(int(part) for part in version.split(".")[:2])
 
 
 class FlashAttnKernel(AttentionKernel):
@@ -77,10 +88,9 @@ class FlashAttnKernel(AttentionKernel):
     # ``_flash_attn_forward``/``_backward`` take D % 8 == 0 and leave the padding to
     # ``FlashAttnFunc``, which this kernel bypasses to get the LSE.
     pad_head_dim_to = 8
-    # flash-attn aligns a non-square causal mask bottom-right (from 2.1; ringtrain requires 2.6):
-    # a chunk's rows against its prefix and itself run as one call.
+    # A chunk's rows against its prefix and itself run as one call (flash-attn from 2.1, ``_OLDEST``).
     aligns_causal_bottom_right = True
-    unavailable = "the flash_attn package is not importable here, or the GPU is older than sm80"
+    unavailable = "the flash_attn package (2.1 or newer) is not importable here, or the GPU is older than sm80"
 
     @classmethod
     def runs_here(cls, device_type: str) -> bool:

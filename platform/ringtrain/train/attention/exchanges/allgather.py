@@ -12,9 +12,9 @@ kernel calls however many ranks there are:
 - causal: rank r holds zigzag chunks r and 2R-1-r of L tokens. Chunk c's queries see keys
   [0, cL) in full and keys [cL, (c+1)L) causally: one causal block of the chunk's rows against
   keys [0, (c+1)L), its rows the last of its columns. Two kernel calls a rank and no merge where
-  the kernel runs such a block at once (flash-attn at any length, a mask on a short block); the
-  plan splits it into the square diagonal and the prefix otherwise (``plan``), four calls and
-  two merges.
+  the kernel runs such a block at once (flash-attn at any length unless documents or a window
+  cut it, a mask on a short block); otherwise the plan splits it into the square diagonal and the
+  prefix (``plan``): a call and a merge more for each chunk but the sequence's first.
 - non-causal: the local queries against every key, one call.
 
 The backward accumulates dK/dV over the whole gathered sequence, and a reduce-scatter hands each
