@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.attention import LoopbackTransport
 from ringtrain.train.attention.attend import ring_attention
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.ulysses import ulysses_attention
-from tests.loopback import Loopback
 
 B, S, D = 2, 8, 8
 
@@ -26,7 +26,7 @@ def test_the_inputs_gradients_are_the_scatter_adds_rows_not_copies(heads: int, k
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, S, n, D, generator=gen).requires_grad_() for n in (heads, kv_heads, kv_heads))
     kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.float32)
-    out = ulysses_attention(q, k, v, group=Loopback(degree), kernel=kernel)
+    out = ulysses_attention(q, k, v, group=LoopbackTransport(degree - 1, degree), kernel=kernel)
     out.backward(torch.randn(out.shape, generator=gen))
     grads = [x.grad for x in (q, k, v)]
     assert all(g is not None and g.is_contiguous() for g in grads)
@@ -44,7 +44,7 @@ def test_the_rings_gradients_leave_bshd_contiguous_from_the_cast_that_copies_the
     for x in (q, k, v):
         x.register_hook(handed.append)  # the gradient as the attention returns it, before autograd's copy
     kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.bfloat16)
-    out = ring_attention(q, k, v, group=Loopback(4), kernel=kernel)
+    out = ring_attention(q, k, v, group=LoopbackTransport(3, 4), kernel=kernel)
     out.backward(torch.ones_like(out))
     assert [g.dtype for g in handed] == [torch.bfloat16] * 3
     assert all(g.is_contiguous() for g in handed), [g.stride() for g in handed]

@@ -8,10 +8,10 @@ import threading
 
 import torch
 
+from bench.attention import LoopbackTransport
 from ringtrain.train.attention.attend import ring_attention
 from ringtrain.train.attention.exchanges.ring import visitor_buffers
 from ringtrain.train.attention.kernels import get_kernel
-from tests.loopback import Loopback
 
 B, S, HEADS, KV_HEADS, D, WORLD = 1, 16, 4, 2, 8, 4
 
@@ -21,7 +21,9 @@ def _layer(seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, S, n, D, generator=gen).requires_grad_() for n in (HEADS, KV_HEADS, KV_HEADS))
     kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.float32)
-    out = ring_attention(q, k, v, group=Loopback(WORLD), kernel=kernel)
+    # The last rank of a ring on a loopback: its own K/V visits it, and every visitor's block
+    # takes half its columns (kept cuts).
+    out = ring_attention(q, k, v, group=LoopbackTransport(WORLD - 1, WORLD), kernel=kernel)
     out.backward(torch.ones_like(out))
     return [out.detach(), q.grad, k.grad, v.grad]
 
