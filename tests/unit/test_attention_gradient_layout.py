@@ -2,15 +2,20 @@
 tensor, as an input's gradient must be laid out (autograd copies one that is not, and so does a
 projection's backward): Ulysses brings q, k and v's home in one scatter-add whose rows are laid
 out input by input (``ulysses.Routing.home``); the ring's, accumulated in fp32 in the kernel's
-layout, are laid out BSHD by the cast to the inputs' dtype that copies them anyway."""
+layout, are laid out BSHD by the cast to the inputs' dtype that copies them anyway. A call with
+one uncut block casts nothing: its output and gradients are the kernel's own."""
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.attention import LoopbackTransport
-from ringtrain.train.attention.attend import ring_attention
+from ringtrain.train.attention.attend import local_attention, ring_attention
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.ulysses import ulysses_attention
 
@@ -48,3 +53,30 @@ def test_the_rings_gradients_leave_bshd_contiguous_from_the_cast_that_copies_the
     out.backward(torch.ones_like(out))
     assert [g.dtype for g in handed] == [torch.bfloat16] * 3
     assert all(g.is_contiguous() for g in handed), [g.stride() for g in handed]
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counted[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_local_call_is_the_kernels_one_call_with_no_round_trip_through_fp32() -> None:
+    # One rank, no documents, no window (as Ulysses' gathered sequence is too): nothing to merge,
+    # so the output and the gradients leave as the kernel made them, in bf16, rather than through
+    # the loop's fp32 accumulators and back (two copy kernels each way on a GPU).
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, n, D, generator=gen).bfloat16().requires_grad_() for n in (4, 2, 2))
+    dout = torch.randn(1, 16, 4, D, generator=gen).bfloat16()
+    kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.bfloat16)
+    with _Ops() as ops:
+        local_attention(q, k, v, kernel=kernel).backward(dout)
+    assert ops.counted["aten._scaled_dot_product_flash_attention_for_cpu"] == 1
+    assert ops.counted["aten._scaled_dot_product_flash_attention_for_cpu_backward"] == 1
+    assert ops.counted["aten._to_copy"] == 0, ops.counted

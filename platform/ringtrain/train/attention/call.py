@@ -93,6 +93,12 @@ class AttentionCall:
         exchange = choose_exchange(kv_exchange, world, seq_local, window)
         return cls(transport, rank, world, seq_local, causal, docs, window, scale, kernel, exchange)
 
+    @property
+    def one_block(self) -> bool:
+        """Whether the call is one block no one cuts: this rank's own K/V (one rank; Ulysses'
+        gathered sequence), no documents, no window. The loop runs it as one kernel call."""
+        return self.exchange == "local" and self.docs is None and self.window is None
+
     def shard_side(self, source: int) -> Side:
         """Ring rank ``source``'s shard: its positions and documents."""
         docs = None

@@ -5,7 +5,10 @@ plan (``plan``) says which blocks of this rank's rows each visit holds and how e
 block's output merges into its rows' accumulator through the LSEs (``merge.merge_into_``).
 The backward walks the same plan with the merged output and LSE, adds each block's dQ to its
 rows and its dK/dV to the accumulator the exchange hands it, and the exchange brings the
-dK/dV home.
+dK/dV home. A call of one block that nothing cuts (one rank's own K/V, as Ulysses' gathered
+sequence and a run without context parallelism have, with no documents and no window:
+``AttentionCall.one_block``) is the kernel's one call, forward and backward: no plan to walk,
+no rows to merge, nothing to exchange, and no round trip through the fp32 accumulators.
 
 Tensors stay in the block kernel's layout from the first op to the last (``to_layout``: BHSD for
 torch's fused ops), so no block transposes anything; outputs and LSEs are kept as the kernel
@@ -20,7 +23,7 @@ sequence dim is the kernel's (``AttentionKernel.seq_dim``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -28,7 +31,7 @@ import torch
 from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads, accumulation_dtype
 from ringtrain.train.attention.blocks import block_backward, block_forward
 from ringtrain.train.attention.call import AttentionCall
-from ringtrain.train.attention.exchanges.base import VisitGradients, stacked
+from ringtrain.train.attention.exchanges.base import Exchange, VisitGradients, stacked
 from ringtrain.train.attention.merge import merge_into_
 from ringtrain.train.attention.plan import EMPTY, MASKED, PIECES, WHOLE, PlannedBlock, Visit, exchange_for, plan
 
@@ -122,10 +125,42 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
     """This rank's output ``[B, S, H, D]`` in q's dtype; what the backward needs goes on ``ctx``.
     ``in_layout``: q, k, v and the output are in the kernel's layout instead (Ulysses gathers its
     sequence straight into it)."""
+    kernel = call.kernel
+    q, k, v = (q_BSHD, k_BSKD, v_BSKD) if in_layout else kernel.to_layout(q_BSHD, k_BSKD, v_BSKD)
+    exchange: Optional[Exchange] = None
+    visits: tuple[Visit, ...] = ()
+    if call.one_block:
+        # The kernel's one call is the whole result: no plan to walk, no rows to merge, no K/V
+        # to exchange (the K/V are the backward's as they are).
+        res = kernel.forward_in_layout(q, k, v, causal=call.causal, scale=call.scale)
+        out, lses, auxes, kept = res.out_BQHD, {(0, call.seq_local): res.lse_BHQ}, [res.aux], (k, v)
+    else:
+        exchange = exchange_for(call)
+        visits = plan(call, exchange, q.shape[0], q.device)
+        out, lses, auxes = _visits_forward(call, exchange, visits, q, k, v)
+        kept, exchange.kept = exchange.kept, ()
+    # In q's dtype, and contiguous where it leaves in BSHD; cast only where it is not (a cast that
+    # changes nothing is still a dispatch).
+    if in_layout:
+        out_BSHD = out if out.dtype == q.dtype else out.to(q.dtype)
+    else:
+        (out_BSHD,) = kernel.from_layout(out)
+        if out_BSHD.dtype != q.dtype or not out_BSHD.is_contiguous():
+            out_BSHD = out_BSHD.to(q.dtype, memory_format=torch.contiguous_format)
+    # The LSEs as merged, a tensor a set of rows: the backward reads each set's own. q is kept in
+    # the kernel's layout (a view of the input), so the backward lays out only dout and out.
+    ctx.save_for_backward(q, out_BSHD, *lses.values(), *kept)
+    ctx.call, ctx.exchange, ctx.visits, ctx.auxes = call, exchange, visits, auxes
+    ctx.kv_dtype = k_BSKD.dtype
+    ctx.lse_spans, ctx.in_layout = list(lses), in_layout
+    return out_BSHD
+
+
+def _visits_forward(call: AttentionCall, exchange: Exchange, visits: tuple[Visit, ...], q: Tensor, k_l: Tensor,
+                    v_l: Tensor) -> tuple[Tensor, dict[tuple[int, int], Tensor], list[Any]]:
+    """The loop's forward: every rank's output (accumulation dtype), the LSE of each set of rows,
+    and each block's kernel state, in the kernel's layout."""
     kernel, seq = call.kernel, call.kernel.seq_dim
-    exchange = exchange_for(call)
-    visits = plan(call, exchange, q_BSHD.shape[0], q_BSHD.device)
-    q, k_l, v_l = (q_BSHD, k_BSKD, v_BSKD) if in_layout else kernel.to_layout(q_BSHD, k_BSKD, v_BSKD)
     rows = _Rows(seq, call.seq_local)
     auxes: list[Any] = []
     q_rows: dict[tuple[int, int], Tensor] = {}  # each set of rows cut once, for every block of it
@@ -140,23 +175,7 @@ def attend_forward(ctx: Any, call: AttentionCall, q_BSHD: Tensor, k_BSKD: Tensor
             auxes.append(res.aux)
             rows.merge(blk.rows, res.out_BQHD, res.lse_BHQ, may_be_empty=blk.how != WHOLE)
     out = rows.joined(lambda: torch.zeros(q.shape, dtype=accumulation_dtype(q.dtype), device=q.device))
-    # In q's dtype, and contiguous where it leaves in BSHD; cast only where it is not (a cast that
-    # changes nothing is still a dispatch).
-    if in_layout:
-        out_BSHD = out if out.dtype == q.dtype else out.to(q.dtype)
-    else:
-        (out_BSHD,) = kernel.from_layout(out)
-        if out_BSHD.dtype != q.dtype or not out_BSHD.is_contiguous():
-            out_BSHD = out_BSHD.to(q.dtype, memory_format=torch.contiguous_format)
-    # The LSEs as merged, a tensor a set of rows: the backward reads each set's own. q is kept in
-    # the kernel's layout (a view of the input), so the backward lays out only dout and out.
-    spans = list(rows.parts)
-    ctx.save_for_backward(q, out_BSHD, *(rows.parts[s][1] for s in spans), *exchange.kept)
-    exchange.kept = ()
-    ctx.call, ctx.exchange, ctx.visits, ctx.auxes = call, exchange, visits, auxes
-    ctx.kv_dtype = k_BSKD.dtype
-    ctx.lse_spans, ctx.in_layout = spans, in_layout
-    return out_BSHD
+    return out, {span: parts[1] for span, parts in rows.parts.items()}, auxes
 
 
 def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -166,12 +185,34 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
     lses = dict(zip(ctx.lse_spans, saved))
     kept = saved[len(ctx.lse_spans):]
     call: AttentionCall = ctx.call
-    visits: tuple[Visit, ...] = ctx.visits
-    exchange = ctx.exchange
-    kernel, seq, scale, in_layout = call.kernel, call.kernel.seq_dim, call.scale, ctx.in_layout
+    kernel, in_layout = call.kernel, ctx.in_layout
     dout, out = (dout_BSHD, out_BSHD) if in_layout else kernel.to_layout(dout_BSHD, out_BSHD)
+    if ctx.exchange is None:  # the forward's one call
+        (lse,) = lses.values()
+        dq, dk, dv = kernel.backward_in_layout(dout, q, kept[0], kept[1], out, lse, ctx.auxes[0], causal=call.causal,
+                                               scale=call.scale)
+    else:
+        dq, dk, dv = _visits_backward(call, ctx.exchange, ctx.visits, iter(ctx.auxes), dout, q, out, lses,
+                                      tuple(kept))
+    # A cast is a copy: where one is made, it also lays a BSHD gradient out contiguous, as the
+    # input's own gradient must be (autograd, or the projection's backward, would copy it again).
+    layout = torch.preserve_format if in_layout else torch.contiguous_format
+    if not in_layout:
+        dq, dk, dv = kernel.from_layout(dq, dk, dv)
+    if dq.dtype != q.dtype:
+        dq = dq.to(q.dtype, memory_format=layout)
+    if dk.dtype != ctx.kv_dtype:
+        dk, dv = dk.to(ctx.kv_dtype, memory_format=layout), dv.to(ctx.kv_dtype, memory_format=layout)
+    return dq, dk, dv
+
+
+def _visits_backward(call: AttentionCall, exchange: Exchange, visits: tuple[Visit, ...], auxes: Iterator[Any],
+                     dout: Tensor, q: Tensor, out: Tensor, lses: Mapping[tuple[int, int], Tensor],
+                     kept: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """The loop's backward: dQ, dK and dV in the kernel's layout (dQ in the accumulation dtype,
+    dK/dV as the exchange brings them home)."""
+    kernel, seq, scale = call.kernel, call.kernel.seq_dim, call.scale
     acc = accumulation_dtype(q.dtype)
-    auxes = iter(ctx.auxes)
     # Each set of rows cut once, for every block of it: dout, q, out, and the LSE contiguous (as
     # the kernels' backward ops take it).
     by_rows: dict[tuple[int, int], tuple[Tensor, ...]] = {}
@@ -212,18 +253,9 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
             return dkv
         return pair if pair is not None else torch.zeros((2, *k.shape), dtype=acc, device=k.device)
 
-    dkv = exchange.backward(tuple(kept), visit_grads)
+    dkv = exchange.backward(kept, visit_grads)
     dq = dq_rows.joined(lambda: torch.zeros(q.shape, dtype=acc, device=q.device))
     dk, dv = dkv.unbind(0) if isinstance(dkv, Tensor) else dkv
-    # A cast is a copy: where one is made, it also lays a BSHD gradient out contiguous, as the
-    # input's own gradient must be (autograd, or the projection's backward, would copy it again).
-    layout = torch.preserve_format if in_layout else torch.contiguous_format
-    if not in_layout:
-        dq, dk, dv = kernel.from_layout(dq, dk, dv)
-    if dq.dtype != q.dtype:
-        dq = dq.to(q.dtype, memory_format=layout)
-    if dk.dtype != ctx.kv_dtype:
-        dk, dv = dk.to(ctx.kv_dtype, memory_format=layout), dv.to(ctx.kv_dtype, memory_format=layout)
     return dq, dk, dv
 
 

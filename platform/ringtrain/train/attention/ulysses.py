@@ -177,7 +177,7 @@ class _Ulysses(torch.autograd.Function):
         # The gradients home by the routes they came: one all-to-all, one scatter-add into the
         # sources' rows (which sums the copies of a replicated KV head), each source's its own
         # contiguous tensor: what autograd hands on as the input's gradient without a copy.
-        (grads,) = kernel.from_layout(torch.cat((dq, dk, dv), dim=3 - kernel.seq_dim))
+        grads = torch.cat(kernel.from_layout(dq, dk, dv), dim=2)
         back = _by_rank(grads, U)
         arrived = torch.empty_like(back)
         group.all_to_all(arrived, back)
