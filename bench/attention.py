@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 
 from ringtrain.train.attention import local_attention, ring_attention
-from ringtrain.train.attention.transport import Done
+from ringtrain.train.attention.transport import Done, check_contiguous, send_recv_tensors
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import causal_work, zigzag_shard
 
@@ -92,6 +92,7 @@ class LoopbackTransport:
 
     def send_recv(self, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]], *,
                   tag: int) -> Done:
+        check_contiguous("send_recv", *send_recv_tensors(sends, recvs))
         outgoing = next(iter(sends.values()), None)
         for buffers in recvs.values():
             for i, buffer in enumerate(buffers):
@@ -99,6 +100,7 @@ class LoopbackTransport:
         return Done()
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        check_contiguous("all_to_all", output, input)
         output.copy_(input)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

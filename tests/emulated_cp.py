@@ -39,6 +39,7 @@ from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.implementations import build_attention
 from ringtrain.train.attention.kernels import AttentionKernel
 from ringtrain.train.attention.loop import attend_backward, attend_forward
+from ringtrain.train.attention.transport import check_contiguous, send_recv_tensors
 from ringtrain.train.attention.zigzag import cp_shard, cp_unshard, zigzag_shard, zigzag_unshard
 
 Tensor = torch.Tensor
@@ -131,6 +132,7 @@ class EmulatedTransport:
     def send_recv(self, sends: Mapping[int, Sequence[Tensor]], recvs: Mapping[int, Sequence[Tensor]], *,
                   tag: int) -> _Arrivals:
         with _transport_work():
+            check_contiguous("send_recv", *send_recv_tensors(sends, recvs))
             for peer, tensors in sends.items():
                 for i, outgoing in enumerate(tensors):
                     self.mailboxes.post(self.index, peer, tag + i, outgoing)
@@ -139,6 +141,7 @@ class EmulatedTransport:
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
         with _transport_work():
+            check_contiguous("all_to_all", output, input)
             for dst, piece in enumerate(input.chunk(self.world)):
                 self.mailboxes.post(self.index, dst, _ALL_TO_ALL_TAG, piece)
             for src, buffer in enumerate(output.chunk(self.world)):

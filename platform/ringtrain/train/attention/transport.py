@@ -48,6 +48,21 @@ def _record(kind: str, n: int = 1) -> None:
         counter[kind] += n
 
 
+def check_contiguous(kind: str, *tensors: Tensor) -> None:
+    """Raise ValueError unless every tensor a transfer sends or receives into is contiguous: NCCL
+    takes no other, and gloo (and an in-memory transport) would take a strided one and hide it
+    until a GPU run. Every ``Transport`` checks its point-to-point and all-to-all tensors here."""
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError(f"{kind}: a tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} is "
+                             "not contiguous; transfers take contiguous tensors only")
+
+
+def send_recv_tensors(sends: Mapping[int, Sequence[Tensor]], recvs: Mapping[int, Sequence[Tensor]]) -> list[Tensor]:
+    """Every tensor of one ``send_recv``, sent or received into."""
+    return [tensor for by_peer in (sends, recvs) for tensors in by_peer.values() for tensor in tensors]
+
+
 class Pending(Protocol):
     """Transfers in flight: ``wait()`` before reading the receive buffers or writing the sent ones."""
 
@@ -73,11 +88,13 @@ class Transport(Protocol):
         self, sends: Mapping[int, Sequence[Tensor]], recvs: Mapping[int, Sequence[Tensor]], *, tag: int
     ) -> Pending:
         """Post ``sends[peer][i]`` to each peer and receive into ``recvs[peer][i]`` from each, all
-        at once; tensor i of a peer goes with tag ``tag + i``. Returns at once."""
+        at once; tensor i of a peer goes with tag ``tag + i``. Returns at once. Every tensor is
+        contiguous (``check_contiguous``)."""
         ...
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
-        """Equal-split along dim 0: slice u of ``input`` to rank u, slice u of ``output`` from rank u."""
+        """Equal-split along dim 0: slice u of ``input`` to rank u, slice u of ``output`` from rank u;
+        both contiguous (``check_contiguous``)."""
         ...
 
     def all_gather(self, x: Tensor) -> Tensor:
@@ -124,6 +141,7 @@ class ProcessGroupTransport:
     def send_recv(
         self, sends: Mapping[int, Sequence[Tensor]], recvs: Mapping[int, Sequence[Tensor]], *, tag: int
     ) -> Pending:
+        check_contiguous("send_recv", *send_recv_tensors(sends, recvs))
         ops = [dist.P2POp(dist.isend, t, self._global[peer], group=self.group, tag=tag + i)
                for peer, tensors in sends.items() for i, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, t, self._global[peer], group=self.group, tag=tag + i)
@@ -133,6 +151,7 @@ class ProcessGroupTransport:
         return _Works(dist.batch_isend_irecv(ops) if ops else [])
 
     def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        check_contiguous("all_to_all", output, input)
         _record("all_to_all")
         dist.all_to_all_single(output, input, group=self.group)
 

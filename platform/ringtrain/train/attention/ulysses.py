@@ -200,6 +200,8 @@ def _gathered(by_rank: Tensor) -> Tensor:
 def _by_rank(gathered: Tensor, U: int) -> Tensor:
     """The inverse of ``_gathered``: ``[U, B, s, n, D]``, contiguous (a view of a contiguous B = 1)."""
     B, S, n, D = gathered.shape
+    if B == 1:  # rank u's part is the sequence's u-th s rows: the order they are in
+        return gathered.view(U, 1, S // U, n, D).contiguous()
     return gathered.reshape(B, U, S // U, n, D).transpose(0, 1).contiguous()
 
 
