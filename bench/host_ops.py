@@ -25,9 +25,9 @@ What a rank's layer is, here:
   packed documents the loopback's gather hands the rank its own documents back as every rank's:
   the same cut before and after.)
 
-For reference it also times Ulysses cp4's op sequence written bare (``_bare_ulysses``: the same
-gather, all-to-alls, views, kernel ops and scatter-add, with nothing between them): the floor of a
-Ulysses layer's host time.
+For reference it also times the op sequences of Ulysses cp4 and of the hybrid written bare
+(``_bare``: the same gather, all-to-alls, views, kernel ops, merge, ring transfers and
+scatter-add, with nothing between them): the floor of each layer's host time.
 
 Before: the same bench at d5f494a (``bench/results/host_ops-cpu-d5f494a.json``, made with
 ``--baseline-run``: that commit's emulator with this counting applied, the patch beside it), and
@@ -81,8 +81,8 @@ BASELINE = RESULTS_DIR / "host_ops-cpu-d5f494a.json"
 RING_OPS_TARGET = 0.33
 PACKED_TARGET = 1.3
 HOST_TIME_TARGET = 0.5
-# Ulysses cp4's ops written bare (``_bare_ulysses``): the floor of its host time, for reference.
-BARE_ULYSSES = "ulysses cp4 bare"
+# The layouts whose ops are also timed written bare (``_bare``): the floor of their host time.
+BARE_LAYOUTS = ("ulysses cp4", "hybrid 2x2")
 B, HEADS, KV_HEADS, HEAD_DIM = 1, 4, 2, 16
 TOKENS_PER_RANK = 32
 
@@ -115,6 +115,27 @@ def _kernel_seconds() -> float:
     return float(getattr(_kernel_time, "seconds", 0.0))
 
 
+def _kernel_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor] = None,
+               scale: float = HEAD_DIM**-0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cpu_flash``'s forward op, its thread's CPU time kept apart (``_kernel_seconds``)."""
+    started = time.thread_time()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                         scale=scale)
+    _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
+    return out, lse
+
+
+def _kernel_op_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, causal: bool, mask: Optional[torch.Tensor] = None,
+                        scale: float = HEAD_DIM**-0.5) -> tuple[torch.Tensor, ...]:
+    """``cpu_flash``'s backward op, timed as ``_kernel_op``."""
+    started = time.thread_time()
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
+    return tuple(grads)
+
+
 def _timed_kernel() -> Any:
     """``cpu_flash`` whose two aten ops keep their thread's CPU time apart (``_kernel_seconds``)."""
     from ringtrain.train.attention import sdpa_kernels
@@ -122,20 +143,12 @@ def _timed_kernel() -> Any:
     class _TimedKernel(sdpa_kernels.CpuFlashKernel):
         def _op_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Any) -> Any:
             mask, is_causal = sdpa_kernels.mask_as_bias(q, k, call)
-            started = time.thread_time()
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, is_causal, attn_mask=mask, scale=call.scale)
-            _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
-            return out, lse, None
+            return (*_kernel_op(q, k, v, is_causal, mask, call.scale), None)
 
         def _op_backward(self, inputs: Any, aux: Any, call: Any) -> Any:
             dout, q, k, v, out, lse = inputs
             mask, is_causal = sdpa_kernels.mask_as_bias(q, k, call)
-            started = time.thread_time()
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=call.scale)
-            _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
-            return grads
+            return _kernel_op_backward(dout, q, k, v, out, lse, is_causal, mask, call.scale)
 
     return _TimedKernel()
 
@@ -247,10 +260,20 @@ class _TimedLoopback:
         return self._timed(self._inner.reduce_scatter, *args)
 
 
-def _alone(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
-    """(CPU seconds, host seconds) of the last rank's layer (the busiest under a causal mask) run
-    alone on a loopback transport, no other thread and no garbage collection running: the least
-    of the runs (what the work takes when nothing else on the machine takes turns with it)."""
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _rank_inputs(layout: Layout) -> tuple[torch.Tensor, ...]:
+    """q, k, v and the output's gradient of the last rank (the busiest under a causal mask)."""
+    from ringtrain.train.attention.zigzag import cp_shard
+
+    rank = layout.ring * layout.ulysses - 1
+    return tuple(cp_shard(x, dim=1, ring=layout.ring, ulysses=layout.ulysses, cp_rank=rank).contiguous()
+                 for x in _inputs(layout))
+
+
+def _layout_attention(layout: Layout, kernel: Any) -> Attention:
+    """The last rank's attention as the product runs it, on loopback transports."""
     from ringtrain.train.attention.call import AttentionCall
     from ringtrain.train.attention.documents import Documents
     from ringtrain.train.attention.implementations import build_attention
@@ -260,35 +283,41 @@ def _alone(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
     world = layout.ring * layout.ulysses
     rank = world - 1
     ring_idx, ulysses_idx = divmod(rank, layout.ulysses)
-    q, k, v, dout = (cp_shard(x, dim=1, ring=layout.ring, ulysses=layout.ulysses, cp_rank=rank).contiguous()
-                     for x in _inputs(layout))
     docs = None
     if layout.documents:
         ids = _doc_ids(TOKENS_PER_RANK * world)
         docs = Documents.of(cp_shard(ids, dim=1, ring=layout.ring, ulysses=layout.ulysses, cp_rank=rank))
     ring = _TimedLoopback(ring_idx, layout.ring)
     if layout.window is not None:  # the ring exchange, as asked (see the module doc)
-        call = AttentionCall(ring, ring_idx, layout.ring, q.shape[1], True, None, layout.window, HEAD_DIM**-0.5,
-                             kernel, "ring")
+        call = AttentionCall(ring, ring_idx, layout.ring, TOKENS_PER_RANK, True, None, layout.window,
+                             HEAD_DIM**-0.5, kernel, "ring")
+        return lambda q, k, v: attend(call, q, k, v)
+    built = build_attention(layout.impl, kernel, ring_group=ring,
+                            ulysses_group=_TimedLoopback(ulysses_idx, layout.ulysses),
+                            kv_exchange=layout.kv_exchange)
+    return lambda q, k, v: built(q, k, v, causal=True, doc_ids=docs)
 
-        def attention(*qkv: torch.Tensor) -> torch.Tensor:
-            return attend(call, *qkv)
-    else:
-        built = build_attention(layout.impl, kernel, ring_group=ring,
-                                ulysses_group=_TimedLoopback(ulysses_idx, layout.ulysses),
-                                kv_exchange=layout.kv_exchange)
 
-        def attention(*qkv: torch.Tensor) -> torch.Tensor:
-            return built(*qkv, causal=True, doc_ids=docs)
+def _layer(attention: Attention, inputs: tuple[torch.Tensor, ...]) -> Callable[[], list[torch.Tensor]]:
+    """One layer's forward and backward from fresh leaves; returns their gradients."""
+    q, k, v, dout = inputs
 
-    def layer() -> None:
+    def layer() -> list[torch.Tensor]:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         attention(*leaves).backward(dout)
+        return [x.grad for x in leaves if x.grad is not None]
 
-    return _least_of(layer, repeats)
+    return layer
 
 
-def _least_of(layer: Callable[[], None], repeats: int) -> tuple[float, float]:
+def _alone(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
+    """(CPU seconds, host seconds) of the last rank's layer run alone on a loopback transport, no
+    other thread and no garbage collection running: the least of the runs (what the work takes
+    when nothing else on the machine takes turns with it)."""
+    return _least_of(_layer(_layout_attention(layout, kernel), _rank_inputs(layout)), repeats)
+
+
+def _least_of(layer: Callable[[], object], repeats: int) -> tuple[float, float]:
     """(CPU seconds, host seconds) of ``layer``, each the least of ``repeats`` runs: its thread's
     CPU time less the loopback's transfers, and that less the block kernel's op (``_kernel_seconds``)."""
     totals, hosts = [], []
@@ -310,20 +339,77 @@ def _least_of(layer: Callable[[], None], repeats: int) -> tuple[float, float]:
     return min(totals), min(hosts)
 
 
-def _bare_ulysses(repeats: int) -> tuple[float, float]:
-    """(CPU seconds, host seconds) of Ulysses cp4's op sequence written bare, timed as ``_alone``
-    times a layout: the packing gather, the four all-to-alls and their buffers, the layout views,
-    the kernel's two ops and the scatter-add home, with no loop, no checks and no transport seam
-    between them. What a Ulysses layer's host cannot go below, whatever holds the ops together."""
+class _BareLocal:
+    """Bare attention over a gathered sequence: the kernel's one call (head-major in and out)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = _kernel_op(q, k, v, True)
+        self.saved = (q, k, v, out, lse)
+        return out
+
+    def backward(self, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _kernel_op_backward(dout, *self.saved, True)
+
+
+class _BareRingOfTwo:
+    """Bare zigzag ring attention on the last rank of a ring of two: its own K/V causally, the
+    first rank's first chunk whole (its other chunk is later than all of this rank's), merged
+    through the LSEs in place; the backward passes K/V again and the dK/dV accumulator home, as
+    the ring does. Its receive buffers and their column views are made once, as the ring's are."""
+
+    def __init__(self, kv_shape: tuple[int, ...]) -> None:
+        self.group = _TimedLoopback(1, 2)
+        self.buffers = (torch.empty(kv_shape), torch.empty(kv_shape))
+        half = kv_shape[2] // 2
+        self.first_chunk = tuple(b[:, :, :half] for b in self.buffers)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        own = (k.contiguous(), v.contiguous())
+        pending = self.group.send_recv({0: own}, {0: self.buffers}, tag=0)
+        out, lse = _kernel_op(q, *own, True)
+        pending.wait()
+        seen, seen_lse = _kernel_op(q, *self.first_chunk, False)
+        out.lerp_(seen, (seen_lse - lse).sigmoid_().unsqueeze(-1))
+        torch.logaddexp(lse, seen_lse, out=lse)
+        self.saved = (q, *own, out, lse)
+        return out
+
+    def backward(self, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, out, lse = self.saved
+        pending = self.group.send_recv({0: (k, v)}, {0: self.buffers}, tag=0)
+        dq, dk, dv = _kernel_op_backward(dout, q, k, v, out, lse, True)
+        dkv = torch.stack((dk, dv))
+        accumulator = torch.empty_like(dkv)
+        passed = self.group.send_recv({0: [dkv]}, {0: [accumulator]}, tag=8)
+        pending.wait()
+        dq_seen, dk_seen, dv_seen = _kernel_op_backward(dout, q, *self.first_chunk, out, lse, False)
+        dq.add_(dq_seen)
+        passed.wait()
+        accumulator[:, :, :, : dk_seen.shape[2]].add_(torch.stack((dk_seen, dv_seen)))
+        home = torch.empty_like(accumulator)
+        self.group.send_recv({0: [accumulator]}, {0: [home]}, tag=8).wait()
+        return (dq, *home.unbind(0))
+
+
+def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
+    """(CPU seconds, host seconds) of a Ulysses layout's op sequence written bare, timed as
+    ``_alone`` times the layout, once its gradients are checked to be the product's, bit for bit
+    (the same ops in the same order): the packing gather, the four all-to-alls and their buffers, the
+    layout views and the scatter-add home around the attention over the gathered sequence (the
+    kernel's one call for Ulysses, a ring of two for the hybrid: ``_BareLocal``,
+    ``_BareRingOfTwo``), with no loop, no checks and no transport seam between the ops. What the
+    layout's host cannot go below, whatever holds its ops together."""
     from ringtrain.train.attention.ulysses import routing_of
 
-    rank, world = 3, 4
-    q, k, v, dout = (x.chunk(world, dim=1)[rank].contiguous() for x in _inputs(Layout("", "ulysses", 1, world)))
+    rank, U = layout.ring * layout.ulysses - 1, layout.ulysses
+    inputs = _rank_inputs(layout)
+    q, k = inputs[:2]
     B, s, H, D = q.shape
     K = k.shape[2]
-    routing = routing_of(B, s, H, K, world, q.device)  # made once, as the product's is: not timed
+    routing = routing_of(B, s, H, K, U, q.device)  # made once, as the product's is: not timed
     h, g, N, rows, home = routing.routes.h, routing.routes.g, sum(routing.source_heads), routing.gather, routing.home
-    group, scale = _TimedLoopback(rank, world), HEAD_DIM**-0.5
+    group = _TimedLoopback(rank % U, U)
+    attention = _BareLocal() if layout.ring == 1 else _BareRingOfTwo((B, g, U * s, D))
 
     class Bare(torch.autograd.Function):
         @staticmethod
@@ -331,38 +417,30 @@ def _bare_ulysses(repeats: int) -> tuple[float, float]:
             sent = torch.cat((q, k, v), dim=2).view(-1, D).index_select(0, rows)
             received = torch.empty_like(sent)
             group.all_to_all(received, sent)
-            qg, kg, vg = received.view(1, world * s, -1, D).transpose(1, 2).split_with_sizes((h, g, g), dim=1)
-            # Timed inline, as _TimedKernel times its op: anything around the op is the host's.
-            started = time.thread_time()
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, kg, vg, 0.0, True, scale=scale)
-            _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
-            ctx.save_for_backward(qg, kg, vg, out, lse)
-            back = out.transpose(1, 2).reshape(1, world, s, h, D).transpose(0, 1).contiguous()
+            qg, kg, vg = received.view(B, U * s, -1, D).transpose(1, 2).split_with_sizes((h, g, g), dim=1)
+            out = attention.forward(qg, kg, vg)
+            back = out.transpose(1, 2).view(U, B, s, h, D).contiguous()
             arrived = torch.empty_like(back)
             group.all_to_all(arrived, back)
-            return arrived.permute(1, 2, 0, 3, 4).reshape(B, s, world * h, D)
+            return arrived.permute(1, 2, 0, 3, 4).reshape(B, s, U * h, D)
 
         @staticmethod
         def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            qg, kg, vg, out, lse = ctx.saved_tensors
-            sent = dout.reshape(B, s, world, h, D).permute(2, 0, 1, 3, 4).contiguous()
+            sent = dout.reshape(B, s, U, h, D).permute(2, 0, 1, 3, 4).contiguous()
             received = torch.empty_like(sent)
             group.all_to_all(received, sent)
-            started = time.thread_time()
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                received.view(1, world * s, h, D).transpose(1, 2), qg, kg, vg, out, lse, 0.0, True, scale=scale)
-            _kernel_time.seconds = _kernel_seconds() + time.thread_time() - started
-            back = torch.cat(grads, dim=1).transpose(1, 2).reshape(1, world, s, -1, D).transpose(0, 1).contiguous()
+            grads = attention.backward(received.view(B, U * s, h, D).transpose(1, 2))
+            back = torch.cat([grad.transpose(1, 2) for grad in grads], dim=2).view(U, B, s, -1, D)
             arrived = torch.empty_like(back)
             group.all_to_all(arrived, back)
             sources = arrived.new_zeros((B * s * N, D)).index_add_(0, home, arrived.view(-1, D))
             dq, dk, dv, *_ = sources.split_with_sizes([B * s * n for n in routing.source_heads])
             return dq.view(B, s, H, D), dk.view(B, s, K, D), dv.view(B, s, K, D)
 
-    def layer() -> None:
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        Bare.apply(*leaves).backward(dout)
-
+    layer = _layer(Bare.apply, inputs)
+    expected = _layer(_layout_attention(layout, kernel), inputs)()
+    if not all(torch.equal(got, want) for got, want in zip(layer(), expected, strict=True)):
+        raise AssertionError(f"{layout.name}: the bare op sequence's gradients are not the product's")
     return _least_of(layer, repeats)
 
 
@@ -402,8 +480,12 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.alone:
         kernel = _timed_kernel()
-        alone = {layout.name: _alone(layout, kernel, args.repeats) for layout in LAYOUTS}
-        print(json.dumps({**alone, BARE_ULYSSES: _bare_ulysses(args.repeats)}))
+        alone: dict[str, tuple[float, float]] = {}
+        for layout in LAYOUTS:  # a layout's bare ops right after it, in the state its run left
+            alone[layout.name] = _alone(layout, kernel, args.repeats)
+            if layout.name in BARE_LAYOUTS:
+                alone[f"{layout.name} bare"] = _bare(layout, kernel, args.repeats)
+        print(json.dumps(alone))
         return 0
 
     run = Run("host_ops")
@@ -434,10 +516,13 @@ def main() -> int:
         if r["host_ratio"] is not None:
             checks.append((f"{layout.name}: host time <= {HOST_TIME_TARGET}x before ({r['host_ratio']:.2f})",
                            r["host_ratio"] <= HOST_TIME_TARGET))
-    bare_cpu_s, bare_host_s = alone[BARE_ULYSSES]
-    bare_ratio = bare_host_s / before["ulysses cp4"]["host_s"] if before else None
-    print(f"{BARE_ULYSSES:<20} {'':>22} {bare_host_s * 1e3:>17.2f} {'':>7} "
-          f"{'-' if bare_ratio is None else format(bare_ratio, '.2f'):>6} {bare_cpu_s * 1e3:>7.2f}  (reference)")
+    bare: dict[str, Any] = {}
+    for name in BARE_LAYOUTS:
+        bare_cpu_s, bare_host_s = alone[f"{name} bare"]
+        bare_ratio = bare_host_s / before[name]["host_s"] if before else None
+        bare[f"{name} bare".replace(" ", "_")] = {"cpu_s": bare_cpu_s, "host_s": bare_host_s, "host_ratio": bare_ratio}
+        print(f"{name + ' bare':<20} {'':>22} {bare_host_s * 1e3:>17.2f} {'':>7} "
+              f"{'-' if bare_ratio is None else format(bare_ratio, '.2f'):>6} {bare_cpu_s * 1e3:>7.2f}  (reference)")
     if before:
         for name in ("ring cp4", "ring cp4 allgather"):
             ratio = results[name]["ops_ratio"]
@@ -447,8 +532,7 @@ def main() -> int:
     for what, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
     ok = all(passed for _, passed in checks)
-    bare = {"cpu_s": bare_cpu_s, "host_s": bare_host_s, "host_ratio": bare_ratio}
-    out = run.write({"layouts": results, BARE_ULYSSES.replace(" ", "_"): bare,
+    out = run.write({"layouts": results, **bare,
                      "checks": [{"check": c, "pass": p} for c, p in checks], "pass": ok,
                      "before": None if args.baseline_run else str(args.baseline.relative_to(ROOT)),
                      "shapes": {"batch": B, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
