@@ -176,7 +176,8 @@ class _Ulysses(torch.autograd.Function):
         dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received))[0])
         # The gradients home by the routes they came: one all-to-all, one scatter-add into the
         # sources' rows (which sums the copies of a replicated KV head), each source's its own
-        # contiguous tensor: what autograd hands on as the input's gradient without a copy.
+        # contiguous tensor: what autograd hands on as the input's gradient without a copy. Joined
+        # sequence-major, so the join is the one copy (joined head-major, a second would lay it out).
         grads = torch.cat(kernel.from_layout(dq, dk, dv), dim=2)
         back = _by_rank(grads, U)
         arrived = torch.empty_like(back)
