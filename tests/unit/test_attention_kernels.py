@@ -323,8 +323,11 @@ def test_the_efficient_kernels_bias_is_the_mask_with_aligned_strides(q_len: int,
 
 def _fake_efficient_ops(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
     """CPU stand-ins for the CUDA-only efficient ops (same signatures, the LSE padded to 32
-    rows as the CUTLASS kernel does), so the kernel's plumbing runs here; returns the biases
-    they were handed."""
+    rows and the output laid out [B, Q, H, D] as the CUTLASS kernel does), so the kernel's
+    plumbing runs here; returns the biases they were handed. The backward holds its ``out`` to
+    the forward's layout: the CUTLASS backward takes q, k, v and dout's strides from the tensors
+    but reads ``out`` as [B, Q, H, D]-contiguous whatever its strides (an out laid out otherwise
+    is read out of bounds on the GPU: NaN gradients or an illegal memory access)."""
     seen: list[Tensor] = []
 
     def scores(q: Tensor, k: Tensor, bias: Optional[Tensor], is_causal: bool, scale: float) -> Tensor:
@@ -343,7 +346,8 @@ def _fake_efficient_ops(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
         assert lse_wanted and q.shape[1] == k.shape[1]  # heads already expanded: no native GQA
         s = scores(q, k, bias, is_causal, scale)
         lse = torch.logsumexp(s, dim=-1)
-        out = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v
+        out_BHQD = torch.nan_to_num(torch.softmax(s, dim=-1)) @ v
+        out = out_BHQD.transpose(1, 2).contiguous().transpose(1, 2)
         padded = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
         return out, padded, torch.tensor(0), torch.tensor(0)
 
@@ -351,6 +355,7 @@ def _fake_efficient_ops(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
                  seed: Tensor, offset: Tensor, p: float, grad_mask: list[bool], is_causal: bool, *,
                  scale: float) -> tuple[Tensor, ...]:
         assert lse.shape[-1] % 32 == 0 and grad_mask == [True, True, True, False]
+        assert out.transpose(1, 2).is_contiguous(), f"out strides {out.stride()}: not [B, Q, H, D]-contiguous"
         s = scores(q, k, bias, is_causal, scale)
         prob = torch.exp(s - lse[..., : q.shape[2], None])
         dv = prob.transpose(-1, -2) @ dout
@@ -379,6 +384,19 @@ def test_the_efficient_kernels_masked_path_equals_math(
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+def test_a_masked_blocks_output_keeps_the_ops_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows that see no key (the padding token, doc -1) get their output zeroed after the op; the
+    # zeroing keeps the op's [B, Q, H, D] layout, so the output comes back contiguous and goes
+    # to the op's backward as its forward laid it out, with no copy on either side.
+    _fake_efficient_ops(monkeypatch)
+    q, k, v, _ = _qkvd(heads=4, kv_heads=4, q_len=6, k_len=6, head_dim=16)
+    doc = torch.tensor([[0, 0, 1, 1, 1, -1], [2, 2, 2, 3, 3, 3]])
+    visible = doc_visibility(doc, doc)
+    res = SdpaEfficientKernel().forward(q, k, v, causal=True, scale=0.25, visible_BQS=visible)
+    assert res.out_BQHD.is_contiguous() and res.out_BQHD[0, -1].abs().max() == 0
+    assert torch.isinf(res.lse_BHQ[0, :, -1]).all()
 
 
 HOPPER_CASES = [

@@ -317,7 +317,10 @@ class AttentionKernel:
             # masked (torch's CPU flash kernel does); the merge needs the truth, or that row's
             # zero output would get real weight.
             lse_BHQ = lse_BHQ.masked_fill(_unseen_as(mask, "lse", 1), -math.inf)
-            out = out.masked_fill(_unseen_as(mask, "out", seq), 0.0)
+            # In place, on the op's own fresh output: an out-of-place masked_fill returns a
+            # contiguous copy, which for a head-major op is not the layout its output had (and
+            # torch's efficient backward reads its out in that layout alone).
+            out.masked_fill_(_unseen_as(mask, "out", seq), 0.0)
         return BlockOutput(out, lse_BHQ, aux)
 
     def backward_in_layout(

@@ -222,6 +222,11 @@ class SdpaEfficientKernel(AttentionKernel):
         seed, offset, padded_len = aux
         lse_padded = torch.nn.functional.pad(lse, (0, padded_len - lse.shape[-1]))
         bias, is_causal = mask_as_bias(q, k, call, align=self.bias_align, expand_heads=True)
+        # The op takes q, k, v and dout's strides from the tensors but reads ``out`` as its
+        # forward laid it out, [B, Q, H, D]-contiguous, whatever strides it is handed; an out
+        # laid out otherwise (head-major contiguous, as padding its head dim leaves it) is read
+        # out of bounds: NaN gradients, or an illegal memory access. A no-op in the usual case.
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         # grad_input_mask: q, k, v, and no gradient for the bias (a mask, not a parameter).
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, bias, out, lse_padded, seed, offset, 0.0, [True, True, True, False], is_causal,
