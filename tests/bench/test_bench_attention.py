@@ -1,5 +1,6 @@
-"""bench/attention.py's code path on the CPU: every exchange of the worst rank's ring, the
-packed-document case, the JSON it writes (timings on a CPU are no measurement)."""
+"""bench/attention.py's and bench/attention_launches.py's code paths on the CPU: every exchange
+of the worst rank's ring, the packed-document case, the JSON each writes (timings on a CPU are
+no measurement)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,18 @@ def test_the_attention_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> Non
     assert all(r["rank_fwd_ms"] > 0 and r["rank_bwd_ms"] > 0 for r in rows)
     packed = result["packed"]
     assert packed["docs"] == 4 and packed["packed"]["fwd_ms"] > 0 and packed["unpacked"]["bwd_ms"] > 0
+
+
+@pytest.mark.slow
+def test_the_launches_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> None:
+    # bench/attention_launches.py: the GPU-busy and graphed columns need CUDA; the rest runs here.
+    out = tmp_path / "attention_launches.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "attention_launches.py"), "--device", "cpu", "--tiny", "--out", str(out)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["ring"], r["exchange"]) for r in rows} == {(4, "ring"), (4, "allgather")}
+    assert all(r["rank_fwd_bwd_ms"] > 0 and r["ratio"] > 0 for r in rows)
