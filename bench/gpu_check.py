@@ -15,8 +15,8 @@ Parts, in order (``--only`` picks some, ``--budget part=seconds`` resizes one):
   a survivor's abort to its bound).
 
 The default parts' budgets add up, with each part's grace for stopping, to 8 minutes, sized
-from each part's time on one H200. A part past its budget gets SIGINT (pytest then prints what it has, a bench its stack),
-SIGKILL after a grace, and is reported as timed out; the next part runs. Everything a part
+from each part's time on one H200. A part past its budget gets SIGINT (pytest then prints what it
+has, a bench its stack), SIGKILL after a grace, and is reported as timed out; the next part runs. Everything a part
 starts shares a process group, ended with it.
 
 Under ``--log-dir`` (default runs/gpu-check-<UTC time>/): ``<part>.log``, each part's output,
