@@ -73,7 +73,8 @@ def busy_ms(step: Callable[[], None], device: torch.device, *, iters: int = 3) -
     """(GPU kernel milliseconds, kernels launched) per ``step``, from torch.profiler."""
     step()
     _sync(device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(iters):
             step()
         _sync(device)
