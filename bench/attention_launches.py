@@ -143,7 +143,8 @@ def describe(row: dict[str, Any]) -> str:
     line = (f"seq {row['seq']:>6} ring {row['ring']} ({row['tokens_per_rank']:>5} a rank) {row['exchange']:<9}: "
             f"{row['rank_fwd_bwd_ms']:7.2f} ms fwd+bwd, ratio {row['ratio']:.2f}")
     if "gpu_busy_ms" in row:
-        line += f"; GPU busy {row['gpu_busy_ms']:.2f} ms ({row['kernels']} kernels, wall/busy {row['wall_over_busy']:.2f})"
+        line += (f"; GPU busy {row['gpu_busy_ms']:.2f} ms ({row['kernels']} kernels, "
+                 f"wall/busy {row['wall_over_busy']:.2f})")
     if "graphed_ratio" in row:
         line += f"; graphed {row['graphed_fwd_bwd_ms']:.2f} ms, ratio {row['graphed_ratio']:.2f}"
     if "graph_error" in row:

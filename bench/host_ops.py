@@ -29,12 +29,17 @@ For reference it also times the op sequences of Ulysses cp4 and of the hybrid wr
 (``_bare``: the same gather, all-to-alls, views, kernel ops, merge, ring transfers and
 scatter-add, with nothing between them): the floor of each layer's host time.
 
-Before: the same bench at d5f494a (``bench/results/host_ops-cpu-d5f494a.json``, made with
-``--baseline-run``: that commit's emulator with this counting applied, the patch beside it), and
-the figures of 110e587 (the issue's table, counted with the harness's sharding and the mailbox
-copies in) for reference. Targets: ring cp4 (both exchanges) at most 0.33x the ops before;
-packed documents at most 1.3x the same layout without them; host time at most 0.5x before, each
-layout.
+Before: the same bench at d5f494a, that commit's attention code and emulator with this
+counting applied (``bench/results/host_ops-d5f494a.patch``), taken from git history into a
+temporary folder and timed in this run, its processes taking turns with this tree's: host
+times compare only when taken on one machine at one time (the same code reads twice as slow
+on one day's machine as on another's). Its op counts, which do not depend on the machine, are
+the recorded run's (``bench/results/host_ops-cpu-d5f494a.json``, made with ``--baseline-run``);
+``--baseline PATH`` takes its host times from such a recorded run too, where git history is not
+at hand. The figures of 110e587 (the issue's table, counted with the harness's sharding and the
+mailbox copies in) are printed for reference. Targets: ring cp4 (both exchanges) at most 0.33x
+the ops before; packed documents at most 1.3x the same layout without them; host time at most
+0.5x before, each layout.
 
 Usage: python bench/host_ops.py [--repeats 51] [--processes 3] [--baseline PATH] [--out PATH]
 """
@@ -48,6 +53,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -77,7 +83,9 @@ OPS_110E587: dict[str, tuple[int, int]] = {
     "hybrid 2x2": (232, 233),
     "ring cp8": (716, 723),
 }
-BASELINE = RESULTS_DIR / "host_ops-cpu-d5f494a.json"
+BEFORE_COMMIT = "d5f494a"
+BEFORE_PATCH = RESULTS_DIR / "host_ops-d5f494a.patch"  # that commit's emulator, counted as this bench counts
+BASELINE = RESULTS_DIR / "host_ops-cpu-d5f494a.json"  # its recorded run: the op counts before
 RING_OPS_TARGET = 0.33
 PACKED_TARGET = 1.3
 HOST_TIME_TARGET = 0.5
@@ -444,17 +452,53 @@ def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
     return _least_of(layer, repeats)
 
 
-def _alone_in_processes(repeats: int, processes: int) -> dict[str, tuple[float, float]]:
+Timings = dict[str, tuple[float, float]]  # layout -> (CPU seconds, host seconds)
+
+
+@contextlib.contextmanager
+def before_tree() -> Iterator[Path]:
+    """d5f494a's bench, attention code and emulator with the counting patch applied, in a
+    temporary folder for as long as the context lasts."""
+    with tempfile.TemporaryDirectory(prefix=f"host_ops-{BEFORE_COMMIT}-") as tmp:
+        try:
+            tree = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", BEFORE_COMMIT, "bench",
+                                   "platform", "tests"], check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=tree, check=True, capture_output=True)
+            subprocess.run(["git", "apply", str(BEFORE_PATCH)], cwd=tmp, check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            failed = isinstance(exc, subprocess.CalledProcessError)
+            detail = exc.stderr.decode(errors="replace").strip() if failed else exc
+            raise SystemExit(f"host_ops: cannot set up the before tree ({BEFORE_COMMIT} from git history, with "
+                             f"{BEFORE_PATCH.name}): {detail}; pass --baseline {BASELINE.relative_to(ROOT)} to "
+                             "compare with its recorded run instead") from None
+        yield Path(tmp)
+
+
+def _alone_process(bench: Path, repeats: int) -> Timings:
+    """One fresh process of ``bench --alone``: every layout's timings."""
+    done = subprocess.run([sys.executable, str(bench), "--alone", "--repeats", str(repeats)], check=True,
+                          capture_output=True, text=True, cwd=bench.parents[1])
+    return {name: (cpu_s, host_s) for name, (cpu_s, host_s) in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def _keep_least(best: Timings, run: Timings) -> None:
+    for name, (cpu_s, host_s) in run.items():
+        prior = best.get(name, (cpu_s, host_s))
+        best[name] = (min(prior[0], cpu_s), min(prior[1], host_s))
+
+
+def _alone_in_processes(repeats: int, processes: int, before: Optional[Path]) -> tuple[Timings, Timings]:
     """``_alone`` for every layout in ``processes`` fresh processes, the least of each: a run's
-    speed here varies with the process (where its memory lands) more than from run to run."""
-    best: dict[str, tuple[float, float]] = {}
+    speed here varies with the process (where its memory lands) more than from run to run. With
+    ``before`` (a tree of the before's bench), its processes take turns with these, so a machine
+    that slows down or speeds up during the run does so for both."""
+    after: Timings = {}
+    then: Timings = {}
     for _ in range(processes):
-        done = subprocess.run([sys.executable, __file__, "--alone", "--repeats", str(repeats)], check=True,
-                              capture_output=True, text=True)
-        for name, (cpu_s, host_s) in json.loads(done.stdout.splitlines()[-1]).items():
-            prior = best.get(name, (cpu_s, host_s))
-            best[name] = (min(prior[0], cpu_s), min(prior[1], host_s))
-    return best
+        if before is not None:
+            _keep_least(then, _alone_process(before / "bench" / "host_ops.py", repeats))
+        _keep_least(after, _alone_process(Path(__file__).resolve(), repeats))
+    return after, then
 
 
 def measure(layout: Layout) -> dict[str, Any]:
@@ -473,7 +517,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=51, help="timed runs of a layer in each process")
     parser.add_argument("--processes", type=int, default=3, help="fresh processes the timing runs in")
     parser.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)  # one timing process
-    parser.add_argument("--baseline", type=Path, default=BASELINE, help="the before run's JSON of this bench")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a recorded before run's JSON of this bench, its host times taken instead of "
+                             f"timing {BEFORE_COMMIT} in this run")
     parser.add_argument("--baseline-run", action="store_true", help="measure only (no before, no targets)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -489,8 +535,15 @@ def main() -> int:
         return 0
 
     run = Run("host_ops")
-    alone = _alone_in_processes(args.repeats, args.processes)
-    before = {} if args.baseline_run else json.loads(args.baseline.read_text())["layouts"]
+    before: dict[str, Any] = {}
+    if args.baseline_run or args.baseline is not None:
+        alone, _ = _alone_in_processes(args.repeats, args.processes, None)
+        before = {} if args.baseline_run else json.loads(args.baseline.read_text())["layouts"]
+    else:
+        with before_tree() as tree:
+            alone, then = _alone_in_processes(args.repeats, args.processes, tree)
+        recorded = json.loads(BASELINE.read_text())["layouts"]
+        before = {name: {**recorded[name], "cpu_s": cpu_s, "host_s": host_s} for name, (cpu_s, host_s) in then.items()}
     results: dict[str, Any] = {}
     checks: list[tuple[str, bool]] = []
     print(f"{'layout':<20} {'ops':>8} {'before':>8} {'ratio':>6} {'110e587':>8} "
@@ -534,7 +587,11 @@ def main() -> int:
     ok = all(passed for _, passed in checks)
     out = run.write({"layouts": results, **bare,
                      "checks": [{"check": c, "pass": p} for c, p in checks], "pass": ok,
-                     "before": None if args.baseline_run else str(args.baseline.relative_to(ROOT)),
+                     "before": None if args.baseline_run else (
+                         str(args.baseline) if args.baseline is not None else
+                         f"{BEFORE_COMMIT} timed in this run (with {BEFORE_PATCH.name}); its op counts from "
+                         f"{BASELINE.name}"),
+                     "before_layouts": before,
                      "shapes": {"batch": B, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                 "tokens_per_rank": TOKENS_PER_RANK}}, device_type="cpu", out=args.out)  # fmt: skip
     print(f"wrote {out}")
