@@ -12,10 +12,11 @@ looped back on one GPU, as bench/attention.py runs it) does a forward and backwa
 
 Each time is held against one monolithic causal kernel's forward+backward over the whole
 sequence divided by the ranks (the rank's fair share, zigzag balances the work exactly), the
-ratio bench/attention.py prints. The graphed ratio is what CUDA graphs or fused launches could
-give at most: it is held to bench/attention.py's targets (0.7 at 2K tokens a rank, 0.85 at 4K,
-0.95 at 8K), so a MISS says that launches are not what stands between the ring and its target
-at that size, the kernels on short blocks are. wall / busy says how host-bound the rank still is.
+ratio bench/attention.py prints. The graphed ratio is what taking the host away could give at
+most (the same kernels, no time between them): it is held to bench/attention.py's targets (0.7
+at 2K tokens a rank, 0.85 at 4K, 0.95 at 8K), so a MISS says that launches are not what stands
+between the ring and its target at that size, the kernels on short blocks are (fewer, larger
+kernels could still get there). wall / busy says how host-bound the rank still is.
 
     PYTHONPATH=platform python bench/attention_launches.py [--sizes 16384x8 16384x4 32768x4] [--check]
     PYTHONPATH=platform python bench/attention_launches.py --device cpu --tiny   # the code path, no claims
