@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,40 +43,21 @@ from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import zigzag_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import EXCHANGES, RATIO_TARGETS, LoopbackTransport  # noqa: E402
+from attention import EXCHANGES, RATIO_TARGETS, LoopbackTransport, timed_ms  # noqa: E402
 from record import RESULTS_DIR, Run  # noqa: E402
 
 DEFAULT_SIZES = ("16384x8", "16384x4", "32768x4")  # 2K, 4K and 8K tokens a rank
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(step: Callable[[], None], device: torch.device, *, warmup: int, iters: int) -> float:
-    """Median wall time of ``step`` in milliseconds, device-synchronized around each call."""
-    for _ in range(warmup):
-        step()
-    samples = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def busy_ms(step: Callable[[], None], device: torch.device, *, iters: int = 3) -> tuple[float, int]:
-    """(GPU kernel milliseconds, kernels launched) per ``step``, from torch.profiler."""
+    """(GPU kernel milliseconds, kernels launched) per ``step``, from torch.profiler (CUDA only)."""
     step()
-    _sync(device)
+    torch.cuda.synchronize(device)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(iters):
             step()
-        _sync(device)
+        torch.cuda.synchronize(device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(e.self_device_time_total for e in kernels) / 1e3 / iters, len(kernels) // iters
 
@@ -100,7 +79,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
         def monolithic() -> None:
             local_attention(*whole, causal=True, kernel=kernel).backward(dout)
 
-        mono_ms = median_ms(monolithic, device, warmup=args.warmup, iters=args.iters)
+        mono_ms = timed_ms(monolithic, device, warmup=args.warmup, iters=args.iters)
         rank = world - 1  # the worst: under the causal mask its rows take part in every merge
         shard = [zigzag_shard(t, dim=1, world=world, rank=rank).contiguous() for t in (q, k, v, dout)]
         for exchange in EXCHANGES:
@@ -117,7 +96,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
             fair_ms = mono_ms / world
             row: dict[str, Any] = {"seq": seq, "ring": world, "tokens_per_rank": seq // world, "exchange": exchange,
                                    "kernel": kernel.name, "monolithic_fwd_bwd_ms": mono_ms,
-                                   "rank_fwd_bwd_ms": median_ms(step, device, warmup=args.warmup, iters=args.iters),
+                                   "rank_fwd_bwd_ms": timed_ms(step, device, warmup=args.warmup, iters=args.iters),
                                    "target": target_for(seq // world)}
             row["ratio"] = fair_ms / row["rank_fwd_bwd_ms"]
             if device.type == "cuda":
@@ -126,7 +105,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
                 try:
                     graphed_leaves = [t.detach().clone().requires_grad_() for t in shard[:3]]
                     graphed = torch.cuda.make_graphed_callables(attend, tuple(graphed_leaves), num_warmup_iters=3)
-                    row["graphed_fwd_bwd_ms"] = median_ms(
+                    row["graphed_fwd_bwd_ms"] = timed_ms(
                         lambda: graphed(*graphed_leaves).backward(shard[3]), device, warmup=args.warmup,
                         iters=args.iters)
                     row["graphed_ratio"] = fair_ms / row["graphed_fwd_bwd_ms"]

@@ -15,16 +15,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_the_attention_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "attention.json"
+def _run_on_a_cpu(script: str, out: Path) -> dict:
+    """``bench/<script> --device cpu --tiny``, its JSON."""
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "attention.py"), "--device", "cpu", "--tiny", "--out", str(out)],
+        [sys.executable, str(REPO / "bench" / script), "--device", "cpu", "--tiny", "--out", str(out)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")}, capture_output=True, text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_the_attention_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> None:
+    result = _run_on_a_cpu("attention.py", tmp_path / "attention.json")
     rows = result["timings"]
     assert {(r["ring"], r["exchange"]) for r in rows} == {(2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather")}
     assert all(r["rank_fwd_ms"] > 0 and r["rank_bwd_ms"] > 0 for r in rows)
@@ -35,13 +39,6 @@ def test_the_attention_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_the_launches_bench_runs_its_whole_path_on_a_cpu(tmp_path: Path) -> None:
     # bench/attention_launches.py: the GPU-busy and graphed columns need CUDA; the rest runs here.
-    out = tmp_path / "attention_launches.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "attention_launches.py"), "--device", "cpu", "--tiny", "--out", str(out)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")}, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = _run_on_a_cpu("attention_launches.py", tmp_path / "attention_launches.json")["rows"]
     assert {(r["ring"], r["exchange"]) for r in rows} == {(4, "ring"), (4, "allgather")}
     assert all(r["rank_fwd_bwd_ms"] > 0 and r["ratio"] > 0 for r in rows)
