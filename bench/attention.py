@@ -56,6 +56,11 @@ RATIO_TARGETS = ((8192, 0.95), (4096, 0.85), (2048, 0.70))
 PACKED_SPEED_MIN, PACKED_MEMORY_MAX = 0.9, 1.1
 
 
+def ratio_target(tokens_per_rank: int) -> Optional[float]:
+    """The ratio a rank of ``tokens_per_rank`` is held to (None below the smallest size)."""
+    return next((ratio for floor, ratio in RATIO_TARGETS if tokens_per_rank >= floor), None)
+
+
 def balance_report(seqs: Sequence[int], rings: Sequence[int]) -> list[dict[str, Any]]:
     """Max/min causal (query, key) pairs per rank, zigzag vs a contiguous split."""
     rows = []
@@ -221,7 +226,7 @@ def verdicts(rows: list[dict[str, Any]], packed: dict[str, Any]) -> list[tuple[s
     for (seq, world), pair in sorted(by_size.items()):
         best = max(pair, key=lambda r: min(r["fwd_ratio"], r["bwd_ratio"]))
         tokens = seq // world
-        need = next((ratio for floor, ratio in RATIO_TARGETS if tokens >= floor), None)
+        need = ratio_target(tokens)
         if need is None:
             continue
         met = best["fwd_ratio"] >= need and best["bwd_ratio"] >= need

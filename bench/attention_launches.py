@@ -43,7 +43,7 @@ from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import zigzag_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import EXCHANGES, RATIO_TARGETS, LoopbackTransport, timed_ms  # noqa: E402
+from attention import EXCHANGES, LoopbackTransport, ratio_target, timed_ms  # noqa: E402
 from record import RESULTS_DIR, Run  # noqa: E402
 
 DEFAULT_SIZES = ("16384x8", "16384x4", "32768x4")  # 2K, 4K and 8K tokens a rank
@@ -60,10 +60,6 @@ def busy_ms(step: Callable[[], None], device: torch.device, *, iters: int = 3) -
         torch.cuda.synchronize(device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(e.self_device_time_total for e in kernels) / 1e3 / iters, len(kernels) // iters
-
-
-def target_for(tokens_per_rank: int) -> Optional[float]:
-    return next((ratio for floor, ratio in RATIO_TARGETS if tokens_per_rank >= floor), None)
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
@@ -97,7 +93,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
             row: dict[str, Any] = {"seq": seq, "ring": world, "tokens_per_rank": seq // world, "exchange": exchange,
                                    "kernel": kernel.name, "monolithic_fwd_bwd_ms": mono_ms,
                                    "rank_fwd_bwd_ms": timed_ms(step, device, warmup=args.warmup, iters=args.iters),
-                                   "target": target_for(seq // world)}
+                                   "target": ratio_target(seq // world)}
             row["ratio"] = fair_ms / row["rank_fwd_bwd_ms"]
             if device.type == "cuda":
                 row["gpu_busy_ms"], row["kernels"] = busy_ms(step, device)

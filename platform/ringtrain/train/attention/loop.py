@@ -187,7 +187,7 @@ def attend_backward(ctx: Any, dout_BSHD: Tensor) -> tuple[Tensor, Tensor, Tensor
     call: AttentionCall = ctx.call
     kernel, in_layout = call.kernel, ctx.in_layout
     dout, out = (dout_BSHD, out_BSHD) if in_layout else kernel.to_layout(dout_BSHD, out_BSHD)
-    if ctx.exchange is None:  # the forward's one call
+    if call.one_block:  # the forward's one call
         (lse,) = lses.values()
         dq, dk, dv = kernel.backward_in_layout(dout, q, kept[0], kept[1], out, lse, ctx.auxes[0], causal=call.causal,
                                                scale=call.scale)
