@@ -70,7 +70,12 @@ run: venv
 
 # Test files run on TEST_WORKERS processes, each file whole on one (its module fixtures, a Ray
 # cluster or a spawned gloo group, are built once); TEST_WORKERS=0 runs them in this process.
+# Files are handed out in path order (--no-loadscope-reorder): xdist's default order, most tests
+# first, leaves the Ray tier's files (few tests, the longest) to the end, where the last of them
+# runs on one worker while the other has nothing left; in path order the many short files of
+# tests/unit come last and even out the two workers' finish.
 TEST_WORKERS ?= 2
+TEST_ORDER = --dist loadfile --no-loadscope-reorder
 # The checkout's own modules compiled before the tests: every process they start (a run's Ray
 # workers, gloo ranks, CLI calls) imports them, and where PYTHONDONTWRITEBYTECODE is set no
 # process writes the .pyc it compiled, so each would compile them again (about 0.4 s of CPU a
@@ -79,11 +84,11 @@ COMPILE_CHECKOUT = $(PY) -m compileall -q -j 0 platform tests bench jobs
 
 test: venv-test tools
 	$(COMPILE_CHECKOUT)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(TEST_ORDER) --durations=15 $(PYTEST_ARGS)
 
 test-unit: venv-test tools
 	$(COMPILE_CHECKOUT)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(TEST_ORDER) tests/unit $(PYTEST_ARGS)
 
 test-dist: venv-test
 	$(COMPILE_CHECKOUT)
