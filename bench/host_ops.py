@@ -27,7 +27,7 @@ What a rank's layer is, here:
 
 For reference it also times the op sequences of Ulysses cp4 and of the hybrid written bare
 (``_bare``: the same gather, all-to-alls, views, kernel ops, merge, ring transfers and
-scatter-add, with nothing between them): the floor of each layer's host time.
+gather or scatter-add home, with nothing between them): the floor of each layer's host time.
 
 Before: the same bench at d5f494a, that commit's attention code and emulator with this
 counting applied (``bench/results/host_ops-d5f494a.patch``), taken from git history into a
@@ -403,8 +403,8 @@ def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
     """(CPU seconds, host seconds) of a Ulysses layout's op sequence written bare, timed as
     ``_alone`` times the layout, once its gradients are checked to be the product's, bit for bit
     (the same ops in the same order): the packing gather, the four all-to-alls and their buffers, the
-    layout views and the scatter-add home around the attention over the gathered sequence (the
-    kernel's one call for Ulysses, a ring of two for the hybrid: ``_BareLocal``,
+    layout views and the gather (or scatter-add) home around the attention over the gathered
+    sequence (the kernel's one call for Ulysses, a ring of two for the hybrid: ``_BareLocal``,
     ``_BareRingOfTwo``), with no loop, no checks and no transport seam between the ops. What the
     layout's host cannot go below, whatever holds its ops together."""
     from ringtrain.train.attention.ulysses import routing_of
@@ -441,7 +441,10 @@ def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
             back = torch.cat([grad.transpose(1, 2) for grad in grads], dim=2).view(U, B, s, -1, D)
             arrived = torch.empty_like(back)
             group.all_to_all(arrived, back)
-            sources = arrived.new_zeros((B * s * N, D)).index_add_(0, home, arrived.view(-1, D))
+            if routing.inverse is not None:
+                sources = arrived.view(-1, D).index_select(0, routing.inverse)
+            else:
+                sources = arrived.new_zeros((B * s * N, D)).index_add_(0, home, arrived.view(-1, D))
             dq, dk, dv, *_ = sources.split_with_sizes([B * s * n for n in routing.source_heads])
             return dq.view(B, s, H, D), dk.view(B, s, K, D), dv.view(B, s, K, D)
 

@@ -19,7 +19,9 @@ Heads (``head_routes``): query heads are split evenly; when the KV heads do not 
 query heads read; when the query heads themselves do not split into U, they are padded with zero
 heads, each paired with a KV head of zeros, and the padding is cut off the output. Which source
 head goes where is one index list, so packing q, k and v for the all-to-all is one gather of
-their rows (and its backward one scatter-add, which also sums a replicated KV head's gradients).
+their rows, and bringing their gradients home one gather by the inverse list where every source
+row travels once (each rank's share of the heads its own), else one scatter-add, which sums a
+replicated KV head's gradients.
 
 Shape legend: B batch, s local sequence (S = U*s gathered), H query heads, K key/value heads,
 D head dim, U ranks in the Ulysses group, h query and g key/value heads a rank attends to, N the
@@ -94,11 +96,15 @@ def head_routes(heads: int, kv_heads: int, degree: int) -> HeadRoutes:
 class Routing:
     """How a call's tensors move, for one shape: the flat gather that packs every rank's heads
     rank-major (``[U, B, s, n, D]``, as the all-to-all sends them) from the sources' rows in one
-    op, and the rows their gradients come home to in one scatter-add."""
+    op, and how their gradients come home in one: a gather by ``inverse`` where every source row
+    was sent once, else a scatter-add to ``home``."""
 
     routes: HeadRoutes
     gather: Tensor  # [U B s n]: row (b s + t) N + route[u n + j] of the sources ``[B s N, D]`` (heads side by side)
     home: Tensor  # [U B s n]: the same source row's place with the sources one after another, each [B s n_i, D]
+    # [B s N]: which arrived row each place of ``home`` takes, where ``home`` is a permutation
+    # (no KV head copied, no zero head): a gather needs no zeroed buffer and, on a GPU, no atomics.
+    inverse: Optional[Tensor]
     source_heads: tuple[int, ...]  # H, K, K (and the zero head)
 
 
@@ -116,8 +122,13 @@ def routing_of(B: int, s: int, heads: int, kv_heads: int, degree: int, device: t
     # At home the gradients of a source take B s rows per head of it, source after source, so
     # each is one contiguous tensor of its own: autograd takes it as the input's gradient as it is.
     rows = B * s * source_heads
-    home = (rows.cumsum(0) - rows)[source_Un] + tokens_Bs1 * source_heads[source_Un] + within_Un
-    return Routing(routes, gather.flatten().to(device), home.flatten().to(device), tuple(source_heads.tolist()))
+    home = ((rows.cumsum(0) - rows)[source_Un] + tokens_Bs1 * source_heads[source_Un] + within_Un).flatten()
+    inverse = None
+    if home.numel() == int(rows.sum()) and not routes.zero_head:  # every source row sent once
+        inverse = torch.empty_like(home)
+        inverse[home] = torch.arange(home.numel())
+        inverse = inverse.to(device)
+    return Routing(routes, gather.flatten().to(device), home.to(device), inverse, tuple(source_heads.tolist()))
 
 
 class _Nested:
@@ -154,7 +165,7 @@ class _Ulysses(torch.autograd.Function):
         received = torch.empty_like(sent)
         group.all_to_all(received, sent)
         # The gathered sequence in the kernel's layout (one view), split into q, k and v there.
-        (qkv,) = kernel.to_layout(_gathered(received.view(U, B, s, -1, D)))
+        (qkv,) = kernel.to_layout(_gathered(received, U, B, s, D))
         q, k, v = qkv.split_with_sizes((routes.h, routes.g, routes.g), dim=3 - kernel.seq_dim)
         nested = _Nested(ctx)
         out = attend_forward(nested, inner(U * s, docs), q, k, v, in_layout=True)
@@ -173,29 +184,33 @@ class _Ulysses(torch.autograd.Function):
         sent = dout_BsHD.reshape(B, s, U, h, D).permute(2, 0, 1, 3, 4).contiguous()
         received = torch.empty_like(sent)
         group.all_to_all(received, sent)
-        dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received))[0])
-        # The gradients home by the routes they came: one all-to-all, one scatter-add into the
-        # sources' rows (which sums the copies of a replicated KV head), each source's its own
-        # contiguous tensor: what autograd hands on as the input's gradient without a copy. Joined
-        # sequence-major, so the join is the one copy (joined head-major, a second would lay it out).
+        dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received, U, B, s, D))[0])
+        # The gradients home by the routes they came: one all-to-all, then one gather of the
+        # sources' rows (a scatter-add where a KV head was copied: it sums the copies), each
+        # source's its own contiguous tensor: what autograd hands on as the input's gradient
+        # without a copy. Joined sequence-major, so the join is the one copy (joined head-major, a
+        # second would lay it out).
         grads = torch.cat(kernel.from_layout(dq, dk, dv), dim=2)
         back = _by_rank(grads, U)
         arrived = torch.empty_like(back)
         group.all_to_all(arrived, back)
         heads = routing.source_heads
-        home = arrived.new_zeros((B * s * sum(heads), D))
-        home.index_add_(0, routing.home, arrived.view(-1, D))
+        if routing.inverse is not None:
+            home = arrived.view(-1, D).index_select(0, routing.inverse)
+        else:
+            home = arrived.new_zeros((B * s * sum(heads), D))
+            home.index_add_(0, routing.home, arrived.view(-1, D))
         dq, dk, dv, *_ = home.split_with_sizes([B * s * n for n in heads])
         return dq.view(B, s, H, D), dk.view(B, s, heads[1], D), dv.view(B, s, heads[2], D), None, None, None, None
 
 
-def _gathered(by_rank: Tensor) -> Tensor:
-    """``[U, B, s, n, D]`` (rank u's s tokens of n heads) -> the gathered sequence ``[B, U s, n, D]``:
-    a view for one sequence (B = 1, as long contexts run), one copy otherwise."""
-    U, B, s, n, D = by_rank.shape
+def _gathered(by_rank: Tensor, U: int, B: int, s: int, D: int) -> Tensor:
+    """Rank u's s tokens of each sequence's n heads, rank by rank (``[U, B, s, n, D]``, in any shape
+    that holds it contiguous) -> the gathered sequence ``[B, U s, n, D]``: a view for one
+    sequence (B = 1, as long contexts run), one copy otherwise."""
     if B == 1:
-        return by_rank.view(1, U * s, n, D)
-    return by_rank.transpose(0, 1).reshape(B, U * s, n, D)
+        return by_rank.view(1, U * s, -1, D)
+    return by_rank.view(U, B, s, -1, D).transpose(0, 1).reshape(B, U * s, -1, D)
 
 
 def _by_rank(gathered: Tensor, U: int) -> Tensor:
