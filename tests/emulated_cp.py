@@ -36,6 +36,7 @@ import torch
 
 from ringtrain.train.attention.call import AttentionCall
 from ringtrain.train.attention.documents import Documents
+from ringtrain.train.attention.exchanges import EXCHANGES
 from ringtrain.train.attention.implementations import build_attention
 from ringtrain.train.attention.kernels import AttentionKernel
 from ringtrain.train.attention.loop import attend_backward, attend_forward
@@ -228,10 +229,10 @@ def emulated_ring(
     rank_context: RankContext = contextlib.nullcontext,
 ) -> RingResult:
     """Zigzag-shard the full-sequence inputs over ``world`` ranks, run every rank's ring
-    forward and backward (each in a thread, the loop's halves called directly; K/V passed around
-    or all gathered, as ``kv_exchange`` says), and unshard the results."""
-    if kv_exchange not in ("ring", "allgather"):
-        raise ValueError(f"kv_exchange {kv_exchange!r}: the emulated ring runs 'ring' or 'allgather'")
+    forward and backward (each in a thread, the loop's halves called directly; K/V moved by the
+    exchange ``kv_exchange`` names), and unshard the results."""
+    if kv_exchange not in EXCHANGES:
+        raise ValueError(f"kv_exchange {kv_exchange!r}: the emulated ring runs one of {', '.join(EXCHANGES)}")
     shard = [
         [zigzag_shard(x, dim=1, world=world, rank=r).contiguous() for r in range(world)]
         for x in (q_BSHD, k_BSKD, v_BSKD, dout_BSHD)

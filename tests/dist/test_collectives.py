@@ -53,7 +53,7 @@ TINY = [
     "mesh.dp=2",
     "mesh.cp=2",
     "attention.impl=ring",
-    "attention.kv_exchange=ring",  # the P2P exchange (auto gathers K/V at this length)
+    "attention.kv_exchange=ring",  # the P2P exchange, whatever auto would pick
     "zero.stage=2",
 ]
 

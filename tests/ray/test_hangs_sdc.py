@@ -36,7 +36,7 @@ HANG_TIMEOUT_S = 3.0
 # the probe round's all-reduce would pair it with the others' loss all-reduce, and gloo aborts
 # on the size mismatch (a crash, handled as one, but not the stall under test).
 STALLS = {
-    ("hang", 1, 3): ("compute", "reduce_scatter"),  # its ring peer waits in the backward's first K/V reduce-scatter
+    ("hang", 1, 3): ("compute", "batch_isend_irecv"),  # its ring peer waits for its K/V (a ring of two passes them)
     ("skip_collective", 2, 6): ("missing", "all_reduce"),
     ("wrong_shape", 3, 10): ("mismatch_shape", "all_reduce"),
 }

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringtrain.train.attention.call import ALLGATHER_BELOW_TOKENS, AttentionCall, choose_exchange
+from ringtrain.train.attention.call import ALLGATHER_BELOW_TOKENS, ALLGATHER_FROM_RANKS, AttentionCall, choose_exchange
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import MATH, MathKernel, default_scale
 from ringtrain.train.attention.plan import EMPTY, MASKED, MASKED_BELOW_SCORES, PIECES, WHOLE, exchange_for, plan
@@ -40,8 +40,11 @@ class _BottomRight(MathKernel):
 
 def test_the_exchange_is_chosen_by_name_layout_and_window() -> None:
     assert choose_exchange("auto", 1, 64, None) == "local"
-    assert choose_exchange("auto", 4, ALLGATHER_BELOW_TOKENS - 2, None) == "allgather"
-    assert choose_exchange("auto", 4, ALLGATHER_BELOW_TOKENS, None) == "ring"
+    assert choose_exchange("auto", ALLGATHER_FROM_RANKS, ALLGATHER_BELOW_TOKENS - 2, None) == "allgather"
+    assert choose_exchange("auto", 8, 64, None) == "allgather"
+    assert choose_exchange("auto", ALLGATHER_FROM_RANKS, ALLGATHER_BELOW_TOKENS, None) == "ring"
+    # A ring of two passes K/V once, hidden behind its diagonal block: passed at any length.
+    assert choose_exchange("auto", 2, 64, None) == "ring"
     assert choose_exchange("ring", 4, 64, None) == "ring"
     assert choose_exchange("allgather", 4, 1 << 20, None) == "allgather"
     # A window that reaches only the neighbouring ranks' K/V sends them there, whatever was asked.

@@ -72,6 +72,25 @@ def test_the_kernel_merges_into_views_as_the_reference_does(kernel: ModuleType, 
     assert torch.equal(out[:, : S // 2], untouched_out) and torch.equal(lse[:, :, : S // 2], untouched_lse)
 
 
+def test_rows_past_two_to_the_31_elements_are_addressed_in_64_bits(kernel: ModuleType) -> None:
+    # An accumulator of 128K tokens of 128 heads of 128 holds 2^31 elements: its last rows' offsets
+    # (row index times a stride under 2^31) wrap in 32 bits, on a GPU a wrong row or a fault (the
+    # interpreter faults). Three query rows 2^30 elements apart: the storage is 8 GiB of address
+    # space, of which only the rows' pages are ever touched.
+    stride, D = 2**30, 8
+    storage = torch.empty(2 * stride + D)
+    out = storage.as_strided((1, 3, 1, D), (0, stride, D, 1))
+    out.copy_(torch.arange(3 * D, dtype=torch.float32).view(1, 3, 1, D))
+    lse = torch.tensor([[[0.5, -1.0, 2.0]]])
+    blk_out, blk_lse = torch.full((1, 3, 1, D), -4.0), torch.tensor([[[1.0, 0.0, -3.0]]])
+    want_out, want_lse = merge_partials(out.clone(), lse.clone(), blk_out, blk_lse)
+
+    kernel.merge_into_(out, lse, blk_out, blk_lse)
+
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
 def test_the_kernel_refuses_partials_of_different_shapes(kernel: ModuleType) -> None:
     out, lse, blk_out, blk_lse = _partials(64, torch.float32)
     with pytest.raises(ValueError, match="merge shapes disagree"):

@@ -30,8 +30,9 @@ ATTENTION_KERNELS = (AUTO_KERNEL, *ATTENTION_BLOCK_KERNELS)
 
 
 # attention.kv_exchange: how a ring's ranks see each other's K/V: passed around the ring block by
-# block ("ring"), or all gathered at once ("allgather", for short blocks); "auto" picks by the
-# length of a rank's block (train/attention/call.py, choose_exchange).
+# block ("ring"), or all gathered at once ("allgather", for short blocks on rings of four ranks or
+# more); "auto" picks by the ring's size and the length of a rank's block
+# (train/attention/call.py, choose_exchange). The one list of the names a job may ask for.
 KV_EXCHANGES = ("ring", "allgather")
 ATTENTION_KV_EXCHANGES = ("auto", *KV_EXCHANGES)
 DEVICES = ("auto", "cpu", "cuda")

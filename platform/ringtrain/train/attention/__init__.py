@@ -2,7 +2,7 @@
 
 ``build_attention`` turns the configured implementation and kernel into the attention function
 the model calls (``implementations``); the functions below it are usable directly. Every
-layout runs one loop (``loop``) over a K/V exchange (``exchanges``), planned once a forward
+layout runs one loop (``loop``) over a K/V exchange (``exchanges``), planned once, not per layer
 (``plan``), through a ``Transport`` (``transport``). Block kernels and their registry are in
 ``kernels``.
 

@@ -47,9 +47,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causal: 
     (rank r of ``group`` holds zigzag chunks r and 2R-1-r); returns this rank's output shard
     [B, S, H, D] in q's dtype. ``group``: a process group or a ``Transport``; None or one rank is
     plain local attention. ``kv_exchange``: K/V passed around the ring ("ring"), all gathered at
-    once ("allgather"), or by the block's length ("auto"; ``call.choose_exchange``). ``window``
-    (tokens, causal only): a sliding window; where it leaves some ranks' K/V unseen by others,
-    they go straight to the ranks that see them instead (``exchanges.neighbours``).
+    once ("allgather"), or by the ring's size and the block's length ("auto";
+    ``call.choose_exchange``). ``window`` (tokens, causal only): a sliding window; where it leaves
+    some ranks' K/V unseen by others, they go straight to the ranks that see them instead
+    (``exchanges.neighbours``).
     """
     check_qkv(q, k, v, doc_ids)
     check_window(window, causal)

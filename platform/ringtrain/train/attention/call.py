@@ -25,9 +25,22 @@ from ringtrain.train.attention.window import shard_positions, sparse
 
 Tensor = torch.Tensor
 
-# Below this many tokens per rank the ring's per-step costs dominate: on an H200 (head dim 128,
-# bf16) one rank's ring ran 0.80 / 0.94 of a monolithic call forward / backward at 8K tokens per
-# rank and 0.97 / 0.97 at 16K (bench/attention.py).
+# Where "auto" gathers K/V: on rings of at least ALLGATHER_FROM_RANKS ranks, below
+# ALLGATHER_BELOW_TOKENS tokens a rank. From bench/attention.py's worst rank, forward and backward
+# together, on an H200 and an H100 (bf16, head dim 128, 32 query / 8 KV heads; the speed of
+# gathered K/V over the ring's):
+# - A ring of two passes K/V once, and that one transfer hides behind the diagonal block; gathered,
+#   the rank waits for it, and for the reduce-scatter after the backward. The ring was as fast or
+#   faster at every length: 0.87x and 0.92x (H200, H100) at 8K tokens a rank, 0.92x and 0.98x at
+#   16K, 0.97-1.00x beyond.
+# - From four ranks a ring's R - 1 steps each cost a launch, a merge and a round trip whatever the
+#   block's length, and below 16K tokens a rank gathering won: 1.01x and 1.05x at 8K on four ranks,
+#   1.02-1.27x at 2K-8K on eight (four ranks at 4K were the exception: 0.89x on the H200, 0.99x on
+#   the H100).
+# - From 16K tokens a rank gathering gained 6% at most (1.00-1.06x on four and eight ranks), and
+#   the ring holds two visitors' K/V where gathering holds the whole ring's, and their gradients
+#   in fp32.
+ALLGATHER_FROM_RANKS = 4
 ALLGATHER_BELOW_TOKENS = 16384
 
 
@@ -36,9 +49,9 @@ def choose_exchange(name: str, world: int, seq_local: int, window: Optional[int]
     ``attention.kv_exchange`` is ``name``; pure.
 
     One rank: "local". A window that leaves some ranks' K/V unseen by others: "neighbours" (each
-    rank's K/V straight to the ranks that see them). Otherwise ``name``, where "auto" is "allgather"
-    below ``ALLGATHER_BELOW_TOKENS`` tokens a rank (the ring's per-step costs dominate there) and
-    "ring" from there on.
+    rank's K/V straight to the ranks that see them). Otherwise ``name``, where "auto" is
+    "allgather" on rings of ``ALLGATHER_FROM_RANKS`` ranks or more below ``ALLGATHER_BELOW_TOKENS``
+    tokens a rank (the ring's per-step costs dominate there) and "ring" otherwise.
     """
     if name != "auto" and name not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange {name!r} is not one of auto, {', '.join(KV_EXCHANGES)}")
@@ -47,7 +60,8 @@ def choose_exchange(name: str, world: int, seq_local: int, window: Optional[int]
     if window is not None and sparse(world, seq_local, window):
         return "neighbours"
     if name == "auto":
-        return "allgather" if seq_local < ALLGATHER_BELOW_TOKENS else "ring"
+        gather = world >= ALLGATHER_FROM_RANKS and seq_local < ALLGATHER_BELOW_TOKENS
+        return "allgather" if gather else "ring"
     return name
 
 

@@ -260,7 +260,8 @@ def _visits_backward(call: AttentionCall, exchange: Exchange, visits: tuple[Visi
 
 
 class ContextParallel(torch.autograd.Function):
-    """The autograd function of every layout: ``attend_forward`` and ``attend_backward``."""
+    """The autograd function of every layout but Ulysses' and the hybrid's (``ulysses`` runs the
+    halves inside its own): ``attend_forward`` and ``attend_backward``."""
 
     @staticmethod
     def forward(ctx: Any, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, call: AttentionCall) -> Tensor:  # type: ignore[override]

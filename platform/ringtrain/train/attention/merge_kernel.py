@@ -34,7 +34,9 @@ def _merge(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    # In 64 bits: a row's offset (its batch, query and head times their strides) passes 2^31 once
+    # an accumulator holds 2^31 elements (128K tokens of 128 heads of 128), where int32 would wrap.
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     live = rows < num_rows
     h = rows % H
     q = (rows // H) % Q

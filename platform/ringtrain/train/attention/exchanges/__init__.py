@@ -7,7 +7,8 @@ and V as they arrive, the next one in flight meanwhile) and brings each visit's 
 below is the one list of them; ``call.choose_exchange`` picks one by name and layout.
 
 Adding an exchange is a module here with one ``Exchange`` subclass and a line in ``EXCHANGES``
-(and its name in ``choose_exchange`` if a configuration may ask for it).
+(and its name in ``config.KV_EXCHANGES`` where a job may ask for it by name; ``choose_exchange``
+changes only where ``auto`` should pick it).
 """
 
 from __future__ import annotations

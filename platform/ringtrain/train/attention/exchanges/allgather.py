@@ -3,8 +3,8 @@ own queries to it, for short blocks.
 
 A ring of R ranks passes K/V blocks R - 1 times, and each step costs a kernel launch, a merge and
 a P2P round trip whatever the block's length; at a few thousand tokens per rank those fixed costs
-outweigh the attention itself (bench/attention.py: 0.18 of a monolithic call's forward at 2K
-tokens per rank on a ring of 8). Gathering K/V first, as Llama 3's context parallelism does
+outweigh the attention itself (bench/attention.py: the ring's forward at 0.17 of a monolithic
+call's speed at 2K tokens per rank on a ring of 8 on an H200, gathered K/V's at 0.30). Gathering K/V first, as Llama 3's context parallelism does
 (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2), takes the same bytes in one
 collective (under GQA K/V are a fraction of Q), after which each rank runs a fixed number of
 kernel calls however many ranks there are:
