@@ -232,7 +232,7 @@ def emulated_ring(
     forward and backward (each in a thread, the loop's halves called directly; K/V moved by the
     exchange ``kv_exchange`` names), and unshard the results."""
     if kv_exchange not in EXCHANGES:
-        raise ValueError(f"kv_exchange {kv_exchange!r}: the emulated ring runs one of {', '.join(EXCHANGES)}")
+        raise ValueError(f"kv_exchange {kv_exchange!r}: the emulated ring runs {', '.join(EXCHANGES)}")
     shard = [
         [zigzag_shard(x, dim=1, world=world, rank=r).contiguous() for r in range(world)]
         for x in (q_BSHD, k_BSKD, v_BSKD, dout_BSHD)

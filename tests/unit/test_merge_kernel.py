@@ -72,7 +72,7 @@ def test_the_kernel_merges_into_views_as_the_reference_does(kernel: ModuleType, 
     assert torch.equal(out[:, : S // 2], untouched_out) and torch.equal(lse[:, :, : S // 2], untouched_lse)
 
 
-def test_rows_past_two_to_the_31_elements_are_addressed_in_64_bits(kernel: ModuleType) -> None:
+def test_rows_past_2_to_the_31_elements_are_addressed_in_64_bits(kernel: ModuleType) -> None:
     # An accumulator of 128K tokens of 128 heads of 128 holds 2^31 elements: its last rows' offsets
     # (row index times a stride under 2^31) wrap in 32 bits, on a GPU a wrong row or a fault (the
     # interpreter faults). Three query rows 2^30 elements apart: the storage is 8 GiB of address

@@ -186,10 +186,10 @@ class _Ulysses(torch.autograd.Function):
         group.all_to_all(received, sent)
         dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received, U, B, s, D))[0])
         # The gradients home by the routes they came: one all-to-all, then one gather of the
-        # sources' rows (a scatter-add where a KV head was copied: it sums the copies), each
-        # source's its own contiguous tensor: what autograd hands on as the input's gradient
-        # without a copy. Joined sequence-major, so the join is the one copy (joined head-major, a
-        # second would lay it out).
+        # sources' rows (a scatter-add where a head travelled twice, a copied KV head or a zero
+        # head: it sums the copies), each source's its own contiguous tensor: what autograd hands
+        # on as the input's gradient without a copy. Joined sequence-major, so the join is the one
+        # copy (joined head-major, a second would lay it out).
         grads = torch.cat(kernel.from_layout(dq, dk, dv), dim=2)
         back = _by_rank(grads, U)
         arrived = torch.empty_like(back)

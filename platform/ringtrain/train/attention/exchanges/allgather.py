@@ -1,13 +1,13 @@
 """All-gathered K/V: a ring's ranks gather the whole sequence's K and V at once and attend their
-own queries to it, for short blocks.
+own queries to it, for short blocks on rings of four ranks or more (``call.choose_exchange``).
 
 A ring of R ranks passes K/V blocks R - 1 times, and each step costs a kernel launch, a merge and
 a P2P round trip whatever the block's length; at a few thousand tokens per rank those fixed costs
-outweigh the attention itself (bench/attention.py: the ring's forward at 0.17 of a monolithic
-call's speed at 2K tokens per rank on a ring of 8 on an H200, gathered K/V's at 0.30). Gathering K/V first, as Llama 3's context parallelism does
-(Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2), takes the same bytes in one
-collective (under GQA K/V are a fraction of Q), after which each rank runs a fixed number of
-kernel calls however many ranks there are:
+outweigh the attention itself (bench/attention.py on an H200, 2K tokens a rank on a ring of 8:
+the ring's forward at 0.17 of a monolithic call's speed, gathered K/V's at 0.30). Gathering K/V
+first, as Llama 3's context parallelism does (Dubey et al. 2024, "The Llama 3 Herd of Models",
+section 3.3.2), takes the same bytes in one collective (under GQA K/V are a fraction of Q), after
+which each rank runs a fixed number of kernel calls however many ranks there are:
 
 - causal: rank r holds zigzag chunks r and 2R-1-r of L tokens. Chunk c's queries see keys
   [0, cL) in full and keys [cL, (c+1)L) causally: one causal block of the chunk's rows against
