@@ -129,3 +129,36 @@ def test_packed_local_attention_on_cuda_matches_float64(dtype: torch.dtype) -> N
         assert got is not None and want is not None
         torch.testing.assert_close(got.double(), want, atol=5 * atol, rtol=5 * atol)
     assert out[0, -7:].abs().max() == 0  # padding rows see nothing
+
+
+def _odd_doc_ids(batch: int, seq: int) -> torch.Tensor:
+    """[B, S] doc ids: documents of 1, 1, 2, 7 and 37 tokens, then one of the rest, and padding (-1)
+    at the end of the first sample: pieces of lengths no kernel test above gives a kernel."""
+    doc_BS = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
+    start = 0
+    for length in (1, 1, 2, 7, 37):
+        start += length
+        doc_BS[:, start:] += 1
+    doc_BS[0, seq - 5 :] = -1
+    return doc_BS
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("causal", [True, False])
+def test_each_fused_kernel_runs_one_token_and_odd_length_documents(name: str, causal: bool) -> None:
+    """Packed documents give a kernel a block per document (``plan``'s pieces, the sequence being
+    longer than a masked block): here 1 x 1, 2 x 2, 7 x 7, 37 x 37 and an odd rest, which the
+    fused ops are called on directly, without the shape checks of torch's public SDPA."""
+    kernel = _kernel(name)
+    q, k, v, dout = (t.requires_grad_() for t in _inputs(8, 2, seq=301))
+    doc_BS = _odd_doc_ids(2, 301)
+    out = local_attention(q, k, v, causal=causal, doc_ids=doc_BS, kernel=kernel)
+    out.backward(dout)
+    ref_q, ref_k, ref_v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = local_attention(ref_q, ref_k, ref_v, causal=causal, doc_ids=doc_BS, kernel="math")
+    ref.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+    for got, want in ((q.grad, ref_q.grad), (k.grad, ref_k.grad), (v.grad, ref_v.grad)):
+        assert got is not None and want is not None and got.isfinite().all()
+        torch.testing.assert_close(got.double(), want, atol=1e-1, rtol=1e-1)
+    assert out[0, -5:].abs().max() == 0  # padding rows see nothing
