@@ -3,12 +3,15 @@ LSEs and gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Optional
+
 import pytest
 import torch
 
 from ringtrain.train.attention import local_attention
 from ringtrain.train.attention.documents import doc_visibility
-from ringtrain.train.attention.kernels import MATH, AttentionKernel, get_kernel
+from ringtrain.train.attention.kernels import MATH, AttentionKernel, KernelArg, get_kernel
 from ringtrain.train.attention.merge import merge_partials
 
 from .support import FUSED, MARKS, cuda_kernel
@@ -68,14 +71,35 @@ def test_auto_local_attention_on_cuda(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), ref.out_BQHD.float(), atol=2e-2, rtol=0)
 
 
-def _packed_doc_ids(batch: int, seq: int) -> torch.Tensor:
-    """[B, S] doc ids: uneven documents on every sample, padding (-1) at the end of the first."""
-    ends = (seq // 5, seq // 2 + 3, seq - 11)
+def _packed_doc_ids(batch: int, seq: int, ends: Optional[Sequence[int]] = None, padding: int = 7) -> torch.Tensor:
+    """[B, S] doc ids: documents ending at ``ends`` (by default uneven ones) on every sample, and
+    ``padding`` tokens of padding (-1) at the end of the first."""
     doc_BS = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
-    for end in ends:
+    for end in ends or (seq // 5, seq // 2 + 3, seq - 11):
         doc_BS[:, end:] += 1
-    doc_BS[0, seq - 7 :] = -1
+    doc_BS[0, seq - padding :] = -1
     return doc_BS
+
+
+def _packed_grads_match_float64(kernel: KernelArg, causal: bool, dtype: torch.dtype, seq: int, doc_BS: torch.Tensor,
+                                padding: int) -> list[torch.Tensor]:
+    """Packed local attention on CUDA, forward and autograd, against the math kernel in float64;
+    the gradients, for more checks."""
+    q, k, v, dout = (t.requires_grad_() for t in _inputs(8, 2, seq=seq, dtype=dtype))
+    out = local_attention(q, k, v, causal=causal, doc_ids=doc_BS, kernel=kernel)
+    out.backward(dout)
+    ref_q, ref_k, ref_v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = local_attention(ref_q, ref_k, ref_v, causal=causal, doc_ids=doc_BS, kernel="math")
+    ref.backward(dout.double())
+    atol = 2e-2 if dtype != torch.float32 else 1e-3
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+    grads = []
+    for got, want in ((q.grad, ref_q.grad), (k.grad, ref_k.grad), (v.grad, ref_v.grad)):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.double(), want, atol=5 * atol, rtol=5 * atol)
+        grads.append(got)
+    assert out[0, -padding:].abs().max() == 0  # padding rows see nothing
+    return grads
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -116,31 +140,8 @@ def test_masked_block_on_cuda_runs_efficient_and_matches_float64(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_local_attention_on_cuda_matches_float64(dtype: torch.dtype) -> None:
     """``data.packing: doc`` on CUDA end to end: the auto kernel on each document's block, autograd."""
-    q, k, v, dout = (t.requires_grad_() for t in _inputs(8, 2, dtype=dtype))
-    doc_BS = _packed_doc_ids(2, q.shape[1])
-    out = local_attention(q, k, v, causal=True, doc_ids=doc_BS)
-    out.backward(dout)
-    ref_q, ref_k, ref_v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = local_attention(ref_q, ref_k, ref_v, causal=True, doc_ids=doc_BS, kernel="math")
-    ref.backward(dout.double())
-    atol = 2e-2 if dtype != torch.float32 else 1e-3
-    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
-    for got, want in ((q.grad, ref_q.grad), (k.grad, ref_k.grad), (v.grad, ref_v.grad)):
-        assert got is not None and want is not None
-        torch.testing.assert_close(got.double(), want, atol=5 * atol, rtol=5 * atol)
-    assert out[0, -7:].abs().max() == 0  # padding rows see nothing
+    _packed_grads_match_float64("auto", True, dtype, 256, _packed_doc_ids(2, 256), padding=7)
 
-
-def _odd_doc_ids(batch: int, seq: int) -> torch.Tensor:
-    """[B, S] doc ids: documents of 1, 1, 2, 7 and 37 tokens, then one of the rest, and padding (-1)
-    at the end of the first sample: pieces of lengths no kernel test above gives a kernel."""
-    doc_BS = torch.zeros(batch, seq, dtype=torch.long, device="cuda")
-    start = 0
-    for length in (1, 1, 2, 7, 37):
-        start += length
-        doc_BS[:, start:] += 1
-    doc_BS[0, seq - 5 :] = -1
-    return doc_BS
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -149,16 +150,6 @@ def test_each_fused_kernel_runs_one_token_and_odd_length_documents(name: str, ca
     """Packed documents give a kernel a block per document (``plan``'s pieces, the sequence being
     longer than a masked block): here 1 x 1, 2 x 2, 7 x 7, 37 x 37 and an odd rest, which the
     fused ops are called on directly, without the shape checks of torch's public SDPA."""
-    kernel = _kernel(name)
-    q, k, v, dout = (t.requires_grad_() for t in _inputs(8, 2, seq=301))
-    doc_BS = _odd_doc_ids(2, 301)
-    out = local_attention(q, k, v, causal=causal, doc_ids=doc_BS, kernel=kernel)
-    out.backward(dout)
-    ref_q, ref_k, ref_v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = local_attention(ref_q, ref_k, ref_v, causal=causal, doc_ids=doc_BS, kernel="math")
-    ref.backward(dout.double())
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
-    for got, want in ((q.grad, ref_q.grad), (k.grad, ref_k.grad), (v.grad, ref_v.grad)):
-        assert got is not None and want is not None and got.isfinite().all()
-        torch.testing.assert_close(got.double(), want, atol=1e-1, rtol=1e-1)
-    assert out[0, -5:].abs().max() == 0  # padding rows see nothing
+    doc_BS = _packed_doc_ids(2, 301, ends=(1, 2, 4, 11, 48), padding=5)  # documents of 1, 1, 2, 7, 37, the rest
+    grads = _packed_grads_match_float64(_kernel(name), causal, torch.bfloat16, 301, doc_BS, padding=5)
+    assert all(g.isfinite().all() for g in grads)
