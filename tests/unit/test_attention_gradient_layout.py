@@ -3,7 +3,9 @@ tensor, as an input's gradient must be laid out (autograd copies one that is not
 projection's backward): Ulysses brings q, k and v's home in one scatter-add whose rows are laid
 out input by input (``ulysses.Routing.home``); the ring's, accumulated in fp32 in the kernel's
 layout, are laid out BSHD by the cast to the inputs' dtype that copies them anyway. A call with
-one uncut block casts nothing: its output and gradients are the kernel's own."""
+one uncut block casts nothing: its output and gradients are the kernel's own. Where Ulysses
+copies a KV head to several ranks, its gradient is the sum of the copies' gradients, each the
+gradient its rank's own call gives."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from bench.attention import LoopbackTransport
 from ringtrain.train.attention.attend import local_attention, ring_attention
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.ulysses import ulysses_attention
+from tests.emulated_cp import emulated_attention
 
 B, S, D = 2, 8, 8
 
@@ -80,3 +83,26 @@ def test_a_local_call_is_the_kernels_one_call_with_no_round_trip_through_fp32() 
     assert ops.counted["aten._scaled_dot_product_flash_attention_for_cpu"] == 1
     assert ops.counted["aten._scaled_dot_product_flash_attention_for_cpu_backward"] == 1
     assert ops.counted["aten._to_copy"] == 0, ops.counted
+
+
+def test_a_copied_kv_heads_gradient_is_its_copies_gradients_summed() -> None:
+    # MQA over four ranks: every rank attends with its own copy of the one KV head, and the
+    # copies' gradients are summed on the way home: the gradients of the four ranks' calls (each
+    # one query head over the whole sequence), bit for bit, summed. The CPU's scatter-add sums in
+    # fp32 and rounds once; a sum that rounded at every add (one bf16 add per copy) errs here.
+    heads, seq = 4, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, seq, n, D, generator=gen).bfloat16() for n in (heads, 1, 1, heads))
+    kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.bfloat16)
+    _, grads = emulated_attention("ulysses", q, k, v, dout, ring=1, ulysses=heads, kernel=kernel)
+    assert grads is not None
+    per_head: list[list[torch.Tensor]] = [[], []]
+    for head in range(heads):  # rank ``head``'s call: its query head, its copy of the KV head
+        k_copy, v_copy = (x.clone().requires_grad_() for x in (k, v))
+        one = slice(head, head + 1)
+        local_attention(q[:, :, one], k_copy, v_copy, kernel=kernel).backward(dout[:, :, one])
+        per_head[0].append(k_copy.grad)
+        per_head[1].append(v_copy.grad)
+    for name, got, copies in (("dk", grads[1], per_head[0]), ("dv", grads[2], per_head[1])):
+        want = torch.stack(copies).float().sum(dim=0).bfloat16()
+        assert torch.equal(got, want), f"{name}: {(got.float() - want.float()).abs().max()}"

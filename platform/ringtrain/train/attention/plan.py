@@ -25,6 +25,7 @@ Shape legend: B batch, Q / S a block's rows / columns.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -143,9 +144,12 @@ def _make(call: AttentionCall, exchange: Exchange, batch: int, device: torch.dev
 
 
 # Plans without documents depend on the layout alone: kept for the next forward, the least
-# recently used first to go.
+# recently used first to go. Ranks may share a process (threads of the tests' emulator, a
+# backward's recomputation on autograd's device thread): a plan found is moved to the end under
+# the lock, so no other thread evicts it between the two.
 _LAYOUT_PLANS: OrderedDict[tuple[object, ...], tuple[Visit, ...]] = OrderedDict()
 _LAYOUT_PLANS_KEPT = 256
+_LAYOUT_PLANS_LOCK = threading.Lock()
 
 
 def plan(call: AttentionCall, exchange: Exchange, batch: int, device: torch.device) -> tuple[Visit, ...]:
@@ -156,16 +160,18 @@ def plan(call: AttentionCall, exchange: Exchange, batch: int, device: torch.devi
     if call.docs is not None:
         visits: tuple[Visit, ...] = call.docs.cached(("plan", *key), lambda: _make(call, exchange, batch, device))
         return visits
-    found = _LAYOUT_PLANS.get(key)
-    if found is not None:
-        _LAYOUT_PLANS.move_to_end(key)
-        return found
+    with _LAYOUT_PLANS_LOCK:
+        found = _LAYOUT_PLANS.get(key)
+        if found is not None:
+            _LAYOUT_PLANS.move_to_end(key)
+            return found
     made = _make(call, exchange, batch, device)
     # A mask made under a fake-tensor mode (the tests' CUDA stand-in) belongs to that mode alone.
     if not any(isinstance(b.mask.visible_BQS, FakeTensor) for v in made for b in v.blocks if b.mask is not None):
-        _LAYOUT_PLANS[key] = made
-        while len(_LAYOUT_PLANS) > _LAYOUT_PLANS_KEPT:
-            _LAYOUT_PLANS.popitem(last=False)
+        with _LAYOUT_PLANS_LOCK:
+            _LAYOUT_PLANS[key] = made
+            while len(_LAYOUT_PLANS) > _LAYOUT_PLANS_KEPT:
+                _LAYOUT_PLANS.popitem(last=False)
     return made
 
 
