@@ -142,6 +142,14 @@ def _stream(source: IO[bytes], log: IO[str], name: str, tail: collections.deque[
         tail.append(text.rstrip("\n"))
 
 
+def _sigint_as_default() -> None:
+    """In a part's process, before it runs the part: SIGINT back to its default. A shell starts a
+    background job (``nohup make gpu-check &``) with SIGINT ignored, and every process the job
+    starts inherits that: the budget's SIGINT would stop no part, and pytest would not say where
+    it was."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pgid, sig)
@@ -161,7 +169,7 @@ def run_part(part: Part, log_dir: Path, env: dict[str, str], grace_s: float = GR
     start = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(part.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_sigint_as_default)
         assert proc.stdout is not None
         reader = threading.Thread(target=_stream, args=(proc.stdout, log, part.name, tail), daemon=True)
         reader.start()

@@ -94,7 +94,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import RESULTS_DIR, Run  # noqa: E402
-from try_process import context, try_process  # noqa: E402
+from try_process import context, interrupt_on_sigint, try_process  # noqa: E402
 
 if TYPE_CHECKING:
     from ringtrain.config import JobConfig
@@ -1046,6 +1046,7 @@ def _slug(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    interrupt_on_sigint()
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(

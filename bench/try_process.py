@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -27,6 +28,13 @@ PRELOAD = [
     "transformers",
     "ringtrain.train.trainer",
 ]
+
+
+def interrupt_on_sigint() -> None:
+    """Make SIGINT raise KeyboardInterrupt in this process, as a time box that stops a bench with
+    it expects, however the bench was started: a shell starts a background job (``cmd &``) with
+    SIGINT ignored, and Python then leaves it ignored, in the bench and in every try it starts."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def context(device: str) -> BaseContext:

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -452,6 +453,27 @@ def test_a_part_that_ignores_sigint_is_killed_and_its_output_kept(tmp_path: Path
     assert result.status == "timed out" and time.monotonic() - start < 2.0 + 1.0 + 3
     assert result.tail[0] == "started"
     assert (tmp_path / "stubborn.log").read_text().startswith("started\n")
+
+
+def test_a_part_gets_its_budgets_sigint_when_the_runner_started_with_sigint_ignored(tmp_path: Path) -> None:
+    # As a shell starts a background job (`nohup make gpu-check &`): SIGINT ignored, which every
+    # process the runner starts would inherit.
+    runner = _load_runner()
+    sleeper = textwrap.dedent("""
+        import time
+        print('started', flush=True)
+        try:
+            time.sleep(600)
+        except KeyboardInterrupt:
+            print('interrupted', flush=True)
+    """)
+    part = runner.Part("sleeper", (sys.executable, "-c", sleeper), 2.0)
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = runner.run_part(part, tmp_path, {**os.environ, "PYTHONUNBUFFERED": "1"}, grace_s=5.0)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert result.status == "timed out" and result.tail[:2] == ["started", "interrupted"], result.tail
 
 
 @pytest.mark.parametrize("flags", [["--only", "tests,nope"], ["--budget", "tests=abc"], ["--budget", "nope=3"],
