@@ -144,9 +144,9 @@ def _make(call: AttentionCall, exchange: Exchange, batch: int, device: torch.dev
 
 
 # Plans without documents depend on the layout alone: kept for the next forward, the least
-# recently used first to go. Ranks may share a process (threads of the tests' emulator, a
-# backward's recomputation on autograd's device thread): a plan found is moved to the end under
-# the lock, so no other thread evicts it between the two.
+# recently used first to go. More than one thread may plan (the tests' emulator runs each rank
+# as one; on a GPU a backward's recomputed forward runs on autograd's device thread): a plan
+# found is moved to the end under the lock, so that no other thread evicts it in between.
 _LAYOUT_PLANS: OrderedDict[tuple[object, ...], tuple[Visit, ...]] = OrderedDict()
 _LAYOUT_PLANS_KEPT = 256
 _LAYOUT_PLANS_LOCK = threading.Lock()
