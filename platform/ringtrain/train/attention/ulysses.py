@@ -198,6 +198,10 @@ class _Ulysses(torch.autograd.Function):
         if routing.inverse is not None:
             home = arrived.view(-1, D).index_select(0, routing.inverse)
         else:
+            # In the gradients' dtype: a GPU's scatter-add of bf16 rows rounds at every add, c - 1
+            # times for c copies (once for two, as an fp32 sum would). Summing in fp32 instead
+            # holds fp32 copies of what arrived and of home at the backward's peak, which the
+            # planner (planner/memory.py) would have to count.
             home = arrived.new_zeros((B * s * sum(heads), D))
             home.index_add_(0, routing.home, arrived.view(-1, D))
         dq, dk, dv, *_ = home.split_with_sizes([B * s * n for n in heads])
