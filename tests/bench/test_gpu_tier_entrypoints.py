@@ -468,11 +468,11 @@ def test_a_part_gets_its_budgets_sigint_when_the_runner_started_with_sigint_igno
             print('interrupted', flush=True)
     """)
     part = runner.Part("sleeper", (sys.executable, "-c", sleeper), 2.0)
-    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         result = runner.run_part(part, tmp_path, {**os.environ, "PYTHONUNBUFFERED": "1"}, grace_s=5.0)
     finally:
-        signal.signal(signal.SIGINT, ignored)
+        signal.signal(signal.SIGINT, before)
     assert result.status == "timed out" and result.tail[:2] == ["started", "interrupted"], result.tail
 
 
