@@ -27,7 +27,7 @@ What a rank's layer is, here:
 
 For reference it also times the op sequences of Ulysses cp4 and of the hybrid written bare
 (``_bare``: the same gather, all-to-alls, views, kernel ops, merge, ring transfers and
-gather or scatter-add home, with nothing between them): the floor of each layer's host time.
+gather home and the copies' sum, with nothing between them): the floor of each layer's host time.
 
 Before: the same bench at d5f494a, that commit's attention code and emulator with this
 counting applied (``bench/results/host_ops-d5f494a.patch``), taken from git history into a
@@ -403,7 +403,7 @@ def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
     """(CPU seconds, host seconds) of a Ulysses layout's op sequence written bare, timed as
     ``_alone`` times the layout, once its gradients are checked to be the product's, bit for bit
     (the same ops in the same order): the packing gather, the four all-to-alls and their buffers, the
-    layout views and the gather (or scatter-add) home around the attention over the gathered
+    layout views and the gather home (and the copies' sum) around the attention over the gathered
     sequence (the kernel's one call for Ulysses, a ring of two for the hybrid: ``_BareLocal``,
     ``_BareRingOfTwo``), with no loop, no checks and no transport seam between the ops. What the
     layout's host cannot go below, whatever holds its ops together."""
@@ -415,7 +415,7 @@ def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
     B, s, H, D = q.shape
     K = k.shape[2]
     routing = routing_of(B, s, H, K, U, q.device)  # made once, as the product's is: not timed
-    h, g, N, rows, home = routing.routes.h, routing.routes.g, sum(routing.source_heads), routing.gather, routing.home
+    h, g, rows, home, parts = routing.routes.h, routing.routes.g, routing.gather, routing.home, routing.home_parts
     group = _TimedLoopback(rank % U, U)
     attention = _BareLocal() if layout.ring == 1 else _BareRingOfTwo((B, g, U * s, D))
 
@@ -441,12 +441,12 @@ def _bare(layout: Layout, kernel: Any, repeats: int) -> tuple[float, float]:
             back = torch.cat([grad.transpose(1, 2) for grad in grads], dim=2).view(U, B, s, -1, D)
             arrived = torch.empty_like(back)
             group.all_to_all(arrived, back)
-            if routing.inverse is not None:
-                sources = arrived.view(-1, D).index_select(0, routing.inverse)
-            else:
-                sources = arrived.new_zeros((B * s * N, D)).index_add_(0, home, arrived.view(-1, D))
-            dq, dk, dv, *_ = sources.split_with_sizes([B * s * n for n in routing.source_heads])
-            return dq.view(B, s, H, D), dk.view(B, s, K, D), dv.view(B, s, K, D)
+            dq, dkv, *copies = arrived.view(-1, D).index_select(0, home).split_with_sizes(parts)
+            if copies:  # the layouts timed bare copy a KV head twice at most: one add sums the copies
+                (second,) = copies
+                dkv.add_(second)
+            dk, dv = dkv.view(2, B, s, K, D).unbind(0)
+            return dq.view(B, s, H, D), dk, dv
 
     layer = _layer(Bare.apply, inputs)
     expected = _layer(_layout_attention(layout, kernel), inputs)()

@@ -1,6 +1,6 @@
 """The gradients context-parallel attention hands autograd are each input's own contiguous
 tensor, as an input's gradient must be laid out (autograd copies one that is not, and so does a
-projection's backward): Ulysses brings q, k and v's home in one scatter-add whose rows are laid
+projection's backward): Ulysses brings q, k and v's home in one gather whose rows are laid
 out input by input (``ulysses.Routing.home``); the ring's, accumulated in fp32 in the kernel's
 layout, are laid out BSHD by the cast to the inputs' dtype that copies them anyway. A call with
 one uncut block casts nothing: its output and gradients are the kernel's own. Where Ulysses
@@ -30,7 +30,7 @@ B, S, D = 2, 8, 8
     [(4, 4, 2), (4, 2, 4), (3, 1, 2)],
     ids=["heads split evenly", "KV heads copied to every rank", "query heads padded with a zero head"],
 )
-def test_the_inputs_gradients_are_the_scatter_adds_rows_not_copies(heads: int, kv_heads: int, degree: int) -> None:
+def test_the_inputs_gradients_are_the_home_gathers_rows_not_copies(heads: int, kv_heads: int, degree: int) -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, S, n, D, generator=gen).requires_grad_() for n in (heads, kv_heads, kv_heads))
     kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.float32)
@@ -38,7 +38,7 @@ def test_the_inputs_gradients_are_the_scatter_adds_rows_not_copies(heads: int, k
     out.backward(torch.randn(out.shape, generator=gen))
     grads = [x.grad for x in (q, k, v)]
     assert all(g is not None and g.is_contiguous() for g in grads)
-    # One scatter-add's rows, q's then k's then v's, each handed on as it is.
+    # One gather's rows, q's then k's then v's, each handed on as it is.
     storages = {g.untyped_storage().data_ptr() for g in grads if g is not None}
     assert len(storages) == 1, "autograd copied a gradient: its strides were not its input's"
     offsets = [g.storage_offset() for g in grads if g is not None]
@@ -85,12 +85,26 @@ def test_a_local_call_is_the_kernels_one_call_with_no_round_trip_through_fp32() 
     assert ops.counted["aten._to_copy"] == 0, ops.counted
 
 
-def test_a_copied_kv_heads_gradient_is_its_copies_gradients_summed() -> None:
-    # MQA over four ranks: every rank attends with its own copy of the one KV head, and the
-    # copies' gradients are summed on the way home: the gradients of the four ranks' calls (each
-    # one query head over the whole sequence), bit for bit, summed. The CPU's scatter-add sums in
-    # fp32 and rounds once; a sum that rounded at every add (one bf16 add per copy) errs here.
-    heads, seq = 4, 64
+def _index_add_rounding_at_every_add(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
+                                     alpha: float = 1) -> torch.Tensor:
+    """``Tensor.index_add_`` as a GPU's atomics run it: a row at a time in the tensor's dtype, so a
+    bf16 sum rounds at every add (the CPU's sums in fp32 and rounds once)."""
+    for i, row in zip(index.tolist(), source.unbind(dim)):
+        self.select(dim, i).add_(row, alpha=alpha)
+    return self
+
+
+@pytest.mark.parametrize("gpu_scatter_add", [False, True], ids=["cpu", "a scatter-add rounding at every add"])
+@pytest.mark.parametrize("heads", [2, 4], ids=["two copies", "four copies"])
+def test_a_copied_kv_heads_gradient_is_its_copies_gradients_summed(heads: int, gpu_scatter_add: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # MQA over as many ranks as heads: every rank attends with its own copy of the one KV head,
+    # and the copies' gradients are summed on the way home: the gradients of the ranks' calls (each
+    # one query head over the whole sequence), bit for bit, summed in fp32 and rounded once. A sum
+    # that rounded at every add (one bf16 add per copy, as a GPU's scatter-add does) errs here.
+    if gpu_scatter_add:  # on the Tensor class: the emulator's ranks are threads
+        monkeypatch.setattr(torch.Tensor, "index_add_", _index_add_rounding_at_every_add)
+    seq = 64
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, seq, n, D, generator=gen).bfloat16() for n in (heads, 1, 1, heads))
     kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.bfloat16)

@@ -19,9 +19,11 @@ Heads (``head_routes``): query heads are split evenly; when the KV heads do not 
 query heads read; when the query heads themselves do not split into U, they are padded with zero
 heads, each paired with a KV head of zeros, and the padding is cut off the output. Which source
 head goes where is one index list, so packing q, k and v for the all-to-all is one gather of
-their rows, and bringing their gradients home one gather by the inverse list where every source
-row travels once (each rank's share of the heads its own), else one scatter-add, which sums a
-replicated KV head's gradients.
+their rows, and bringing their gradients home one gather by the inverse list: every query row
+once, then every key and value row's first copy, its second, and so on, where the ranks received
+KV heads more than once; the copies are summed into the first, rounded once (a scatter-add would
+round at every add on a GPU, and add in whatever order its atomics land). A zero head's rows are
+left where they arrived.
 
 Shape legend: B batch, s local sequence (S = U*s gathered), H query heads, K key/value heads,
 D head dim, U ranks in the Ulysses group, h query and g key/value heads a rank attends to, N the
@@ -39,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 from ringtrain.train.attention.attend import local_attention
-from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
+from ringtrain.train.attention.block_kernel import AttentionKernel, accumulation_dtype, default_scale
 from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
 from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
@@ -96,16 +98,14 @@ def head_routes(heads: int, kv_heads: int, degree: int) -> HeadRoutes:
 class Routing:
     """How a call's tensors move, for one shape: the flat gather that packs every rank's heads
     rank-major (``[U, B, s, n, D]``, as the all-to-all sends them) from the sources' rows in one
-    op, and how their gradients come home in one: a gather by ``inverse`` where every source row
-    was sent once, else a scatter-add to ``home``."""
+    op, and the one gather that brings their gradients home: ``home`` lists the arrived rows of
+    q's ``B s H`` rows, then of k's and v's ``2 B s K`` once for each copy of them, copy by copy,
+    each in the order the sources lay their rows out."""
 
     routes: HeadRoutes
     gather: Tensor  # [U B s n]: row (b s + t) N + route[u n + j] of the sources ``[B s N, D]`` (heads side by side)
-    home: Tensor  # [U B s n]: the same source row's place with the sources one after another, each [B s n_i, D]
-    # [B s N]: which arrived row each place of ``home`` takes, where ``home`` is a permutation
-    # (no KV head copied, no zero head): a gather needs no zeroed buffer and, on a GPU, no atomics.
-    inverse: Optional[Tensor]
-    source_heads: tuple[int, ...]  # H, K, K (and the zero head)
+    home: Tensor  # [B s (H + 2 K c)]
+    home_parts: tuple[int, ...]  # the rows of q, then of k and v's each copy: B s H, 2 B s K (c times)
 
 
 @functools.lru_cache(maxsize=16)
@@ -122,13 +122,23 @@ def routing_of(B: int, s: int, heads: int, kv_heads: int, degree: int, device: t
     # At home the gradients of a source take B s rows per head of it, source after source, so
     # each is one contiguous tensor of its own: autograd takes it as the input's gradient as it is.
     rows = B * s * source_heads
-    home = ((rows.cumsum(0) - rows)[source_Un] + tokens_Bs1 * source_heads[source_Un] + within_Un).flatten()
-    inverse = None
-    if home.numel() == int(rows.sum()) and not routes.zero_head:  # every source row sent once
-        inverse = torch.empty_like(home)
-        inverse[home] = torch.arange(home.numel())
-        inverse = inverse.to(device)
-    return Routing(routes, gather.flatten().to(device), home.to(device), inverse, tuple(source_heads.tolist()))
+    place = ((rows.cumsum(0) - rows)[source_Un] + tokens_Bs1 * source_heads[source_Un] + within_Un).flatten()
+    q_rows, kv_rows = int(rows[0]), int(rows[1] + rows[2])
+    sent = torch.bincount(place, minlength=int(rows.sum()))
+    copies = int(sent[q_rows])
+    if not (bool((sent[:q_rows] == 1).all()) and bool((sent[q_rows:q_rows + kv_rows] == copies).all())):
+        # What the backward's sum relies on (every KV row copied alike), as head_routes makes them.
+        raise AssertionError(f"{heads} query, {kv_heads} KV heads over {degree} ranks: uneven routes {routes.route}")
+    # Which copy of its row each arrived row is (in rank order), then the arrived rows by copy and
+    # by place: q's, every KV row's first copy, every second, ...; the zero head's last, cut off.
+    by_place = torch.argsort(place, stable=True)
+    placed = place[by_place]
+    copy = torch.empty_like(place)
+    copy[by_place] = torch.arange(place.numel()) - torch.searchsorted(placed, placed)
+    real = q_rows + kv_rows
+    order = torch.where(place < real, copy * real + place, copies * real)
+    home = torch.argsort(order, stable=True)[: q_rows + kv_rows * copies]
+    return Routing(routes, gather.flatten().to(device), home.to(device), (q_rows, *(kv_rows,) * copies))
 
 
 class _Nested:
@@ -186,26 +196,26 @@ class _Ulysses(torch.autograd.Function):
         group.all_to_all(received, sent)
         dq, dk, dv = attend_backward(ctx.nested, kernel.to_layout(_gathered(received, U, B, s, D))[0])
         # The gradients home by the routes they came: one all-to-all, then one gather of the
-        # sources' rows (a scatter-add where a head travelled twice, a copied KV head or a zero
-        # head: it sums the copies), each source's its own contiguous tensor: what autograd hands
-        # on as the input's gradient without a copy. Joined sequence-major, so the join is the one
-        # copy (joined head-major, a second would lay it out).
+        # sources' rows, each source's its own contiguous tensor: what autograd hands on as the
+        # input's gradient without a copy. Joined sequence-major, so the join is the one copy
+        # (joined head-major, a second would lay it out).
         grads = torch.cat(kernel.from_layout(dq, dk, dv), dim=2)
         back = _by_rank(grads, U)
         arrived = torch.empty_like(back)
         group.all_to_all(arrived, back)
-        heads = routing.source_heads
-        if routing.inverse is not None:
-            home = arrived.view(-1, D).index_select(0, routing.inverse)
-        else:
-            # In the gradients' dtype: a GPU's scatter-add of bf16 rows rounds at every add, c - 1
-            # times for c copies (once for two, as an fp32 sum would). Summing in fp32 instead
-            # holds fp32 copies of what arrived and of home at the backward's peak, which the
-            # planner (planner/memory.py) would have to count.
-            home = arrived.new_zeros((B * s * sum(heads), D))
-            home.index_add_(0, routing.home, arrived.view(-1, D))
-        dq, dk, dv, *_ = home.split_with_sizes([B * s * n for n in heads])
-        return dq.view(B, s, H, D), dk.view(B, s, heads[1], D), dv.view(B, s, heads[2], D), None, None, None, None
+        home = arrived.view(-1, D).index_select(0, routing.home)
+        dq, dkv, *copies = home.split_with_sizes(routing.home_parts)
+        # A copied KV head's gradient is its copies' gradients summed into the first copy's rows,
+        # rounded once: one add, for two copies; a sum in fp32 for more. The gathered copies and
+        # the fp32 sum, (2 c p + 8) k d bytes a token, are within the attention backward's working
+        # set that planner/memory.py counts, (16 + 6 p) k d c.
+        if len(copies) == 1:
+            dkv.add_(copies[0])
+        elif copies:
+            all_copies = home.narrow(0, dq.shape[0], dkv.shape[0] * (1 + len(copies))).view(1 + len(copies), *dkv.shape)
+            dkv.copy_(all_copies.sum(dim=0, dtype=accumulation_dtype(dkv.dtype)))
+        dk, dv = dkv.view(2, B, s, -1, D).unbind(0)
+        return dq.view(B, s, H, D), dk, dv, None, None, None, None
 
 
 def _gathered(by_rank: Tensor, U: int, B: int, s: int, D: int) -> Tensor:
