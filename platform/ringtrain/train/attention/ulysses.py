@@ -135,8 +135,8 @@ def routing_of(B: int, s: int, heads: int, kv_heads: int, degree: int, device: t
     placed = place[by_place]
     copy = torch.empty_like(place)
     copy[by_place] = torch.arange(place.numel()) - torch.searchsorted(placed, placed)
-    real = q_rows + kv_rows
-    order = torch.where(place < real, copy * real + place, copies * real)
+    real_rows = q_rows + kv_rows
+    order = torch.where(place < real_rows, copy * real_rows + place, copies * real_rows)
     home = torch.argsort(order, stable=True)[: q_rows + kv_rows * copies]
     return Routing(routes, gather.flatten().to(device), home.to(device), (q_rows, *(kv_rows,) * copies))
 
@@ -204,15 +204,16 @@ class _Ulysses(torch.autograd.Function):
         arrived = torch.empty_like(back)
         group.all_to_all(arrived, back)
         home = arrived.view(-1, D).index_select(0, routing.home)
-        dq, dkv, *copies = home.split_with_sizes(routing.home_parts)
+        dq, dkv, *other_copies = home.split_with_sizes(routing.home_parts)
         # A copied KV head's gradient is its copies' gradients summed into the first copy's rows,
         # rounded once: one add, for two copies; a sum in fp32 for more. The gathered copies and
         # the fp32 sum, (2 c p + 8) k d bytes a token, are within the attention backward's working
         # set that planner/memory.py counts, (16 + 6 p) k d c.
-        if len(copies) == 1:
-            dkv.add_(copies[0])
-        elif copies:
-            all_copies = home.narrow(0, dq.shape[0], dkv.shape[0] * (1 + len(copies))).view(1 + len(copies), *dkv.shape)
+        if len(other_copies) == 1:
+            dkv.add_(other_copies[0])
+        elif other_copies:
+            c = 1 + len(other_copies)
+            all_copies = home.narrow(0, dq.shape[0], c * dkv.shape[0]).view(c, *dkv.shape)
             dkv.copy_(all_copies.sum(dim=0, dtype=accumulation_dtype(dkv.dtype)))
         dk, dv = dkv.view(2, B, s, -1, D).unbind(0)
         return dq.view(B, s, H, D), dk, dv, None, None, None, None
