@@ -62,13 +62,21 @@ def scraped_total(base: str, metric: metrics.Metric, run_id: str, start: float, 
     return max((v for _, v in raw_samples(base, f"{metric.exported}{{{matchers}}}", start, end)), default=-1.0)
 
 
-def match_records(samples: list[tuple[float, float]], records: list[dict[str, Any]], key: str) -> list[int]:
+def scrapes_read_by(base: str, start: float, end: float) -> dict[float, float]:
+    """Each scrape's time -> when it had read the target's answer. Prometheus stamps a scrape's
+    samples with the time it started; a value the run set while the scrape was in flight is in
+    it, so what a sample shows was set by the scrape's end, its time plus its duration."""
+    return {t: t + seconds for t, seconds in raw_samples(base, 'scrape_duration_seconds{job="ray"}', start, end)}
+
+
+def match_records(samples: list[tuple[float, float]], read_by: dict[float, float], records: list[dict[str, Any]],
+                  key: str) -> list[int]:
     """For each scraped (time, value), the newest line of metrics.jsonl written before that
-    scrape whose ``key`` equals the value exactly; fails on a value no earlier line holds."""
+    scrape read it whose ``key`` equals the value exactly; fails on a value no earlier line holds."""
     matched = []
     for t, value in samples:
-        lines = [i for i, r in enumerate(records) if r["time"] <= t and float(r[key]) == value]
-        assert lines, f"scraped {key} {value!r} at {t:.3f} is no value metrics.jsonl held by then"
+        lines = [i for i, r in enumerate(records) if r["time"] <= read_by[t] and float(r[key]) == value]
+        assert lines, f"scraped {key} {value!r} at {t:.3f} (read by {read_by[t]:.3f}) is no value metrics.jsonl held by then"
         matched.append(lines[-1])
     return matched
 
@@ -155,11 +163,13 @@ def test_a_scraped_run_has_every_metric_and_every_dashboard_query_returns_data(
     # The scraped loss is the run's: each scrape shows, exactly, the loss of a step metrics.jsonl
     # had recorded by then, and the scrapes follow the run forward through several steps. A
     # constant, stale or made-up series matches no step or only one.
+    read_by = scrapes_read_by(base, start, end)
     losses = raw_samples(base, f'ray_ringtrain_loss{{run_id="{run_id}"}}', start, end)
-    by_loss = match_records(losses, records, "loss")
+    by_loss = match_records(losses, read_by, records, "loss")
     assert by_loss == sorted(by_loss), "the scraped losses go back to earlier steps"
     assert len({records[i]["step"] for i in by_loss}) >= 3, f"the scrapes saw steps {sorted({records[i]['step'] for i in by_loss})}"
-    by_step = match_records(raw_samples(base, f'ray_ringtrain_step{{run_id="{run_id}"}}', start, end), records, "step")
+    by_step = match_records(raw_samples(base, f'ray_ringtrain_step{{run_id="{run_id}"}}', start, end), read_by, records,
+                            "step")
     assert by_step == sorted(by_step) and len({records[i]["step"] for i in by_step}) >= 3
 
     # Counters against the run's own account. The NaN's counts settle mid-run, so the scrapes
