@@ -11,6 +11,7 @@ from torch import nn
 
 from ringtrain.config import JobConfig
 from ringtrain.train.mesh import DeepSpeedMpu, Mesh
+from ringtrain.train.model import full_shape
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -83,9 +84,11 @@ def deepspeed_config(job: JobConfig, dtype: torch.dtype, device_type: str = "cpu
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: norms' gains (1-D) are not regularised towards zero."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    """Decay matrices only: norms' gains and biases (1-D) are not regularised towards zero. A
+    parameter's rank is its whole shape's: under ZeRO-3 a partitioned one is a 1-D placeholder."""
+    params = list(model.parameters())
+    decay = [p for p in params if len(full_shape(p)) >= 2]
+    no_decay = [p for p in params if len(full_shape(p)) < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Protocol, Union
 
@@ -375,7 +376,7 @@ class Transformer(nn.Module):
 
     def _init_weights(self, std: float, n_layers: int) -> None:
         for name, p in self.named_parameters():
-            if p.dim() < 2:
+            if len(full_shape(p)) < 2:
                 if name.endswith(".bias"):
                     nn.init.zeros_(p)
                 continue  # norm gains stay as built, the identity
@@ -470,6 +471,14 @@ def _embedding_scale(dim: int, dtype: torch.dtype) -> float:
     return float(torch.tensor(dim**0.5, dtype=torch.float32).to(dtype))
 
 
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape. Under ZeRO-3 a parameter made inside DeepSpeed's ``zero.Init``
+    (a pretrained model's) is an empty placeholder of shape (0,) on every rank, its partition
+    elsewhere, and ``ds_shape`` holds the shape it stands for: every rule that reads a
+    parameter's shape, size or rank reads this, never ``p.shape``."""
+    return getattr(p, "ds_shape", p.shape)
+
+
 def num_params(model: nn.Module) -> int:
-    """Parameter count; under ZeRO-3 a parameter's local tensor is empty and ``ds_numel`` holds it."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    """Parameter count, whole parameters (see ``full_shape``)."""
+    return sum(math.prod(full_shape(p)) for p in model.parameters())

@@ -41,7 +41,7 @@ from ringtrain.train.engine import build_engine, partitioned_construction, resol
 from ringtrain.train.fused import FusedOps
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.mixture import open_samples
-from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, skip_parameter_init
+from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, full_shape, skip_parameter_init
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
 from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
@@ -248,7 +248,7 @@ class Trainer:
         from ringtrain.hf.weights import PretrainedWeights
 
         weights = PretrainedWeights(folder)
-        weights.check({name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.model.named_parameters()})
+        weights.check({name: tuple(full_shape(p)) for name, p in self.model.named_parameters()})
         self.zero.load(weights)
 
     def _tensor(self, array: object) -> torch.Tensor:
