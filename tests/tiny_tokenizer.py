@@ -55,6 +55,28 @@ LLAMA3_MARKED_TEMPLATE = (
     "{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
+# A tool-calling ChatML template that reads the record's ``tools``, its assistant turns written by
+# ``tool_template(body)``: with ``{% generation %}`` around ``BODY`` (TOOLS_MARKED_TEMPLATE), without
+# markers (TOOLS_TEMPLATE), or, as the masks' reference, with markers only on messages whose
+# ``weight`` is not 0 (TOOLS_WEIGHTED_REFERENCE: transformers then masks the trained turns itself).
+TOOLS_BODY = "{{ m['content'] + '<|im_end|>' }}"
+
+
+def tool_template(assistant: str) -> str:
+    return (
+        "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}{% for t in tools %}{{ t['name'] + ' ' }}{% endfor %}"
+        "{{ '<|im_end|>\\n' }}{% endif %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "{{ '<|im_start|>assistant\\n' }}" + assistant + "{{ '\\n' }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+TOOLS_TEMPLATE = tool_template(TOOLS_BODY)
+TOOLS_MARKED_TEMPLATE = tool_template("{% generation %}" + TOOLS_BODY + "{% endgeneration %}")
+TOOLS_WEIGHTED_REFERENCE = tool_template(
+    "{% if m.get('weight', 1) != 0 %}{% generation %}" + TOOLS_BODY + "{% endgeneration %}{% else %}" + TOOLS_BODY + "{% endif %}"
+)
 CHAT_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_WORDS = "the a ring rank token shard step loss model train data long context attention you are terse why how".split()
 # Each style: (EOS token, BOS token, template, where the folder keeps it).

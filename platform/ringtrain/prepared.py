@@ -45,6 +45,10 @@ MASK_SUFFIX = ".mask.npy"
 # What a dataset's documents are: text (each ends with EOS) or conversations with a loss mask.
 CONTENTS = ("text", "chat")
 CHAT_TRAIN_ON = ("assistant", "last", "all")
+# The roles of a conversation's messages, the turns --roles-to-train picks from.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Whether a trained turn's end-of-turn token trains: every turn's, the last trained turn's, none.
+CHAT_TRAIN_ON_EOS = ("turn", "last", "none")
 # Where a chat dataset's assistant masks came from: the template's {% generation %} markers, or
 # the character spans between its renderings of the conversation's prefixes.
 CHAT_MASK_SOURCES = ("generation", "prefix")
@@ -258,11 +262,14 @@ class ChatInfo:
     messages_field: str
     # Tokens whose mask is 1, over the whole dataset; None in a manifest written without it.
     num_trained_tokens: Optional[int] = None
+    roles_to_train: tuple[str, ...] = ("assistant",)  # CHAT_ROLES whose turns train
+    train_on_eos: str = "turn"  # CHAT_TRAIN_ON_EOS
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"template_sha256": self.template_sha256, "template_file": self.template_file,
                                "train_on": self.train_on, "mask_source": self.mask_source,
-                               "messages_field": self.messages_field}  # fmt: skip
+                               "messages_field": self.messages_field, "roles_to_train": list(self.roles_to_train),
+                               "train_on_eos": self.train_on_eos}  # fmt: skip
         if self.num_trained_tokens is not None:
             out["num_trained_tokens"] = self.num_trained_tokens
         return out
@@ -270,13 +277,21 @@ class ChatInfo:
     @classmethod
     def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "chat.") -> "ChatInfo":
         f = _Fields(obj, where, prefix)
-        trained = f.int("num_trained_tokens") if isinstance(obj, dict) and "num_trained_tokens" in obj else None
+        has = obj.__contains__ if isinstance(obj, dict) else (lambda key: False)
+        trained = f.int("num_trained_tokens") if has("num_trained_tokens") else None
+        # A manifest written before the roles and the EOS policy were recorded trained the
+        # assistant's turns, end-of-turn tokens included.
+        roles = tuple(f.list("roles_to_train")) if has("roles_to_train") else ("assistant",)
         info = cls(f.str("template_sha256"), f.str("template_file"), f.str("train_on"), f.str("mask_source"),
-                   f.str("messages_field"), trained)  # fmt: skip
+                   f.str("messages_field"), trained, roles, f.str("train_on_eos") if has("train_on_eos") else "turn")  # fmt: skip
         if info.train_on not in CHAT_TRAIN_ON:
             raise f._fail("train_on", f"must be one of {', '.join(CHAT_TRAIN_ON)}, got {info.train_on!r}")
         if info.mask_source not in CHAT_MASK_SOURCES:
             raise f._fail("mask_source", f"must be one of {', '.join(CHAT_MASK_SOURCES)}, got {info.mask_source!r}")
+        if not roles or any(r not in CHAT_ROLES for r in roles):
+            raise f._fail("roles_to_train", f"must name some of {', '.join(CHAT_ROLES)}, got {list(roles)!r}")
+        if info.train_on_eos not in CHAT_TRAIN_ON_EOS:
+            raise f._fail("train_on_eos", f"must be one of {', '.join(CHAT_TRAIN_ON_EOS)}, got {info.train_on_eos!r}")
         return info
 
 

@@ -120,6 +120,47 @@ def test_train_on_last_and_sharegpt_field(
     assert chat is not None and (chat.train_on, chat.messages_field) == ("last", "conversations")
 
 
+def test_parquet_tools_and_alpaca_with_the_shipped_template_and_the_policy_flags(
+    serial: None, chat_tokenizers: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Parquet file of messages with a tools column, and one of Alpaca records, rendered with the
+    Qwen3 template that ships; the policy flags are what the manifest records, and the masks are
+    the renderer's own for the same records (its references: test_chat_policy.py)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ringtrain.prepare import chat_template
+    from ringtrain.prepare.chat_records import Conversation, read_chat
+    from ringtrain.prepare.chat_render import ChatRenderer, ChatSpec
+    from tests.prepare.test_chat_policy import qwen3_conversations
+
+    src = tmp_path / "src"
+    src.mkdir()
+    def arguments_as_text(message: dict[str, Any]) -> dict[str, Any]:  # one Arrow type for every call's arguments
+        calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                 if not isinstance(c["function"]["arguments"], str) else c for c in message.get("tool_calls", [])]  # fmt: skip
+        return {**message, "tool_calls": calls} if calls else message
+
+    convs = [[arguments_as_text(m) for m in c] for c, _ in qwen3_conversations()]
+    tools = [json.dumps(t) if t else None for _, t in qwen3_conversations()]
+    pq.write_table(pa.Table.from_pylist([{"messages": c, "tools": t} for c, t in zip(convs, tools)]), src / "a.parquet")
+    alpaca = [{"instruction": "why", "input": "a ring", "output": "the rank"}, {"instruction": "how", "output": "a token"}]
+    pq.write_table(pa.Table.from_pylist(alpaca), src / "b.parquet")
+    out = tmp_path / "out"
+    flags = ["--chat-template", "qwen3", "--roles-to-train", "assistant", "--train-on-eos", "none"]
+    code, _, err = prepare([str(src), "--format", "chat", "--tokenizer", str(chat_tokenizers["chatml"]), "--out", str(out),
+                            *flags, "--parallelism", "1"], capsys)  # fmt: skip
+    assert code == 0, err
+    chat = Manifest.load(out).chat
+    assert chat is not None and (chat.template_file, chat.roles_to_train, chat.train_on_eos) == ("qwen3", ("assistant",), "none")
+    template = chat_template.override(chat_template.find(str(chat_tokenizers["chatml"])), "qwen3")
+    r = ChatRenderer(ChatSpec(template, "assistant", "messages", 320, ("assistant",), "none"))
+    records = [{"messages": c, **({"tools": t} if t else {})} for c, t in zip(convs, tools)] + alpaca
+    want = [r.render(read_chat(Conversation(rec), "messages", r.context_fields)) for rec in records]
+    assert read_back(out) == [(ids.tolist(), mask.tolist()) for ids, mask in want]
+    assert "# Tools" in r._tok.decode(want[2][0]) and all(mask.sum() for _, mask in want)
+
+
 # Past reasoning dropped from earlier assistant turns, as Qwen3's template does: prefix-consistent on
 # a conversation without reasoning (the probe), not on one with it.
 REASONING_TEMPLATE = (
@@ -170,10 +211,15 @@ def _bad_inputs(tmp: Path, tok: Path) -> dict[str, tuple[list[str], str]]:
                      f"ringtrain: data error: {reasoning}:2: {thinking / 'chat_template.jinja'}: the chat template renders message 2's prompt"),
         "text-file": ([str(text)], f"ringtrain: config error: SRC: {text}: a .txt or .md file holds one text, not conversations"),
         "text-format": ([str(field), "--format", "text", "--train-on", "last"], "ringtrain: config error: --train-on: applies to --format chat only"),
+        "roles": ([str(field), "--roles-to-train", "assistant,narrator"],
+                  "ringtrain: config error: --roles-to-train: 'assistant,narrator': name some of system, user, assistant, tool (narrator is not a role)"),
+        "chat-template": ([str(field), "--chat-template", str(tmp / "none.jinja")],
+                          f"ringtrain: config error: --chat-template: {tmp / 'none.jinja'}: no such file, nor a template that ships"),
     }
 
 
-@pytest.mark.parametrize("case", ["field", "role", "no-assistant", "no-template", "bytes", "template", "text-file", "text-format"])
+@pytest.mark.parametrize("case", ["field", "role", "no-assistant", "no-template", "bytes", "template", "text-file", "text-format",
+                                  "roles", "chat-template"])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     serial: None, chat_tokenizers: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:

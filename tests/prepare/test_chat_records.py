@@ -15,7 +15,8 @@ from ringtrain.prepare.chat_records import (
     Conversation,
     assistant_turns,
     messages,
-    row_bytes,
+    read_chat,
+    value_bytes,
 )
 
 OPENAI = [
@@ -28,14 +29,14 @@ OPENAI = [
 
 
 def test_openai_messages_are_kept_with_their_extra_keys() -> None:
-    assert messages(OPENAI, "messages") == OPENAI
-    assert assistant_turns(messages(OPENAI, "messages")) == [2, 4]
+    assert messages(OPENAI, "messages") == (OPENAI, (None,) * 5)
+    assert assistant_turns(messages(OPENAI, "messages")[0]) == [2, 4]
 
 
 def test_sharegpt_speakers_map_to_the_four_roles() -> None:
     value = [{"from": "system", "value": "s"}, {"from": "human", "value": "h"}, {"from": "function_call", "value": "{}"},
              {"from": "observation", "value": "o"}, {"from": "gpt", "value": "g"}]  # fmt: skip
-    assert messages(value, "conversations") == [
+    assert messages(value, "conversations")[0] == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "h"}, {"role": "assistant", "content": "{}"},
         {"role": "tool", "content": "o"}, {"role": "assistant", "content": "g"},
     ]  # fmt: skip
@@ -43,7 +44,7 @@ def test_sharegpt_speakers_map_to_the_four_roles() -> None:
 
 def test_parquet_nulls_are_absent_keys() -> None:
     value = [{"role": "user", "content": "h", "from": None, "value": None}, {"from": "gpt", "value": "g", "role": None, "content": None}]
-    assert messages(value, "m") == [{"role": "user", "content": "h"}, {"role": "assistant", "content": "g"}]
+    assert messages(value, "m")[0] == [{"role": "user", "content": "h"}, {"role": "assistant", "content": "g"}]
 
 
 @pytest.mark.parametrize(
@@ -74,8 +75,10 @@ def test_jsonl_chat_records_carry_the_field_or_name_the_flag(tmp_path: Path) -> 
     path.write_text(json.dumps({"messages": OPENAI}) + "\n" + json.dumps({"conversations": []}) + "\n{bad\n")
     piece = sources.plan(sources.expand([str(path)]), 1 << 20)[0]
     records = list(sources.read_records(piece, "messages", chat=True))
-    assert records[0] == Conversation(OPENAI)
-    assert records[1] == sources.BadRecord(2, "no field 'messages' (--messages-field)")
+    assert records[0] == Conversation({"messages": OPENAI})
+    assert records[1] == Conversation({"conversations": []})
+    with pytest.raises(BadConversation, match="^no field 'messages' \\(--messages-field\\), nor Alpaca's 'instruction' and 'output'$"):
+        read_chat(records[1], "messages")
     assert isinstance(records[2], sources.BadRecord) and records[2].reason.startswith("malformed JSON")
 
 
@@ -95,12 +98,12 @@ def test_parquet_rows_are_measured_then_read_in_order(tmp_path: Path) -> None:
 
     array = pq.read_table(path).column("messages").combine_chunks()
     # The strings' bytes a row: roles count too.
-    assert row_bytes(array).tolist() == [4 + 2 + 9 + 50, 0, 0, 4 + 10]
+    assert value_bytes(array).tolist() == [4 + 2 + 9 + 50, 0, 0, 4 + 10]
     pieces = sources.plan(sources.expand([str(path)]), 1)
     assert len(pieces) == 2  # one piece a row group: rows numbered across them by the driver
     got = [r for p in pieces for r in sources.read_records(p, "messages", max_bytes=60, chat=True)]
     assert got[0] == sources.BadRecord(1, "field 'messages' (65 bytes) is over the 60-byte limit (--max-record-bytes)")
-    assert got[1:] == [Conversation(None), Conversation([]), Conversation(rows[3]["messages"])]
+    assert got[1:] == [Conversation({"messages": m}) for m in (None, [], rows[3]["messages"])]
 
 
 def test_a_repeated_huge_value_is_measured_without_decoding_it_per_row(tmp_path: Path) -> None:
@@ -129,5 +132,5 @@ def test_a_parquet_column_of_another_type_is_a_bad_record_a_row(tmp_path: Path) 
     assert list(sources.read_records(piece, "messages", chat=True)) == [
         sources.BadRecord(n, "field 'messages' is string, not a list of messages") for n in (1, 2)
     ]
-    with pytest.raises(Exception, match="no column 'conversations' \\(--messages-field\\)"):
+    with pytest.raises(Exception, match="no column 'conversations' \\(--messages-field\\), nor Alpaca's instruction and output"):
         list(sources.read_records(piece, "conversations", chat=True))

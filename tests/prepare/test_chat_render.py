@@ -20,7 +20,7 @@ import pytest
 
 from ringtrain.errors import ConfigError
 from ringtrain.prepare import chat_render, chat_template
-from ringtrain.prepare.chat_records import BadConversation
+from ringtrain.prepare.chat_records import BadConversation, ChatRecord
 from ringtrain.prepare.chat_render import ChatRenderer, ChatSpec, TemplateRefused
 from tests.tiny_tokenizer import CHAT_WORDS, CHATML_TEMPLATE, LLAMA3_MARKED_TEMPLATE, save_chat_tokenizer
 
@@ -93,7 +93,7 @@ def test_masks_equal_the_hand_built_reference(folders: dict[str, Path], style: s
     r = renderer(folders[style], train_on)
     assert r.template.mask_source == ("generation" if style == "chatml" else "prefix")
     for conv in conversations(24):
-        ids, mask = r.render(conv)
+        ids, mask = r.render(ChatRecord(conv))
         want_ids, want_mask = reference_mask(folders[style], style, conv, train_on)
         assert ids.tolist() == want_ids
         assert mask.dtype == np.uint8 and mask.tolist() == want_mask.tolist(), conv
@@ -106,7 +106,7 @@ def test_prefix_masks_equal_transformers_masks_of_the_marked_template(folders: d
     tok = r._tok
     for conv in conversations(24, seed=1):
         out = tok.apply_chat_template(conv, chat_template=LLAMA3_MARKED_TEMPLATE, return_dict=True, return_assistant_tokens_mask=True)
-        ids, mask = r.render(conv)
+        ids, mask = r.render(ChatRecord(conv))
         assert ids.tolist() == list(out["input_ids"]) and mask.tolist() == list(out["assistant_masks"])
         assert mask.sum() > 0
 
@@ -117,7 +117,7 @@ def test_a_masked_turn_ends_with_its_end_of_turn_token(folders: dict[str, Path])
             {"role": "assistant", "content": "a token"}]  # fmt: skip
     for style, eot in (("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")):
         r = renderer(folders[style], "assistant")
-        ids, mask = r.render(conv)
+        ids, mask = r.render(ChatRecord(conv))
         tokens = r._tok.convert_ids_to_tokens(ids.tolist())
         runs = "".join(map(str, mask.tolist())).strip("0").split("0")
         runs = [run for run in runs if run]
@@ -130,19 +130,19 @@ def test_no_assistant_turn_is_a_bad_conversation_unless_all_tokens_train(folders
     conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     for train_on in ("assistant", "last"):
         with pytest.raises(BadConversation, match=f"no assistant turn to train on \\(--train-on {train_on}\\)"):
-            renderer(folders["chatml"], train_on).render(conv)
-    ids, mask = renderer(folders["chatml"], "all").render(conv)
+            renderer(folders["chatml"], train_on).render(ChatRecord(conv))
+    ids, mask = renderer(folders["chatml"], "all").render(ChatRecord(conv))
     assert mask.tolist() == [0] + [1] * (len(ids) - 1)
 
 
 def test_an_opening_assistant_turn_is_marked_by_markers_but_not_by_prefixes(folders: dict[str, Path]) -> None:
     conv = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "why"}, {"role": "assistant", "content": "the ring"}]
-    ids, mask = renderer(folders["chatml"], "assistant").render(conv)
+    ids, mask = renderer(folders["chatml"], "assistant").render(ChatRecord(conv))
     assert ids.tolist() == reference_mask(folders["chatml"], "chatml", conv, "assistant")[0]
     with pytest.raises(BadConversation, match="opens with the assistant's turn"):
-        renderer(folders["llama3"], "assistant").render(conv)
+        renderer(folders["llama3"], "assistant").render(ChatRecord(conv))
     # The last turn alone is found after its prompt.
-    assert renderer(folders["llama3"], "last").render(conv)[1].tolist() == reference_mask(folders["llama3"], "llama3", conv, "last")[1].tolist()
+    assert renderer(folders["llama3"], "last").render(ChatRecord(conv))[1].tolist() == reference_mask(folders["llama3"], "llama3", conv, "last")[1].tolist()
 
 
 # The last assistant turn rendered in full, earlier ones cut (as templates that drop past reasoning do):
@@ -170,9 +170,9 @@ def test_a_template_whose_prefixes_are_not_prefixes_is_refused_by_name(folders: 
     conv = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "ring"},
             {"role": "user", "content": "how"}, {"role": "assistant", "content": "token"}]  # fmt: skip
     with pytest.raises(TemplateRefused, match=f"^{folder / 'chat_template.jinja'}: the chat template renders message 2's"):
-        renderer(folder, "assistant").render(conv)
-    assert renderer(folder, "last").render(conv)[1].sum() > 0  # the last turn's prefixes do agree
-    assert renderer(folder, "all").render(conv)[1].sum() == len(renderer(folder, "all").render(conv)[0]) - 1
+        renderer(folder, "assistant").render(ChatRecord(conv))
+    assert renderer(folder, "last").render(ChatRecord(conv))[1].sum() > 0  # the last turn's prefixes do agree
+    assert renderer(folder, "all").render(ChatRecord(conv))[1].sum() == len(renderer(folder, "all").render(ChatRecord(conv))[0]) - 1
     with pytest.raises(ConfigError, match="chat_template.jinja: the chat template renders message 2's .* \\(seen on a probe conversation\\)"):
         chat_render.check(ChatSpec(template, "assistant", "messages", 320))
 
@@ -181,8 +181,8 @@ def test_a_template_that_refuses_a_record_makes_it_bad(folders: dict[str, Path],
     strict = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHATML_TEMPLATE
     folder = _with_template(folders["chatml"], tmp_path, strict)
     with pytest.raises(BadConversation, match="the chat template cannot render it \\(TemplateError: System role not supported\\)"):
-        renderer(folder, "assistant").render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                                              {"role": "assistant", "content": "a"}])  # fmt: skip
+        renderer(folder, "assistant").render(ChatRecord([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                                         {"role": "assistant", "content": "a"}]))  # fmt: skip
     chat_render.check(ChatSpec(chat_template.find(str(folder)), "assistant", "messages", 320))  # the probe has no system turn
 
 
@@ -216,6 +216,6 @@ def test_tool_turns_render_and_only_the_assistant_trains(folders: dict[str, Path
     conv: list[dict[str, Any]] = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "call"},
                                   {"role": "tool", "content": "ring"}, {"role": "assistant", "content": "token"}]  # fmt: skip
     for style in ("chatml", "llama3"):
-        ids, mask = renderer(folders[style], "assistant").render(conv)
+        ids, mask = renderer(folders[style], "assistant").render(ChatRecord(conv))
         want_ids, want_mask = reference_mask(folders[style], style, conv, "assistant")
         assert ids.tolist() == want_ids and mask.tolist() == want_mask.tolist()

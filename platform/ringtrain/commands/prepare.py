@@ -27,7 +27,17 @@ from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare.chat_records import DEFAULT_MESSAGES_FIELD, MESSAGES_FLAG
 from ringtrain.prepare.sources import DEFAULT_MAX_RECORD_BYTES, MAX_RECORD_FLAG
-from ringtrain.prepared import CHAT_TRAIN_ON, CONTENTS, ChatInfo, Manifest, SkippedRecord, SourceInfo, token_dtype_for
+from ringtrain.prepared import (
+    CHAT_ROLES,
+    CHAT_TRAIN_ON,
+    CHAT_TRAIN_ON_EOS,
+    CONTENTS,
+    ChatInfo,
+    Manifest,
+    SkippedRecord,
+    SourceInfo,
+    token_dtype_for,
+)
 
 if TYPE_CHECKING:
     from ringtrain.prepare.chat_render import ChatSpec
@@ -51,8 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder, file:// or s3:// prefix")
     parser.add_argument("--format", choices=CONTENTS, default="text", help="text: a document per record; chat: a conversation per record, rendered with the tokenizer's chat template and stored with a loss mask (default: text)")
     parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text (default: text)")
-    parser.add_argument(MESSAGES_FLAG, default=None, help=f"--format chat: the JSONL field / Parquet list<struct> column holding the messages, OpenAI-style (role, content) or ShareGPT (from, value) (default: {DEFAULT_MESSAGES_FIELD})")
-    parser.add_argument("--train-on", choices=CHAT_TRAIN_ON, default=None, help="--format chat: the tokens trained: every assistant turn with its end-of-turn token (assistant, the default), the last assistant turn only (last), or every token but the first (all)")
+    parser.add_argument(MESSAGES_FLAG, default=None, help=f"--format chat: the JSONL field / Parquet list<struct> column holding the messages, OpenAI-style (role, content) or ShareGPT (from, value); a record without it but with Alpaca's instruction and output is read as a user and an assistant turn (default: {DEFAULT_MESSAGES_FIELD}; the format in docs/data.md)")
+    parser.add_argument("--train-on", choices=CHAT_TRAIN_ON, default=None, help="--format chat: the turns trained: every turn of --roles-to-train (assistant, the default), the last of them only (last), or every token but the first (all); a message's own \"weight\": 0|1 or \"train\": false|true overrides its role")
+    parser.add_argument("--roles-to-train", default=None, metavar="ROLES", help=f"--format chat: the comma-separated roles whose turns train, of {', '.join(CHAT_ROLES)} (default: assistant)")
+    parser.add_argument("--train-on-eos", choices=CHAT_TRAIN_ON_EOS, default=None, help="--format chat: whether a trained turn's end-of-turn token trains: every turn's (turn, the default), the last trained turn's only (last), or none")
+    parser.add_argument("--chat-template", default=None, metavar="FILE", help="--format chat: render with this Jinja file, or a template that ships by name (qwen3: Qwen3's with {% generation %} markers), instead of the tokenizer's")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed, text-less or too long record stops the run (fail) or is counted and listed in the manifest (skip)")
     parser.add_argument(
         "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
@@ -186,7 +199,8 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
                 command=["ringtrain", "prepare", *recorded_command(argv)],
                 content=args.format,
                 chat=None if chat is None else ChatInfo(chat.template.sha256, chat.template.file, chat.train_on,
-                                                        chat.template.mask_source, chat.messages_field, num_trained),  # fmt: skip
+                                                        chat.template.mask_source, chat.messages_field, num_trained,
+                                                        chat.roles, chat.eos),  # fmt: skip
             )
             output.publish(manifest)
         except BaseException:
@@ -204,8 +218,10 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
     for text; the chat flags without it, or a plain-text source with it, are refused."""
     from ringtrain.prepare import chat_render, chat_template
 
+    chat_flags = {MESSAGES_FLAG: args.messages_field, "--train-on": args.train_on, "--roles-to-train": args.roles_to_train,
+                  "--train-on-eos": args.train_on_eos, chat_template.OVERRIDE_KEY: args.chat_template}  # fmt: skip
     if args.format != "chat":
-        for flag, value in ((MESSAGES_FLAG, args.messages_field), ("--train-on", args.train_on)):
+        for flag, value in chat_flags.items():
             if value is not None:
                 raise ConfigError(flag, "applies to --format chat only")
         return None
@@ -213,9 +229,24 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
     if text_files:
         raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not conversations (--format chat reads JSONL or Parquet)")
     template = chat_template.find(args.tokenizer)
-    spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD, vocab_size)
+    if args.chat_template is not None:
+        template = chat_template.override(template, args.chat_template)
+    spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD,
+                                vocab_size, roles_to_train(args.roles_to_train), args.train_on_eos or "turn")  # fmt: skip
     chat_render.check(spec)
     return spec
+
+
+def roles_to_train(value: Optional[str]) -> tuple[str, ...]:
+    """``--roles-to-train``'s roles, in the conversation's role order; the assistant's by default."""
+    if value is None:
+        return ("assistant",)
+    named = {r.strip() for r in value.split(",") if r.strip()}
+    unknown = sorted(named - set(CHAT_ROLES))
+    if unknown or not named:
+        raise ConfigError("--roles-to-train", f"{value!r}: name some of {', '.join(CHAT_ROLES)}"
+                          + (f" ({', '.join(unknown)} is not a role)" if unknown else ""))  # fmt: skip
+    return tuple(r for r in CHAT_ROLES if r in named)
 
 
 def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:

@@ -117,7 +117,9 @@ class PieceTokenizer:
         try:
             local = fetch(piece.source.uri, folder) if folder else None
             chat = self.chat
-            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes, chat is not None):
+            context = chat.renderer.context_fields if chat is not None else frozenset()
+            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes,
+                                       chat is not None, context):  # fmt: skip
                 if isinstance(record, Conversation) and chat is not None:
                     record = chat.convert(record, counter.lines)
                 if isinstance(record, BadRecord):

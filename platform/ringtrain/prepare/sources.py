@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepare.chat_records import MESSAGES_FLAG, Conversation, parquet_conversations
+from ringtrain.prepare.chat_records import Conversation, parquet_conversations
 from ringtrain.prepare.streams import READ_CHUNK, LongLine, decompressed_chunks, lines
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -349,10 +349,10 @@ def _record(line: bytes, line_no: int, text_field: str, chat: bool = False) -> R
         return BadRecord(line_no, "JSON nested too deeply to read")
     if not isinstance(obj, dict):
         return BadRecord(line_no, f"expected a JSON object, got {type(obj).__name__}")
-    if text_field not in obj:
-        return BadRecord(line_no, f"no field {text_field!r} ({MESSAGES_FLAG if chat else '--text-field'})")
     if chat:
-        return Conversation(obj[text_field])  # checked by the renderer's caller: chat_records.messages
+        return Conversation(obj)  # checked by the renderer's caller: chat_records.read_chat
+    if text_field not in obj:
+        return BadRecord(line_no, f"no field {text_field!r} (--text-field)")
     text = obj[text_field]
     if not isinstance(text, str):
         return BadRecord(line_no, f"field {text_field!r} is {type(text).__name__}, not a string")
@@ -486,10 +486,12 @@ def read_records(
     counter: LineCounter | None = None,
     max_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     chat: bool = False,
+    context_fields: frozenset[str] = frozenset(),
 ) -> Iterator[Record]:
-    """The records of ``piece`` in file order: a document's text (with ``chat``: the messages
-    field ``text_field`` names, as a Conversation) or a BadRecord (its line counted from the
-    piece's first line; a record over ``max_bytes`` is one). ``counter`` follows the lines consumed.
+    """The records of ``piece`` in file order: a document's text (with ``chat``: the record, as a
+    Conversation; from Parquet, the messages column ``text_field`` names, or Alpaca's, and the
+    ``context_fields`` columns) or a BadRecord (its line counted from the piece's first line; a
+    record over ``max_bytes`` is one). ``counter`` follows the lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -500,7 +502,7 @@ def read_records(
     if source.kind == "jsonl":
         return _jsonl(piece, path, text_field, counter, max_bytes, chat)
     if source.kind == "parquet" and chat:
-        return parquet_conversations(piece, path, text_field, counter, max_bytes)
+        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields)
     if source.kind == "parquet":
         return _parquet(piece, path, text_field, counter, max_bytes)
     return _text(path, source.uri, counter, max_bytes)
