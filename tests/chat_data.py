@@ -79,7 +79,7 @@ def skip_without_chat_manifests() -> None:
         pytest.skip("prepared.Manifest does not read chat datasets yet (#42's prepare side: `content`)")
 
 
-def chat_samples(root: Path, *, seq_len: int, seed: int, overlong: str = "drop") -> object:
+def chat_samples(root: Path, *, seq_len: int, seed: int, overlong: str = "drop", packing: str = "next_fit") -> object:
     """The dataset at ``root`` read as the trainer reads it (``MixedSamples``, doc packing)."""
     from ringtrain.train.corpus import PreparedCorpus
     from ringtrain.train.mixture import MixedSamples, SourceSpec
@@ -87,4 +87,11 @@ def chat_samples(root: Path, *, seq_len: int, seed: int, overlong: str = "drop")
     corpus = PreparedCorpus(str(root))
     assert corpus.is_chat, f"{root} does not read as a chat dataset"
     return MixedSamples([corpus], [SourceSpec(str(root))], seq_len=seq_len, seed=seed, packing="doc",
-                        chat_overlong=overlong)
+                        chat_overlong=overlong, chat_packing=packing)
+
+
+def conversation_lengths(num: int, *, seed: int, low: int = 47, high: int = 1018) -> np.ndarray:
+    """Conversation lengths drawn log-uniformly from ``low`` to ``high`` tokens: many short ones,
+    a long tail, as chat corpora have."""
+    rng = np.random.default_rng(seed)
+    return np.exp(rng.uniform(np.log(low), np.log(high), size=num)).astype(np.int64)

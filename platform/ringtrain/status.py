@@ -21,7 +21,8 @@ class StepReport:
     """One rank's account of one optimizer step.
 
     ``loss`` is the global mean token loss of the step (already reduced over dp x cp), so every
-    rank reports the same value; ``num_tokens`` counts the tokens this rank trained on.
+    rank reports the same value; ``num_tokens`` counts the tokens this rank attended (its share
+    of the step's sequences, padding left out) and ``trained_tokens`` its labels with a loss.
     """
 
     step: int  # 1-based: the number of optimizer steps completed, this one included
@@ -46,6 +47,7 @@ class StepReport:
     # The step's time outside its collectives (waiting on peers left out): what tells a slow
     # rank, whose peers wait for it, from the ones that wait (policies.stragglers).
     compute_s: float = 0.0
+    trained_tokens: int = 0
 
 
 @dataclass(frozen=True)

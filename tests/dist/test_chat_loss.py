@@ -12,6 +12,11 @@ sequence: the mean of the conversations' token means), fp32 within 1e-5.
 ``ringtrain eval``'s scoring of a chat dataset (whole conversations, trained tokens) is checked
 the same way under ring cp2 and hybrid cp4: its loss and trained-token count equal transformers'.
 
+A second dataset is rendered by ``ringtrain prepare``'s renderer from records with tools and
+weight-0 assistant turns, by a template with generation markers and by its twin without: both
+give transformers' own assistant mask of a reference template that marks only the trained turns,
+and that dataset trains as transformers does under cp1, ring cp2 and hybrid cp4.
+
 Several layouts run in one process group per world size, so the file costs three groups.
 """
 
@@ -50,13 +55,15 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 NORMS = ("token", "sequence")
 EVAL_LAYOUTS = ("ring-cp2-zero2", "hybrid-cp4-zero3")
 NUM_CONVERSATIONS = 40
+# The rendered dataset: a real tokenizer's vocabulary and conversations of 20 to 124 tokens.
+RENDERED_LAYOUTS, RENDERED_SEQ, RENDERED_VOCAB = ("dp1-cp1", "ring-cp2-zero2", "hybrid-cp4-zero3"), 128, 320
 # Resume: the snapshot of step RESUME_CUT restored, training on to RESUME_STEPS, mid-epoch and
 # across an epoch's end (the dataset packs into a few steps' rows).
 RESUME_LAYOUT, RESUME_STEPS, RESUME_CUT = "ring-cp2-zero2", 6, 3
 
 
-def _overrides(folder: str, root: str, layout: list[str], norm: str) -> list[str]:
-    return [f"model.hf={folder}", f"data.path={root}", "data.packing=doc", f"data.seq_len={SEQ}",
+def _overrides(folder: str, root: str, layout: list[str], norm: str, seq: int = SEQ) -> list[str]:
+    return [f"model.hf={folder}", f"data.path={root}", "data.packing=doc", f"data.seq_len={seq}",
             f"train.global_batch={GLOBAL_BATCH}", f"train.seed={SEED}", "train.steps=2", "train.warmup_steps=0",
             "train.grad_clip=0", "train.fused_ops=false", "checkpoint.snapshot_every=0", f"train.loss_norm={norm}",
             *layout]
@@ -102,7 +109,9 @@ def _rank(rank: int, world: int, store: str, runs: list[tuple[str, list[str]]], 
             trainer.engine.step = capture
             report = trainer.train_step()
             trainer.prefetcher.close()
-            out[name] = {"loss": report.loss, "grads": grads}
+            tokens = torch.tensor([report.num_tokens, report.trained_tokens], dtype=torch.float64)
+            dist.all_reduce(tokens)
+            out[name] = {"loss": report.loss, "grads": grads, "tokens": [int(t) for t in tokens.tolist()]}
         if rank == 0:
             results.put(out)
 
@@ -133,15 +142,17 @@ def _resume(first: Any, fresh: Any, world: int) -> dict[str, Any]:
     return out
 
 
-def _reference(folder: Path, root: Path, convs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-    """transformers on each conversation of step 1's global batch alone, combined both ways."""
+def _reference(folder: Path, root: Path, convs: list[tuple[np.ndarray, np.ndarray]], seq: int = SEQ) -> dict[str, Any]:
+    """transformers on each conversation of step 1's global batch alone, combined both ways; the
+    step's tokens (attended, trained)."""
     from transformers import AutoModelForCausalLM
 
-    samples = chat_samples(root, seq_len=SEQ, seed=SEED)
+    samples = chat_samples(root, seq_len=seq, seed=SEED)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    means, counts = [], []
+    means, counts, attended = [], [], 0
     for sample in range(GLOBAL_BATCH):
         row, taken = samples.rows[0].row(samples.orders[0].window(sample))  # type: ignore[attr-defined]
+        attended += int(taken.sum())
         for c, n in zip(row, taken):
             tokens, mask = convs[int(c)]
             tokens, mask = tokens[:n], mask[:n]
@@ -166,8 +177,38 @@ def _reference(folder: Path, root: Path, convs: list[tuple[np.ndarray, np.ndarra
     for norm, loss in (("token", (torch.stack(means) * n).sum() / n.sum()), ("sequence", torch.stack(means).mean())):
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         out[norm] = {"loss": float(loss.detach()), "grads": {k: g.numpy() for (k, _), g in zip(model.named_parameters(), grads)},
-                     "conversations": len(means)}
+                     "conversations": len(means), "tokens": [attended, sum(counts)]}
     return out
+
+
+def _rendered(base: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Records with tools and weight-0 assistant turns rendered by the marked tools template and
+    by its twin without markers: the same ids and masks, transformers' own mask of the reference
+    template (which marks the trained turns only) on every one. Those of 20 to 124 tokens."""
+    from ringtrain.prepare import chat_template
+    from ringtrain.prepare.chat_records import Conversation, read_chat
+    from ringtrain.prepare.chat_render import ChatRenderer, ChatSpec
+    from tests.prepare.test_chat_policy import tool_records, with_template
+    from tests.tiny_tokenizer import TOOLS_MARKED_TEMPLATE, TOOLS_TEMPLATE, TOOLS_WEIGHTED_REFERENCE, save_chat_tokenizer
+
+    chatml = save_chat_tokenizer(base / "tokenizer", "chatml", vocab_size=RENDERED_VOCAB)
+    renderers = [ChatRenderer(ChatSpec(chat_template.find(str(with_template(chatml, base / name, text))), "assistant",
+                                       "messages", RENDERED_VOCAB))
+                 for name, text in (("marked", TOOLS_MARKED_TEMPLATE), ("unmarked", TOOLS_TEMPLATE))]  # fmt: skip
+    out = []
+    for record in tool_records(200, seed=5):
+        chat = read_chat(Conversation(record), "messages", frozenset({"tools"}))
+        if not any(f is not False and m["role"] == "assistant" for m, f in zip(chat.messages, chat.flags)):
+            continue
+        (ids, mask), (other_ids, other_mask) = (r.render(chat) for r in renderers)
+        assert ids.tolist() == other_ids.tolist() and mask.tolist() == other_mask.tolist()
+        want = renderers[0]._tok.apply_chat_template(record["messages"], tools=record.get("tools"), return_dict=True,
+                                                     chat_template=TOOLS_WEIGHTED_REFERENCE, return_assistant_tokens_mask=True)  # fmt: skip
+        assert ids.tolist() == list(want["input_ids"]) and mask[1:].tolist() == list(want["assistant_masks"])[1:]
+        if 20 <= len(ids) <= RENDERED_SEQ - 4:
+            out.append((ids, mask))
+    assert len(out) >= 24 and any(m.sum() for _, m in out)
+    return out[:NUM_CONVERSATIONS]
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +219,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     convs = random_conversations(NUM_CONVERSATIONS, vocab_size=VOCAB, min_len=6, max_len=14, seed=7)
     write_chat(base / "data", convs, vocab_size=VOCAB)
     ref = _reference(folder, base / "data", convs)
+    rendered = _rendered(base)
+    write_chat(base / "rendered", rendered, vocab_size=RENDERED_VOCAB)
+    big = save_model(base / "model-320", "llama", vocab_size=RENDERED_VOCAB)
+    rendered_ref = _reference(big, base / "rendered", rendered, RENDERED_SEQ)
     from ringtrain.train.evalset import load_eval_set
 
     evalset = load_eval_set(str(base / "data"), seq_len=SEQ, vocab_size=VOCAB, max_rows=NUM_CONVERSATIONS)
@@ -192,8 +237,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                                      f"train.steps={RESUME_STEPS}"]))
         runs += [(f"{name}/eval", _overrides(str(folder), str(base / "data"), LAYOUTS[name][1], "token"))
                  for name in EVAL_LAYOUTS if LAYOUTS[name][0] == world]
+        runs += [(f"{name}/rendered", _overrides(str(big), str(base / "rendered"), LAYOUTS[name][1], "token", RENDERED_SEQ))
+                 for name in RENDERED_LAYOUTS if LAYOUTS[name][0] == world]
         results.update(run_ranks(_rank, world, base, runs, evalset))
-    return {"ref": ref, "runs": results, "root": base / "data"}
+    return {"ref": ref, "rendered_ref": rendered_ref, "runs": results, "root": base / "data"}
 
 
 def test_the_batch_holds_several_conversations_and_a_turn_across_a_shard_boundary(setup: dict[str, Any]) -> None:
@@ -212,16 +259,25 @@ def test_the_batch_holds_several_conversations_and_a_turn_across_a_shard_boundar
     assert crossing.any()
 
 
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_packed_chat_step_equals_transformers_on_each_conversation(setup: dict[str, Any], layout: str, norm: str) -> None:
-    got, ref = setup["runs"][f"{layout}/{norm}"], setup["ref"][norm]
+def _assert_step_equals(got: dict[str, Any], ref: dict[str, Any], name: str) -> None:
+    assert got["tokens"] == ref["tokens"]  # attended (no padding) and trained tokens of the step
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5, rel=0)
     assert got["grads"].keys() == ref["grads"].keys()
     scale = max(float(np.abs(g).max()) for g in ref["grads"].values())
     diff = max(float(np.abs(got["grads"][k] - ref["grads"][k]).max()) for k in ref["grads"])
-    print(f"{layout}/{norm}: loss {got['loss']:.7f} ref {ref['loss']:.7f} max|dgrad| {diff:.2e} (scale {scale:.2e})")
+    print(f"{name}: loss {got['loss']:.7f} ref {ref['loss']:.7f} max|dgrad| {diff:.2e} (scale {scale:.2e})")
     assert diff <= 1e-5 * max(1.0, scale)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_packed_chat_step_equals_transformers_on_each_conversation(setup: dict[str, Any], layout: str, norm: str) -> None:
+    _assert_step_equals(setup["runs"][f"{layout}/{norm}"], setup["ref"][norm], f"{layout}/{norm}")
+
+
+@pytest.mark.parametrize("layout", RENDERED_LAYOUTS)
+def test_rendered_tool_conversations_with_weights_train_as_transformers(setup: dict[str, Any], layout: str) -> None:
+    _assert_step_equals(setup["runs"][f"{layout}/rendered"], setup["rendered_ref"]["token"], f"{layout}/rendered")
 
 
 @pytest.mark.parametrize("layout", EVAL_LAYOUTS)

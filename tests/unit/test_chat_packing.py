@@ -18,19 +18,33 @@ from tests.chat_data import chat_samples, random_conversations, skip_without_cha
 VOCAB, SEQ = 64, 32
 
 
-def test_rows_hold_whole_conversations_once_and_are_a_function_of_the_seed() -> None:
-    lengths = np.random.default_rng(0).integers(2, 40, size=200)
-    rows = pack_conversations(lengths, SEQ, seed=3, overlong="drop")
+@pytest.mark.parametrize("packing", ["next_fit", "first_fit"])
+def test_rows_hold_whole_conversations_once_and_are_a_function_of_the_seed(packing: str) -> None:
+    lengths = np.random.default_rng(0).integers(2, 40, size=3000)  # first-fit: several windows
+    rows = pack_conversations(lengths, SEQ, seed=3, overlong="drop", packing=packing)
     seen = np.concatenate([rows.row(r)[0] for r in range(rows.num_rows)])
     assert sorted(seen.tolist()) == sorted(np.flatnonzero(lengths <= SEQ).tolist())
     for r in range(rows.num_rows):
         convs, taken = rows.row(r)
         assert taken.sum() <= SEQ and (taken == lengths[convs]).all()
     assert rows.dropped == int((lengths > SEQ).sum()) > 0 and rows.truncated == 0
-    again = pack_conversations(lengths, SEQ, seed=3, overlong="drop")
+    again = pack_conversations(lengths, SEQ, seed=3, overlong="drop", packing=packing)
     assert (again.conversations == rows.conversations).all() and (again.starts == rows.starts).all()
-    other = pack_conversations(lengths, SEQ, seed=4, overlong="drop")
+    other = pack_conversations(lengths, SEQ, seed=4, overlong="drop", packing=packing)
     assert not np.array_equal(other.conversations, rows.conversations)
+
+
+def test_first_fit_decreasing_fills_rows_fuller_than_next_fit() -> None:
+    """Conversations of 47 to 1,018 tokens into rows of 2,048: first-fit decreasing leaves less of
+    each row to padding (the same draw docs/performance.md's table reports, by bench/chat_packing.py)."""
+    from tests.chat_data import conversation_lengths
+
+    lengths = conversation_lengths(4000, seed=0)
+    fill = {}
+    for packing in ("next_fit", "first_fit"):
+        counts = pack_conversations(lengths, 2048, seed=0, overlong="drop", packing=packing).counts()
+        fill[packing] = counts["packed_tokens"] / counts["row_tokens"]
+    assert fill["first_fit"] > 0.97 and fill["next_fit"] < 0.9, fill
 
 
 def test_truncate_keeps_overlong_conversations_cut_to_the_row() -> None:
@@ -38,8 +52,36 @@ def test_truncate_keeps_overlong_conversations_cut_to_the_row() -> None:
     rows = pack_conversations(lengths, SEQ, seed=0, overlong="truncate")
     assert rows.truncated == 2 and rows.dropped == 0
     taken = dict(zip(rows.conversations.tolist(), rows.lengths.tolist()))
-    assert taken == {0: 10, 1: SEQ, 2: 7, 3: SEQ}
-    assert rows.counts() == {"conversations": 4, "packed": 4, "dropped": 0, "truncated": 2, "rows": rows.num_rows}
+    assert taken == {0: 10, 1: SEQ, 2: 7, 3: SEQ} and not rows.skips.any()
+    assert rows.counts() == {"conversations": 4, "packed": 4, "dropped": 0, "truncated": 2, "rows": rows.num_rows,
+                             "tokens": 100, "dropped_tokens": 0, "truncated_tokens": 18 + 1,
+                             "row_tokens": rows.num_rows * SEQ, "packed_tokens": 10 + SEQ + 7 + SEQ}  # fmt: skip
+    start = pack_conversations(lengths, SEQ, seed=0, overlong="truncate_start")
+    skips = dict(zip(start.conversations.tolist(), start.skips.tolist()))
+    assert skips == {0: 0, 1: 50 - SEQ, 2: 0, 3: 33 - SEQ} and start.counts() == rows.counts()
+    dropped = pack_conversations(lengths, SEQ, seed=0, overlong="drop").counts()
+    assert (dropped["dropped"], dropped["dropped_tokens"], dropped["packed_tokens"]) == (2, 50 + 33, 17)
+
+
+def test_truncate_start_keeps_each_long_conversations_last_tokens(chat_root: tuple[Path, list]) -> None:
+    """Long-document QA, whose answer comes last: the row holds the conversation's last seq_len
+    tokens and their mask, its first kept token being nothing's target."""
+    root, convs = chat_root
+    samples = chat_samples(root, seq_len=SEQ, seed=1, overlong="truncate_start")
+    rows = samples.rows[0]  # type: ignore[attr-defined]
+    cut = 0
+    for r in range(rows.num_rows):
+        sample = samples._row(0, rows, r)  # type: ignore[attr-defined]
+        conversations, taken = rows.row(r)
+        at = 0
+        for c, n in zip(conversations.tolist(), taken.tolist()):
+            tokens, mask = convs[c]
+            np.testing.assert_array_equal(sample.tokens[at : at + n], tokens[len(tokens) - n :])
+            np.testing.assert_array_equal(sample.targets[at : at + n], mask[len(tokens) - n :])
+            cut += n < len(tokens)
+            at += n
+    assert cut == sum(len(t) > SEQ for t, _ in convs) > 0
+    samples.close()  # type: ignore[attr-defined]
 
 
 def _data(samples: object, ring: int, ulysses: int, ring_idx: int, ulysses_idx: int, norm: str = "token") -> ShardedData:
@@ -169,20 +211,22 @@ def test_a_step_reads_the_same_rows_at_any_dp_and_after_a_reopen(chat_root: tupl
     tokens, labels and weights, bit for bit."""
     root, _ = chat_root
 
-    def step(dp: int, replica: int) -> list:
-        data = ShardedData(chat_samples(root, seq_len=SEQ, seed=1), seq_len=SEQ, seed=1, plan=BatchPlan(4, dp, 1),  # type: ignore[arg-type]
+    def step(dp: int, replica: int, packing: str) -> list:
+        data = ShardedData(chat_samples(root, seq_len=SEQ, seed=1, packing=packing), seq_len=SEQ, seed=1,  # type: ignore[arg-type]
+                           plan=BatchPlan(4, dp, 1),
                            ring=1, ulysses=1, ring_idx=0, ulysses_idx=0, vocab_size=VOCAB, loss_norm="sequence")
         try:
             return data.step_batches(3, replica)
         finally:
             data.close()
 
-    whole = step(1, 0)
-    split = step(2, 0) + step(2, 1)
-    for a, b in zip(whole, split, strict=True):
-        assert a.samples == b.samples
-        for field in ("input_ids", "labels", "position_ids", "doc_ids", "weights"):
-            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    for packing in ("next_fit", "first_fit"):
+        whole = step(1, 0, packing)
+        split = step(2, 0, packing) + step(2, 1, packing)
+        for a, b in zip(whole, split, strict=True):
+            assert a.samples == b.samples
+            for field in ("input_ids", "labels", "position_ids", "doc_ids", "weights"):
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
 
 def test_the_eval_set_of_a_chat_dataset_is_its_whole_conversations_that_fit(chat_root: tuple[Path, list]) -> None:
@@ -197,3 +241,39 @@ def test_the_eval_set_of_a_chat_dataset_is_its_whole_conversations_that_fit(chat
         np.testing.assert_array_equal(found.labels[row, : len(tokens) - 1], np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX))
         assert (found.labels[row, len(tokens) - 1 :] == IGNORE_INDEX).all()
     assert found.num_labels == sum(int(m[1:].sum()) for _, m in fits)
+
+
+def test_the_console_and_the_report_say_what_seq_len_dropped_or_cut(
+    chat_root: tuple[Path, list], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the first step the console says how many conversations data.seq_len dropped (or
+    cut) and their share of the tokens, a warning past 5%; report.html says it from summary.json."""
+    import io
+
+    from ringtrain.commands.run import _chat_data_note
+    from ringtrain.telemetry.progress import Progress
+    from ringtrain.telemetry.report import render
+    from ringtrain.telemetry.runfiles import read_run
+    from ringtrain.train.mixture import chat_packing_counts
+    from tests.fake_run import write_run_dir
+
+    root, convs = chat_root
+    longer = [len(t) for t, _ in convs if len(t) > SEQ]
+    total = sum(len(t) for t, _ in convs)
+    share = {"drop": sum(longer) / total, "truncate": sum(n - SEQ for n in longer) / total}
+    assert share["drop"] > 0.05 > share["truncate"] > 0
+    for overlong in ("drop", "truncate"):
+        job = _job(root, "data.packing=doc", f"data.chat_overlong={overlong}")
+        out = io.StringIO()
+        _chat_data_note(job, Progress(1, out=out))  # type: ignore[arg-type]
+        console = out.getvalue() + capsys.readouterr().err
+        counts = chat_packing_counts(job)  # type: ignore[arg-type]
+        assert counts is not None
+        done = "dropped" if overlong == "drop" else f"cut to their first {SEQ} tokens"
+        said = f"{len(longer)} {'longer than data.seq_len=' + str(SEQ) + ' dropped' if overlong == 'drop' else done}, {share[overlong]:.1%} of the tokens"
+        assert said in console, console
+        assert console.startswith("ringtrain: warning: chat data:") == (overlong == "drop"), console
+        folder = write_run_dir(tmp_path / overlong, summary={"status": "finished", "chat": counts},
+                               config_yaml=f"name: chat\ndata:\n  seq_len: {SEQ}\n  chat_overlong: {overlong}\n")
+        page = render(read_run(folder))
+        assert said in page and ("warning: chat data:" in page) == (overlong == "drop")

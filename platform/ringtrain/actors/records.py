@@ -23,7 +23,10 @@ def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -
         "loss": by_rank[0].loss,
         "lr": by_rank[0].lr,
         "grad_norm": by_rank[0].grad_norm,
+        # Tokens attended (padding left out) and trained (a label with a loss: a chat dataset's
+        # assistant turns, a window's every token but the last).
         "tokens": tokens,
+        "trained_tokens": sum(r.trained_tokens for r in reports),
         "step_time_s": wall_s,
         "rank_step_time_s": [round(r.step_time_s, 6) for r in by_rank],
         # Each rank's time outside the step's collectives: a straggler's is the long one.

@@ -114,6 +114,22 @@ def run(args: argparse.Namespace) -> int:
     return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop)
 
 
+def _chat_data_note(job: config.JobConfig, progress: "Progress") -> None:
+    """How the job's chat data packs and what data.seq_len cost it, before the first step; a
+    warning on stderr when the conversations dropped or cut hold more than a few percent of it."""
+    from ringtrain.train.conversations import packing_note
+    from ringtrain.train.mixture import chat_packing_counts
+
+    counts = chat_packing_counts(job)
+    if counts is None:
+        return
+    note, warn = packing_note(counts, job.data.seq_len, job.data.chat_overlong)
+    if warn:
+        print(f"ringtrain: warning: {note}", file=sys.stderr, flush=True)
+    else:
+        progress.message(note)
+
+
 def _train(
     job: config.JobConfig,
     run_path: Path,
@@ -166,6 +182,7 @@ def _train(
             f"ring {topo.ring} x ulysses {topo.ulysses}), ZeRO-{job.zero.stage}, "
             f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
         )
+        _chat_data_note(job, progress)
         try:
             group = WorkerGroup(job, device)
             controller = Controller(

@@ -20,6 +20,7 @@ from ringtrain.config.schema import (
     ATTENTION_KERNELS,
     ATTENTION_KV_EXCHANGES,
     CHAT_OVERLONG,
+    CHAT_PACKINGS,
     CHECKPOINTING_MODES,
     DEVICES,
     DTYPES,
@@ -190,6 +191,7 @@ def validate_data_sources(d: DataConfig) -> None:
     """Packing and the mixture's sources: paths given, weights and upsampling factors positive."""
     _one_of(d.packing, PACKINGS, "data.packing")
     _one_of(d.chat_overlong, CHAT_OVERLONG, "data.chat_overlong")
+    _one_of(d.chat_packing, CHAT_PACKINGS, "data.chat_packing")
     if d.sources and d.path != STDLIB_CORPUS:
         raise ConfigError("data.sources", f"and data.path={d.path!r} are both set; name the datasets in one of them")
     for i, s in enumerate(d.sources):

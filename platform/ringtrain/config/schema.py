@@ -161,7 +161,12 @@ def checkpointing_mode(value: "str | bool") -> str:
 
 PACKINGS = ("concat", "doc")
 # A chat dataset's conversation longer than data.seq_len: left out (counted), or cut to fit.
-CHAT_OVERLONG = ("drop", "truncate")
+# A chat conversation longer than seq_len: dropped, cut to its first seq_len tokens, or cut to its
+# last (long-document QA, whose answer comes last).
+CHAT_OVERLONG = ("drop", "truncate", "truncate_start")
+# How whole conversations fill rows: next-fit (a row closes when the next one does not fit) or
+# first-fit decreasing within seeded windows of conversations (train/conversations.py).
+CHAT_PACKINGS = ("next_fit", "first_fit")
 # token: the mean over every trained token of the global batch; sequence: each conversation's
 # token mean, averaged over the global batch's conversations (LongAlign, Bai et al. 2024).
 LOSS_NORMS = ("token", "sequence")
@@ -192,8 +197,10 @@ class DataConfig:
     # concat: documents joined with EOS, attention crosses them. doc: attention and positions
     # restart at every document boundary (needs prepared datasets, which record the boundaries).
     packing: str = "concat"
-    # A chat dataset's conversation longer than seq_len: "drop" (counted) or "truncate" to seq_len.
+    # CHAT_OVERLONG: a chat dataset's conversation longer than seq_len (counted either way).
     chat_overlong: str = "drop"
+    # CHAT_PACKINGS: how a chat dataset's conversations fill the rows.
+    chat_packing: str = "next_fit"
     # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE, else a private folder
     # of the user's own under the temp dir (ringtrain.cachedir).
     cache_dir: str = ""

@@ -19,6 +19,7 @@ from ringtrain.evaluation.buckets import short_count
 from ringtrain.planner.devices import CPU_CORE_PEAK_FLOPS
 from ringtrain.telemetry.runfiles import NO_SUMMARY, IncidentFile, RunFiles, incident_anchor, is_number, read_run
 from ringtrain.telemetry.svgchart import Point, Series, drawn, escape, fmt, kind_color, line_chart, series_color
+from ringtrain.train.conversations import PACKING_COUNTS, packing_note
 
 REPORT_NAME = "report.html"
 STACK_LINES = 20  # lines of a culprit's stack shown in an incident's detail
@@ -82,6 +83,9 @@ def _overview(run: RunFiles) -> str:
         ("parameters", _count(summary.get("num_params"))),
         ("incidents", str(len(run.incidents))),
     ]
+    chat = _chat_note(summary.get("chat"), run.config.get("data"))
+    if chat:
+        rows.append(("chat data", chat))
     if run.num_replayed:
         rows.append(("replayed steps", f"{run.num_replayed} (a resume ran them again; the later attempt is drawn)"))
     if summary.get("resumed_from"):
@@ -92,6 +96,16 @@ def _overview(run: RunFiles) -> str:
     for error in errors if isinstance(errors, list) else []:
         rows.append(("checkpoint error", str(error)))
     return f'<section id="overview"><h2>Overview</h2>{_facts(rows)}</section>'
+
+
+def _chat_note(counts: Any, data: Any) -> str:
+    """The chat data's packing line (``conversations.packing_note``), a warning when what
+    data.seq_len dropped or cut is past its share; empty for other data or an older summary."""
+    if not isinstance(counts, dict) or not all(isinstance(counts.get(k), int) for k in PACKING_COUNTS) or not isinstance(data, dict):
+        return ""
+    seq_len = data.get("seq_len")
+    note, warn = packing_note(counts, seq_len if isinstance(seq_len, int) else 0, str(data.get("chat_overlong")))
+    return f"warning: {note}" if warn else note
 
 
 def _charts(run: RunFiles) -> str:

@@ -104,7 +104,7 @@ class MixedSamples:
     """Samples of ``seq_len + 1`` tokens from weighted prepared datasets (see the module doc)."""
 
     def __init__(self, corpora: Sequence[PreparedCorpus], specs: Sequence[SourceSpec], *, seq_len: int, seed: int,
-                 packing: str, chat_overlong: str = "drop") -> None:
+                 packing: str, chat_overlong: str = "drop", chat_packing: str = "next_fit") -> None:
         self.corpora = list(corpora)
         self.seq_len = seq_len
         self.packing = packing
@@ -117,7 +117,7 @@ class MixedSamples:
             if corpus.is_chat:
                 if packing != "doc":
                     raise DataError(f"{corpus.uri} is a chat dataset: it trains with data.packing: doc")
-                rows = pack_conversations(corpus.document_lengths(), seq_len, seed, chat_overlong)
+                rows = pack_conversations(corpus.document_lengths(), seq_len, seed, chat_overlong, chat_packing)
                 self.rows.append(rows)
                 self.orders.append(WindowOrder(rows.num_rows, key))
                 continue
@@ -155,9 +155,9 @@ class MixedSamples:
         """Row ``row`` of chat source ``j``: its whole conversations, their masks, padding."""
         corpus = self.corpora[j]
         conversations, taken = rows.row(row)
-        spans = [corpus.document_span(int(c)) for c in conversations]
-        tokens = [corpus.tokens(start, start + int(n)) for (start, _), n in zip(spans, taken)]
-        masks = [corpus.mask(start, start + int(n)) for (start, _), n in zip(spans, taken)]
+        firsts = [corpus.document_span(int(c))[0] + int(skip) for c, skip in zip(conversations, rows.row_skips(row))]
+        tokens = [corpus.tokens(first, first + int(n)) for first, n in zip(firsts, taken)]
+        masks = [corpus.mask(first, first + int(n)) for first, n in zip(firsts, taken)]
         out, doc_ids, mask = row_sample(tokens, masks, self.seq_len, corpus.eos_id)
         return Sample(tokens=out, doc_ids=doc_ids, origin=(j, int(conversations[0])), targets=mask)
 
@@ -178,13 +178,13 @@ def open_mixture(job: JobConfig) -> MixedSamples:
     specs = source_specs(job)
     corpora = [PreparedCorpus(s.path, cache_dir=job.data.cache_dir) for s in specs]
     return MixedSamples(corpora, specs, seq_len=job.data.seq_len, seed=job.train.seed, packing=job.data.packing,
-                        chat_overlong=job.data.chat_overlong)
+                        chat_overlong=job.data.chat_overlong, chat_packing=job.data.chat_packing)
 
 
 def chat_packing_counts(job: JobConfig) -> Optional[dict[str, int]]:
-    """How the job's chat datasets pack into rows (conversations, packed, dropped, truncated,
-    rows), for the run's summary; None when it trains on no chat dataset. The packing is a
-    function of the data and the seed, so the driver computes the workers' own."""
+    """How the job's chat datasets pack into rows (``ConversationRows.counts``, added up over the
+    sources), for the console and the run's summary; None when it trains on no chat dataset. The
+    packing is a function of the data and the seed, so the driver computes the workers' own."""
     if not uses_prepared_data(job):
         return None
     try:
@@ -198,7 +198,7 @@ def chat_packing_counts(job: JobConfig) -> Optional[dict[str, int]]:
         for corpus in corpora:
             if corpus.is_chat:
                 rows = pack_conversations(corpus.document_lengths(), job.data.seq_len, job.train.seed,
-                                          job.data.chat_overlong)
+                                          job.data.chat_overlong, job.data.chat_packing)
                 for key, value in rows.counts().items():
                     out[key] = out.get(key, 0) + value
         return out

@@ -175,6 +175,11 @@ def _warm_up_data(path: str) -> str:
     return STDLIB_CORPUS if path.endswith(".npy") else path
 
 
+def _attended_tokens(mb: MicroBatch) -> int:
+    """The micro-batch's tokens that are not padding (a chat row's padding is document -1)."""
+    return int(mb.input_ids.size if mb.doc_ids is None else (np.asarray(mb.doc_ids) >= 0).sum())
+
+
 def _label_weight(mb: MicroBatch) -> float:
     """What a micro-batch adds to the step's denominator: its labels, or their weights' sum."""
     if mb.weights is None:
@@ -398,7 +403,8 @@ class Trainer:
             local_loss=local_loss_value,
             lr=lr,
             grad_norm=grad_norm_value,
-            num_tokens=sum(mb.input_ids.size for mb in batches),
+            num_tokens=sum(_attended_tokens(mb) for mb in batches),
+            trained_tokens=sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches),
             step_time_s=step_time,
             data_wait_s=data_wait,
             batch=batch,
