@@ -92,7 +92,7 @@ def _rank(rank: int, world: int, store: str, runs: list[tuple[str, list[str]]], 
                 tallies: list[Any] = [None] * world
                 dist.all_gather_object(tallies, Evaluator.of(trainer).losses(evalset, 8))
                 merged = merge_all(tallies)
-                out[name] = {"loss": merged.loss, "tokens": merged.tokens}
+                out[name] = {"loss": merged.loss, "tokens": merged.tokens, "sequence_loss": merged.sequence_loss}
                 trainer.prefetcher.close()
                 continue
             grads: dict[str, np.ndarray] = {}
@@ -166,14 +166,15 @@ def _reference(folder: Path, root: Path, convs: list[tuple[np.ndarray, np.ndarra
     n = torch.tensor(counts, dtype=torch.float32)
     out: dict[str, Any] = {}
     with torch.no_grad():  # every conversation alone, as `ringtrain eval` scores a chat dataset
-        sums, tokens = 0.0, 0
+        sums, tokens, conversation_means = 0.0, 0, []
         for ids, mask in convs:
             labels = torch.as_tensor(np.where(mask == 1, ids, -100))[None]
             trained = int(mask[1:].sum())
             if trained:
-                sums += float(model(input_ids=torch.as_tensor(ids)[None], labels=labels).loss) * trained
+                conversation_means.append(float(model(input_ids=torch.as_tensor(ids)[None], labels=labels).loss))
+                sums += conversation_means[-1] * trained
                 tokens += trained
-        out["eval"] = {"loss": sums / tokens, "tokens": tokens}
+        out["eval"] = {"loss": sums / tokens, "tokens": tokens, "sequence_loss": float(np.mean(conversation_means))}
     for norm, loss in (("token", (torch.stack(means) * n).sum() / n.sum()), ("sequence", torch.stack(means).mean())):
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         out[norm] = {"loss": float(loss.detach()), "grads": {k: g.numpy() for (k, _), g in zip(model.named_parameters(), grads)},
@@ -285,6 +286,9 @@ def test_eval_of_a_chat_dataset_equals_transformers_on_each_conversation(setup: 
     got, ref = setup["runs"][f"{layout}/eval"], setup["ref"]["eval"]
     assert got["tokens"] == ref["tokens"]
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5, rel=0)
+    # train.loss_norm: sequence scores the mean of the conversations' means, each whole across the ring.
+    assert got["sequence_loss"] == pytest.approx(ref["sequence_loss"], abs=1e-5, rel=0)
+    assert abs(ref["sequence_loss"] - ref["loss"]) > 1e-3
 
 
 def test_resume_of_a_chat_run_mid_epoch_is_bitwise(setup: dict[str, Any]) -> None:

@@ -234,8 +234,15 @@ def test_the_eval_set_of_a_chat_dataset_is_its_whole_conversations_that_fit(chat
 
     root, convs = chat_root
     fits = [(t, m) for t, m in convs if len(t) <= SEQ]
-    found = load_eval_set(str(root), seq_len=SEQ, vocab_size=VOCAB, max_rows=len(convs))
-    assert found.num_rows == len(fits) < len(convs)  # the longer ones are left out, never cut
+    found = load_eval_set(str(root), seq_len=SEQ, vocab_size=VOCAB)
+    assert found.num_rows == len(fits) < len(convs)  # every one that fits; the longer ones left out, never cut
+    assert found.coverage is not None and found.coverage.to_dict() == {
+        "total": len(convs), "scored": len(fits), "too_long": len(convs) - len(fits), "not_scored": 0}
+    assert found.seq_len == max(len(t) for t, _ in fits)  # padded to the longest scored, not to seq_len
+    capped = load_eval_set(str(root), seq_len=SEQ, vocab_size=VOCAB, max_rows=5)
+    assert capped.num_rows == 5 and capped.coverage is not None and capped.coverage.not_scored == len(fits) - 5
+    assert capped.coverage.line(SEQ) == (f"5 of {len(convs)} conversations ({len(convs) - len(fits)} longer than {SEQ} tokens "
+                                         f"left out, {len(fits) - 5} past the row limit not scored)")
     for row, (tokens, mask) in enumerate(fits):
         np.testing.assert_array_equal(found.inputs[row, : len(tokens)], tokens)
         np.testing.assert_array_equal(found.labels[row, : len(tokens) - 1], np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX))

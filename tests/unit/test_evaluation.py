@@ -207,3 +207,25 @@ def test_eval_config_defaults_are_off() -> None:
     job = config.load(None, ["eval.every=10", "eval.data=stdlib", "eval.passkey=[256]"])
     assert job.eval.every == 10 and job.eval.bucket_tokens == 1024 and job.eval.passkey_depths == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert config.load(None, []).eval.every == 0
+
+
+def test_a_chat_evaluation_reports_the_mean_train_loss_norm_takes_and_what_it_left_out() -> None:
+    """Rows are conversations, each split over two ranks: the rows' sums merge before their
+    means are taken; under train.loss_norm: sequence the loss is the mean of those means."""
+    from ringtrain.evaluation.result import ChatCoverage, EvalResult
+
+    ranks = [LossTally(4), LossTally(4)]
+    # Conversation 0: 3 predictions of loss 1 (two on rank 0, one on rank 1); conversation 1:
+    # one prediction of loss 4 (rank 1); row 2 is padding, with none.
+    ranks[0].add_bucket(0, 2.0, 2), ranks[0].add_row(0, 2.0, 2), ranks[0].add_row(2, 0.0, 0)
+    ranks[1].add_bucket(0, 5.0, 2), ranks[1].add_row(0, 1.0, 1), ranks[1].add_row(1, 4.0, 1)
+    tally = merge_all(ranks)
+    assert tally.rows == {0: (3.0, 3), 1: (4.0, 1)}
+    assert tally.loss == 7.0 / 4 and tally.sequence_loss == (1.0 + 4.0) / 2
+    coverage = ChatCoverage(total=5, too_long=2, not_scored=1)
+    out = EvalResult(tally, rows=2, seq_len=8, coverage=coverage, loss_norm="sequence").to_dict()
+    assert (out["loss"], out["token_loss"], out["sequence_loss"], out["loss_norm"]) == (2.5, 1.75, 2.5, "sequence")
+    assert out["conversations"] == {"total": 5, "scored": 2, "too_long": 2, "not_scored": 1}
+    assert EvalResult(tally, rows=2, seq_len=8, coverage=coverage).to_dict()["loss"] == 1.75
+    assert "2 of 5 conversations (2 longer than 8 tokens left out, 1 past the row limit not scored)" in EvalResult(
+        tally, rows=2, seq_len=8, coverage=coverage, loss_norm="sequence").table()

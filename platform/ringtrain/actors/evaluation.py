@@ -31,6 +31,7 @@ class EvalPlan:
     tokenizer: Tokenizer
     prompts: tuple[PasskeyPrompt, ...] = ()  # passkey retrieval; empty: none
     num_new: int = 0  # tokens generated for each prompt
+    loss_norm: str = "token"  # the job's train.loss_norm, which a chat dataset's loss follows
 
 
 def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
@@ -54,8 +55,10 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
         tokenizer=tokenizer,
         key=data_key,
     )
+    # A chat dataset's loss is averaged as training averages it; a mean of windows' means would not be.
+    norm = job.train.loss_norm if evalset.coverage is not None else "token"
     if not e.passkey:
-        return EvalPlan(evalset, e.bucket_tokens, tokenizer or ByteTokenizer())
+        return EvalPlan(evalset, e.bucket_tokens, tokenizer or ByteTokenizer(), loss_norm=norm)
     if tokenizer is None and vocab < ByteTokenizer.vocab_size:
         raise ConfigError("eval.passkey", f"the model has no tokenizer.json and its vocabulary ({vocab}) cannot hold bytes")
     text = tokenizer or ByteTokenizer()
@@ -63,7 +66,7 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
     top = max(max(p.ids) for p in prompts)
     if top >= vocab:
         raise ConfigError("eval.passkey", f"the tokenizer gives token id {top}, outside the model's vocabulary [0, {vocab})")
-    return EvalPlan(evalset, e.bucket_tokens, text, tuple(prompts), answer_tokens(text, prompts))
+    return EvalPlan(evalset, e.bucket_tokens, text, tuple(prompts), answer_tokens(text, prompts), norm)
 
 
 def evaluate(group: EvalGroup, plan: EvalPlan) -> EvalResult:
@@ -73,4 +76,5 @@ def evaluate(group: EvalGroup, plan: EvalPlan) -> EvalResult:
     if plan.prompts:
         generated = group.generate([list(p.ids) for p in plan.prompts], plan.num_new)
         grid = score(plan.tokenizer, plan.prompts, generated)
-    return EvalResult(tally, rows=plan.evalset.num_rows, seq_len=plan.evalset.seq_len, passkey=grid)
+    return EvalResult(tally, rows=plan.evalset.num_rows, seq_len=plan.evalset.seq_len, passkey=grid,
+                      coverage=plan.evalset.coverage, loss_norm=plan.loss_norm)

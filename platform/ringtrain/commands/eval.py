@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", nargs="?", metavar="SOURCE", help="a run directory, a checkpoint URI or a Hugging Face model folder")
     parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of token rows")
     parser.add_argument("--seq-len", type=int, help="tokens per window of a stream (default: the job's data.seq_len)")
-    parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, 64 windows of a stream)")
+    parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, every conversation of a chat dataset that fits --seq-len, 64 windows of a stream)")
     parser.add_argument("--bucket-tokens", type=int, help="the first position bucket's size; each next one doubles (default 1024)")
     parser.add_argument("--passkey", metavar="LEN[,LEN...]", help="passkey retrieval at these prompt lengths in tokens")
     parser.add_argument("--passkey-depths", metavar="D[,D...]", help="where the key hides, 0 (start) to 1 (end); default 0,0.25,0.5,0.75,1")
@@ -88,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(job)
         check_capacity(job, device)
+        coverage = plan.evalset.coverage
+        scored = (f"{plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens" if coverage is None
+                  else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
         _stderr(
-            f"ringtrain eval: {source.where}: {plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens, "
+            f"ringtrain eval: {source.where}: {scored}, "
             f"dp {job.topology.dp} x cp {job.topology.cp} ({job.attention.impl}), ZeRO-{job.zero.stage}, {device}"
         )
         group = WorkerGroup(cluster.for_workers(job), device)

@@ -385,7 +385,9 @@ class EvalConfig:
     # whose rows are the sequences, scored as transformers does with labels=input_ids.
     data: str = ""
     seq_len: Optional[int] = None  # tokens per window of a stream; None: data.seq_len
-    max_rows: Optional[int] = None  # sequences scored; None: every row of a 2-D .npy, 64 windows of a stream
+    # Sequences scored; None: every row of a 2-D .npy, every conversation of a chat dataset that
+    # fits, 64 windows of a stream.
+    max_rows: Optional[int] = None
     bucket_tokens: int = 1024  # the first position bucket's size; each next one doubles
     # Passkey retrieval: prompt lengths in tokens (empty: none), where the key hides (0: the
     # start of the filler, 1: its end) and how many keys per length and depth.

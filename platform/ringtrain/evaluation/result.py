@@ -7,6 +7,11 @@ JSON keys: ``loss`` (mean next-token loss over every labelled prediction), ``per
 ``[start, end)``; the bucket sums add up to the total), and with passkey retrieval
 ``passkey`` (``lengths``, ``depths``, ``trials``, ``accuracy[length][depth]``, ``by_length``,
 ``overall``).
+
+On a chat dataset also ``conversations`` (``total``, ``scored``, ``too_long``: longer than the
+sequence length, left out, never cut; ``not_scored``: past the row limit), ``loss_norm`` (the
+job's ``train.loss_norm``), ``token_loss`` and ``sequence_loss`` (the mean of the conversations'
+means); ``loss`` is the one ``loss_norm`` names, as training averages.
 """
 
 from __future__ import annotations
@@ -17,7 +22,33 @@ from typing import Any, Optional
 
 from ringtrain.evaluation.buckets import Bucket
 from ringtrain.evaluation.passkey import PasskeyGrid
-from ringtrain.evaluation.tally import LossTally
+from ringtrain.evaluation.tally import LossTally, perplexity
+
+
+@dataclass(frozen=True)
+class ChatCoverage:
+    """Which of a chat dataset's conversations an evaluation scores."""
+
+    total: int
+    too_long: int  # longer than the sequence length: left out, never cut
+    not_scored: int  # past the row limit (--max-rows, eval.max_rows)
+
+    @property
+    def scored(self) -> int:
+        return self.total - self.too_long - self.not_scored
+
+    def to_dict(self) -> dict[str, int]:
+        return {"total": self.total, "scored": self.scored, "too_long": self.too_long, "not_scored": self.not_scored}
+
+    def line(self, seq_len: int) -> str:
+        """What is scored and what is left out, in words."""
+        out = f"{self.scored:,} of {self.total:,} conversations"
+        if self.too_long:
+            out += f" ({self.too_long:,} longer than {seq_len:,} tokens left out"
+            out += f", {self.not_scored:,} past the row limit not scored)" if self.not_scored else ")"
+        elif self.not_scored:
+            out += f" ({self.not_scored:,} past the row limit not scored)"
+        return out
 
 
 @dataclass(frozen=True)
@@ -26,17 +57,26 @@ class EvalResult:
     rows: int
     seq_len: int
     passkey: Optional[PasskeyGrid] = None
+    coverage: Optional[ChatCoverage] = None  # a chat dataset's
+    loss_norm: str = "token"  # config.LOSS_NORMS: which mean ``loss`` is (sequence: a chat dataset's only)
+
+    @property
+    def loss(self) -> float:
+        return self.tally.sequence_loss if self.loss_norm == "sequence" else self.tally.loss
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "loss": _finite_or_none(self.tally.loss),
-            "perplexity": _finite_or_none(self.tally.perplexity),
+            "loss": _finite_or_none(self.loss),
+            "perplexity": _finite_or_none(perplexity(self.loss)),
             "tokens": self.tally.tokens,
             "rows": self.rows,
             "seq_len": self.seq_len,
             "bucket_tokens": self.tally.bucket_tokens,
             "by_position": self.tally.by_position(),
         }
+        if self.coverage is not None:
+            out.update(conversations=self.coverage.to_dict(), loss_norm=self.loss_norm,
+                       token_loss=_finite_or_none(self.tally.loss), sequence_loss=_finite_or_none(self.tally.sequence_loss))
         if self.passkey is not None:
             out["passkey"] = self.passkey.to_dict()
         return out
@@ -44,9 +84,12 @@ class EvalResult:
     def table(self) -> str:
         """The result as aligned text: totals, the loss by position, the passkey grid."""
         t = self.tally
-        lines = [
-            f"loss {_num(t.loss)}  perplexity {_num(t.perplexity)}  tokens {t.tokens}  "
-            f"({self.rows} sequences of {self.seq_len})",
+        scored = f"{self.rows} sequences of {self.seq_len}" if self.coverage is None else self.coverage.line(self.seq_len)
+        lines = [f"loss {_num(self.loss)}  perplexity {_num(perplexity(self.loss))}  tokens {t.tokens}  ({scored})"]
+        if self.coverage is not None:
+            lines.append(f"loss as train.loss_norm: {self.loss_norm} averages; token mean {_num(t.loss)}, "
+                         f"mean of the conversations' means {_num(t.sequence_loss)}")  # fmt: skip
+        lines += [
             "",
             f"{'positions':>14}  {'loss':>8}  {'ppl':>10}  {'tokens':>10}",
         ]

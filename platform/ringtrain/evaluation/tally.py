@@ -1,8 +1,11 @@
-"""LossTally: summed next-token losses and label counts per position bucket.
+"""LossTally: summed next-token losses and label counts per position bucket, and per row.
 
 Each rank tallies the predictions it holds; tallies add up (``merge``) to the world's. The
 loss is the sum over every labelled prediction divided by their number: the mean that
 transformers computes with ``labels=input_ids`` over all rows at once (not a mean of row means).
+Each row's own sum and count are kept too (a row's predictions may lie on several CP ranks):
+``sequence_loss`` is the mean of the rows' means, what ``train.loss_norm: sequence`` trains on
+when each row is one conversation.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class LossTally:
     bucket_tokens: int  # the first bucket's size (see ``buckets``)
     sums: list[float] = field(default_factory=list)  # summed loss per bucket
     counts: list[int] = field(default_factory=list)  # labelled predictions per bucket
+    rows: dict[int, tuple[float, int]] = field(default_factory=dict)  # row index -> (summed loss, predictions)
 
     def __post_init__(self) -> None:
         if len(self.sums) != len(self.counts):
@@ -44,11 +48,19 @@ class LossTally:
             if c:
                 self.add_bucket(index, s, c)
 
+    def add_row(self, row: int, loss_sum: float, count: int) -> None:
+        """Predictions of row ``row`` (this rank's share of it)."""
+        if count:
+            before = self.rows.get(row, (0.0, 0))
+            self.rows[row] = (before[0] + float(loss_sum), before[1] + int(count))
+
     def merge(self, other: "LossTally") -> "LossTally":
         if other.bucket_tokens != self.bucket_tokens:
             raise ValueError(f"bucket sizes differ: {self.bucket_tokens} and {other.bucket_tokens}")
-        out = LossTally(self.bucket_tokens, list(self.sums), list(self.counts))
+        out = LossTally(self.bucket_tokens, list(self.sums), list(self.counts), dict(self.rows))
         out.add_all(other.sums, other.counts)
+        for row, (loss_sum, count) in other.rows.items():
+            out.add_row(row, loss_sum, count)
         return out
 
     @property
@@ -62,6 +74,12 @@ class LossTally:
     @property
     def perplexity(self) -> float:
         return perplexity(self.loss)
+
+    @property
+    def sequence_loss(self) -> float:
+        """The mean over rows with a prediction of each row's mean loss."""
+        means = [loss_sum / count for loss_sum, count in self.rows.values() if count]
+        return math.fsum(means) / len(means) if means else math.nan
 
     def by_position(self) -> list[dict[str, Any]]:
         """One entry per bucket up to the last that holds predictions: {start, end, loss, tokens}."""

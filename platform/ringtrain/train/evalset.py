@@ -6,9 +6,11 @@ ignored: transformers' ``labels=input_ids``), or a stream (a ``.bin`` or 1-D ``.
 ids, or text: its bytes for a byte-level model, its tokens when the model brings a tokenizer)
 cut into ``seq_len + 1``-token windows spread evenly over the whole stream, so the score stands
 for the corpus rather than its first files. A chat dataset (``prepare --format chat``) gives
-whole conversations, one per row, padded to ``seq_len``: labels are the next tokens its loss mask
-trains on, so the loss and the count are over trained tokens, by position in the conversation;
-conversations longer than ``seq_len`` are left out (never cut: the score is of whole ones).
+whole conversations, one per row, padded to the longest scored: labels are the next tokens its
+loss mask trains on, so the loss and the count are over trained tokens, by position in the
+conversation. Every conversation of at most ``seq_len`` tokens is scored, or ``max_rows`` of
+them spread evenly; longer ones are left out (never cut: the score is of whole ones), and the
+set says how many of each (``ChatCoverage``).
 
 Padding for a mesh happens here too, so that every rank pads alike: each sequence to a multiple
 of ``2 x cp`` (the zigzag layout's chunks) with ignored labels, and the rows to a multiple of
@@ -27,9 +29,9 @@ from typing import Optional
 import numpy as np
 
 from ringtrain.config import STDLIB_CORPUS
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, DataError
+from ringtrain.evaluation.result import ChatCoverage
 from ringtrain.evaluation.text import Tokenizer
-from ringtrain.errors import DataError
 from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
 from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
 
@@ -41,6 +43,7 @@ PAD_ID = 0  # what padding positions hold; their labels are ignored, so any vali
 class EvalSet:
     inputs: np.ndarray  # [rows, length] int64
     labels: np.ndarray  # [rows, length] int64; IGNORE_INDEX where nothing is predicted
+    coverage: Optional[ChatCoverage] = None  # a chat dataset's: which conversations the rows are
 
     @property
     def num_rows(self) -> int:
@@ -63,7 +66,7 @@ class EvalSet:
         labels = np.full((rows, length), IGNORE_INDEX, dtype=np.int64)
         inputs[: self.num_rows, : self.seq_len] = self.inputs
         labels[: self.num_rows, : self.seq_len] = self.labels
-        return EvalSet(inputs, labels)
+        return EvalSet(inputs, labels, self.coverage)
 
     def replica_rows(self, replica: int, dp: int) -> range:
         """The rows replica ``replica`` of ``dp`` scores: a contiguous share (rows divide by dp)."""
@@ -132,24 +135,28 @@ def _is_chat(path: str, key: str) -> bool:
 
 
 def chat_set(path: str, *, seq_len: int, max_rows: Optional[int] = None, key: str = "eval.data") -> EvalSet:
-    """Whole conversations of chat dataset ``path``, spread evenly over it, one per row."""
+    """Whole conversations of chat dataset ``path`` that fit ``seq_len``, one per row: all of
+    them, or ``max_rows`` spread evenly over them."""
     try:
         corpus = PreparedCorpus(path)
     except (DataError, ValueError, OSError) as exc:
         raise ConfigError(key, str(exc)) from None
     try:
-        fits = np.flatnonzero(corpus.document_lengths() <= seq_len)
+        lengths = corpus.document_lengths()
+        fits = np.flatnonzero(lengths <= seq_len)
         if not len(fits):
             raise ConfigError(key, f"no conversation of {path} fits in seq_len={seq_len} tokens")
-        chosen = fits[_starts(len(fits), 1, min(len(fits), max_rows or DEFAULT_WINDOWS))]
-        inputs = np.full((len(chosen), seq_len), PAD_ID, dtype=np.int64)
-        labels = np.full((len(chosen), seq_len), IGNORE_INDEX, dtype=np.int64)
+        chosen = fits[_starts(len(fits), 1, min(len(fits), max_rows or len(fits)))]
+        coverage = ChatCoverage(total=len(lengths), too_long=len(lengths) - len(fits), not_scored=len(fits) - len(chosen))
+        width = int(lengths[chosen].max())
+        inputs = np.full((len(chosen), width), PAD_ID, dtype=np.int64)
+        labels = np.full((len(chosen), width), IGNORE_INDEX, dtype=np.int64)
         for row, conversation in enumerate(chosen):
             start, stop = corpus.document_span(int(conversation))
             tokens, mask = corpus.tokens(start, stop), corpus.mask(start, stop)
             inputs[row, : len(tokens)] = tokens
             labels[row, : len(tokens) - 1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
-        return EvalSet(inputs, labels)
+        return EvalSet(inputs, labels, coverage)
     except DataError as exc:
         raise ConfigError(key, str(exc)) from None
     finally:

@@ -83,15 +83,22 @@ class Evaluator:
         with self._eval_mode():
             # Every row of the replica, all-padding ones included: the forwards must pair up
             # across the world (ZeRO-3 gathers parameters over every rank in each one).
-            for row in padded.replica_rows(self.mesh.coord.replica, t.dp):
+            rows = padded.replica_rows(self.mesh.coord.replica, t.dp)
+            row_sums = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+            row_counts = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+            for i, row in enumerate(rows):
                 logits_BSV = self._logits(padded.inputs[row, positions], positions)
                 labels = torch.as_tensor(padded.labels[row, positions], dtype=torch.long, device=self.device)
                 keep = labels != IGNORE_INDEX
                 loss = _token_losses(logits_BSV[0], labels)
                 sums += torch.bincount(buckets[keep], weights=loss[keep].double(), minlength=num_buckets)
                 counts += torch.bincount(buckets[keep], minlength=num_buckets).double()
+                row_sums[i] = loss[keep].double().sum()
+                row_counts[i] = keep.sum()
         tally = LossTally(bucket_tokens)
         tally.add_all(sums.tolist(), [int(c) for c in counts.tolist()])
+        for row, loss_sum, count in zip(rows, row_sums.tolist(), row_counts.tolist()):
+            tally.add_row(row, loss_sum, int(count))
         return tally
 
     def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
