@@ -58,7 +58,7 @@ NUM_CONVERSATIONS = 40
 # The rendered dataset: a real tokenizer's vocabulary and conversations of 20 to 124 tokens.
 RENDERED_LAYOUTS, RENDERED_SEQ, RENDERED_VOCAB = ("dp1-cp1", "ring-cp2-zero2", "hybrid-cp4-zero3"), 128, 320
 # Resume: the snapshot of step RESUME_CUT restored, training on to RESUME_STEPS, mid-epoch and
-# across an epoch's end (the dataset packs into a few steps' rows).
+# across an epoch's end (the dataset packs into a few steps' rows, first-fit decreasing).
 RESUME_LAYOUT, RESUME_STEPS, RESUME_CUT = "ring-cp2-zero2", 6, 3
 
 
@@ -235,6 +235,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if LAYOUTS[RESUME_LAYOUT][0] == world:
             runs.append((f"{RESUME_LAYOUT}/resume", [*_overrides(str(folder), str(base / "data"), LAYOUTS[RESUME_LAYOUT][1],
                                                                   "sequence"), "checkpoint.snapshot_every=1",
+                                                     "data.chat_packing=first_fit",
                                                      f"train.steps={RESUME_STEPS}"]))
         runs += [(f"{name}/eval", _overrides(str(folder), str(base / "data"), LAYOUTS[name][1], "token"))
                  for name in EVAL_LAYOUTS if LAYOUTS[name][0] == world]
