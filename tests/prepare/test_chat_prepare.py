@@ -234,6 +234,27 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no staging left behind
 
 
+def test_a_bad_record_is_found_before_any_cluster_starts(
+    chat_tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corpus prepare would tokenize on Ray: its malformed record at line 3 is named on the
+    driver, no cluster started; the template's own refusals are still the actors' to find."""
+    from ringtrain.prepare import pipeline
+
+    def no_cluster(address: Any, num_cpus: Any) -> Any:
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(pipeline, "connect", no_cluster)
+    good = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "the ring"}]}
+    src = tmp_path / "c.jsonl"
+    bad = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "weight": 2}]}
+    src.write_text("".join(json.dumps(r) + "\n" for r in [good, good, bad, good]))
+    code, _, err = prepare([str(src), "--format", "chat", "--tokenizer", str(chat_tokenizers["chatml"]), "--out",
+                            str(tmp_path / "out"), "--parallelism", "2"], capsys)  # fmt: skip
+    assert (code, err) == (2, f"ringtrain: data error: {src}:3: field 'messages' message 2: 'weight' is 2; a message's weight is 0 or 1\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_conversations_are_skipped_and_listed(
     serial: None, chat_tokenizers: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -136,7 +136,7 @@ class Summary:
 def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stderr) -> Summary:
     import numpy as np
 
-    from ringtrain.prepare import pipeline, sources, tokenize, writer
+    from ringtrain.prepare import first_pass, pipeline, sources, tokenize, writer
 
     if args.shard_tokens < 1:
         raise ConfigError("--shard-tokens", f"must be positive, got {args.shard_tokens}")
@@ -160,6 +160,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         corpus_bytes=sources.local_bytes(files),
         split_bytes=args.split_bytes,
     )
+    if chat is not None and not local and args.on_bad_record == "fail":
+        # Before the cluster: a malformed record is found in a second, not after the actors start.
+        first_pass.check_chat_records(files, chat.messages_field, chat.template.variables, args.max_record_bytes)
     started = time.monotonic()
     handle = None if local else pipeline.connect(args.address, args.num_cpus or None)
     cluster_start_s = time.monotonic() - started
