@@ -43,7 +43,11 @@ TOKENS_SUFFIX = ".tokens.npy"
 DOCS_SUFFIX = ".docs.npy"
 MASK_SUFFIX = ".mask.npy"
 # What a dataset's documents are: text (each ends with EOS) or conversations with a loss mask.
-CONTENTS = ("text", "chat")
+CONTENTS = ("text", "chat", "preference")
+# Contents whose shards carry a loss mask and whose manifest a chat section (the template's).
+MASKED_CONTENTS = ("chat", "preference")
+# A preference dataset's documents come in threes: a pair's prompt, chosen and rejected completion.
+PAIR_DOCUMENTS = 3
 CHAT_TRAIN_ON = ("assistant", "last", "all")
 # The roles of a conversation's messages, the turns --roles-to-train picks from.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -296,6 +300,20 @@ class ChatInfo:
 
 
 @dataclass(frozen=True)
+class PreferenceInfo:
+    """A preference dataset's pairs (each ``PAIR_DOCUMENTS`` documents)."""
+
+    num_pairs: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_pairs": self.num_pairs}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = MANIFEST_NAME, prefix: str = "preference.") -> "PreferenceInfo":
+        return cls(_Fields(obj, where, prefix).int("num_pairs"))
+
+
+@dataclass(frozen=True)
 class Manifest:
     dtype: str
     num_documents: int
@@ -307,10 +325,13 @@ class Manifest:
     num_skipped: int = 0  # may exceed len(skipped): the list is capped, the count is not
     command: list[str] = field(default_factory=list)
     content: str = "text"  # CONTENTS
-    chat: Optional[ChatInfo] = None  # with content "chat"
+    chat: Optional[ChatInfo] = None  # with MASKED_CONTENTS
+    preference: Optional[PreferenceInfo] = None  # with content "preference"
 
     def to_json(self) -> dict[str, Any]:
         chat = {"content": self.content, "chat": self.chat.to_json()} if self.chat is not None else {}
+        if self.preference is not None:
+            chat["preference"] = self.preference.to_json()
         return {
             "format": FORMAT,
             "dtype": self.dtype,
@@ -351,6 +372,7 @@ class Manifest:
             command=[str(a) for a in f.list("command")],
             content=f.str("content") if isinstance(obj, dict) and "content" in obj else "text",
             chat=ChatInfo.from_json(f.raw("chat"), where) if isinstance(obj, dict) and "chat" in obj else None,
+            preference=PreferenceInfo.from_json(f.raw("preference"), where) if isinstance(obj, dict) and "preference" in obj else None,
         )
         manifest._check(where)
         return manifest
@@ -402,16 +424,24 @@ class Manifest:
                 raise DataError(f"{where}: shards[{i}] names {shard.tokens}, expected {shard_paths(i)[0]}")
         if self.content not in CONTENTS:
             raise DataError(f"{where}: content must be one of {', '.join(CONTENTS)}, got {self.content!r}")
-        if (self.content == "chat") != (self.chat is not None):
+        masked = self.content in MASKED_CONTENTS
+        if masked != (self.chat is not None):
             raise DataError(f"{where}: content {self.content!r} {'needs' if self.chat is None else 'takes no'} a chat section")
+        if (self.content == "preference") != (self.preference is not None):
+            raise DataError(f"{where}: content {self.content!r} {'takes no' if self.preference else 'needs a'} preference section")
+        if self.preference is not None and self.num_documents != PAIR_DOCUMENTS * self.preference.num_pairs:
+            raise DataError(f"{where}: {self.preference.num_pairs} pairs are {PAIR_DOCUMENTS * self.preference.num_pairs} "
+                            f"documents, the manifest says {self.num_documents}")  # fmt: skip
         for i, shard in enumerate(self.shards):
-            if (shard.mask is not None) != (self.content == "chat"):
+            if (shard.mask is not None) != masked:
                 raise DataError(f"{where}: shards[{i}] {'lacks' if shard.mask is None else 'has'} a loss mask, "
                                 f"but the dataset holds {self.content}")  # fmt: skip
             if shard.mask is not None and shard.mask != mask_path(i):
                 raise DataError(f"{where}: shards[{i}] names mask {shard.mask}, expected {mask_path(i)}")
         trained = self.chat.num_trained_tokens if self.chat is not None else None
-        # A conversation's first token is never a target: at most num_tokens - num_documents are.
-        if trained is not None and trained > self.num_tokens - self.num_documents:
-            raise DataError(f"{where}: chat.num_trained_tokens {trained} exceeds the {self.num_tokens - self.num_documents} "
+        # A conversation's first token is never a target (a pair's prompt's neither; its
+        # completions follow the prompt, so their first tokens can be).
+        sequences = self.preference.num_pairs if self.preference is not None else self.num_documents
+        if trained is not None and trained > self.num_tokens - sequences:
+            raise DataError(f"{where}: chat.num_trained_tokens {trained} exceeds the {self.num_tokens - sequences} "
                             "tokens that can be targets (all but each conversation's first)")

@@ -210,7 +210,7 @@ def _bad_inputs(tmp: Path, tok: Path) -> dict[str, tuple[list[str], str]]:
         "template": ([str(reasoning), "--tokenizer", str(thinking), "--on-bad-record", "skip"],
                      f"ringtrain: data error: {reasoning}:2: {thinking / 'chat_template.jinja'}: the chat template renders message 2's prompt"),
         "text-file": ([str(text)], f"ringtrain: config error: SRC: {text}: a .txt or .md file holds one text, not conversations"),
-        "text-format": ([str(field), "--format", "text", "--train-on", "last"], "ringtrain: config error: --train-on: applies to --format chat only"),
+        "text-format": ([str(field), "--format", "text", "--train-on", "last"], "ringtrain: config error: --train-on: applies to --format chat and preference only"),
         "roles": ([str(field), "--roles-to-train", "assistant,narrator"],
                   "ringtrain: config error: --roles-to-train: 'assistant,narrator': name some of system, user, assistant, tool (narrator is not a role)"),
         "chat-template": ([str(field), "--chat-template", str(tmp / "none.jinja")],

@@ -32,8 +32,10 @@ from ringtrain.prepared import (
     CHAT_TRAIN_ON,
     CHAT_TRAIN_ON_EOS,
     CONTENTS,
+    PAIR_DOCUMENTS,
     ChatInfo,
     Manifest,
+    PreferenceInfo,
     SkippedRecord,
     SourceInfo,
     token_dtype_for,
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="+", metavar="SRC", help="files, folders, globs or s3:// prefixes: .jsonl[.gz|.zst], .ndjson, .parquet, .txt, .md")
     parser.add_argument("--tokenizer", required=True, help="a folder with tokenizer.json (a model folder), a tokenizer.json, or 'bytes'")
     parser.add_argument("--out", required=True, help="output folder, file:// or s3:// prefix")
-    parser.add_argument("--format", choices=CONTENTS, default="text", help="text: a document per record; chat: a conversation per record, rendered with the tokenizer's chat template and stored with a loss mask (default: text)")
+    parser.add_argument("--format", choices=CONTENTS, default="text", help="text: a document per record; chat: a conversation per record, rendered with the tokenizer's chat template and stored with a loss mask; preference: a prompt and a chosen and a rejected completion per record, in TRL's layouts (conversational, implicit prompt, plain texts), rendered so (default: text)")
     parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text (default: text)")
     parser.add_argument(MESSAGES_FLAG, default=None, help=f"--format chat: the JSONL field / Parquet list<struct> column holding the messages, OpenAI-style (role, content) or ShareGPT (from, value); a record without it but with Alpaca's instruction and output is read as a user and an assistant turn (default: {DEFAULT_MESSAGES_FIELD}; the format in docs/data.md)")
     parser.add_argument("--train-on", choices=CHAT_TRAIN_ON, default=None, help="--format chat: the turns trained: every turn of --roles-to-train (assistant, the default), the last of them only (last), or every token but the first (all); a message's own \"weight\": 0|1 or \"train\": false|true overrides its role")
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         corpus_bytes=sources.local_bytes(files),
         split_bytes=args.split_bytes,
     )
-    if chat is not None and not local and args.on_bad_record == "fail":
+    if chat is not None and chat.content == "chat" and not local and args.on_bad_record == "fail":
         # Before the cluster: a malformed record is found in a second, not after the actors start.
         first_pass.check_chat_records(files, chat.messages_field, chat.template.variables, args.max_record_bytes)
     started = time.monotonic()
@@ -204,6 +206,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
                 chat=None if chat is None else ChatInfo(chat.template.sha256, chat.template.file, chat.train_on,
                                                         chat.template.mask_source, chat.messages_field, num_trained,
                                                         chat.roles, chat.eos),  # fmt: skip
+                preference=PreferenceInfo(tally.num_documents // PAIR_DOCUMENTS) if args.format == "preference" else None,
             )
             output.publish(manifest)
         except BaseException:
@@ -223,11 +226,16 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
 
     chat_flags = {MESSAGES_FLAG: args.messages_field, "--train-on": args.train_on, "--roles-to-train": args.roles_to_train,
                   "--train-on-eos": args.train_on_eos, chat_template.OVERRIDE_KEY: args.chat_template}  # fmt: skip
-    if args.format != "chat":
+    if args.format == "text":
         for flag, value in chat_flags.items():
             if value is not None:
-                raise ConfigError(flag, "applies to --format chat only")
+                raise ConfigError(flag, "applies to --format chat and preference only")
         return None
+    if args.format == "preference":
+        # A pair's trained turns are its completions' assistant turns, by the chat mask rules.
+        for flag in (MESSAGES_FLAG, "--train-on", "--roles-to-train"):
+            if chat_flags[flag] is not None:
+                raise ConfigError(flag, "applies to --format chat only: a pair trains its completions' assistant turns")
     text_files = [f.uri for f in files if f.kind == "text"]
     if text_files:
         raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not conversations (--format chat reads JSONL or Parquet)")
@@ -235,7 +243,7 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
     if args.chat_template is not None:
         template = chat_template.override(template, args.chat_template)
     spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD,
-                                vocab_size, roles_to_train(args.roles_to_train), args.train_on_eos or "turn")  # fmt: skip
+                                vocab_size, roles_to_train(args.roles_to_train), args.train_on_eos or "turn", args.format)  # fmt: skip
     chat_render.check(spec)
     return spec
 
@@ -255,7 +263,9 @@ def roles_to_train(value: Optional[str]) -> tuple[str, ...]:
 def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
     m = summary.manifest
     rate = m.num_tokens / max(summary.seconds, 1e-9)
-    what = "conversations" if m.chat is not None else "documents"
+    count, what = m.num_documents, "conversations" if m.chat is not None else "documents"
+    if m.preference is not None:
+        count, what = m.preference.num_pairs, "preference pairs"
     where = (
         "in this process: a corpus of one piece's work (--split-bytes) starts no cluster"
         if summary.cluster_start_s is None
@@ -263,11 +273,11 @@ def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
     )
     trained = f", {m.chat.num_trained_tokens:,} trained (--train-on {m.chat.train_on})" if m.chat is not None else ""
     stream.write(
-        f"prepared {m.num_documents:,} {what}, {m.num_tokens:,} tokens{trained} ({m.dtype}) from {len(m.sources)} files "
+        f"prepared {count:,} {what}, {m.num_tokens:,} tokens{trained} ({m.dtype}) from {len(m.sources)} files "
         f"into {len(m.shards)} shards at {out_uri}\n"
         f"  tokenizer {m.tokenizer.name} (vocab {m.tokenizer.vocab_size}, eos {m.tokenizer.eos_id}); "
         f"{m.num_skipped} records skipped\n"
-        f"  {summary.seconds:.1f} s: {m.num_documents / max(summary.seconds, 1e-9):,.0f} docs/s, "
+        f"  {summary.seconds:.1f} s: {count / max(summary.seconds, 1e-9):,.0f} {what}/s, "
         f"{rate / 1e6:.2f}M tokens/s ({where})\n"
     )
 

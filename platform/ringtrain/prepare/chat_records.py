@@ -183,9 +183,13 @@ def read_chat(record: Conversation, field: str, context_fields: frozenset[str] =
         turns, flags, taken = _alpaca(fields), (None, None), {field, *ALPACA_FIELDS}
     else:
         raise BadConversation(f"no field {field!r} ({MESSAGES_FLAG}), nor Alpaca's 'instruction' and 'output'")
-    context = {name: _context_value(name, fields[name]) for name in sorted(context_fields - taken)
-               if fields.get(name) is not None}  # fmt: skip
-    return ChatRecord(turns, flags, context)
+    return ChatRecord(turns, flags, context_of(fields, taken, context_fields))
+
+
+def context_of(fields: dict[str, Any], taken: set[str], context_fields: frozenset[str]) -> dict[str, Any]:
+    """The record's ``context_fields`` it holds, but for those ``taken`` as its conversation."""
+    return {name: _context_value(name, fields[name]) for name in sorted(context_fields - taken)
+            if fields.get(name) is not None}  # fmt: skip
 
 
 def assistant_turns(conversation: list[dict[str, Any]]) -> list[int]:
@@ -236,9 +240,12 @@ def _string_leaf_paths(schema: Any, columns: list[str]) -> list[int]:
             and any(schema.column(i).path == c or schema.column(i).path.startswith(c + ".") for c in columns)]  # fmt: skip
 
 
-def _columns(names: list[str], field: str, context_fields: frozenset[str]) -> list[str]:
-    """The columns a chat record is read from: ``field`` (or Alpaca's), then the context's."""
-    if field in names:
+def _columns(names: list[str], field: str, context_fields: frozenset[str], record_fields: tuple[str, ...] = ()) -> list[str]:
+    """The columns a chat record is read from: ``record_fields`` where given (a preference
+    pair's), else ``field`` (or Alpaca's); then the context's."""
+    if record_fields:
+        taken = [n for n in record_fields if n in names]
+    elif field in names:
         taken = [field]
     elif "instruction" in names and "output" in names:
         taken = [n for n in ALPACA_FIELDS if n in names]
@@ -248,7 +255,8 @@ def _columns(names: list[str], field: str, context_fields: frozenset[str]) -> li
 
 
 def parquet_conversations(
-    piece: Any, path: str, field: str, counter: Any, max_bytes: int, context_fields: frozenset[str] = frozenset()
+    piece: Any, path: str, field: str, counter: Any, max_bytes: int, context_fields: frozenset[str] = frozenset(),
+    record_fields: tuple[str, ...] = (),
 ) -> Iterator[Any]:
     """A Parquet piece's conversations (``Conversation`` or ``BadRecord``, in row order) from its
     list<struct> column ``field`` (or Alpaca's string columns), with the ``context_fields``
@@ -268,10 +276,11 @@ def parquet_conversations(
     uri = piece.source.uri
     try:
         probe = pq.ParquetFile(path)
-        columns = _columns(probe.schema_arrow.names, field, context_fields)
+        columns = _columns(probe.schema_arrow.names, field, context_fields, record_fields)
         if not columns:
-            raise DataError(f"{uri}: no column {field!r} ({MESSAGES_FLAG}), nor Alpaca's instruction and output; "
-                            f"columns: {', '.join(probe.schema_arrow.names)}")
+            wanted = (f"none of the columns {', '.join(record_fields)}" if record_fields
+                      else f"no column {field!r} ({MESSAGES_FLAG}), nor Alpaca's instruction and output")  # fmt: skip
+            raise DataError(f"{uri}: {wanted}; columns: {', '.join(probe.schema_arrow.names)}")
         leaves = _string_leaf_paths(probe.schema, columns)
         pfile = pq.ParquetFile(path, read_dictionary=[probe.schema.column(i).path for i in leaves])
         kind = probe.schema_arrow.field(columns[0]).type  # as written, before reading strings as dictionaries
@@ -282,7 +291,7 @@ def parquet_conversations(
             rows = max(1, min(PARQUET_BATCH_ROWS, PARQUET_BATCH_BYTES // max(1, size // max(meta.num_rows, 1))))
             for batch in pfile.iter_batches(batch_size=rows, row_groups=[group], columns=columns):
                 arrays = [batch.column(i) for i in range(len(columns))]
-                if columns[0] == field and not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+                if not record_fields and columns[0] == field and not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
                     for _ in range(batch.num_rows):
                         counter.lines += 1
                         yield BadRecord(counter.lines, f"field {field!r} is {kind}, not a list of messages")

@@ -80,6 +80,14 @@ class ChatSpec:
     vocab_size: int  # ids at or above it are refused: the manifest's dtype was chosen for it
     roles: tuple[str, ...] = ("assistant",)  # --roles-to-train
     eos: str = "turn"  # prepared.CHAT_TRAIN_ON_EOS
+    content: str = "chat"  # prepared.CONTENTS: conversations, or preference pairs
+
+    @property
+    def record_fields(self) -> tuple[str, ...]:
+        """The fields a Parquet record is read from, where not the messages field (or Alpaca's)."""
+        from ringtrain.prepare.preference_records import PAIR_FIELDS
+
+        return PAIR_FIELDS if self.content == "preference" else ()
 
 
 Turn = tuple[int, int]  # a trained turn's tokens [start, end)
@@ -208,6 +216,18 @@ class ChatRenderer:
                             f"{spec.vocab_size} its tokenizer.json declares")  # fmt: skip
         mask[0] = 0  # nothing predicts the first token
         return np.asarray(ids, dtype=np.int64), mask
+
+    def prompt_ids(self, chat: ChatRecord) -> list[int]:
+        """The tokens of ``chat``'s messages with the generation prompt: what a model is given to
+        answer them. BadConversation where the template cannot render them."""
+        try:
+            ids = self._encode(self._text(chat, len(chat.messages), prompt=True))[0]
+        except Exception as exc:  # the template's own code (raise_exception, a filter): any error
+            raise BadConversation(f"the chat template cannot render the prompt ({type(exc).__name__}: {exc})") from None
+        if ids and max(ids) >= self.spec.vocab_size:
+            raise DataError(f"{self.template.folder}: the tokenizer gives id {max(ids)}, outside the vocabulary of "
+                            f"{self.spec.vocab_size} its tokenizer.json declares")  # fmt: skip
+        return ids
 
     def _end_of_turn(self, ids: list[int], start: int, end: int) -> int:
         """Where a turn's end-of-turn token is, or its end where it has none. What a turn's

@@ -39,6 +39,7 @@ import numpy as np
 from ringtrain.errors import DataError
 from ringtrain.prepare.chat_records import Conversation
 from ringtrain.prepare.chat_render import ChatEncoder, ChatSpec
+from ringtrain.prepare.preference_render import PreferenceEncoder
 from ringtrain.prepare.sources import (
     DEFAULT_MAX_RECORD_BYTES,
     BadRecord,
@@ -92,6 +93,11 @@ def _row(
     }
 
 
+def encoder_for(spec: ChatSpec, dtype: str) -> ChatEncoder:
+    """The encoder of ``spec``'s records: conversations, or preference pairs."""
+    return (PreferenceEncoder if spec.content == "preference" else ChatEncoder)(spec, dtype)
+
+
 class PieceTokenizer:
     """A Ray Data actor: one piece of a source file in, its documents' tokens out in ordered chunks."""
 
@@ -100,7 +106,7 @@ class PieceTokenizer:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.job = job
         self.encoder = Encoder(job.tokenizer, job.dtype)
-        self.chat = ChatEncoder(job.chat, job.dtype) if job.chat is not None else None
+        self.chat = encoder_for(job.chat, job.dtype) if job.chat is not None else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(batch["number"])):
@@ -118,8 +124,9 @@ class PieceTokenizer:
             local = fetch(piece.source.uri, folder) if folder else None
             chat = self.chat
             context = chat.renderer.context_fields if chat is not None else frozenset()
+            pair_fields = self.job.chat.record_fields if self.job.chat is not None else ()
             for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes,
-                                       chat is not None, context):  # fmt: skip
+                                       chat is not None, context, pair_fields):  # fmt: skip
                 if isinstance(record, Conversation) and chat is not None:
                     record = chat.convert(record, counter.lines)
                 if isinstance(record, BadRecord):
@@ -135,8 +142,10 @@ class PieceTokenizer:
                     continue
                 if not record:
                     continue  # an empty text makes no document (it would be a lone EOS)
-                texts.append(record)
-                chars += len(record)
+                # A preference pair is its prompt's and completions' documents, in order.
+                docs = record if isinstance(record, tuple) else (record,)
+                texts.extend(docs)
+                chars += sum(len(doc) for doc in docs)
                 if len(texts) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
                     yield self._chunk(piece, counter, texts, bad)
                     texts, bad, chars = [], [], 0

@@ -487,11 +487,13 @@ def read_records(
     max_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     chat: bool = False,
     context_fields: frozenset[str] = frozenset(),
+    record_fields: tuple[str, ...] = (),
 ) -> Iterator[Record]:
     """The records of ``piece`` in file order: a document's text (with ``chat``: the record, as a
     Conversation; from Parquet, the messages column ``text_field`` names, or Alpaca's, and the
-    ``context_fields`` columns) or a BadRecord (its line counted from the piece's first line; a
-    record over ``max_bytes`` is one). ``counter`` follows the lines consumed.
+    ``context_fields`` columns; a preference pair's ``record_fields``) or a BadRecord (its line
+    counted from the piece's first line; a record over ``max_bytes`` is one). ``counter`` follows
+    the lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -502,7 +504,7 @@ def read_records(
     if source.kind == "jsonl":
         return _jsonl(piece, path, text_field, counter, max_bytes, chat)
     if source.kind == "parquet" and chat:
-        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields)
+        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields, record_fields)
     if source.kind == "parquet":
         return _parquet(piece, path, text_field, counter, max_bytes)
     return _text(path, source.uri, counter, max_bytes)
