@@ -53,6 +53,7 @@ from ringtrain.prepare.chat_records import (
     read_chat,
 )
 from ringtrain.prepare.chat_template import KEY, OVERRIDE_KEY, ChatTemplate, shipped
+from ringtrain.prepare.preference_records import PAIR_FIELDS
 from ringtrain.prepare.sources import BadRecord
 
 # A conversation every chat template renders (no system turn: some templates refuse one), used
@@ -85,8 +86,6 @@ class ChatSpec:
     @property
     def record_fields(self) -> tuple[str, ...]:
         """The fields a Parquet record is read from, where not the messages field (or Alpaca's)."""
-        from ringtrain.prepare.preference_records import PAIR_FIELDS
-
         return PAIR_FIELDS if self.content == "preference" else ()
 
 
