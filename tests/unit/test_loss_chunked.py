@@ -80,3 +80,28 @@ def test_peak_memory_no_longer_grows_with_tokens_times_vocab() -> None:
     chunked = _loss_peak(128, vocab, 16) - _loss_peak(64, vocab, 16)
     assert full > 64 * vocab * 4  # at least one fp32 [tokens x vocab] more
     assert chunked / full <= 0.1, (chunked, full)
+
+
+def test_per_token_losses_and_their_gradients_equal_the_unchunked_ones() -> None:
+    """Each token's loss apart, and the gradient of any function of them (here a per-sequence
+    sum squared, as a preference objective takes it): what ``F.cross_entropy`` over the whole
+    logits gives, chunk by chunk."""
+    from ringtrain.train.loss import chunked_cross_entropy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[[0, 5, 36]] = -100
+    sequence = torch.arange(37) // 10
+
+    def objective(losses: torch.Tensor) -> torch.Tensor:
+        return (torch.zeros(4, dtype=losses.dtype).index_add(0, sequence, losses) ** 2).sum()
+
+    want_losses = torch.nn.functional.cross_entropy(hidden @ weight.T, labels, ignore_index=-100, reduction="none")
+    want = torch.autograd.grad(objective(want_losses), (hidden, weight))
+    got_losses = chunked_cross_entropy_tokens(hidden, weight, labels, 8)
+    got = torch.autograd.grad(objective(got_losses), (hidden, weight))
+    torch.testing.assert_close(got_losses, want_losses.float(), rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, want):  # the chunks' logits are fp32, as the summed path's are
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))

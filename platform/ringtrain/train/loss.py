@@ -15,7 +15,8 @@ a token whose label is IGNORE_INDEX contributes neither loss nor gradient, as in
 
 Given per-token ``weights`` (``train.loss_norm: sequence``: 1 / N_i for a token of conversation
 i), the result is the weighted sum, each token's loss and gradient scaled by its weight; without
-them the unweighted path runs exactly as before.
+them the unweighted path runs exactly as before. ``chunked_cross_entropy_tokens`` keeps each
+token's loss apart ([T]), its backward scaling each token's gradient by the incoming one.
 
 The result is the sum over labelled tokens, in fp32: the caller divides it exactly as it divides
 the unchunked sum (trainer.py normalises by the labels of the micro batch across CP ranks).
@@ -35,15 +36,17 @@ from ringtrain.train.data import IGNORE_INDEX
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over labelled t of CE(hidden[t] @ weight.T, labels[t]), computed chunk by chunk."""
+    """sum over labelled t of CE(hidden[t] @ weight.T, labels[t]), computed chunk by chunk; with
+    ``per_token``, each token's CE instead ([T], 0 where unlabelled)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int,
-        weights_T: Optional[torch.Tensor] = None,
+        weights_T: Optional[torch.Tensor] = None, per_token: bool = False,
     ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden_TE.device)
         lse_T = torch.empty(hidden_TE.shape[0], dtype=torch.float32, device=hidden_TE.device)
+        loss_T = torch.zeros(hidden_TE.shape[0] if per_token else 0, dtype=torch.float32, device=hidden_TE.device)
         for start in range(0, hidden_TE.shape[0], chunk_tokens):
             stop = start + chunk_tokens
             # The logits in the activation dtype, then fp32, exactly as the unchunked path casts.
@@ -56,10 +59,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss_C = lse_C - target_C
             if weights_T is not None:
                 loss_C = loss_C * weights_T[start:stop]
-            total += torch.where(valid_C, loss_C, 0.0).sum()
+            if per_token:
+                loss_T[start:stop] = torch.where(valid_C, loss_C, 0.0)
+            else:
+                total += torch.where(valid_C, loss_C, 0.0).sum()
         ctx.save_for_backward(hidden_TE, weight_VE, labels_T, lse_T, weights_T)
         ctx.chunk_tokens = chunk_tokens
-        return total
+        ctx.per_token = per_token
+        return loss_T if per_token else total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
@@ -78,7 +85,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_CV = torch.exp(logits_CV - lse_T[start:stop].unsqueeze(1))
             rows = torch.arange(grad_CV.shape[0], device=grad_CV.device)
             grad_CV[rows, labels_C.clamp(min=0)] -= 1.0
-            scale_C = valid_C.to(grad_CV.dtype) * grad_out
+            scale_C = valid_C.to(grad_CV.dtype) * (grad_out[start:stop] if ctx.per_token else grad_out)
             if weights_T is not None:
                 scale_C = scale_C * weights_T[start:stop]
             grad_CV *= scale_C.unsqueeze(1)
@@ -87,7 +94,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:stop] = grad_CV @ weight_VE
             if grad_weight is not None:
                 grad_weight += (grad_CV.t() @ h_CE).float()
-        return grad_hidden, grad_weight.to(weight_VE.dtype) if grad_weight is not None else None, None, None, None
+        return grad_hidden, grad_weight.to(weight_VE.dtype) if grad_weight is not None else None, None, None, None, None
 
 
 def chunked_cross_entropy_sum(
@@ -100,6 +107,17 @@ def chunked_cross_entropy_sum(
         raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
     weights = None if weights_T is None else weights_T.float()
     return _ChunkedLinearCrossEntropy.apply(hidden_TE, weight_VE, labels_T, chunk_tokens, weights)
+
+
+def chunked_cross_entropy_tokens(
+    hidden_TE: torch.Tensor, weight_VE: torch.Tensor, labels_T: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Each token's fp32 cross-entropy [T] (0 where unlabelled), chunk by chunk as
+    ``chunked_cross_entropy_sum``: what an objective of per-sequence sums (train/preference.py)
+    differentiates through, without the whole logits."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (got {chunk_tokens})")
+    return _ChunkedLinearCrossEntropy.apply(hidden_TE, weight_VE, labels_T, chunk_tokens, None, True)
 
 
 def logits_cross_entropy_sum(
