@@ -129,12 +129,12 @@ def test_cut_blocks_through_the_emulated_ring_equal_one_call(kernel: MathKernel,
 
 
 @pytest.mark.parametrize("kernel", ["math", "cpu_flash"], ids=["sequence-major", "head-major"])
-@pytest.mark.parametrize(("impl", "ring", "ulysses", "heads", "kv_heads"), [
-    ("ulysses", 1, 4, 4, 2),  # each KV head sent to two ranks
-    ("ulysses", 1, 4, 6, 2),  # 6 query heads padded to 8
-    ("hybrid", 2, 2, 4, 1),  # MQA
+@pytest.mark.parametrize(("ring", "ulysses", "heads", "kv_heads"), [
+    pytest.param(1, 4, 4, 2, id="ulysses-1-4-4-2"),  # each KV head sent to two ranks
+    pytest.param(1, 4, 6, 2, id="ulysses-1-4-6-2"),  # 6 query heads padded to 8
+    pytest.param(2, 2, 4, 1, id="hybrid-2-2-4-1"),  # MQA
 ])
-def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring: int, ulysses: int, heads: int,
+def test_ulysses_gathers_into_either_kernel_layout(kernel: str, ring: int, ulysses: int, heads: int,
                                                   kv_heads: int) -> None:
     from tests.emulated_cp import emulated_attention
 
@@ -143,7 +143,7 @@ def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring:
     q, k, v, dout = (torch.randn(1, seq, n, HEAD_DIM, generator=gen, dtype=torch.float64)
                      for n in (heads, kv_heads, kv_heads, heads))
     docs = torch.tensor([[0] * (seq // 3) + [1] * (seq - seq // 3)])
-    out, grads = emulated_attention(impl, q, k, v, dout, ring=ring, ulysses=ulysses, kernel=kernel, doc_ids_BS=docs,
+    out, grads = emulated_attention(q, k, v, dout, ring=ring, ulysses=ulysses, kernel=kernel, doc_ids_BS=docs,
                                     timeout_s=20.0)
     assert grads is not None
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), _reference(q, k, v, dout, docs, None)):
