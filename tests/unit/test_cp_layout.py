@@ -11,7 +11,7 @@ comparison of a group's size or a CP degree with one rank.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import functools
 from pathlib import Path
 
 import pytest
@@ -71,14 +71,16 @@ class _Scoped(ast.NodeVisitor):
         super().generic_visit(node)
 
 
-def _nodes(source: str) -> Iterator[tuple[str, ast.AST]]:
+def _nodes(source: str) -> list[tuple[str, ast.AST]]:
     visitor = _Scoped()
     visitor.visit(ast.parse(source))
-    yield from visitor.found
+    return visitor.found
 
 
-def _modules() -> dict[str, str]:
-    return {p.relative_to(PACKAGE).as_posix(): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+@functools.lru_cache(maxsize=1)
+def _package() -> dict[str, list[tuple[str, ast.AST]]]:
+    """Every module of the package (its path under platform/ringtrain): its nodes, each with its scope."""
+    return {p.relative_to(PACKAGE).as_posix(): _nodes(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _called(node: ast.AST) -> str:
@@ -132,9 +134,9 @@ def _compares_a_size_with_one_rank(node: ast.Compare) -> bool:
     return False
 
 
-def _decisions(path: str, source: str) -> list[str]:
+def _decisions(path: str, nodes: list[tuple[str, ast.AST]]) -> list[str]:
     found = []
-    for scope, node in _nodes(source):
+    for scope, node in nodes:
         if isinstance(node, ast.Compare) and (_compares_a_name(node) or _compares_a_size_with_one_rank(node)):
             found.append(f"{path}:{node.lineno} ({scope or 'module'}): {ast.unparse(node)}")
     return found
@@ -142,8 +144,8 @@ def _decisions(path: str, source: str) -> list[str]:
 
 def test_the_cp_layout_is_built_in_one_function() -> None:
     made: dict[str, set[tuple[str, str]]] = {name: set() for name in BUILT_IN}
-    for path, source in _modules().items():
-        for scope, node in _nodes(source):
+    for path, nodes in _package().items():
+        for scope, node in nodes:
             if _called(node) in made:
                 made[_called(node)].add((path, scope))
     assert made == BUILT_IN
@@ -151,8 +153,8 @@ def test_the_cp_layout_is_built_in_one_function() -> None:
 
 def test_only_the_layout_reads_attention_impl() -> None:
     readers = set()
-    for path, source in _modules().items():
-        for scope, node in _nodes(source):
+    for path, nodes in _package().items():
+        for scope, node in nodes:
             if isinstance(node, ast.Attribute) and node.attr == "impl" and _named(node.value) == "attention":
                 readers.add((path, scope))
     assert readers == READS_IMPL_NAME
@@ -161,9 +163,9 @@ def test_only_the_layout_reads_attention_impl() -> None:
 def test_no_reader_of_the_layout_decides_one() -> None:
     """Attention, the trainer, the planner's layout, evaluation and the checks compare no
     implementation name and no group size with one rank: the layout says what runs."""
-    readers = {path: source for path, source in _modules().items() if path.startswith(READERS)}
+    readers = {path: nodes for path, nodes in _package().items() if path.startswith(READERS)}
     assert {path for path in readers if path.startswith(READERS[0])}, "the attention package moved"
-    found = [line for path, source in readers.items() for line in _decisions(path, source)]
+    found = [line for path, nodes in readers.items() for line in _decisions(path, nodes)]
     assert not found, "a layout decided outside topology.py:\n" + "\n".join(found)
 
 
@@ -177,7 +179,7 @@ def test_no_reader_of_the_layout_decides_one() -> None:
 ])
 def test_the_scan_sees_a_decision(decision: str) -> None:
     """Each of the decisions the layout replaced, written again, is found."""
-    assert _decisions("train/trainer.py", decision)
+    assert _decisions("train/trainer.py", _nodes(decision))
 
 
 @pytest.mark.parametrize("check", [
@@ -186,7 +188,7 @@ def test_the_scan_sees_a_decision(decision: str) -> None:
     "if groups != (layout.ring, layout.ulysses):\n    pass",  # groups checked against the layout
 ])
 def test_the_scan_passes_what_decides_no_layout(check: str) -> None:
-    assert not _decisions("train/attention/call.py", check)
+    assert not _decisions("train/attention/call.py", _nodes(check))
 
 
 # ---------------------------------------------------------------- the value
