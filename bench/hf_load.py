@@ -74,6 +74,7 @@ def _ringtrain(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
     import torch
 
     from ringtrain.hf.weights import PretrainedWeights
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention import build_attention
     from ringtrain.train.engine import build_engine, partitioned_construction
     from ringtrain.train.trainer import build_model
@@ -81,7 +82,7 @@ def _ringtrain(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
 
     phases.start()
     with partitioned_construction(job, mesh, torch.float32):
-        model = build_model(job, build_attention("local", "auto", ring_group=None, ulysses_group=None))
+        model = build_model(job, build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None))
     phases.stop("build")
     zero = ZeroState(build_engine(model, job, mesh, torch.float32, "cpu"), model, 3, rank, WORLD)
     zero.ensure_optimizer_state()
@@ -95,13 +96,14 @@ def _naive(job: Any, mesh: Any, rank: int, phases: Phases) -> None:
     from safetensors.torch import load_file
 
     from ringtrain.hf.names import from_hf
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention import build_attention
     from ringtrain.train.engine import build_engine
     from ringtrain.train.trainer import build_model
     from ringtrain.train.zero_state import ZeroState
 
     phases.start()
-    model = build_model(job, build_attention("local", "auto", ring_group=None, ulysses_group=None))
+    model = build_model(job, build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None))
     phases.stop("build")
     phases.start()
     state = {from_hf(name): t for name, t in load_file(Path(job.model.hf) / "model.safetensors").items()}

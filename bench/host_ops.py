@@ -98,7 +98,6 @@ TOKENS_PER_RANK = 32
 @dataclass(frozen=True)
 class Layout:
     name: str
-    impl: str
     ring: int
     ulysses: int
     kv_exchange: str = "ring"
@@ -107,13 +106,13 @@ class Layout:
 
 
 LAYOUTS = (
-    Layout("ring cp4", "ring", 4, 1),
-    Layout("ring cp4 allgather", "ring", 4, 1, kv_exchange="allgather"),
-    Layout("ring cp4 packed", "ring", 4, 1, documents=True),
-    Layout("ulysses cp4", "ulysses", 1, 4),
-    Layout("hybrid 2x2", "hybrid", 2, 2),
-    Layout("ring cp8", "ring", 8, 1),
-    Layout("ring cp4 window", "ring", 4, 1, window=48),
+    Layout("ring cp4", 4, 1),
+    Layout("ring cp4 allgather", 4, 1, kv_exchange="allgather"),
+    Layout("ring cp4 packed", 4, 1, documents=True),
+    Layout("ulysses cp4", 1, 4),
+    Layout("hybrid 2x2", 2, 2),
+    Layout("ring cp8", 8, 1),
+    Layout("ring cp4 window", 4, 1, window=48),
 )
 
 _kernel_time = threading.local()
@@ -230,7 +229,7 @@ def _call(layout: Layout, kernel: Any, rank_context: Callable[[], Any], document
                       window=layout.window, rank_context=rank_context)
         return
     docs = _doc_ids(q.shape[1]) if layout.documents else None
-    emulated_attention(layout.impl, q, k, v, dout, ring=layout.ring, ulysses=layout.ulysses, kernel=kernel,
+    emulated_attention(q, k, v, dout, ring=layout.ring, ulysses=layout.ulysses, kernel=kernel,
                        doc_ids_BS=docs, kv_exchange=layout.kv_exchange, rank_context=rank_context,
                        documents=documents)
 
@@ -282,6 +281,7 @@ def _rank_inputs(layout: Layout) -> tuple[torch.Tensor, ...]:
 
 def _layout_attention(layout: Layout, kernel: Any) -> Attention:
     """The last rank's attention as the product runs it, on loopback transports."""
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention.call import AttentionCall
     from ringtrain.train.attention.documents import Documents
     from ringtrain.train.attention.implementations import build_attention
@@ -300,9 +300,8 @@ def _layout_attention(layout: Layout, kernel: Any) -> Attention:
         call = AttentionCall(ring, ring_idx, layout.ring, TOKENS_PER_RANK, True, None, layout.window,
                              HEAD_DIM**-0.5, kernel, "ring")
         return lambda q, k, v: attend(call, q, k, v)
-    built = build_attention(layout.impl, kernel, ring_group=ring,
-                            ulysses_group=_TimedLoopback(ulysses_idx, layout.ulysses),
-                            kv_exchange=layout.kv_exchange)
+    built = build_attention(CPLayout(layout.ring, layout.ulysses, layout.kv_exchange), kernel, ring_group=ring,
+                            ulysses_group=_TimedLoopback(ulysses_idx, layout.ulysses))
     return lambda q, k, v: built(q, k, v, causal=True, doc_ids=docs)
 
 

@@ -371,6 +371,7 @@ def run_trainer(case: Case) -> dict[str, Any]:
 
 def run_plain(case: Case) -> dict[str, Any]:
     """The Trainer's model and optimizer recipe in a loop of plain PyTorch."""
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention import build_attention
     from ringtrain.train.engine import resolve_dtype
     from ringtrain.train.model import num_params
@@ -379,7 +380,7 @@ def run_plain(case: Case) -> dict[str, Any]:
     device = device_of(case)
     job = load_job(case)
     dtype = resolve_dtype(job, device)
-    attention_fn = build_attention("local", job.attention.kernel, ring_group=None, ulysses_group=None)
+    attention_fn = build_attention(CPLayout(1, 1), job.attention.kernel, ring_group=None, ulysses_group=None)
     with device:  # drawn on the device: a 1-2B model's initialisation on the host takes long
         model = build_model(job, attention_fn, device).to(dtype=dtype)
     model.train()

@@ -34,6 +34,7 @@ from typing import Any, ContextManager, Optional, Union
 
 import torch
 
+from ringtrain.topology import CPLayout
 from ringtrain.train.attention.call import AttentionCall
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.exchanges import EXCHANGES
@@ -262,7 +263,6 @@ def emulated_ring(
 
 
 def emulated_attention(
-    impl: str,
     q_BSHD: Tensor,
     k_BSKD: Tensor,
     v_BSKD: Tensor,
@@ -278,13 +278,14 @@ def emulated_attention(
     rank_context: RankContext = contextlib.nullcontext,
     documents: Optional[list[Optional[Documents]]] = None,
 ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor, Tensor]]]:
-    """Attention implementation ``impl`` over a ``ring`` x ``ulysses`` CP group of threads, on the
-    full-sequence inputs sharded as a job shards them: the unsharded output, and with ``dout``
-    the unsharded (dq, dk, dv) through autograd (CPU or meta tensors: see the module doc).
-    ``rank_context()`` holds each rank's attention call and backward; ``documents``: each rank's
-    ``Documents`` of ``doc_ids_BS`` where a caller keeps them across calls (as a forward's layers
-    share theirs)."""
-    world = ring * ulysses
+    """The attention of the CP layout ``ring`` x ``ulysses`` (K/V exchanged as ``kv_exchange``
+    asks) over a CP group of threads, on the full-sequence inputs sharded as a job shards them:
+    the unsharded output, and with ``dout`` the unsharded (dq, dk, dv) through autograd (CPU or
+    meta tensors: see the module doc). ``rank_context()`` holds each rank's attention call and
+    backward; ``documents``: each rank's ``Documents`` of ``doc_ids_BS`` where a caller keeps
+    them across calls (as a forward's layers share theirs)."""
+    layout = CPLayout(ring, ulysses, kv_exchange)
+    world = layout.cp
     ring_boxes = [_Mailboxes(timeout_s) for _ in range(ulysses)]  # one ring per Ulysses index
     ulysses_boxes = [_Mailboxes(timeout_s) for _ in range(ring)]  # one Ulysses group per ring index
 
@@ -300,10 +301,9 @@ def emulated_attention(
     def rank_main(rank: int) -> tuple[Tensor, ...]:
         ring_idx, ulysses_idx = divmod(rank, ulysses)
         attention = build_attention(
-            impl, kernel,
+            layout, kernel,
             ring_group=EmulatedTransport(ring_idx, ring, ring_boxes[ulysses_idx]),
             ulysses_group=EmulatedTransport(ulysses_idx, ulysses, ulysses_boxes[ring_idx]),
-            kv_exchange=kv_exchange,
         )
         inputs = [q_parts[rank], k_parts[rank], v_parts[rank]]
         if dout_BSHD is None:

@@ -9,11 +9,97 @@ Sequence layout within one CP group (what the data loader produces and the atten
 expects): the sequence is cut into ``2 * ring`` chunks; ring index r holds chunks r and
 ``2*ring-1-r`` (zigzag, so causal work is balanced); that ring shard is split contiguously into
 ``ulysses`` parts and Ulysses index u holds part u.
+
+Which context parallelism runs is one value, ``CPLayout``, built from a job by ``cp_layout``
+alone: attention, the trainer, the planner, evaluation and the config checks read it, and none
+of them decides it again from ``attention.impl`` or from the size of a group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from ringtrain.errors import ConfigError
+
+# What a CP layout runs (``CPLayout.runs``), declared once: attention.impl names the first three
+# (config's ATTENTION_IMPLS), and a CP group of one rank runs the last. train/attention keys its
+# implementations by them.
+RING, ULYSSES, HYBRID, LOCAL = "ring", "ulysses", "hybrid", "local"
+ATTENTION_IMPLS = (RING, ULYSSES, HYBRID)
+LOCAL_ATTENTION_IMPL = LOCAL
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """Which context parallelism runs: a CP group of ``ring x ulysses`` ranks whose Ulysses groups
+    (``ulysses`` consecutive ranks) exchange heads all-to-all, and whose rings (``ring`` ranks)
+    pass K/V as ``kv_exchange`` asks (``attention.kv_exchange``; train/attention/call.py's
+    ``choose_exchange`` picks from it per call, by the block's length and window).
+
+    A group of one rank runs nothing of its own (``runs``): the ring alone where the Ulysses
+    groups are one rank, Ulysses alone where the rings are, plain local attention where both are.
+    A job's layout comes from ``cp_layout`` (``JobConfig.cp_layout``); the planner makes one of
+    the degrees it proposes.
+    """
+
+    ring: int
+    ulysses: int
+    kv_exchange: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.ring < 1 or self.ulysses < 1:
+            raise ValueError(f"invalid CP layout ring={self.ring} ulysses={self.ulysses}")
+
+    @property
+    def cp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def runs(self) -> str:
+        """What each rank runs: ``RING``, ``ULYSSES``, ``HYBRID`` or, in a CP group of one rank,
+        ``LOCAL``."""
+        if self.ring == 1:
+            return LOCAL if self.ulysses == 1 else ULYSSES
+        return RING if self.ulysses == 1 else HYBRID
+
+    @property
+    def impl(self) -> str:
+        """The ``attention.impl`` that asks for this layout (for a CP group of one rank, the
+        default's: ring)."""
+        runs = self.runs
+        return RING if runs == LOCAL else runs
+
+
+def cp_layout(impl: str, cp: int, ulysses: Optional[int], kv_exchange: str = "auto") -> CPLayout:
+    """The CP layout a job asks for with ``attention.impl``, ``mesh.cp``, ``mesh.ulysses`` and
+    ``attention.kv_exchange``; pure. The one place that reads the implementation's name.
+
+    ``mesh.ulysses`` unset is 1 for ring and ``mesh.cp`` for ulysses; hybrid needs it set, between
+    1 and ``mesh.cp``. Raises ConfigError naming the key to change where the values disagree.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError("attention.impl", f"{impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    if not cp >= 1:
+        raise ConfigError("mesh.cp", f"must be >= 1 (got {cp})")
+    if ulysses is not None:
+        if not ulysses >= 1:
+            raise ConfigError("mesh.ulysses", f"must be >= 1 (got {ulysses})")
+        if cp % ulysses:
+            raise ConfigError("mesh.ulysses", f"{ulysses} does not divide mesh.cp={cp} (ring degree = cp / ulysses)")
+        if impl == RING and ulysses != 1:
+            raise ConfigError("mesh.ulysses", f"attention.impl=ring needs mesh.ulysses=1 (got {ulysses}); use hybrid")
+        if impl == ULYSSES and ulysses != cp:
+            raise ConfigError("mesh.ulysses", f"attention.impl=ulysses needs mesh.ulysses=mesh.cp={cp} (got {ulysses})")
+    if impl == HYBRID:
+        if ulysses is None:
+            raise ConfigError("mesh.ulysses", "attention.impl=hybrid needs the ulysses degree inside the ring set")
+        if not 1 < ulysses < cp:
+            raise ConfigError("mesh.ulysses",
+                              f"attention.impl=hybrid needs 1 < mesh.ulysses < mesh.cp={cp} (got {ulysses})")
+    if ulysses is None:
+        ulysses = cp if impl == ULYSSES else 1
+    return CPLayout(cp // ulysses, ulysses, kv_exchange)
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,14 @@ def test_flops_per_token_is_what_the_model_runs(name: str) -> None:
     which is what the math kernel computes (every score, the masked ones too); the causal
     formula is that less half the attention. Counted on the tiny shape, whose Qwen3 flavour has
     n_heads x head_dim != dim, so an attention width taken from dim fails here."""
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention import build_attention
     from ringtrain.train.trainer import build_model
 
     case = bench.Case(shape=name, variant="plain", device="cpu", tiny=True, seq=64, warmup=0, steps=1, zero=2,
                       kernel="math", snapshot_every=0)
     job = bench.load_job(case)
-    model = build_model(job, build_attention("local", "math", ring_group=None, ulysses_group=None))
+    model = build_model(job, build_attention(CPLayout(1, 1), "math", ring_group=None, ulysses_group=None))
     input_ids = torch.zeros(1, case.seq, dtype=torch.long)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(input_ids, torch.arange(case.seq)[None])

@@ -26,6 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ringtrain.errors import ConfigError
+from ringtrain.topology import CPLayout, cp_layout
 from ringtrain.train.attention import (
     KernelUnavailableError,
     build_attention,
@@ -244,7 +246,8 @@ def _attend(
         return hybrid_attention(
             q, k, v, ring_group=ring_group, ulysses_group=ulysses_group, kernel=kernel, kv_exchange=exchange, **kw
         )
-    fn = build_attention("hybrid", kernel, ring_group=ring_group, ulysses_group=ulysses_group, kv_exchange=exchange)
+    fn = build_attention(CPLayout(case_ring, case_ulysses, exchange), kernel, ring_group=ring_group,
+                         ulysses_group=ulysses_group)
     return fn(q, k, v, **kw)
 
 
@@ -564,15 +567,15 @@ def test_unavailable_kernels_refused_at_call_and_build() -> None:
     with pytest.raises(KernelUnavailableError, match="sdpa_flash"):
         get_kernel("sdpa_flash", device_type="cpu", dtype=torch.float16)
     with pytest.raises(KernelUnavailableError, match="no log-sum-exp"):
-        build_attention("ring", "sdpa", ring_group=None, ulysses_group=None)
-    with pytest.raises(ValueError, match="unknown"):
-        build_attention("zigzag", "auto", ring_group=None, ulysses_group=None)
+        build_attention(CPLayout(1, 1), "sdpa", ring_group=None, ulysses_group=None)
+    with pytest.raises(ConfigError, match="attention.impl: 'zigzag' is not one of"):  # unknown: named by the layout
+        cp_layout("zigzag", 1, None)
 
 
 def test_local_build_matches_reference_in_one_process() -> None:
     case = Case("build", 1, 1, 4, 2, docs="padded", causal=False)
     x = _inputs(case)
-    fn = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    fn = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     q, k, v = (x[n].float().requires_grad_() for n in ("q", "k", "v"))
     out = fn(q, k, v, causal=False, doc_ids=x["doc"])
     ref = reference_attention(x["q"], x["k"], x["v"], causal=False, doc_ids=x["doc"])

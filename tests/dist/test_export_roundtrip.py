@@ -158,6 +158,7 @@ def test_a_trained_export_gives_ringtrains_logits(trained: dict[str, Any], tmp_p
     from ringtrain import config
     from ringtrain.checkpoint import open_store
     from ringtrain.hf import resolve_job
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention import build_attention
     from ringtrain.train.model import ModelArgs, Transformer
     from ringtrain.checkpoint.wire import FragmentIndex, decode
@@ -173,7 +174,7 @@ def test_a_trained_export_gives_ringtrains_logits(trained: dict[str, Any], tmp_p
     store = open_store(store_path.as_uri())
     loaded = store.load(store.list()[0].step)
     index = FragmentIndex([decode(loaded.shards[name]) for name in loaded.shards])
-    local = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    local = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     model = Transformer(ModelArgs.from_job(job), attention_fn=local, init_std=None)
     with torch.no_grad():
         for name, p in model.named_parameters():

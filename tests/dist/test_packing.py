@@ -40,9 +40,10 @@ def _loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor
 
 def _reference(mb: Any) -> tuple[float, dict[str, torch.Tensor]]:
     """Each document of each sample alone: the token-weighted mean loss and its gradients."""
+    from ringtrain.topology import CPLayout
     from ringtrain.train.attention import build_attention
 
-    model = _model(build_attention("local", "auto", ring_group=None, ulysses_group=None))
+    model = _model(build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None))
     total, count = torch.zeros(()), 0
     for b in range(mb.input_ids.shape[0]):
         for doc in np.unique(mb.doc_ids[b]):
@@ -60,14 +61,15 @@ def _rank(rank: int, world: int, store: str, root: str, impl: str, ulysses: int,
     with gloo_rank(rank, world, store, results):
         import torch.distributed as dist
 
-        from ringtrain.topology import Topology
+        from ringtrain.topology import Topology, cp_layout
         from ringtrain.train.attention import build_attention
         from ringtrain.train.corpus import PreparedCorpus
         from ringtrain.train.data import BatchPlan, ShardedData
         from ringtrain.train.mesh import build_mesh
         from ringtrain.train.mixture import MixedSamples, SourceSpec
 
-        topology = Topology(1, world, ulysses)
+        layout = cp_layout(impl, world, ulysses)
+        topology = Topology(1, layout.cp, layout.ulysses)
         mesh = build_mesh(topology, rank)
 
         def data(ring: int, ulysses: int, ring_idx: int, ulysses_idx: int) -> Any:
@@ -76,7 +78,7 @@ def _rank(rank: int, world: int, store: str, root: str, impl: str, ulysses: int,
                                ring_idx=ring_idx, ulysses_idx=ulysses_idx, vocab_size=VOCAB)
 
         mb = data(topology.ring, topology.ulysses, mesh.coord.ring_idx, mesh.coord.ulysses_idx).step_batches(1, 0)[0]
-        model = _model(build_attention(impl, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group))
+        model = _model(build_attention(layout, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group))
         labels = torch.as_tensor(mb.labels)
         local = _loss_sum(model(torch.as_tensor(mb.input_ids), torch.as_tensor(mb.position_ids),
                                 doc_ids_BS=torch.as_tensor(mb.doc_ids)), labels)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from ringtrain.topology import CPLayout
 from ringtrain.train import fused as ops
 from ringtrain.train.attention import build_attention
 from ringtrain.train.fused import FusedOps
@@ -112,7 +113,7 @@ QWEN3_LIKE = ModelArgs(vocab_size=4096, dim=512, n_layers=2, n_heads=8, n_kv_hea
 
 @pytest.mark.parametrize("kernel", ["sdpa_cudnn", "sdpa_flash"])
 def test_a_model_with_every_fused_op_trains_as_the_eager_model(kernel: str) -> None:
-    attention = build_attention("local", kernel, ring_group=None, ulysses_group=None)
+    attention = build_attention(CPLayout(1, 1), kernel, ring_group=None, ulysses_group=None)
     ids = torch.randint(0, QWEN3_LIKE.vocab_size, (1, 2048), device="cuda")
     positions = torch.arange(2048, device="cuda")[None]
     results = {}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ringtrain import config
 from ringtrain.hf import resolve_job
 from ringtrain.hf.weights import PretrainedWeights, load_full
+from ringtrain.topology import CPLayout
 from ringtrain.train.attention import build_attention
 from ringtrain.train.model import ModelArgs, Transformer
 from tests.hf_models import ARCHS, hf_logits, save_model, tokens
@@ -37,7 +38,7 @@ ROPES: dict[str, Optional[dict[str, Any]]] = {
 
 def ringtrain_logits(folder: Path, ids: torch.Tensor, overrides: tuple[str, ...] = ()) -> torch.Tensor:
     job = resolve_job(config.load(None, [f"model.hf={folder}", f"data.seq_len={ids.shape[1]}", *overrides]))
-    local = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    local = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     model = Transformer(ModelArgs.from_job(job), attention_fn=local, init_std=None)
     load_full(model, PretrainedWeights(folder))
     positions = torch.arange(ids.shape[1]).expand_as(ids)

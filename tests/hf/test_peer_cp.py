@@ -34,18 +34,17 @@ def _rank_main(
     from ringtrain import config
     from ringtrain.hf import resolve_job
     from ringtrain.hf.weights import PretrainedWeights, load_full
-    from ringtrain.topology import Topology, sequence_positions
+    from ringtrain.topology import Topology, cp_layout, sequence_positions
     from ringtrain.train.attention import build_attention
     from ringtrain.train.mesh import build_mesh
     from ringtrain.train.model import ModelArgs, Transformer
     from tests.hf_models import hf_logits, tokens
 
     with gloo_rank(rank, world, store, results):
-        topology = Topology(1, world, ulysses)
+        layout = cp_layout(impl, world, ulysses, exchange)
+        topology = Topology(1, layout.cp, layout.ulysses)
         mesh = build_mesh(topology, rank)
-        attention = build_attention(
-            impl, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group, kv_exchange=exchange
-        )
+        attention = build_attention(layout, "auto", ring_group=mesh.ring_group, ulysses_group=mesh.ulysses_group)
         c = mesh.coord
         pos = torch.tensor(sequence_positions(SEQ, topology.ring, topology.ulysses, c.ring_idx, c.ulysses_idx))
         ids = tokens(2, SEQ)

@@ -24,6 +24,7 @@ from ringtrain.hf import resolve_job
 from ringtrain.hf.export import export
 from ringtrain.hf.hfconfig import model_fields
 from ringtrain.hf.weights import PretrainedWeights, load_full
+from ringtrain.topology import CPLayout
 from ringtrain.train.attention import build_attention
 from ringtrain.train.model import ModelArgs, Transformer
 from tests.hf.test_peer import relative_gap
@@ -42,7 +43,7 @@ def no_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _imported(folder: Path, *overrides: str) -> tuple[config.JobConfig, Transformer]:
     job = resolve_job(config.load(None, [f"model.hf={folder}", f"data.seq_len={SEQ}", *overrides]))
-    local = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    local = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     model = Transformer(ModelArgs.from_job(job), attention_fn=local, init_std=None)
     load_full(model, PretrainedWeights(folder))
     return job, model
@@ -133,7 +134,7 @@ def test_a_scratch_model_exports_as_the_architecture_that_has_its_block(case: st
     overrides, arch = SCRATCH_MODELS[case]
     job = config.load(None, SCRATCH + overrides)
     torch.manual_seed(0)
-    model = Transformer(ModelArgs.from_job(job), attention_fn=build_attention("local", "auto", ring_group=None, ulysses_group=None), init_std=0.3)
+    model = Transformer(ModelArgs.from_job(job), attention_fn=build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None), init_std=0.3)
     with torch.no_grad():  # norm gains away from the identity, so their convention shows
         for param_name, p in model.named_parameters():
             if "norm" in param_name:
@@ -148,6 +149,6 @@ def test_a_scratch_model_no_architecture_has_is_refused(tmp_path: Path) -> None:
     from ringtrain.errors import ConfigError
 
     job = config.load(None, SCRATCH + ["model.layer_types=[sliding_attention,full_attention,sliding_attention]"])
-    model = Transformer(ModelArgs.from_job(job), attention_fn=build_attention("local", "auto", ring_group=None, ulysses_group=None))
+    model = Transformer(ModelArgs.from_job(job), attention_fn=build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None))
     with pytest.raises(ConfigError, match="model.sliding_window: LlamaForCausalLM has no sliding window"):
         _export(tmp_path, job, model)

@@ -11,6 +11,7 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch
 
+from ringtrain.topology import CPLayout
 from ringtrain.train.attention import build_attention
 from ringtrain.train.model import MemorySavers, ModelArgs, Transformer
 
@@ -38,7 +39,7 @@ TINY = ModelArgs(
 def tiny_model(savers: MemorySavers = MemorySavers(), *, args: ModelArgs = TINY, seed: int = 0) -> Transformer:
     """The same fp32 weights for every ``savers``: only the forward's memory tactics differ."""
     torch.manual_seed(seed)
-    attention = build_attention("local", "cpu_flash", ring_group=None, ulysses_group=None)
+    attention = build_attention(CPLayout(1, 1), "cpu_flash", ring_group=None, ulysses_group=None)
     return Transformer(args, attention_fn=attention, init_std=0.2, savers=savers).train()
 
 

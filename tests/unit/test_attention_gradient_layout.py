@@ -108,7 +108,7 @@ def test_a_copied_kv_heads_gradient_is_its_copies_gradients_summed(heads: int, g
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, seq, n, D, generator=gen).bfloat16() for n in (heads, 1, 1, heads))
     kernel = get_kernel("cpu_flash", device_type="cpu", dtype=torch.bfloat16)
-    _, grads = emulated_attention("ulysses", q, k, v, dout, ring=1, ulysses=heads, kernel=kernel)
+    _, grads = emulated_attention(q, k, v, dout, ring=1, ulysses=heads, kernel=kernel)
     assert grads is not None
     per_head: list[list[torch.Tensor]] = [[], []]
     for head in range(heads):  # rank ``head``'s call: its query head, its copy of the KV head

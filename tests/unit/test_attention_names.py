@@ -1,4 +1,5 @@
-"""The attention names are declared once, in config, and every train-side registry matches them.
+"""The attention names are declared once, in config (the implementations with the CP layout, in
+topology), and every train-side registry matches them.
 
 Adding a kernel or implementation name without what runs it, or the reverse, fails here (and at
 the registry's import, through ``keyed_by``) instead of when a job names it.
@@ -18,6 +19,7 @@ from ringtrain.config import (
     AUTO_KERNEL,
     LOCAL_ATTENTION_IMPL,
 )
+from ringtrain.topology import CPLayout
 from ringtrain.train import attention
 from ringtrain.train.attention import implementations, kernels
 from ringtrain.train.attention.block_kernel import AttentionKernel
@@ -70,16 +72,52 @@ def test_implementations_are_the_configs_and_local() -> None:
     assert tuple(implementations.IMPLEMENTATIONS) == implementations.IMPLS
 
 
-@pytest.mark.parametrize("impl", [*ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL])
-def test_the_built_attention_runs_its_own_implementation(impl: str) -> None:
-    fn = attention.build_attention(impl, "auto", ring_group=None, ulysses_group=None)
-    assert fn.impl == impl
-    assert fn._run is implementations.IMPLEMENTATIONS[impl].run
+class _Group:
+    """A group of ``ranks`` ranks as ``build_attention`` sees one: a transport that sends nothing."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self.ranks
+
+    def send_recv(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("building an attention sends nothing")
+
+
+# (ring, ulysses) -> what the layout runs: every implementation, the ring or Ulysses alone where
+# the other group is one rank.
+RUNS = {(1, 1): LOCAL_ATTENTION_IMPL, (2, 1): "ring", (1, 2): "ulysses", (2, 2): "hybrid", (4, 1): "ring",
+        (1, 4): "ulysses", (2, 4): "hybrid"}
+
+
+def test_every_implementation_is_what_some_layout_runs() -> None:
+    assert set(RUNS.values()) == set(implementations.IMPLS)
+
+
+@pytest.mark.parametrize(("ring", "ulysses"), list(RUNS), ids=[f"{r}x{u}" for r, u in RUNS])
+def test_the_built_attention_runs_its_layouts_implementation(ring: int, ulysses: int) -> None:
+    runs = RUNS[(ring, ulysses)]
+    layout = CPLayout(ring, ulysses)
+    assert layout.runs == runs
+    fn = attention.build_attention(layout, "auto", ring_group=_Group(ring), ulysses_group=_Group(ulysses))
+    assert fn.impl == runs
+    assert fn._run is implementations.IMPLEMENTATIONS[runs]
+
+
+@pytest.mark.parametrize(("ring", "ulysses"), [(1, 1), (2, 1), (2, 2)])
+def test_groups_that_are_not_the_layouts_are_refused(ring: int, ulysses: int) -> None:
+    with pytest.raises(ValueError, match=f"ring {ring} x ulysses {ulysses} was given"):
+        attention.build_attention(CPLayout(ring, ulysses), "auto", ring_group=_Group(ring * 2),
+                                  ulysses_group=_Group(ulysses))
 
 
 @pytest.mark.parametrize("kernel", ATTENTION_KERNELS)
 def test_every_declared_kernel_name_builds(kernel: str) -> None:
-    attention.build_attention("ring", kernel, ring_group=None, ulysses_group=None)
+    attention.build_attention(CPLayout(1, 1), kernel, ring_group=None, ulysses_group=None)
 
 
 def test_a_registry_that_disagrees_with_the_declared_names_is_refused() -> None:

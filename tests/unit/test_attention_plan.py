@@ -7,13 +7,20 @@ its prefix and itself as one call, one masked call or split, each equal to one c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
 import pytest
 import torch
 
-from ringtrain.train.attention.call import ALLGATHER_BELOW_TOKENS, ALLGATHER_FROM_RANKS, AttentionCall, choose_exchange
+from ringtrain.train.attention.call import (
+    ALLGATHER_BELOW_TOKENS,
+    ALLGATHER_FROM_RANKS,
+    PLAN_KEY,
+    AttentionCall,
+    choose_exchange,
+)
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import MATH, MathKernel, default_scale
 from ringtrain.train.attention.plan import EMPTY, MASKED, MASKED_BELOW_SCORES, PIECES, WHOLE, exchange_for, plan
@@ -129,12 +136,12 @@ def test_cut_blocks_through_the_emulated_ring_equal_one_call(kernel: MathKernel,
 
 
 @pytest.mark.parametrize("kernel", ["math", "cpu_flash"], ids=["sequence-major", "head-major"])
-@pytest.mark.parametrize(("impl", "ring", "ulysses", "heads", "kv_heads"), [
-    ("ulysses", 1, 4, 4, 2),  # each KV head sent to two ranks
-    ("ulysses", 1, 4, 6, 2),  # 6 query heads padded to 8
-    ("hybrid", 2, 2, 4, 1),  # MQA
+@pytest.mark.parametrize(("ring", "ulysses", "heads", "kv_heads"), [
+    pytest.param(1, 4, 4, 2, id="ulysses-1-4-4-2"),  # each KV head sent to two ranks
+    pytest.param(1, 4, 6, 2, id="ulysses-1-4-6-2"),  # 6 query heads padded to 8
+    pytest.param(2, 2, 4, 1, id="hybrid-2-2-4-1"),  # MQA
 ])
-def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring: int, ulysses: int, heads: int,
+def test_ulysses_gathers_into_either_kernel_layout(kernel: str, ring: int, ulysses: int, heads: int,
                                                   kv_heads: int) -> None:
     from tests.emulated_cp import emulated_attention
 
@@ -143,7 +150,7 @@ def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring:
     q, k, v, dout = (torch.randn(1, seq, n, HEAD_DIM, generator=gen, dtype=torch.float64)
                      for n in (heads, kv_heads, kv_heads, heads))
     docs = torch.tensor([[0] * (seq // 3) + [1] * (seq - seq // 3)])
-    out, grads = emulated_attention(impl, q, k, v, dout, ring=ring, ulysses=ulysses, kernel=kernel, doc_ids_BS=docs,
+    out, grads = emulated_attention(q, k, v, dout, ring=ring, ulysses=ulysses, kernel=kernel, doc_ids_BS=docs,
                                     timeout_s=20.0)
     assert grads is not None
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), _reference(q, k, v, dout, docs, None)):
@@ -185,3 +192,36 @@ def test_all_gathered_blocks_equal_one_call_however_they_run(kernel: MathKernel)
     got = (ring.out_BSHD, ring.dq_BSHD, ring.dk_BSKD, ring.dv_BSKD)
     for name, g, want in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, dout, None, None)):
         torch.testing.assert_close(g, want, atol=1e-10, rtol=0, msg=name)
+
+
+class _SilentRing:
+    """A ring of two that is never asked to send (a plan reads only the call's rank and world)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+# A call that differs from _KEYED's in one field the plan is kept under, for every such field; the
+# kernel twice, once for each of its traits the plan reads.
+_KEYED = dict(transport=None, rank=0, world=2, seq_local=16, causal=True, docs=None, window=None, scale=0.5,
+              kernel=_NoMasks(), exchange="ring")
+_DIFFERING = [("rank", 1), ("world", 4), ("seq_local", 32), ("causal", False), ("window", 3), ("scale", 0.25),
+              ("kernel", MATH), ("kernel", _BottomRight()), ("exchange", "allgather")]
+
+
+def test_every_field_of_a_call_keys_its_plan_unless_it_says_why_not() -> None:
+    """A field added to the call is in the plan's key by its value until it names what of it the
+    plan reads: a plan kept for one call is never handed to a call it was not made for."""
+    unkeyed = {f.name for f in dataclasses.fields(AttentionCall) if f.metadata.get(PLAN_KEY) == ()}
+    assert unkeyed == {"transport", "docs"}  # the rank and the world are the transport's; documents keep their plans
+    assert {name for name, _ in _DIFFERING} == {f.name for f in dataclasses.fields(AttentionCall)} - unkeyed
+    base = AttentionCall(**_KEYED)
+    made = plan(base, exchange_for(base), 1, torch.device("cpu"))
+    for name, value in _DIFFERING:
+        other = AttentionCall(**{**_KEYED, name: value})
+        assert plan(other, exchange_for(other), 1, torch.device("cpu")) is not made, name
+    same = AttentionCall(**{**_KEYED, "kernel": _NoMasks(), "transport": _SilentRing()})
+    assert plan(same, exchange_for(same), 1, torch.device("cpu")) is made

@@ -24,6 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ringtrain.topology import CPLayout
 from ringtrain.train.attention.block_kernel import AttentionKernel, default_scale
 from ringtrain.train.attention.blocks import Cut, block_backward, block_forward
 from ringtrain.train.attention.implementations import build_attention
@@ -132,16 +133,17 @@ def test_the_ring_keeps_to_its_inputs_device(name: str, docs: bool, causal: bool
     assert _on_device(ring.out_BSHD, ring.dq_BSHD, ring.dk_BSKD, ring.dv_BSKD)
 
 
-@pytest.mark.parametrize(("impl", "ring", "ulysses", "kv_exchange"),
-                         [("local", 1, 1, "ring"), ("ring", 2, 1, "ring"), ("ring", 2, 1, "allgather"),
-                          ("ulysses", 1, 2, "ring"), ("hybrid", 2, 2, "ring"), ("hybrid", 2, 2, "allgather")])
+@pytest.mark.parametrize(("ring", "ulysses", "kv_exchange"), [
+    pytest.param(ring, ulysses, exchange, id=f"{runs}-{ring}-{ulysses}-{exchange}")
+    for runs, ring, ulysses, exchange in [("local", 1, 1, "ring"), ("ring", 2, 1, "ring"), ("ring", 2, 1, "allgather"),
+                                          ("ulysses", 1, 2, "ring"), ("hybrid", 2, 2, "ring"),
+                                          ("hybrid", 2, 2, "allgather")]
+])
 @pytest.mark.parametrize("docs", [False, True], ids=["unpacked", "packed"])
-def test_each_implementation_keeps_to_its_inputs_device(
-    impl: str, ring: int, ulysses: int, kv_exchange: str, docs: bool
-) -> None:
+def test_each_implementation_keeps_to_its_inputs_device(ring: int, ulysses: int, kv_exchange: str, docs: bool) -> None:
     """Forward and backward through autograd, as the model calls it."""
     q, k, v, dout = _qkv(128)
-    out, grads = emulated_attention(impl, q, k, v, dout, ring=ring, ulysses=ulysses, kernel="auto",
+    out, grads = emulated_attention(q, k, v, dout, ring=ring, ulysses=ulysses, kernel="auto",
                                     doc_ids_BS=_doc_ids(128) if docs else None, kv_exchange=kv_exchange,
                                     timeout_s=20.0, rank_context=same_device)
     assert grads is not None and _on_device(out, *grads)
@@ -160,7 +162,7 @@ TINY = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hea
 def test_the_model_keeps_to_its_device(savers: MemorySavers) -> None:
     """Embedding, RoPE (its frequencies kept on the CPU until used), norms, attention, MLP and
     loss, forward and backward, with each of the memory savers' paths."""
-    attention = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    attention = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     model = Transformer(TINY, attention_fn=attention, savers=savers).to(DEVICE).train()
     ids = torch.zeros(1, 32, dtype=torch.long, device=DEVICE)
     positions = torch.arange(32)[None].to(DEVICE)

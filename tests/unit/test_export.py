@@ -32,6 +32,7 @@ from ringtrain.hf.hfconfig import read_hf_config
 from ringtrain.hf.names import to_hf
 from ringtrain.hf.shards import INDEX_FILE, SINGLE_FILE, parse_size
 from ringtrain.hf.weights import PretrainedWeights
+from ringtrain.topology import CPLayout
 from ringtrain.train.attention import build_attention
 from ringtrain.train.model import ModelArgs, Transformer
 from ringtrain.train.zero_state import Fragment
@@ -52,7 +53,7 @@ def scratch(*overrides: str, seed: int = 0) -> tuple[JobConfig, Transformer]:
     """A from-scratch job and its model, with weights large enough for positions to matter."""
     job = config.load(None, TINY + list(overrides))
     torch.manual_seed(seed)
-    local = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    local = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     return job, Transformer(ModelArgs.from_job(job), attention_fn=local, init_std=0.3)
 
 
@@ -222,7 +223,7 @@ def hf_job(folder: Path, *overrides: str) -> tuple[JobConfig, Params]:
     """A job importing ``folder`` and the weights it starts from, by ringtrain name."""
     job = resolve_job(config.load(None, [f"model.hf={folder}", f"data.seq_len={SEQ}", *overrides]))
     weights = PretrainedWeights(folder)
-    local = build_attention("local", "auto", ring_group=None, ulysses_group=None)
+    local = build_attention(CPLayout(1, 1), "auto", ring_group=None, ulysses_group=None)
     with torch.device("meta"):
         names = [n for n, _ in Transformer(ModelArgs.from_job(job), attention_fn=local, init_std=None).named_parameters()]
     return job, {name: torch.from_numpy(weights.full(name)) for name in names}

@@ -22,6 +22,7 @@ from ringtrain import config
 from ringtrain.planner.layout import layout_of, workload_of
 from ringtrain.planner.memory import estimate
 from ringtrain.planner.recompute import LADDER, Recompute, recompute_for, with_mode
+from ringtrain.topology import CPLayout
 from ringtrain.train import fused as ops
 from ringtrain.train.attention import build_attention
 from ringtrain.train.fused import FusedOps
@@ -52,7 +53,7 @@ def test_fused_projections_equal_the_separate_ones(bias: bool) -> None:
 
 def _loss_and_grads(fused: FusedOps, savers: MemorySavers) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    attention = build_attention("local", "math", ring_group=None, ulysses_group=None)
+    attention = build_attention(CPLayout(1, 1), "math", ring_group=None, ulysses_group=None)
     model = Transformer(ARGS, attention_fn=attention, savers=savers, fused=fused, init_std=0.3).double()
     ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(16).expand(2, -1)
@@ -166,7 +167,7 @@ def test_the_planner_counts_what_the_fused_kernels_keep() -> None:
 
 
 def test_the_first_recompute_layers_recompute_and_the_rest_keep_everything() -> None:
-    attention = build_attention("local", "math", ring_group=None, ulysses_group=None)
+    attention = build_attention(CPLayout(1, 1), "math", ring_group=None, ulysses_group=None)
     args = dataclasses.replace(ARGS, n_layers=4)
     model = Transformer(args, attention_fn=attention, savers=MemorySavers(checkpointing="full", recompute_layers=3))
     assert [layer.checkpointing for layer in model.layers] == ["full", "full", "full", "none"]

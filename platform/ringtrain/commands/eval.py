@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                   else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
         _stderr(
             f"ringtrain eval: {source.where}: {scored}, "
-            f"dp {job.topology.dp} x cp {job.topology.cp} ({job.attention.impl}), ZeRO-{job.zero.stage}, {device}"
+            f"dp {job.topology.dp} x cp {job.topology.cp} ({job.cp_layout.runs}), ZeRO-{job.zero.stage}, {device}"
         )
         group = WorkerGroup(cluster.for_workers(job), device)
         try:

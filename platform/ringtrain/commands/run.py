@@ -178,7 +178,7 @@ def _train(
         telemetry = run_metrics(job, run_id) if job.telemetry.metrics else None
         topo = job.topology
         progress.message(
-            f"ringtrain: {job.name}: dp {topo.dp} x cp {topo.cp} ({job.attention.impl}, "
+            f"ringtrain: {job.name}: dp {topo.dp} x cp {topo.cp} ({job.cp_layout.runs}, "
             f"ring {topo.ring} x ulysses {topo.ulysses}), ZeRO-{job.zero.stage}, "
             f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
         )

@@ -16,7 +16,6 @@ from ringtrain import uris
 from ringtrain.chaos import BITFLIP_TARGETS, FAULT_KINDS
 from ringtrain.config.schema import (
     ACTIVATIONS,
-    ATTENTION_IMPLS,
     ATTENTION_KERNELS,
     ATTENTION_KV_EXCHANGES,
     CHAT_OVERLONG,
@@ -53,7 +52,6 @@ def validate(job: JobConfig) -> None:
     validate_finite(job)
     _positive(job.mesh.dp, "mesh.dp")
     _positive(job.mesh.cp, "mesh.cp")
-    _one_of(job.attention.impl, ATTENTION_IMPLS, "attention.impl")
     _one_of(job.attention.kernel, ATTENTION_KERNELS, "attention.kernel")
     _one_of(job.attention.kv_exchange, ATTENTION_KV_EXCHANGES, "attention.kv_exchange")
     _validate_cp_layout(job)
@@ -394,23 +392,9 @@ def _validate_elastic(job: JobConfig) -> None:
 
 
 def _validate_cp_layout(job: JobConfig) -> None:
-    cp, impl, uly = job.mesh.cp, job.attention.impl, job.mesh.ulysses
-    if uly is not None:
-        _positive(uly, "mesh.ulysses")
-        if cp % uly:
-            raise ConfigError("mesh.ulysses", f"{uly} does not divide mesh.cp={cp} (ring degree = cp / ulysses)")
-        if impl == "ring" and uly != 1:
-            raise ConfigError("mesh.ulysses", f"attention.impl=ring needs mesh.ulysses=1 (got {uly}); use hybrid")
-        if impl == "ulysses" and uly != cp:
-            raise ConfigError("mesh.ulysses", f"attention.impl=ulysses needs mesh.ulysses=mesh.cp={cp} (got {uly})")
-    if impl == "hybrid":
-        if uly is None:
-            raise ConfigError("mesh.ulysses", "attention.impl=hybrid needs the ulysses degree inside the ring set")
-        if not 1 < uly < cp:
-            raise ConfigError(
-                "mesh.ulysses", f"attention.impl=hybrid needs 1 < mesh.ulysses < mesh.cp={cp} (got {uly})"
-            )
-    u = job.ulysses_degree
+    """The job's CP layout can be built (``topology.cp_layout`` checks attention.impl against
+    mesh.cp and mesh.ulysses), and the model's heads split over its Ulysses groups."""
+    u = job.cp_layout.ulysses
     if job.model.n_heads is not None and job.model.n_heads % u:
         raise ConfigError(
             "mesh.ulysses", f"model.n_heads={job.model.n_heads} is not divisible by the ulysses degree {u}"

@@ -8,17 +8,13 @@ from typing import Any, Optional
 
 from ringtrain.chaos import FaultSpec
 from ringtrain.errors import ConfigError
-from ringtrain.topology import Topology
+from ringtrain.topology import ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL, CPLayout, Topology, cp_layout
 
 # The attention names, declared once: train/attention keys its registries by them (which
 # function runs each implementation, which class each block kernel is, what each kernel takes),
 # and tests/unit/test_attention_names.py checks that every registry there matches these lists.
-# attention.impl: the context-parallel implementations a job may name.
-ATTENTION_IMPLS = ("ring", "ulysses", "hybrid")
-
-
-# The implementation without context parallelism: the trainer's choice when mesh.cp is 1.
-LOCAL_ATTENTION_IMPL = "local"
+# attention.impl's names (ATTENTION_IMPLS) and what a CP group of one rank runs
+# (LOCAL_ATTENTION_IMPL) are declared with the CP layout they name, in topology.py.
 
 
 # attention.kernel: "auto" (the fastest block kernel that fits the inputs) or one block kernel.
@@ -430,19 +426,24 @@ class JobConfig:
 
     # Derived values. Properties, not fields, so they can never disagree with the fields.
     @property
+    def cp_layout(self) -> CPLayout:
+        """Which context parallelism the job runs (``topology.cp_layout``); raises ConfigError
+        where attention.impl and the mesh disagree."""
+        return cp_layout(self.attention.impl, self.mesh.cp, self.mesh.ulysses, self.attention.kv_exchange)
+
+    @property
     def ulysses_degree(self) -> int:
-        if self.mesh.ulysses is not None:
-            return self.mesh.ulysses
-        return self.mesh.cp if self.attention.impl == "ulysses" else 1
+        return self.cp_layout.ulysses
 
     @property
     def topology(self) -> Topology:
         """The job's dp x cp grid at its configured dp (a resize builds its own)."""
-        return Topology(self.mesh.dp, self.mesh.cp, self.ulysses_degree)
+        layout = self.cp_layout
+        return Topology(self.mesh.dp, layout.cp, layout.ulysses)
 
     @property
     def ring_degree(self) -> int:
-        return self.topology.ring
+        return self.cp_layout.ring
 
     @property
     def world_size(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ringtrain.config import JobConfig, checkpointing_mode
+from ringtrain.config import CPLayout, JobConfig, checkpointing_mode
 from ringtrain.errors import ConfigError
 from ringtrain.planner.models import ModelSpec, from_job
 
@@ -135,10 +135,14 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def cp_layout(self) -> CPLayout:
+        """The CP layout of the degrees this candidate proposes (a planned job runs it by name)."""
+        return CPLayout(self.ring, self.ulysses)
+
+    @property
     def impl(self) -> str:
-        if self.ulysses == 1:
-            return "ring"
-        return "ulysses" if self.ring == 1 else "hybrid"
+        """The ``attention.impl`` that runs it."""
+        return self.cp_layout.impl
 
     def savers(self) -> list[Saver]:
         """The savers this layout uses, in ``SAVERS`` order."""
@@ -203,10 +207,11 @@ def resolve_dtype(job: JobConfig, device_type: str) -> str:
 
 def layout_of(job: JobConfig) -> Layout:
     """The layout a job config asks for."""
+    cp = job.cp_layout
     return Layout(
         dp=job.mesh.dp,
-        ring=job.ring_degree,
-        ulysses=job.ulysses_degree,
+        ring=cp.ring,
+        ulysses=cp.ulysses,
         zero_stage=job.zero.stage,
         checkpointing=checkpointing_mode(job.model.activation_checkpointing) == "full",
         offload_optimizer=job.zero.offload_optimizer,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.train.deepspeed_import import import_deepspeed
 from ringtrain.checkpoint.wire import FragmentIndex, decode
-from ringtrain.config import ChaosConfig, JobConfig, checkpointing_mode
+from ringtrain.config import AttentionConfig, ChaosConfig, JobConfig, checkpointing_mode
 from ringtrain.planner.recompute import Recompute, recompute_for
 from ringtrain.status import StepReport
 from ringtrain.train.attention.documents import Documents
@@ -84,16 +84,11 @@ def skip_shm_comm_op() -> None:
 
 
 def default_attention(job: JobConfig, mesh: Mesh) -> AttentionFn:
+    """The job's CP layout on this rank's groups (what a group of one rank runs is the layout's)."""
     from ringtrain.train.attention import build_attention
 
-    impl = job.attention.impl if mesh.topology.cp > 1 else "local"
-    return build_attention(
-        impl,
-        job.attention.kernel,
-        ring_group=mesh.ring_group,
-        ulysses_group=mesh.ulysses_group,
-        kv_exchange=job.attention.kv_exchange,
-    )
+    return build_attention(job.cp_layout, job.attention.kernel, ring_group=mesh.ring_group,
+                           ulysses_group=mesh.ulysses_group)
 
 
 def resolve_recompute(job: JobConfig, device: Optional[torch.device]) -> Recompute:
@@ -149,6 +144,9 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
             job.model, n_layers=1, hf="", layer_types=job.model.layer_types[:1] if job.model.layer_types else None
         ),
         mesh=dataclasses.replace(job.mesh, dp=1, cp=1, ulysses=None, min_dp=1, max_dp=None, spares=0),
+        # One rank: the default's ring of one, which runs local attention whatever the job's layout
+        # (a hybrid's mesh.ulysses would not fit in one rank).
+        attention=dataclasses.replace(job.attention, impl=AttentionConfig.impl),
         train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None),
         # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
         data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64), path=_warm_up_data(job.data.path),

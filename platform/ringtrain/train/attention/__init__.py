@@ -1,7 +1,7 @@
 """Context-parallel attention: zigzag ring, Ulysses and their hybrid, over LSE-returning block kernels.
 
-``build_attention`` turns the configured implementation and kernel into the attention function
-the model calls (``implementations``); the functions below it are usable directly. Every
+``build_attention`` turns a CP layout (``topology.CPLayout``) and a kernel into the attention
+function the model calls (``implementations``); the functions below it are usable directly. Every
 layout runs one loop (``loop``) over a K/V exchange (``exchanges``), planned once, not per layer
 (``plan``), through a ``Transport`` (``transport``). Block kernels and their registry are in
 ``kernels``.

@@ -19,7 +19,7 @@ from ringtrain.train.attention.call import AttentionCall, check_qkv, check_windo
 from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.loop import attend
-from ringtrain.train.attention.transport import GroupArg, as_transport, group_size
+from ringtrain.train.attention.transport import GroupArg, as_transport
 
 Tensor = torch.Tensor
 
@@ -45,17 +45,15 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causal: 
 
     ``q`` [B, S, H, D], ``k``/``v`` [B, S, K, D] and ``doc_ids`` [B, S] are this rank's shard
     (rank r of ``group`` holds zigzag chunks r and 2R-1-r); returns this rank's output shard
-    [B, S, H, D] in q's dtype. ``group``: a process group or a ``Transport``; None or one rank is
-    plain local attention. ``kv_exchange``: K/V passed around the ring ("ring"), all gathered at
-    once ("allgather"), or by the ring's size and the block's length ("auto";
-    ``call.choose_exchange``). ``window`` (tokens, causal only): a sliding window; where it leaves
+    [B, S, H, D] in q's dtype. ``group``: a process group or a ``Transport`` (a layout without a
+    ring runs ``local_attention``: ``topology.CPLayout.runs``). ``kv_exchange``: K/V passed around
+    the ring ("ring"), all gathered at once ("allgather"), or by the ring's size and the block's
+    length ("auto"; ``call.choose_exchange``). ``window`` (tokens, causal only): a sliding window; where it leaves
     some ranks' K/V unseen by others, they go straight to the ranks that see them instead
     (``exchanges.neighbours``).
     """
     check_qkv(q, k, v, doc_ids)
     check_window(window, causal)
-    if group_size(group) == 1:
-        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
     if q.shape[1] % 2:
         raise ValueError(f"local sequence length {q.shape[1]} is odd; a zigzag shard is two equal chunks")
     call = AttentionCall.of(

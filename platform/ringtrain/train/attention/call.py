@@ -2,8 +2,10 @@
 
 An ``AttentionCall`` holds what a call is besides its tensors: this rank's place in its ring
 (the ring's transport, rank, size and the local sequence length), the documents, the window, the
-scale, the block kernel, and the K/V exchange ``choose_exchange`` picked. The loop (``loop``)
-runs any call; the exchange (``exchanges``) is the only part that differs between layouts.
+scale, the block kernel, and the K/V exchange ``choose_exchange`` picked. Its plan is kept under
+``plan_key``, made of its fields (each field says how it enters the key, or that it does not).
+The loop (``loop``) runs any call; the exchange (``exchanges``) is the only part that differs
+between layouts.
 
 Shape legend: B batch, S local sequence, H query heads, K key/value heads, D head dim.
 """
@@ -11,8 +13,9 @@ Shape legend: B batch, S local sequence, H query heads, K key/value heads, D hea
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Optional
+import operator
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -74,19 +77,33 @@ class Side:
     docs_BS: Optional[np.ndarray]
 
 
+# How a field of ``AttentionCall`` enters the key its plan is kept under (``plan_key``): by its
+# value unless its metadata names the attributes of it the plan reads (none: the plan does not
+# depend on it). So a field added to the call is part of the key until it says otherwise.
+PLAN_KEY = "plan_key"
+
+
+def _planned_by(*attributes: str) -> Any:
+    """A field that enters the plan's key as these attributes of its value (none: not at all)."""
+    return field(metadata={PLAN_KEY: attributes})
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     """One rank's attention call over its ring's whole sequence, besides its tensors."""
 
-    transport: Optional[Transport]  # the ring's; None for a single rank
+    # The ring's; None for a single rank. Its rank and size are the plan's, as ``rank`` and ``world``.
+    transport: Optional[Transport] = _planned_by()
     rank: int
     world: int
     seq_local: int
     causal: bool
-    docs: Optional[Documents]
+    # A plan documents cut is kept with them (``Documents.cached``), under the rest of the key.
+    docs: Optional[Documents] = _planned_by()
     window: Optional[int]
     scale: float
-    kernel: AttentionKernel
+    # What the plan asks of the kernel: whether it takes a mask, and where it aligns a causal block.
+    kernel: AttentionKernel = _planned_by("supports_mask", "aligns_causal_bottom_right")
     exchange: str  # as ``choose_exchange`` says
 
     @classmethod
@@ -106,6 +123,11 @@ class AttentionCall:
         rank = 0 if transport is None else transport.rank()
         exchange = choose_exchange(kv_exchange, world, seq_local, window)
         return cls(transport, rank, world, seq_local, causal, docs, window, scale, kernel, exchange)
+
+    def plan_key(self) -> tuple[object, ...]:
+        """What the call's plan depends on: its fields, each as ``PLAN_KEY`` says (one getter)."""
+        key: tuple[object, ...] = _plan_key(self)
+        return key
 
     @property
     def one_block(self) -> bool:
@@ -129,6 +151,15 @@ class AttentionCall:
             assert self.transport is not None
             docs = self.docs.whole_sequence(self.transport).host_BS
         return Side(_whole_positions(self.world * self.seq_local), docs)
+
+
+# The attribute paths of the plan's key: each field itself, or the attributes of it it names.
+PLAN_KEY_PATHS = tuple(
+    path
+    for f in fields(AttentionCall)
+    for path in ((f.name,) if PLAN_KEY not in f.metadata else (f"{f.name}.{a}" for a in f.metadata[PLAN_KEY]))
+)
+_plan_key = operator.attrgetter(*PLAN_KEY_PATHS)
 
 
 @functools.lru_cache(maxsize=64)

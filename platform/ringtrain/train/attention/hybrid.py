@@ -15,13 +15,12 @@ from typing import Optional
 
 import torch
 
-from ringtrain.train.attention.attend import ring_attention
 from ringtrain.train.attention.block_kernel import default_scale
 from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
 from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
-from ringtrain.train.attention.transport import GroupArg, as_transport, group_size
-from ringtrain.train.attention.ulysses import all_to_all_attention, ulysses_attention
+from ringtrain.train.attention.transport import GroupArg, as_transport
+from ringtrain.train.attention.ulysses import all_to_all_attention
 
 Tensor = torch.Tensor
 
@@ -33,21 +32,12 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, ring_group: GroupArg, u
 
     ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).
     ``ulysses_group``: the U ranks with this rank's ring index (group rank = Ulysses index).
-    Either of one rank (or None) degrades to pure Ulysses or pure ring. ``kv_exchange``: how the
-    ring group exchanges K/V (``attend.ring_attention``); ``window``: a causal sliding window of that
-    many tokens.
+    Both span more than one rank: a layout with a group of one runs the ring or Ulysses alone
+    (``topology.CPLayout.runs``). ``kv_exchange``: how the ring group exchanges K/V
+    (``attend.ring_attention``); ``window``: a causal sliding window of that many tokens.
     """
     check_qkv(q, k, v, doc_ids)
     check_window(window, causal)
-    if group_size(ulysses_group) == 1:
-        return ring_attention(
-            q, k, v, group=ring_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale,
-            kv_exchange=kv_exchange, window=window,
-        )
-    if group_size(ring_group) == 1:
-        return ulysses_attention(
-            q, k, v, group=ulysses_group, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window
-        )
     ring, ulysses = as_transport(ring_group), as_transport(ulysses_group)
     assert ring is not None and ulysses is not None
     chosen = resolve_kernel(kernel, q)

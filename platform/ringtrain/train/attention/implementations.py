@@ -1,9 +1,9 @@
-"""The attention implementations by name: which function runs each, and the attention a config builds.
+"""The attention a CP layout runs: which function runs each, and the attention a layout builds.
 
-The names are config's ``ATTENTION_IMPLS`` (what ``attention.impl`` may say) and
-``LOCAL_ATTENTION_IMPL`` (no context parallelism); ``IMPLEMENTATIONS`` maps each to the function
-that runs it and the process-group layout it needs. ``ContextParallelAttention`` calls the
-function of its own implementation, so the configured name is the one that runs.
+``IMPLEMENTATIONS`` maps what a layout runs (``topology.CPLayout.runs``: config's
+``ATTENTION_IMPLS`` and ``LOCAL_ATTENTION_IMPL``) to the function that runs it. ``build_attention``
+makes a layout's attention on this rank's groups, a ``ContextParallelAttention``, which calls that
+function: what runs is the layout's, looked up once, not decided again per call.
 
 Shape legend: B batch, S local sequence, H query heads, K key/value heads, D head dim.
 """
@@ -11,12 +11,12 @@ Shape legend: B batch, S local sequence, H query heads, K key/value heads, D hea
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
 
 from ringtrain.config import ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL
+from ringtrain.topology import HYBRID, LOCAL, RING, ULYSSES, CPLayout
 from ringtrain.train.attention.attend import local_attention, ring_attention
 from ringtrain.train.attention.call import choose_exchange
 from ringtrain.train.attention.documents import DocIds
@@ -56,25 +56,9 @@ def _local(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transport
     return local_attention(q, k, v, **options)
 
 
-@dataclass(frozen=True)
-class Implementation:
-    run: ImplFn
-    # Which groups may span more than one rank; a layout beyond them is refused at build time.
-    multi_rank_ring: bool
-    multi_rank_ulysses: bool
-    refusal: str  # the message's tail when the groups are wider than allowed
-
-
-IMPLEMENTATIONS: Mapping[str, Implementation] = keyed_by(
+IMPLEMENTATIONS: Mapping[str, ImplFn] = keyed_by(
     IMPLS,
-    {
-        "ring": Implementation(_ring, True, False, "with a Ulysses group of {ulysses} ranks; use 'hybrid'"),
-        "ulysses": Implementation(_ulysses, False, True, "with a ring group of {ring} ranks; use 'hybrid'"),
-        "hybrid": Implementation(hybrid_attention, True, True, ""),
-        LOCAL_ATTENTION_IMPL: Implementation(
-            _local, False, False, "has no context parallelism, but the groups span {ring}x{ulysses} ranks"
-        ),
-    },
+    {RING: _ring, ULYSSES: _ulysses, HYBRID: hybrid_attention, LOCAL: _local},
     "the attention implementations",
 )
 
@@ -83,21 +67,18 @@ class ContextParallelAttention:
     """``fn(q_BSHD, k_BSKD, v_BSKD, *, causal=True, doc_ids=None, window=None, scale=None) -> out_BSHD``
     for one CP layout."""
 
-    def __init__(
-        self,
-        impl: str,
-        kernel: KernelArg,
-        ring_group: GroupArg,
-        ulysses_group: GroupArg,
-        kv_exchange: str = "auto",
-    ) -> None:
-        self.impl = impl
+    def __init__(self, layout: CPLayout, kernel: KernelArg, ring_group: GroupArg, ulysses_group: GroupArg) -> None:
+        self.layout = layout
         self.kernel = kernel
-        self.kv_exchange = kv_exchange
         # Each group's transport, made once: every layer's call goes through the same.
         self.ring_group = as_transport(ring_group)
         self.ulysses_group = as_transport(ulysses_group)
-        self._run = IMPLEMENTATIONS[impl].run
+        self._run = IMPLEMENTATIONS[layout.runs]
+
+    @property
+    def impl(self) -> str:
+        """What runs (``CPLayout.runs``)."""
+        return self.layout.runs
 
     def __call__(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: DocIds = None,
                  window: Optional[int] = None, scale: Optional[float] = None) -> Tensor:
@@ -112,42 +93,32 @@ class ContextParallelAttention:
             causal=causal,
             doc_ids=doc_ids,
             kernel=self.kernel,
-            kv_exchange=self.kv_exchange,
+            kv_exchange=self.layout.kv_exchange,
             window=window,
             scale=scale,
         )
 
     def __repr__(self) -> str:
-        return (
-            f"ContextParallelAttention(impl={self.impl!r}, kernel={self.kernel!r}, kv_exchange={self.kv_exchange!r}, "
-            f"ring={group_size(self.ring_group)}, ulysses={group_size(self.ulysses_group)})"
-        )
+        return f"ContextParallelAttention(layout={self.layout!r}, kernel={self.kernel!r})"
 
 
 def build_attention(
-    impl: str,
-    kernel: KernelArg,
-    *,
-    ring_group: GroupArg,
-    ulysses_group: GroupArg,
-    kv_exchange: str = "auto",
+    layout: CPLayout, kernel: KernelArg, *, ring_group: GroupArg, ulysses_group: GroupArg
 ) -> ContextParallelAttention:
-    """The attention function for ``impl`` in IMPLS with block kernel ``kernel`` in KERNEL_NAMES
-    (or a kernel object, as tests and benches hand one).
+    """The attention function of ``layout`` (a job's: ``JobConfig.cp_layout``) with block kernel
+    ``kernel`` in KERNEL_NAMES (or a kernel object, as tests and benches hand one).
 
     ``ring_group`` / ``ulysses_group`` are this rank's groups, process groups or ``Transport``s
-    (None counts as one rank); "ring" needs a Ulysses group of one, "ulysses" a ring group of
-    one, "local" both. The kernel name is checked now; which kernel "auto" means is decided per
-    call from the inputs' device and dtype, and which K/V exchange ``kv_exchange="auto"`` means
-    from the ring's block length.
+    (None counts as one rank), of the layout's ring and Ulysses degrees. The kernel name and the
+    layout's K/V exchange name are checked now; which kernel "auto" means is decided per call
+    from the inputs' device and dtype, and which K/V exchange ``kv_exchange="auto"`` means from
+    the ring's block length.
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"attention impl {impl!r} is unknown; choose one of {', '.join(IMPLS)}")
     if isinstance(kernel, str):
         check_kernel_name(kernel)
-    choose_exchange(kv_exchange, 2, 2, None)  # refuses an unknown name now, not at the first call
-    ring, ulysses = group_size(ring_group), group_size(ulysses_group)
-    spec = IMPLEMENTATIONS[impl]
-    if (ring > 1 and not spec.multi_rank_ring) or (ulysses > 1 and not spec.multi_rank_ulysses):
-        raise ValueError(f"attention impl {impl!r} " + spec.refusal.format(ring=ring, ulysses=ulysses))
-    return ContextParallelAttention(impl, kernel, ring_group, ulysses_group, kv_exchange)
+    choose_exchange(layout.kv_exchange, 2, 2, None)  # refuses an unknown name now, not at the first call
+    groups = group_size(ring_group), group_size(ulysses_group)
+    if groups != (layout.ring, layout.ulysses):
+        raise ValueError(f"a CP layout of ring {layout.ring} x ulysses {layout.ulysses} was given a ring group of "
+                         f"{groups[0]} and a Ulysses group of {groups[1]} ranks")
+    return ContextParallelAttention(layout, kernel, ring_group, ulysses_group)

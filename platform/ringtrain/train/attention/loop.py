@@ -4,8 +4,8 @@ Every layout runs here. The exchange (``exchanges``) yields each visit's K/V as 
 plan (``plan``) says which blocks of this rank's rows each visit holds and how each runs; each
 block's output merges into its rows' accumulator through the LSEs (``merge.merge_into_``).
 The backward walks the same plan with the merged output and LSE, adds each block's dQ to its
-rows and its dK/dV to the accumulator the exchange hands it, and the exchange brings the
-dK/dV home. A call of one block that nothing cuts (one rank's own K/V, as Ulysses' gathered
+rows and its dK/dV to the visit's accumulator the exchange hands it (``accumulator``), and the
+exchange brings the dK/dV home. A call of one block that nothing cuts (one rank's own K/V, as Ulysses' gathered
 sequence and a run without context parallelism have, with no documents and no window:
 ``AttentionCall.one_block``) is the kernel's one call, forward and backward: no plan to walk,
 no rows to merge, nothing to exchange, and no round trip through the fp32 accumulators.
@@ -28,10 +28,11 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
+from ringtrain.train.attention.accumulator import VisitAccumulator
 from ringtrain.train.attention.block_kernel import AttentionKernel, BlockOutput, Grads, accumulation_dtype
 from ringtrain.train.attention.blocks import block_backward, block_forward
 from ringtrain.train.attention.call import AttentionCall
-from ringtrain.train.attention.exchanges.base import Exchange, VisitGradients, stacked
+from ringtrain.train.attention.exchanges.base import Exchange
 from ringtrain.train.attention.merge import merge_into_
 from ringtrain.train.attention.plan import EMPTY, MASKED, PIECES, WHOLE, PlannedBlock, Visit, exchange_for, plan
 
@@ -224,10 +225,7 @@ def _visits_backward(call: AttentionCall, exchange: Exchange, visits: tuple[Visi
         span, whole, lse_BHQ = held
         return _narrow(lse_BHQ, 2, span, whole).contiguous()
 
-    def visit_grads(index: int, k: Tensor, v: Tensor, into: Callable[[], Optional[Tensor]]) -> VisitGradients:
-        dkv: Optional[Tensor] = None  # stacked, where this visit's dK/dV accumulate
-        pair: Optional[tuple[Tensor, Tensor]] = None  # a lone block's own dK and dV, where none is given
-        waiting = True  # for the accumulator, which may be in flight: asked once this visit's first block is done
+    def visit_backward(index: int, k: Tensor, v: Tensor, dkv: VisitAccumulator) -> None:
         for blk in visits[index].blocks:
             if blk.how == EMPTY:
                 continue
@@ -238,22 +236,9 @@ def _visits_backward(call: AttentionCall, exchange: Exchange, visits: tuple[Visi
             k_b, v_b = (k, v) if blk.all_cols else exchange.cut((k, v), seq, blk.cols)
             dq, dk, dv = _block_backward(kernel, blk, dout_b, q_b, k_b, v_b, out_b, lse_b, next(auxes), scale)
             dq_rows.add(blk.rows, dq)
-            if waiting:
-                dkv, waiting = into(), False
-            if dkv is None and pair is None and blk.all_cols:
-                pair = (dk, dv)
-                continue
-            if dkv is None:
-                dkv = stacked(pair) if pair is not None else torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-                pair = None
-            _narrow(dkv, seq + 1, blk.cols, blk.all_cols).add_(torch.stack((dk, dv)))
-        if waiting:
-            dkv = into()
-        if dkv is not None:
-            return dkv
-        return pair if pair is not None else torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+            dkv.add(dk, dv, blk.cols, blk.all_cols, seq)
 
-    dkv = exchange.backward(kept, visit_grads)
+    dkv = exchange.backward(kept, visit_backward)
     dq = dq_rows.joined(lambda: torch.zeros(q.shape, dtype=acc, device=q.device))
     dk, dv = dkv.unbind(0) if isinstance(dkv, Tensor) else dkv
     return dq, dk, dv

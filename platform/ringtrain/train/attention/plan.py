@@ -155,8 +155,7 @@ _LAYOUT_PLANS_LOCK = threading.Lock()
 def plan(call: AttentionCall, exchange: Exchange, batch: int, device: torch.device) -> tuple[Visit, ...]:
     """The visits of ``call``'s exchange, each block planned; kept with the documents (for the
     forward) or, without any, for the layout."""
-    key = (call.exchange, call.world, call.rank, call.seq_local, call.causal, call.window,
-           call.kernel.supports_mask, call.kernel.aligns_causal_bottom_right, batch, device)
+    key = (*call.plan_key(), batch, device)
     if call.docs is not None:
         visits: tuple[Visit, ...] = call.docs.cached(("plan", *key), lambda: _make(call, exchange, batch, device))
         return visits

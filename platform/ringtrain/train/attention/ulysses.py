@@ -40,13 +40,12 @@ from typing import Any, Optional
 
 import torch
 
-from ringtrain.train.attention.attend import local_attention
 from ringtrain.train.attention.block_kernel import AttentionKernel, accumulation_dtype, default_scale
 from ringtrain.train.attention.call import AttentionCall, check_qkv, check_window
 from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.loop import attend_backward, attend_forward
-from ringtrain.train.attention.transport import GroupArg, Transport, as_transport, group_size
+from ringtrain.train.attention.transport import GroupArg, Transport, as_transport
 
 Tensor = torch.Tensor
 # The attention over the gathered sequence, as a call of the loop: (gathered length, documents) -> call.
@@ -262,13 +261,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causa
 
     ``q`` [B, s, H, D], ``k``/``v`` [B, s, K, D] and ``doc_ids`` [B, s] hold part u (of U equal
     contiguous parts) of the sequence on group rank u; returns this rank's output part
-    [B, s, H, D]. ``group``: a process group or a ``Transport``; None or one rank is plain local
-    attention. ``window``: a causal sliding window of that many tokens, over the gathered sequence.
+    [B, s, H, D]. ``group``: a process group or a ``Transport`` (a layout without Ulysses groups
+    runs ``attend.local_attention``: ``topology.CPLayout.runs``). ``window``: a causal sliding
+    window of that many tokens, over the gathered sequence.
     """
     check_qkv(q, k, v, doc_ids)
     check_window(window, causal)
-    if group_size(group) == 1:
-        return local_attention(q, k, v, causal=causal, doc_ids=doc_ids, kernel=kernel, scale=scale, window=window)
     transport = as_transport(group)
     assert transport is not None
     chosen = resolve_kernel(kernel, q)

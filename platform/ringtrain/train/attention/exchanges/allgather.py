@@ -32,9 +32,10 @@ from collections.abc import Iterator
 import torch
 
 from ringtrain.topology import zigzag_chunks
+from ringtrain.train.attention.accumulator import VisitAccumulator
 from ringtrain.train.attention.blocks import ALL, Block
 from ringtrain.train.attention.block_kernel import accumulation_dtype
-from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec
+from ringtrain.train.attention.exchanges.base import ALL_SOURCES, KV, Exchange, Tensor, VisitBackward, VisitSpec
 
 
 def allgather_blocks(rank: int, world: int, seq_local: int, *, causal: bool) -> list[Block]:
@@ -60,7 +61,7 @@ class AllGatherExchange(Exchange):
     def visits(self) -> list[VisitSpec]:
         call = self.call
         blocks = allgather_blocks(call.rank, call.world, call.seq_local, causal=call.causal)
-        return [VisitSpec(-1, tuple(blocks), call.whole_side())]
+        return [VisitSpec(ALL_SOURCES, tuple(blocks), call.whole_side())]
 
     def _seq(self) -> int:
         """The sequence dim of a stacked ``[2, ...]`` K/V."""
@@ -83,12 +84,12 @@ class AllGatherExchange(Exchange):
         chunks = x.unflatten(seq, (2 * self.call.world, -1))
         return chunks.index_select(seq, order).flatten(seq, seq + 1)
 
-    def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> Tensor:
+    def backward(self, kept: tuple[Tensor, ...], visit_backward: VisitBackward) -> Tensor:
         assert self.call.transport is not None
         whole = kept[0]
         dkv_whole = torch.zeros(whole.shape, dtype=accumulation_dtype(whole.dtype), device=whole.device)
         k, v = whole.unbind(0)
-        visit_grads(0, k, v, lambda: dkv_whole)  # adds into it
+        visit_backward(0, k, v, VisitAccumulator.into(dkv_whole))
         # Every rank's share of each rank's K/V gradient, by owner; summed on its owner.
         _, inverse = _chunk_order(self.call.world, whole.device)
         seq = self._seq()

@@ -7,38 +7,42 @@ accumulation dtype (fp32; fp64 for fp64 inputs).
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
-from ringtrain.train.attention.block_kernel import accumulation_dtype
+from ringtrain.train.attention.accumulator import KV, VisitAccumulator, VisitGradients
 from ringtrain.train.attention.blocks import Block
 from ringtrain.train.attention.call import AttentionCall, Side
 
 Tensor = torch.Tensor
-KV = tuple[Tensor, Tensor]
-# A visit's dK/dV: the accumulator it was given, stacked, or where it was given none, its own
-# (dK, dV) (``stacked`` makes one tensor of them where it must travel).
-VisitGradients = Union[Tensor, KV]
-# The loop's backward of one visit: (visit index, its K, its V, where its dK/dV accumulate) ->
-# its dK/dV. ``into()`` gives the accumulator to add to (waiting for it if it travels), or None.
-VisitGrads = Callable[[int, Tensor, Tensor, Callable[[], Optional[Tensor]]], VisitGradients]
+# The loop's backward of one visit: (visit index, its K, its V, the accumulator its dK/dV add to).
+VisitBackward = Callable[[int, Tensor, Tensor, VisitAccumulator], None]
+
+# A visit's source that is every rank of the ring at once (all-gathered K/V).
+ALL_SOURCES = -1
+
+# How many tags one stream of transfers takes: a stream sends at most this many tensors to a peer
+# in one ``send_recv`` (tensor i with tag ``tag + i``).
+TAGS_PER_STREAM = 8
 
 
-def stacked(grads: VisitGradients) -> Tensor:
-    """A visit's dK/dV as one ``[2, ...]`` tensor in the accumulation dtype."""
-    if isinstance(grads, Tensor):
-        return grads
-    both = torch.stack(grads)
-    return both if both.dtype == accumulation_dtype(both.dtype) else both.float()
+class Tag(enum.IntEnum):
+    """The streams of point-to-point transfers, each on tags of its own (``transport``'s
+    ``ProcessGroupTransport`` says why): a stream's tag and the ``TAGS_PER_STREAM - 1`` after it."""
+
+    RING_KV = 0 * TAGS_PER_STREAM
+    RING_DKV = 1 * TAGS_PER_STREAM
+    NEIGHBOUR_KV = 2 * TAGS_PER_STREAM
+    NEIGHBOUR_DKV = 3 * TAGS_PER_STREAM
 
 
 @dataclass(frozen=True)
 class VisitSpec:
-    """One visit: whose K/V (a ring rank), the blocks of this rank's rows against them, and
+    """One visit: whose K/V (a ring rank, or ``ALL_SOURCES``), the blocks of this rank's rows against them, and
     their columns' positions and documents."""
 
     source: int
@@ -64,8 +68,9 @@ class Exchange(ABC):
         the next is in flight while the loop computes."""
 
     @abstractmethod
-    def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> VisitGradients:
-        """Run ``visit_grads`` on every visit in order; return this rank's own dK/dV."""
+    def backward(self, kept: tuple[Tensor, ...], visit_backward: VisitBackward) -> VisitGradients:
+        """Run ``visit_backward`` on every visit in order, each with the accumulator its dK/dV
+        add to (``accumulator``); return this rank's own dK/dV."""
 
     @staticmethod
     def own_kv(k: Tensor, v: Tensor) -> KV:

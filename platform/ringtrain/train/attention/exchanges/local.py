@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ringtrain.train.attention.accumulator import VisitAccumulator
 from ringtrain.train.attention.blocks import ALL, Block
-from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGradients, VisitGrads, VisitSpec
+from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitBackward, VisitGradients, VisitSpec
 
 
 class LocalExchange(Exchange):
@@ -19,5 +20,7 @@ class LocalExchange(Exchange):
         self.kept = (k, v)  # nothing travels
         yield k, v
 
-    def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> VisitGradients:
-        return visit_grads(0, kept[0], kept[1], lambda: None)
+    def backward(self, kept: tuple[Tensor, ...], visit_backward: VisitBackward) -> VisitGradients:
+        dkv = VisitAccumulator.fresh(kept[0])
+        visit_backward(0, kept[0], kept[1], dkv)
+        return dkv.grads()  # a lone block's own dK and dV, as they are

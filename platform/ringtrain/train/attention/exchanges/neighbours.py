@@ -16,12 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ringtrain.train.attention.accumulator import VisitAccumulator
 from ringtrain.train.attention.blocks import ALL, Block
-from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec, stacked
+from ringtrain.train.attention.exchanges.base import KV, Exchange, Tag, Tensor, VisitBackward, VisitSpec
 from ringtrain.train.attention.window import needs
-
-_KV_TAG = 16
-_DKV_TAG = 24
 
 
 class NeighbourExchange(Exchange):
@@ -45,19 +43,27 @@ class NeighbourExchange(Exchange):
         sources, readers = self._peers()
         own = self.own_kv(k, v)
         visiting = {j: (torch.empty_like(own[0]), torch.empty_like(own[1])) for j in sources}
-        pending = self.call.transport.send_recv({r: own for r in readers}, visiting, tag=_KV_TAG)
+        pending = self.call.transport.send_recv({r: own for r in readers}, visiting, tag=Tag.NEIGHBOUR_KV)
         self.kept = (*own, *(t for j in sources for t in visiting[j]))
         yield own  # its own block first, while the others' K/V travel
         pending.wait()
         yield from (visiting[j] for j in sources)
 
-    def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> Tensor:
+    def backward(self, kept: tuple[Tensor, ...], visit_backward: VisitBackward) -> Tensor:
         assert self.call.transport is not None
         sources, readers = self._peers()
-        dkv = [stacked(visit_grads(i, kept[2 * i], kept[2 * i + 1], lambda: None)) for i in range(1 + len(sources))]
+        dkv = [self._visit_dkv(i, kept, visit_backward) for i in range(1 + len(sources))]
         # Every visiting block's gradients home to its owner; the readers' shares of ours here.
         arriving = {r: [torch.empty_like(dkv[0])] for r in readers}
-        self.call.transport.send_recv({j: [dkv[1 + i]] for i, j in enumerate(sources)}, arriving, tag=_DKV_TAG).wait()
+        self.call.transport.send_recv({j: [dkv[1 + i]] for i, j in enumerate(sources)}, arriving, tag=Tag.NEIGHBOUR_DKV).wait()
         for (share,) in arriving.values():
             dkv[0] += share
         return dkv[0]
+
+    @staticmethod
+    def _visit_dkv(index: int, kept: tuple[Tensor, ...], visit_backward: VisitBackward) -> Tensor:
+        """Visit ``index``'s dK/dV, stacked to travel (each visit's go home on their own)."""
+        k, v = kept[2 * index], kept[2 * index + 1]
+        dkv = VisitAccumulator.fresh(k)
+        visit_backward(index, k, v, dkv)
+        return dkv.stacked()

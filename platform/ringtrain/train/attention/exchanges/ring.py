@@ -27,13 +27,10 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ringtrain.train.attention.accumulator import VisitAccumulator
 from ringtrain.train.attention.blocks import ALL, Block
-from ringtrain.train.attention.exchanges.base import KV, Exchange, Tensor, VisitGrads, VisitSpec, stacked
+from ringtrain.train.attention.exchanges.base import KV, Exchange, Tag, Tensor, VisitBackward, VisitSpec
 from ringtrain.train.attention.transport import Pending
-
-# One tag per stream of transfers (see ``transport``); a stream of n tensors uses tag..tag+n-1.
-_KV_TAG = 0
-_DKV_TAG = 8
 
 
 def zigzag_block(source: int, rank: int, seq_local: int, *, causal: bool) -> Block:
@@ -114,7 +111,7 @@ class RingExchange(Exchange):
             if step + 1 < self.call.world:
                 # Visitors take the two buffers in turn (never the rank's own K/V: the backward keeps it).
                 incoming = turns[step % 2] if turns else (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
-                pending = self.call.transport.send_recv({nxt: kv}, {prev: incoming}, tag=_KV_TAG)
+                pending = self.call.transport.send_recv({nxt: kv}, {prev: incoming}, tag=Tag.RING_KV)
             yield kv
             if pending is not None:
                 pending.wait()
@@ -129,26 +126,24 @@ class RingExchange(Exchange):
         self.kept = own
         yield from self._turn(own)
 
-    def backward(self, kept: tuple[Tensor, ...], visit_grads: VisitGrads) -> Tensor:
+    def backward(self, kept: tuple[Tensor, ...], visit_backward: VisitBackward) -> Tensor:
         assert self.call.transport is not None
         nxt, prev = self.ring_peers()
         pending: Optional[Pending] = None
         arrived = sent = None
-
-        def into() -> Optional[Tensor]:
-            # The accumulator of this K/V block, from the previous rank (which added its share one
-            # step earlier); the diagonal step starts a fresh one.
-            if pending is None:
-                return None
-            pending.wait()
-            return arrived
-
         for step, (k, v) in enumerate(self._turn((kept[0], kept[1]))):
-            dkv = stacked(visit_grads(step, k, v, into))
+            # The accumulator of this K/V block arrives from the previous rank, which added its
+            # share one step earlier; the diagonal step (the rank's own K/V) starts a fresh one.
+            if pending is None or arrived is None:
+                accumulator = VisitAccumulator.fresh(k)
+            else:
+                accumulator = VisitAccumulator.arriving(arrived, pending)
+            visit_backward(step, k, v, accumulator)
+            dkv = accumulator.stacked()
             # Passed on; after the last step the accumulator belongs to the next rank, and this
             # send brings it home. It arrives in the one sent a step ago, which has gone by now.
             incoming = sent if sent is not None else torch.empty_like(dkv)
-            pending = self.call.transport.send_recv({nxt: [dkv]}, {prev: [incoming]}, tag=_DKV_TAG)
+            pending = self.call.transport.send_recv({nxt: [dkv]}, {prev: [incoming]}, tag=Tag.RING_DKV)
             arrived, sent = incoming, dkv
         assert pending is not None
         pending.wait()
