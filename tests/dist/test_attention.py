@@ -41,6 +41,7 @@ from ringtrain.train.attention import (
     select_kernel,
     ulysses_attention,
 )
+from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import MATH, CpuFlashKernel
 
 from .ranks import rank_process
@@ -58,10 +59,12 @@ TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 
 
 def reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], window: Optional[int] = None
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], window: Optional[int] = None,
+    family: int = 0,
 ) -> Tensor:
     """Softmax attention in float64; a query row with no visible key outputs 0 (doc id < 0 is
-    padding); ``window``: query i sees keys i - window < j <= i."""
+    padding); ``window``: query i sees keys i - window < j <= i; ``family``: documents in
+    families of that many, the later ones seeing the first's keys too."""
     B, S, H, D = q.shape
     groups = H // k.shape[2]
     k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
@@ -72,16 +75,34 @@ def reference_attention(
     if window is not None:
         allowed &= torch.ones(S, S, dtype=torch.bool).triu(1 - window)
     if doc_ids is not None:
-        allowed &= (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids >= 0)[:, :, None]
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        if family:  # a family's later documents also see its first one's keys
+            first = torch.where(doc_ids % family != 0, doc_ids - doc_ids % family, -2)
+            same |= first[:, :, None] == doc_ids[:, None, :]
+        allowed &= same & (doc_ids >= 0)[:, :, None]
     # A large finite fill (not -inf) keeps fully masked rows free of NaN; the product zeroes them.
     probs = torch.softmax(scores.masked_fill(~allowed[:, None], -1e300), dim=-1) * allowed[:, None]
     return torch.einsum("bhqs,bshd->bqhd", probs, v)
 
 
+# Preference pairs as families of three documents (a prompt, two completions continuing it), in
+# sixteenths of a row: two pairs and padding, and one pair filling the row.
+PAIR_ROWS = ((3, 2, 4, 2, 2, 2), (7, 4, 5))
+PAIR_FAMILY = 3
+
+
 def make_doc_ids(kind: str, batch: int, seq: int) -> Optional[Tensor]:
-    """Packed documents whose boundaries cut across zigzag chunks; "padded" adds padding (-1) tokens."""
+    """Packed documents whose boundaries cut across zigzag chunks; "padded" adds padding (-1)
+    tokens; "pairs" are families of PAIR_FAMILY (PAIR_ROWS) whose rows end in padding."""
     if kind == "none":
         return None
+    if kind == "pairs":
+        doc = torch.full((batch, seq), -1, dtype=torch.long)
+        for row, lengths in enumerate(PAIR_ROWS[:batch]):
+            bounds = [0, *(seq * sum(lengths[: i + 1]) // 16 for i in range(len(lengths)))]
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                doc[row, a:b] = i
+        return doc
     doc = torch.zeros(batch, seq, dtype=torch.long)
     doc[0, seq // 3 :] = 1
     doc[0, seq // 3 + 5 :] = 2
@@ -103,7 +124,7 @@ class Case:
     heads: int = 4
     kv_heads: int = 4
     causal: bool = True
-    docs: str = "none"  # "none" | "packed" | "padded"
+    docs: str = "none"  # "none" | "packed" | "padded" | "pairs"
     dtype: str = "float32"
     kernel: str = "auto"
     seq_per_rank: int = 8
@@ -129,6 +150,8 @@ def _ring_cases(world: int) -> list[Case]:
     cases += [
         Case("ring", world, 1, 4, 2, causal=True, docs="packed"),
         Case("ring", world, 1, 4, 2, causal=False, docs="padded"),
+        Case("ring", world, 1, 4, 2, causal=True, docs="pairs"),
+        Case("ring", world, 1, 4, 2, causal=True, docs="pairs", kv_exchange="allgather"),
     ]
     # The same sequences with K/V all gathered instead of passed around.
     cases += [
@@ -157,6 +180,7 @@ CASES: dict[int, list[Case]] = {
         Case("ulysses", 1, 2, 4, 4, causal=True),
         Case("ulysses", 1, 2, 4, 2, causal=False),
         Case("ulysses", 1, 2, 4, 1, causal=True, docs="packed"),
+        Case("ulysses", 1, 2, 4, 2, causal=True, docs="pairs"),
         Case("ulysses", 1, 2, 3, 1, causal=True),  # heads padded to a multiple of 2
         Case("ulysses", 1, 2, 4, 2, causal=True, dtype="bfloat16"),
     ],
@@ -174,6 +198,7 @@ CASES: dict[int, list[Case]] = {
         Case("hybrid", 2, 2, 4, 1, causal=True, docs="packed"),
         Case("hybrid", 2, 2, 4, 2, causal=False, docs="padded"),
         Case("hybrid", 2, 2, 4, 2, causal=True, docs="packed", kv_exchange="allgather"),
+        Case("hybrid", 2, 2, 4, 2, causal=True, docs="pairs"),
         Case("build", 2, 2, 4, 2, causal=True, docs="packed"),
         Case("build", 2, 2, 4, 1, causal=True, docs="padded", kv_exchange="allgather"),
         Case("ulysses", 1, 4, 4, 2, window=5),
@@ -273,15 +298,18 @@ def _run_case(case: Case, rank: int, groups: Groups) -> dict[str, Any]:
     dtype = getattr(torch, case.dtype)
     x = _inputs(case)
     full = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
+    family = PAIR_FAMILY if case.docs == "pairs" else 0
     ref_out = reference_attention(full["q"], full["k"], full["v"], causal=case.causal, doc_ids=x["doc"],
-                                  window=case.window)
+                                  window=case.window, family=family)
     ref_out.backward(x["dout"])
 
     def shard(t: Tensor) -> Tensor:
         return cp_shard(t, dim=1, ring=case.ring, ulysses=case.ulysses, cp_rank=rank)
 
     mine = {n: shard(x[n]).to(dtype).requires_grad_() for n in ("q", "k", "v")}
-    doc = None if x["doc"] is None else shard(x["doc"])
+    doc: Any = None if x["doc"] is None else shard(x["doc"])
+    if family:
+        doc = Documents(doc, doc.numpy(), family)
     out = _attend(
         case.impl, groups, case.ring, case.ulysses, mine["q"], mine["k"], mine["v"],
         causal=case.causal, doc_ids=doc, kernel=case.kernel, kv_exchange=case.kv_exchange, window=case.window,

@@ -7,6 +7,7 @@ tests/dist/test_attention.py's (its "packed" and "padded" cases).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ringtrain.train.attention import local_attention
+from ringtrain.train.attention import cp_shard, local_attention
 from ringtrain.train.attention.documents import Documents, Segment, runs, segments
 from ringtrain.train.attention.kernels import CpuFlashKernel, MathKernel
 from ringtrain.train.attention.zigzag import zigzag_shard
@@ -140,3 +141,46 @@ def test_documents_are_gathered_once_per_forward_and_group() -> None:
     # A ring of 2: rank 0 holds chunks 0 and 3 (ids 0 0 | 1 1), rank 1 chunks 1 and 2 (2 2 | 3 3).
     assert whole.host_BS.tolist() == [[0, 0, 2, 2, 3, 3, 1, 1]]
     assert [s.host_BS.tolist() for s in shards] == [[[0, 0, 1, 1]], [[2, 2, 3, 3]]]
+
+
+def _family_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """float64 causal attention where a query sees its own document's keys and, for the later
+    documents of a family of three, the first one's: a dense mask built apart from the code."""
+    S = q.shape[1]
+    same = doc[0][:, None] == doc[0][None, :]
+    first = torch.where(doc[0] % 3 != 0, doc[0] - doc[0] % 3, -2)
+    allowed = (same | (first[:, None] == doc[0][None, :])) & torch.ones(S, S, dtype=torch.bool).tril()
+    allowed &= (doc[0] >= 0)[:, None]  # padding sees nothing: its rows are 0
+    scores = torch.einsum("bqhd,bshd->bhqs", q, k) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(scores.masked_fill(~allowed, -1e300), dim=-1) * allowed
+    return torch.einsum("bhqs,bshd->bqhd", probs, v)
+
+
+def test_a_familys_children_see_its_first_document_by_unmasked_pieces() -> None:
+    """Preference pairs as families of three (a prompt, then two completions continuing it): on a
+    kernel that takes no masks, each child's rows against the prompt run as one unmasked,
+    non-causal call, and each document's own square as a causal one; the result is the dense
+    reference's, alone (cp1) and on an emulated ring of two."""
+    from tests.emulated_cp import emulated_attention
+
+    q, k, v, dout, _ = _packed(64, [], dtype=torch.float64)
+    doc = torch.tensor([[0] * 14 + [1] * 10 + [2] * 12 + [3] * 9 + [4] * 7 + [5] * 8 + [-1] * 4])
+    kernel = _NoMasks()
+    docs = Documents(doc, doc.numpy(), family=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = local_attention(*leaves, causal=True, doc_ids=docs, kernel=kernel)
+    out.backward(dout)
+    assert (10, 14) in kernel.calls and (12, 14) in kernel.calls  # each completion against its prompt
+    want_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _family_reference(*want_leaves, doc)
+    want.backward(dout)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for got, ref in zip(leaves, want_leaves):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-10)
+    shards = [Documents(d, d.numpy(), family=3) for d in
+              (cp_shard(doc, dim=1, ring=2, ulysses=1, cp_rank=r) for r in range(2))]
+    ring_out, ring_grads = emulated_attention(q, k, v, dout, ring=2, ulysses=1, kernel=_NoMasks(), documents=shards)
+    torch.testing.assert_close(ring_out, want, rtol=1e-10, atol=1e-10)
+    assert ring_grads is not None
+    for got, ref in zip(ring_grads, want_leaves):
+        torch.testing.assert_close(got, ref.grad, rtol=1e-10, atol=1e-10)

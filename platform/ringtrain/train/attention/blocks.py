@@ -3,9 +3,10 @@ make only part of it visible.
 
 Without documents or a window a block is one kernel call. Otherwise it is cut on the host:
 
-- packed documents: a query sees only keys of its own document, so the block is one rectangle
-  per document (``documents.segments``), each unmasked; a row whose document has no key here
-  (padding included) keeps output 0 and LSE -inf;
+- packed documents: a query sees only keys of its own document (and of its parent's, where
+  documents share a prefix), so the block is one rectangle per document (``documents.segments``),
+  each unmasked; a row whose document has no key here (padding included) keeps output 0 and LSE
+  -inf;
 - a sliding window: by sequence position, into tiles that are left out, full, causal squares, or
   masked where the band's edge crosses them (``window.window_tiles``); a masked tile runs on a
   kernel that takes masks (``kernels.mask_kernel``), with a mask of that tile only.
@@ -62,6 +63,7 @@ class Cut:
     q_docs_BQ: Optional[np.ndarray] = None
     k_docs_BS: Optional[np.ndarray] = None
     window: Optional[int] = None
+    family: int = 0  # ``documents.Documents.family``: a child document sees its parent's keys
     q_positions: Optional[np.ndarray] = None
     k_positions: Optional[np.ndarray] = None
 
@@ -107,15 +109,22 @@ def _batched(pieces: list[Piece]) -> list[Piece]:
 def pieces_of(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> list[Piece]:
     """The pieces ``cut`` cuts a block of ``q_len`` rows and ``k_len`` columns into."""
     if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
-        rects = [(slice(s.b, s.b + 1), s.rows, s.cols) for s in segments(cut.q_docs_BQ, cut.k_docs_BS)]
+        found = segments(cut.q_docs_BQ, cut.k_docs_BS, cut.family)
+        rects = [(slice(s.b, s.b + 1), s.rows, s.cols) for s in found if not s.parent]
+        # A child's rows against its parent's columns: the parent comes first, so all are seen.
+        parent_pieces = [Piece(slice(s.b, s.b + 1), s.rows, s.cols, causal=False) for s in found if s.parent]
     else:
-        rects = [(slice(0, batch), slice(0, q_len), slice(0, k_len))]
+        rects, parent_pieces = [(slice(0, batch), slice(0, q_len), slice(0, k_len))], []
     if cut.window is None:
         if causal and any(rows != cols for _, rows, cols in rects):
             raise ValueError("a causal block's documents must sit on its diagonal: its rows and columns are one range")
-        return [Piece(b, rows, cols, causal) for b, rows, cols in rects]
+        return [Piece(b, rows, cols, causal) for b, rows, cols in rects] + parent_pieces
     if cut.q_positions is None or cut.k_positions is None:
         raise ValueError("a windowed block needs its rows' and columns' positions")
+    if parent_pieces:
+        # A child's positions continue its parent's, not the sequence's: the window's distances
+        # would have to be taken by position, which the tiles here do not.
+        raise ValueError("documents sharing a parent's prefix are not cut by a sliding window")
     pieces = []
     for b, rows, cols in rects:
         q_pos, k_pos = cut.q_positions[rows], cut.k_positions[cols]

@@ -10,6 +10,13 @@ contiguous in the sequence and every shard keeps the sequence's order, so a docu
 of a block's rows and one run of its columns (should a document come in several runs, each pair
 of runs is a rectangle and their partial results merge).
 
+Documents may come in families that share a prefix (``family`` k > 0: ids k j, k j + 1, ...,
+k j + k - 1 form family j): the family's first document is the parent of the others, whose
+queries see its keys as well as their own, and not each other's. A preference pair is a family of
+three (its prompt, then its chosen and its rejected completion, each continuing the prompt):
+the prompt's forward and backward run once for both. The parent comes first in the sequence, so
+a child's rectangle against its parent is wholly visible, never causal.
+
 The cut is computed on the host: ``Documents`` holds the ids on the device and, copied once, on
 the host; it slices like a tensor, and gathers across a group once per forward (the model makes
 one per forward; every layer, and its recomputation, shares it).
@@ -35,17 +42,30 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class Segment:
     """The rectangle of one document in a block: batch row ``b``, ``rows`` of the queries
-    against ``cols`` of the keys."""
+    against ``cols`` of the keys (of the rows' parent's keys, with ``parent``)."""
 
     b: int
     rows: slice
     cols: slice
+    parent: bool = False
 
 
-def doc_visibility(q_doc_BQ: Tensor, k_doc_BS: Tensor) -> Tensor:
-    """``[B, Q, S]``: True where query and key belong to the same (non-padding) document. The
-    mask a block cut by documents never makes; kernels that take masks are checked against it."""
+def parents(ids: Any, family: int) -> Any:
+    """Each document's parent (numpy or torch, elementwise): the first of its family for the
+    others, -1 for a family's first, for padding and where there are no families."""
+    if not family:
+        return ids * 0 - 1
+    first = ids - ids % family
+    return ((ids % family != 0) & (ids >= 0)) * (first + 1) - 1
+
+
+def doc_visibility(q_doc_BQ: Tensor, k_doc_BS: Tensor, family: int = 0) -> Tensor:
+    """``[B, Q, S]``: True where query and key belong to the same (non-padding) document, or the
+    key to the query's parent. The mask a block cut by documents never makes; kernels that take
+    masks are checked against it."""
     same_BQS = q_doc_BQ[:, :, None] == k_doc_BS[:, None, :]
+    if family:
+        same_BQS = same_BQS | (parents(q_doc_BQ, family)[:, :, None] == k_doc_BS[:, None, :])
     return same_BQS & (q_doc_BQ >= 0)[:, :, None]
 
 
@@ -58,8 +78,9 @@ def runs(ids_S: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(ids_S[a]), int(a), int(b)) for a, b in zip(starts, stops)]
 
 
-def segments(q_ids_BQ: np.ndarray, k_ids_BS: np.ndarray) -> list[Segment]:
-    """Every (query run, key run) pair of one non-padding document, batch row by batch row."""
+def segments(q_ids_BQ: np.ndarray, k_ids_BS: np.ndarray, family: int = 0) -> list[Segment]:
+    """Every (query run, key run) pair of one non-padding document, and of a document's queries
+    against its parent's keys, batch row by batch row."""
     found = []
     for b in range(q_ids_BQ.shape[0]):
         key_runs: dict[int, list[tuple[int, int]]] = {}
@@ -70,6 +91,9 @@ def segments(q_ids_BQ: np.ndarray, k_ids_BS: np.ndarray) -> list[Segment]:
                 continue
             for k_start, k_stop in key_runs.get(doc, ()):
                 found.append(Segment(b, slice(start, stop), slice(k_start, k_stop)))
+            parent = int(parents(doc, family))
+            for k_start, k_stop in key_runs.get(parent, ()) if parent >= 0 else ():
+                found.append(Segment(b, slice(start, stop), slice(k_start, k_stop), parent=True))
     return found
 
 
@@ -80,6 +104,7 @@ class Documents:
 
     ids_BS: Tensor
     host_BS: np.ndarray
+    family: int = 0  # documents in families of this many sharing the first as a prefix; 0: none
     _gathered: dict[tuple[int, str], Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -94,7 +119,7 @@ class Documents:
         return self.ids_BS.shape
 
     def __getitem__(self, index: Any) -> Documents:
-        return Documents(self.ids_BS[index], self.host_BS[index])
+        return Documents(self.ids_BS[index], self.host_BS[index], self.family)
 
     def shards(self, group: Transport) -> list[Documents]:
         """Every rank's ids of ``group``, by rank: one all-gather per forward and group (cached,
@@ -103,7 +128,7 @@ class Documents:
         if key not in self._gathered:
             ids_UBS = group.all_gather(self.ids_BS)
             host_UBS = ids_UBS.cpu().numpy()
-            self._gathered[key] = [Documents(ids_UBS[u], host_UBS[u]) for u in range(ids_UBS.shape[0])]
+            self._gathered[key] = [Documents(ids_UBS[u], host_UBS[u], self.family) for u in range(ids_UBS.shape[0])]
         shards: list[Documents] = self._gathered[key]
         return shards
 
@@ -132,7 +157,7 @@ class Documents:
 
             # The host ids joined on the host, from the shards' copies: no second device sync.
             host = join([torch.from_numpy(shard.host_BS) for shard in shards]).numpy()
-            self._gathered[key] = Documents(join([shard.ids_BS for shard in shards]), host)
+            self._gathered[key] = Documents(join([shard.ids_BS for shard in shards]), host, self.family)
         joined: Documents = self._gathered[key]
         return joined
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ringtrain.train.attention.block_kernel import BlockMask
 from ringtrain.train.attention.blocks import Block, Cut, Piece, pieces_of
 from ringtrain.train.attention.call import AttentionCall, Side
+from ringtrain.train.attention.documents import doc_visibility
 from ringtrain.train.attention.exchanges import EXCHANGES, Exchange
 from ringtrain.train.attention.window import band_mask
 
@@ -64,11 +65,12 @@ class Visit:
     blocks: tuple[PlannedBlock, ...]
 
 
-def cut_of(block: Block, rows: Side, cols: Side, window: Optional[int]) -> Cut:
-    """What cuts ``block``: its rows' and columns' documents and, under a window, their positions."""
-    docs: dict[str, np.ndarray] = {}
+def cut_of(block: Block, rows: Side, cols: Side, window: Optional[int], family: int = 0) -> Cut:
+    """What cuts ``block``: its rows' and columns' documents (and their families) and, under a
+    window, their positions."""
+    docs: dict[str, Any] = {}
     if rows.docs_BS is not None and cols.docs_BS is not None:
-        docs = {"q_docs_BQ": rows.docs_BS[:, block.rows], "k_docs_BS": cols.docs_BS[:, block.cols]}
+        docs = {"q_docs_BQ": rows.docs_BS[:, block.rows], "k_docs_BS": cols.docs_BS[:, block.cols], "family": family}
     if window is None:
         return Cut(**docs)
     return Cut(**docs, window=window, q_positions=rows.positions[block.rows], k_positions=cols.positions[block.cols])
@@ -82,8 +84,7 @@ def cut_visibility(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -
     if causal and cut.window is None:
         visible &= np.tril(visible[0], k_len - q_len)[None]
     if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
-        q_docs, k_docs = cut.q_docs_BQ, cut.k_docs_BS
-        visible = visible & (q_docs[:, :, None] == k_docs[:, None, :]) & (q_docs >= 0)[:, :, None]
+        visible = visible & doc_visibility(cut.q_docs_BQ, cut.k_docs_BS, cut.family)
     if cut.window is not None:
         assert cut.q_positions is not None and cut.k_positions is not None
         visible = visible & band_mask(cut.q_positions, cut.k_positions, cut.window)[None]
@@ -117,7 +118,7 @@ def _planned(call: AttentionCall, block: Block, rows: Side, cols: Side, batch: i
     spans = dict(rows=row_span, cols=col_span, all_rows=q_len == call.seq_local, all_cols=s_len == k_len,
                  causal=block.causal)
     wide_causal = block.causal and s_len > q_len
-    cut = cut_of(block, rows, cols, call.window)
+    cut = cut_of(block, rows, cols, call.window, call.docs.family if call.docs is not None else 0)
     if cut.whole and (not wide_causal or call.kernel.aligns_causal_bottom_right):
         return PlannedBlock(**spans, how=WHOLE)
     if call.kernel.supports_mask and q_len * s_len <= MASKED_BELOW_SCORES:
