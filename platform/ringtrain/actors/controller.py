@@ -193,12 +193,21 @@ class Controller(Watches):
 
     def _start(self) -> State:
         started = self.clock()
+        spares = f" and {self.job.mesh.spares} warm spares" if self.job.mesh.spares else ""
+        self.observers.on_waiting(
+            f"{self.job.world_size} workers{spares} to start (each imports torch and DeepSpeed, then together "
+            "they build the model, its ZeRO engine and the data)"
+        )
         self.group.start()
         self.startup.update({**self.group.startup, "group_start_s": self.clock() - started})
         self.observers.on_start(self.group.infos)
         if self.resume_from is not None:
+            self.observers.on_waiting(f"the workers to load step {self.resume_from.step}'s checkpoint")
             self.start_step = self._resume(self.resume_from)
         self._write_layout()
+        self.observers.on_waiting(
+            f"step {self.start_step + 1}, the workers' first (it also warms their kernels, and reads the first batch)"
+        )
         self.last_clean_scan = self.start_step
         return Training(
             f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "

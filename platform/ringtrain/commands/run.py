@@ -137,6 +137,8 @@ def _train(
     from ringtrain.telemetry.tensorboard import TensorBoardSink
     from ringtrain.telemetry.trackers import open_trackers, tracker_meta
 
+    address = job.cluster.address or os.environ.get("RAY_ADDRESS")
+    progress.waiting(f"the Ray cluster at {address}" if address else "an embedded Ray cluster to start")
     cluster = connect(job)
     job = cluster.for_workers(job)
     # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's
