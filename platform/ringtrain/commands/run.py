@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
 
         check_pretrained(job)
-    check_sources(job)
+    for note in check_sources(job):
+        print(f"ringtrain: warning: {note}", file=sys.stderr)
     check_trackers(job)
     check_embedded_capacity(job)  # before an embedded cluster starts, and leaves a temp dir
     eval_plan = _eval_plan(job) if job.eval.every else None
