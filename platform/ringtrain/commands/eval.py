@@ -140,6 +140,7 @@ def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
     no tokenizer to compare it with."""
     from ringtrain.train.corpus import is_prepared_path, read_manifest
     from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, trained_tokenizer, unchecked_note
+    from ringtrain.train.mixture import source_specs
     from ringtrain.errors import DataError
 
     if data == STDLIB_CORPUS or not is_prepared_path(data):
@@ -150,7 +151,7 @@ def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
         raise ConfigError("eval.data", str(exc)) from None
     model = folder_tokenizer(source.tokenizer_folder, "SOURCE")
     if model is None and source.kind == "run":  # its config.yaml names the data it trained on
-        model = trained_tokenizer(source.job)
+        model = trained_tokenizer(source_specs(source.job)[0].path)
     if model is not None:
         check_same(data, tok, model, "eval.data", source.tokenizer_folder)
         return []

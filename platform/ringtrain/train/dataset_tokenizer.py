@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepared import BYTES_TOKENIZER, TokenizerInfo, tokenizer_sha256
 
@@ -65,19 +64,18 @@ def unchecked_note(folder: str, path: str, tok: TokenizerInfo, key: str) -> str:
     )
 
 
-def trained_tokenizer(job: JobConfig) -> Optional[ModelTokenizer]:
-    """The tokens a model trained from scratch by ringtrain knows: those of the prepared data
-    ``job`` trained on (its first source's tokenizer), or bytes for text it read byte by byte;
-    None for a token file of unknown origin, or a dataset that cannot be read now."""
-    from ringtrain.train.corpus import read_manifest
+def trained_tokenizer(first_source: str) -> Optional[ModelTokenizer]:
+    """The tokens a model trained from scratch by ringtrain knows, from ``first_source``, the
+    data it trained on (``data.path`` or its first ``data.sources``): that prepared dataset's
+    tokenizer, or bytes for text it read byte by byte; None for a token file of unknown origin,
+    or a dataset that cannot be read now."""
+    from ringtrain.train.corpus import is_prepared_path, read_manifest
     from ringtrain.train.data import is_byte_corpus
-    from ringtrain.train.mixture import source_specs, uses_prepared_data
 
-    first = source_specs(job)[0].path
-    if not uses_prepared_data(job):
-        return ModelTokenizer(BYTES_TOKENIZER, f"the bytes it trained on ({first})") if is_byte_corpus(first) else None
+    if not is_prepared_path(first_source):
+        return ModelTokenizer(BYTES_TOKENIZER, f"the bytes it trained on ({first_source})") if is_byte_corpus(first_source) else None
     try:
-        tok = read_manifest(first).tokenizer
+        tok = read_manifest(first_source).tokenizer
     except (DataError, ValueError, OSError):
         return None
-    return ModelTokenizer(tok.sha256, f"the tokenizer of the data it trained on ({tok.name!r}, {first})")
+    return ModelTokenizer(tok.sha256, f"the tokenizer of the data it trained on ({tok.name!r}, {first_source})")
