@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -43,6 +44,7 @@ from typing import Any, Optional
 from ringtrain.checkpoint import liveness
 from ringtrain.checkpoint.backends import ObjectBackend, ObjectMissing, ObjectTooLarge
 from ringtrain.checkpoint.fence import FenceLost
+from ringtrain.checkpoint.s3_access import cause
 from ringtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -283,7 +285,8 @@ class WriterLease:
                 log.error("%s", exc)
                 return
             except Exception as exc:  # a network blip: the next renewal may succeed before expiry
-                log.warning("renewing the writer lease %s failed: %s", self.uri, exc)
+                said = cause(exc) if "botocore" in sys.modules else None
+                log.warning("renewing the writer lease %s failed (the next renewal tries again): %s", self.uri, said or exc)
 
     def _write(self, now: float, version: Optional[str]) -> bool:
         record = LeaseRecord(self.holder, now + self.term_s, self.term_s)

@@ -138,13 +138,14 @@ def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
     """A prepared --data must hold the model's token ids, as `ringtrain run` asks of its data:
     ConfigError (--data) when its tokenizer is another; the warning when the model's folder has
     no tokenizer to compare it with."""
-    from ringtrain.train.corpus import is_prepared_path, read_manifest
+    from ringtrain.train.corpus import check_reachable, is_prepared_path, read_manifest
     from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, trained_tokenizer, unchecked_note
     from ringtrain.train.mixture import source_specs
     from ringtrain.errors import DataError
 
     if data == STDLIB_CORPUS or not is_prepared_path(data):
         return []
+    check_reachable(data, "eval.data")
     try:
         tok = read_manifest(data).tokenizer
     except DataError as exc:

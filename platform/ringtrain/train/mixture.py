@@ -31,7 +31,7 @@ import numpy as np
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.conversations import ConversationRows, pack_conversations, row_sample
-from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
+from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
 from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, unchecked_note
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
 from ringtrain.uris import is_s3
@@ -241,6 +241,7 @@ def check_sources(job: JobConfig) -> list[str]:
     first: Optional[tuple[str, str]] = None
     chat: set[bool] = set()
     for key, spec in zip(_source_keys(job), source_specs(job)):
+        check_reachable(spec.path, key)
         try:
             corpus = PreparedCorpus(spec.path, cache_dir=job.data.cache_dir)
         except (DataError, ValueError, OSError) as exc:  # a bad manifest, URI or store: the key says which
