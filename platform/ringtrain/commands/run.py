@@ -25,6 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
+from ringtrain.commands.submit_checks import CHECKED, SUBMITTED_VARIABLE
 from ringtrain.planner.fit import fit_warning
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     resume_from = find_resume_point(job, run_path, progress.message)
     store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
     lease = store_claim(job, store, run_path)
+    if os.environ.get(SUBMITTED_VARIABLE):  # `ringtrain submit` waits for this line (commands/submit_checks)
+        print(CHECKED, flush=True)
     return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop)
 
 
