@@ -141,10 +141,16 @@ class Persister:
         return out
 
     def describe(self, exc: BaseException) -> str:
-        """A failed save in one line: the store and the cause (an S3 failure in its own
+        """A failed save in one line: the workers' snapshot that could not be fetched (they, or
+        their cluster, went away), or the store and the cause (an S3 failure in its own
         sentence, never botocore's trace)."""
+        from ray.exceptions import RayError
+
         from ringtrain.checkpoint.s3_access import cause
 
+        if isinstance(exc, RayError):
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return f"the snapshot could not be fetched from the workers, which (or whose cluster) went away: {type(exc).__name__}: {first}"
         said = cause(exc) if "botocore" in sys.modules else None
         return f"{self.store.uri}: {said}" if said else f"{self.store.uri}: {type(exc).__name__}: {exc}"
 
