@@ -25,17 +25,12 @@ from ringtrain.checkpoint import S3Options, open_store
 from ringtrain.checkpoint.s3_access import cause
 from ringtrain.telemetry.progress import Progress
 from ringtrain.telemetry.rundir import RunDir
-from tests.prepared_data import random_documents, write_prepared
 from tests.unit.controller_fakes import ScriptedGroup
+from tests.unit.test_eval_cli_errors import LLAMA
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "jobs" / "quickstart.yaml")
 ONE_WORKER = ["mesh.dp=1", "mesh.cp=1", "data.seq_len=64"]
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_theta": 10000.0,
-}  # fmt: skip
 ALLOW_S3 = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
 
 
