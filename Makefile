@@ -5,12 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+TRACKERS_STAMP := $(VENV)/.installed-trackers
 TOOLS_STAMP := $(VENV)/.tools
 TORCH_VERSION ?= 2.13.0
 JOB ?= jobs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-test tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check chaos-records bench clean
+.PHONY: venv venv-test trackers tools run test test-unit test-dist test-ray test-gpu gpu-check gpu-start gpu-wheels helm-check chaos-records bench clean
 
 venv: $(STAMP)
 
@@ -67,6 +68,15 @@ $(TEST_STAMP): $(STAMP)
 
 run: venv
 	$(VENV)/bin/ringtrain run $(JOB)
+
+# The experiment trackers' clients (MLflow, W&B), which `make run` leaves out (docs/monitoring.md):
+# a job with telemetry.mlflow or telemetry.wandb set needs them.
+trackers: $(TRACKERS_STAMP)
+
+$(TRACKERS_STAMP): $(STAMP)
+	$(PIP) install --no-compile -q -e ".[mlflow,wandb]"
+	$(COMPILE_VENV)
+	touch $(TRACKERS_STAMP)
 
 # Test files run on TEST_WORKERS processes, each file whole on one (its module fixtures, a Ray
 # cluster or a spawned gloo group, are built once); TEST_WORKERS=0 runs them in this process.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A local stack for ringtrain on one machine, all on loopback: a Ray head exporting metrics on
-# port 8080, Prometheus scraping it (infra/prometheus.yml) and an S3-compatible server (moto)
-# with a bucket for checkpoints.
+# port 8080, Prometheus scraping it (infra/prometheus.yml) and an S3-compatible server (moto,
+# infra/s3_server.py) with a bucket for checkpoints.
 #
 #   infra/local-stack.sh start    start the three; their PIDs go to $RINGTRAIN_STACK_DIR/pids
 #   infra/local-stack.sh env      print the exports that point ringtrain at them
@@ -10,10 +10,26 @@
 #
 #   eval "$(infra/local-stack.sh env)" && ringtrain run jobs/quickstart.yaml
 #
+# Needs: PYTHON with ringtrain's dependencies (make venv) and moto's server (moto[s3,server],
+# flask, flask-cors: make venv-test installs them), and Debian's prometheus (make tools); `start`
+# names whatever is missing, and how to get it, before it starts anything.
+#
+# Every port listens on 127.0.0.1 only, the Ray head's own ones included (GCS, raylet, object
+# manager, agents, dashboard, client server, metrics): Ray is told the node is a cluster of one
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), else it would swap 127.0.0.1 for the machine's routable
+# address and listen on every interface.
+#
 # The Ray head authenticates with a token (RAY_AUTH_MODE=token): `start` generates one and keeps
 # it in $RINGTRAIN_STACK_DIR/auth_token (mode 0600), never printing it; `env` exports that file's
 # path as RAY_AUTH_TOKEN_PATH, which ringtrain, Ray's CLI and Ray's clients read. Every other
 # local user reaches the loopback ports too; without the token they cannot run code on the head.
+#
+# The S3 server answers only the stack's own credentials: a random access key of an IAM user it
+# makes at its start, kept in $RINGTRAIN_STACK_DIR/s3_credentials (mode 0600, an AWS shared
+# credentials file) and never printed; moto's control API, which could turn that check off, is
+# refused. `env` exports the file's path (AWS_SHARED_CREDENTIALS_FILE) with the endpoint, and the
+# Ray head runs with the same settings, so a job submitted to the stack reads and writes the
+# stack's S3 with no --env.
 #
 # The head runs on PYTHON (the repo's .venv by default), and `env` exports that interpreter as
 # RINGTRAIN_CLUSTER_PYTHON: `ringtrain submit` runs jobs with it, so a job finds ringtrain's
@@ -27,12 +43,15 @@
 # It never runs `ray stop`, which would kill every Ray process on the machine: the Ray head is
 # started with --block, and stopping that one process stops the processes it started.
 #
-# Settings (environment): RINGTRAIN_STACK_DIR (state, logs; default .ringtrain-cache/local-stack),
-# RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short; Ray unpacks
-# every job's files there),
-# RAY_PORT (6379), RAY_DASHBOARD_PORT (8265), RAY_AGENT_PORT (52365: the job agent), METRICS_PORT (8080), PROMETHEUS_PORT (9090),
-# S3_PORT (9000), S3_BUCKET (ringtrain), PYTHON. Prometheus reads infra/prometheus.yml with the
-# metrics and Prometheus ports put in.
+# Settings (environment), each port with its default; `start` names the variable of each port
+# it finds taken (another Ray head or an embedded `ringtrain run` on the machine, say):
+#   RAY_PORT (6379: the GCS), RAY_DASHBOARD_PORT (8265: the dashboard and job API),
+#   RAY_AGENT_PORT (52365: the job agent), RAY_CLIENT_PORT (10001: the Ray client server),
+#   METRICS_PORT (8080), PROMETHEUS_PORT (9090), S3_PORT (9000),
+#   S3_BUCKET (ringtrain), RINGTRAIN_STACK_DIR (state, logs; default .ringtrain-cache/local-stack),
+#   RAY_TEMP_DIR (default /tmp/ringtrain-ray-<uid>: Ray's socket paths must stay short; Ray
+#   unpacks every job's files there), PYTHON. Prometheus reads infra/prometheus.yml with the
+#   metrics and Prometheus ports put in.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -44,11 +63,14 @@ LOG_DIR=$STATE_DIR/logs
 TOKEN_FILE=$STATE_DIR/auth_token
 # The interpreter the head runs, as `start` found it (`env` exports it).
 PYTHON_FILE=$STATE_DIR/cluster_python
+# The S3 server's credentials (infra/s3_server.py writes them; they die with the stack).
+CREDENTIALS_FILE=$STATE_DIR/s3_credentials
 PROMETHEUS_CONFIG=$STATE_DIR/prometheus.yml
 RAY_TEMP_DIR=${RAY_TEMP_DIR:-/tmp/ringtrain-ray-$(id -u)}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 RAY_AGENT_PORT=${RAY_AGENT_PORT:-52365}
+RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-10001}
 METRICS_PORT=${METRICS_PORT:-8080}
 PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
 S3_PORT=${S3_PORT:-9000}
@@ -67,7 +89,7 @@ marker() {
     case "$1" in
         ray) echo "start --head --block" ;;
         prometheus) echo "--config.file=$PROMETHEUS_CONFIG" ;;
-        s3) echo "moto.server" ;;
+        s3) echo "infra/s3_server.py --port" ;;
         *) return 1 ;;
     esac
 }
@@ -94,6 +116,24 @@ ours() {
 
 port_open() {
     (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+# Every port the stack listens on, free on 127.0.0.1, else one line naming each taken port and
+# the variable that moves it (exit 1; nothing started).
+check_ports() {
+    local taken=() names=() name
+    for name in RAY_PORT RAY_DASHBOARD_PORT RAY_AGENT_PORT RAY_CLIENT_PORT METRICS_PORT PROMETHEUS_PORT S3_PORT; do
+        if port_open "${!name}"; then
+            taken+=("${!name} ($name)")
+            names+=("$name=<free port>")
+        fi
+    done
+    if ((${#taken[@]})); then
+        local list
+        list=$(printf ', %s' "${taken[@]}")
+        log "ports in use on 127.0.0.1: ${list:2} (another Ray head, or an embedded ringtrain run, holds them): move each with its variable, e.g. ${names[*]} $0 start"
+        exit 1
+    fi
 }
 
 wait_for_port() {
@@ -165,14 +205,10 @@ cmd_start() {
     fi
     private_dir "$RAY_TEMP_DIR"
     require "ray" "install the project (make venv) or set PYTHON" "$PYTHON" -c "import ray"
-    require "prometheus" "apt-get install --no-install-recommends prometheus" command -v prometheus
-    require "moto" "pip install 'moto[server]'" "$PYTHON" -c "import moto.server, flask, flask_cors"
-    for port in "$RAY_PORT" "$RAY_DASHBOARD_PORT" "$RAY_AGENT_PORT" "$METRICS_PORT" "$PROMETHEUS_PORT" "$S3_PORT"; do
-        if port_open "$port"; then
-            log "port $port on 127.0.0.1 is already in use"
-            exit 1
-        fi
-    done
+    require "prometheus" "apt-get install --no-install-recommends prometheus (make tools does it)" command -v prometheus
+    require "moto, the S3 server," "$PYTHON -m pip install 'moto[s3,server]' flask flask-cors (make venv-test installs them)" \
+        "$PYTHON" -c "import moto.server, moto.iam, flask, flask_cors"
+    check_ports
     mkdir -p "$LOG_DIR"
     chmod 700 "$STATE_DIR"
     # Made before anything starts: a token that only exists after `start` could be lost with it.
@@ -190,8 +226,14 @@ cmd_start() {
     # Token authentication on: loopback ports are open to every user of this machine. The token
     # goes in through the environment (readable by this user only), never the command line.
     # Ray runs on PYTHON itself (its workers too), whatever `ray` the PATH holds.
-    RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
-        --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
+    # A cluster of one (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): every Ray port on 127.0.0.1. The
+    # stack's S3 settings go to every job through the head's environment, the user's own AWS
+    # credentials left out (they would win over the stack's file).
+    env -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u AWS_SESSION_TOKEN -u AWS_PROFILE -u AWS_ENDPOINT_URL_S3 \
+        AWS_ENDPOINT_URL="http://127.0.0.1:$S3_PORT" AWS_SHARED_CREDENTIALS_FILE="$CREDENTIALS_FILE" \
+        AWS_DEFAULT_REGION="$S3_REGION" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
+        RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")" RAY_USAGE_STATS_ENABLED=0 "$PYTHON" -m ray.scripts.scripts start --head --block \
+        --node-ip-address=127.0.0.1 --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
         --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" --dashboard-agent-listen-port="$RAY_AGENT_PORT" \
         --metrics-export-port="$METRICS_PORT" --temp-dir="$RAY_TEMP_DIR/ray" \
         </dev/null >"$LOG_DIR/ray.log" 2>&1 &
@@ -206,14 +248,11 @@ cmd_start() {
     record prometheus $!
     wait_for_port prometheus $! "$PROMETHEUS_PORT"
 
-    "$PYTHON" -m moto.server -H 127.0.0.1 -p "$S3_PORT" </dev/null >"$LOG_DIR/s3.log" 2>&1 &
+    "$PYTHON" "$REPO/infra/s3_server.py" --port "$S3_PORT" --bucket "$S3_BUCKET" --credentials "$CREDENTIALS_FILE" \
+        </dev/null >"$LOG_DIR/s3.log" 2>&1 &
     record s3 $!
     wait_for_port s3 $! "$S3_PORT"
     set +m
-    AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing "$PYTHON" -c "
-import boto3
-boto3.client('s3', endpoint_url='http://127.0.0.1:$S3_PORT', region_name='$S3_REGION').create_bucket(Bucket='$S3_BUCKET')
-"
     # The metrics agent comes up a few seconds after the head's GCS port; wait for it too, so
     # Prometheus' first scrapes succeed.
     wait_for_port ray "$ray_pid" "$METRICS_PORT"
@@ -221,7 +260,7 @@ boto3.client('s3', endpoint_url='http://127.0.0.1:$S3_PORT', region_name='$S3_RE
 
     log "started; PIDs in $PID_FILE, logs in $LOG_DIR"
     log "Ray dashboard http://127.0.0.1:$RAY_DASHBOARD_PORT, Prometheus http://127.0.0.1:$PROMETHEUS_PORT, S3 http://127.0.0.1:$S3_PORT (bucket $S3_BUCKET)"
-    log "Ray runs on $(cat "$PYTHON_FILE"); its auth token is in $TOKEN_FILE (mode 0600, never printed)"
+    log "Ray runs on $(cat "$PYTHON_FILE"); its auth token is in $TOKEN_FILE, the S3 credentials in $CREDENTIALS_FILE (mode 0600, never printed)"
     log "point ringtrain at it with: eval \"\$($0 env)\""
 }
 
@@ -248,9 +287,9 @@ export RAY_AUTH_TOKEN_PATH=$(printf %q "$TOKEN_FILE")
 unset RAY_AUTH_TOKEN
 export RINGTRAIN_CLUSTER_PYTHON=$(printf %q "$python")
 export AWS_ENDPOINT_URL=http://127.0.0.1:$S3_PORT
-export AWS_ACCESS_KEY_ID=testing
-export AWS_SECRET_ACCESS_KEY=testing
+export AWS_SHARED_CREDENTIALS_FILE=$(printf %q "$CREDENTIALS_FILE")
 export AWS_DEFAULT_REGION=$S3_REGION
+unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_PROFILE AWS_ENDPOINT_URL_S3
 # checkpoint.uri=s3://$S3_BUCKET/<prefix>; metrics: http://127.0.0.1:$PROMETHEUS_PORT
 EOF
 }
@@ -266,8 +305,8 @@ cmd_status() {
 }
 
 cmd_stop() {
-    # The token dies with the stack: the next `start` makes a new one.
-    rm -f "$TOKEN_FILE" "$PYTHON_FILE"
+    # The token and the S3 credentials die with the stack: the next `start` makes new ones.
+    rm -f "$TOKEN_FILE" "$PYTHON_FILE" "$CREDENTIALS_FILE"
     if [[ ! -s "$PID_FILE" ]]; then
         log "nothing to stop ($PID_FILE is absent)"
         rm -f "$PID_FILE"

@@ -38,6 +38,8 @@ WHY_NOT = ("# needs a cluster", "# needs a GPU", "# a benchmark")
 # Commands that start a Ray cluster (or a Ray Data pipeline): their blocks run in the Ray tier.
 STARTS_A_CLUSTER = re.compile(r"\bringtrain (run|eval|prepare)\b")
 PROMPT = "$ "
+# The Makefile's targets a block may run, and what each leaves in the venv (checked, not redone).
+MAKE_TARGETS = {"trackers": "import mlflow, wandb"}
 # What of the checkout the examples read (a corpus for prepare, the docs' pages).
 CHECKOUT_FOLDERS = ("docs", "platform")
 
@@ -129,6 +131,16 @@ class Workspace:
             shim = bin_dir / name
             shim.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
             shim.chmod(0o755)
+        # `make TARGET` in a block: the suite runs in the venv the Makefile's targets made, so
+        # what a target leaves behind is checked rather than made again.
+        make = bin_dir / "make"
+        make.write_text(
+            "#!/bin/sh\n"
+            'case "$*" in\n'
+            + "".join(f'  {target}) exec "{sys.executable}" -c "{check}" ;;\n' for target, check in MAKE_TARGETS.items())
+            + '  *) echo "make $*: not a target the docs\' blocks may run" >&2; exit 1 ;;\nesac\n'
+        )
+        make.chmod(0o755)
         for job in sorted((REPO / "jobs").glob("*.yaml")):
             self._write_job(job)
         for script in sorted((REPO / "jobs").glob("*.py")):  # the jobs' own generators, as they are

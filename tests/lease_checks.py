@@ -12,6 +12,9 @@ runs the takeover right after a chosen one.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -19,7 +22,7 @@ from typing import Any, Optional
 
 import pytest
 
-from ringtrain.checkpoint import CheckpointStore
+from ringtrain.checkpoint import CheckpointStore, liveness
 from ringtrain.checkpoint.backends import ObjectBackend, ObjectInfo
 from ringtrain.checkpoint.layout import manifest_key, shard_key
 from ringtrain.checkpoint.lease import LEASE_KEY, Holder, LeaseHeld, LeaseLost, WriterLease
@@ -76,6 +79,60 @@ def an_expired_lease_is_taken_over_and_its_old_holder_learns_it(make_store: Stor
     killed.release()  # not ours any more: leaves the new holder's lease alone
     next_run.check()
     next_run.renew()
+
+
+def _ended_process() -> tuple[int, int]:
+    """(pid, start ticks) of a process of this host that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        begun = liveness.started(child.pid)
+        assert begun is not None
+    finally:
+        child.kill()
+        child.wait()
+    return child.pid, begun
+
+
+def _left_behind(store: CheckpointStore, clock: Clock, holder: Holder) -> None:
+    """A live lease of ``holder`` in ``store``, as a run that crashed while training leaves it."""
+    WriterLease(store.backend, holder, TERM_S, clock=clock).acquire()
+
+
+def a_live_lease_of_an_ended_process_of_this_host_is_taken_over_at_once(make_store: StoreFactory) -> None:
+    """A crash on this host: the holder's pid no longer runs (or runs a process started at
+    another time, the pid handed on), so the next run takes over without waiting for expiry."""
+    clock = Clock()
+    pid, begun = _ended_process()
+    mine = Holder.this_process("next", "/runs/next")
+    for gone_holder in (
+        Holder("crashed", "crashed", "/runs/crashed", mine.host, pid, mine.boot, begun),
+        Holder("reused", "reused", "/runs/reused", mine.host, os.getpid(), mine.boot, mine.started + 1),
+    ):
+        _left_behind(make_store(), clock, gone_holder)
+        next_run = WriterLease(make_store().backend, Holder.this_process("next", "/runs/next"), TERM_S, clock=clock)
+        next_run.check_free()  # no clock moved: the lease is still live
+        next_run.acquire()
+        next_run.check()
+        next_run.release()
+
+
+def a_live_lease_of_a_running_process_or_another_host_still_waits(make_store: StoreFactory) -> None:
+    clock = Clock()
+    pid, begun = _ended_process()
+    mine = Holder.this_process("next", "/runs/next")
+    for live_holder in (
+        # This very process: running, its start time as recorded.
+        Holder("running", "running", "/runs/running", mine.host, os.getpid(), mine.boot, mine.started),
+        # Another host (another boot, or a container's own pid namespace): its pid says nothing here.
+        Holder("elsewhere", "elsewhere", "/runs/elsewhere", "node-b", pid, "another-boot pid:[1]", begun),
+        # A lease written before holders recorded their boot and start.
+        Holder("older", "older", "/runs/older", mine.host, pid),
+    ):
+        _left_behind(make_store(), clock, live_holder)
+        next_run = WriterLease(make_store().backend, mine, TERM_S, clock=clock)
+        with pytest.raises(LeaseHeld, match=f"run '{live_holder.job}'"):
+            next_run.acquire()
+        clock.now += TERM_S + 1  # expired: the next holder's turn, and the next case's store is free
 
 
 def renewal_keeps_a_lease_live(make_store: StoreFactory) -> None:
@@ -279,6 +336,8 @@ def a_fenced_save_without_a_takeover_writes_as_before(make_store: StoreFactory) 
 CHECKS = [
     a_second_writer_is_refused_until_the_first_releases,
     an_expired_lease_is_taken_over_and_its_old_holder_learns_it,
+    a_live_lease_of_an_ended_process_of_this_host_is_taken_over_at_once,
+    a_live_lease_of_a_running_process_or_another_host_still_waits,
     renewal_keeps_a_lease_live,
     racing_writers_cannot_both_win,
     a_kept_lease_is_renewed_in_the_background_and_released,

@@ -100,7 +100,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("ringtrain: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:
+        said = _s3_cause(exc)
+        if said is None:
+            raise
+        print(f"ringtrain: error: S3: {said}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_USAGE
+
+
+def _s3_cause(exc: BaseException) -> Optional[str]:
+    """The one sentence for an S3 failure no check caught first (botocore's own trace runs to 60
+    lines); None for anything else, or where boto3 was never loaded."""
+    if "botocore" not in sys.modules:
+        return None
+    from ringtrain.checkpoint.s3_access import cause
+
+    return cause(exc)
 
 
 def _dashed_override(argv: list[str]) -> Optional[str]:

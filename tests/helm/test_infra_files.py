@@ -117,11 +117,15 @@ def test_local_stack_script_parses_and_never_runs_ray_stop() -> None:
     assert any("--metrics-export-port" in line for line in code)
     assert any('"$REPO/infra/prometheus.yml" >"$PROMETHEUS_CONFIG"' in line for line in code)
     assert any('--config.file="$PROMETHEUS_CONFIG"' in line for line in code)
-    assert any("moto.server -H 127.0.0.1" in line for line in code)
+    assert any('"$PYTHON" "$REPO/infra/s3_server.py" --port "$S3_PORT"' in line for line in code)
     # Token authentication on, with the token kept off every command line.
     (ray_start,) = [line for line in code if '"$PYTHON" -m ray.scripts.scripts start --head' in line]
     assert "RAY_AUTH_MODE=token" in ray_start and 'RAY_AUTH_TOKEN="$(cat "$TOKEN_FILE")"' in ray_start
     assert not [line for line in code if "RAY_AUTH_MODE=disabled" in line]
+    # Every Ray port on loopback: a cluster of one, its client server's port given too.
+    head = " ".join(code[code.index(ray_start) - 3 : code.index(ray_start) + 4])
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in head and '--ray-client-server-port="$RAY_CLIENT_PORT"' in head
+    assert 'AWS_SHARED_CREDENTIALS_FILE="$CREDENTIALS_FILE"' in head and "-u AWS_ACCESS_KEY_ID" in head
 
 
 def test_local_stack_script_passes_shellcheck() -> None:
@@ -158,7 +162,10 @@ def test_local_stack_usage_env_and_status(tmp_path: Path) -> None:
     shell = f'RAY_AUTH_TOKEN=stale; {printed}\nprintf "%s|%s" "$RINGTRAIN_CLUSTER_PYTHON" "${{RAY_AUTH_TOKEN-unset}}"'
     evaluated = subprocess.run(["bash", "-c", shell], check=True, capture_output=True, text=True).stdout
     assert evaluated == "/opt/the cluster/bin/python|unset"
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} <= exports.keys()
+    # The stack's S3 credentials by their file, never as values; a shell's own keys would win over it.
+    assert exports["AWS_SHARED_CREDENTIALS_FILE"] == str(tmp_path / "s3_credentials")
+    assert "AWS_DEFAULT_REGION" in exports and not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & exports.keys()
+    assert "unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY" in printed
     assert stack("status", state=tmp_path).stdout.strip() == "not running"
     stopped = stack("stop", state=tmp_path)
     assert stopped.returncode == 0 and "nothing to stop" in stopped.stderr
@@ -203,10 +210,10 @@ def fake_services() -> Iterator[Callable[..., subprocess.Popen[str]]]:
 def test_stop_kills_exactly_the_recorded_processes(
     tmp_path: Path, fake_services: Callable[..., subprocess.Popen[str]]
 ) -> None:
-    s3 = fake_services("moto.server", child=True)
+    s3 = fake_services("infra/s3_server.py", "--port", child=True)
     assert s3.stdout is not None
     grandchild = int(s3.stdout.readline())
-    bystander = fake_services("moto.server")  # the same command line, not in the PID file
+    bystander = fake_services("infra/s3_server.py", "--port")  # the same command line, not in the PID file
     reused = fake_services("something-else")  # recorded as prometheus, but that PID is now another program
     (tmp_path / "pids").write_text(f"prometheus {reused.pid}\ns3 {s3.pid}\n")
 
@@ -261,3 +268,55 @@ def test_a_ray_temp_dir_is_made_or_kept_private(tmp_path: Path) -> None:
         assert result.returncode == 1 and "ray is missing" in result.stderr, result.stderr
         assert folder.is_dir() and not folder.is_symlink()
         assert folder.stat().st_mode & 0o777 == 0o700
+
+
+PORT_VARIABLES = ("RAY_PORT", "RAY_DASHBOARD_PORT", "RAY_AGENT_PORT", "RAY_CLIENT_PORT", "METRICS_PORT", "PROMETHEUS_PORT", "S3_PORT")
+
+
+def test_start_names_the_variable_of_each_port_it_finds_taken(tmp_path: Path) -> None:
+    """Ports another service holds (here two of them, held by this test; the defaults are another
+    Ray head's or an embedded run's) are named with the variable that moves each, before anything
+    starts: no state folder, no token, no process."""
+    import socket
+
+    tool("prometheus")
+    held, ports = [], {}
+    try:
+        for name in PORT_VARIABLES:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            ports[name] = str(sock.getsockname()[1])
+            if name in ("RAY_DASHBOARD_PORT", "RAY_AGENT_PORT"):
+                sock.listen()
+                held.append(sock)
+            else:
+                sock.close()  # a port nobody listens on: free
+        state = tmp_path / "state"
+        result = stack("start", state=state, RAY_TEMP_DIR=str(tmp_path / "ray"), PYTHON=sys.executable, **ports)
+    finally:
+        for sock in held:
+            sock.close()
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    dashboard, agent = ports["RAY_DASHBOARD_PORT"], ports["RAY_AGENT_PORT"]
+    assert line.startswith(f"local-stack: ports in use on 127.0.0.1: {dashboard} (RAY_DASHBOARD_PORT), {agent} (RAY_AGENT_PORT) "), line
+    assert "RAY_DASHBOARD_PORT=<free port> RAY_AGENT_PORT=<free port>" in line
+    assert not state.exists()
+
+
+def test_start_names_the_s3_server_it_needs_and_how_to_install_it(tmp_path: Path) -> None:
+    tool("prometheus")
+    poison = tmp_path / "poison" / "moto"
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text("raise ImportError('no moto here')\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={poison.parent} exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    state = tmp_path / "state"
+    result = stack("start", state=state, RAY_TEMP_DIR=str(tmp_path / "ray"), PYTHON=str(python))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"local-stack: moto, the S3 server, is missing: {python} -m pip install 'moto[s3,server]' flask flask-cors "
+        "(make venv-test installs them)"
+    )
+    assert not state.exists()

@@ -48,9 +48,10 @@ class Background:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = logs
         with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+            # A process group of its own, as a shell's job has: a signal can go to the whole group.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ringtrain", "run", *args],
-                env=run_env(home, ray_tmp), cwd=home, stdout=out, stderr=err,
+                env=run_env(home, ray_tmp), cwd=home, stdout=out, stderr=err, start_new_session=True,
             )  # fmt: skip
 
     @property
@@ -69,11 +70,15 @@ class Background:
             assert time.monotonic() < deadline, f"no step {steps} within {timeout_s:g} s"
             time.sleep(0.1)
 
-    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 120) -> tuple[int, float]:
-        """Send ``signum`` and wait for the run to exit: (its exit code, seconds from the signal
-        to the exit)."""
+    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 120, *, group: bool = False) -> tuple[int, float]:
+        """Send ``signum`` (to the run's whole process group with ``group``, as a shell's `kill %1`
+        or a supervisor stopping a control group does) and wait for the run to exit: (its exit
+        code, seconds from the signal to the exit)."""
         t0 = time.monotonic()
-        self.proc.send_signal(signum)
+        if group:
+            os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
         code = self.proc.wait(timeout=timeout_s)
         return code, time.monotonic() - t0
 

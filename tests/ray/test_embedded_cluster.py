@@ -74,6 +74,9 @@ for first in [True, False][: int(sys.argv[1])]:
         "gcs_token": token_of(procs, "gcs_server"),
         "listening": listening(procs),
         "answer": answer,
+        # Process groups of the cluster's processes that are the driver's own: a signal to the
+        # driver's group (`kill %1`) must not reach them (actors/cluster.py).
+        "in_drivers_group": [p.pid for p in procs if os.getpgid(p.pid) == os.getpgrp()],
     })
     handle.close()
     runs[-1]["after"] = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
@@ -130,6 +133,7 @@ def test_an_embedded_cluster_listens_on_loopback_with_a_per_run_token_off_disk(r
         assert run["listening"] and all(loopback(address) for address in run["listening"]), run["listening"]
         assert run["after"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None}
         assert run["left"] == [], "every process of the cluster, and what its workers started, ends with close"
+        assert run["in_drivers_group"] == [], "a signal to the driver's process group would reach the cluster"
     assert first["spawned"] == 2
     assert first["token"] != second["token"], "a token per run"
     written = [p for p in home.rglob("*") if p.is_file()]

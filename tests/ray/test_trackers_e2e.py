@@ -63,6 +63,9 @@ def test_a_crashed_shrunk_stopped_and_resumed_run_is_one_tracker_run(mlflow_serv
     resumed = run_cli([*common, "checkpoint.resume=auto"], home=tmp_path, ray_tmp=ray_tmp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "warning" not in (crashed.stdout + resumed.stdout).lower()
+    # W&B's service ends with its run: nothing of it for the cluster's cleanup to kill, no traceback.
+    for ended in (crashed, resumed):
+        assert "outlived" not in ended.stderr and "Traceback" not in ended.stdout + ended.stderr, ended.stderr[-3000:]
 
     history = read_history(run_dir)
     assert sorted(history) == list(range(1, STEPS + 1))

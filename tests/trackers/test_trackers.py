@@ -22,6 +22,7 @@ from tests.fake_run import NAN_INCIDENT, step_record
 from tests.trackers.conftest import MlflowServer, free_port
 from tests.trackers.wandb_records import offline_run
 
+REPO = Path(__file__).resolve().parents[2]
 TRAINING_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "throughput/tokens"}
 WANDB_PROJECT = "ringtrain-tests"
 
@@ -239,3 +240,39 @@ def test_submit_passes_named_credentials_in_the_submission_only(tmp_path: Path) 
         passed_env(["MLFLOW_TRACKING_TOKEN"], shell)
     with pytest.raises(ConfigError, match="give the name only"):
         passed_env(["WANDB_API_KEY=secret"], shell)
+
+
+def test_a_wandb_run_ends_with_its_service_stopped(tmp_path: Path) -> None:
+    """W&B's service (wandb-core, started by this process) ends with the run, not at the
+    process's exit: an embedded cluster's cleanup then finds nothing of it to kill, and W&B's exit
+    hook no service to lose the connection to (a 31-line traceback)."""
+    import psutil
+
+    def services() -> list[int]:
+        return [p.pid for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]
+
+    attempt = Attempt(job_with(project=WANDB_PROJECT), tmp_path / "run")
+    attempt.steps([step_record(s) for s in range(1, 4)])
+    _wait_for(lambda: attempt.trackers.sinks[0].run_id is not None)  # its run started: the service is up
+    assert services(), "W&B started no service process: nothing to check"
+    attempt.end("finished")
+    assert services() == [] and attempt.said == []
+    ids = json.loads((tmp_path / "run" / "trackers.json").read_text())
+    assert offline_run(tmp_path / "run", ids["wandb"]["run_id"]).exit_codes == [0]  # finished before it stopped
+
+
+def test_a_local_mlflow_store_keeps_the_runs_files_beside_it_and_its_info_lines_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    cwd, store = tmp_path / "cwd", tmp_path / "store"
+    cwd.mkdir()
+    store.mkdir()
+    job = config.load(str(REPO / "jobs" / "quickstart.yaml"), [f"telemetry.mlflow.tracking_uri=sqlite:///{store}/mlflow.db"])
+    monkeypatch.chdir(cwd)  # where a user starts a run: MLflow's own default would put ./mlruns here
+    attempt = Attempt(job, tmp_path / "run")
+    attempt.steps([step_record(s) for s in range(1, 4)])
+    attempt.end("finished")
+    assert list(cwd.iterdir()) == [] and attempt.said == []
+    assert {p.name for p in (store / "mlflow-artifacts").rglob("*") if p.is_file()} == {"report.html", "summary.json", "metrics.jsonl"}
+    printed = capfd.readouterr()
+    assert "INFO" not in printed.out + printed.err, printed.err

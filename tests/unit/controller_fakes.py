@@ -82,6 +82,8 @@ class RecordingPersister:
 
     def __init__(self) -> None:
         self.errors: list[str] = []
+        self.failed_saves: list[str] = []
+        self.failed_in_a_row = 0
         self.stopped: Optional[str] = None
         self.submitted: list[int] = []
         self.requested = self.submitted
@@ -106,6 +108,9 @@ class RecordingPersister:
     def close(self, timeout_s: Optional[float] = None) -> bool:
         self.closed = True
         return True
+
+    def describe(self, exc: BaseException) -> str:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def job(*overrides: str) -> config.JobConfig:

@@ -293,6 +293,24 @@ def test_invalid_yaml_error_names_the_file(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "text, where, says",
+    [
+        # An unclosed list: the problem is found on the next line, and where the list began is said.
+        ("name: x\nmodel:\n  dim: 64\n  n_layers: [1, 2\ntrain:\n  steps: 3\n", ":5:6:", "(while parsing a flow sequence at line 4)"),
+        ("name: x\nmodel:\n  dim: 64\n   n_layers: 2\n", ":4:12:", "mapping values are not allowed here"),
+        ("name: x\n\tmodel: 1\n", ":2:1:", "found character '\\t' that cannot start any token"),
+    ],
+)
+def test_a_yaml_syntax_error_names_the_line_and_column(tmp_path: Path, text: str, where: str, says: str) -> None:
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        config.load(job_file)
+    assert err.value.reason.startswith(f"{job_file}{where} not valid YAML: ") and says in err.value.reason
+    assert "\n" not in str(err.value)
+
+
 def test_missing_job_file_raises_config_error_with_key_config(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match="no such job file") as err:

@@ -225,6 +225,16 @@ def test_a_dataset_of_another_tokenizer_than_model_hf_is_refused(tmp_path: Path)
     (model / "tokenizer.json").write_text('{"model": "other"}')
     job = _job(f"data.path={_dataset(tmp_path / 'd')}")
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, hf=str(model)))
-    with pytest.raises(ConfigError, match="not model.hf's tokenizer") as err:
+    with pytest.raises(ConfigError, match="not with the model's tokenizer") as err:
         check_sources(job)
-    assert err.value.key == "data.path"
+    assert err.value.key == "data.path" and f"prepare it again with --tokenizer {model}" in err.value.reason
+
+
+def test_a_model_hf_without_a_tokenizer_says_the_data_is_unchecked(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    data = _dataset(tmp_path / "d")
+    job = _job(f"data.path={data}")
+    (note,) = check_sources(dataclasses.replace(job, model=dataclasses.replace(job.model, hf=str(model))))
+    assert note.startswith(f"model.hf: {model} has no tokenizer.json, so whether {data} (tokenized with 'test'")
+    assert check_sources(job) == []  # a model trained from scratch takes the data's tokens

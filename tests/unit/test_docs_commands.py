@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs_blocks import CI, PAGES, REPO, RUNNABLE, WHY_NOT, Block, Workspace, all_blocks, transcript
+from tests.docs_blocks import CI, MAKE_TARGETS, PAGES, REPO, RUNNABLE, WHY_NOT, Block, Workspace, all_blocks, transcript
+from tests.tools import tool
 
 README = REPO / "README.md"
 MAX_README_LINES = 250
@@ -76,6 +77,17 @@ def test_only_what_ci_runs_is_left_to_ci(block: Block) -> None:
         assert commands and len(make_targets) == len(commands), f"{block.where}: {CI} marks only `make run` / `make test`"
     else:
         assert not make_targets, f"{block.where}: `make run` / `make test` are CI's: mark the block {CI}"
+
+
+def test_the_make_targets_a_block_runs_install_what_the_workspace_checks() -> None:
+    """The docs' workspace answers `make trackers` by checking the venv for what the target
+    installs (tests/docs_blocks.py): the Makefile's own target must install exactly that."""
+    import subprocess
+
+    dry = subprocess.run([tool("make"), "-n", "trackers"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert re.search(r"pip install .*-e \"\.\[mlflow,wandb\]\"", dry.stdout), dry.stdout
+    assert MAKE_TARGETS == {"trackers": "import mlflow, wandb"}
 
 
 @pytest.mark.parametrize("block", [b for b in COMMAND_BLOCKS if b.why_not == "# a benchmark"])

@@ -16,6 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ringtrain import config
+from ringtrain.commands.eval import _data_tokenizer_notes
+from ringtrain.commands.eval_source import EvalSource
+from ringtrain.errors import ConfigError
+from ringtrain.prepared import tokenizer_sha256
+from tests.prepared_data import random_documents, write_prepared
 from tests.tiny_tokenizer import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,3 +95,45 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, model: Path, rows: Path
     assert len(lines) == 1, proc.stderr
     assert expected.format(**names) in lines[0], lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def _prepared(root: Path, sha256: str, name: str) -> Path:
+    docs = random_documents(6, vocab_size=90, eos_id=2, min_len=3, max_len=20)
+    write_prepared(root, docs, vocab_size=90, eos_id=2, tokenizer_sha256=sha256, tokenizer_name=name)
+    return root
+
+
+def test_data_of_another_tokenizer_than_the_models_exits_2_naming_both(tmp_path: Path) -> None:
+    """`ringtrain eval` refuses what `ringtrain run` refuses: a prepared --data tokenized with
+    another tokenizer than the model's (a loss on other words under the same ids means nothing)."""
+    tokmodel = save_tokenizer(tmp_path / "tokmodel")
+    (tokmodel / "config.json").write_text(json.dumps(LLAMA))
+    code = _prepared(tmp_path / "code", "c0de" * 16, "code-bpe")
+    proc = _eval(tmp_path, str(tokmodel), "--data", str(code))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"ringtrain: config error: --data: {code} was tokenized with 'code-bpe' (tokenizer.json sha256 c0dec0dec0de), "
+                           f"not with the model's tokenizer ({tokmodel / 'tokenizer.json'}")
+    # Prepared with the model's own tokenizer: no refusal (the run goes on to start its cluster).
+    same = _prepared(tmp_path / "same", tokenizer_sha256(tokmodel / "tokenizer.json"), "tokmodel")
+    source = EvalSource("hf", config.load(None, []), str(tokmodel))
+    assert _data_tokenizer_notes(source, str(same)) == []
+
+
+def test_a_run_trained_from_scratch_is_checked_against_its_training_data(tmp_path: Path) -> None:
+    trained = _prepared(tmp_path / "trained", "a" * 64, "ours")
+    other = _prepared(tmp_path / "other", "b" * 64, "theirs")
+    run = EvalSource("run", config.load(None, [f"data.path={trained}"]), "")
+    assert _data_tokenizer_notes(run, str(trained)) == []
+    with pytest.raises(ConfigError, match=r"tokenized with 'theirs' .* not with the tokenizer of the data it trained on \('ours'"):
+        _data_tokenizer_notes(run, str(other))
+    # A byte-level model (trained on text) scoring a dataset of BPE ids.
+    with pytest.raises(ConfigError, match=r"not with the bytes it trained on \(stdlib\)"):
+        _data_tokenizer_notes(EvalSource("run", config.load(None, []), ""), str(other))
+
+
+def test_a_model_folder_without_a_tokenizer_says_it_cannot_check(tmp_path: Path, model: Path) -> None:
+    data = _prepared(tmp_path / "data", "c" * 64, "some-bpe")
+    (note,) = _data_tokenizer_notes(EvalSource("hf", config.load(None, []), str(model)), str(data))
+    assert note.startswith(f"SOURCE: {model} has no tokenizer.json, so whether {data} (tokenized with 'some-bpe'")
+    assert "cannot be checked" in note

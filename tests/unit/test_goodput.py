@@ -15,8 +15,12 @@ import pytest
 
 from ringtrain import cli, config
 from ringtrain.actors.decisions import ControllerDecisions
+from ringtrain.commands.plan import MAX_FAILURES_PER_RUN, PROGRESS_AFTER_S, PROGRESS_EVERY_S, StudyProgress
 from ringtrain.planner.failures import LLAMA3, META_RSC, FailureProfile
 from ringtrain.planner.goodput import Costs, Job, Recovery, simulate
+from ringtrain.planner.goodput_report import Setting, duration, persist_steps
+
+REPO = Path(__file__).resolve().parents[2]
 
 HOUR = 3600.0
 
@@ -161,7 +165,7 @@ def test_plan_goodput_prints_the_ettr_its_spread_and_the_best_settings(capsys: p
     chart = tmp_path / "goodput.svg"
     code, out, _ = plan(capsys, "--days", "3", "--seeds", "2", "--chart", str(chart))
     assert code == 0
-    assert "recovery: ringtrain (the Controller's own decisions" in out and "over seeds" in out
+    assert "recovery: ringtrain (each failure handled as ringtrain's Controller decides" in out and "over seeds" in out
     assert "best setting:" in out and "GPU-hours lost per run" in out
     svg = ET.fromstring(chart.read_text())
     assert len([e for e in svg.iter() if e.tag.endswith("polyline")]) == 5  # a line per spares count
@@ -176,20 +180,122 @@ def test_plan_goodput_json_holds_the_ettr_and_the_breakdown(capsys: pytest.Captu
     assert record["best"] == record["swept"][0] and all(record["best"]["goodput"] >= r["goodput"] for r in record["swept"])
 
 
+def test_the_best_setting_is_a_run_line_of_the_jobs_own_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    """The best setting as a person sets it: whole steps for both cadences, spares counted in
+    GPUs, and a `run:` line whose every override a job accepts."""
+    code, out, _ = plan(capsys, "--days", "3", "--seeds", "1")
+    assert code == 0
+    run = next(line for line in out.splitlines() if line.startswith("run: "))
+    assert run.startswith("run: ringtrain run JOB.yaml mesh.dp=")
+    overrides = run.split()[4:]
+    keys = dict(o.split("=", 1) for o in overrides)
+    assert {"mesh.spares", "checkpoint.snapshot_every", "checkpoint.persist_every"} <= set(keys)
+    assert all(keys[k].isdigit() for k in ("mesh.spares", "checkpoint.snapshot_every", "checkpoint.persist_every"))
+    # Every key is one a job has (the preset's sequence and 4M-token batch given, as a job file would).
+    job = config.load(REPO / "jobs" / "quickstart.yaml", [*overrides, "data.seq_len=8192", "train.global_batch=512"])
+    assert job.mesh.spares == int(keys["mesh.spares"])
+    # No job file: durable checkpoints every 30 min of the planner's step, in whole steps.
+    step_s = float(json.loads(plan(capsys, "--days", "3", "--seeds", "1", "--json")[1])["step_s"])
+    assert abs(job.checkpoint.persist_every * step_s - 1800) < 0.05 * 1800
+    assert "warm spare" in out and "(steps: a durable checkpoint every" in out
+    assert "replayed" not in out and "e-0" not in out  # no jargon, no 9.2e-07 h
+
+
+def test_a_cadence_is_rounded_to_what_a_person_sets() -> None:
+    assert persist_steps(Setting(0, 1, 1800.0), 8.37) == 220  # 215.1 steps
+    assert persist_steps(Setting(0, 1, 50 * 3.2e-05), 3.2e-05) == 50
+    assert persist_steps(Setting(0, 1, 1e-9), 1.0) == 1  # never 0: a key of 0 means "only at the end"
+    assert persist_steps(Setting(0, 16, 1800.0), 8.37) == 224  # a multiple of snapshot_every, as a job's check asks
+    assert persist_steps(Setting(0, 16, 1.0), 8.37) == 16
+    assert [duration(x) for x in (1.6e-3, 25.0, 1850.0, 3599.0, 5400.0, 3 * 86400)] == ["1.6 ms", "25 s", "31 min", "1 h", "1.5 h", "3 days"]
+
+
+def test_the_json_holds_each_settings_keys_and_the_run_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = plan(capsys, "--days", "3", "--seeds", "1", "--json")
+    record = json.loads(out)
+    assert code == 0 and record["run"].startswith("ringtrain run JOB.yaml ")
+    best = record["best"]["config"]
+    assert record["run"].endswith(" ".join(f"{k}={v}" for k, v in best.items()))
+    assert best["mesh.spares"] == record["best"]["spares"]
+
+
+def test_goodput_on_a_gpu_count_no_layout_divides_names_the_divisibility(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["plan", str(REPO / "jobs" / "quickstart.yaml"), "--gpus", "1000", "--goodput"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "no layout fits quickstart at 2048 tokens on 1000 GPUs: " in err
+    assert "data.seq_len=2048 must divide by 2 x cp" in err
+
+
+def test_a_long_study_says_how_far_it_got() -> None:
+    now = [0.0]
+    lines: list[str] = []
+    progress = StudyProgress(clock=lambda: now[0], out=lines.append)
+    for done in range(1, 100):
+        now[0] = done * 0.5
+        progress(done, 100)
+    # Quiet for the first seconds, then a line every PROGRESS_EVERY_S.
+    expected = 1 + int((49.5 - (PROGRESS_AFTER_S + 0.5)) // PROGRESS_EVERY_S)
+    assert len(lines) == expected and lines[0] == "ringtrain plan: simulated 6 of 100 runs in 3 s, about 47 s left"
+    assert StudyProgress(clock=lambda: 0.0, out=lines.append) and len(lines) == expected
+
+
 @pytest.mark.parametrize(
     "args, flag",
     [
         (["--recovery", "pray"], "--recovery"),
         (["--failures", "nowhere.json"], "--failures"),
         (["--days", "0"], "--days"),
+        (["--days", "inf"], "--days"),
+        (["--days", "nan"], "--days"),
+        (["--days", "1e9"], "--days"),
         (["--seeds", "none"], "--seeds"),
+        (["--seeds", "101"], "--seeds"),
+        (["--gpus", "1000000000"], "--gpus"),
+        (["--gpus-per-node", "1000000000"], "--gpus-per-node"),
         (["--step-s", "-1"], "--step-s"),
+        (["--step-s", "inf"], "--step-s"),
         (["--max-seq-len"], "--goodput"),
     ],
 )
 def test_bad_goodput_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], args: list[str], flag: str) -> None:
-    code, _, err = plan(capsys, *args)
-    assert code == 2 and flag in err and "Traceback" not in err
+    code, out, err = plan(capsys, *args)
+    assert code == 2 and f"config error: {flag}: " in err and "Traceback" not in err
+    assert out == "" and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "rates, costs, flag, says",
+    [
+        ({"device": float("inf")}, {}, "--failures", "rates must be finite"),
+        ({"device": float("nan")}, {}, "--failures", "rates must be finite"),
+        # Finite, but a timeline of millions of failures: hours of simulation.
+        ({"device": 10.0}, {}, "--failures", f"more than the {MAX_FAILURES_PER_RUN:,} a simulated run holds"),
+        ({"device": 1e-5}, {"save_s": 0}, "--costs", "save_s must be > 0"),
+        ({"device": 1e-5}, {"reform_s": float("inf")}, "--costs", "reform_s: costs must be finite"),
+        ({"device": 1e-5}, {"detect_s": float("nan")}, "--costs", "detect_s: costs must be finite"),
+    ],
+)
+def test_rates_and_costs_past_reason_exit_2_before_any_simulation(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, rates: dict[str, float], costs: dict[str, float], flag: str, says: str
+) -> None:
+    """Infinite or NaN rates and costs, a rate no simulation can get through, a save that takes
+    no time (it divides): one line naming the flag, not a traceback, a hang or a result."""
+    (tmp_path / "rates.json").write_text(json.dumps({"per_gpu_hour": rates}))  # inf and NaN as JSON's Infinity, NaN
+    (tmp_path / "costs.json").write_text(json.dumps(costs))
+    for mode in ("ringtrain", "restart"):
+        code, out, err = plan(
+            capsys, "--failures", str(tmp_path / "rates.json"), "--costs", str(tmp_path / "costs.json"), "--recovery", mode
+        )
+        assert code == 2 and f"config error: {flag}: " in err and says in err and out == "", err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("count", ["1e999", "1e16", "inf"])
+def test_a_parameter_count_past_any_model_exits_2(capsys: pytest.CaptureFixture[str], count: str) -> None:
+    code = cli.main(["plan", "--params", count])
+    out, err = capsys.readouterr()
+    assert code == 2 and "config error: --params: " in err and out == "" and "Traceback" not in err
 
 
 def test_a_failures_or_costs_file_names_what_is_wrong(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

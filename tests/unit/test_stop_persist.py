@@ -114,6 +114,28 @@ def test_a_stop_with_the_newest_step_already_durable_writes_nothing_more(tmp_pat
     assert line == f"stop: step 5 was already saved to {persister.store.checkpoint_uri(5)}"
 
 
+def test_a_stop_whose_workers_went_away_says_so_and_what_is_kept(tmp_path: Path) -> None:
+    """The workers (or their cluster) gone under the stop: the line says that the snapshot could
+    not be fetched from them, not that the store failed, and which step the store keeps."""
+    from ray.exceptions import ActorUnavailableError
+
+    class WorkersGone(LocalPersister):
+        def _persist(self, step: int, snapshot_refs: list[Any], t0: float, timeout_s: Optional[float]) -> Persisted:
+            if step == 7:
+                raise ActorUnavailableError("Connection refused", None)
+            return super()._persist(step, snapshot_refs, t0, timeout_s)
+
+    ctl, persister, _, out = controller(tmp_path, SnapshottingGroup(stop_at=8))
+    ctl.persister = gone = WorkersGone(persister.store, persister.meta, fence=persister.fence)
+    ctl.run()
+    (line,) = stop_lines(out)
+    assert line.startswith(
+        "stop: step 7 not saved: the snapshot could not be fetched from the workers, which (or whose cluster) went "
+        "away: ActorUnavailableError: The actor None is unavailable: Connection refused"
+    ), line
+    assert line.endswith("; the newest durable step is 5") and gone.store.uri not in line
+
+
 def test_a_stop_before_any_snapshot_says_nothing_was_saved(tmp_path: Path) -> None:
     ctl, persister, _, out = controller(tmp_path, SnapshottingGroup(stop_at=1))
     ctl.run()

@@ -234,6 +234,15 @@ def test_submit_runs_the_job_on_the_named_python(monkeypatch: pytest.MonkeyPatch
             sent.append({"entrypoint": entrypoint(job_path, overrides, str(kwargs["python"]))})
             return "ringtrain-quickstart-0000000000"
 
+        # The job as submit then follows it: running, its inputs checked (commands/submit_checks).
+        def state(self, submission_id: str) -> object:
+            return type("State", (), {"status": "RUNNING"})()
+
+        def logs(self, submission_id: str) -> str:
+            from ringtrain.commands.submit_checks import CHECKED
+
+            return f"{CHECKED}\n"
+
     monkeypatch.setattr(submission_command, "JobsClient", Recorded)
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv(CLUSTER_PYTHON_VARIABLE, "/opt/cluster env/bin/python")

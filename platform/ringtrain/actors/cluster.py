@@ -5,6 +5,10 @@ the latter joins whatever cluster was last started on the machine, someone else'
 What ringtrain starts it stops itself, through ``ray.shutdown()`` (which ends the processes the
 driver started); it never runs ``ray stop``, which would end every Ray process on the host.
 
+An embedded cluster's processes lead a process group of their own (``_own_process_group``): a
+signal to the driver's group (a shell's `kill %1`, a supervisor's) reaches the driver alone,
+which stops cleanly (saving its newest snapshot from the workers) and then ends the cluster.
+
 An embedded cluster listens on 127.0.0.1 only and authenticates with a token made for the run
 (``embedded_environment``). Ray 2.60 turns a node address of 127.0.0.1 into the machine's
 routable one, and its servers then listen on every interface, unless it is told that the node
@@ -25,17 +29,19 @@ those that linger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from ringtrain.actors.console import quiet_ray_console
 from ringtrain.config import JobConfig, validate_gpus_per_worker
@@ -120,17 +126,18 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
         # Ray sets RAY_AUTH_MODE itself when it is unset: put that back afterwards too.
         restore = {name: os.environ.get(name) for name in (*EMBEDDED_VARIABLES, CLUSTER_MARK_VARIABLE)}
         _set_environment({**embedded_environment(os.environ), CLUSTER_MARK_VARIABLE: temp_dir})
-        ray.init(
-            address="local",
-            num_cpus=num_cpus or os.cpu_count() or 1,
-            include_dashboard=False,
-            log_to_driver=False,
-            _metrics_export_port=metrics_port,
-            logging_level=logging.WARNING,
-            _temp_dir=temp_dir,
-            # Its ports on loopback only: other hosts have no business with a one-run cluster.
-            _node_ip_address="127.0.0.1",
-        )
+        with _own_process_group():
+            ray.init(
+                address="local",
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                _metrics_export_port=metrics_port,
+                logging_level=logging.WARNING,
+                _temp_dir=temp_dir,
+                # Its ports on loopback only: other hosts have no business with a one-run cluster.
+                _node_ip_address="127.0.0.1",
+            )
         return ClusterHandle(address="local", embedded=True, temp_dir=temp_dir, restore_env=restore)
     except ConnectionError as exc:
         _set_environment(restore)
@@ -138,6 +145,39 @@ def connect_to(address: Optional[str], *, num_cpus: Optional[int] = None, metric
     except BaseException:
         _set_environment(restore)
         raise
+
+
+@contextlib.contextmanager
+def _own_process_group() -> Iterator[None]:
+    """While it lasts, the processes Ray starts for an embedded cluster (GCS, raylet, ...; the
+    raylet's workers after them) lead a process group of their own instead of joining this
+    process's.
+
+    A signal sent to this process's group (a shell's `kill %1`, `kill -TERM -PGID`, a supervisor
+    stopping a control group) would otherwise reach the cluster with the driver: the GCS and the
+    raylet end while the driver's stop is still saving the newest snapshot from the workers, and
+    the save loses that race whenever the machine is busy (the workers gone: "connection
+    refused"), after which the driver waits 60 s for a GCS that is not coming back. In a group of
+    their own only the driver hears it, stops cleanly, and ends the cluster itself (``close``);
+    the cluster still dies with the driver (Ray ties each process's life to its parent's)."""
+    import ray._private.services as services
+
+    base = services.ConsolePopen
+
+    class OwnGroup(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, **_NEW_GROUP})
+
+    services.ConsolePopen = OwnGroup
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
+# Popen's arguments for a child that leads a process group of its own; before Python 3.11,
+# which added process_group, a session of its own (which also leaves the terminal).
+_NEW_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 
 
 # Inherited by every process of an embedded cluster, naming it (by its temp dir: one per cluster).

@@ -125,6 +125,7 @@ class Controller(Watches):
         # The newest recorded step whose snapshot the workers hold: what a stop makes durable.
         self.newest_snapshot: Optional[int] = None
         self.durable_stopped: Optional[str] = None  # why durable checkpointing stopped (lease lost)
+        self._failures_seen = 0  # the Persister's failed saves already raised as incidents
 
     def run(self) -> dict[str, Any]:
         """Move from state to state (``actors.states``) until a terminal one; returns the
@@ -138,7 +139,9 @@ class Controller(Watches):
             # A stopping run waits for no save beyond its stop's own: one still writing is
             # abandoned (the writer lease is then left to expire, commands/run.py).
             self._close_durable(wait_s=0.0 if isinstance(self.state, (Stopping, Stopped)) else None)
-            self._watch_durable(self.records[-1]["step"] if self.records else self.start_step)
+            last = self.records[-1]["step"] if self.records else self.start_step
+            self._watch_durable(last)
+            self._watch_saves(last, may_stop=False)  # the last saves' failures: incidents, no stop
             if self.group.holders:
                 self.transit = transit_window(self.records, gather_arrivals(list(self.group.holders.values())))
             self.group.shutdown()
@@ -193,12 +196,21 @@ class Controller(Watches):
 
     def _start(self) -> State:
         started = self.clock()
+        spares = f" and {self.job.mesh.spares} warm spares" if self.job.mesh.spares else ""
+        self.observers.on_waiting(
+            f"{self.job.world_size} workers{spares} to start (each imports torch and DeepSpeed, then together "
+            "they build the model, its ZeRO engine and the data)"
+        )
         self.group.start()
         self.startup.update({**self.group.startup, "group_start_s": self.clock() - started})
         self.observers.on_start(self.group.infos)
         if self.resume_from is not None:
+            self.observers.on_waiting(f"the workers to load step {self.resume_from.step}'s checkpoint")
             self.start_step = self._resume(self.resume_from)
         self._write_layout()
+        self.observers.on_waiting(
+            f"step {self.start_step + 1}, the workers' first (it also warms their kernels, and reads the first batch)"
+        )
         self.last_clean_scan = self.start_step
         return Training(
             f"{self.job.world_size} workers up (mesh.dp={self.job.mesh.dp}, mesh.cp={self.job.mesh.cp}), "
@@ -232,6 +244,34 @@ class Controller(Watches):
             reason=f"durable checkpointing stopped (the newest durable step is {last}): {stopped}",
         )  # fmt: skip
 
+    def _watch_saves(self, step: int, *, may_stop: bool = True) -> Optional[State]:
+        """Each failed durable save is an incident naming the store and the cause; the next save
+        tries again, and after checkpoint.max_failed_saves failures in a row the run stops (its
+        newest durable checkpoint kept, the stop's own save tried once more) instead of training
+        on with nothing durable."""
+        p = self.persister
+        if p is None:
+            return None
+        errors = p.failed_saves[self._failures_seen :]
+        self._failures_seen = len(p.failed_saves)
+        limit = self.job.checkpoint.max_failed_saves
+        in_a_row = p.failed_in_a_row
+        stop = may_stop and bool(limit) and in_a_row >= limit
+        keep = f"the newest durable step is {p.last_durable_step}"
+        for i, error in enumerate(errors):
+            last = i == len(errors) - 1
+            then = (
+                f"stopping after {in_a_row} failed saves in a row (checkpoint.max_failed_saves={limit}); {keep}"
+                if stop and last else f"the next save tries again; {keep}"
+            )  # fmt: skip
+            self._incident(
+                DURABLE_INCIDENT, (), step, self.clock(), action="stop" if stop and last else "retry",
+                reason=f"durable checkpoint failed: {error}; {then}",
+            )  # fmt: skip
+        if stop and errors:
+            return Stopping(f"{in_a_row} durable saves failed in a row (checkpoint.max_failed_saves={limit})")
+        return None
+
     def _persist_at_stop(self) -> str:
         """On a stop: the newest snapshot the workers hold written to the durable store within
         checkpoint.stop_persist_timeout_s (saves already queued first); the line that says what
@@ -256,7 +296,7 @@ class Controller(Watches):
                 p.submit(step, self.group.snapshot_refs(step), timeout_s=budget)
             p.flush(timeout_s=budget - (self.clock() - t0))
         except Exception as exc:  # the workers went with the stop, or the store refused
-            return f"stop: step {step} not saved: {type(exc).__name__}: {exc}; the newest durable step is {p.last_durable_step}"
+            return f"stop: step {step} not saved: {p.describe(exc)}; the newest durable step is {p.last_durable_step}"
         seconds = self.clock() - t0
         saved = [d for d in p.done if d.step == step]
         if saved:
@@ -306,6 +346,9 @@ class Controller(Watches):
             return straggler
         self._maybe_persist(step)
         self._watch_durable(step)
+        failing = self._watch_saves(step)
+        if failing is not None:
+            return failing
         self._finish_recovery()
         grow_to = self._maybe_grow(step)
         if self.elastic is not None and self.elastic.spares_changed():

@@ -57,6 +57,9 @@ class Observer(Protocol):
     def on_message(self, text: str) -> None:
         """A line of news: a checkpoint written, a recovery done, a resize, an evaluation."""
 
+    def on_waiting(self, what: str) -> None:
+        """The run now waits for ``what`` (the workers to start, step 1), until the next step."""
+
     def on_count(self, metric: Metric, amount: float, **labels: str) -> None:
         """A counter of ``ringtrain.metrics`` grew by ``amount``."""
 
@@ -106,6 +109,10 @@ class Observers(Observer):
     def on_message(self, text: str) -> None:
         for o in self.observers:
             o.on_message(text)
+
+    def on_waiting(self, what: str) -> None:
+        for o in self.observers:
+            o.on_waiting(what)
 
     def on_count(self, metric: Metric, amount: float, **labels: str) -> None:
         for o in self.observers:
@@ -185,6 +192,9 @@ class ProgressObserver(Observer):
 
     def on_message(self, text: str) -> None:
         self.progress.message(text)
+
+    def on_waiting(self, what: str) -> None:
+        self.progress.waiting(what)
 
 
 class TelemetryObserver(Observer):

@@ -9,12 +9,17 @@ Every write goes through the run's fence (its writer lease, checkpoint/lease.py)
 lease is lost a save stops where it is, durable checkpointing stops for the rest of the run and
 ``stopped`` says why, for the Controller to raise an incident and the run's exit to repeat.
 ``close`` bounds the wait for a save in flight and says whether one is still writing: the lease
-is released only when none is (commands/run.py).
+is released only when none is (commands/run.py). A save that fails (the store refused it, or could
+not be reached after botocore's retries) loses that checkpoint, not the run: it is kept in
+``errors`` as one line naming the store and the cause (``checkpoint.s3_access``), and
+``failed_in_a_row`` counts the failures since the last save that succeeded, for the Controller's
+rule (``checkpoint.max_failed_saves``).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +60,8 @@ class Persister:
         self.errors: list[str] = []
         # Why durable checkpointing stopped for good (the fence was lost), or None.
         self.stopped: Optional[str] = None
+        self.failed_saves: list[str] = []  # each failed save (not a lost lease), as errors tells it
+        self.failed_in_a_row = 0  # saves failed since the last one that succeeded
 
     @property
     def last_durable_step(self) -> int:
@@ -123,14 +130,29 @@ class Persister:
                 continue
             try:
                 out.append(future.result())
+                self.failed_in_a_row = 0
             except FenceLost as exc:
                 self._stop(exc)
             except Exception as exc:  # a failed write loses a checkpoint, not the run
-                message = f"{type(exc).__name__}: {exc}"
-                log.warning("durable checkpoint failed: %s", message)
-                self.errors.append(message)
+                self.failed_in_a_row += 1
+                self.failed_saves.append(self.describe(exc))
+                self.errors.append(self.failed_saves[-1])
         self.done.extend(out)
         return out
+
+    def describe(self, exc: BaseException) -> str:
+        """A failed save in one line: the workers' snapshot that could not be fetched (they, or
+        their cluster, went away), or the store and the cause (an S3 failure in its own
+        sentence, never botocore's trace)."""
+        from ray.exceptions import RayError
+
+        from ringtrain.checkpoint.s3_access import cause
+
+        if isinstance(exc, RayError):
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return f"the snapshot could not be fetched from the workers, which (or whose cluster) went away: {type(exc).__name__}: {first}"
+        said = cause(exc) if "botocore" in sys.modules else None
+        return f"{self.store.uri}: {said}" if said else f"{self.store.uri}: {type(exc).__name__}: {exc}"
 
     def _stop(self, exc: FenceLost) -> None:
         with self._stopping:

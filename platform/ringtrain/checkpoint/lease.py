@@ -6,7 +6,10 @@ the store's root, naming its holder (the job, the run directory, host, pid and a
 when it expires. The holder renews it every third of its term while it trains and removes it
 when it ends. A second writer finds a live lease and is refused (``LeaseHeld``, a ConfigError
 naming the holder and the expiry); a lease whose holder stopped renewing it (the run was
-killed) expires after its term, and the next run takes it over.
+killed) expires after its term, and the next run takes it over. A holder on this very host
+whose process is gone (its pid no longer runs, or runs another process: ``liveness``) is taken
+over at once, so a crashed run is resumed without waiting for its lease; another host's lease,
+or one of a process still running, waits for its expiry.
 
 Taking and renewing are conditional writes (``ObjectBackend.put_if``): two runs racing for a free
 or expired lease cannot both win, and a holder whose lease was taken over learns it at its next
@@ -23,10 +26,12 @@ lease it wrote under.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -36,8 +41,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Optional
 
+from ringtrain.checkpoint import liveness
 from ringtrain.checkpoint.backends import ObjectBackend, ObjectMissing, ObjectTooLarge
 from ringtrain.checkpoint.fence import FenceLost
+from ringtrain.checkpoint.s3_access import cause
 from ringtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,13 +68,22 @@ class Holder:
     run_dir: str
     host: str
     pid: int
+    # Where the pid means something and when that process started (``liveness``); "" and 0 in
+    # leases written before they were recorded, whose holders are never judged gone.
+    boot: str = ""
+    started: int = 0
 
     @classmethod
     def this_process(cls, job: str, run_dir: str) -> Holder:
-        return cls(uuid.uuid4().hex, job, run_dir, socket.gethostname(), os.getpid())
+        pid = os.getpid()
+        return cls(uuid.uuid4().hex, job, run_dir, socket.gethostname(), pid, liveness.this_boot(), liveness.started(pid) or 0)
 
     def describe(self) -> str:
         return f"run {self.job!r} (pid {self.pid} on {self.host}, run directory {self.run_dir})"
+
+    def gone(self) -> bool:
+        """Whether this holder's process is known to have ended (only on its own host)."""
+        return liveness.is_gone(self.boot, self.pid, self.started)
 
 
 @dataclass(frozen=True)
@@ -85,9 +101,14 @@ class LeaseRecord:
         """The record, or None for bytes that are not one (treated as a lease nobody holds)."""
         try:
             body = json.loads(data)
-            return cls(Holder(**body["holder"]), float(body["expires_at"]), float(body["term_s"]))
+            holder = Holder(**body["holder"])
+            record = cls(holder, float(body["expires_at"]), float(body["term_s"]))
         except (ValueError, TypeError, KeyError):
             return None
+        if not (isinstance(holder.pid, int) and isinstance(holder.boot, str) and isinstance(holder.started, int)):
+            # Not ours to judge: a holder whose process cannot be told gone waits for expiry.
+            record = dataclasses.replace(record, holder=dataclasses.replace(holder, pid=0, boot="", started=0))
+        return record
 
 
 def _when(unix: float) -> str:
@@ -145,7 +166,7 @@ class WriterLease:
         for _ in range(ACQUIRE_ATTEMPTS):
             version, current = self._read_unless_held()
             now = self.clock()
-            if current is not None and current.holder.id != self.holder.id:
+            if current is not None and current.holder.id != self.holder.id and current.expires_at <= now:
                 log.warning("taking over the expired lease of %s on %s", current.holder.describe(), self.backend.root_uri)
             if self._write(now, version):
                 return
@@ -163,7 +184,12 @@ class WriterLease:
             raise ConfigError(STORE_KEY, f"{exc}; it is not a writer lease: remove it if no run writes {self.backend.root_uri}") from None
         current = LeaseRecord.decode(data)
         if current is not None and current.holder.id != self.holder.id and current.expires_at > self.clock():
-            raise LeaseHeld(self.backend.root_uri, current.holder.describe(), current.expires_at, current.term_s)
+            if not current.holder.gone():
+                raise LeaseHeld(self.backend.root_uri, current.holder.describe(), current.expires_at, current.term_s)
+            log.warning(
+                "the writer lease of %s on %s is live, but its process has ended: taking it over",
+                current.holder.describe(), self.backend.root_uri,
+            )  # fmt: skip
         return version, current
 
     def renew(self) -> None:
@@ -259,7 +285,8 @@ class WriterLease:
                 log.error("%s", exc)
                 return
             except Exception as exc:  # a network blip: the next renewal may succeed before expiry
-                log.warning("renewing the writer lease %s failed: %s", self.uri, exc)
+                said = cause(exc) if "botocore" in sys.modules else None
+                log.warning("renewing the writer lease %s failed (the next renewal tries again): %s", self.uri, said or exc)
 
     def _write(self, now: float, version: Optional[str]) -> bool:
         record = LeaseRecord(self.holder, now + self.term_s, self.term_s)

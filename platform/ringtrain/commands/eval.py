@@ -125,6 +125,8 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     try:
         source = resolve_source(args.source)
         job = _eval_job(source, args)
+        for note in _data_tokenizer_notes(source, job.eval.data):
+            _stderr(f"ringtrain: warning: {note}")
         plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
         # The workers' own data source is never read; it only has to be valid at this length.
         seq_len = _round_up(plan.evalset.seq_len, 2 * job.topology.cp)
@@ -133,6 +135,31 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan
+
+
+def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
+    """A prepared --data must hold the model's token ids, as `ringtrain run` asks of its data:
+    ConfigError (--data) when its tokenizer is another; the warning when the model's folder has
+    no tokenizer to compare it with."""
+    from ringtrain.train.corpus import check_reachable, is_prepared_path, read_manifest
+    from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, trained_tokenizer, unchecked_note
+    from ringtrain.train.mixture import source_specs
+    from ringtrain.errors import DataError
+
+    if data == STDLIB_CORPUS or not is_prepared_path(data):
+        return []
+    check_reachable(data, "eval.data")
+    try:
+        tok = read_manifest(data).tokenizer
+    except DataError as exc:
+        raise ConfigError("eval.data", str(exc)) from None
+    model = folder_tokenizer(source.tokenizer_folder, "SOURCE")
+    if model is None and source.kind == "run":  # its config.yaml names the data it trained on
+        model = trained_tokenizer(source_specs(source.job)[0].path)
+    if model is not None:
+        check_same(data, tok, model, "eval.data", source.tokenizer_folder)
+        return []
+    return [unchecked_note(source.tokenizer_folder, data, tok, "SOURCE")] if source.tokenizer_folder else []
 
 
 def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:

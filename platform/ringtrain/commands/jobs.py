@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from ringtrain import config
 from ringtrain.commands.run import stop_wait_env
+from ringtrain.commands.submit_checks import SUBMITTED_VARIABLE, await_checks
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.submission import (
     CLUSTER_PYTHON_VARIABLE,
@@ -124,7 +125,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     shipped_inputs(job_path, job)
     # Ray's job supervisor SIGKILLs a stopped job 3 s after its SIGTERM unless told to wait for
     # the stop's save (commands/run.py); a user's own --env value wins.
-    env_vars = {**stop_wait_env(job), **passed_env(args.env)}
+    env_vars = {**stop_wait_env(job), SUBMITTED_VARIABLE: "1", **passed_env(args.env)}
     python = resolve_cluster_python(args.python)
     client = _client(args)
     submission_id = client.submit(
@@ -139,6 +140,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # The id alone on stdout, so `ID=$(ringtrain submit ... --no-wait)` works; the rest is for people.
     print(submission_id, flush=True)
     _say(f"ringtrain: submitted {job.name} as {submission_id} to {client.address}")
+    # Started only once the cluster's side of the inputs (its S3 credentials and endpoint) passed:
+    # the ringtrain shipped with the job says so (a cluster's own may be older and never say it).
+    verdict = await_checks(_JobLogs(client), submission_id) if not args.no_ship_package else None
+    if verdict is not None and not verdict.passed:
+        for line in verdict.lines:
+            _say(line)
+        _say(f"ringtrain: {submission_id} {verdict.status} before it started: `ringtrain logs {submission_id}` has its output")
+        return EXIT_USAGE if verdict.bad_input else EXIT_FAILED
+    if verdict is not None:
+        _say(f"ringtrain: {submission_id} started: its inputs passed their checks on the cluster")
     for line in _next_steps(submission_id, client.address, with_token=client.token is not None):
         _say(line)
     if args.no_wait:
@@ -192,6 +203,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
         return EXIT_OK
     _say(f"ringtrain: {state.submission_id} is still {state.status} after {args.timeout:g} s")
     return EXIT_FAILED
+
+
+class _JobLogs:
+    """The job's status and output, as ``await_checks`` reads them."""
+
+    def __init__(self, client: JobsClient) -> None:
+        self.client = client
+
+    def status(self, submission_id: str) -> str:
+        return self.client.state(submission_id).status
+
+    def logs(self, submission_id: str) -> str:
+        return self.client.logs(submission_id)
 
 
 def _client(args: argparse.Namespace) -> JobsClient:

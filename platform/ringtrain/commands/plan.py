@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,7 +26,7 @@ from ringtrain.planner.goodput import MODES, Costs, Job
 from ringtrain.planner.layout import DTYPES, Workload, resolve_dtype, workload_of
 from ringtrain.planner.models import PRESETS, preset
 from ringtrain.planner.plans import Request, job_candidate, plan_text, reach_text, states_plan
-from ringtrain.planner.search import Cluster, search
+from ringtrain.planner.search import MAX_GPUS, Cluster, advise, search
 from ringtrain.planner.throughput import Assumptions
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -32,6 +34,17 @@ EXIT_OK, EXIT_USAGE = 0, 2
 # initial pre-training batch (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.4.1).
 DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+# Bounds on what a person plans: past them a plan is no plan (a hang, or figures past any
+# machine), so they are refused (exit 2) and stated in the help.
+MAX_PARAMS = 10**15
+MAX_DAYS = 365.0
+MAX_SEEDS = 100
+# Failures one simulated run may hold (its days x the profile's rate x the GPUs): the runs are
+# event by event, and past this a study would run for hours.
+MAX_FAILURES_PER_RUN = 100_000
+# A study that runs longer than this says how far it got, every PROGRESS_EVERY_S.
+PROGRESS_AFTER_S = 3.0
+PROGRESS_EVERY_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", nargs="?", help="job YAML to plan for (its model, sequence, batch and mesh)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, as for `ringtrain run`")
     parser.add_argument("--model", help=f"a preset instead of a job file: {', '.join(PRESETS)}")
-    parser.add_argument("--params", help="only a parameter count (e.g. 70e9 or 70B): model states per ZeRO stage")
+    parser.add_argument(
+        "--params", help=f"only a parameter count (e.g. 70e9 or 70B, at most {MAX_PARAMS:.0e}): model states per ZeRO stage"
+    )
     parser.add_argument("--seq-len", help="tokens per sequence (default: the job's data.seq_len)")
-    parser.add_argument("--gpus", help="GPUs to plan for (default: the job's dp x cp, else 8)")
+    parser.add_argument("--gpus", help=f"GPUs to plan for, at most {MAX_GPUS:,} (default: the job's dp x cp, else 8)")
     parser.add_argument("--gpu-type", default="h100", help=f"one of {', '.join(devices.DEVICES)} (default h100)")
     parser.add_argument("--gpus-per-node", default="8", help="GPUs per node (default 8)")
     parser.add_argument("--dtype", help="bf16 or fp32 training (default: the job's train.dtype on a GPU, else bf16)")
@@ -68,8 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     goodput.add_argument("--goodput", action="store_true", help="simulate the job's goodput under failures instead")
     goodput.add_argument("--failures", default="llama3", help=f"a failure profile ({', '.join(PROFILES)}) or a JSON file of rates")
     goodput.add_argument("--recovery", default="ringtrain", help=f"how failures are recovered from: {' or '.join(MODES)}")
-    goodput.add_argument("--days", default="30", help="days simulated (default 30)")
-    goodput.add_argument("--seeds", default="5", help="failure timelines simulated per setting (default 5)")
+    goodput.add_argument("--days", default="30", help=f"days simulated, at most {MAX_DAYS:g} (default 30)")
+    goodput.add_argument(
+        "--seeds", default="5", help=f"failure timelines simulated per setting, at most {MAX_SEEDS} (default 5)"
+    )
     goodput.add_argument("--step-s", help="seconds a step takes (default: the planner's estimate for the layout)")
     goodput.add_argument("--costs", help="JSON file of recovery costs in seconds (planner.goodput.Costs' keys)")
     goodput.add_argument("--chart", help="write an SVG of goodput against the settings swept to this path")
@@ -113,8 +130,8 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     job = load_job(args.job, args.overrides) if args.job else None
 
     device = devices.device(args.gpu_type)
-    gpus = _int(args.gpus, "--gpus") if args.gpus is not None else (job.world_size if job else 8)
-    per_node = _int(args.gpus_per_node, "--gpus-per-node")
+    gpus = _int(args.gpus, "--gpus", maximum=MAX_GPUS) if args.gpus is not None else (job.world_size if job else 8)
+    per_node = _int(args.gpus_per_node, "--gpus-per-node", maximum=MAX_GPUS)
     headroom = _fraction(args.headroom, "--headroom", upper_open=True)
     mfu = _fraction(args.mfu, "--mfu", lower_open=True)
     micro_batch = job.train.micro_batch if job else 1
@@ -153,25 +170,28 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     flash = not args.no_flash and (job is None or job.attention.kernel != "math")
     workload = Workload(model, seq, dtype, flash, optimizer_bytes, global_batch)
     if args.goodput:
-        return _goodput_text(args, job, workload, request, name if job is not None else str(args.model))
+        return _goodput_text(args, job, workload, request, name)
     return plan_text(workload, request, job_candidate(job, workload, request), name)
 
 
-def _goodput_text(args: argparse.Namespace, job: Optional[JobConfig], workload: Workload, request: Request, name: str) -> str:
+def _goodput_text(args: argparse.Namespace, job: Optional[JobConfig], workload: Workload, request: Request, job_path: str) -> str:
     """The job's goodput under failures (``planner.goodput_report``): on the job's own layout
     when it has --gpus GPUs, else on the planner's best; in ringtrain mode every failure is
     decided by the Controller itself, replayed on a simulated cluster (``actors.decisions``).
-    A job file's recovery settings (spares, min_dp, snapshot and persist cadence) apply."""
+    A job file's recovery settings (spares, min_dp, snapshot and persist cadence) apply. The
+    best setting comes as a ``run:`` line of the job's keys, the layout's first."""
     if args.recovery not in MODES:
         raise ConfigError("--recovery", f"{args.recovery!r} is not one of {', '.join(MODES)}")
     failures = profile(args.failures)
-    days = _positive(args.days, "--days")
-    seeds = _int(args.seeds, "--seeds")
+    days = _positive(args.days, "--days", maximum=MAX_DAYS)
+    seeds = _int(args.seeds, "--seeds", maximum=MAX_SEEDS)
     costs = _costs(args.costs)
     own = job_candidate(job, workload, request)
-    picked = own or next((c for c in search(workload, request.cluster, request.assume, micro_batch=request.micro_batch) if c.fits), None)
+    ranked = [] if own is not None else search(workload, request.cluster, request.assume, micro_batch=request.micro_batch)
+    picked = own or next((c for c in ranked if c.fits), None)
     if picked is None:
-        raise ConfigError("--gpus", f"no layout fits {workload.model.name} at {workload.seq_len} tokens on {request.cluster.gpus} GPUs")
+        why = advise(workload, request.cluster, request.assume, ranked, micro_batch=request.micro_batch)
+        raise ConfigError("--gpus", f"no layout fits {workload.model.name} at {workload.seq_len} tokens on {request.cluster.gpus} GPUs: {'; '.join(why)}")
     dp, cp = picked.layout.dp, picked.layout.ring * picked.layout.ulysses
     step_s = _positive(args.step_s, "--step-s") if args.step_s is not None else picked.step.step_s
     step_from = "given" if args.step_s is not None else f"the planner's estimate at --mfu {request.assume.mfu:g}"
@@ -187,19 +207,56 @@ def _goodput_text(args: argparse.Namespace, job: Optional[JobConfig], workload: 
         persist_every_s=settings.checkpoint.persist_every * step_s if settings and settings.checkpoint.persist_every else 1800.0,
         sdc_every_steps=settings.controllers.sdc_every_steps if settings else 100,
     )
+    _check_failures_per_run(failures.total_per_gpu_hour, sim.gpus, days)
     decider = None
     if args.recovery == "ringtrain":
         from ringtrain.actors.decisions import ControllerDecisions
 
         decider = ControllerDecisions(_shape_job(settings, dp, cp, workload, request), gpus_per_node=request.cluster.gpus_per_node)
-    done = goodput_report.study(sim, failures, costs, mode=args.recovery, days=days, seeds=seeds, decider=decider)
+    done = goodput_report.study(
+        sim, failures, costs, mode=args.recovery, days=days, seeds=seeds, decider=decider, on_run=StudyProgress()
+    )
     replays = decider.replays if decider is not None else None
+    name = job_path if job is not None else str(args.model)
+    run = f"ringtrain run {job_path} {' '.join(picked.layout.overrides())}"
     if args.chart:
         Path(args.chart).write_text(goodput_report.chart(done) + "\n")
     if args.json:
-        return json.dumps(goodput_report.record(done, name, step_from, replays), indent=2)
-    text = goodput_report.text(done, name, step_from, replays)
+        return json.dumps(goodput_report.record(done, name, step_from, replays, run), indent=2)
+    text = goodput_report.text(done, name, step_from, replays, run)
     return text + (f"\nchart: {args.chart}" if args.chart else "")
+
+
+def _check_failures_per_run(per_gpu_hour: float, gpus: int, days: float) -> None:
+    """A study whose runs would hold more failures than MAX_FAILURES_PER_RUN is refused: it
+    would run for hours (the failure profile or --days is then what to change)."""
+    expected = per_gpu_hour * gpus * days * 24
+    if expected > MAX_FAILURES_PER_RUN:
+        raise ConfigError(
+            "--failures",
+            f"{expected:,.0f} failures expected in {days:g} days on {gpus:,} GPUs, more than the "
+            f"{MAX_FAILURES_PER_RUN:,} a simulated run holds: lower --days or the profile's rates",
+        )
+
+
+class StudyProgress:
+    """A long study's progress on stderr: nothing for its first PROGRESS_AFTER_S, then a line
+    every PROGRESS_EVERY_S saying how many runs are done."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, out: Optional[Callable[[str], None]] = None) -> None:
+        self.clock = clock
+        self.out = out or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.started = clock()
+        self.next_at = self.started + PROGRESS_AFTER_S
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now < self.next_at or done == total:
+            return
+        self.next_at = now + PROGRESS_EVERY_S
+        elapsed = now - self.started
+        left = elapsed * (total - done) / done
+        self.out(f"ringtrain plan: simulated {done} of {total} runs in {elapsed:.0f} s, about {left:.0f} s left")
 
 
 def _shape_job(job: Optional[JobConfig], dp: int, cp: int, workload: Workload, request: Request) -> JobConfig:
@@ -231,18 +288,23 @@ def _costs(path: Optional[str]) -> Costs:
         values = {k: float(v) for k, v in given.items()}
     except (TypeError, ValueError) as exc:
         raise ConfigError("--costs", f"{path}: {exc}") from None
-    if any(v < 0 for v in values.values()):
-        raise ConfigError("--costs", f"{path}: costs must be >= 0")
+    bad = sorted(k for k, v in values.items() if not (math.isfinite(v) and v >= 0))
+    if bad:
+        raise ConfigError("--costs", f"{path}: {', '.join(bad)}: costs must be finite numbers >= 0")
+    if values.get("save_s", Costs.save_s) <= 0:
+        raise ConfigError("--costs", f"{path}: save_s must be > 0: a blocking save takes time")
     return dataclasses.replace(Costs(), **values, source=path)
 
 
-def _positive(value: str, flag: str) -> float:
+def _positive(value: str, flag: str, *, maximum: float = math.inf) -> float:
     try:
         number = float(value)
     except ValueError:
         raise ConfigError(flag, f"{value!r} is not a number") from None
-    if not number > 0:
-        raise ConfigError(flag, f"must be > 0 (got {value})")
+    if not (number > 0 and math.isfinite(number)):
+        raise ConfigError(flag, f"must be a finite number > 0 (got {value})")
+    if number > maximum:
+        raise ConfigError(flag, f"must be at most {maximum:g} (got {value})")
     return number
 
 
@@ -254,13 +316,15 @@ def _dtype(value: Optional[str], job: Optional[JobConfig]) -> str:
     return value
 
 
-def _int(value: str, flag: str, *, minimum: int = 1) -> int:
+def _int(value: str, flag: str, *, minimum: int = 1, maximum: Optional[int] = None) -> int:
     try:
         number = int(value.replace("_", "").replace(",", ""))
     except ValueError:
         raise ConfigError(flag, f"{value!r} is not a whole number") from None
     if number < minimum:
         raise ConfigError(flag, f"must be >= {minimum} (got {number})")
+    if maximum is not None and number > maximum:
+        raise ConfigError(flag, f"must be at most {maximum:,} (got {number:,})")
     return number
 
 
@@ -282,7 +346,10 @@ def _count(value: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", value.lower())
     if match is None:
         raise ConfigError("--params", f"{value!r} is not a parameter count (e.g. 70e9, 70B, 8.03b)")
-    count = int(float(match.group(1)) * _SUFFIXES[match.group(2)])
+    number = float(match.group(1)) * _SUFFIXES[match.group(2)]
+    if not number <= MAX_PARAMS:  # inf too (1e999)
+        raise ConfigError("--params", f"must be at most {MAX_PARAMS:.0e} (got {value})")
+    count = int(number)
     if count < 1:
         raise ConfigError("--params", f"must be >= 1 (got {value})")
     return count

@@ -25,6 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
+from ringtrain.commands.submit_checks import CHECKED, SUBMITTED_VARIABLE
 from ringtrain.planner.fit import fit_warning
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
 
         check_pretrained(job)
-    check_sources(job)
+    for note in check_sources(job):
+        print(f"ringtrain: warning: {note}", file=sys.stderr)
     check_trackers(job)
     check_embedded_capacity(job)  # before an embedded cluster starts, and leaves a temp dir
     eval_plan = _eval_plan(job) if job.eval.every else None
@@ -111,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     resume_from = find_resume_point(job, run_path, progress.message)
     store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
     lease = store_claim(job, store, run_path)
+    if os.environ.get(SUBMITTED_VARIABLE):  # `ringtrain submit` waits for this line (commands/submit_checks)
+        print(CHECKED, flush=True)
     return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop)
 
 
@@ -153,6 +157,8 @@ def _train(
     from ringtrain.telemetry.tensorboard import TensorBoardSink
     from ringtrain.telemetry.trackers import open_trackers, tracker_meta
 
+    address = job.cluster.address or os.environ.get("RAY_ADDRESS")
+    progress.waiting(f"the Ray cluster at {address}" if address else "an embedded Ray cluster to start")
     cluster = connect(job)
     job = cluster.for_workers(job)
     # ray.init replaces the SIGTERM handler (Ray's driver exits on it, and its core worker's

@@ -124,6 +124,8 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("checkpoint.resume", "is empty; use none, auto or a checkpoint uri")
     if not ck.lease_s > 0:
         raise ConfigError("checkpoint.lease_s", f"must be > 0 (got {ck.lease_s})")
+    if ck.max_failed_saves < 0:
+        raise ConfigError("checkpoint.max_failed_saves", f"must be >= 0, 0 never stopping (got {ck.max_failed_saves})")
     if not 0 <= ck.stop_persist_timeout_s <= MAX_STOP_PERSIST_S:
         raise ConfigError(
             "checkpoint.stop_persist_timeout_s",

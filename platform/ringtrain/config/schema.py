@@ -278,6 +278,9 @@ class CheckpointConfig:
     # On SIGINT or SIGTERM the newest in-memory snapshot is written to the store within this many
     # seconds (0: not at all), well inside the 30 s Kubernetes grants a pod between SIGTERM and SIGKILL.
     stop_persist_timeout_s: float = 20.0
+    # Durable saves that may fail in a row (the store refusing, or unreachable after retries)
+    # before the run stops, its newest durable checkpoint kept; 0: train on without them.
+    max_failed_saves: int = 3
 
 
 @dataclass

@@ -33,9 +33,8 @@ def read_mapping(path: Path, key: str = "config") -> dict[str, Any]:
         raise ConfigError(key, f"{path} is {size:,} bytes; a config file holds at most {MAX_FILE_BYTES:,}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:  # carries the line and column
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(key, f"{path} is not valid YAML: {first_line}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, f"{path}{yaml_problem(exc)}") from None
     except RecursionError:
         raise ConfigError(key, f"{path} nests deeper than {MAX_DEPTH} levels") from None
     except UnicodeDecodeError as exc:
@@ -48,6 +47,20 @@ def read_mapping(path: Path, key: str = "config") -> dict[str, Any]:
         raise ConfigError(key, f"{path} must hold a mapping of config keys at the top level")
     check_bounds(data, str(path), key)
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, where: ``:LINE:COLUMN: not valid YAML: PROBLEM (CONTEXT at line
+    N)``, lines and columns counted from 1 as editors do; without a position, ``: not valid
+    YAML: FIRST LINE``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or not problem:
+        text = str(exc).strip()
+        return f": not valid YAML: {text.splitlines()[0] if text else type(exc).__name__}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    where = f" ({context} at line {context_mark.line + 1})" if context and context_mark is not None else ""
+    return f":{mark.line + 1}:{mark.column + 1}: not valid YAML: {problem}{where}"
 
 
 def check_bounds(data: Any, where: str, key: str = "config") -> None:

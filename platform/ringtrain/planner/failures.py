@@ -14,6 +14,7 @@ The built-in profiles cite their sources; a file of rates by kind is the user's 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def profile(name_or_path: str) -> FailureProfile:
         per_gpu_hour = {kind: float(rates.get(kind, 0.0)) for kind in KINDS}
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ConfigError("--failures", f'{path}: expected {{"per_gpu_hour": {{kind: failures per GPU-hour}}}} ({exc})') from None
-    if any(rate < 0 for rate in per_gpu_hour.values()) or not any(per_gpu_hour.values()):
-        raise ConfigError("--failures", f"{path}: rates must be >= 0 and not all 0")
+    # NaN passes no comparison and infinity every upper one: both are refused by name.
+    if not all(math.isfinite(rate) and rate >= 0 for rate in per_gpu_hour.values()) or not any(per_gpu_hour.values()):
+        raise ConfigError("--failures", f"{path}: rates must be finite numbers >= 0, not all 0")
     return FailureProfile(path.stem, str(data.get("source", path)), per_gpu_hour)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ringtrain.planner.failures import FailureProfile
 from ringtrain.planner.goodput import CAUSES, Costs, Decider, Job, Outcome, simulate
@@ -79,16 +79,39 @@ class Study:
         return self.swept[0] if self.swept else self.given
 
 
+# Told after each simulated run: (runs done, runs in the study).
+OnRun = Callable[[int, int], None]
+
+
 def study(
-    job: Job, profile: FailureProfile, costs: Costs, *, mode: str, days: float, seeds: int, decider: Optional[Decider]
+    job: Job,
+    profile: FailureProfile,
+    costs: Costs,
+    *,
+    mode: str,
+    days: float,
+    seeds: int,
+    decider: Optional[Decider],
+    on_run: Optional[OnRun] = None,
 ) -> Study:
-    """The job as given, and every swept setting, each over the same ``seeds`` failure timelines."""
+    """The job as given, and every swept setting, each over the same ``seeds`` failure timelines;
+    ``on_run`` hears of each run as it ends (a long study's progress)."""
+    swept_settings = settings(job, mode)
+    total = (1 + len(swept_settings)) * seeds
+    done = 0
 
     def runs(j: Job) -> tuple[Outcome, ...]:
-        return tuple(simulate(j, profile, costs, mode=mode, days=days, seed=s, decider=decider) for s in range(seeds))
+        nonlocal done
+        outcomes = []
+        for seed in range(seeds):
+            outcomes.append(simulate(j, profile, costs, mode=mode, days=days, seed=seed, decider=decider))
+            done += 1
+            if on_run is not None:
+                on_run(done, total)
+        return tuple(outcomes)
 
     given = Result(Setting(job.spares, job.snapshot_every, job.persist_every_s), runs(job))
-    swept = [Result(s, runs(s.applied(job))) for s in settings(job, mode)]
+    swept = [Result(s, runs(s.applied(job))) for s in swept_settings]
     swept.sort(key=lambda r: -r.goodput)
     return Study(job, profile, costs, mode, days, seeds, given, tuple(swept))
 
@@ -112,36 +135,81 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def text(s: Study, name: str, step_from: str, replays: Optional[int]) -> str:
+def persist_steps(s: Setting, step_s: float) -> int:
+    """``checkpoint.persist_every`` (steps) for the setting's seconds between durable
+    checkpoints: to two significant figures past 100 steps, then a whole multiple of its
+    ``snapshot_every`` (a durable checkpoint copies a snapshot, and the job's check asks it)."""
+    steps = max(1, round(s.persist_every_s / step_s))
+    if steps >= 100:
+        steps = int(float(f"{steps:.2g}"))
+    every = max(1, s.snapshot_every)
+    return max(1, round(steps / every)) * every
+
+
+def duration(seconds: float) -> str:
+    """A time as a person says it: 40 ms, 25 s, 12 min, 1.5 h, 3.2 days."""
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0)):
+        if seconds >= 0.95 * size:  # 59.9 min is said as 1 h
+            return f"{seconds / size:.2g} {unit}" if seconds < 10 * size else f"{seconds / size:.0f} {unit}"
+    return f"{seconds * 1000:.2g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2g} us"
+
+
+def config_keys(s: Setting, step_s: float, mode: str) -> list[str]:
+    """The job's keys that make the setting: what a ``ringtrain run`` line adds (restart mode
+    sweeps the durable cadence alone)."""
+    persist = f"checkpoint.persist_every={persist_steps(s, step_s)}"
+    if mode == "restart":
+        return [persist]
+    return [f"mesh.spares={s.spares}", f"checkpoint.snapshot_every={s.snapshot_every}", persist]
+
+
+def _setting(s: Setting, j: Job, mode: str) -> str:
+    """The setting in the job's keys, each with its unit (restart mode: its durable cadence)."""
+    every = persist_steps(s, j.step_s)
+    persist = f"checkpoint.persist_every={every} (steps: a durable checkpoint every {duration(every * j.step_s)})"
+    if mode == "restart":
+        return persist
+    nodes = s.spares / j.gpus_per_node
+    spares = f"{s.spares} warm spare GPUs" + (f", {nodes:g} nodes" if nodes == int(nodes) else "") if s.spares else "no warm spare"
+    return f"mesh.spares={s.spares} ({spares}), checkpoint.snapshot_every={s.snapshot_every} (steps), {persist}"
+
+
+def text(s: Study, name: str, step_from: str, replays: Optional[int], run: str) -> str:
+    """The study for a person; ``run`` is the ``ringtrain run`` line of the layout simulated, to
+    which the best setting's keys are added."""
     j, g = s.job, s.given
     expected = s.days * 24 / s.profile.mtbf_h(j.gpus)
     lines = [
         f"goodput: {name} on {j.gpus:,} GPUs (dp {j.dp} x {j.gpus_per_replica} GPUs a replica), "
-        f"step {j.step_s:.3g} s ({step_from}), {s.days:g} days, {s.seeds} seeds",
-        f"failures: {s.profile.name}, one every {s.profile.mtbf_h(j.gpus):.2f} h on these GPUs "
+        f"a step of {duration(j.step_s)} ({step_from}), {s.days:g} days, {s.seeds} failure timelines (--seeds)",
+        f"failures: {s.profile.name}, one every {duration(3600 * s.profile.mtbf_h(j.gpus))} on these GPUs "
         f"({expected:.1f} in {s.days:g} days): {s.profile.source}",
         f"recovery: {s.mode}"
-        + (f" (the Controller's own decisions, {replays} replayed on a simulated cluster)" if replays is not None else
+        + (f" (each failure handled as ringtrain's Controller decides, e.g. a warm spare takes the seat or the job "
+           f"shrinks; {replays} distinct cases decided)" if replays is not None else
            " (every failure restarts the job from its last durable checkpoint)"),
         "costs (" + s.costs.source + "): " + ", ".join(
             f"{f.name} {getattr(s.costs, f.name):g}" for f in dataclasses.fields(Costs) if f.name != "source"
         ),
         "",
         _headline("as given", g),
+        "  " + _setting(g.setting, j, s.mode),
         _headline("best setting", s.best),
+        "  " + _setting(s.best.setting, j, s.mode),
         "",
         "GPU-hours lost per run, as given:  " + _lost(g),
         "GPU-hours lost per run, at best:   " + _lost(s.best),
         "failures per run:  " + ", ".join(f"{k} {v:.1f}" for k, v in g.counts("failures").items()),
-        "recoveries per run:  " + ", ".join(f"{k} {v:.1f}" for k, v in g.counts("actions").items()),
+        "recoveries per run:  " + (", ".join(f"{k} {v:.1f}" for k, v in g.counts("actions").items()) or "none"),
         "",
-        f"{'spares':>7} {'snapshot_every':>15} {'persist_every':>14} {'ETTR':>8} {'goodput':>8}",
+        f"{'mesh.spares':>11} {'snapshot_every':>14} {'persist_every (time)':>22} {'ETTR':>8} {'goodput':>8}",
     ]  # fmt: skip
     for r in s.swept[:10]:
         st = r.setting
-        lines.append(
-            f"{st.spares:>7} {st.snapshot_every:>15} {st.persist_every_s / 3600:>12g} h {_pct(r.ettr):>8} {_pct(r.goodput):>8}"
-        )
+        every = persist_steps(st, j.step_s)
+        persist = f"{every} ({duration(every * j.step_s)})"
+        lines.append(f"{st.spares:>11} {st.snapshot_every:>14} {persist:>22} {_pct(r.ettr):>8} {_pct(r.goodput):>8}")
+    lines += ["", f"run: {run} {' '.join(config_keys(s.best.setting, j.step_s, s.mode))}"]
     return "\n".join(lines)
 
 
@@ -153,19 +221,22 @@ def _lost(r: Result) -> str:
 
 def _headline(label: str, r: Result) -> str:
     ettrs = [o.ettr for o in r.runs]
-    st = r.setting
     return (
         f"{label + ':':14} ETTR {_pct(r.ettr)} ({_pct(min(ettrs))} - {_pct(max(ettrs))} over seeds), goodput "
-        f"{_pct(r.goodput)}  [spares {st.spares}, snapshot_every {st.snapshot_every}, persist_every "
-        f"{st.persist_every_s / 3600:g} h]"
+        f"{_pct(r.goodput)}"
     )
 
 
-def record(s: Study, name: str, step_from: str, replays: Optional[int]) -> dict[str, Any]:
+def record(s: Study, name: str, step_from: str, replays: Optional[int], run: str) -> dict[str, Any]:
+    """The study as JSON-ready data: every figure unrounded, and each setting's job keys as a
+    person sets them (``config``) beside the best one's ``run`` line."""
+
     def result(r: Result) -> dict[str, Any]:
         ettrs = [o.ettr for o in r.runs]
+        keys = config_keys(r.setting, s.job.step_s, s.mode)
         return {
             **r.setting.to_dict(),
+            "config": {key: int(value) for key, value in (k.split("=") for k in keys)},
             "ettr": r.ettr,
             "ettr_min": min(ettrs),
             "ettr_max": max(ettrs),
@@ -192,6 +263,7 @@ def record(s: Study, name: str, step_from: str, replays: Optional[int]) -> dict[
         "given": result(g),
         "best": result(s.best),
         "swept": [result(r) for r in s.swept],
+        "run": f"{run} {' '.join(config_keys(s.best.setting, s.job.step_s, s.mode))}",
     }
 
 

@@ -4,7 +4,9 @@ Points go as metric batches at their steps; a redone step's new values are one m
 same step, which MLflow keeps beside the first (its charts show both; the latest is the run's).
 Incidents are tags ``incident.NNNN`` whose text is the incident's line. Parameters are immutable
 in MLflow: a continued run logs only the ones it lacks, and a value that changed since is kept
-as the tag ``param_changed.<key>``.
+as the tag ``param_changed.<key>``. On a local sqlite store the run's files go beside the
+database (``artifact_root``), never into the folder the run was started from, and MLflow's INFO
+lines stay off the run's console.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import unquote
 
 from ringtrain.config.schema import MlflowConfig
 from ringtrain.telemetry.trackers import Event, Point, Status, incident_text
@@ -29,6 +32,18 @@ MAX_TAG_CHARS = 5000
 REQUEST_TIMEOUT_S = "10"
 KEY_TAG = "ringtrain.run_key"  # the tag that finds a run's MLflow run from its tracker key
 SUMMARY_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+SQLITE_PREFIX = "sqlite:///"
+ARTIFACT_FOLDER = "mlflow-artifacts"
+
+
+def artifact_root(tracking_uri: str) -> Optional[str]:
+    """Where a new experiment's files go on a local sqlite store: beside the database, in
+    ``mlflow-artifacts/`` (MLflow's own default is ``./mlruns`` of whatever folder the run was
+    started from). None for a server (it chooses) and a file store (its own folder)."""
+    if not tracking_uri.startswith(SQLITE_PREFIX):
+        return None
+    database = Path(unquote(tracking_uri[len(SQLITE_PREFIX) :]))  # relative, or absolute after a 4th slash
+    return (database.absolute().parent / ARTIFACT_FOLDER).as_uri()
 
 
 class MlflowTracker:
@@ -46,14 +61,20 @@ class MlflowTracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", REQUEST_TIMEOUT_S)
         # The run's console is ringtrain's: no "View run at ..." lines in the middle of it.
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-        # Nor its INFO lines (a new sqlite store announces its migrations).
-        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        # Nor its INFO lines (a new sqlite store announces its migrations): MLflow sets its
+        # loggers' level from this variable when it is imported, and again here if it already was.
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
         self.client = MlflowClient(tracking_uri=self.settings.tracking_uri)
         experiment = self.client.get_experiment_by_name(self.settings.experiment)
-        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(self.settings.experiment)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(self.settings.experiment, artifact_location=artifact_root(self.settings.tracking_uri))
+        )
         run = self.client.get_run(run_id) if run_id is not None else self._run_with_key(experiment_id, key)
         if run is not None:
             self.run_id = run.info.run_id

@@ -1,10 +1,21 @@
-"""Console output while a run goes: one line per step, a line per incident, and a short summary at the end."""
+"""Console output while a run goes: one line per step, a line per incident, and a short summary at the end.
+
+Before step 1 a run can be silent for a minute on a loaded machine (Ray starting, the workers
+importing torch and DeepSpeed and building the model and its ZeRO engine): ``waiting`` says
+what the run waits for, and says it again with the time waited while nothing else is printed
+for ``QUIET_S`` (a thread of its own ticks; tests tick by hand).
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, Optional, TextIO
+
+# Silence after which a run still waiting says so again.
+QUIET_S = 15.0
 
 
 def step_line(record: dict[str, Any], total_steps: int) -> str:
@@ -39,19 +50,71 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 
 class Progress:
-    def __init__(self, total_steps: int, *, enabled: bool = True, every: int = 1, out: TextIO = sys.stdout) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        enabled: bool = True,
+        every: int = 1,
+        out: TextIO = sys.stdout,
+        clock: Callable[[], float] = time.monotonic,
+        ticking: bool = True,
+    ) -> None:
+        """``ticking``: whether a thread repeats a wait's line (off where a test ticks by hand)."""
         self.total_steps = total_steps
         self.enabled = enabled
         self.every = every
         self.out = out
+        self.clock = clock
+        self.ticking = ticking
+        self._lock = threading.Lock()
+        self._last_output = clock()
+        self._waiting: Optional[tuple[str, float]] = None  # (what, since when)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
 
     def step(self, record: dict[str, Any]) -> None:
+        self._done_waiting()
         if self.enabled and (record["step"] % self.every == 0 or record["step"] == self.total_steps):
-            print(step_line(record, self.total_steps), file=self.out, flush=True)
+            self._print(step_line(record, self.total_steps))
 
     def message(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        self._print(text)
+
+    def waiting(self, what: str) -> None:
+        """Say that the run now waits for ``what`` (until the next step, or the next wait)."""
+        if not self.enabled:
+            return
+        self._print(f"ringtrain: waiting for {what}")
+        with self._lock:
+            self._waiting = (what, self.clock())
+        if self.ticking and self._thread is None:
+            self._thread = threading.Thread(target=self._tick_until_done, name="progress-waiting", daemon=True)
+            self._thread.start()
+
+    def tick(self) -> None:
+        """While a wait lasts and nothing was printed for QUIET_S: the wait again, with its time."""
+        with self._lock:
+            waiting, quiet = self._waiting, self.clock() - self._last_output
+        if waiting is not None and quiet >= QUIET_S:
+            what, since = waiting
+            self._print(f"ringtrain: still waiting ({self.clock() - since:.0f} s) for {what}")
 
     def summary(self, summary: dict[str, Any]) -> None:
+        self._done_waiting()
+        self._stop.set()
         for line in summary_lines(summary):
-            print(line, file=self.out, flush=True)
+            self._print(line)
+
+    def _done_waiting(self) -> None:
+        with self._lock:
+            self._waiting = None
+
+    def _tick_until_done(self) -> None:
+        while not self._stop.wait(1.0):
+            self.tick()
+
+    def _print(self, line: str) -> None:
+        with self._lock:
+            self._last_output = self.clock()
+        print(line, file=self.out, flush=True)

@@ -4,7 +4,7 @@ W&B drops a point logged at a step lower than one it has seen, so the sink never
 twice unless its values changed; such a redone step (a rollback after corruption redid it
 differently) cannot be a point any more, and goes into the ``redone_steps`` table at the end
 instead of being dropped without a word. Incidents are W&B alerts and rows of the
-``incidents`` table. In ``offline`` mode everything stays under ``<run_dir>/wandb/``, for
+``incidents`` table. Finishing the run also stops W&B's service process. In ``offline`` mode everything stays under ``<run_dir>/wandb/``, for
 ``wandb sync`` to upload later; the run id in trackers.json makes a resumed run the same run.
 """
 
@@ -93,4 +93,9 @@ class WandbTracker:
             copy = Path(self.run.dir) / path.name
             shutil.copyfile(path, copy)
             self.run.save(str(copy), base_path=self.run.dir, policy="now")
-        self.run.finish(exit_code=0 if status == "finished" else 1)
+        exit_code = 0 if status == "finished" else 1
+        self.run.finish(exit_code=exit_code)
+        # W&B's service (wandb-core, a process this one started) outlives a finished run until
+        # the process exits; ended here, while the run ends, it is not left for the cluster's
+        # cleanup to kill, and W&B's own exit hook has no service to lose the connection to.
+        wandb.teardown(exit_code=exit_code)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.cachedir import data_cache_dir, write_cached
-from ringtrain.errors import DataError
+from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepared import MANIFEST_NAME, MAX_MANIFEST_BYTES, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path
 
@@ -38,6 +38,19 @@ def is_prepared_path(path: str) -> bool:
         return True
     local = local_path(path)
     return local is not None and local.is_dir() and ((local / MANIFEST_NAME).exists() or (local / SHARD_DIR).is_dir())
+
+
+def check_reachable(uri: str, key: str) -> None:
+    """An ``s3://`` dataset's credentials, endpoint and bucket, checked in one quick request before
+    any work starts (a read would retry for a minute first); ConfigError naming ``key``."""
+    if not is_s3(uri):
+        return
+    from ringtrain.checkpoint.s3_access import S3Unavailable, check_access
+
+    try:
+        check_access(uri)
+    except S3Unavailable as exc:
+        raise ConfigError(key, str(exc)) from None
 
 
 def _s3_backend(uri: str) -> Any:
@@ -61,7 +74,10 @@ def read_manifest(uri: str) -> Manifest:
     except ObjectMissing:
         raise DataError(f"{uri}/{MANIFEST_NAME}: no manifest; {uri} is not a prepared dataset (run `ringtrain prepare`)") from None
     except Exception as exc:  # boto3's errors (credentials, network) are many; name the object
-        raise DataError(f"{uri}/{MANIFEST_NAME}: cannot read ({type(exc).__name__}: {exc})") from None
+        from ringtrain.checkpoint.s3_access import cause
+
+        said = cause(exc) or f"{type(exc).__name__}: {exc}"
+        raise DataError(f"{uri}/{MANIFEST_NAME}: cannot read: {said}") from None
     return Manifest.loads(text, f"{uri}/{MANIFEST_NAME}")
 
 
@@ -161,7 +177,15 @@ class PreparedCorpus:
         if path.is_file() and sha256_file(path) == sha256:
             return path
         # Missing, or a cached copy that went bad (a crash mid-write cannot leave one: see below).
-        data = self._remote.get(relative)
+        try:
+            data = self._remote.get(relative)
+        except Exception as exc:  # the endpoint gone, the credentials expired: one line, not botocore's
+            from ringtrain.checkpoint.s3_access import cause
+
+            said = cause(exc)
+            if said is None:
+                raise
+            raise DataError(f"{self._name(relative)}: shard {index} cannot be fetched: {said}") from None
         if hashlib.sha256(data).hexdigest() != sha256:
             raise DataError(f"{self._name(relative)}: shard {index} fails its sha256 check against the manifest")
         write_cached(path, data)  # atomic, through an exclusively opened temp file

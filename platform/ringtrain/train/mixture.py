@@ -24,16 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError, DataError
-from ringtrain.prepared import tokenizer_sha256
 from ringtrain.train.conversations import ConversationRows, pack_conversations, row_sample
-from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
+from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
+from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, unchecked_note
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
 from ringtrain.uris import is_s3
 
@@ -222,11 +221,13 @@ def _source_keys(job: JobConfig) -> list[str]:
     return [f"data.sources[{i}].path" for i in range(len(job.data.sources))] if job.data.sources else ["data.path"]
 
 
-def check_sources(job: JobConfig) -> None:
+def check_sources(job: JobConfig) -> list[str]:
     """Raise a ConfigError naming the key when the data cannot feed this model. Prepared datasets:
     a missing or malformed manifest, a tokenizer other than ``model.hf``'s (or a vocabulary
     larger than ``model.vocab_size``), datasets of different tokenizers, too few tokens, or a
-    first shard that fails its checksum. Later shards are checked when first read."""
+    first shard that fails its checksum. Later shards are checked when first read. Returns the
+    warnings for the user: a ``model.hf`` folder without a tokenizer to check the data against."""
+    notes: list[str] = []
     if not uses_prepared_data(job):
         check_data(job.data.path, job.model_int("vocab_size"), job.data.seq_len)
         if job.data.packing == "doc":
@@ -234,22 +235,23 @@ def check_sources(job: JobConfig) -> None:
                               f"{job.data.path!r} is not one (make one with `ringtrain prepare`)")
         if job.train.loss_norm == "sequence":
             raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
-        return
-    model_tok = _model_tokenizer_sha256(job.model.hf)
+        return notes
+    model_tok = folder_tokenizer(job.model.hf)
     vocab = job.model_int("vocab_size")
     first: Optional[tuple[str, str]] = None
     chat: set[bool] = set()
     for key, spec in zip(_source_keys(job), source_specs(job)):
+        check_reachable(spec.path, key)
         try:
             corpus = PreparedCorpus(spec.path, cache_dir=job.data.cache_dir)
         except (DataError, ValueError, OSError) as exc:  # a bad manifest, URI or store: the key says which
             raise ConfigError(key, str(exc)) from None
         tok = corpus.manifest.tokenizer
         try:
-            if model_tok is not None and tok.sha256 != model_tok:
-                raise ConfigError(key, f"{spec.path} was tokenized with {tok.name!r} (tokenizer.json sha256 "
-                                  f"{tok.sha256[:12]}), not model.hf's tokenizer (sha256 {model_tok[:12]}); "
-                                  f"prepare it again with --tokenizer {job.model.hf}")
+            if model_tok is not None:
+                check_same(spec.path, tok, model_tok, key, job.model.hf)
+            elif job.model.hf and not notes:
+                notes.append(unchecked_note(job.model.hf, spec.path, tok, "model.hf"))
             if tok.vocab_size > vocab:
                 raise ConfigError(key, f"{spec.path} has a vocabulary of {tok.vocab_size} tokens ({tok.name!r}), "
                                   f"more than model.vocab_size={vocab}")
@@ -273,16 +275,4 @@ def check_sources(job: JobConfig) -> None:
         raise ConfigError("data.sources", "mixes chat datasets with text datasets; train on one kind at a time")
     if job.train.loss_norm == "sequence" and chat != {True}:
         raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
-
-
-def _model_tokenizer_sha256(hf: str) -> Optional[str]:
-    """The identity of the model folder's tokenizer (as ``ringtrain prepare`` records it), if any."""
-    if not hf:
-        return None
-    path = Path(hf) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        return tokenizer_sha256(path)
-    except OSError as exc:
-        raise ConfigError("model.hf", f"cannot read {path}: {exc.strerror}") from None
+    return notes
