@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-from tests.tiny import TINY_MODEL
+from ringtrain_dev.tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES: list[Path] = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

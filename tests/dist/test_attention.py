@@ -40,8 +40,7 @@ from ringtrain.train.attention import (
     ulysses_attention,
 )
 from ringtrain.train.attention.kernels import MATH, CpuFlashKernel
-
-from .ranks import rank_process
+from ringtrain_dev.ranks import rank_process
 
 pytestmark = pytest.mark.dist
 

@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from ringtrain_dev.ranks import run_ranks
 from tests.hf_models import hf_logits, save_model, tokens
-
-from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

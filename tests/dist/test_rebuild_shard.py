@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import write_jsonl
-from tests.ray.test_run_e2e import ringtrain_cli
+from ringtrain_dev.cli_runs import ringtrain_cli
+from ringtrain_dev.corpus import write_jsonl
 
 
 def prepare(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -18,10 +18,10 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
+from ringtrain_dev.tiny_tokenizer import save_chat_tokenizer
 from tests.prepare.serial import run_serially
 from tests.prepare.test_chat_render import conversations, reference_mask
 from tests.prepare.test_prepare_ray import cluster  # noqa: F401  (the module's Ray cluster)
-from tests.tiny_tokenizer import save_chat_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def test_on_ray_the_bytes_are_the_same_at_any_parallelism_and_split(
 
 def test_the_manifest_refuses_inconsistent_chat_counts(chat_tokenizers: dict[str, Path], tmp_path: Path) -> None:
     from ringtrain.errors import DataError
-    from tests.prepared_data import write_chat_prepared
+    from ringtrain_dev.prepared_data import write_chat_prepared
 
     conv = [(np.arange(5), np.array([0, 1, 1, 1, 1], np.uint8)), (np.arange(3), np.array([0, 0, 1], np.uint8))]
     manifest = write_chat_prepared(tmp_path / "d", conv, vocab_size=16)

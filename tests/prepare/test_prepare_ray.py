@@ -23,7 +23,7 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import write_jsonl
+from ringtrain_dev.corpus import write_jsonl
 
 ray = pytest.importorskip("ray")
 

@@ -10,9 +10,7 @@ import pytest
 from filelock import FileLock
 
 from .test_elastic import JOB, STEPS, job_file
-from .test_run_e2e import run_cli
-
-# The batch the node-loss test's NaN poisons and controllers.on_nan=skip drops (0-based: step
+from ringtrain_dev.cli_runs import run_cli
 # STEPS - 1 trains batch STEPS - 2 when nothing was skipped before).
 SKIPPED_BATCH = STEPS - 2
 

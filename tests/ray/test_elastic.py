@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
+from ringtrain_dev.ray_head import REPO, TORCH_EXTENSIONS_DIR, processes_using
 from tests.chaos_replay import keep
 
 from .test_resume_e2e import final_params, losses
-from .test_run_e2e import REPO, TORCH_EXTENSIONS_DIR, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from ringtrain_dev.ray_head import REPO, VENV_BIN, end_processes, free_ports, processes_using, shell_path
+from ringtrain_dev.tiny import TINY
 from tests.tools import tool
-
-from .harness import REPO, VENV_BIN, end_processes, free_ports, processes_using, shell_path
-from .test_run_e2e import TINY
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

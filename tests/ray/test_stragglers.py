@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from ringtrain_dev.cli_runs import run_cli
+from ringtrain_dev.ray_head import processes_using
 from tests.chaos_replay import keep
 
 from .test_elastic import JOB, check_ledger, check_matches_reference, incidents, job_file, records
-from .test_run_e2e import processes_using, run_cli
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

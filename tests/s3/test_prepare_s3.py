@@ -19,10 +19,10 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import build_corpus, save_tokenizer
-from tests.dist.ranks import gloo_rank, run_ranks
+from ringtrain_dev.corpus import build_corpus, save_tokenizer
+from ringtrain_dev.ranks import gloo_rank, run_ranks
+from ringtrain_dev.tiny import TINY_MODEL
 from tests.prepare.serial import run_serially
-from tests.tiny import TINY_MODEL
 
 
 def test_prepare_reads_and_writes_s3(

@@ -17,7 +17,7 @@ from ringtrain.train.attention.call import ALLGATHER_BELOW_TOKENS, ALLGATHER_FRO
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import MATH, MathKernel, default_scale
 from ringtrain.train.attention.plan import EMPTY, MASKED, MASKED_BELOW_SCORES, PIECES, WHOLE, exchange_for, plan
-from tests.emulated_cp import emulated_ring
+from ringtrain_dev.emulated_cp import emulated_ring
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -136,7 +136,7 @@ def test_cut_blocks_through_the_emulated_ring_equal_one_call(kernel: MathKernel,
 ])
 def test_ulysses_gathers_into_either_kernel_layout(kernel: str, impl: str, ring: int, ulysses: int, heads: int,
                                                   kv_heads: int) -> None:
-    from tests.emulated_cp import emulated_attention
+    from ringtrain_dev.emulated_cp import emulated_attention
 
     seq = 16 * ring * ulysses
     gen = torch.Generator().manual_seed(5)

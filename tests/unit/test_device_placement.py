@@ -34,7 +34,7 @@ from ringtrain.train.attention.kernels import (
     SdpaFlashKernel,
 )
 from ringtrain.train.model import MemorySavers, ModelArgs, Transformer
-from tests.emulated_cp import emulated_attention, emulated_ring
+from ringtrain_dev.emulated_cp import emulated_attention, emulated_ring
 
 aten = torch.ops.aten
 DEVICE = "meta"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.tiny_tokenizer import save_tokenizer
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY_MODULES = ("torch", "ray", "deepspeed")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ringtrain.train.attention.kernels import MATH, BlockOutput, MathKernel, default_scale, get_kernel
-from tests.emulated_cp import emulated_ring
+from ringtrain_dev.emulated_cp import emulated_ring
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 TIMEOUT_S = 20.0  # a message that never comes fails the test in seconds (the ring itself takes ms)
