@@ -40,7 +40,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.incidents": 0,
     "ringtrain.uris": 0,
     "ringtrain.cachedir": 0,  # the per-user data cache folder
-    "ringtrain.jsonfile": 0,  # small JSON files from folders made elsewhere, read with bounds
+    "ringtrain.jsonfile": 0,  # the one parser of JSON from elsewhere, with bounds (files, manifests, headers)
     "ringtrain.folderswap": 0,  # a finished output folder put in place, what was there judged last
     "ringtrain.inputs": 0,  # the local inputs a job's config names
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
