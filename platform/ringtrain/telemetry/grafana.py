@@ -114,21 +114,21 @@ class Provisioner:
             yield
         except GrafanaUnauthorizedError as exc:
             raise GrafanaAuthError(f"Grafana at {self.url} rejected the credentials (HTTP 401) to {what}") from exc
-        except GrafanaTimeoutError as exc:
-            raise GrafanaPushError(
-                f"Grafana at {self.url} did not answer within {self.timeout:g} s to {what}"
-            ) from exc
-        except GrafanaException as exc:
+        except (GrafanaException, OSError, ValueError) as exc:
+            raise GrafanaPushError(self._failure(exc, what)) from exc
+
+    def _failure(self, exc: Exception, what: str) -> str:
+        """One line of what went wrong in a request to ``what``."""
+        if isinstance(exc, GrafanaTimeoutError):
+            return f"Grafana at {self.url} did not answer within {self.timeout:g} s to {what}"
+        if isinstance(exc, GrafanaException):
             detail = exc.message if exc.status_code else f"cannot reach it ({_connection_reason(exc)})"
-            raise GrafanaPushError(f"Grafana at {self.url} failed to {what}: {_one_line(detail)}") from exc
-        except OSError as exc:
+            return f"Grafana at {self.url} failed to {what}: {_one_line(detail)}"
+        if isinstance(exc, OSError):
             # niquests' connection errors derive from OSError; grafana-client lets them through.
-            raise GrafanaPushError(f"cannot reach Grafana at {self.url}: {_connection_reason(exc)}") from exc
-        except ValueError as exc:
-            # A body that is not JSON: something other than Grafana's API answered.
-            raise GrafanaPushError(
-                f"{self.url} did not answer like Grafana's HTTP API to {what} (is the URL right?)"
-            ) from exc
+            return f"cannot reach Grafana at {self.url}: {_connection_reason(exc)}"
+        # A body that is not JSON (ValueError): something other than Grafana's API answered.
+        return f"{self.url} did not answer like Grafana's HTTP API to {what} (is the URL right?)"
 
     def _find(self, what: str, read: Callable[[], T]) -> Optional[T]:
         """The object ``read`` returns, or None when Grafana answers 404."""
