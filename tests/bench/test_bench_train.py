@@ -124,14 +124,9 @@ def test_a_sigint_keeps_what_was_measured(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "train.py"), "--device", "cpu", "--tiny", "--shapes", "tinyllama",
          "--variants", "plain,hf,trainer", "--warmup", "1", "--steps", "1", "--out", str(out)],
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
