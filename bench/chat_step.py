@@ -1,6 +1,6 @@
 """Benchmark: a training step on chat data against the same tokens as packed text (masking is free).
 
-Random conversations (assistant-turn loss masks, as ``tests/chat_data.py`` writes them) are
+Random conversations (assistant-turn loss masks, as ``ringtrain_dev/chat_data.py`` writes them) are
 stored twice: as a chat dataset, and as the same conversations with every token trained (the
 packed text of the same tokens: the same rows, the same documents, only the mask differs), so
 the comparison isolates what masking costs. Three Trainers of the quickstart model (jobs/quickstart.yaml) on one gloo rank, all

@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from .test_elastic import JOB, STEPS, job_file
 from ringtrain_dev.cli_runs import run_cli
+
+from .test_elastic import JOB, STEPS, job_file
+
+# The batch the node-loss test's NaN poisons and controllers.on_nan=skip drops (0-based: step
 # STEPS - 1 trains batch STEPS - 2 when nothing was skipped before).
 SKIPPED_BATCH = STEPS - 2
 

@@ -3,7 +3,7 @@ stack keeps (and never prints) opens it, and nothing else does; Prometheus still
 a job submitted from a shell whose PATH has no venv runs on the head's Python and succeeds.
 
 The stack runs on free loopback ports with its own state folder, Ray temp folder and HOME, and
-`stop` must leave no process of it behind (found by its RAY_TMPDIR, as tests/ray/harness.py does).
+`stop` must leave no process of it behind (found by its RAY_TMPDIR, as ringtrain_dev/ray_head.py does).
 """
 
 from __future__ import annotations

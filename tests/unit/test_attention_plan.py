@@ -1,6 +1,6 @@
 """How a call's blocks run (train/attention/plan.py, call.py): whole, one masked call, pieces, or
 not at all, and which K/V exchange a layout gets; and blocks cut by documents and windows, through
-the emulated ring (tests/emulated_cp.py), equal to one call over the sequence, masked and in
+the emulated ring (ringtrain_dev/emulated_cp.py), equal to one call over the sequence, masked and in
 pieces alike (the CPU kernels take masks, so short blocks run masked here; the fused GPU kernels
 do not, and a kernel refusing masks stands in for them); and an all-gathered chunk's rows against
 its prefix and itself as one call, one masked call or split, each equal to one call."""

@@ -1,4 +1,4 @@
-"""The emulated ring (tests/emulated_cp.py), checked on the CPU where it can be.
+"""The emulated ring (ringtrain_dev/emulated_cp.py), checked on the CPU where it can be.
 
 The GPU tier runs the real ring code for every rank of a ring in one process, with its P2P
 exchange replaced by mailboxes, to test CUDA kernels inside the ring on a single GPU. That
