@@ -17,5 +17,7 @@ never each other (tests/unit/test_layering.py).
   transport looped back on one device), ``timing``, ``live_bytes`` (live tensor storage and its
   peak), ``one_device`` (a model trained on one device: ringtrain's job, transformers' model,
   fp32-master AdamW), ``peak_memory`` (the planner's peak against a measured one);
-- benches: ``record`` (what a bench ran on, and its JSON), ``blocks`` (paired timing blocks).
+- benches: ``record`` (what a bench ran on, and its JSON), ``blocks`` (paired timing blocks),
+  ``targets`` (a measured value against its bound), ``bench_cli`` (a bench's command line),
+  ``ring_targets`` (what the attention benches hold a ring's worst rank to).
 """
