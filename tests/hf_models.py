@@ -16,25 +16,27 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB = 96
 
 
+# The tiny shape and token ids every test model has (tests/hf/windowed_models.py's too); each
+# architecture adds its own keys.
+TINY_CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    initializer_range=0.35,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def hf_config(arch: str, *, rope: Optional[dict[str, Any]] = None, tie: bool = False, **extra: Any) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rms_norm_eps=1e-6,
-        initializer_range=0.35,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    common.update(extra)
+    common: dict[str, Any] = {**TINY_CONFIG, "num_hidden_layers": 2, "tie_word_embeddings": tie, **extra}
     if rope is not None:
         common["rope_parameters"] = rope
     if arch == "llama":

@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 from tests.hf_models import hf_logits, save_model, tokens
-
-from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -71,13 +70,10 @@ def _rank_main(rank: int, world: int, store_path: str, folder: str, rows: str, r
     from ringtrain.hf import resolve_job
     from ringtrain.train.evalset import load_eval_set
     from ringtrain.train.evaluator import Evaluator
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
-    torch.set_num_threads(1)
     device = torch.device("cpu")
-    set_rank_env(rank=rank, world_size=world, device=device)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store_path, results):
         job = resolve_job(
             config.load(None, [f"model.hf={folder}", "data.seq_len=32", "train.global_batch=2", "checkpoint.snapshot_every=0", *MESH])
         )
@@ -99,12 +95,6 @@ def _rank_main(rank: int, world: int, store_path: str, folder: str, rows: str, r
             replicas = [ids for d in range(topo.dp) for ids in answers[topo.rank_of(d, 0)]][: len(prompts)]
             same_in_ring = all(answers[topo.rank_of(d, 0)] == answers[topo.rank_of(d, 1)] for d in range(topo.dp))
             results.put((merge_all(gathered), [t.tokens for t in gathered], score(text, prompts, replicas), same_in_ring))
-    except BaseException as exc:
-        results.put(exc)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_loss_and_passkey_on_a_zero3_ring(tmp_path: Path) -> None:

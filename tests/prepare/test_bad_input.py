@@ -11,20 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import write_jsonl
-from tests.ray.test_run_e2e import ringtrain_cli
+from ringtrain_dev.cli_runs import ringtrain_cli
+from ringtrain_dev.corpus import write_jsonl
+from tests.prepare.prepare_cli import files_of
+from tests.prepare.prepare_cli import prepare as prepare_quietly
 
 
 def prepare(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main(["prepare", "--quiet", "--parallelism", "1", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return prepare_quietly(["--parallelism", "1", *args], capsys)
 
 
 @pytest.mark.parametrize("mode", ["fail", "skip"])

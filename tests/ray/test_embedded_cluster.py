@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import REPO, end_processes, processes_using
+from ringtrain_dev.ray_head import REPO, end_processes, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

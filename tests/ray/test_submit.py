@@ -41,10 +41,7 @@ from ringtrain.submission import (
     runtime_env,
 )
 from ringtrain.submission_files import listing
-from tests.tiny import TINIEST_MODEL
-from tests.tiny_tokenizer import save_tokenizer
-
-from .harness import (
+from ringtrain_dev.ray_head import (
     HEAD_START_TIMEOUT_S,
     REPO,
     VENV_BIN,
@@ -55,6 +52,8 @@ from .harness import (
     processes_using,
     running_head,
 )
+from ringtrain_dev.tiny import TINIEST_MODEL
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -18,8 +18,9 @@ from ringtrain.errors import ConfigError
 from ringtrain.telemetry import trackers as tracker_module
 from ringtrain.telemetry.rundir import RunDir
 from ringtrain.telemetry.trackers import Event, Point, Status, Trackers, TrackerSink, open_trackers, tracker_meta
-from tests.fake_run import NAN_INCIDENT, step_record
-from tests.trackers.conftest import MlflowServer, free_port
+from ringtrain_dev.fake_run import NAN_INCIDENT, step_record
+from ringtrain_dev.mlflow_server import MlflowServer
+from ringtrain_dev.ray_head import free_ports
 from tests.trackers.wandb_records import offline_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_a_step_redone_with_other_values_is_kept_not_dropped(mlflow_server: Mlfl
 
 
 def test_a_tracker_unreachable_at_the_start_is_one_warning(tmp_path: Path) -> None:
-    job = job_with(f"http://127.0.0.1:{free_port()}")
+    job = job_with(f"http://127.0.0.1:{free_ports(1)[0]}")
     attempt = Attempt(job, tmp_path / "run")
     _wait_for(lambda: attempt.trackers.sinks[0].lost)
     attempt.steps([step_record(s) for s in range(1, 4)])

@@ -21,8 +21,8 @@ from ringtrain.commands.eval import _data_tokenizer_notes
 from ringtrain.commands.eval_source import EvalSource
 from ringtrain.errors import ConfigError
 from ringtrain.prepared import tokenizer_sha256
-from tests.prepared_data import random_documents, write_prepared
-from tests.tiny_tokenizer import save_tokenizer
+from ringtrain_dev.prepared_data import random_documents, write_prepared
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY_MODULES = ("torch", "ray", "deepspeed")

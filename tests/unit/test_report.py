@@ -18,7 +18,7 @@ from ringtrain.commands import report as report_command
 from ringtrain.telemetry.report import REPORT_NAME, write_report
 from ringtrain.telemetry.runfiles import NO_SUMMARY, read_run
 from ringtrain.telemetry.svgchart import MAX_POINTS
-from tests.fake_run import FAILED_SUMMARY, NAN_INCIDENT, step_record, step_records, write_run_dir
+from ringtrain_dev.fake_run import FAILED_SUMMARY, NAN_INCIDENT, step_record, step_records, write_run_dir
 
 PLATFORM = Path(__file__).resolve().parents[2] / "platform"
 CHARTS = ("loss", "throughput", "step-time", "timeline", "checkpoint", "goodput", "durable", "lr", "grad-norm", "mfu")

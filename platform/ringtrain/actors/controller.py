@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 from ringtrain import metrics
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
-from ringtrain.actors.protocols import Durable, Elastic, Group, Sink
+from ringtrain.actors.protocols import Durable, Elastic, Group, Reform, Sink
 from ringtrain.actors.runbook import HeldRecord
 from ringtrain.actors.steps import StepResult
 from ringtrain.actors.states import (
@@ -515,14 +515,14 @@ class Controller(Watches):
                 # Dropped when the data reaches it again: the restore point may lie steps before.
                 self.ledger.skip(self.elastic.skip_batch(batch))
             return resumed, None
-        out = self.elastic.reform(
+        out = self.elastic.reform(Reform(
             lost=frozenset(failure.ranks),
             new_dp=decision.dp_after,
             spares=decision.spares_used,
             last_step=last_step,
             fired_through=fired_through,
             quarantine=failure.quarantine,
-        )
+        ))
         if self.sdc is not None:
             self.sdc.reseat(out.seats)  # golden values stay with their workers
         return int(out.step), dict(out.phases)

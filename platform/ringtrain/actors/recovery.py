@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ringtrain.actors.group import Member, StepResult, WorkerGroup
+from ringtrain.actors.protocols import Reform
 from ringtrain.chaos import RESTORING_FAULT, FaultPlan, FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.policies.elastic import evicted, reseat
@@ -196,31 +197,17 @@ class Recovery:
 
     # --- actions -------------------------------------------------------------------------
 
-    def reform(
-        self,
-        *,
-        lost: frozenset[int],
-        new_dp: int,
-        spares: int,
-        last_step: int,
-        fired_through: Optional[int] = None,
-        quarantine: bool = False,
-    ) -> Resumed:
-        """Drop ``lost`` ranks, seat the survivors of the kept replicas in a ``new_dp`` world,
-        fill the empty seats with up to ``spares`` warm spares, then new workers, and resume
-        from the newest whole snapshot at or before ``last_step`` (0: the initial state).
-
-        ``fired_through``: the step the failure was seen in (default ``last_step + 1``): chaos
-        faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused
-        (their devices corrupted data, or are slow).
+    def reform(self, request: Reform) -> Resumed:
+        """Carry out ``request`` (``Reform`` says what it asks).
 
         Lost ranks that are alive with a state to trust (``evicted_alive``: a straggler's) are
         stopped only once the restore point is fetched: their own newest shards count, so the
         step they finished is not redone while its copy is still on the way to the holders."""
+        lost, new_dp, spares, last_step = request.lost, request.new_dp, request.spares, request.last_step
+        quarantine, fired = request.quarantine, request.fired
         g = self.group
         topo = g.topology
         old = list(g.members)
-        fired = last_step + 1 if fired_through is None else fired_through
         doomed = [old[r] for r in sorted(lost)]
         readable = evicted_alive(quarantine=quarantine, last_step=last_step, fired_through=fired)
         if not readable:

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ringtrain.actors.protocols import Reform
 from ringtrain.actors.steps import StepResult
 from ringtrain.chaos import FaultPlan
 from ringtrain.checkpoint.retention import retained
@@ -322,18 +323,9 @@ class SimulatedRecovery:
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
         return Capacity(self.spares, self.free_slots)
 
-    def reform(
-        self,
-        *,
-        lost: frozenset[int],
-        new_dp: int,
-        spares: int,
-        last_step: int,
-        fired_through: Optional[int] = None,
-        quarantine: bool = False,
-    ) -> Reformed:
+    def reform(self, request: Reform) -> Reformed:
+        lost, new_dp, spares, last_step, fired = request.lost, request.new_dp, request.spares, request.last_step, request.fired
         g = self.group
-        fired = last_step + 1 if fired_through is None else fired_through
         step = g.restore_to(last_step)
         seats = reseat(dp=g.dp, cp=g.cp, lost=lost, new_dp=new_dp)
         # A bad device leaves with its worker; one that keeps a seat moves with it.

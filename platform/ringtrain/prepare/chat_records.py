@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ringtrain.prepare.record_bounds import PARQUET_BATCH_BYTES, PARQUET_BATCH_ROWS, BadRecord, too_long
 from ringtrain.prepared import CHAT_ROLES as ROLES
 
 DEFAULT_MESSAGES_FIELD = "messages"
@@ -271,7 +272,6 @@ def parquet_conversations(
     import pyarrow.parquet as pq
 
     from ringtrain.errors import DataError
-    from ringtrain.prepare.sources import PARQUET_BATCH_BYTES, PARQUET_BATCH_ROWS, BadRecord, too_long
 
     uri = piece.source.uri
     try:

@@ -32,6 +32,15 @@ from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare.chat_records import Conversation, parquet_conversations
+from ringtrain.prepare.record_bounds import (
+    DEFAULT_MAX_RECORD_BYTES,
+    MAX_RECORD_FLAG,
+    PARQUET_BATCH_BYTES,
+    PARQUET_BATCH_ROWS,
+    PARQUET_PAGE_BYTES,
+    BadRecord,
+    too_long,
+)
 from ringtrain.prepare.streams import READ_CHUNK, LongLine, decompressed_chunks, lines
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -39,16 +48,6 @@ COMPRESSED_SUFFIXES = ("", ".gz", ".zst")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".md")
 SRC_KEY = "SRC"
-# Parquet rows read per batch, at most, and the bytes a batch's rows should come to (by the
-# densest page's bytes per row): bounds a reader's memory whatever the file's size. A page of
-# the text column decodes to at most PARQUET_PAGE_BYTES (or twice the record limit, if more).
-PARQUET_BATCH_ROWS = 1024
-PARQUET_BATCH_BYTES = 64 << 20
-PARQUET_PAGE_BYTES = 64 << 20
-# The longest record (a JSONL line, a Parquet value, a text file) read: far beyond any context a
-# model trains at (16 MiB is about 4M tokens), far below what would exhaust a reader.
-DEFAULT_MAX_RECORD_BYTES = 16 << 20
-MAX_RECORD_FLAG = "--max-record-bytes"
 
 
 @dataclass(frozen=True)
@@ -70,15 +69,6 @@ class Piece:
     source: SourceFile
     start: int = 0
     end: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class BadRecord:
-    line: int  # 1-based line (JSONL) or row (Parquet)
-    reason: str
-    # Stops the run even under --on-bad-record skip: what is wrong is not the record's (a chat
-    # template that cannot be masked, seen on this record).
-    fatal: bool = False
 
 
 # A document's text, a chat record's messages field (``chat_records``), or a bad record.
@@ -254,11 +244,6 @@ def _range_chunks(path: str, uri: str, start: int) -> Iterator[bytes]:
     with _raw(uri, path, start) as stream:
         while chunk := stream.read(READ_CHUNK):
             yield chunk
-
-
-def too_long(what: str, limit: int) -> str:
-    """A bad record's reason: ``what`` (a line, a value, a file) is longer than ``limit``."""
-    return f"{what} is over the {limit:,}-byte limit ({MAX_RECORD_FLAG})"
 
 
 def _corrupt_errors() -> tuple[type[BaseException], ...]:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from urllib.parse import unquote
 
 from ringtrain.config.schema import MlflowConfig
-from ringtrain.telemetry.trackers import Event, Point, Status, incident_text
+from ringtrain.telemetry.tracker_items import Event, Point, Status, incident_text
 
 # MLflow's own limits on one request and on a parameter's or tag's value.
 MAX_METRICS_PER_BATCH = 1000

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from ringtrain.config import JobConfig
 from ringtrain.telemetry.tensorboard import is_number, record_scalars
+from ringtrain.telemetry.tracker_items import Event, Point, Status
 
 if TYPE_CHECKING:
     from ringtrain.telemetry.rundir import RunDir
@@ -55,22 +56,6 @@ RETRY_BACKOFF_S = 1.0  # doubled after each failed try
 FINISH_TIMEOUT_S = 60.0
 # A step's training values: equal in two attempts of the step when the step was redone exactly.
 TRAINING_KEYS = ("loss", "lr", "grad_norm", "tokens")
-
-Status = str  # "finished" | "failed" | "stopped", as summary.json says
-
-
-@dataclass(frozen=True)
-class Point:
-    step: int
-    scalars: dict[str, float]
-    redone: bool = False  # the tracker holds this step already, with other training values
-
-
-@dataclass(frozen=True)
-class Event:
-    step: int
-    incident: dict[str, Any]
-
 
 @dataclass(frozen=True)
 class Finish:
@@ -112,13 +97,6 @@ def params_of(job: JobConfig) -> dict[str, str]:
 
     walk("", dataclasses.asdict(job))
     return out
-
-
-def incident_text(incident: dict[str, Any], step: int) -> str:
-    """One line of an incident, as a tracker's event shows it."""
-    ranks = list(incident.get("ranks") or [])
-    where = f" on ranks {ranks}" if ranks else ""
-    return f"{incident.get('kind', '?')} at step {step}{where}: {incident.get('action', '?')}; {incident.get('reason', '')}"
 
 
 def training_values(record: dict[str, Any]) -> tuple[Any, ...]:
