@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.cachedir": 0,  # the per-user data cache folder
     "ringtrain.jsonfile": 0,  # small JSON files from folders made elsewhere, read with bounds
     "ringtrain.folderswap": 0,  # a finished output folder put in place, what was there judged last
+    "ringtrain.links": 0,  # links in a folder from elsewhere, which must stay inside it
     "ringtrain.inputs": 0,  # the local inputs a job's config names
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.policies": 1,

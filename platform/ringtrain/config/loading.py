@@ -18,6 +18,7 @@ from ringtrain.config.overrides import SECTIONS, apply, as_config_error, check_s
 from ringtrain.config.schema import MODEL_DEFAULTS, JobConfig, checkpointing_mode
 from ringtrain.config.yamlfile import check_bounds, read_mapping
 from ringtrain.errors import ConfigError
+from ringtrain.links import check_inside
 
 # The resolved config a run directory keeps, loadable again with ``load`` (and ``ringtrain run``).
 RUN_CONFIG = "config.yaml"
@@ -29,12 +30,14 @@ def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = Non
     return _build(layers, overrides or [])
 
 
-def load_saved(path: str | Path) -> JobConfig:
+def load_saved(path: str | Path, key: str = "config") -> JobConfig:
     """A config ringtrain wrote and now reads as the source of a model (a run directory's
     ``config.yaml``, or the one beside a checkpoint store), validated, without its ``cluster``
     section: a file in a run folder others can write must never choose the cluster a command
     joins (with the user's token, unpickling what its workers send back). The cluster is the
-    user's: ``cluster.*`` overrides, RAY_ADDRESS, else an embedded one."""
+    user's: ``cluster.*`` overrides, RAY_ADDRESS, else an embedded one. The file must lie in
+    its folder: a link out of a folder from elsewhere is refused (``links``), naming ``key``."""
+    check_inside(Path(path).parent, path, key)
     data = read_mapping(Path(path))
     data.pop("cluster", None)
     return _build([_layer(data, str(path))], [])

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.links import check_inside
 from ringtrain.prepare.chat_records import MESSAGES_FLAG, Conversation, parquet_conversations
 from ringtrain.prepare.streams import READ_CHUNK, LongLine, decompressed_chunks, lines
 
@@ -110,16 +111,31 @@ def _expand_local(arg: str) -> list[str]:
             raise ConfigError(SRC_KEY, f"{arg} matches no file")
         found: list[str] = []
         for match in sorted(matches):
+            if Path(match).is_dir() or kind_of(match) is not None:
+                # A match is a file of the folder the pattern starts in, which it must not leave.
+                check_inside(_glob_root(path), match, SRC_KEY)
             found += _expand_local(match) if Path(match).is_dir() else _known([match])
         return found
     if path.is_dir():
-        files = [str(p) for p in path.rglob("*") if p.is_file()]
-        return _known(files)
+        files = _known([str(p) for p in path.rglob("*") if p.is_file()])
+        for file in files:
+            check_inside(path, file, SRC_KEY)
+        return files
     if not path.exists():
         raise ConfigError(SRC_KEY, f"{arg} does not exist")
     if kind_of(path.name) is None:
         raise ConfigError(SRC_KEY, f"{arg}: unknown format (expected .jsonl[.gz|.zst], .ndjson, .parquet, .txt or .md)")
     return [str(path)]
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The folder a glob pattern searches: its path up to the first part with a wildcard."""
+    parts = []
+    for part in pattern.parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
 
 
 def _expand_s3(arg: str) -> list[str]:
