@@ -18,6 +18,7 @@ a cluster would take longer than the work (``pipeline.in_process`` says when).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -26,6 +27,17 @@ from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare.chat_records import DEFAULT_MESSAGES_FIELD, MESSAGES_FLAG
+from ringtrain.prepare.render_budget import (
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_RECORD_TOKENS,
+    DEFAULT_RENDER_MEMORY_MIB,
+    DEFAULT_RENDER_TIMEOUT_S,
+    MAX_MESSAGES_FLAG,
+    MAX_TOKENS_FLAG,
+    MEMORY_FLAG,
+    TIMEOUT_FLAG,
+    RenderBudget,
+)
 from ringtrain.prepare.sources import DEFAULT_MAX_RECORD_BYTES, MAX_RECORD_FLAG
 from ringtrain.prepared import CHAT_TRAIN_ON, CONTENTS, ChatInfo, Manifest, SkippedRecord, SourceInfo, token_dtype_for
 
@@ -54,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(MESSAGES_FLAG, default=None, help=f"--format chat: the JSONL field / Parquet list<struct> column holding the messages, OpenAI-style (role, content) or ShareGPT (from, value) (default: {DEFAULT_MESSAGES_FIELD})")
     parser.add_argument("--train-on", choices=CHAT_TRAIN_ON, default=None, help="--format chat: the tokens trained: every assistant turn with its end-of-turn token (assistant, the default), the last assistant turn only (last), or every token but the first (all)")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed, text-less or too long record stops the run (fail) or is counted and listed in the manifest (skip)")
+    parser.add_argument(MAX_MESSAGES_FLAG, type=int, default=None, help=f"--format chat: the most messages a conversation may hold (default {DEFAULT_MAX_MESSAGES:,}); a longer one is a bad record, found before it is rendered")
+    parser.add_argument(MAX_TOKENS_FLAG, type=int, default=None, help=f"--format chat: the most tokens a rendered conversation may hold (default {DEFAULT_MAX_RECORD_TOKENS:,}); a longer one is a bad record")
+    parser.add_argument(TIMEOUT_FLAG, type=float, default=None, metavar="SECONDS", help=f"--format chat: the longest one conversation may take to render and tokenize (default {DEFAULT_RENDER_TIMEOUT_S:g} s); a slower one is a bad record")
+    parser.add_argument(MEMORY_FLAG, type=int, default=None, metavar="MIB", help=f"--format chat: the most memory rendering one conversation may add (default {DEFAULT_RENDER_MEMORY_MIB:,} MiB); a hungrier one is a bad record")
     parser.add_argument(
         "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
         help=f"the longest record read, a JSONL line, a Parquet value or a whole text file (default {DEFAULT_MAX_RECORD_BYTES >> 20} MiB); "
@@ -204,16 +220,27 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
     for text; the chat flags without it, or a plain-text source with it, are refused."""
     from ringtrain.prepare import chat_render, chat_template
 
+    budget_flags = {MAX_MESSAGES_FLAG: args.max_messages, MAX_TOKENS_FLAG: args.max_record_tokens,
+                    TIMEOUT_FLAG: args.render_timeout, MEMORY_FLAG: args.render_memory}  # fmt: skip
     if args.format != "chat":
-        for flag, value in ((MESSAGES_FLAG, args.messages_field), ("--train-on", args.train_on)):
+        for flag, value in ((MESSAGES_FLAG, args.messages_field), ("--train-on", args.train_on), *budget_flags.items()):
             if value is not None:
                 raise ConfigError(flag, "applies to --format chat only")
         return None
+    for flag, value in budget_flags.items():
+        if value is not None and not 0 < value < math.inf:
+            raise ConfigError(flag, f"must be a positive number, got {value}")
     text_files = [f.uri for f in files if f.kind == "text"]
     if text_files:
         raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not conversations (--format chat reads JSONL or Parquet)")
     template = chat_template.find(args.tokenizer)
-    spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD, vocab_size)
+    budget = RenderBudget(
+        max_messages=args.max_messages or DEFAULT_MAX_MESSAGES,
+        max_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
+        timeout_s=args.render_timeout or DEFAULT_RENDER_TIMEOUT_S,
+        memory_mib=args.render_memory or DEFAULT_RENDER_MEMORY_MIB,
+    )
+    spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD, vocab_size, budget)
     chat_render.check(spec)
     return spec
 

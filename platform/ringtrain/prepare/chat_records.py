@@ -145,19 +145,22 @@ def _string_leaf_paths(schema: Any, column: str) -> list[int]:
             if schema.column(i).path.startswith(column + ".") and schema.column(i).logical_type.type == "STRING"]  # fmt: skip
 
 
-def parquet_conversations(piece: Any, path: str, field: str, counter: Any, max_bytes: int) -> Iterator[Any]:
+def parquet_conversations(piece: Any, path: str, field: str, counter: Any, max_bytes: int, max_messages: int = 0) -> Iterator[Any]:
     """A Parquet piece's conversations (``Conversation`` or ``BadRecord``, in row order) from its
     list<struct> column ``field``.
 
     The string leaves are read as dictionaries and each row's bytes are measured on the Arrow
     arrays before it is decoded, so a row over ``max_bytes``, or one huge value repeated in
     every row, never becomes Python objects; batches hold about ``PARQUET_BATCH_BYTES`` of rows
-    at the row group's mean row size.
+    at the row group's mean row size. A row of more than ``max_messages`` messages (0: any) is a
+    bad record before it is decoded too: a few bytes of dictionary codes can stand for a million.
     """
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from ringtrain.errors import DataError
+    from ringtrain.prepare.render_budget import too_many_messages
     from ringtrain.prepare.sources import PARQUET_BATCH_BYTES, PARQUET_BATCH_ROWS, BadRecord, too_long
 
     uri = piece.source.uri
@@ -181,10 +184,14 @@ def parquet_conversations(piece: Any, path: str, field: str, counter: Any, max_b
                         yield BadRecord(counter.lines, f"field {field!r} is {kind}, not a list of messages")
                     continue
                 sizes = row_bytes(array).tolist()
+                counts = pc.list_value_length(array).fill_null(0).to_pylist()
                 for row in range(len(array)):
                     counter.lines += 1
+                    many = too_many_messages(counts[row], max_messages) if max_messages else None
                     if sizes[row] > max_bytes:
                         yield BadRecord(counter.lines, too_long(f"field {field!r} ({sizes[row]:,} bytes)", max_bytes))
+                    elif many is not None:
+                        yield BadRecord(counter.lines, many)
                     else:
                         yield Conversation(array[row].as_py())
     except (pa.ArrowException, OSError) as exc:

@@ -33,6 +33,7 @@ import numpy as np
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare.chat_records import BadConversation, Conversation, assistant_turns, messages
 from ringtrain.prepare.chat_template import KEY, ChatTemplate
+from ringtrain.prepare.render_budget import OverBudget, RenderBudget, Watchdog
 from ringtrain.prepare.sources import BadRecord
 
 # A conversation every chat template renders (no system turn: some templates refuse one), used
@@ -57,6 +58,7 @@ class ChatSpec:
     train_on: str  # prepared.CHAT_TRAIN_ON
     messages_field: str
     vocab_size: int  # ids at or above it are refused: the manifest's dtype was chosen for it
+    budget: RenderBudget = RenderBudget()  # what one record may cost (render_budget)
 
 
 def _spans_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -125,6 +127,9 @@ class ChatRenderer:
             whole = self._text(conversation)
         except Exception as exc:  # the template's own code (raise_exception, a filter): any error
             raise BadConversation(f"the chat template cannot render it ({type(exc).__name__}: {exc})") from None
+        over = self.spec.budget.text_over(len(whole))
+        if over is not None:
+            raise BadConversation(over)
         if train_on == "all":
             ids = self._encode(whole)[0]
             mask = np.ones(len(ids), dtype=np.uint8)
@@ -201,16 +206,28 @@ class ChatEncoder:
         self.renderer = ChatRenderer(spec)
         self.dtype = np.dtype(dtype)
         self.field = spec.messages_field
+        self.budget = spec.budget
+        self.watchdog = Watchdog(spec.budget)
 
     def convert(self, record: Conversation, line: int) -> Union[Rendered, BadRecord]:
-        """A record's conversation rendered; what is wrong with it a bad record at ``line``, one
-        that stops the run whatever ``--on-bad-record`` says when the template is at fault."""
+        """A record's conversation rendered within the budget; what is wrong with it a bad record
+        at ``line``, one that stops the run whatever ``--on-bad-record`` says when the template
+        is at fault."""
+        count = len(record.value) if isinstance(record.value, list) else 0
+        over = self.budget.messages_over(count)
+        if over is not None:
+            return BadRecord(line, over)
         try:
-            return Rendered(*self.renderer.render(messages(record.value, self.field)))
+            with self.watchdog.watch():
+                rendered = Rendered(*self.renderer.render(messages(record.value, self.field)))
+        except OverBudget:
+            return BadRecord(line, self.watchdog.reason)
         except BadConversation as exc:
             return BadRecord(line, str(exc))
         except DataError as exc:  # TemplateRefused, an id outside the vocabulary: not the record's fault
             return BadRecord(line, str(exc), fatal=True)
+        over = self.budget.tokens_over(len(rendered))
+        return rendered if over is None else BadRecord(line, over)
 
     def encode(self, docs: list[Rendered]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens, lengths, mask) of a chunk's conversations laid end to end; no EOS is appended."""

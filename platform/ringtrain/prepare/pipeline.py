@@ -117,7 +117,8 @@ class PieceTokenizer:
         try:
             local = fetch(piece.source.uri, folder) if folder else None
             chat = self.chat
-            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes, chat is not None):
+            max_messages = chat.budget.max_messages if chat is not None else 0
+            for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes, chat is not None, max_messages):
                 if isinstance(record, Conversation) and chat is not None:
                     record = chat.convert(record, counter.lines)
                 if isinstance(record, BadRecord):

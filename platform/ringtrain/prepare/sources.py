@@ -502,10 +502,12 @@ def read_records(
     counter: LineCounter | None = None,
     max_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     chat: bool = False,
+    max_messages: int = 0,
 ) -> Iterator[Record]:
     """The records of ``piece`` in file order: a document's text (with ``chat``: the messages
     field ``text_field`` names, as a Conversation) or a BadRecord (its line counted from the
-    piece's first line; a record over ``max_bytes`` is one). ``counter`` follows the lines consumed.
+    piece's first line; a record over ``max_bytes`` is one, and a Parquet conversation of more
+    than ``max_messages`` messages, 0 for any). ``counter`` follows the lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -516,7 +518,7 @@ def read_records(
     if source.kind == "jsonl":
         return _jsonl(piece, path, text_field, counter, max_bytes, chat)
     if source.kind == "parquet" and chat:
-        return parquet_conversations(piece, path, text_field, counter, max_bytes)
+        return parquet_conversations(piece, path, text_field, counter, max_bytes, max_messages)
     if source.kind == "parquet":
         return _parquet(piece, path, text_field, counter, max_bytes)
     return _text(path, source.uri, counter, max_bytes)
