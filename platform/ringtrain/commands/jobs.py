@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from ringtrain import config
 from ringtrain.commands.run import stop_wait_env
+from ringtrain.config.destinations import forwarded_hosts
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.submission import (
     CLUSTER_PYTHON_VARIABLE,
@@ -124,7 +125,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     shipped_inputs(job_path, job)
     # Ray's job supervisor SIGKILLs a stopped job 3 s after its SIGTERM unless told to wait for
     # the stop's save (commands/run.py); a user's own --env value wins.
-    env_vars = {**stop_wait_env(job), **passed_env(args.env)}
+    # The tracking server this client accepted is the job's driver's to reach as well.
+    env_vars = {**stop_wait_env(job), **forwarded_hosts(job.telemetry.mlflow.tracking_uri), **passed_env(args.env)}
     python = resolve_cluster_python(args.python)
     client = _client(args)
     submission_id = client.submit(

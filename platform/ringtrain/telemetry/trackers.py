@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from ringtrain.config import JobConfig
+from ringtrain.config.destinations import mask_credentials
 from ringtrain.telemetry.tensorboard import is_number, record_scalars
 
 if TYPE_CHECKING:
@@ -55,6 +57,10 @@ RETRY_BACKOFF_S = 1.0  # doubled after each failed try
 FINISH_TIMEOUT_S = 60.0
 # A step's training values: equal in two attempts of the step when the step was redone exactly.
 TRAINING_KEYS = ("loss", "lr", "grad_norm", "tokens")
+# A run's tracker key as ``TrackerState.key`` makes it (uuid4's hex). One read from a checkpoint
+# or a run folder from elsewhere is checked against it before it goes anywhere near a tracker's
+# query (MLflow's search filter is text).
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
 
 Status = str  # "finished" | "failed" | "stopped", as summary.json says
 
@@ -100,7 +106,8 @@ class Tracker(Protocol):
 
 
 def params_of(job: JobConfig) -> dict[str, str]:
-    """The resolved config as flat ``section.key`` parameters (lists and maps as JSON)."""
+    """The resolved config as flat ``section.key`` parameters (lists and maps as JSON), with
+    credentials written into a URI masked."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -108,7 +115,7 @@ def params_of(job: JobConfig) -> dict[str, str]:
             for key, sub in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), sub)
         else:
-            out[prefix] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            out[prefix] = mask_credentials(value if isinstance(value, str) else json.dumps(value, sort_keys=True))
 
     walk("", dataclasses.asdict(job))
     return out
@@ -142,6 +149,10 @@ def read_history(run_dir: Path) -> dict[int, dict[str, Any]]:
     return history
 
 
+def is_key(value: Any) -> bool:
+    return isinstance(value, str) and KEY_PATTERN.fullmatch(value) is not None
+
+
 class TrackerState:
     """trackers.json: per tracker, its run id and the last step it holds."""
 
@@ -173,14 +184,15 @@ class TrackerState:
         """The run's tracker key: kept here, else taken from a checkpoint's meta, else new."""
         with self._lock:
             key = self._data.get(KEY_ENTRY, {}).get("key")
-        if not isinstance(key, str) or not key:
+        if not is_key(key):
             key = uuid.uuid4().hex
             self.update(KEY_ENTRY, key=key)
-        return key
+        return str(key)
 
     def adopt_key(self, key: Any) -> None:
-        """A resumed run's key, from its checkpoint, where this run directory has none yet."""
-        if isinstance(key, str) and key and not self._data.get(KEY_ENTRY, {}).get("key"):
+        """A resumed run's key, from its checkpoint, where this run directory has none yet; a
+        value that is not a key (KEY_PATTERN) is not adopted."""
+        if is_key(key) and not is_key(self._data.get(KEY_ENTRY, {}).get("key")):
             self.update(KEY_ENTRY, key=key)
 
     def meta(self) -> dict[str, str]:
@@ -366,7 +378,7 @@ class TrackerSink:
 
     def _say(self, text: str) -> None:
         with self._trouble_lock:
-            self._trouble.append(text)
+            self._trouble.append(mask_credentials(text))  # a client's error may quote the URI whole
 
 
 def _batches(points: Sequence[Point]) -> Iterator[list[Point]]:
