@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from ringtrain.actors.cluster import CLUSTER_MARK_VARIABLE, loopback_interface, rank_interfaces
 from ringtrain.train.mesh import create_store, init_process_group
 
 
@@ -40,6 +41,18 @@ def test_the_store_listens_on_its_host_only_and_forms_a_world(host: str) -> None
     finally:
         del store
     assert listening_addresses(port) == []  # the socket went with the store
+
+
+def test_an_embedded_clusters_ranks_connect_over_loopback_and_a_clusters_as_configured() -> None:
+    """gloo listens on the address the machine's hostname resolves to, NCCL on its first
+    interface that is not loopback: a worker of an embedded cluster names the loopback interface
+    for both, unless the user chose one; a worker of another cluster is left to them."""
+    embedded = {CLUSTER_MARK_VARIABLE: "/tmp/rt-x"}
+    lo = loopback_interface()
+    assert lo is not None and "127.0.0.1" in [a.address for a in psutil.net_if_addrs()[lo]]
+    assert rank_interfaces(embedded) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+    assert rank_interfaces({**embedded, "NCCL_SOCKET_IFNAME": "ib0"}) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": "ib0"}
+    assert rank_interfaces({}) == {}
 
 
 def _has_ipv6_loopback() -> bool:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from ringtrain.actors.cluster import loopback_interface
+
 from .harness import REPO, end_processes, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -75,10 +77,12 @@ for first in [True, False][: int(sys.argv[1])]:
     spawned = ray.get(Spawner.remote().spawn.remote()) if first else []
     worker = ray.remote(num_cpus=0)(TrainWorker).remote(config.load(None, []), 0, "cpu", True)
     store_host, _ = ray.get(worker.create_store.remote(2))
+    interfaces = ray.get(worker.__ray_call__.remote(lambda self: [os.environ.get(n) for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]))
     runs.append({
         "token": os.environ.get("RAY_AUTH_TOKEN"),
         "gcs_token": token_of(procs, "gcs_server"),
         "store_host": store_host,
+        "rank_interfaces": interfaces,
         "listening": listening(cluster_processes()),
         "answer": answer,
     })
@@ -137,6 +141,8 @@ def test_an_embedded_cluster_listens_on_loopback_with_a_per_run_token_off_disk(r
         # the rendezvous store among them (torch alone binds it to '::', every interface).
         assert run["listening"] and all(loopback(address) for address in run["listening"]), run["listening"]
         assert run["store_host"] == "127.0.0.1"
+        # gloo and NCCL take the loopback interface for the ranks' connections, not the hostname's.
+        assert run["rank_interfaces"] == [loopback_interface()] * 2
         assert run["after"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None}
         assert run["left"] == [], "every process of the cluster, and what its workers started, ends with close"
     assert first["spawned"] == 2
