@@ -37,7 +37,7 @@ import os
 import re
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ from ringtrain import config
 from ringtrain.config import JobConfig
 from ringtrain.errors import ClusterError, ConfigError, RingtrainError
 from ringtrain.submission_files import working_dir
+from ringtrain.submission_secrets import upload as upload_secrets
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -377,11 +378,15 @@ class JobsClient:
         submission_id: Optional[str] = None,
         ship_package: bool = True,
         env_vars: Optional[dict[str, str]] = None,
+        secrets: Optional[Mapping[str, str]] = None,
         python: str = DEFAULT_CLUSTER_PYTHON,
     ) -> str:
-        """Submit a validated job, run by the cluster's ``python``; returns its submission id."""
+        """Submit a validated job, run by the cluster's ``python``; returns its submission id.
+        ``secrets`` reach the job's driver through the cluster's store (``submission_secrets``)."""
         chosen = self.choose_id(job, submission_id)
         with working_dir(job_path, job) as folder, self._calls():
+            if secrets:
+                env_vars = {**(env_vars or {}), **upload_secrets(self._client, secrets)}
             deadline = time.monotonic() + AGENT_WAIT_S
             while True:
                 try:

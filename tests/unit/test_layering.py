@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.commands": 4,  # one module per verb of the command line
     "ringtrain.submission": 4,
     "ringtrain.submission_files": 4,
+    "ringtrain.submission_secrets": 4,  # a submitted job's secrets: through the cluster's store, not its record
     "ringtrain.__main__": 4,
 }
 # The package itself holds only its version: L0, and it places nothing beneath it (or every
