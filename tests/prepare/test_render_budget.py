@@ -44,6 +44,12 @@ def chatml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_chat_tokenizer(tmp_path_factory.mktemp("tok") / "chatml", "chatml")
 
 
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Meta's Llama 3 template, which has no generation markers: masked from rendered prefixes."""
+    return save_chat_tokenizer(tmp_path_factory.mktemp("tok") / "llama3", "llama3")
+
+
 def with_template(chatml: Path, folder: Path, prefix: str) -> Path:
     """The ChatML tokenizer with a template that runs ``prefix`` first, then renders as ChatML."""
     shutil.copytree(chatml, folder)
@@ -63,17 +69,17 @@ def skipped(out: Path) -> list[tuple[int, str]]:
 
 
 def test_a_conversation_of_8000_messages_is_a_bad_record_before_it_is_rendered(
-    serial: None, chatml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    serial: None, llama3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """292 KB of JSONL, 8,000 messages: masked from its prefixes, about 32 million message
-    renders. Refused by the count, before any."""
+    """A few hundred KB of JSONL, 8,000 messages: masked from its prefixes, 4,000 renderings of up to
+    8,000 messages each (hours). Refused by the count, before any."""
     src = jsonl(tmp_path / "src" / "a.jsonl", GOOD, turns(8000), GOOD)
-    code, _, err, seconds = prepare([str(src), "--tokenizer", str(chatml), "--out", str(tmp_path / "fail")], capsys)
+    code, _, err, seconds = prepare([str(src), "--tokenizer", str(llama3), "--out", str(tmp_path / "fail")], capsys)
     assert (code, err) == (2, f"ringtrain: data error: {src}:2: 8,000 messages, over the 1,024-message limit (--max-messages)\n")
     assert not (tmp_path / "fail").exists()
 
     out = tmp_path / "out"
-    code, _, err, seconds = prepare([str(src), "--tokenizer", str(chatml), "--out", str(out), "--on-bad-record", "skip"], capsys)
+    code, _, err, seconds = prepare([str(src), "--tokenizer", str(llama3), "--out", str(out), "--on-bad-record", "skip"], capsys)
     assert code == 0, err
     assert skipped(out) == [(2, "8,000 messages, over the 1,024-message limit (--max-messages)")]
     assert Manifest.load(out).num_documents == 2 and seconds < 30
