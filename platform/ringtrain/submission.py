@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import logging
 import os
 import re
@@ -46,6 +45,7 @@ from urllib.parse import urlsplit
 
 from ringtrain import config
 from ringtrain.config import JobConfig
+from ringtrain.config.destinations import is_loopback
 from ringtrain.errors import ClusterError, ConfigError, RingtrainError
 from ringtrain.submission_files import working_dir
 from ringtrain.submission_secrets import upload as upload_secrets
@@ -187,22 +187,13 @@ def plain_http_warning(address: str, *, sends_token: bool) -> Optional[str]:
     if address == "auto":
         return None
     parts = urlsplit(address if "://" in address else f"http://{address}")
-    if parts.scheme != "http" or _loopback(parts.hostname or ""):
+    if parts.scheme != "http" or is_loopback(parts.hostname or ""):
         return None
     what = "the token and the job's files" if sends_token else "the job's files and logs"
     return (
         f"{address} is plain http to another machine: {what} cross the network unencrypted; "
         "use https:// or a tunnel to the cluster (kubectl port-forward, ssh -L)"
     )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def config_digest(job: JobConfig) -> str:
