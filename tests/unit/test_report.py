@@ -295,6 +295,19 @@ def test_a_file_linking_out_of_the_run_directory_exits_2_naming_it(
     assert not (run / REPORT_NAME).exists()
 
 
+def test_the_report_is_never_written_through_a_link_in_the_run_directory(tmp_path: Path) -> None:
+    """A folder from elsewhere with report.html (or the name it is written to first) linking to
+    a file of the user's: the page replaces the link, the file is untouched."""
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
+    mine = {name: tmp_path / f"mine-{name}" for name in (REPORT_NAME, REPORT_NAME + ".tmp")}
+    for name, target in mine.items():
+        target.write_text("the user's own file\n")
+        (run / name).symlink_to(target)
+    report_of(run)
+    assert all(target.read_text() == "the user's own file\n" for target in mine.values())
+    assert not (run / REPORT_NAME).is_symlink() and not (run / (REPORT_NAME + ".tmp")).exists()
+
+
 def test_a_link_inside_the_run_directory_is_its_own(tmp_path: Path) -> None:
     run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
     (run / "config.saved.yaml").write_text((run / "config.yaml").read_text())

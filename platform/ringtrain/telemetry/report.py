@@ -31,8 +31,12 @@ def write_report(run_dir: Path) -> tuple[Path, list[str]]:
     run = read_run(run_dir)
     path = run_dir / REPORT_NAME
     tmp = path.with_name(path.name + ".tmp")
-    # Written aside and renamed: a browser reloading the page never sees half of it.
-    tmp.write_text(render(run), encoding="utf-8")
+    # Written aside and renamed: a browser reloading the page never sees half of it. Into a new
+    # file: whatever was at that name (a link planted in a folder from elsewhere) is not written
+    # through, and the rename replaces the entry at ``path``, never what a link there points at.
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "x", encoding="utf-8") as page:
+        page.write(render(run))
     os.replace(tmp, path)
     return path, run.warnings
 
