@@ -66,6 +66,8 @@ def _bad_inputs(tmp: Path, corpus: Path, tokenizer: Path) -> dict[str, tuple[lis
     (tmp / "linked-dir" / "more").symlink_to(tmp / "linked")
     shutil.copytree(tokenizer, tmp / "tok")
     (tmp / "tok" / "merges.txt").symlink_to("/proc/self/environ")
+    shutil.copytree(tokenizer, tmp / "tok-file")
+    (tmp / "tok-file" / "chat_template.jinja").symlink_to(secret)
     link_refused = "leads through a link to {}, outside {}: a file of the folder is read only where it lies inside it"
     return {
         "empty": ([str(tmp / "empty")], f"ringtrain: data error: {tmp / 'empty'}: no documents (every record was empty or skipped)"),
@@ -85,6 +87,9 @@ def _bad_inputs(tmp: Path, corpus: Path, tokenizer: Path) -> dict[str, tuple[lis
                                 + link_refused.format(tmp / "linked" / "a.jsonl", tmp / "linked-dir")),
         "link-in-tokenizer": ([str(corpus), "--tokenizer", str(tmp / "tok")], f"ringtrain: config error: --tokenizer: "
                               f"{tmp / 'tok' / 'merges.txt'} leads through a link to /proc/"),
+        "link-beside-tokenizer-file": ([str(corpus), "--tokenizer", str(tmp / "tok-file" / "tokenizer.json")],
+                                       f"ringtrain: config error: --tokenizer: {tmp / 'tok-file' / 'chat_template.jinja'} "
+                                       + link_refused.format(secret, tmp / "tok-file")),
     }
 
 
@@ -98,7 +103,10 @@ def _with_defaults(args: list[str], tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["empty", "field", "gz", "zst", "tokenizer", "exists", "link-in-folder", "link-in-glob", "folder-link-in-glob", "link-in-tokenizer"],
+    [
+        "empty", "field", "gz", "zst", "tokenizer", "exists",
+        "link-in-folder", "link-in-glob", "folder-link-in-glob", "link-in-tokenizer", "link-beside-tokenizer-file",
+    ],  # fmt: skip
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     serial: None, corpus: Path, tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str

@@ -88,8 +88,10 @@ def resolve(arg: str) -> TokenizerSpec:
     if path.is_dir():
         check_folder(path, KEY)  # transformers reads more of it for --format chat
     else:
-        for name in EOS_CONFIG_FILES:
-            check_inside(file.parent, file.parent / name, KEY)
+        # The files beside it are read too (its config, and for --format chat the template and
+        # whatever else transformers loads): none of them may lead out of that folder.
+        for entry in file.parent.iterdir():
+            check_inside(file.parent, entry, KEY)
     tok = BatchTokenizer(file, key=KEY)
     token, eos_id = _config_eos(file.parent)
     if token is not None:
