@@ -230,17 +230,18 @@ def _wait_for(condition: Any, timeout_s: float = 60.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def test_submit_passes_named_credentials_in_the_submission_only(tmp_path: Path) -> None:
+def test_submit_passes_named_variables_in_the_submission_only(tmp_path: Path) -> None:
+    """Settings, not secrets: those go with --secret (tests/unit/test_submission_secrets.py)."""
     from ringtrain.submission import passed_env, runtime_env
 
-    shell = {"WANDB_API_KEY": "secret-key", "OTHER": "x"}
-    env = runtime_env(tmp_path, env_vars=passed_env(["WANDB_API_KEY"], shell))
-    assert env["env_vars"] == {"WANDB_API_KEY": "secret-key"}
+    shell = {"WANDB_PROJECT": "p", "OTHER": "x"}
+    env = runtime_env(tmp_path, env_vars=passed_env(["WANDB_PROJECT"], shell))
+    assert env["env_vars"] == {"WANDB_PROJECT": "p"}
     assert "env_vars" not in runtime_env(tmp_path)
-    with pytest.raises(ConfigError, match="--env: MLFLOW_TRACKING_TOKEN is not set in this shell"):
-        passed_env(["MLFLOW_TRACKING_TOKEN"], shell)
+    with pytest.raises(ConfigError, match="--env: WANDB_ENTITY is not set in this shell"):
+        passed_env(["WANDB_ENTITY"], shell)
     with pytest.raises(ConfigError, match="give the name only"):
-        passed_env(["WANDB_API_KEY=secret"], shell)
+        passed_env(["WANDB_PROJECT=p"], shell)
 
 
 def test_a_wandb_run_ends_with_its_service_stopped(tmp_path: Path) -> None:

@@ -77,6 +77,13 @@ CASES = {
     "bad-mesh": (["{model}", "--data", "{rows}", "mesh.cp=2", "attention.impl=ulysses", "mesh.ulysses=3"], "mesh.ulysses"),
     "run-without-checkpoints": (["{run}", "--data", "{rows}"], "SOURCE: {run} has no valid durable checkpoint"),
     "empty-checkpoint-store": (["file://{tmp}/store", "--data", "{rows}"], "SOURCE: no valid checkpoint in"),
+    # A run folder or a model folder from elsewhere whose file links out of it.
+    "run-config-linking-out": (
+        ["{linkrun}", "--data", "{rows}"], "SOURCE: {linkrun}/config.yaml leads through a link to {tmp}/elsewhere.yaml, outside {linkrun}"
+    ),
+    "tokenizer-linking-out": (
+        ["{linkmodel}", "--data", "{rows}"], "model.hf: {linkmodel}/tokenizer.json leads through a link to {tokmodel}/tokenizer.json"
+    ),
 }
 
 
@@ -88,7 +95,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, model: Path, rows: Path
     (tmp_path / "store").mkdir()
     tokmodel = save_tokenizer(tmp_path / "tokmodel")
     (tokmodel / "config.json").write_text(json.dumps(LLAMA))
-    names = {"model": model, "tokmodel": tokmodel, "rows": rows, "tmp": tmp_path, "run": run}
+    linkrun = tmp_path / "linkrun"
+    linkrun.mkdir()
+    (tmp_path / "elsewhere.yaml").write_text("name: r\n")
+    (linkrun / "config.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    linkmodel = tmp_path / "linkmodel"
+    linkmodel.mkdir()
+    (linkmodel / "config.json").write_text(json.dumps(LLAMA))
+    (linkmodel / "tokenizer.json").symlink_to(tokmodel / "tokenizer.json")
+    names = {"model": model, "tokmodel": tokmodel, "rows": rows, "tmp": tmp_path, "run": run, "linkrun": linkrun, "linkmodel": linkmodel}
     proc = _eval(tmp_path, *(a.format(**names) for a in args))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.cachedir": 0,  # the per-user data cache folder
     "ringtrain.jsonfile": 0,  # the one parser of JSON from elsewhere, with bounds (files, manifests, headers)
     "ringtrain.folderswap": 0,  # a finished output folder put in place, what was there judged last
+    "ringtrain.links": 0,  # links in a folder from elsewhere, which must stay inside it
     "ringtrain.inputs": 0,  # the local inputs a job's config names
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.policies": 1,
@@ -58,6 +59,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.commands": 4,  # one module per verb of the command line
     "ringtrain.submission": 4,
     "ringtrain.submission_files": 4,
+    "ringtrain.submission_secrets": 4,  # a submitted job's secrets: through the cluster's store, not its record
     "ringtrain.__main__": 4,
 }
 # The package itself holds only its version: L0, and it places nothing beneath it (or every

@@ -11,6 +11,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
+from ringtrain.actors.cluster import rank_interfaces
 from ringtrain.actors.holder import HolderDelivery
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
@@ -39,6 +40,7 @@ def process_env(device_type: str) -> dict[str, str]:
     # Quiet the per-process banners (inherited by any subprocess); errors still surface
     # through the controller.
     env["PYTHONWARNINGS"] = "ignore"
+    env.update(rank_interfaces(os.environ))
     return env
 
 

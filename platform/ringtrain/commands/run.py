@@ -85,11 +85,14 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain run``; ConfigError (exit 2) for bad input, before any cluster starts."""
     from ringtrain.actors.cluster import check_embedded_capacity
     from ringtrain.hf import resolve_job
+    from ringtrain.submission_secrets import receive as receive_secrets
     from ringtrain.telemetry.trackers import check_installed as check_trackers
     from ringtrain.train.mixture import check_sources
 
     stop = StopSignals()
     stop.install()
+    # A submitted job's secrets, before anything reads the environment for credentials.
+    receive_secrets()
     job = resolve_job(config.load(args.job, args.overrides))
     if job.model.hf:
         from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model

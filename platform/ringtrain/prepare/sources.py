@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.links import check_inside
 from ringtrain.prepare.chat_records import Conversation, parquet_conversations
 from ringtrain.prepare.record_bounds import (
     DEFAULT_MAX_RECORD_BYTES,
@@ -100,16 +101,31 @@ def _expand_local(arg: str) -> list[str]:
             raise ConfigError(SRC_KEY, f"{arg} matches no file")
         found: list[str] = []
         for match in sorted(matches):
+            if Path(match).is_dir() or kind_of(match) is not None:
+                # A match is a file of the folder the pattern starts in, which it must not leave.
+                check_inside(_glob_root(path), match, SRC_KEY)
             found += _expand_local(match) if Path(match).is_dir() else _known([match])
         return found
     if path.is_dir():
-        files = [str(p) for p in path.rglob("*") if p.is_file()]
-        return _known(files)
+        files = _known([str(p) for p in path.rglob("*") if p.is_file()])
+        for file in files:
+            check_inside(path, file, SRC_KEY)
+        return files
     if not path.exists():
         raise ConfigError(SRC_KEY, f"{arg} does not exist")
     if kind_of(path.name) is None:
         raise ConfigError(SRC_KEY, f"{arg}: unknown format (expected .jsonl[.gz|.zst], .ndjson, .parquet, .txt or .md)")
     return [str(path)]
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The folder a glob pattern searches: its path up to the first part with a wildcard."""
+    parts = []
+    for part in pattern.parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
 
 
 def _expand_s3(arg: str) -> list[str]:
@@ -478,12 +494,14 @@ def read_records(
     chat: bool = False,
     context_fields: frozenset[str] = frozenset(),
     record_fields: tuple[str, ...] = (),
+    max_messages: int = 0,
 ) -> Iterator[Record]:
     """The records of ``piece`` in file order: a document's text (with ``chat``: the record, as a
     Conversation; from Parquet, the messages column ``text_field`` names, or Alpaca's, and the
     ``context_fields`` columns; a preference pair's ``record_fields``) or a BadRecord (its line
-    counted from the piece's first line; a record over ``max_bytes`` is one). ``counter`` follows
-    the lines consumed.
+    counted from the piece's first line; a record over ``max_bytes`` is one, and a Parquet
+    conversation of more than ``max_messages`` messages, 0 for any). ``counter`` follows the
+    lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -494,7 +512,8 @@ def read_records(
     if source.kind == "jsonl":
         return _jsonl(piece, path, text_field, counter, max_bytes, chat)
     if source.kind == "parquet" and chat:
-        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields, record_fields)
+        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields, record_fields,
+                                     max_messages)
     if source.kind == "parquet":
         return _parquet(piece, path, text_field, counter, max_bytes)
     return _text(path, source.uri, counter, max_bytes)

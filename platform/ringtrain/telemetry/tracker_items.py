@@ -7,8 +7,18 @@ neither imports the other back.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+
+# A run's tracker key as ``TrackerState.key`` makes it (uuid4's hex). One read from a checkpoint
+# or a run folder from elsewhere is checked against it before it goes anywhere near a tracker's
+# query (MLflow's search filter is text).
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+
+def is_key(value: Any) -> bool:
+    return isinstance(value, str) and KEY_PATTERN.fullmatch(value) is not None
 
 Status = str  # "finished" | "failed" | "stopped", as summary.json says
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.links import check_folder
 from ringtrain.topology import sequence_positions
 from ringtrain.train.conversations import conversation_weights
 
@@ -90,6 +91,8 @@ def check_data_path(path: str) -> None:
         raise ConfigError("data.path", f"no such file or directory: {path}")
     if p.is_dir() and not any(f.is_file() for f in p.rglob("*")):
         raise ConfigError("data.path", f"directory {path} holds no files")
+    if p.is_dir():
+        check_folder(p, "data.path")  # every file of it is read as text
 
 
 def load_tokens(path: str, token_dtype: str = "uint16") -> np.ndarray:
