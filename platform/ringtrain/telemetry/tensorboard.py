@@ -20,6 +20,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from ringtrain.status import PREFERENCE_METRICS
+
 # metrics.jsonl key -> TensorBoard tag. The prefix before "/" is the section TensorBoard groups by.
 SCALAR_TAGS: dict[str, str] = {
     "loss": "train/loss",
@@ -37,6 +39,8 @@ SCALAR_TAGS: dict[str, str] = {
     "persist_s": "checkpoint/persist_s",
     "last_durable_step": "checkpoint/last_durable_step",
     "goodput": "run/goodput",
+    # A preference objective's: TRL's names, already sectioned (rewards/..., logps/...).
+    **{name: name for name in PREFERENCE_METRICS},
 }
 # Per-rank lists: key -> tag prefix; rank r of the list is written as f"{prefix}/rank_{r}".
 RANK_TAGS: dict[str, str] = {
