@@ -360,13 +360,8 @@ class Trainer:
                                **self._weights(mb))
         self._strike(strike)
         # The mean number of labels a rank holds per micro-batch (see the module docstring).
-        loss = loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
-        if poison:
-            loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
-        self.engine.backward(loss)
-        if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
-            self.snapshotter.fence()  # the optimizer step below changes what the copy reads
-        self.engine.step()
+        self._backward_and_step(loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp),
+                                poison)  # fmt: skip
         count = (labels != IGNORE_INDEX).sum() if mb.weights is None else torch.tensor(_label_weight(mb), device=self.device)
         return (loss_sum * float("nan") if poison else loss_sum).detach(), count
 
@@ -456,13 +451,18 @@ class Trainer:
         self._strike(strike)
         sums, counts = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
         loss, losses = pair_loss.micro_loss(self.objective, pair_loss.pair_scores(sums, counts, mb.pairs, self.reference), scale)
+        self._backward_and_step(loss, poison)
+        return losses
+
+    def _backward_and_step(self, loss: torch.Tensor, poison: bool) -> None:
+        """Backward of a micro-batch's loss, then the engine's step (the optimizer's at the
+        accumulation boundary, after the snapshot in flight has read what it changes)."""
         if poison:
             loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
         self.engine.backward(loss)
         if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
             self.snapshotter.fence()  # the optimizer step below changes what the copy reads
         self.engine.step()
-        return losses
 
     def reference_logps(self) -> np.ndarray:
         """Every pair's (chosen, rejected) completion log-prob sums under the current weights,
@@ -472,6 +472,8 @@ class Trainer:
         rows = self.data.preference_rows()
         topology, coord = self.mesh.topology, self.mesh.coord
         table = torch.zeros((self.data.num_pairs(), 2), dtype=torch.float64, device=self.device)
+        training = self.model.training
+        self.model.eval()
         with torch.no_grad():
             for first in range(0, rows, topology.dp):
                 row = min(first + coord.replica, rows - 1)  # past the end: a repeat, not counted
@@ -482,6 +484,7 @@ class Trainer:
                 sums, _ = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
                 if first + coord.replica < rows and coord.ring_pos == 0:
                     table[list(mb.pairs)] += sums.view(-1, 2)
+        self.model.train(training)
         dist.all_reduce(table)
         return table.cpu().numpy()
 
