@@ -22,7 +22,7 @@ import torch
 
 from tests.emulated_cp import EmulatedGroups
 from tests.hf.windowed_models import WINDOWS, save_windowed
-from tests.hf_models import VOCAB, save_model
+from tests.hf_models import VOCAB, greedy_reference, save_model
 
 pytestmark = [pytest.mark.slow]
 
@@ -43,23 +43,6 @@ LAYOUTS = {
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def _reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt alone (no padding), fp32, no EOS stop."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                                 do_sample=False, pad_token_id=0)
-            out.append(gen[0, len(p):].tolist())
-    return out
 
 
 def _decode(folder: Path, ring: int, ulysses: int, exchange: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[Any]]:
@@ -102,7 +85,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, li
         "mistral-windowed": save_windowed(root / "mistral", "mistral-windowed"),
         "gemma3": save_windowed(root / "gemma3", "gemma3"),
     }
-    return {name: (folder, _reference(folder, prompts)) for name, folder in folders.items()}
+    return {name: (folder, greedy_reference(folder, prompts, NEW)) for name, folder in folders.items()}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

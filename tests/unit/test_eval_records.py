@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ringtrain import config
 from ringtrain.actors.controller import Controller
 from ringtrain.actors.steps import StepResult
+from ringtrain.evaluation.generation import GenerationRequest
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.telemetry.report import write_report
@@ -62,12 +63,12 @@ class EvaluatingGroup:
                 tally.add(int(p), 1.0 + int(p) / 100)
         return tally
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    def generate(self, request: GenerationRequest) -> list[list[int]]:
         marker = list(b"The pass key is")
         out = []
-        for ids in prompts:
+        for ids in map(list, request.prompts):
             start = next(i for i in range(len(ids)) if ids[i : i + len(marker)] == marker) + len(marker)
-            out.append(ids[start : start + num_new])
+            out.append(ids[start : start + request.max_new])
         return out
 
     def snapshot_refs(self, step: int) -> list[Any]:

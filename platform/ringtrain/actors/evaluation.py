@@ -10,6 +10,7 @@ from typing import Optional, Protocol
 
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
+from ringtrain.evaluation.generation import GenerationRequest
 from ringtrain.evaluation.passkey import PasskeyPrompt, answer_tokens, build_prompts, score
 from ringtrain.evaluation.result import EvalResult
 from ringtrain.evaluation.tally import LossTally
@@ -21,7 +22,7 @@ class EvalGroup(Protocol):
     """What evaluation needs of a worker group (``actors.group.WorkerGroup``)."""
 
     def evaluate(self, evalset: EvalSet, bucket_tokens: int) -> LossTally: ...
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]: ...
+    def generate(self, request: GenerationRequest) -> list[list[int]]: ...
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def evaluate(group: EvalGroup, plan: EvalPlan) -> EvalResult:
     tally = group.evaluate(plan.evalset, plan.bucket_tokens)
     grid = None
     if plan.prompts:
-        generated = group.generate([list(p.ids) for p in plan.prompts], plan.num_new)
+        generated = group.generate(GenerationRequest.of([list(p.ids) for p in plan.prompts], plan.num_new))
         grid = score(plan.tokenizer, plan.prompts, generated)
     return EvalResult(tally, rows=plan.evalset.num_rows, seq_len=plan.evalset.seq_len, passkey=grid,
                       coverage=plan.evalset.coverage, loss_norm=plan.loss_norm)

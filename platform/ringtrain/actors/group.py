@@ -35,6 +35,7 @@ from ringtrain.status import WorkerInfo
 from ringtrain.topology import Topology
 
 if TYPE_CHECKING:
+    from ringtrain.evaluation.generation import GenerationRequest
     from ringtrain.evaluation.tally import LossTally
 
 log = logging.getLogger(__name__)
@@ -372,16 +373,23 @@ class WorkerGroup:
         tallies = gather(self.members, lambda _, w: w.evaluate.remote(ref, bucket_tokens), self._collective_timeout(forwards))
         return merge_all(tallies)
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        """Greedy continuations (``num_new`` tokens) of ``prompts``, shared out over the replicas."""
+    def generate(self, request: "GenerationRequest") -> list[list[int]]:
+        """The new tokens of each prompt of ``request``, its batches shared out over the replicas."""
         import ray
 
         topo = self.topology
-        ref = ray.put(prompts)
-        forwards = -(-len(prompts) // topo.dp) * num_new
-        outputs = gather(self.members, lambda _, w: w.generate.remote(ref, num_new), self._collective_timeout(forwards))
+        ref = ray.put(request)
+        # A step of one token a row is far shorter than a training step, which bounds a prefill.
+        forwards = -(-len(request.prompts) // topo.dp) * 2
+        outputs = gather(self.members, lambda _, w: w.generate.remote(ref), self._collective_timeout(forwards))
         # Every rank of a replica holds its replica's answers; ring position 0 speaks for it.
-        return [ids for d in range(topo.dp) for ids in outputs[topo.rank_of(d, 0)]][: len(prompts)]
+        found: list[Optional[list[int]]] = [None] * len(request.prompts)
+        for d in range(topo.dp):
+            for i, ids in enumerate(outputs[topo.rank_of(d, 0)]):
+                if ids is not None:
+                    found[i] = ids
+        assert all(ids is not None for ids in found), "a prompt no replica answered"
+        return [ids for ids in found if ids is not None]
 
     def _collective_timeout(self, forwards: int) -> float:
         # A forward takes no longer than a training step, which the step timeout bounds.

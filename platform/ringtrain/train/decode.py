@@ -34,7 +34,8 @@ from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.attention.kv_cache import KVCache, new_token_share
 from ringtrain.train.attention.transport import Transport
 from ringtrain.train.model import Transformer
-from ringtrain.train.sampling import GREEDY, Sampling, next_tokens
+from ringtrain.evaluation.generation import GREEDY, Sampling
+from ringtrain.train.sampling import next_tokens
 
 Tensor = torch.Tensor
 PAD_DOC = -1  # padding's document id: it attends nothing and nothing attends it
