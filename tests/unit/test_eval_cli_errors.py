@@ -28,6 +28,11 @@ LLAMA = {
 
 
 def _eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(tmp_path, "eval", *args)
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``ringtrain ARGS`` with torch, Ray and DeepSpeed refusing to be imported."""
     poison = tmp_path / "poison"
     for name in HEAVY_MODULES:
         (poison / name).mkdir(parents=True, exist_ok=True)
@@ -36,7 +41,7 @@ def _eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(poison), str(REPO / "platform"), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "ringtrain", "eval", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ringtrain", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
 
 

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ringtrain import config
 from ringtrain.commands.eval_source import EvalSource, resolve_source
-from ringtrain.config import STDLIB_CORPUS, ChaosConfig, JobConfig
+from ringtrain.commands.workers import checked, inference_job, started_workers
+from ringtrain.config import STDLIB_CORPUS, JobConfig
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -79,33 +79,20 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain eval``; ConfigError (exit 2) for bad input, before any cluster starts."""
     source, job, plan = prepare(args)
 
-    from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.evaluation import evaluate
-    from ringtrain.actors.group import WorkerGroup
 
-    cluster = connect(job)
-    ok = False
-    try:
-        device = resolve_device(job)
-        check_capacity(job, device)
-        coverage = plan.evalset.coverage
-        scored = (f"{plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens" if coverage is None
-                  else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
+    coverage = plan.evalset.coverage
+    scored = (f"{plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens" if coverage is None
+              else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
+
+    def banner(device: str) -> None:
         _stderr(
             f"ringtrain eval: {source.where}: {scored}, "
             f"dp {job.topology.dp} x cp {job.topology.cp} ({job.cp_layout.runs}), ZeRO-{job.zero.stage}, {device}"
         )
-        group = WorkerGroup(cluster.for_workers(job), device)
-        try:
-            group.start()
-            if source.checkpoint is not None:
-                group.restore(source.shards())
-            result = evaluate(group, plan)
-        finally:
-            group.shutdown()
-        ok = True
-    finally:
-        cluster.close(keep_logs=not ok)
+
+    with started_workers(job, source, banner) as group:
+        result = evaluate(group, plan)
     if args.json:
         print(json.dumps({"source": source.where, "data": job.eval.data, **result.to_dict()}))
     else:
@@ -129,16 +116,16 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         # The workers' own data source is never read; it only has to be valid at this length.
         seq_len = _round_up(plan.evalset.seq_len, 2 * job.topology.cp)
         job.data = dataclasses.replace(job.data, seq_len=seq_len, path=_worker_data(job.eval.data, plan.evalset, seq_len))
-        job = _checked(job)
+        job = checked(job)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan
 
 
 def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
-    """The source's job with the user's overrides and options, shaped for evaluation: no
-    snapshots, checkpoints, chaos or spares, one sequence per forward."""
-    job = config.merge(source.job, list(args.overrides))
+    """The source's job with the user's overrides and options, shaped for evaluation
+    (``workers.inference_job``): one sequence per forward."""
+    job = inference_job(source, list(args.overrides))
     e = job.eval
     job.eval = dataclasses.replace(
         e,
@@ -152,26 +139,10 @@ def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
         passkey_trials=args.passkey_trials if args.passkey_trials is not None else e.passkey_trials,
         seed=args.seed if args.seed is not None else e.seed,
     )
-    job.checkpoint = dataclasses.replace(job.checkpoint, snapshot_every=0, persist_every=0, resume="none")
-    job.chaos = ChaosConfig()
-    job.mesh = dataclasses.replace(job.mesh, spares=0, min_dp=1, max_dp=None)
-    # A run's fixed metrics port may be taken by a job still running; Ray picks a free one.
-    job.telemetry = dataclasses.replace(job.telemetry, metrics_port=None)
-    job.train = dataclasses.replace(
-        job.train, micro_batch=1, global_batch=job.mesh.dp, stop_at_step=None, skip_batches=[]
-    )
+    job.train = dataclasses.replace(job.train, micro_batch=1, global_batch=job.mesh.dp)
     # A length every cp divides, until the eval set says how long its sequences are.
     job.data = dataclasses.replace(job.data, seq_len=2 * job.mesh.cp)
-    return _checked(job)
-
-
-def _checked(job: JobConfig) -> JobConfig:
-    from ringtrain.hf import resolve_job
-
-    resolved = resolve_job(job)  # reads model.hf's config.json, and validates
-    if not job.model.hf:
-        config.validate(resolved)
-    return resolved
+    return checked(job)
 
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:
