@@ -21,6 +21,7 @@ Shape legend: B batch, S slots (padded prompt length), s this rank's slots, V vo
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
@@ -84,6 +85,7 @@ class Decoder:
         self.ring: Optional[Transport] = self.cached.ring
         self.ulysses: Optional[Transport] = self.cached.ulysses
         self.last_cache: Optional[KVCache] = None  # the latest batch's, for its size
+        self.step_times: list[float] = []  # the latest batch's decode steps, seconds each (a bench reads them)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new: int, *, sampling: Sampling = GREEDY,
                  stop: StopRule = StopRule(), decode: Optional[Decode] = None, seed: int = 0) -> list[list[int]]:
@@ -122,6 +124,7 @@ class Decoder:
         token_B = self._share(next_tokens(logits_BV, sampling, generator), holder)
         new: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
+        self.step_times = []
         for t in range(max_new):
             for b in range(B):
                 if not done[b]:
@@ -129,11 +132,14 @@ class Decoder:
                     done[b] = stop.stopped(new[b], decode)
             if t == max_new - 1 or not self.agree(not all(done)):
                 break
+            started = time.perf_counter()
             cached.step(t, S + t)
             with attention_of(self.model, cached.decode):
                 logits_BV = self.model(token_B.view(B, 1).to(self.device),
                                        (torch.tensor(lengths) + t).view(B, 1).to(self.device))[:, 0]
+            # Sharing the tokens brings them to the host: the step's work is done when it returns.
             token_B = self._share(next_tokens(logits_BV, sampling, generator), self._first_of_group())
+            self.step_times.append(time.perf_counter() - started)
         return new
 
     def _first_of_group(self) -> bool:
