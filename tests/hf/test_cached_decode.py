@@ -132,3 +132,46 @@ def test_a_ranks_cache_is_its_share(models: dict[str, Any]) -> None:
         per_token = whole / (2500 + NEW)
         for nbytes in sizes[ring]:
             assert abs(nbytes - whole / ring) <= 2 * per_token, (ring, nbytes, whole)
+
+
+@pytest.mark.parametrize("layout", ["cp1", "ring-cp4", "hybrid-cp4"])
+def test_scores_equal_transformers_log_probabilities(layout: str, models: dict[str, Any]) -> None:
+    """lm-eval's loglikelihood on the group: a batch of sequences of 5 to 130 tokens, their last
+    1 to 4 tokens scored: the summed log-probabilities of transformers' logits, and its greedy flags."""
+    from ringtrain import config
+    from ringtrain.hf import resolve_job
+    from ringtrain.hf.weights import PretrainedWeights, load_full
+    from ringtrain.topology import CPLayout
+    from ringtrain.train.decode import Decoder
+    from ringtrain.train.model import ModelArgs, Transformer
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = models["llama-gqa"]
+    sequences = [p[:n] for p, n in zip(_prompts(), (3, 5, 130, 40))]
+    sequences[0] = _prompts()[2][60:65]
+    scored = [1, 4, 3, 2]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    want = []
+    with torch.no_grad():
+        for seq, n in zip(sequences, scored):
+            logprobs = torch.log_softmax(hf(input_ids=torch.tensor([seq])).logits[0].double(), dim=-1)
+            picks = [(j - 1, seq[j]) for j in range(len(seq) - n, len(seq))]  # (predicted at, token)
+            want.append((sum(float(logprobs[p, t]) for p, t in picks),
+                         all(int(logprobs[p].argmax()) == t for p, t in picks)))
+
+    ring, ulysses, exchange = LAYOUTS[layout]
+    job = resolve_job(config.load(None, [f"model.hf={folder}", "data.seq_len=64"]))
+    groups = EmulatedGroups(CPLayout(ring, ulysses, exchange), timeout_s=120.0)
+
+    def rank_main(rank: int) -> list[tuple[float, bool]]:
+        attention = groups.attention(rank)
+        model = Transformer(ModelArgs.from_job(job), attention_fn=attention, init_std=None)
+        load_full(model, PretrainedWeights(folder))
+        with torch.no_grad():
+            return Decoder(model.eval(), attention, torch.device("cpu")).score(sequences, scored)
+
+    done = groups.run(rank_main)
+    assert all(r == done[0] for r in done)
+    assert [g for _, g in done[0]] == [g for _, g in want]
+    for (got, _), (expected, _) in zip(done[0], want):
+        assert abs(got - expected) < 1e-4, (got, expected)

@@ -35,7 +35,7 @@ from ringtrain.status import WorkerInfo
 from ringtrain.topology import Topology
 
 if TYPE_CHECKING:
-    from ringtrain.evaluation.generation import GenerationRequest
+    from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
 
 log = logging.getLogger(__name__)
@@ -375,21 +375,30 @@ class WorkerGroup:
 
     def generate(self, request: "GenerationRequest") -> list[list[int]]:
         """The new tokens of each prompt of ``request``, its batches shared out over the replicas."""
+        return self._per_item(lambda w, ref: w.generate.remote(ref), request, len(request.prompts))
+
+    def score(self, request: "ScoreRequest") -> list[tuple[float, bool]]:
+        """Each sequence of ``request`` scored, its batches shared out over the replicas."""
+        return self._per_item(lambda w, ref: w.score.remote(ref), request, len(request.sequences))
+
+    def _per_item(self, call: Callable[[Any, Any], Any], request: Any, items: int) -> list[Any]:
+        """``call(worker, request)`` on every worker; each item's answer from the replica that
+        had it (every rank of a replica holds its replica's answers; ring position 0 speaks)."""
         import ray
 
         topo = self.topology
         ref = ray.put(request)
-        # A step of one token a row is far shorter than a training step, which bounds a prefill.
-        forwards = -(-len(request.prompts) // topo.dp) * 2
-        outputs = gather(self.members, lambda _, w: w.generate.remote(ref), self._collective_timeout(forwards))
-        # Every rank of a replica holds its replica's answers; ring position 0 speaks for it.
-        found: list[Optional[list[int]]] = [None] * len(request.prompts)
+        # A forward of a batch is no longer than a training step, which bounds a prefill; a
+        # decode step of one token a row far shorter.
+        forwards = -(-items // topo.dp) * 2
+        outputs = gather(self.members, lambda _, w: call(w, ref), self._collective_timeout(forwards))
+        found: list[Any] = [None] * items
         for d in range(topo.dp):
-            for i, ids in enumerate(outputs[topo.rank_of(d, 0)]):
-                if ids is not None:
-                    found[i] = ids
-        assert all(ids is not None for ids in found), "a prompt no replica answered"
-        return [ids for ids in found if ids is not None]
+            for i, answer in enumerate(outputs[topo.rank_of(d, 0)]):
+                if answer is not None:
+                    found[i] = answer
+        assert all(answer is not None for answer in found), "an item no replica answered"
+        return found
 
     def _collective_timeout(self, forwards: int) -> float:
         # A forward takes no longer than a training step, which the step timeout bounds.

@@ -18,7 +18,7 @@ from ringtrain.status import StepReport, WorkerInfo
 if TYPE_CHECKING:
     import torch
 
-    from ringtrain.evaluation.generation import GenerationRequest
+    from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
     from ringtrain.train.evalset import EvalSet
 
@@ -246,6 +246,13 @@ class TrainWorker:
         # Stop strings are matched in the text the model's tokenizer makes (bytes without one).
         decode = (find_tokenizer(self.job.model.hf) or ByteTokenizer()).decode if request.stop.strings else None
         return self._collective(lambda trainer: Evaluator.of(trainer).generate(request, decode))
+
+    def score(self, request: "ScoreRequest") -> list[Optional[tuple[float, bool]]]:
+        """This rank's replica's sequences of ``request`` scored (None for the other replicas');
+        collective."""
+        from ringtrain.train.evaluator import Evaluator
+
+        return self._collective(lambda trainer: Evaluator.of(trainer).score(request))
 
     def _collective(self, call: Callable[[Any], T]) -> T:
         """Run ``call(trainer)``; a failure cuts this rank off its world, as in a step."""

@@ -46,3 +46,18 @@ class GenerationRequest:
     def of(cls, prompts: "list[list[int]]", max_new: int, sampling: Sampling = GREEDY,
            stop: StopRule = StopRule()) -> GenerationRequest:
         return cls(tuple(tuple(p) for p in prompts), max_new, sampling, stop)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score the last ``scored[i]`` tokens of each of ``sequences`` given the tokens before them:
+    their log-probabilities summed, and whether each was the greedy choice (lm-eval's
+    ``loglikelihood``)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    scored: tuple[int, ...]
+
+    @classmethod
+    def of(cls, pairs: "list[tuple[list[int], list[int]]]") -> ScoreRequest:
+        """From (context, continuation) token pairs."""
+        return cls(tuple(tuple(c + t) for c, t in pairs), tuple(len(t) for _, t in pairs))

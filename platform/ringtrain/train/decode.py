@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -54,6 +55,25 @@ def padded_length(longest: int, layout: CPLayout) -> int:
 
 def _own(x: bool) -> bool:
     return x
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A batch left-padded to ``seq_len`` slots, as one rank holds it: its ``slots`` (in its
+    order) and each row's ids, positions and documents there; row b starts at ``first_real[b]``."""
+
+    seq_len: int
+    lengths: list[int]
+    first_real: Tensor  # [B]
+    slots: np.ndarray  # [s]
+    ids_Bs: Tensor
+    positions_Bs: Tensor
+    docs_Bs: Optional[Tensor]  # None: no row is padded
+
+    def inputs(self, device: torch.device) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """The model's arguments: ids, positions, documents."""
+        docs = None if self.docs_Bs is None else self.docs_Bs.to(device)
+        return self.ids_Bs.to(device), self.positions_Bs.to(device), docs
 
 
 @contextlib.contextmanager
@@ -95,32 +115,20 @@ class Decoder:
         if max_new < 1 or not prompts:
             return [[] for _ in prompts]
         layout, cached = self.layout, self.cached
-        B = len(prompts)
-        lengths = [len(p) for p in prompts]
-        S = padded_length(max(lengths), layout)
-        first_real = torch.tensor([S - n for n in lengths], dtype=torch.long)
-        ids_BS = np.zeros((B, S), dtype=np.int64)
-        for b, p in enumerate(prompts):
-            ids_BS[b, S - len(p):] = p
-        mine = np.asarray(sequence_positions(S, layout.ring, layout.ulysses, cached.ring_idx, cached.ulysses_idx))
-        held = torch.as_tensor(sequence_positions(S, layout.ring, 1, cached.ring_idx, 0), dtype=torch.long)
-        slots_Bs = torch.as_tensor(mine, dtype=torch.long)[None, :].expand(B, -1)
-        positions_Bs = (slots_Bs - first_real[:, None]).clamp(min=0)
-        docs_Bs = None
-        if min(lengths) < S:
-            docs_Bs = torch.where(slots_Bs >= first_real[:, None], 0, PAD_DOC).to(self.device)
+        batch = self._padded(prompts)
+        B, S, lengths = len(prompts), batch.seq_len, batch.lengths
         cache = KVCache.for_windows(self.windows)
-        cached.start(cache, held, S, first_real, new_token_share(max_new - 1, layout.ring, cached.ring_idx))
+        held = torch.as_tensor(sequence_positions(S, layout.ring, 1, cached.ring_idx, 0), dtype=torch.long)
+        cached.start(cache, held, S, batch.first_real, new_token_share(max_new - 1, layout.ring, cached.ring_idx))
         self.last_cache = cache
         generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed * 1_000_003 + seed)
 
         with attention_of(self.model, cached.prefill):
-            h_BsE = self.model.hidden(torch.as_tensor(ids_BS[:, mine], device=self.device),
-                                      positions_Bs.to(self.device), docs_Bs)
+            h_BsE = self.model.hidden(*batch.inputs(self.device))
         # Every rank projects its last slot (ZeRO-3 gathers the head's weight on every rank); the
         # one holding slot S - 1 speaks for the group.
         logits_BV = self.model.output(h_BsE[:, -1:])[:, 0]
-        holder = int(mine[-1]) == S - 1
+        holder = int(batch.slots[-1]) == S - 1
         token_B = self._share(next_tokens(logits_BV, sampling, generator), holder)
         new: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
@@ -141,6 +149,54 @@ class Decoder:
             token_B = self._share(next_tokens(logits_BV, sampling, generator), self._first_of_group())
             self.step_times.append(time.perf_counter() - started)
         return new
+
+    def score(self, sequences: Sequence[Sequence[int]], scored: Sequence[int]) -> list[tuple[float, bool]]:
+        """Each sequence's last ``scored[b]`` tokens' log-probabilities given what precedes them,
+        summed, and whether each was the greedy choice: ``(sum, all greedy)`` a row, the same on
+        every rank. One forward of the layout's attention (no cache); each rank projects and
+        scores only the slots it holds that predict a scored token, and the group adds them up."""
+        inputs = [list(s[:-1]) for s in sequences]
+        batch = self._padded(inputs)
+        S = batch.seq_len
+        h_BsE = self.model.hidden(*batch.inputs(self.device))
+        # Slot p predicts slot p + 1's token: row b's scored tokens sit at its last scored[b]
+        # slots of the whole sequence, so their predictions at slots S - scored[b] .. S - 1.
+        slots = torch.as_tensor(batch.slots, dtype=torch.long)
+        first = torch.tensor([S - n for n in scored], dtype=torch.long)
+        picked_Bs = slots[None, :] >= first[:, None]
+        rows, cols = picked_Bs.nonzero(as_tuple=True)
+        targets = torch.tensor([sequences[b][-1 - (S - 1 - int(slots[c]))] for b, c in zip(rows.tolist(), cols.tolist())],
+                               dtype=torch.long)
+        # Every rank projects (ZeRO-3 gathers the head's weight on every rank), its picked slots alone.
+        logits_NV = self.model.output(h_BsE[rows.to(self.device), cols.to(self.device)]).float()
+        logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
+        gained = logprobs_NV.gather(1, targets.to(self.device)[:, None])[:, 0].double().cpu()
+        missed = (logits_NV.argmax(dim=-1).cpu() != targets).double()
+        B = len(sequences)
+        totals = torch.zeros(B, dtype=torch.float64).index_add_(0, rows, gained)
+        misses = torch.zeros(B, dtype=torch.float64).index_add_(0, rows, missed)
+        for group in (self.ring, self.ulysses):
+            if group is not None:
+                both = group.all_gather(torch.stack([totals, misses]).to(self.device)).cpu()
+                totals, misses = both[:, 0].sum(dim=0), both[:, 1].sum(dim=0)
+        return [(float(t), bool(m == 0)) for t, m in zip(totals.tolist(), misses.tolist())]
+
+    def _padded(self, prompts: Sequence[Sequence[int]]) -> PaddedBatch:
+        """``prompts`` left-padded to a length the layout shards, as this rank holds them."""
+        layout, cached = self.layout, self.cached
+        lengths = [len(p) for p in prompts]
+        S = padded_length(max(lengths), layout)
+        first_real = torch.tensor([S - n for n in lengths], dtype=torch.long)
+        ids_BS = np.zeros((len(prompts), S), dtype=np.int64)
+        for b, p in enumerate(prompts):
+            ids_BS[b, S - len(p):] = p
+        mine = np.asarray(sequence_positions(S, layout.ring, layout.ulysses, cached.ring_idx, cached.ulysses_idx))
+        slots_Bs = torch.as_tensor(mine, dtype=torch.long)[None, :].expand(len(prompts), -1)
+        positions_Bs = (slots_Bs - first_real[:, None]).clamp(min=0)
+        docs_Bs = None
+        if min(lengths) < S:
+            docs_Bs = torch.where(slots_Bs >= first_real[:, None], 0, PAD_DOC)
+        return PaddedBatch(S, lengths, first_real, mine, torch.as_tensor(ids_BS[:, mine]), positions_Bs, docs_Bs)
 
     def _first_of_group(self) -> bool:
         return self.cached.ring_idx == 0 and self.cached.ulysses_idx == 0

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from ringtrain.evaluation.batching import plan_batches, replica_batches
 from ringtrain.evaluation.buckets import bucket_index
-from ringtrain.evaluation.generation import GenerationRequest
+from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
 from ringtrain.evaluation.stops import Decode
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.topology import Topology, sequence_positions
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Positions per cross-entropy chunk: bounds the fp32 copy of the logits at long context.
 CHUNK = 8192
+_R = TypeVar("_R")
 # Padded tokens of a decoded batch where the caller sets none.
 DEFAULT_BATCH_TOKENS = 8192
 
@@ -121,17 +123,33 @@ class Evaluator:
         replicas'), decoded with a KV cache sharded over the CP group (``train.decode``), in
         batches of at most ``batch_tokens`` padded tokens (``evaluation.batching``); ``decode``
         turns ids into text where stop strings are asked for."""
-        t = self.topology
-        lengths = [len(p) for p in request.prompts]
-        batches = plan_batches(lengths, self.batch_tokens, t.dp)
         decoder = Decoder(self.model, self._attention(), self.device, self._agree)
-        out: list[Optional[list[int]]] = [None] * len(request.prompts)
+
+        def run(batch: Sequence[int]) -> list[list[int]]:
+            return decoder.generate([request.prompts[i] for i in batch], request.max_new, sampling=request.sampling,
+                                    stop=request.stop, decode=decode, seed=batch[0])
+
+        return self._batched([len(p) for p in request.prompts], run)
+
+    def score(self, request: ScoreRequest) -> list[Optional[tuple[float, bool]]]:
+        """Each of this replica's sequences of ``request`` scored (None for the other
+        replicas'): ``(summed log-probability, all greedy)``."""
+        decoder = Decoder(self.model, self._attention(), self.device, self._agree)
+
+        def run(batch: Sequence[int]) -> list[tuple[float, bool]]:
+            return decoder.score([request.sequences[i] for i in batch], [request.scored[i] for i in batch])
+
+        return self._batched([len(s) for s in request.sequences], run)
+
+    def _batched(self, lengths: list[int], run: Callable[[Sequence[int]], list[_R]]) -> list[Optional[_R]]:
+        """``run`` over this replica's batches of the items of ``lengths``, results in item order."""
+        t = self.topology
+        batches = plan_batches(lengths, self.batch_tokens, t.dp)
+        out: list[Optional[_R]] = [None] * len(lengths)
         with self._eval_mode():
             for batch in replica_batches(batches, t.dp, self.mesh.coord.replica):
-                new = decoder.generate([request.prompts[i] for i in batch], request.max_new, sampling=request.sampling,
-                                       stop=request.stop, decode=decode, seed=batch[0])
-                for i, ids in zip(batch, new):
-                    out[i] = ids
+                for i, result in zip(batch, run(batch)):
+                    out[i] = result
         return out
 
     def _attention(self) -> ContextParallelAttention:
