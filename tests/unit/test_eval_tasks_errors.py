@@ -15,6 +15,8 @@ from tests.hf.lm_eval_tasks import require_lm_eval, write_tasks
 from tests.tiny_tokenizer import save_tokenizer
 from tests.unit.test_eval_cli_errors import LLAMA, run_cli
 
+pytestmark = [pytest.mark.slow]  # lm-eval indexes its thousands of task files at each start
+
 CASES = {
     "unknown-task": (["--tasks", "tiny_mcq", "--include-path", "{tasks}"],
                      "--tasks: unknown task 'tiny_mcq' (closest: tiny_mc"),
@@ -49,3 +51,24 @@ def test_bad_task_input_exits_2_with_one_line(tmp_path: Path, args: list[str], e
     assert len(lines) == 1, proc.stderr[-2000:]
     assert expected.format(**names) in lines[0], lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_training_tasks_errors_name_the_eval_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ringtrain run``'s eval.tasks checks, before its cluster: the same errors, named by key."""
+    require_lm_eval()
+    from ringtrain.commands.eval_tasks import training_tasks
+    from ringtrain.errors import ConfigError
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tasks = write_tasks(tmp_path / "tasks")
+    model = save_tokenizer(tmp_path / "model")
+    options = dict(include_path=str(tasks), limit=None, num_fewshot=None, max_length=64)
+    with pytest.raises(ConfigError) as unknown:
+        training_tasks(["tiny_mcq"], tokenizer_folder=str(model), **options)  # type: ignore[arg-type]
+    assert unknown.value.key == "eval.tasks" and "closest: tiny_mc" in unknown.value.reason
+    with pytest.raises(ConfigError) as no_tokenizer:
+        training_tasks(["tiny_mc"], tokenizer_folder=str(tmp_path), **options)  # type: ignore[arg-type]
+    assert no_tokenizer.value.key == "eval.tasks"
+    with pytest.raises(ConfigError) as no_folder:
+        training_tasks(["tiny_mc"], tokenizer_folder=str(model), **{**options, "include_path": str(tmp_path / "x")})  # type: ignore[arg-type]
+    assert no_folder.value.key == "eval.include_path"

@@ -122,13 +122,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from ringtrain.commands.eval_tasks import run_tasks
-    from ringtrain.commands.lm_eval_model import RingtrainLM
 
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_folder)
-    return run_tasks(tasks, RingtrainLM(group, tokenizer, tasks.max_length))
+    return run_tasks(tasks, group, source.tokenizer_folder)
 
 
 def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, Optional["EvalPlan"], Optional["TaskPlan"]]:

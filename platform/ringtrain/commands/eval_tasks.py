@@ -68,13 +68,51 @@ def plan_tasks(text: str, *, include_path: Optional[str], limit: Optional[int], 
     return TaskPlan(names, limit, num_fewshot, max_length, manager)
 
 
-def run_tasks(plan: TaskPlan, lm: Any) -> dict[str, Any]:
-    """lm-eval's results object for ``plan`` with ``lm`` as the model."""
+def run_tasks(plan: TaskPlan, group: Any, tokenizer_folder: str) -> dict[str, Any]:
+    """lm-eval's results object for ``plan`` with the workers of ``group`` as the model."""
     from lm_eval import simple_evaluate
+    from transformers import AutoTokenizer
 
+    from ringtrain.commands.lm_eval_model import RingtrainLM
+
+    lm = RingtrainLM(group, AutoTokenizer.from_pretrained(tokenizer_folder), plan.max_length)
     results: dict[str, Any] = simple_evaluate(model=lm, tasks=list(plan.names), num_fewshot=plan.num_fewshot,
                                               limit=plan.limit, task_manager=plan.manager)
     return results
+
+
+@dataclass(frozen=True)
+class TrainingTasks:
+    """``eval.tasks`` as the Controller runs them between steps (``actors.evaluation.TaskRun``):
+    lm-eval's results by task, for the step's ``"eval"`` record."""
+
+    plan: TaskPlan
+    tokenizer_folder: str
+
+    def __call__(self, group: Any) -> dict[str, dict[str, Any]]:
+        results: dict[str, dict[str, Any]] = run_tasks(self.plan, group, self.tokenizer_folder)["results"]
+        return results
+
+
+# eval.* keys -> the option plan_tasks names, so a job's error names the key to change.
+JOB_KEYS = {"--tasks": "eval.tasks", "--include-path": "eval.include_path", "--limit": "eval.limit",
+            "--num-fewshot": "eval.num_fewshot"}
+
+
+def training_tasks(names: list[str], *, include_path: str, limit: Optional[int], num_fewshot: Optional[int],
+                   max_length: int, tokenizer_folder: str) -> TrainingTasks:
+    """``eval.tasks`` found and their data loaded before any cluster starts; errors name the key."""
+    from ringtrain.evaluation.tokenizer import find_tokenizer
+
+    if find_tokenizer(tokenizer_folder) is None:
+        raise ConfigError("eval.tasks", "lm-eval's tasks need the model's tokenizer: set model.hf to a Hugging Face "
+                                        "folder with its tokenizer")
+    try:
+        plan = plan_tasks(",".join(names), include_path=include_path or None, limit=limit, num_fewshot=num_fewshot,
+                          max_length=max_length, tokenizer_folder=tokenizer_folder)
+    except ConfigError as exc:
+        raise ConfigError(JOB_KEYS.get(exc.key, exc.key), exc.reason) from None
+    return TrainingTasks(plan, tokenizer_folder)
 
 
 def results_json(results: dict[str, Any]) -> dict[str, Any]:
