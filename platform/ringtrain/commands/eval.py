@@ -88,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
     from ringtrain.actors.evaluation import evaluate
 
     scored = [f"tasks {', '.join(tasks.names)}"] if tasks is not None else []
-    if plan is not None:
-        coverage = plan.evalset.coverage
-        scored.insert(0, f"{plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens" if coverage is None
+    evalset = plan.evalset
+    if evalset is not None:
+        coverage = evalset.coverage
+        scored.insert(0, f"{evalset.num_rows} sequences of {evalset.seq_len} tokens" if coverage is None
                       else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
 
     def banner(device: str) -> None:
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     with started_workers(job, source, banner) as group:
-        result = evaluate(group, plan) if plan is not None else None
+        result = evaluate(group, plan) if evalset is not None or plan.prompts else None
         task_results = _run_tasks(tasks, group, source) if tasks is not None else None
     if args.json:
         out: dict[str, Any] = {"source": source.where}
@@ -127,9 +128,9 @@ def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, A
     return run_tasks(tasks, group, source.tokenizer_folder)
 
 
-def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, Optional["EvalPlan"], Optional["TaskPlan"]]:
-    """The source, the workers' job, the eval plan (``--data``) and the lm-eval tasks
-    (``--tasks``): every input check, no cluster."""
+def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"]]:
+    """The source, the workers' job, the eval plan (``--data``, ``--passkey``) and the lm-eval
+    tasks (``--tasks``): every input check, no cluster."""
     from ringtrain.actors.evaluation import plan_for
     from ringtrain.evaluation.tokenizer import find_tokenizer
 
@@ -141,13 +142,14 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, Optional["
     try:
         source = resolve_source(args.source)
         job = _eval_job(source, args)
-        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder)) if args.data else None
-        tasks = _task_plan(args, source, job.eval.seq_len) if args.tasks else None
+        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
+        evalset = plan.evalset
+        tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
         # The workers' own data source is never read; it only has to be valid at this length,
         # which holds the eval set's rows and the longest sequence a task's request may have.
-        longest = max(plan.evalset.seq_len if plan is not None else 0, tasks.max_length if tasks is not None else 0)
-        seq_len = _round_up(longest, 2 * job.topology.cp)
-        path = _worker_data(job.eval.data, plan.evalset, seq_len) if plan is not None else STDLIB_CORPUS
+        longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0)
+        seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
+        path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
         job.data = dataclasses.replace(job.data, seq_len=seq_len, path=path)
         job = checked(job)
     except ConfigError as exc:

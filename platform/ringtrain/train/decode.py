@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from ringtrain.train.attention.cached import CachedAttention, LayerAttention
 from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.attention.kv_cache import KVCache, new_token_share
 from ringtrain.train.attention.transport import Transport
-from ringtrain.train.model import Transformer
+from ringtrain.train.model import Block, Transformer
 from ringtrain.evaluation.generation import GREEDY, Sampling
 from ringtrain.train.sampling import next_tokens
 
@@ -79,14 +79,15 @@ class PaddedBatch:
 @contextlib.contextmanager
 def attention_of(model: Transformer, layer_attention: Callable[[int], LayerAttention]) -> Iterator[None]:
     """Every layer of ``model`` runs ``layer_attention(i)`` inside the block, its own after."""
-    saved = [layer.attention.attention_fn for layer in model.layers]
+    attentions = [cast(Block, layer).attention for layer in model.layers]
+    saved = [attention.attention_fn for attention in attentions]
     try:
-        for i, layer in enumerate(model.layers):
-            layer.attention.attention_fn = layer_attention(i)
+        for i, attention in enumerate(attentions):
+            attention.attention_fn = layer_attention(i)
         yield
     finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attention_fn = fn
+        for attention, fn in zip(attentions, saved):
+            attention.attention_fn = fn
 
 
 class Decoder:

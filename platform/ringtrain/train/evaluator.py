@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from functools import lru_cache
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar, cast
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.decode import Decoder
 from ringtrain.train.evalset import EvalSet
 from ringtrain.train.mesh import Mesh
-from ringtrain.train.model import Transformer
+from ringtrain.train.model import Block, Transformer
 
 if TYPE_CHECKING:
     from ringtrain.train.trainer import Trainer
@@ -153,7 +153,7 @@ class Evaluator:
         return out
 
     def _attention(self) -> ContextParallelAttention:
-        attention = self.model.layers[0].attention.attention_fn
+        attention = cast(Block, self.model.layers[0]).attention.attention_fn
         if not isinstance(attention, ContextParallelAttention):
             raise TypeError(f"cached decoding runs a CP layout's attention, not {attention!r}")
         return attention
