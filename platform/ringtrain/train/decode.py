@@ -29,6 +29,7 @@ from typing import Optional, cast
 import numpy as np
 import torch
 
+from ringtrain.evaluation.generation import GREEDY, Sampling
 from ringtrain.evaluation.stops import Decode, StopRule
 from ringtrain.topology import CPLayout, sequence_positions
 from ringtrain.train.attention.cached import CachedAttention, LayerAttention
@@ -36,7 +37,6 @@ from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.attention.kv_cache import KVCache, new_token_share
 from ringtrain.train.attention.transport import Transport
 from ringtrain.train.model import Block, Transformer
-from ringtrain.evaluation.generation import GREEDY, Sampling
 from ringtrain.train.sampling import next_tokens
 
 Tensor = torch.Tensor
