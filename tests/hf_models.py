@@ -78,3 +78,20 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
 def tokens(n: int, length: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n, length), generator=g)
+
+
+def greedy_reference(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone (no padding), fp32, no EOS stop."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out

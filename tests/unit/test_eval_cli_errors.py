@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -34,15 +35,21 @@ LLAMA = {
 
 
 def _eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(tmp_path, "eval", *args)
+
+
+def run_cli(tmp_path: Path, *args: str, refused: tuple[str, ...] = HEAVY_MODULES,
+            env_extra: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+    """``ringtrain ARGS`` with the ``refused`` modules (torch, Ray and DeepSpeed) refusing to be imported."""
     poison = tmp_path / "poison"
-    for name in HEAVY_MODULES:
+    for name in refused:
         (poison / name).mkdir(parents=True, exist_ok=True)
         (poison / name / "__init__.py").write_text(f"raise ImportError('{name} imported before the input was checked')\n")
-    env = dict(os.environ, HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, HOME=str(tmp_path), RAY_AUTH_MODE="disabled", **(env_extra or {}))
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(poison), str(REPO / "platform"), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "ringtrain", "eval", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ringtrain", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
 
 

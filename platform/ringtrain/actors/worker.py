@@ -19,6 +19,7 @@ from ringtrain.status import StepReport, WorkerInfo
 if TYPE_CHECKING:
     import torch
 
+    from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
     from ringtrain.train.evalset import EvalSet
 
@@ -237,11 +238,23 @@ class TrainWorker:
 
         return self._collective(lambda trainer: Evaluator.of(trainer).losses(evalset, bucket_tokens))
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        """Greedy continuations of this rank's replica's share of ``prompts``; collective."""
+    def generate(self, request: "GenerationRequest") -> list[Optional[list[int]]]:
+        """The new tokens of this rank's replica's prompts of ``request`` (None for the other
+        replicas'), through the KV cache sharded over its CP group; collective."""
+        from ringtrain.evaluation.text import ByteTokenizer
+        from ringtrain.evaluation.tokenizer import find_tokenizer
         from ringtrain.train.evaluator import Evaluator
 
-        return self._collective(lambda trainer: Evaluator.of(trainer).generate(prompts, num_new))
+        # Stop strings are matched in the text the model's tokenizer makes (bytes without one).
+        decode = (find_tokenizer(self.job.model.hf) or ByteTokenizer()).decode if request.stop.strings else None
+        return self._collective(lambda trainer: Evaluator.of(trainer).generate(request, decode))
+
+    def score(self, request: "ScoreRequest") -> list[Optional[tuple[float, bool]]]:
+        """This rank's replica's sequences of ``request`` scored (None for the other replicas');
+        collective."""
+        from ringtrain.train.evaluator import Evaluator
+
+        return self._collective(lambda trainer: Evaluator.of(trainer).score(request))
 
     def _collective(self, call: Callable[[Any], T]) -> T:
         """Run ``call(trainer)``; a failure cuts this rank off its world, as in a step."""

@@ -246,8 +246,12 @@ def validate_eval(e: EvalConfig) -> None:
     """The eval section's values; whether ``eval.data`` exists is checked where it is read."""
     if e.every < 0:
         raise ConfigError("eval.every", f"must be >= 0, 0 turns evaluation off (got {e.every})")
-    if e.every and not e.data:
-        raise ConfigError("eval.data", f"is empty, but eval.every={e.every}: name the data to evaluate on (as data.path takes, or a 2-D .npy)")
+    if e.every and not e.data and not e.tasks:
+        raise ConfigError("eval.data", f"is empty, but eval.every={e.every}: name the data to evaluate on (as data.path takes, or a 2-D .npy), or eval.tasks")
+    if e.limit is not None:
+        _positive(e.limit, "eval.limit")
+    if e.num_fewshot is not None and e.num_fewshot < 0:
+        raise ConfigError("eval.num_fewshot", f"must be >= 0 (got {e.num_fewshot})")
     for key in ("seq_len", "max_rows"):
         if getattr(e, key) is not None:
             _positive(getattr(e, key), f"eval.{key}")

@@ -392,11 +392,12 @@ class TelemetryConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation: next-token loss by position (and optionally passkey retrieval) on held-out data.
+    """Evaluation: next-token loss by position (and optionally passkey retrieval) on held-out data,
+    and lm-evaluation-harness tasks.
 
     ``ringtrain eval`` fills these from its options; during training, every ``every`` steps
-    and after the last one the Controller evaluates on ``data`` and adds the result to that
-    step's metrics.jsonl record under ``"eval"`` (see ``ringtrain.evaluation.result``).
+    and after the last one the Controller evaluates on ``data`` and ``tasks`` and adds the result
+    to that step's metrics.jsonl record under ``"eval"`` (see ``ringtrain.evaluation.result``).
     """
 
     every: int = 0  # evaluate during training every this many steps (0: never)
@@ -414,6 +415,13 @@ class EvalConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 1
     seed: int = 0  # draws the passkeys
+    # lm-evaluation-harness tasks, groups or tags (the eval extra), run with the workers as the
+    # model; include_path: a folder of local task YAML files; limit: examples per task at most;
+    # num_fewshot: shots in each prompt (None: each task's own).
+    tasks: list[str] = field(default_factory=list)
+    include_path: str = ""
+    limit: Optional[int] = None
+    num_fewshot: Optional[int] = None
 
 
 @dataclass

@@ -222,6 +222,17 @@ def _straggler_note(ranks: list[Series]) -> str:
 MAX_EVAL_CURVES = 5
 
 
+def _task_table(step: float, tasks: dict[str, Any]) -> str:
+    """The latest evaluation's lm-eval metrics, task by task, under lm-eval's names."""
+    rows = "".join(
+        f"<tr><td>{escape(str(task))}</td><td>{escape(str(name))}</td><td>{escape(fmt(value))}</td></tr>"
+        for task, metrics in sorted(tasks.items()) if isinstance(metrics, dict)
+        for name, value in metrics.items() if is_number(value)
+    )
+    return (f'<h3>lm-eval tasks</h3><p class="note">After step {escape(fmt(step))}.</p><table class="incidents" '
+            f'id="eval-tasks"><thead><tr><th>task</th><th>metric</th><th>value</th></tr></thead><tbody>{rows}</tbody></table>')
+
+
 def _evaluation(run: RunFiles) -> str:
     """Evaluations recorded under ``"eval"`` (``eval.every``): loss over steps, loss by position
     for a few of them, the latest one's buckets, and its passkey accuracy grid."""
@@ -257,6 +268,9 @@ def _evaluation(run: RunFiles) -> str:
     passkey = next((e["passkey"] for _, e in reversed(evals) if isinstance(e.get("passkey"), dict)), None)
     if passkey is not None:
         parts.append(_passkey_grid(passkey))
+    tasks = next(((s, e["tasks"]) for s, e in reversed(evals) if isinstance(e.get("tasks"), dict)), None)
+    if tasks is not None:
+        parts.append(_task_table(*tasks))
     return f'<section id="evaluation"><h2>Evaluation</h2><div class="grid">{"".join(cards)}</div>{"".join(parts)}</section>'
 
 
