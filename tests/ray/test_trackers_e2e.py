@@ -17,7 +17,7 @@ import pytest
 
 from ringtrain.telemetry.trackers import read_history
 from ringtrain_dev.cli_runs import QUICKSTART, run_cli
-from ringtrain_dev.mlflow_server import MlflowServer
+from ringtrain_dev.mlflow_server import MlflowServer, start_mlflow
 from ringtrain_dev.ray_head import processes_using
 from ringtrain_dev.tiny import TINY
 from tests.trackers.conftest import mlflow_server  # noqa: F401 (a fixture)
