@@ -431,7 +431,7 @@ class Controller(Watches):
         controllers.max_recoveries is spent."""
         recovery, decision = state.recovery, state.decision
         try:
-            resumed, phases = self._execute(
+            resumed, phases, plan = self._execute(
                 decision, recovery.failure, last_step=state.last_step, fired_through=recovery.step, batch=recovery.batch
             )
         except WorkerError as exc:
@@ -448,7 +448,7 @@ class Controller(Watches):
         struck = self.ledger.rollback(resumed)
         self.records = [r for r in self.records if r["step"] <= resumed]
         self._kept_s = sum(r["step_time_s"] for r in self.records)
-        incident = dataclasses.replace(state.incident, dp_after=self.dp, lost_steps=len(struck), phases=phases)
+        incident = dataclasses.replace(state.incident, dp_after=self.dp, lost_steps=len(struck), phases=phases, plan=plan)
         self._update_incident(incident)
         self._recovering.append((incident, recovery.seen_at))
         # The recoveries this one retried end with it: same restore point, same steps redone.
@@ -504,17 +504,18 @@ class Controller(Watches):
 
     def _execute(
         self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]
-    ) -> tuple[int, Optional[dict[str, float]]]:
-        """Carry out ``decision``; returns the step resumed after and the time of each phase.
+    ) -> tuple[int, Optional[dict[str, float]], Optional[dict[str, Any]]]:
+        """Carry out ``decision``; returns the step resumed after, the time of each phase (of a
+        new world) and the recovery plan carried out (``policies.recovery``), as incidents hold it.
         ``last_step``: the newest step to restore; ``fired_through``: the step the failure was
         seen in; ``batch``: the data batch the failed step trained on (the one a skip drops)."""
         assert self.elastic is not None
         if decision.action is Action.ROLLBACK:
-            resumed = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR, fired_through=fired_through)
+            back = self.elastic.rollback(last_step=last_step, rejoin=failure.kind is Kind.ERROR, fired_through=fired_through)
             if decision.skip_batch and batch is not None:
                 # Dropped when the data reaches it again: the restore point may lie steps before.
                 self.ledger.skip(self.elastic.skip_batch(batch))
-            return resumed, None
+            return int(back.step), None, _plan_dict(back)
         out = self.elastic.reform(
             lost=frozenset(failure.ranks),
             new_dp=decision.dp_after,
@@ -525,7 +526,7 @@ class Controller(Watches):
         )
         if self.sdc is not None:
             self.sdc.reseat(out.seats)  # golden values stay with their workers
-        return int(out.step), dict(out.phases)
+        return int(out.step), dict(out.phases), _plan_dict(out)
 
     def _safe(self, step: int) -> None:
         """The holders have the snapshots of every step up to ``step`` (heard while a step
@@ -598,3 +599,9 @@ class Controller(Watches):
         self.observers.on_gauge(metrics.DP_SIZE, new_dp)
         self.observers.on_message(f"grew dp {before} -> {new_dp} after step {step} in {event['seconds']:.2f} s")
         return Training(f"grew to dp {new_dp}", step=step + 1)
+
+
+def _plan_dict(formed: Any) -> Optional[dict[str, Any]]:
+    """The recovery plan a world formed again carried out, as an incident records it."""
+    plan = getattr(formed, "plan", None)
+    return plan.to_dict() if plan is not None else None
