@@ -4,7 +4,8 @@ A Ray-tier chaos test hands its finished run folder to ``keep``: with RINGTRAIN_
 set to a folder, the run's job, summary, incidents and metrics are copied there under the
 scenario's name (``make chaos-records`` refreshes ``tests/chaos_records/`` so).
 ``tests/unit/test_chaos_replay.py`` replays each kept run with the Controller on
-``actors.simulated`` (``replay``) and compares the ``decisions`` of both.
+``actors.simulated`` (``replay``) and compares the ``decisions`` of both, and the recovery
+``plans`` each carried out.
 
 A replay takes its faults from the kept run: the job's chaos faults as they were configured
 (``FAULTS_AS_STRUCK``, slow ranks, bit flips, deaths inside a recovery), and from the incidents,
@@ -19,7 +20,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
@@ -75,6 +76,14 @@ def decisions(run_dir: Path) -> dict[str, Any]:
         "dp": summary["dp"],
         "ledger": summary["ledger"],
     }
+
+
+def plans(run_dir: Path) -> list[Optional[dict[str, Any]]]:
+    """The recovery plan each incident of the run records (``policies.recovery``: the step
+    restored and the kind of place each rank's shard came from, the seats, spares and new
+    workers, a retry's reuse, the chaos faults the new world kept); None for an incident with no
+    recovery of its own (a report, one a second failure interrupted)."""
+    return [json.loads(p.read_text()).get("plan") for p in sorted((run_dir / "incidents").glob("*.json"))]
 
 
 def replay(record: Path, scratch: Path, free_slots: int) -> Path:

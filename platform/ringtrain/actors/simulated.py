@@ -281,10 +281,10 @@ def _first_hand(fault: Fault) -> RankOutcome:
 
 
 class SimulatedRecovery:
-    """Carries the Controller's decisions out on a SimulatedGroup (``actors.protocols.Elastic``),
-    each as the plan ``policies.recovery.plan_recovery`` makes of it, which it answers the
-    plan's view of the cluster for (``policies.recovery.ClusterView``): the Ray worker group's
-    rules for the step to restore, the ranks a lost node takes and what a retry keeps.
+    """Carries the Controller's decisions out on a SimulatedGroup (``actors.protocols.Elastic``):
+    each as the plan ``policies.recovery.plan_recovery`` makes of it from this cluster's answers
+    to the plan's view (``policies.recovery.ClusterView``), so a recovery restores, seats and
+    retries by the rules Ray's worker group does.
 
     ``spares``: warm spares at the start; ``free_slots``: room for new workers; from clock time
     ``capacity_from`` on (or once step ``capacity_after_step`` is done), ``capacity_replicas``

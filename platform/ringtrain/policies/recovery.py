@@ -219,7 +219,7 @@ def plan_recovery(
     dp = topo.dp if new_dp is None else new_dp
     seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=dp)
     empty = seats.count(None)
-    from_spares = 0 if grow else min(spares, empty, view.ready_spares())
+    from_spares = min(spares, empty, view.ready_spares()) if spares and empty and not grow else 0
     crashes = () if grow else restoring_crashes(view.faults(), fired_through=fired, retry=retry, restores=restore is not None)
     return RecoveryPlan(
         last_step=last_step,
