@@ -10,7 +10,7 @@ scenario's name (``make chaos-records`` refreshes ``tests/chaos_records/`` so).
 A replay takes its faults from the kept run: the job's chaos faults as they were configured
 (``FAULTS_AS_STRUCK``, slow ranks, bit flips, deaths inside a recovery), and from the incidents,
 the events the Ray test caused from outside (a worker killed, a node removed) at the step they
-struck. Capacity the test gave back to the cluster returns before the step the job grew at.
+struck, a kill before the rank's newest snapshot left it as such (``_in_transit``). Capacity the test gave back to the cluster returns before the step the job grew at.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def replay(record: Path, scratch: Path, free_slots: int) -> Path:
         if kind not in OUTSIDE_KINDS or (kind, rank, step) in configured or "during_recovery" in (incident.get("verdict") or {}):
             continue
         struck = OUTSIDE_KINDS[kind]
-        if struck == "crash" and incident["lost_steps"] == 1:
+        if struck == "crash" and _in_transit(incident, job.checkpoint.snapshot_every):
             struck = "crash_in_transit"  # killed before its newest snapshot left it
         if struck == "node_lost":
             ranks_per_node = len(incident["ranks"])
@@ -129,6 +129,16 @@ def replay(record: Path, scratch: Path, free_slots: int) -> Path:
     quiet = Progress(job.train.steps, enabled=False, out=io.StringIO())
     Controller(job, group, RunDir(scratch), progress=quiet, elastic=recovery, clock=clock).run()
     return scratch
+
+
+def _in_transit(incident: dict[str, Any], snapshot_every: int) -> bool:
+    """Whether the rank an incident names died before its newest snapshot reached a holder:
+    the recovery went back past that snapshot (its plan's ``restore_step``), or redid the
+    recorded step that took it (a record held for its snapshots is not counted as lost)."""
+    newest = incident["detected_at_step"] - 1
+    newest -= newest % snapshot_every
+    restored = (incident.get("plan") or {}).get("restore_step")
+    return incident["lost_steps"] == 1 or (restored is not None and restored < newest)
 
 
 def scenarios() -> list[str]:

@@ -79,7 +79,7 @@ def test_the_restore_point_is_the_newest_whole_step_read_from_the_survivors_and_
     assert (plan.seats, plan.spares, plan.new_workers, plan.evicted) == ((0, 1, 2, None), 1, 0, ())
     # A straggler evicted between steps is alive with a state to trust: its own shard counts.
     trusted = plan_recovery(View(), lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=6, quarantine=True)
-    assert (trusted.step, trusted.read_lost) == (6, True)
+    assert (trusted.step, trusted.readers) == (6, {0, 1, 2, 3})
     # Step 0 is the initial state: nothing to read. Nothing whole otherwise: no way back.
     assert plan_recovery(View(), last_step=0).restore is None
     with pytest.raises(RecoveryError, match="no snapshot at or before step 4 is whole"):

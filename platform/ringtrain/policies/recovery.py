@@ -146,11 +146,10 @@ class RecoveryPlan:
 
     last_step: int  # the newest step the restore may go back to
     dp: int  # the new world's replicas
-    readers: frozenset[int]  # the ranks of the broken world whose memories are read
+    readers: frozenset[int]  # the ranks of the broken world whose memories are read (``evicted_alive``)
     restore: Optional[RestorePlan]  # each old rank's shard and where from; None: the initial state
     retry: bool  # a recovery asked for the step an interrupted one fetched
     reused: bool  # the retry reads the shards the interrupted recovery fetched
-    read_lost: bool  # the lost ranks' own memories count (``evicted_alive``): stop them only after the fetch
     seats: tuple[Optional[int], ...]  # new rank -> the old rank seated there (None: a seat to fill)
     evicted: tuple[int, ...]  # old ranks alive but with no seat
     spares: int  # empty seats warm spares take
@@ -228,7 +227,6 @@ def plan_recovery(
         restore=restore,
         retry=retry,
         reused=reused,
-        read_lost=read_lost,
         seats=tuple(seats),
         evicted=tuple(evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)),
         spares=from_spares,
