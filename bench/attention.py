@@ -4,20 +4,21 @@ sequence, on one GPU; and packed documents against the same sequence unpacked.
 Ring, all-gathered K/V: for a ring of R ranks this runs the real ``ring_attention`` (both K/V
 exchanges: passed around the ring, and all gathered, train/attention/exchanges/allgather.py) forward and
 backward through autograd, for one rank, the worst one: under a causal mask the last rank's rows
-take part in every merge. It is handed a loopback transport on the one GPU (a visiting
-block is a device copy of the rank's own K/V; the gather stacks R copies), so what is timed is
-the rank's compute and copies, not the network; in a real ring the transfers overlap the compute
-(ring) or precede it (all-gather, one collective of K/V, small under GQA). Its TFLOP/s over one
+take part in every merge. It is handed a loopback transport on the one GPU
+(``ringtrain_dev.loopback``: a visiting block is a device copy of the rank's own K/V; the gather
+stacks R copies), so what is timed is the rank's compute and copies, not the network; in a real
+ring the transfers overlap the compute (ring) or precede it (all-gather, one collective of K/V,
+small under GQA). Its TFLOP/s over one
 monolithic causal call's over the whole sequence, same kernel, is the ratio printed.
 
 Packed documents: local attention over one sequence of N documents, each rectangle of a
 document run unmasked on the fastest kernel (train/attention/blocks.py), against the same
 sequence unpacked: forward + backward time and peak memory.
 
-Targets (issue: ring attention at every block size): the better exchange's worst-rank ratio
->= 0.95 forward and backward at >= 8K tokens a rank, >= 0.85 at 4K, >= 0.7 at 2K; packed
-documents' throughput >= 0.9x the unpacked sequence's with peak memory <= 1.1x. bf16, head dim
-128, 32 query / 8 KV heads. ``--check`` exits 1 on a miss.
+Targets (issue: ring attention at every block size; ``ringtrain_dev.ring_targets``): the better
+exchange's worst-rank ratio >= 0.95 forward and backward at >= 8K tokens a rank, >= 0.85 at 4K,
+>= 0.7 at 2K; packed documents' throughput >= 0.9x the unpacked sequence's with peak memory
+<= 1.1x. bf16, head dim 128, 32 query / 8 KV heads. ``--check`` exits 1 on a miss.
 
     PYTHONPATH=platform python bench/attention.py [--kernel auto] [--check]
     PYTHONPATH=platform python bench/attention.py --device cpu --tiny   # the code path, no timing claims
@@ -31,34 +32,23 @@ Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV
 from __future__ import annotations
 
 import argparse
-import re
-import statistics
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from ringtrain.train.attention import local_attention, ring_attention
-from ringtrain.train.attention.transport import Done, check_contiguous, send_recv_tensors
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import causal_work, zigzag_shard
+from ringtrain_dev.bench_cli import slug
+from ringtrain_dev.loopback import LoopbackTransport
+from ringtrain_dev.record import RESULTS_DIR, Run
+from ringtrain_dev.ring_targets import EXCHANGES, ratio_target
+from ringtrain_dev.timing import fwd_bwd_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import RESULTS_DIR, Run  # noqa: E402
-
-EXCHANGES = ("ring", "allgather")
-# (tokens a rank at least, forward and backward ratio at least) of the better exchange.
-RATIO_TARGETS = ((8192, 0.95), (4096, 0.85), (2048, 0.70))
 PACKED_SPEED_MIN, PACKED_MEMORY_MAX = 0.9, 1.1
-
-
-def ratio_target(tokens_per_rank: int) -> Optional[float]:
-    """The ratio a rank of ``tokens_per_rank`` is held to (None below the smallest size)."""
-    return next((ratio for floor, ratio in RATIO_TARGETS if tokens_per_rank >= floor), None)
 
 
 def balance_report(seqs: Sequence[int], rings: Sequence[int]) -> list[dict[str, Any]]:
@@ -75,76 +65,6 @@ def balance_report(seqs: Sequence[int], rings: Sequence[int]) -> list[dict[str, 
 def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """Forward matmul FLOPs of causal attention over ``seq``: QK^T and PV, halved by the mask."""
     return 4.0 * batch * heads * seq * seq * head_dim / 2
-
-
-# -- one rank on one device: the transport looped back -------------------------------------
-
-
-@dataclass(frozen=True)
-class LoopbackTransport:
-    """A ``Transport`` for one rank of a ring on one device: what it receives is a device copy of
-    what it sends (the rank's own block), a gather stacks R copies, a reduce-scatter keeps its
-    own slice."""
-
-    index: int
-    world: int
-
-    def rank(self) -> int:
-        return self.index
-
-    def size(self) -> int:
-        return self.world
-
-    def send_recv(self, sends: Mapping[int, Sequence[torch.Tensor]], recvs: Mapping[int, Sequence[torch.Tensor]], *,
-                  tag: int) -> Done:
-        check_contiguous("send_recv", *send_recv_tensors(sends, recvs))
-        outgoing = next(iter(sends.values()), None)
-        for buffers in recvs.values():
-            for i, buffer in enumerate(buffers):
-                buffer.copy_(outgoing[i]) if outgoing is not None else buffer.zero_()
-        return Done()
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        check_contiguous("all_to_all", output, input)
-        output.copy_(input)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(0).expand(self.world, *x.shape).contiguous()
-
-    def reduce_scatter(self, x_U: torch.Tensor) -> torch.Tensor:
-        return x_U[self.index].clone()
-
-
-# -- timing --------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn`` in milliseconds, device-synchronized around each call."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
-def fwd_bwd_ms(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               dout: torch.Tensor, device: torch.device, *, warmup: int, iters: int) -> tuple[float, float]:
-    """(forward ms, backward ms) of ``attend(q, k, v)`` through autograd."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    fwd = timed_ms(lambda: attend(*leaves), device, warmup=warmup, iters=iters)
-    out = attend(*leaves)  # one graph, its backward run again and again
-    bwd = timed_ms(lambda: out.backward(dout, retain_graph=True), device, warmup=warmup, iters=iters)
-    return fwd, bwd
 
 
 def _inputs(args: argparse.Namespace, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -285,11 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for what, met in found:
         print(f"{'PASS' if met else 'MISS'}: {what}")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() + ("-tiny" if args.tiny else "")
+    name_slug = slug(name) + ("-tiny" if args.tiny else "")
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items() if k != "out"}
     result = {"config": config, "balance": balance, "timings": rows, "packed": packed,
               "targets": [{"what": what, "met": met} for what, met in found]}
-    run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention-{slug}.json")
+    run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention-{name_slug}.json")
     return 1 if args.check and not all(met for _, met in found) else 0
 
 

@@ -41,10 +41,11 @@ import torch
 from ringtrain.train.attention import local_attention, ring_attention
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import zigzag_shard
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import EXCHANGES, LoopbackTransport, ratio_target, timed_ms  # noqa: E402
-from record import RESULTS_DIR, Run  # noqa: E402
+from ringtrain_dev.bench_cli import slug
+from ringtrain_dev.loopback import LoopbackTransport
+from ringtrain_dev.record import RESULTS_DIR, Run
+from ringtrain_dev.ring_targets import EXCHANGES, ratio_target
+from ringtrain_dev.timing import timed_ms
 
 DEFAULT_SIZES = ("16384x8", "16384x4", "32768x4")  # 2K, 4K and 8K tokens a rank
 
@@ -187,10 +188,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for what, met in found:
         print(f"{'PASS' if met else 'MISS'}: {what}")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() + ("-tiny" if args.tiny else "")
+    name_slug = slug(name) + ("-tiny" if args.tiny else "")
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items() if k != "out"}
     result = {"config": config, "rows": rows, "targets": [{"what": what, "met": met} for what, met in found]}
-    run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention_launches-{slug}.json")
+    run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention_launches-{name_slug}.json")
     return 1 if args.check and not all(met for _, met in found) else 0
 
 

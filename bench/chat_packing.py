@@ -21,10 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
-
-from bench.record import Run  # noqa: E402
+from ringtrain_dev.record import Run
 
 TARGET = 0.5
 SEQ_LENS = (2048, 4096, 8192)

@@ -1,6 +1,6 @@
 """Benchmark: a training step on chat data against the same tokens as packed text (masking is free).
 
-Random conversations (assistant-turn loss masks, as ``tests/chat_data.py`` writes them) are
+Random conversations (assistant-turn loss masks, as ``ringtrain_dev/chat_data.py`` writes them) are
 stored twice: as a chat dataset, and as the same conversations with every token trained (the
 packed text of the same tokens: the same rows, the same documents, only the mask differs), so
 the comparison isolates what masking costs. Three Trainers of the quickstart model (jobs/quickstart.yaml) on one gloo rank, all
@@ -22,10 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
+from ringtrain_dev.record import Run
 
-from bench.record import Run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET = 0.02
 KINDS = ("text", "chat-token", "chat-sequence")
@@ -45,7 +44,7 @@ def main() -> int:
 
     from ringtrain import config
     from ringtrain.train.trainer import Trainer, set_rank_env
-    from tests.chat_data import chat_manifests_read, random_conversations, write_chat
+    from ringtrain_dev.chat_data import chat_manifests_read, random_conversations, write_chat
 
     if not chat_manifests_read():
         print("this tree's manifest reader does not know chat datasets yet (#42's prepare side)", file=sys.stderr)

@@ -16,8 +16,8 @@ node and on the buddy node's holder, each of which keeps a private copy.
   ``WorkerGroup.train_step()``: what the Controller waits for. Every block ends with a drain call
   on every worker (on: wait for the last capture and for its holders' puts; off: the same call,
   with nothing to wait for), timed with the block's last step, so the snapshot tail of a block
-  is charged to it. The ratio is over neighbouring on/off blocks (see blocks.py): the mean of
-  their log ratios and its 95% confidence interval. Rounds of four blocks run until the
+  is charged to it. The ratio is over neighbouring on/off blocks (``ringtrain_dev.blocks``): the
+  mean of their log ratios and its 95% confidence interval. Rounds of four blocks run until the
   interval's half-width is within ``--resolve`` (1% of the step: a fifth of the target's
   margin) or ``--max-blocks`` ran, so the noise of a busy shared machine buys more blocks
   rather than a wider answer. It decides PASS/FAIL: the upper end of the interval must be
@@ -75,12 +75,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from blocks import OutsideLoad, block_means, own_cpu_s, paired_ratio, schedule  # noqa: E402
-from record import Run  # noqa: E402
+from ringtrain_dev.blocks import OutsideLoad, block_means, own_cpu_s, paired_ratio, schedule
+from ringtrain_dev.ray_head import TORCH_EXTENSIONS_DIR
+from ringtrain_dev.record import Run
 
-TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
+ROOT = Path(__file__).resolve().parents[1]
+
 MB = 1e6
 TARGET = 1.05
 NUM_NODES = 2

@@ -24,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
+from ringtrain_dev.record import Run
 
-from bench.record import Run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET = 0.01
 
@@ -37,7 +36,7 @@ def _write_dataset(root: Path, num_docs: int) -> int:
 
     from ringtrain.prepared import BYTES_EOS_ID, BYTES_VOCAB_SIZE
     from ringtrain.train.data import stdlib_source_files
-    from tests.prepared_data import write_prepared
+    from ringtrain_dev.prepared_data import write_prepared
 
     docs = []
     for f in stdlib_source_files()[:num_docs]:

@@ -34,11 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
-
-from bench.record import Run  # noqa: E402
-from tests.dist.ranks import run_ranks  # noqa: E402
+from ringtrain_dev.ranks import run_ranks
+from ringtrain_dev.record import Run
 
 WORLD = 4
 TARGET = 0.5  # ringtrain's loading memory / the naive way's

@@ -3,7 +3,7 @@
 At short blocks a GPU rank waits on its host: every aten op a rank dispatches is at least one
 launch. This counts the aten ops each rank dispatches for one layer's forward + backward and
 times the rank's host side, at tiny shapes with the one-op ``cpu_flash`` kernel, every rank a
-thread of one process (``tests/emulated_cp.py``: the real attention code, the transport in
+thread of one process (``ringtrain_dev.emulated_cp``: the real attention code, the transport in
 memory). Layouts: ring cp4 with K/V passed around the ring and with K/V all gathered, ring cp4
 on packed documents, Ulysses cp4, hybrid 2 x 2, ring cp8, and a windowed ring cp4 layer (the
 ring exchange, not the neighbours': as 110e587's figures were taken).
@@ -15,7 +15,7 @@ What a rank's layer is, here:
 - its ops: every aten op its thread dispatches but the emulated transport's (a job's transfers
   are the process group's; an emulator's mailbox copies stand in for the network);
 - its host time: the last rank (the busiest under a causal mask) run alone in this thread on the
-  bench's loopback transport (``bench/attention.py``: same shapes, no other rank's thread to
+  benches' loopback transport (``ringtrain_dev.loopback``: same shapes, no other rank's thread to
   share the cores and caches with), its CPU time less the transport's and less the block
   kernel's own op (``_TimedKernel``: at these shapes the CPU kernel computes for 25-60 us a call,
   which a GPU does on the device; what is left is what a GPU rank's host does); one OpenMP
@@ -66,12 +66,11 @@ from typing import Any, Optional
 # their own otherwise (torch.set_num_threads holds for the calling thread only).
 os.environ["OMP_NUM_THREADS"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench.record import RESULTS_DIR, Run  # noqa: E402
+from ringtrain_dev.record import RESULTS_DIR, Run  # noqa: E402
 
 # ops a rank of each layout dispatched at 110e587 (fewest, most), counted with the harness's
 # sharding and the emulator's mailbox copies in (the issue's table).
@@ -168,7 +167,7 @@ class _CountOps(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from tests.emulated_cp import in_transport
+        from ringtrain_dev.emulated_cp import in_transport
 
         if not in_transport():
             self.counter[str(func.overloadpacket)] += 1
@@ -221,7 +220,7 @@ def _documents(layout: Layout) -> Optional[list[Any]]:
 
 
 def _call(layout: Layout, kernel: Any, rank_context: Callable[[], Any], documents: Optional[list[Any]]) -> None:
-    from tests.emulated_cp import emulated_attention, emulated_ring
+    from ringtrain_dev.emulated_cp import emulated_attention, emulated_ring
 
     q, k, v, dout = _inputs(layout)
     if layout.window is not None:
@@ -235,14 +234,13 @@ def _call(layout: Layout, kernel: Any, rank_context: Callable[[], Any], document
 
 
 class _TimedLoopback:
-    """The bench's loopback transport (``bench/attention.py``: what a rank sends comes back to it),
-    its transfers' CPU time kept apart: a transfer is the network's work, not the rank's host's."""
+    """The benches' loopback transport (``ringtrain_dev.loopback``: what a rank sends comes back to
+    it), its transfers' CPU time kept apart: a transfer is the network's work, not the rank's host's."""
 
     seconds = 0.0
 
     def __init__(self, index: int, world: int) -> None:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from attention import LoopbackTransport
+        from ringtrain_dev.loopback import LoopbackTransport
 
         self._inner = LoopbackTransport(index, world)
         self.rank, self.size = self._inner.rank, self._inner.size

@@ -1,23 +1,18 @@
 """Peak memory growth of the loss from 2K to 4K tokens at vocabulary 128,256: chunked against whole logits (CPU, fp32).
 
 The peak is that of live torch tensor storage during one forward and backward of the output
-projection and the loss (tests/unit/savers_tools.LiveBytes). Unchunked, going from 2K to 4K
-tokens adds at least 2K x 128,256 fp32 logits and their gradients; chunked, only the hidden
-states and one log-sum-exp per token. Target: growth ratio chunked / unchunked <= 0.1.
+projection and the loss (``ringtrain_dev.live_bytes``). Unchunked, going from 2K to 4K tokens
+adds at least 2K x 128,256 fp32 logits and their gradients; chunked, only the hidden states and
+one log-sum-exp per token. Target: growth ratio chunked / unchunked <= 0.1.
 
-    PYTHONPATH=platform:. python bench/loss_memory.py   # writes bench/results/loss_memory-cpu.json
+    PYTHONPATH=platform python bench/loss_memory.py   # writes bench/results/loss_memory-cpu.json
 """
 
 from __future__ import annotations
 
-import gc
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-from record import Run  # noqa: E402
+from ringtrain_dev.record import Run
 
 VOCAB, DIM, CHUNK = 128_256, 256, 1024
 
@@ -25,19 +20,13 @@ VOCAB, DIM, CHUNK = 128_256, 256, 1024
 def peak(tokens: int, chunk: int) -> int:
     import torch
 
-    from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
-    from tests.unit.savers_tools import LiveBytes
+    from ringtrain_dev.live_bytes import loss_peak
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, DIM, generator=g, requires_grad=True)
     weight = (0.05 * torch.randn(VOCAB, DIM, generator=g)).requires_grad_()
     labels = torch.randint(0, VOCAB, (tokens,), generator=g)
-    gc.collect()
-    with LiveBytes() as live:
-        loss = chunked_cross_entropy_sum(hidden, weight, labels, chunk) if chunk else full_cross_entropy_sum(hidden, weight, labels)
-        loss.backward()
-        del loss
-    return live.peak
+    return loss_peak(hidden, weight, labels, chunk)
 
 
 def main() -> int:
@@ -53,5 +42,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "platform"))
     sys.exit(main())

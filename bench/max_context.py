@@ -13,15 +13,15 @@ For each model shape, two systems:
   ``model(input_ids=..., labels=...).loss``, bf16 weights with fp32 AdamW masters (the recipe of
   bench/train.py's hf variant).
 
-Each try is one length in a process of its own (bench/try_process.py; on CUDA a spawned one: a
-fresh CUDA context and allocator): ``--steps`` optimizer steps (forward, backward, step; the
+Each try is one length in a process of its own (``ringtrain_dev.try_process``; on CUDA a spawned
+one: a fresh CUDA context and allocator): ``--steps`` optimizer steps (forward, backward, step; the
 second catches allocator growth), with a timeout. An out-of-memory is a result: the try is
 recorded as ``oom`` with the limit that stopped it (``device``: torch's OutOfMemoryError;
 ``host``: a host allocation failed, or the kernel killed the process), and the search goes on.
 Each try records its length, outcome, peak device memory (``torch.cuda.max_memory_allocated``
-and ``max_memory_reserved``; on a CPU the peak of torch-allocated bytes, counted as
-bench/planner_memory.py counts them), the process's peak RSS, the planner's predicted peak for
-the layout it ran, and its step times.
+and ``max_memory_reserved``; on a CPU the peak of torch-allocated bytes, counted by
+``ringtrain_dev.live_bytes`` as bench/planner_memory.py counts them), the process's peak RSS,
+the planner's predicted peak for the layout it ran, and its step times.
 
 The search (``next_length``): start from the planner's predicted maximum (``ringtrain plan
 --max-seq-len`` for one device: ``reach.longest``; for hf, the planner's reach of full
@@ -70,7 +70,7 @@ the planner plans for the cap, and a try whose peak of torch-allocated bytes exc
 offload to. Needs CUDA unless ``--device cpu``: without it, it exits 2 with a message.
 
 Writes bench/results/max_context-<device>.json (``-tiny`` added for tiny shapes; or ``--out``)
-through bench/record.py's Run: commit, device, every try of every search, the targets.
+through ``ringtrain_dev.record``'s Run: commit, device, every try of every search, the targets.
 """
 
 from __future__ import annotations
@@ -79,8 +79,6 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-import queue
-import re
 import resource
 import signal
 import sys
@@ -92,9 +90,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import RESULTS_DIR, Run  # noqa: E402
-from try_process import context, interrupt_on_sigint, try_process  # noqa: E402
+from ringtrain_dev.bench_cli import bad_input, listed, one_device_parser, slug, without_cuda
+from ringtrain_dev.one_device import MasterWeightAdamW, Shape, device_of, hf_model, hf_step, join_world_of_one, model_overrides
+from ringtrain_dev.record import RESULTS_DIR, Run
+from ringtrain_dev.targets import SMOKE, Target
+from ringtrain_dev.try_process import interrupt_on_sigint, run_to_end
 
 if TYPE_CHECKING:
     from ringtrain.config import JobConfig
@@ -102,13 +102,11 @@ if TYPE_CHECKING:
     from ringtrain.planner.search import Candidate, Cluster, Reach
     from ringtrain.planner.throughput import Assumptions
 
-EXIT_BAD_INPUT = 2  # also: no CUDA where the bench needs it
 RATIO_MIN = 8.0  # ringtrain's longest sequence over transformers'
 LLAMA_1B_MIN_TOKENS = 2**20  # on an H100
 PREDICTION_TOLERANCE = 0.10  # the planner's max, and its peak, against the measured ones
 PEAK_LENGTHS_MIN = 3  # lengths at which the predicted peak must hold
 ERROR_LINES = 20  # of a failed try's traceback, kept in the JSON
-SMOKE = "cpu smoke, not a measurement"
 GB = 10**9
 
 # Outcomes of a try, and the limits an out-of-memory names.
@@ -120,20 +118,6 @@ START_GUESS_S = {"cuda": 60.0, "cpu": 5.0}
 
 
 # ---- shapes -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A model shape: the job's ``model.*`` keys, its tiny stand-in, transformers' classes."""
-
-    title: str
-    model: Mapping[str, Any]
-    tiny: Mapping[str, Any]  # the sizes ``--tiny`` puts in place; the family's switches stay
-    hf_model: str
-    hf_config: str
-
-    def model_keys(self, tiny: bool) -> dict[str, Any]:
-        return {**self.model, **(self.tiny if tiny else {})}
 
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
@@ -302,18 +286,10 @@ class Try:
         return SHAPES[self.shape].model_keys(self.tiny)
 
 
-def _yaml(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
 def job_overrides(t: Try) -> list[str]:
     """The job a try trains: its shape at its length, one sequence per step, one device, the layout."""
     return [
-        *(f"model.{key}={_yaml(value)}" for key, value in t.model.items()),
+        *model_overrides(t.model),
         f"data.seq_len={t.seq_len}",
         "train.global_batch=1",
         "train.micro_batch=1",
@@ -332,14 +308,6 @@ def load_job(t: Try) -> JobConfig:
     return config.load(None, job_overrides(t))
 
 
-def device_of(t: Try) -> torch.device:
-    if t.device != "cuda":
-        return torch.device("cpu")
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    return device
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -347,7 +315,7 @@ def synchronize(device: torch.device) -> None:
 
 class PeakMeter:
     """Peak device memory of a try: the CUDA allocator's peaks, or on a CPU the peak of live
-    torch-allocated bytes (bench/planner_memory.py's ``StoragePeak``), which counts what the planner
+    torch-allocated bytes (``ringtrain_dev.live_bytes``), which counts what the planner
     predicts and not the interpreter or libraries. ``reset`` after the build: training is measured,
     with the model states the build left counted in."""
 
@@ -357,9 +325,9 @@ class PeakMeter:
         self.reserved = 0
         self._storage: Any = None
         if device.type != "cuda":
-            from planner_memory import StoragePeak
+            from ringtrain_dev.live_bytes import LiveBytes
 
-            self._storage = StoragePeak()
+            self._storage = LiveBytes("cpu")
 
     def __enter__(self) -> PeakMeter:
         if self._storage is not None:
@@ -402,23 +370,12 @@ def timed(step: Callable[[], float], device: torch.device, meter: PeakMeter) -> 
 
 def run_ringtrain(t: Try, meter: PeakMeter) -> dict[str, Any]:
     """ringtrain's Trainer, one rank in a world of one."""
-    from ringtrain.train.trainer import set_rank_env
-
     device = meter.device
-    set_rank_env(rank=0, world_size=1, device=device)  # before DeepSpeed's import reads it
-    import logging
-
-    import torch.distributed as dist
-    from deepspeed.utils import logger as ds_logger
-
+    join_world_of_one(device)
     from ringtrain.train.fused import liger_ops
     from ringtrain.train.trainer import Trainer
 
-    ds_logger.setLevel(logging.WARNING)
     cuda = device.type == "cuda"
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
-    )
     job = load_job(t)
     with meter:
         trainer = Trainer(job, rank=0, device=device)
@@ -435,55 +392,20 @@ def run_ringtrain(t: Try, meter: PeakMeter) -> dict[str, Any]:
     }
 
 
-def hf_model(t: Try, job: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' own model of the try's shape, from the config ringtrain exports for it."""
-    import warnings
-
-    import transformers
-
-    from ringtrain.hf.hfconfig import hf_config
-
-    shape = SHAPES[t.shape]
-    config_class, model_class = getattr(transformers, shape.hf_config), getattr(transformers, shape.hf_model)
-    source = {"architectures": [shape.hf_model], "model_type": config_class.model_type}
-    fields = hf_config(job.model, source, trained_seq_len=t.seq_len, dtype="bf16" if dtype == torch.bfloat16 else "fp32")
-    config = config_class.from_dict(fields, attn_implementation="sdpa")
-    if config._attn_implementation != "sdpa":
-        raise RuntimeError(f"transformers {transformers.__version__} set attention {config._attn_implementation}, not sdpa")
-    config.use_cache = False
-    torch.manual_seed(job.train.seed)
-    with device:
-        model = model_class(config).to(dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # renamed in 5.2x; this name works in every 5.x
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
-
-
 def run_hf(t: Try, meter: PeakMeter) -> dict[str, Any]:
     """transformers' model of the same shape, trained the way a user would train it."""
-    from train import MasterWeightAdamW  # bench/train.py's hf recipe: fp32 masters, torch's AdamW
-
     from ringtrain.train.engine import resolve_dtype
 
     device = meter.device
     job = load_job(t)
     dtype = resolve_dtype(job, device)
     with meter:
-        model = hf_model(t, job, device, dtype)
+        model = hf_model(SHAPES[t.shape], job, t.seq_len, device, dtype)
         optimizer = MasterWeightAdamW(model, job, fused=device.type == "cuda")
         gen = torch.Generator(device=device).manual_seed(0)
         input_ids = torch.randint(0, job.model_int("vocab_size"), (1, t.seq_len), device=device, generator=gen)
         meter.reset()
-
-        def step() -> float:
-            loss = model(input_ids=input_ids, labels=input_ids).loss  # shifts the labels itself
-            loss.backward()
-            optimizer.step()
-            return float(loss.item())
-
-        steps = [timed(step, device, meter) for _ in range(t.steps)]
+        steps = [timed(lambda: hf_step(model, optimizer, input_ids), device, meter) for _ in range(t.steps)]
     return {"step_s": [s for s, _ in steps], "losses": [loss for _, loss in steps], "checkpointing": "full",
             "fused_kernels": "eager"}
 
@@ -522,7 +444,7 @@ Runner = Callable[[Try, PeakMeter], dict[str, Any]]
 def _try_main(t: Try, runner: Optional[Runner], results: Any) -> None:
     meter: Optional[PeakMeter] = None
     try:
-        device = device_of(t)
+        device = device_of(t.device)
         if t.memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(t.memory_fraction, device)
         meter = PeakMeter(device)
@@ -541,48 +463,23 @@ def _try_main(t: Try, runner: Optional[Runner], results: Any) -> None:
     results.put(out)
 
 
-def _await_result(proc: Any, results: Any, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            out: dict[str, Any] = results.get(timeout=0.5)
-            return out
-        except queue.Empty:
-            if not proc.is_alive():
-                try:  # it may have reported just before it exited
-                    return dict(results.get(timeout=1.0))
-                except queue.Empty:
-                    if proc.exitcode == -signal.SIGKILL:
-                        # Nothing here kills a try before its timeout: the kernel's OOM killer did.
-                        return {"outcome": OOM, "limit": HOST_LIMIT,
-                                "error": "killed by SIGKILL before reporting (the kernel's out-of-memory killer)"}
-                    return {"outcome": ERROR, "limit": "", "error": f"the process exited with code {proc.exitcode} before reporting"}
-            if time.monotonic() > deadline:
-                return {"outcome": TIMEOUT, "limit": "", "error": f"no result within {timeout_s:.0f} s"}
-
-
 def run_try(t: Try, timeout_s: float, runner: Optional[Runner] = None) -> dict[str, Any]:
-    """``t`` in a process of its own (bench/try_process.py): its result, whatever happened to it.
-    The process is gone when this returns (killed if it outlives its timeout, or its grace after
-    reporting)."""
-    results = context(t.device).Queue()
-    proc = try_process(t.device, _try_main, t, runner, results)
-    t0 = time.perf_counter()
-    out: dict[str, Any] = {"outcome": ERROR, "limit": "", "error": "interrupted before it reported"}
-    try:
-        proc.start()
-        out = _await_result(proc, results, timeout_s)
-    finally:
-        if proc.pid is not None:
-            # A process that reported gets a while to tear its process group down.
-            proc.join(timeout=0.0 if out["outcome"] == TIMEOUT else 30.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        results.close()
-        results.join_thread()
-    out["pid"] = proc.pid
-    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    """``t`` in a process of its own (``ringtrain_dev.try_process``): its result, whatever happened
+    to it. The process is gone when this returns (killed if it outlives its timeout, or its grace
+    after reporting)."""
+    ended = run_to_end(t.device, _try_main, t, runner, timeout_s=timeout_s, poll_s=0.5)
+    if ended.result is not None:
+        out = dict(ended.result)
+    elif ended.timed_out:
+        out = {"outcome": TIMEOUT, "limit": "", "error": f"no result within {timeout_s:.0f} s"}
+    elif ended.exitcode == -signal.SIGKILL:
+        # Nothing here kills a try before its timeout: the kernel's OOM killer did.
+        out = {"outcome": OOM, "limit": HOST_LIMIT,
+               "error": "killed by SIGKILL before reporting (the kernel's out-of-memory killer)"}
+    else:
+        out = {"outcome": ERROR, "limit": "", "error": f"the process exited with code {ended.exitcode} before reporting"}
+    out["pid"] = ended.pid
+    out["wall_s"] = round(ended.wall_s, 2)
     return out
 
 
@@ -865,35 +762,6 @@ def try_line(system: str, index: int, r: Mapping[str, Any]) -> str:
             f"  (process {r['wall_s']:.0f} s){'  ' + r['layout'] if r.get('layout') else ''}")
 
 
-@dataclass(frozen=True)
-class Target:
-    shape: str
-    what: str
-    value: Optional[float]  # None: not measured (``missing`` says why)
-    bound: float
-    unit: str = ""  # "x", "%" (value and bound are fractions), "tokens"
-    at_most: bool = False
-    missing: str = ""
-
-    @property
-    def met(self) -> bool:
-        if self.value is None:
-            return False
-        return self.value <= self.bound if self.at_most else self.value >= self.bound
-
-    def _show(self, value: float) -> str:
-        if self.unit == "%":
-            return f"{value:.1%}"
-        if self.unit == "tokens":
-            return f"{value:,.0f} tokens"
-        return f"{value:.2f}{self.unit}"
-
-    def line(self, smoke: bool) -> str:
-        value = f"not measured ({self.missing})" if self.value is None else self._show(self.value)
-        verdict = SMOKE if smoke else "PASS" if self.met else "MISS"
-        return f"{self.shape}: {self.what} {value} (target {'<=' if self.at_most else '>='} {self._show(self.bound)}): {verdict}"
-
-
 def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     """The per-shape numbers the targets read: maxima, ratio, prediction error, peak accuracy."""
     rt, hf = systems.get("ringtrain"), systems.get("hf")
@@ -930,7 +798,7 @@ def targets_for(name: str, device_name: str, summary: Mapping[str, Any], systems
         measured = summary["peak_measured_at"]
         out.append(Target(name, f"lengths with the predicted peak within {PREDICTION_TOLERANCE:.0%} "
                                 f"(of {len(measured)} measured)",
-                          float(len(summary["peak_within_tolerance_at"])), PEAK_LENGTHS_MIN))
+                          float(len(summary["peak_within_tolerance_at"])), PEAK_LENGTHS_MIN, "count"))
     return out
 
 
@@ -977,16 +845,7 @@ def summary_lines(name: str, systems: Mapping[str, dict[str, Any]], summary: Map
 
 
 def _bad_input(message: str) -> int:
-    print(f"bench/max_context.py: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
-def _names(text: str, known: Sequence[str], flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise SystemExit(_bad_input(f"{flag}: {', '.join(unknown) or 'nothing'} is not among {', '.join(known)}"))
-    return names
+    return bad_input("max_context", message)
 
 
 def _lengths(text: str) -> list[int]:
@@ -1006,9 +865,7 @@ FULL_DEFAULTS = {"memory_gb": None, "granule": 1024, "budget_s": 600.0}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu needs --tiny")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes of both families: a smoke run")
+    p = one_device_parser(__doc__)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per try (the second catches allocator growth)")
@@ -1024,8 +881,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed or not measured")
     p.add_argument("--out", type=Path, default=None, help="the JSON's path (default bench/results/max_context-<device>.json)")
     args = p.parse_args(argv)
-    args.shapes = _names(args.shapes, tuple(SHAPES), "--shapes")
-    args.systems = [s for s in SYSTEMS if s in _names(args.systems, SYSTEMS, "--systems")]
+    args.shapes = listed(args.shapes, tuple(SHAPES), "--shapes", "max_context")
+    args.systems = [s for s in SYSTEMS if s in listed(args.systems, SYSTEMS, "--systems", "max_context")]
     for key, value in (TINY_DEFAULTS if args.tiny else FULL_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -1041,21 +898,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-
-
 def main(argv: list[str]) -> int:
     interrupt_on_sigint()
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            f"bench/max_context.py needs a CUDA GPU: this torch ({torch.__version__}, CUDA build "
-            f"{torch.version.cuda or 'none'}) sees none. Run it on a GPU machine, or pass --device cpu --tiny "
-            "for a smoke run.",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
+    if args.device == "cuda" and (no_gpu := without_cuda("max_context")) is not None:
+        return no_gpu
     if args.device == "cpu" and not args.tiny:
         return _bad_input("--device cpu runs only with --tiny (a 1B model's longest step takes days on a CPU)")
     run = Run("max_context")
@@ -1106,7 +953,7 @@ def main(argv: list[str]) -> int:
             "interrupted": interrupted or None,
         },
         device_type=args.device,
-        out=args.out or RESULTS_DIR / f"max_context-{_slug(device_label)}{'-tiny' if args.tiny else ''}.json",
+        out=args.out or RESULTS_DIR / f"max_context-{slug(device_label)}{'-tiny' if args.tiny else ''}.json",
     )
     if interrupted:
         return 1
@@ -1132,5 +979,4 @@ def planner_record(plan: ShapePlan) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
     sys.exit(main(sys.argv[1:]))

@@ -44,8 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import Run  # noqa: E402
+from ringtrain_dev.record import Run
 
 MESH_GROUPS = 6  # mesh.Mesh's *_group fields: dp, cp, ring, ulysses, zero, self
 DS_GROUPS = 12  # a DeepSpeed-sized count, to see how the cost scales with groups

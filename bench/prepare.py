@@ -44,11 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
-
-from bench.record import Run  # noqa: E402
-from tests.corpus import documents, save_tokenizer, write_jsonl  # noqa: E402
+from ringtrain_dev.corpus import documents, save_tokenizer, write_jsonl
+from ringtrain_dev.record import Run
 
 BATCH = 512  # documents per encode call: prepare's CHUNK_DOCUMENTS
 NUM_FILES = 8

@@ -36,17 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
-
-from bench.record import Run  # noqa: E402
+from ringtrain_dev.record import Run
 
 TARGET = 0.25
 STYLES = ("chatml", "llama3")
 
 
 def conversations(count: int, seed: int = 0) -> list[dict[str, Any]]:
-    from tests.tiny_tokenizer import CHAT_WORDS
+    from ringtrain_dev.tiny_tokenizer import CHAT_WORDS
 
     rng = random.Random(seed)
 
@@ -105,7 +102,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write (default bench/results/prepare_chat-cpu.json)")
     args = parser.parse_args()
     run = Run("prepare_chat")
-    from tests.tiny_tokenizer import save_chat_tokenizer
+    from ringtrain_dev.tiny_tokenizer import save_chat_tokenizer
 
     convs = conversations(args.conversations)
     rounds: list[dict[str, Any]] = []

@@ -19,7 +19,7 @@ spawned processes (FileStore rendezvous), as tests/dist/test_equivalence.py does
   with blocks without it (``collectives.uninstall()`` restores torch.distributed and DeepSpeed's
   cached functions), on/off/off/on. A step's time is the wall time of ``train_step()``,
   maximum over ranks. The ratio of neighbouring blocks comes with its 95% confidence interval
-  (blocks.py): on this shared 2-core machine (four ranks on two cores, other work coming and
+  (``ringtrain_dev.blocks``): on this shared 2-core machine (four ranks on two cores, other work coming and
   going) its half-width at the default 12 blocks is a few per cent when the machine is quiet
   and tens of per cent under load, so it cannot resolve the 1% target (the number of block
   pairs it would need at the spread seen is reported). Worse, a burst of outside load that
@@ -71,14 +71,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-TARGET_RECORDER, TARGET_SDC = 1.01, 0.01
-sys.path.insert(0, str(ROOT / "bench"))
-from blocks import OutsideLoad, block_means, paired_ratio, schedule  # noqa: E402
-from record import Run  # noqa: E402
+from ringtrain_dev.blocks import OutsideLoad, block_means, paired_ratio, schedule
+from ringtrain_dev.ranks import run_ranks
+from ringtrain_dev.ray_head import TORCH_EXTENSIONS_DIR
+from ringtrain_dev.record import Run
 
-sys.path.insert(0, str(ROOT))
-from tests.dist.ranks import run_ranks  # noqa: E402
+TARGET_RECORDER, TARGET_SDC = 1.01, 0.01
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -137,7 +135,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, args: argparse.Namespace,
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ringtrain-cache" / "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
     set_rank_env(rank=rank, world_size=world, device=device)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(rendezvous, world), rank=rank,
                             world_size=world)

@@ -93,11 +93,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from record import RESULTS_DIR, Run, utc_now  # noqa: E402
+from ringtrain_dev.launched import launch, log_tail, ours, read_jsonl, stop
+from ringtrain_dev.record import RESULTS_DIR, Run, utc_now
 
-TORCH_EXTENSIONS_DIR = ROOT / ".ringtrain-cache" / "torch_extensions"
+ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 # shrink: grows back 2 s after capacity returns (default 10 s), so kills can come every few steps.
 RINGTRAIN_SCENARIOS: dict[str, dict[str, Any]] = {
@@ -258,63 +257,6 @@ def worker_main(workdir: Path) -> int:
 
 
 # --- processes ----------------------------------------------------------------------------------
-
-
-def launch(cmd: list[str], tmp: Path, extra_env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    env.update(
-        extra_env,
-        TORCH_EXTENSIONS_DIR=os.environ.get("RINGTRAIN_BENCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR)),
-        PYTHONPATH=os.pathsep.join([str(ROOT / "platform"), env.get("PYTHONPATH", "")]),
-        RINGTRAIN_BENCH_TMP=str(tmp),  # every process of the run inherits it: how stop() finds them
-    )
-    with open(tmp / "out.log", "wb") as log:
-        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def ours(tmp: Path) -> set[int]:
-    """Pids of the live processes started for the run whose temp dir is ``tmp``."""
-    import psutil
-
-    found = set()
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("RINGTRAIN_BENCH_TMP") == str(tmp):
-                found.add(proc.pid)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def stop(proc: subprocess.Popen[bytes], tmp: Path) -> None:
-    """SIGKILL the run's session and every process carrying its marker (torchrun's ranks and
-    Ray's workers start sessions of their own), by pid."""
-    for _ in range(3):
-        for kill, pid in [(os.killpg, proc.pid), *((os.kill, p) for p in ours(tmp))]:
-            try:
-                kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
-        time.sleep(0.2)
-        if not ours(tmp):
-            return
-
-
-def log_tail(tmp: Path, num_chars: int = 2000) -> str:
-    return (tmp / "out.log").read_text(errors="replace")[-num_chars:] if (tmp / "out.log").exists() else ""
-
-
-def read_jsonl(path: Path) -> Records:
-    """The complete JSON lines of a file another process appends to."""
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line still being written
-            continue
-    return out
 
 
 def wait_for(found: Callable[[], Any], proc: subprocess.Popen[bytes], deadline: float) -> Any:

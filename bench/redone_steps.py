@@ -34,10 +34,8 @@ from pathlib import Path
 from statistics import quantiles
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from record import RESULTS_DIR, Run  # noqa: E402
-from recovery import launch, log_tail, read_jsonl, stop  # noqa: E402
+from ringtrain_dev.launched import launch, log_tail, read_jsonl, stop
+from ringtrain_dev.record import RESULTS_DIR, Run
 
 JOB = [
     "model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

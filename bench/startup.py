@@ -44,10 +44,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
+from ringtrain_dev.ray_head import TORCH_EXTENSIONS_DIR, head_env, running_head
 
-from tests.ray.harness import TORCH_EXTENSIONS_DIR, head_env, running_head  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET_RATIO = 1.0  # first step on a running cluster, at or below torchrun's on the same workload
 RANKS = 4  # the job's dp (cp 1): ranks per side, all on this machine
@@ -171,7 +170,7 @@ def rank_main(out: str, device_type: str) -> None:
 
 @contextlib.contextmanager
 def cluster_for_runs() -> Iterator[dict[str, str]]:
-    """A Ray head on free loopback ports for the bench's runs to join (tests/ray/harness.py's:
+    """A Ray head on free loopback ports for the bench's runs to join (``ringtrain_dev.ray_head``'s:
     its processes are ended by PID afterwards, never by ``ray stop``); the runs' environment."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))  # short: Ray's socket paths live below it
     try:
@@ -189,7 +188,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--rank-main"]:
         rank_main(argv[1], argv[2])
         return 0
-    from record import Run
+    from ringtrain_dev.record import Run
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)

@@ -1,6 +1,6 @@
 """Benchmark: what a graceful stop's save costs, against a plain stop in the same session.
 
-The tiny CPU job of the Ray-tier tests (tests/ray/test_run_e2e.py's TINY: dp 2 x cp 2 on an
+The tiny CPU job of the Ray-tier tests (``ringtrain_dev.tiny.TINY``: dp 2 x cp 2 on an
 embedded cluster) runs with durable checkpoints every 50 steps and gets SIGTERM once step
 ``--at`` is recorded, between two durable checkpoints:
 
@@ -30,12 +30,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
-
-from record import Run  # noqa: E402
-from tests.ray.signalled import QUICKSTART, Background  # noqa: E402
-from tests.ray.test_run_e2e import TINY  # noqa: E402
+from ringtrain_dev.cli_runs import QUICKSTART, Background
+from ringtrain_dev.record import Run
+from ringtrain_dev.tiny import TINY
 
 TARGET_EXTRA_S = 10.0  # the stop's save adds less than this (its bound's default is 20 s, Kubernetes' grace 30 s)
 SIDES = {"plain": ["checkpoint.stop_persist_timeout_s=0"], "saving": []}

@@ -27,22 +27,21 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "platform"), str(ROOT)]
+from ringtrain_dev.record import Run
+from ringtrain_dev.tiny import TINY_MODEL
 
-from bench.record import Run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET = 1.01
 WARMUP_STEPS = 2
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=256",
-        "train.global_batch=4", "mesh.dp=1", "mesh.cp=2", "cluster.num_cpus=2"]  # fmt: skip
+TINY = [*TINY_MODEL, "data.seq_len=256", "train.global_batch=4", "mesh.dp=1", "mesh.cp=2", "cluster.num_cpus=2"]
 
 
 def critical_path(uri: str, folder: Path, records: int) -> dict[str, float]:
     from ringtrain import config
     from ringtrain.telemetry.rundir import RunDir
     from ringtrain.telemetry.trackers import open_trackers
-    from tests.fake_run import step_record
+    from ringtrain_dev.fake_run import step_record
 
     job = config.load(str(ROOT / "jobs" / "quickstart.yaml"), [
         f"telemetry.mlflow.tracking_uri={uri}", "telemetry.wandb.project=bench", "telemetry.wandb.mode=offline"])  # fmt: skip
@@ -92,21 +91,18 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    from tests.trackers.conftest import start_mlflow
+    from ringtrain_dev.mlflow_server import running_mlflow
 
     run = Run("trackers")
     with tempfile.TemporaryDirectory(prefix="rt-trackers-") as tmp:
         folder = Path(tmp)
-        server = start_mlflow(folder / "mlflow")
-        try:
+        with running_mlflow(folder / "mlflow") as server:
             path = critical_path(server.uri, folder, args.records)
             on_args = [f"telemetry.mlflow.tracking_uri={server.uri}", "telemetry.wandb.project=bench", "telemetry.wandb.mode=offline"]
             off, on = [], []
             for i in range(args.repeats):
                 off.append(train(folder, f"off-{i}", args.steps, []))
                 on.append(train(folder, f"on-{i}", args.steps, on_args))
-        finally:
-            server.stop()
     ratio = statistics.median(on) / statistics.median(off)
     ok = ratio <= TARGET
     print(f"critical path: trackers.step median {path['step_call_median_s'] * 1e6:.0f} us, p99 {path['step_call_p99_s'] * 1e6:.0f} us, "

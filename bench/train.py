@@ -8,8 +8,8 @@ Shapes (``SHAPES``), one 32,768-token sequence per optimizer step, bf16:
 - qwen3: Qwen3-1.7B (its config.json): vocabulary 151,936, dim 2048, 28 layers, 16 query / 8 KV
   heads of dim 128, FFN 6144, per-head q/k RMSNorm, tied embeddings, rope theta 1e6, eps 1e-6.
 
-Variants, each in a process of its own (bench/try_process.py; on CUDA a spawned one: a fresh CUDA
-context, allocator and process group), one after the other:
+Variants, each in a process of its own (``ringtrain_dev.try_process``; on CUDA a spawned one: a
+fresh CUDA context, allocator and process group), one after the other:
 
 - trainer: ringtrain's ``Trainer`` of one rank in an NCCL world of one, as a worker runs it:
   DeepSpeed ZeRO-``--zero``, the job's defaults (``model.activation_checkpointing=auto``,
@@ -70,7 +70,8 @@ world of one, the dtype the Trainer picks there (fp32), every variant; its ratio
 marked as a smoke run, not held to the targets.
 
 Writes bench/results/train-<device>.json (``-tiny`` added for tiny shapes; or ``--out``) through
-bench/record.py: commit, device, versions, and every step time and loss per variant per shape.
+``ringtrain_dev.record``: commit, device, versions, and every step time and loss per variant per
+shape.
 Needs CUDA unless ``--device cpu``: without it, it exits 2 at once with a message.
 """
 
@@ -78,8 +79,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import re
 import resource
 import statistics
 import sys
@@ -91,42 +90,34 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import RESULTS_DIR, Run  # noqa: E402
-from try_process import context, interrupt_on_sigint, try_process  # noqa: E402
+from ringtrain_dev.bench_cli import bad_input, listed, one_device_parser, slug, without_cuda
+from ringtrain_dev.one_device import MasterWeightAdamW, Shape, device_of, hf_model, hf_step, join_world_of_one, model_overrides
+from ringtrain_dev.record import RESULTS_DIR, Run
+from ringtrain_dev.targets import SMOKE, Target
+from ringtrain_dev.try_process import interrupt_on_sigint, run_to_end
 
 if TYPE_CHECKING:
     from ringtrain.config import JobConfig
     from ringtrain.train.model import Transformer
 
-EXIT_BAD_INPUT = 2  # also: no CUDA where the bench needs it
 PLAIN_RATIO_MIN = 0.97  # trainer tokens/s over plain PyTorch's
 HF_RATIO_MIN = 1.5  # trainer tokens/s over transformers'
 SNAPSHOT_RATIO_MAX = 1.02  # trainer step time with a snapshot every step over without
 ERROR_LINES = 20  # of a failed variant's traceback, kept in the JSON
-SMOKE = "cpu smoke, not a measurement"
 INTERRUPTED = "interrupted (SIGINT) before it reported"
 
 
 @dataclass(frozen=True)
-class Shape:
-    """A model shape: the job's ``model.*`` keys, transformers' classes for the same model, and
-    the Trainer's MFU target on it."""
+class TimedShape(Shape):
+    """A model shape (its job keys, transformers' classes for the same model) and the Trainer's
+    MFU target on it."""
 
-    title: str
-    model: Mapping[str, Any]
-    tiny: Mapping[str, Any]  # the sizes ``--tiny`` puts in place; the family's switches stay
-    hf_model: str
-    hf_config: str
     mfu_min: float
     snapshots: bool = False  # the trainer_snapshots variant runs on this shape
 
-    def model_keys(self, tiny: bool) -> dict[str, Any]:
-        return {**self.model, **(self.tiny if tiny else {})}
 
-
-SHAPES: dict[str, Shape] = {
-    "tinyllama": Shape(
+SHAPES: dict[str, TimedShape] = {
+    "tinyllama": TimedShape(
         title="TinyLlama-1.1B",
         model={"vocab_size": 32000, "dim": 2048, "n_layers": 22, "n_heads": 32, "n_kv_heads": 4, "head_dim": 64,
                "ffn_dim": 5632, "rope_theta": 10000.0, "norm_eps": 1e-5},
@@ -137,7 +128,7 @@ SHAPES: dict[str, Shape] = {
         mfu_min=0.38,
         snapshots=True,
     ),
-    "qwen3": Shape(
+    "qwen3": TimedShape(
         title="Qwen3-1.7B",
         model={"vocab_size": 151936, "dim": 2048, "n_layers": 28, "n_heads": 16, "n_kv_heads": 8, "head_dim": 128,
                "ffn_dim": 6144, "rope_theta": 1000000.0, "norm_eps": 1e-6, "qk_norm": True, "tie_embeddings": True},
@@ -196,15 +187,11 @@ class Case:
         return SHAPES[self.shape].model_keys(self.tiny)
 
 
-def _yaml(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def job_overrides(case: Case) -> list[str]:
     """The job every variant of ``case`` trains: its shape, one sequence per step, one device."""
     snapshot_every = case.snapshot_every if case.variant == "trainer_snapshots" else 0
     return [
-        *(f"model.{key}={_yaml(value)}" for key, value in case.model.items()),
+        *model_overrides(case.model),
         f"data.seq_len={case.seq}",
         "train.global_batch=1",
         "train.micro_batch=1",
@@ -222,14 +209,6 @@ def load_job(case: Case) -> JobConfig:
     from ringtrain import config
 
     return config.load(None, job_overrides(case))
-
-
-def device_of(case: Case) -> torch.device:
-    if case.device != "cuda":
-        return torch.device("cpu")
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    return device
 
 
 def device_name(device: torch.device) -> str:
@@ -275,37 +254,6 @@ def random_tokens(vocab_size: int, case: Case, device: torch.device) -> torch.Te
     return torch.randint(0, vocab_size, (1, case.seq + 1), device=device, generator=gen)
 
 
-class MasterWeightAdamW:
-    """torch's AdamW over fp32 master copies of a model's weights, written back after each step,
-    with the job's gradient clipping: DeepSpeed's bf16 recipe written out, for both baselines."""
-
-    def __init__(self, model: torch.nn.Module, job: JobConfig, *, fused: bool) -> None:
-        from ringtrain.train.engine import param_groups
-
-        t = job.train
-        self.weights = list(model.parameters())  # a tied weight once
-        self.masters = [w.detach().float().clone() for w in self.weights]
-        master_of = {id(w): m for w, m in zip(self.weights, self.masters)}
-        groups = [
-            {"params": [master_of[id(w)] for w in group["params"]], "weight_decay": group["weight_decay"]}
-            for group in param_groups(model, t.weight_decay)
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
-        self.grad_clip = t.grad_clip
-
-    def step(self) -> None:
-        for weight, master in zip(self.weights, self.masters):
-            master.grad = None if weight.grad is None else weight.grad.float()
-            weight.grad = None
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for weight, master in zip(self.weights, self.masters):
-                weight.copy_(master)
-
-
 def ringtrain_recipe(job: JobConfig, model: Transformer, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """What ringtrain's model runs here: recompute mode, attention kernel, fused ops, dtype."""
     from ringtrain.train.attention.kernels import get_kernel
@@ -325,23 +273,11 @@ def ringtrain_recipe(job: JobConfig, model: Transformer, device: torch.device, d
 
 def run_trainer(case: Case) -> dict[str, Any]:
     """ringtrain's Trainer, one rank in a world of one; snapshots per ``case.variant``."""
-    from ringtrain.train.trainer import set_rank_env
-
-    device = device_of(case)
-    set_rank_env(rank=0, world_size=1, device=device)  # before DeepSpeed's import reads it
-    import logging
-
-    import torch.distributed as dist
-    from deepspeed.utils import logger as ds_logger
-
+    device = device_of(case.device)
+    join_world_of_one(device)
     from ringtrain.train.model import num_params
     from ringtrain.train.trainer import Trainer
 
-    ds_logger.setLevel(logging.WARNING)
-    cuda = device.type == "cuda"
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
-    )
     job = load_job(case)
     trainer = Trainer(job, rank=0, device=device)
     reports: list[Any] = []
@@ -377,7 +313,7 @@ def run_plain(case: Case) -> dict[str, Any]:
     from ringtrain.train.model import num_params
     from ringtrain.train.trainer import build_model
 
-    device = device_of(case)
+    device = device_of(case.device)
     job = load_job(case)
     dtype = resolve_dtype(job, device)
     attention_fn = build_attention(CPLayout(1, 1), job.attention.kernel, ring_group=None, ulysses_group=None)
@@ -408,56 +344,20 @@ def run_plain(case: Case) -> dict[str, Any]:
     }
 
 
-def hf_model(case: Case, job: JobConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' own model of the case's shape, from the config ringtrain exports for it."""
-    import warnings
-
-    import transformers
-
-    from ringtrain.hf.hfconfig import hf_config
-
-    shape = SHAPES[case.shape]
-    config_class, model_class = getattr(transformers, shape.hf_config), getattr(transformers, shape.hf_model)
-    source = {"architectures": [shape.hf_model], "model_type": config_class.model_type}
-    fields = hf_config(job.model, source, trained_seq_len=case.seq, dtype="bf16" if dtype == torch.bfloat16 else "fp32")
-    config = config_class.from_dict(fields, attn_implementation="sdpa")
-    if config._attn_implementation != "sdpa":
-        raise RuntimeError(
-            f"transformers {transformers.__version__} set attention {config._attn_implementation}, not sdpa"
-        )
-    config.use_cache = False
-    torch.manual_seed(job.train.seed)
-    with device:
-        model = model_class(config).to(dtype=dtype)
-    with warnings.catch_warnings():
-        # transformers 5.2x renamed it activation_checkpointing_enable; this name works in every 5.x.
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
-
-
 def run_hf(case: Case) -> dict[str, Any]:
     """transformers' model of the same shape, trained the way a user would train it."""
     import transformers
 
     from ringtrain.train.engine import resolve_dtype
 
-    device = device_of(case)
+    device = device_of(case.device)
     job = load_job(case)
     dtype = resolve_dtype(job, device)
-    model = hf_model(case, job, device, dtype)
+    model = hf_model(SHAPES[case.shape], job, case.seq, device, dtype)
     optimizer = MasterWeightAdamW(model, job, fused=device.type == "cuda")
     input_ids = random_tokens(job.model.vocab_size, case, device)[:, :-1]
-
-    def step() -> float:
-        loss = model(input_ids=input_ids, labels=input_ids).loss  # shifts the labels itself
-        loss.backward()
-        optimizer.step()
-        return float(loss.item())
-
     reset_peak_memory(device)
-    times, losses = timed_steps(step, case, device)
+    times, losses = timed_steps(lambda: hf_step(model, optimizer, input_ids), case, device)
     return {
         "step_s": times,
         "losses": losses,
@@ -492,41 +392,16 @@ def _variant_main(case: Case, results: Any) -> None:
 # ---- the parent: run each variant, score, report ----------------------------------------------
 
 
-def _await_result(proc: Any, results: Any, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            out: dict[str, Any] = results.get(timeout=1.0)
-            return out
-        except queue.Empty:
-            if not proc.is_alive():
-                try:  # it may have reported just before it exited
-                    return dict(results.get(timeout=1.0))
-                except queue.Empty:
-                    return {"error": f"the process exited with code {proc.exitcode} before reporting"}
-            if time.monotonic() > deadline:
-                return {"error": f"no result within --timeout {timeout_s:g} s", "timed_out": True}
-
-
 def run_variant(case: Case, timeout_s: float) -> dict[str, Any]:
-    """``case`` in a process of its own (bench/try_process.py): its result, or {"error": ...}."""
-    results = context(case.device).Queue()
-    proc = try_process(case.device, _variant_main, case, results)
-    t0 = time.perf_counter()
-    # A process that reported gets a while to tear its process group down; one past its time,
-    # or interrupted (the exception goes on to the caller), is killed at once.
-    grace_s = 0.0
-    try:
-        proc.start()
-        out = _await_result(proc, results, timeout_s)
-        grace_s = 0.0 if out.get("timed_out") else 30.0
-    finally:
-        if proc.pid is not None:
-            proc.join(timeout=grace_s)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    """``case`` in a process of its own (``ringtrain_dev.try_process``): its result, or {"error": ...}."""
+    ended = run_to_end(case.device, _variant_main, case, timeout_s=timeout_s)
+    if ended.result is not None:
+        out = dict(ended.result)
+    elif ended.timed_out:
+        out = {"error": f"no result within --timeout {timeout_s:g} s", "timed_out": True}
+    else:
+        out = {"error": f"the process exited with code {ended.exitcode} before reporting"}
+    out["wall_s"] = round(ended.wall_s, 1)
     return out
 
 
@@ -565,34 +440,6 @@ def score(out: dict[str, Any], flops: Mapping[str, float], peak: Optional[float]
         out["mfu_12lds"] = flops["convention_12lds"] * out["tokens_per_s"] / peak
 
 
-@dataclass(frozen=True)
-class Target:
-    """One target of one shape: its measured value against its bound."""
-
-    shape: str
-    what: str
-    value: Optional[float]  # None: not measured (``missing`` says why)
-    bound: float
-    at_most: bool = False
-    percent: bool = False
-    missing: str = ""
-
-    @property
-    def met(self) -> bool:
-        if self.value is None:
-            return False
-        return self.value <= self.bound if self.at_most else self.value >= self.bound
-
-    def _show(self, value: float) -> str:
-        return f"{value:.1%}" if self.percent else f"{value:.3f}"
-
-    def line(self, smoke: bool) -> str:
-        value = f"not measured ({self.missing})" if self.value is None else self._show(self.value)
-        verdict = SMOKE if smoke else "PASS" if self.met else "MISS"
-        bound = f"{'<=' if self.at_most else '>='} {self._show(self.bound)}"
-        return f"{self.shape}: {self.what} {value} (target {bound}): {verdict}"
-
-
 def _metric(variants: Mapping[str, dict[str, Any]], variant: str, key: str) -> tuple[Optional[float], str]:
     out = variants[variant]
     if "error" in out:
@@ -615,7 +462,7 @@ def targets_for(name: str, variants: Mapping[str, dict[str, Any]]) -> list[Targe
     out = []
     if "trainer" in ran:
         value, why = _metric(variants, "trainer", "mfu_causal")
-        out.append(Target(name, "trainer MFU (causal)", value, SHAPES[name].mfu_min, percent=True, missing=why))
+        out.append(Target(name, "trainer MFU (causal)", value, SHAPES[name].mfu_min, "%", missing=why))
     for baseline, bound in (("plain", PLAIN_RATIO_MIN), ("hf", HF_RATIO_MIN)):
         if {"trainer", baseline} <= ran:
             value, why = _ratio(variants, "trainer", baseline, "tokens_per_s")
@@ -653,23 +500,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     return pairs
 
 
-def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise SystemExit(_bad_input(f"{flag}: {', '.join(unknown) or 'nothing'} is not among {', '.join(known)}"))
-    return names
-
-
-def _bad_input(message: str) -> int:
-    print(f"bench/train.py: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu needs --tiny")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes of both families: a smoke run")
+    p = one_device_parser(__doc__)
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     p.add_argument("--seq", type=int, default=None,
@@ -684,17 +516,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed or not measured")
     p.add_argument("--out", type=Path, default=None, help="the JSON's path (default bench/results/train-<device>.json)")
     args = p.parse_args(argv)
-    args.shapes = _names(args.shapes, tuple(SHAPES), "--shapes")
-    args.variants = _names(args.variants, VARIANTS, "--variants")
+    args.shapes = listed(args.shapes, tuple(SHAPES), "--shapes", "train")
+    args.variants = listed(args.variants, VARIANTS, "--variants", "train")
     if args.seq is None:
         args.seq = TINY_SEQ if args.tiny else FULL_SEQ
     if args.seq < 2 or args.steps < 1 or args.warmup < 0:
-        raise SystemExit(_bad_input("--seq must be >= 2, --steps >= 1 and --warmup >= 0"))
+        raise SystemExit(bad_input("train", "--seq must be >= 2, --steps >= 1 and --warmup >= 0"))
     return args
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
 def shape_records(args: argparse.Namespace, base: Case) -> dict[str, dict[str, Any]]:
@@ -766,16 +594,10 @@ def run_plan(args: argparse.Namespace, base: Case, shapes: dict[str, dict[str, A
 def main(argv: list[str]) -> int:
     interrupt_on_sigint()
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            f"bench/train.py needs a CUDA GPU: this torch ({torch.__version__}, CUDA build "
-            f"{torch.version.cuda or 'none'}) sees none. Run it (or make gpu-check) on a GPU machine, "
-            "or pass --device cpu --tiny for a smoke run.",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
+    if args.device == "cuda" and (no_gpu := without_cuda("train", " (or make gpu-check)")) is not None:
+        return no_gpu
     if args.device == "cpu" and not args.tiny:
-        return _bad_input("--device cpu runs only with --tiny (a 32K-token step of a 1B model takes hours on a CPU)")
+        return bad_input("train", "--device cpu runs only with --tiny (a 32K-token step of a 1B model takes hours on a CPU)")
     run = Run("train")
     smoke = args.device == "cpu"
     # Fewer allocator retries at 32K tokens; the same setting for every variant (inherited).
@@ -807,7 +629,7 @@ def main(argv: list[str]) -> int:
             "interrupted": interrupted,
         },
         device_type=args.device,
-        out=args.out or RESULTS_DIR / f"train-{_slug(device_label)}{'-tiny' if args.tiny else ''}.json",
+        out=args.out or RESULTS_DIR / f"train-{slug(device_label)}{'-tiny' if args.tiny else ''}.json",
     )
     if failed or interrupted:
         print(f"failed: {', '.join(failed) or 'none'}{'; interrupted' if interrupted else ''}", file=sys.stderr)

@@ -16,7 +16,6 @@ On a CPU the heads are few so the full causal layer takes seconds, not minutes.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,10 +26,10 @@ import torch
 
 from ringtrain.train.attention import local_attention, ring_attention
 from ringtrain.train.attention.window import CAUSAL, UPPER, shard_positions, window_tiles
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import LoopbackTransport, fwd_bwd_ms  # noqa: E402
-from record import RESULTS_DIR, Run  # noqa: E402
+from ringtrain_dev.bench_cli import slug
+from ringtrain_dev.loopback import LoopbackTransport
+from ringtrain_dev.record import RESULTS_DIR, Run
+from ringtrain_dev.timing import fwd_bwd_ms
 
 TARGET = 0.1
 
@@ -103,10 +102,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{windowed['bwd_ms']:.0f} ms fwd/bwd against {full['fwd_ms']:.0f} / {full['bwd_ms']:.0f} full causal: "
               f"time {time_ratio:.3f}, score entries {entry_ratio:.3f} (target <= {TARGET}): {'PASS' if ok else 'MISS'}")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+    name_slug = slug(name)
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items() if k != "out"}
     run.write({"config": config, "rows": rows, "target": TARGET}, device_type=device.type,
-              out=args.out or RESULTS_DIR / f"window-{slug}.json")
+              out=args.out or RESULTS_DIR / f"window-{name_slug}.json")
     return 1 if args.check and not met else 0
 
 

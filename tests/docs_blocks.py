@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import yaml
 
-from tests.tiny import TINY_MODEL
+from ringtrain_dev.tiny import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES: list[Path] = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -43,7 +43,7 @@ MAKE_TARGETS = {"trackers": "import mlflow, wandb"}
 # What of the checkout the examples read (a corpus for prepare, the docs' pages).
 CHECKOUT_FOLDERS = ("docs", "platform")
 
-# Per job file: the keys that make it tiny. The model is tests/tiny.py's; sequences of 64 tokens
+# Per job file: the keys that make it tiny. The model is ringtrain_dev/tiny.py's; sequences of 64 tokens
 # (extend-context keeps 256: its YaRN scaling is over 512), a few steps, and logical CPUs for a
 # warm spare beside four workers.
 _TINY_MODEL = {key.removeprefix("model."): int(value) for key, value in (item.split("=") for item in TINY_MODEL)}

@@ -16,25 +16,27 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB = 96
 
 
+# The tiny shape and token ids every test model has (tests/hf/windowed_models.py's too); each
+# architecture adds its own keys.
+TINY_CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    initializer_range=0.35,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def hf_config(arch: str, *, rope: Optional[dict[str, Any]] = None, tie: bool = False, **extra: Any) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rms_norm_eps=1e-6,
-        initializer_range=0.35,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    common.update(extra)
+    common: dict[str, Any] = {**TINY_CONFIG, "num_hidden_layers": 2, "tie_word_embeddings": tie, **extra}
     if rope is not None:
         common["rope_parameters"] = rope
     if arch == "llama":
@@ -76,3 +78,20 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
 def tokens(n: int, length: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n, length), generator=g)
+
+
+def greedy_reference(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone (no padding), fp32, no EOS stop."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out

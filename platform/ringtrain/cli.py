@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from ringtrain.commands import dashboards, export, jobs, plan, prepare, report, run
+from ringtrain.commands import dashboards, export, generate, jobs, plan, prepare, report, run
 from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the builtin
 from ringtrain.errors import ConfigError, RingtrainError
 
@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_arguments(
         sub.add_parser("eval", help="loss by position (and passkey retrieval) of a run, checkpoint or HF model")
     )
+    generate.add_arguments(
+        sub.add_parser("generate", help="continue prompts from a JSONL file with a run, checkpoint or HF model")
+    )
     prepare.add_arguments(
         sub.add_parser("prepare", help="tokenize JSONL/Parquet/text corpora into a prepared dataset, on Ray Data")
     )
@@ -84,6 +87,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return report.run(args)
         if args.command == "eval":
             return evaluate.run(args)
+        if args.command == "generate":
+            return generate.run(args)
         if args.command == "export":
             return export.run(args)
         if args.command == "prepare":

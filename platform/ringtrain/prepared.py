@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ringtrain.errors import DataError
+from ringtrain.jsonfile import TOO_DEEP, TOO_LARGE, JsonFileError, parse_json
 from ringtrain.uris import local_path
 
 FORMAT = "ringtrain-dataset/1"
@@ -38,6 +39,12 @@ MANIFEST_NAME = "manifest.json"
 # A dataset's manifest is ~300 bytes a shard (40,000 shards of 256 MiB: 10T tokens, 12 MB) plus
 # the skipped records it lists (at most 1,000, prepare/pipeline.py): one larger is not a manifest.
 MAX_MANIFEST_BYTES = 256 << 20
+# What a manifest the parser refused is, by the limit that failed (None: not JSON at all).
+MANIFEST_REFUSED: dict[Optional[str], str] = {
+    TOO_LARGE: f"over {MAX_MANIFEST_BYTES:,} bytes, not a manifest: not read",
+    TOO_DEEP: "nests too deeply to be a manifest",
+    None: "not valid JSON ({detail})",
+}
 SHARD_DIR = "shards"
 TOKENS_SUFFIX = ".tokens.npy"
 DOCS_SUFFIX = ".docs.npy"
@@ -379,14 +386,10 @@ class Manifest:
 
     @classmethod
     def loads(cls, text: Union[str, bytes], where: str = MANIFEST_NAME) -> "Manifest":
-        if len(text) > MAX_MANIFEST_BYTES:
-            raise DataError(f"{where}: over {MAX_MANIFEST_BYTES:,} bytes, not a manifest: not read")
         try:
-            obj = json.loads(text)
-        except RecursionError:
-            raise DataError(f"{where}: nests too deeply to be a manifest") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise DataError(f"{where}: not valid JSON ({exc})") from None
+            obj = parse_json(text, MAX_MANIFEST_BYTES)
+        except JsonFileError as exc:
+            raise DataError(f"{where}: {MANIFEST_REFUSED[exc.limit].format(detail=exc.detail)}") from None
         return cls.from_json(obj, where)
 
     @classmethod

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -14,6 +14,12 @@ class WorkerInfo:
     device: str  # "cpu" or "cuda:N"
     node_id: str = ""  # Ray node id: where the rank's holder and buddy are chosen
     device_name: str = "cpu"  # e.g. "NVIDIA H100 80GB HBM3": picks the peak FLOP/s for MFU
+
+
+# What a step of a preference objective reports beside its loss, means over the global batch's
+# pairs: TRL's names (train/preference.py defines them).
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                      "logps/rejected")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class StepReport:
     # rank, whose peers wait for it, from the ones that wait (policies.stragglers).
     compute_s: float = 0.0
     trained_tokens: int = 0
+    # A preference objective's step metrics over the global batch (PREFERENCE_METRICS).
+    objective_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

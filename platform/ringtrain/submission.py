@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import logging
 import os
 import re
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +45,10 @@ from urllib.parse import urlsplit
 
 from ringtrain import config
 from ringtrain.config import JobConfig
+from ringtrain.config.destinations import is_loopback
 from ringtrain.errors import ClusterError, ConfigError, RingtrainError
 from ringtrain.submission_files import working_dir
+from ringtrain.submission_secrets import upload as upload_secrets
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -186,22 +187,13 @@ def plain_http_warning(address: str, *, sends_token: bool) -> Optional[str]:
     if address == "auto":
         return None
     parts = urlsplit(address if "://" in address else f"http://{address}")
-    if parts.scheme != "http" or _loopback(parts.hostname or ""):
+    if parts.scheme != "http" or is_loopback(parts.hostname or ""):
         return None
     what = "the token and the job's files" if sends_token else "the job's files and logs"
     return (
         f"{address} is plain http to another machine: {what} cross the network unencrypted; "
         "use https:// or a tunnel to the cluster (kubectl port-forward, ssh -L)"
     )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def config_digest(job: JobConfig) -> str:
@@ -377,11 +369,15 @@ class JobsClient:
         submission_id: Optional[str] = None,
         ship_package: bool = True,
         env_vars: Optional[dict[str, str]] = None,
+        secrets: Optional[Mapping[str, str]] = None,
         python: str = DEFAULT_CLUSTER_PYTHON,
     ) -> str:
-        """Submit a validated job, run by the cluster's ``python``; returns its submission id."""
+        """Submit a validated job, run by the cluster's ``python``; returns its submission id.
+        ``secrets`` reach the job's driver through the cluster's store (``submission_secrets``)."""
         chosen = self.choose_id(job, submission_id)
         with working_dir(job_path, job) as folder, self._calls():
+            if secrets:
+                env_vars = {**(env_vars or {}), **upload_secrets(self._client, secrets)}
             deadline = time.monotonic() + AGENT_WAIT_S
             while True:
                 try:

@@ -64,6 +64,16 @@ class CPLayout:
         return RING if self.ulysses == 1 else HYBRID
 
     @property
+    def has_ring(self) -> bool:
+        """Whether K/V pass between ranks along rings (the ring alone, or the hybrid's)."""
+        return self.ring > 1
+
+    @property
+    def splits_heads(self) -> bool:
+        """Whether ranks exchange heads all-to-all (Ulysses alone, or the hybrid's)."""
+        return self.ulysses > 1
+
+    @property
     def impl(self) -> str:
         """The ``attention.impl`` that asks for this layout (for a CP group of one rank, the
         default's: ring)."""

@@ -5,24 +5,16 @@ no measurement)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.bench_script import run_bench
 
 
 def _run_on_a_cpu(script: str, out: Path) -> dict:
     """``bench/<script> --device cpu --tiny``, its JSON."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), "--device", "cpu", "--tiny", "--out", str(out)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")}, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_bench(script, "--device", "cpu", "--tiny", "--out", str(out), timeout=300)
     return json.loads(out.read_text())
 
 

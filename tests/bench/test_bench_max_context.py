@@ -15,18 +15,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import max_context as bench  # noqa: E402
+from bench import max_context as bench
+from tests.bench.bench_script import run_bench
 
 GRANULE = 256
 
@@ -238,17 +234,9 @@ def test_without_cuda_it_exits_2_with_a_message(capsys: pytest.CaptureFixture[st
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "max_context.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "max_context.py"), "--device", "cpu", "--tiny",
-         # The budget is not under test here: room for a busy machine, inside pytest's 600 s.
-         "--shapes", "qwen3-1.7b", "--budget-s", "450", "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "platform")},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    # The budget is not under test here: room for a busy machine, inside pytest's 600 s.
+    done = run_bench("max_context.py", "--device", "cpu", "--tiny", "--shapes", "qwen3-1.7b", "--budget-s", "450",
+                     "--out", str(out), timeout=540)
     return {"record": json.loads(out.read_text()), "stdout": done.stdout}
 
 

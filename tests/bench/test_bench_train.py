@@ -23,9 +23,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import train as bench  # noqa: E402
+from bench import train as bench
+from tests.bench.bench_script import ENV, REPO, run_bench
 
 STEPS = 3
 
@@ -65,16 +64,8 @@ def test_bad_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "train.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "train.py"), "--device", "cpu", "--tiny",
-         "--warmup", "1", "--steps", str(STEPS), "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "platform")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    done = run_bench("train.py", "--device", "cpu", "--tiny", "--warmup", "1", "--steps", str(STEPS), "--out", str(out),
+                     timeout=300)
     assert bench.SMOKE in done.stdout
     return {"record": json.loads(out.read_text()), "stdout": done.stdout}
 
@@ -134,14 +125,9 @@ def test_a_sigint_keeps_what_was_measured(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "train.py"), "--device", "cpu", "--tiny", "--shapes", "tinyllama",
          "--variants", "plain,hf,trainer", "--warmup", "1", "--steps", "1", "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "platform")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         for line in proc.stdout:

@@ -43,8 +43,7 @@ from ringtrain.train.attention import (
 )
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import MATH, CpuFlashKernel
-
-from .ranks import rank_process
+from ringtrain_dev.ranks import rank_process
 
 pytestmark = pytest.mark.dist
 

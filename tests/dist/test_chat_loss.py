@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.chat_data import chat_samples, random_conversations, skip_without_chat_manifests, write_chat
-from tests.dist.ranks import gloo_rank, run_ranks
+from ringtrain_dev.chat_data import chat_samples, random_conversations, skip_without_chat_manifests, write_chat
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 from tests.hf_models import VOCAB, save_model
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -190,7 +190,7 @@ def _rendered(base: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     from ringtrain.prepare.chat_records import Conversation, read_chat
     from ringtrain.prepare.chat_render import ChatRenderer, ChatSpec
     from tests.prepare.test_chat_policy import tool_records, with_template
-    from tests.tiny_tokenizer import TOOLS_MARKED_TEMPLATE, TOOLS_TEMPLATE, TOOLS_WEIGHTED_REFERENCE, save_chat_tokenizer
+    from ringtrain_dev.tiny_tokenizer import TOOLS_MARKED_TEMPLATE, TOOLS_TEMPLATE, TOOLS_WEIGHTED_REFERENCE, save_chat_tokenizer
 
     chatml = save_chat_tokenizer(base / "tokenizer", "chatml", vocab_size=RENDERED_VOCAB)
     renderers = [ChatRenderer(ChatSpec(chat_template.find(str(with_template(chatml, base / name, text))), "assistant",

@@ -32,9 +32,8 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-from tests.tiny import TINY_MODEL
-
-from .ranks import rank_context, run_ranks
+from ringtrain_dev.ranks import rank_context, run_ranks
+from ringtrain_dev.tiny import TINY_MODEL
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import TINIEST_MODEL
+from ringtrain_dev.tiny import TINIEST_MODEL
 
 pytestmark = [pytest.mark.dist]
 

@@ -21,9 +21,8 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from tests.tiny import TINY_MODEL
-
-from .ranks import run_ranks
+from ringtrain_dev.ranks import gloo_rank, run_ranks
+from ringtrain_dev.tiny import TINY_MODEL
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -57,19 +56,14 @@ class Trace:
 
 def _rank_main(rank: int, world: int, store_path: str, runs: list[Run], results: mp.Queue) -> None:
     import torch
-    import torch.distributed as dist
 
     from ringtrain import config
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    set_rank_env(rank=rank, world_size=world, device=device)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store_path, results):
         traces = []
         for overrides, eps in runs:  # one process for several runs: spawning one costs seconds
-            trainer = Trainer(config.load(None, overrides), rank=rank, device=device)
+            trainer = Trainer(config.load(None, overrides), rank=rank, device=torch.device("cpu"))
             if eps is not None:
                 optimizer = trainer.engine.optimizer
                 for group in getattr(optimizer, "optimizer", optimizer).param_groups:
@@ -79,12 +73,6 @@ def _rank_main(rank: int, world: int, store_path: str, runs: list[Run], results:
             traces.append(Trace([r.loss for r in reports], [r.grad_norm for r in reports], params))
         if rank == 0:
             results.put(traces)
-    except BaseException as exc:  # surface the rank's failure instead of a queue timeout
-        results.put(exc)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def train(runs: list[Run], tmp_path: Path) -> list[Trace]:

@@ -4,9 +4,11 @@
   transformers' own (``labels=input_ids``) within 1e-5 relative. Three rows of 30 tokens make
   both paddings happen: each row to 32 (2 x cp) with ignored labels, and the rows to 4 (a
   multiple of dp) with a row that is all padding, so every replica runs as many forwards.
-- Passkey: a stand-in model that copies (an induction rule over the whole sequence, gathered
-  across the CP ring) answers every prompt, which holds only if the token is taken from the
-  rank holding the last position and reaches the ring's other ranks.
+- Generation (passkey's path): prompts of 5 to 300 tokens decoded with the KV cache sharded over
+  each ring, in batches shared out over the replicas (a batch of 16 padded tokens: one prompt
+  each, so one replica decodes three and the other two and a copy), under ZeRO-3's parameter
+  gathers: the same tokens as transformers' greedy ``generate`` on every prompt, and the same on
+  both ranks of a ring.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hf_models import hf_logits, save_model, tokens
-
-from .ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
+from tests.hf_models import greedy_reference, hf_logits, save_model, tokens
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -30,44 +31,15 @@ WORLD = 4
 MESH = ["mesh.dp=2", "mesh.cp=2", "attention.impl=ring", "zero.stage=3"]
 ROWS, LENGTH = 3, 30
 BUCKET = 4  # buckets 0-4, 4-8, 8-16, 16-32: four of them in a row of 30
-PASSKEY_LENGTHS, PASSKEY_DEPTHS = [256, 300], [0.0, 0.5, 1.0]
-MATCH = 8  # tokens of context the copying stand-in matches
-
-
-def copying_forward(cp_group: Any, vocab: int):  # type: ignore[no-untyped-def]
-    """Logits that put all mass on the token that followed the latest earlier occurrence of the
-    last ``MATCH`` tokens: a model that has learned only to copy. It sees the whole sequence by
-    gathering every CP rank's tokens and positions, as ring attention would."""
-    import torch.distributed as dist
-
-    def forward(ids_BS: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
-        size = dist.get_world_size(cp_group)
-        ids = [torch.empty_like(ids_BS) for _ in range(size)]
-        pos = [torch.empty_like(pos_BS) for _ in range(size)]
-        dist.all_gather(ids, ids_BS, group=cp_group)
-        dist.all_gather(pos, pos_BS, group=cp_group)
-        seq = torch.empty(sum(p.numel() for p in pos), dtype=torch.long)
-        seq[torch.cat(pos, dim=1)[0]] = torch.cat(ids, dim=1)[0]
-        text = seq.tolist()
-        logits = torch.zeros(1, pos_BS.shape[1], vocab)
-        for i, p in enumerate(pos_BS[0].tolist()):
-            tail = text[max(0, p - MATCH + 1) : p + 1]
-            for j in range(p - 1, len(tail) - 2, -1):
-                if text[j - len(tail) + 1 : j + 1] == tail:
-                    logits[0, i, text[j + 1]] = 1.0
-                    break
-        return logits
-
-    return forward
-
-
-def _rank_main(rank: int, world: int, store_path: str, folder: str, rows: str, results: mp.Queue) -> None:
+PROMPT_LENGTHS = (5, 40, 300, 17, 90)  # five prompts: the replicas' batches differ in number and length
+NEW = 6
+def _rank_main(rank: int, world: int, store_path: str, folder: str, rows: str, prompts: list[list[int]],
+               results: mp.Queue) -> None:
     import torch.distributed as dist
 
     from ringtrain import config
-    from ringtrain.evaluation.passkey import answer_tokens, build_prompts, score
+    from ringtrain.evaluation.generation import GenerationRequest
     from ringtrain.evaluation.tally import merge_all
-    from ringtrain.evaluation.text import ByteTokenizer
     from ringtrain.hf import resolve_job
     from ringtrain.train.evalset import load_eval_set
     from ringtrain.train.evaluator import Evaluator
@@ -88,17 +60,16 @@ def _rank_main(rank: int, world: int, store_path: str, folder: str, rows: str, r
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, tally)
 
-        text = ByteTokenizer()
-        prompts = build_prompts(text, PASSKEY_LENGTHS, PASSKEY_DEPTHS, trials=1)
-        copier = Evaluator(trainer.model, trainer.mesh, device, forward=copying_forward(trainer.mesh.cp_group, 256))
-        generated = copier.generate([list(p.ids) for p in prompts], answer_tokens(text, prompts))
+        request = GenerationRequest.of(prompts, NEW)
+        evaluator = Evaluator(trainer.model, trainer.mesh, device, lockstep=True, batch_tokens=16)
+        generated = evaluator.generate(request)
         answers: list[Any] = [None] * world
         dist.all_gather_object(answers, generated)
         if rank == 0:
             topo = trainer.mesh.topology
-            replicas = [ids for d in range(topo.dp) for ids in answers[topo.rank_of(d, 0)]][: len(prompts)]
             same_in_ring = all(answers[topo.rank_of(d, 0)] == answers[topo.rank_of(d, 1)] for d in range(topo.dp))
-            results.put((merge_all(gathered), [t.tokens for t in gathered], score(text, prompts, replicas), same_in_ring))
+            merged = [next(a[i] for a in answers if a[i] is not None) for i in range(len(prompts))]
+            results.put((merge_all(gathered), [t.tokens for t in gathered], merged, same_in_ring))
     except BaseException as exc:
         results.put(exc)
         raise
@@ -114,7 +85,10 @@ def test_loss_and_passkey_on_a_zero3_ring(tmp_path: Path) -> None:
     np.save(rows, ids.numpy().astype(np.int64))
     _, expected = hf_logits(folder, ids)
 
-    tally, per_rank, grid, same_in_ring = run_ranks(_rank_main, WORLD, tmp_path, str(folder), str(rows))
+    prompts = [tokens(1, n, seed=n)[0].tolist() for n in PROMPT_LENGTHS]
+    want = greedy_reference(folder, prompts, NEW)
+
+    tally, per_rank, generated, same_in_ring = run_ranks(_rank_main, WORLD, tmp_path, str(folder), str(rows), prompts)
 
     assert tally.tokens == ROWS * (LENGTH - 1), "every labelled prediction counted once, no padding"
     assert all(n > 0 for n in per_rank), per_rank
@@ -124,6 +98,5 @@ def test_loss_and_passkey_on_a_zero3_ring(tmp_path: Path) -> None:
     assert sum(b["tokens"] for b in buckets) == tally.tokens
     assert math.isclose(sum(b["loss"] * b["tokens"] for b in buckets) / tally.tokens, tally.loss, rel_tol=1e-12)
 
-    assert grid.lengths == tuple(PASSKEY_LENGTHS) and grid.depths == tuple(PASSKEY_DEPTHS)
-    assert grid.overall == 1.0, grid
+    assert generated == want
     assert same_in_ring

@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from ringtrain import cli
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 from tests.hf_models import ARCHS, hf_logits, save_model, tokens
-
-from .ranks import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -63,16 +62,12 @@ def _rank_main(rank: int, world: int, store_path: str, cases: list[tuple[list[st
     from ringtrain.actors.resume import checkpoint_meta
     from ringtrain.checkpoint import open_store
     from ringtrain.hf import resolve_job
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    set_rank_env(rank=rank, world_size=world, device=device)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store_path, results):
         for overrides, store_uri in cases:  # one world for every case: spawning one costs seconds
             job = resolve_job(config.load(None, overrides))
-            trainer = Trainer(job, rank=rank, device=device)
+            trainer = Trainer(job, rank=rank, device=torch.device("cpu"))
             while trainer.step < job.train.steps:
                 trainer.train_step()
             blobs: list[Optional[bytes]] = [None] * world
@@ -85,12 +80,6 @@ def _rank_main(rank: int, world: int, store_path: str, cases: list[tuple[list[st
             trainer.snapshotter.close()
         if rank == 0:
             results.put("ok")
-    except BaseException as exc:  # surface the rank's failure instead of a queue timeout
-        results.put(exc)
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _job(folder: Path, data: Path, stage: int, extra: list[str]) -> list[str]:

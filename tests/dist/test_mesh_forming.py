@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.dist.ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
 
 FORM_S = 2.0
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dist.ranks import gloo_rank, run_ranks
-from tests.prepared_data import random_documents, write_prepared
+from ringtrain_dev.prepared_data import random_documents, write_prepared
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 
 VOCAB, EOS, SEQ = 64, 3, 32
 

@@ -1,22 +1,20 @@
 """The planner's peak memory per rank against the peak measured training on gloo ranks (CPU, fp32).
 
-bench/planner_memory.py trains each config through ringtrain's Trainer and adds up live tensor
-storage; the prediction must be within 15% of it, and so must the part beyond DeepSpeed's
-5e8-element reduce bucket, which would otherwise make the comparison of a small model trivial.
+``ringtrain_dev.peak_memory`` (bench/planner_memory.py's too) trains each config through
+ringtrain's Trainer and adds up live tensor storage; the prediction must be within 15% of it,
+and so must the part beyond DeepSpeed's 5e8-element reduce bucket, which would otherwise make
+the comparison of a small model trivial.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+from ringtrain_dev import peak_memory
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import planner_memory  # noqa: E402
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 TOLERANCE = 0.15
 # The long-context savers within 10%: three configs cover all four savers alone or combined
@@ -29,11 +27,11 @@ SAVERS_TESTED = ["savers-tiles", "savers-selective-chunked", "savers-all"]
 @pytest.fixture(scope="module")
 def rows() -> dict[str, dict[str, Any]]:
     """Every config's row, measured in one set of processes: all of them run on two ranks."""
-    configs = {**planner_memory.CONFIGS, **{name: planner_memory.SAVER_CONFIGS[name] for name in SAVERS_TESTED}}
-    return {row["config"]: row for row in planner_memory.compare(configs)}
+    configs = {**peak_memory.CONFIGS, **{name: peak_memory.SAVER_CONFIGS[name] for name in SAVERS_TESTED}}
+    return {row["config"]: row for row in peak_memory.compare(configs)}
 
 
-@pytest.mark.parametrize("name", list(planner_memory.CONFIGS))
+@pytest.mark.parametrize("name", list(peak_memory.CONFIGS))
 def test_predicted_peak_is_within_15_percent_of_measured(name: str, rows: dict[str, dict[str, Any]]) -> None:
     row = rows[name]
     assert row["measured"] > 0
@@ -42,7 +40,7 @@ def test_predicted_peak_is_within_15_percent_of_measured(name: str, rows: dict[s
 
 
 def test_the_configs_cover_stages_attention_and_checkpointing() -> None:
-    flat = [item for overrides in planner_memory.CONFIGS.values() for item in overrides]
+    flat = [item for overrides in peak_memory.CONFIGS.values() for item in overrides]
     assert {f"zero.stage={s}" for s in range(4)} <= set(flat)
     assert {"attention.impl=ulysses", "attention.kernel=math", "model.activation_checkpointing=full"} <= set(flat)
 

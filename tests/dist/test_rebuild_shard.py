@@ -8,22 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from .ranks import run_ranks
+from ringtrain_dev.ranks import gloo_rank, run_ranks
+from ringtrain_dev.tiny import TINIEST_MODEL
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-JOB = [
-    "model.dim=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "data.seq_len=32",
-    "train.global_batch=2",
-    "train.steps=4",
-    "mesh.dp=2",
-    "mesh.cp=1",
-    "zero.stage=0",
-]
+JOB = [*TINIEST_MODEL, "data.seq_len=32", "train.global_batch=2", "train.steps=4", "mesh.dp=2", "mesh.cp=1", "zero.stage=0"]
 
 
 def _rank_main(rank: int, world: int, store_path: str, results: mp.Queue) -> None:
@@ -32,16 +22,12 @@ def _rank_main(rank: int, world: int, store_path: str, results: mp.Queue) -> Non
 
     from ringtrain import config
     from ringtrain.actors.worker import TrainWorker
-    from ringtrain.train.trainer import Trainer, set_rank_env
+    from ringtrain.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    set_rank_env(rank=rank, world_size=world, device=device)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, store_path, results):
         job = config.load(None, JOB)
         worker = TrainWorker(job, rank, "cpu")
-        worker._trainer = Trainer(job, rank=rank, device=device)
+        worker._trainer = Trainer(job, rank=rank, device=torch.device("cpu"))
         for _ in range(2):
             worker._trainer.train_step()
         own = worker.snapshot_blob(2)
@@ -55,9 +41,6 @@ def _rank_main(rank: int, world: int, store_path: str, results: mp.Queue) -> Non
         if rank == 0:
             results.put((found, moved_on))
         worker._trainer.close()
-    except BaseException as exc:
-        results.put(exc)
-        raise
 
 
 def test_a_survivor_rebuilds_a_dead_ranks_shard_exactly_under_zero0(tmp_path: Path) -> None:

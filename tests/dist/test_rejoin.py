@@ -16,23 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
+from tests.dist.test_snapshot_restore import CUT, STEPS, TINY
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-STEPS, CUT = 6, 3
-JOB = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "data.seq_len=64",
-    "train.global_batch=4",
-    f"train.steps={STEPS}",
-    "train.warmup_steps=2",
-    "mesh.cp=2",
-    "zero.stage=3",
-]
+JOB = [*TINY, "mesh.cp=2", "zero.stage=3"]
 
 
 def _rank_main(rank: int, world: int, store_path: str, results: mp.Queue) -> None:

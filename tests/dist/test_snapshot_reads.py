@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.tiny import TINY_MODEL
-
-from .ranks import gloo_rank, run_ranks
+from ringtrain_dev.ranks import gloo_rank, run_ranks
+from ringtrain_dev.tiny import TINY_MODEL
 
 pytestmark = pytest.mark.dist
 

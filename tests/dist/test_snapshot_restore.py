@@ -14,9 +14,8 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from tests.tiny import TINY_MODEL
-
-from .ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
+from ringtrain_dev.tiny import TINY_MODEL
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -129,7 +128,7 @@ def test_a_chat_run_shrunk_mid_epoch_goes_on_as_the_uninterrupted_run(tmp_path: 
     (tests/unit/test_chat_packing.py), so the resumed steps see the same conversations, masks
     and per-conversation weights: losses and parameters as the uninterrupted run's, within fp32
     tolerance (the gradient is summed in another order on one rank)."""
-    from tests.chat_data import random_conversations, write_chat
+    from ringtrain_dev.chat_data import random_conversations, write_chat
 
     root = tmp_path / "chat"
     # ~26 rows of 64 tokens: step CUT (12 rows in) falls inside the first epoch, STEPS crosses it.

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from tests.dist.ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
 
 from .support import MARKS
 

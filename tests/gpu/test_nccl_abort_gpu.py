@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.dist.ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
 
 from .support import MARKS
 from .test_trainer_gpu import CUT, STEPS, TINY

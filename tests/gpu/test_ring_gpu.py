@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from ringtrain.train.attention.kernels import MATH, AttentionKernel, default_scale, get_kernel
+from ringtrain_dev.emulated_cp import emulated_ring
 
-from tests.emulated_cp import emulated_ring
 from .support import CUDA_KERNELS, MARKS, cuda_kernel
 
 pytestmark = MARKS

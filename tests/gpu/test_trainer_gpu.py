@@ -9,7 +9,7 @@ up to the GPU kernels' own run-to-run variation (flash attention's backward adds
 so two runs of the same step need not agree to the last bit). The SDC probe digests, NCCL
 all-reduce included, must agree between the two processes and between rounds.
 
-Each process is spawned (tests/dist/ranks.py): a process holds one default process group and
+Each process is spawned (ringtrain_dev/ranks.py): a process holds one default process group and
 DeepSpeed picks its accelerator once, so every world gets a fresh one.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 
-from tests.dist.ranks import run_ranks
+from ringtrain_dev.ranks import run_ranks
 
 from .support import MARKS
 

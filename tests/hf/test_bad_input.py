@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -60,13 +61,25 @@ def _index_points_outside(file: str) -> Breaker:
         from safetensors import safe_open
 
         outside = folder.parent / "outside.safetensors"
-        (folder / "model.safetensors").rename(outside)
+        shutil.copyfile(folder / "model.safetensors", outside)
         with safe_open(str(outside), framework="pt") as f:
             names = list(f.keys())
-        (folder / "model.safetensors").symlink_to(outside)
         weight_map = {n: "model.safetensors" for n in names}
         weight_map["lm_head.weight"] = file.replace("{outside}", str(outside))
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    return breaker
+
+
+def _link_out(name: str) -> Breaker:
+    """A file of the folder that is a link to a file outside it: /proc/self/environ as merges.txt
+    put the whole environment into the exported model."""
+
+    def breaker(folder: Path) -> None:
+        secret = folder.parent / "secret.txt"
+        secret.write_text("AWS_SECRET_ACCESS_KEY=not-for-the-model\n")
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to(secret)
 
     return breaker
 
@@ -98,6 +111,10 @@ CASES: dict[str, tuple[Breaker, list[str], str]] = {
         _index_points_outside("{outside}"), [], "weight_map['lm_head.weight'] is '{outside}', which points outside the model folder",
     ),
     "truncated safetensors": (_truncate, [], "model.safetensors is not a readable safetensors file"),
+    "merges.txt linking out of the folder": (
+        _link_out("merges.txt"), [], "model.hf: {folder}/merges.txt leads through a link to {secret}, outside {folder}: a file of the folder"
+    ),
+    "config.json linking out of the folder": (_link_out("config.json"), [], "model.hf: {folder}/config.json leads through a link to {secret}"),
     "Gemma 2": (
         _rewrite_config(architectures=["Gemma2ForCausalLM"]), [],
         "model.hf: {folder}/config.json: architecture 'Gemma2ForCausalLM' is not supported: Gemma 2 soft-caps its attention scores",
@@ -145,7 +162,12 @@ def test_bad_model_input_exits_2_naming_it(case: str, tmp_path: Path, capsys: py
 
     err = capsys.readouterr().err
     assert code == 2, err
-    names = {"{bad_rows}": str(bad_rows), "{folder}": str(folder), "{outside}": str(tmp_path / "outside.safetensors")}
+    names = {
+        "{bad_rows}": str(bad_rows),
+        "{folder}": str(folder),
+        "{outside}": str(tmp_path / "outside.safetensors"),
+        "{secret}": str(tmp_path / "secret.txt"),
+    }
     for name, value in names.items():
         expected = expected.replace(name, value)
     assert expected in err

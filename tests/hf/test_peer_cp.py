@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.ranks import gloo_rank, run_ranks
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 from tests.hf_models import ARCHS
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -25,9 +25,11 @@ LAYOUTS = {
 }
 
 
-def _rank_main(
+def logit_gaps(
     rank: int, world: int, store: str, impl: str, ulysses: int, exchange: str, folders: dict[str, str], results: mp.Queue
 ) -> None:
+    """A rank's body: each model folder's logits of the rank's shard under the layout, against
+    transformers' at the same positions; rank 0 puts each folder's worst relative gap."""
     import torch
     import torch.distributed as dist
 
@@ -81,7 +83,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
 def test_context_parallel_logits_equal_transformers(layout: str, folders: dict[str, str], tmp_path: Path) -> None:
     impl, cp, ulysses, exchange = LAYOUTS[layout]
-    gaps = run_ranks(_rank_main, cp, tmp_path, impl, ulysses, exchange, folders)
+    gaps = run_ranks(logit_gaps, cp, tmp_path, impl, ulysses, exchange, folders)
     assert set(gaps) == set(folders)
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] < 1e-5, f"{worst}: {gaps[worst]:.2e}"

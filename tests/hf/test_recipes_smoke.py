@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.dist.ranks import gloo_rank, run_ranks
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dist.ranks import gloo_rank, run_ranks
+from ringtrain_dev.ranks import gloo_rank, run_ranks
 from tests.hf.windowed_models import MODELS
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tests.hf_models import VOCAB
+from tests.hf_models import TINY_CONFIG
 
 # Each model's window: shorter than the sequences tested.
 WINDOWS = {"gemma3": 8, "gemma3-softcap": 8, "mistral-windowed": 24, "qwen2-windowed": 13}
@@ -25,20 +25,7 @@ MODELS = tuple(WINDOWS)
 def windowed_config(name: str, **extra: Any) -> Any:
     from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
 
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rms_norm_eps=1e-6,
-        initializer_range=0.35,
-        sliding_window=WINDOWS[name],
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    common: dict[str, Any] = {**TINY_CONFIG, "sliding_window": WINDOWS[name]}
     if name.startswith("gemma3"):
         gemma: dict[str, Any] = dict(
             num_hidden_layers=4,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.corpus import build_corpus, save_tokenizer
+from ringtrain_dev.corpus import build_corpus, save_tokenizer
 from tests.prepare.serial import run_serially
 
 

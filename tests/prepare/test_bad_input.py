@@ -7,24 +7,20 @@ through a real cluster). One case goes through the real command line, as users r
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import write_jsonl
-from tests.ray.test_run_e2e import ringtrain_cli
+from ringtrain_dev.cli_runs import ringtrain_cli
+from ringtrain_dev.corpus import write_jsonl
+from tests.prepare.prepare_cli import files_of
+from tests.prepare.prepare_cli import prepare as prepare_quietly
 
 
 def prepare(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main(["prepare", "--quiet", "--parallelism", "1", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return prepare_quietly(["--parallelism", "1", *args], capsys)
 
 
 @pytest.mark.parametrize("mode", ["fail", "skip"])
@@ -45,7 +41,7 @@ def test_a_malformed_line_fails_or_is_counted(serial: None, tmp_path: Path, caps
     assert "no field 'text'" in manifest.skipped[1].reason and "2 records skipped" in stdout
 
 
-def _bad_inputs(tmp: Path, corpus: Path) -> dict[str, tuple[list[str], str]]:
+def _bad_inputs(tmp: Path, corpus: Path, tokenizer: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (arguments, the one line expected on stderr)."""
     (tmp / "empty").mkdir()
     (tmp / "empty" / "e.jsonl").write_text("\n")
@@ -56,6 +52,18 @@ def _bad_inputs(tmp: Path, corpus: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "zst" / "c.jsonl.zst").write_bytes(good[:100] + b"\0" * 16 + good[116:])
     (tmp / "taken").mkdir()
     (tmp / "taken" / "x").write_text("x")
+    # A corpus folder (and a tokenizer folder) from elsewhere whose file links out of it: the
+    # environment, or credentials, would be tokenized into the dataset.
+    secret = write_jsonl(tmp / "secret.jsonl", [{"text": "AWS_SECRET_ACCESS_KEY=not-for-the-dataset"}])
+    write_jsonl(tmp / "linked" / "a.jsonl", [{"text": "a"}])
+    (tmp / "linked" / "b.jsonl").symlink_to(secret)
+    (tmp / "linked-dir").mkdir()
+    (tmp / "linked-dir" / "more").symlink_to(tmp / "linked")
+    shutil.copytree(tokenizer, tmp / "tok")
+    (tmp / "tok" / "merges.txt").symlink_to("/proc/self/environ")
+    shutil.copytree(tokenizer, tmp / "tok-file")
+    (tmp / "tok-file" / "chat_template.jinja").symlink_to(secret)
+    link_refused = "leads through a link to {}, outside {}: a file of the folder is read only where it lies inside it"
     return {
         "empty": ([str(tmp / "empty")], f"ringtrain: data error: {tmp / 'empty'}: no documents (every record was empty or skipped)"),
         "field": ([str(tmp / "field")], f"ringtrain: data error: {tmp / 'field' / 'f.jsonl'}:2: no field 'text' (--text-field)"),
@@ -65,6 +73,18 @@ def _bad_inputs(tmp: Path, corpus: Path) -> dict[str, tuple[list[str], str]]:
                       f"ringtrain: config error: --tokenizer: {tmp / 'no-such-tokenizer'} does not exist"),
         "exists": ([str(corpus), "--out", str(tmp / "taken")],
                    f"ringtrain: config error: --out: {tmp / 'taken'} already exists; pass --overwrite to replace it"),
+        "link-in-folder": ([str(tmp / "linked")], f"ringtrain: config error: SRC: {tmp / 'linked' / 'b.jsonl'} "
+                           + link_refused.format(secret, tmp / "linked")),
+        "link-in-glob": ([str(tmp / "linked" / "*.jsonl")], f"ringtrain: config error: SRC: {tmp / 'linked' / 'b.jsonl'} "
+                         + link_refused.format(secret, tmp / "linked")),
+        "folder-link-in-glob": ([str(tmp / "linked-dir" / "**" / "*.jsonl")], f"ringtrain: config error: SRC: "
+                                f"{tmp / 'linked-dir' / 'more' / 'a.jsonl'} "
+                                + link_refused.format(tmp / "linked" / "a.jsonl", tmp / "linked-dir")),
+        "link-in-tokenizer": ([str(corpus), "--tokenizer", str(tmp / "tok")], f"ringtrain: config error: --tokenizer: "
+                              f"{tmp / 'tok' / 'merges.txt'} leads through a link to /proc/"),
+        "link-beside-tokenizer-file": ([str(corpus), "--tokenizer", str(tmp / "tok-file" / "tokenizer.json")],
+                                       f"ringtrain: config error: --tokenizer: {tmp / 'tok-file' / 'chat_template.jinja'} "
+                                       + link_refused.format(secret, tmp / "tok-file")),
     }
 
 
@@ -76,11 +96,17 @@ def _with_defaults(args: list[str], tmp_path: Path) -> list[str]:
     return args
 
 
-@pytest.mark.parametrize("case", ["empty", "field", "gz", "zst", "tokenizer", "exists"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty", "field", "gz", "zst", "tokenizer", "exists",
+        "link-in-folder", "link-in-glob", "folder-link-in-glob", "link-in-tokenizer", "link-beside-tokenizer-file",
+    ],  # fmt: skip
+)
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
-    serial: None, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+    serial: None, corpus: Path, tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:
-    args, expected = _bad_inputs(tmp_path, corpus)[case]
+    args, expected = _bad_inputs(tmp_path, corpus, tokenizer)[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     code, _, err = prepare(_with_defaults(args, tmp_path), capsys)
     assert code == 2 and err.startswith(expected) and err.count("\n") == 1, err
@@ -88,9 +114,9 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     assert not list(tmp_path.rglob("manifest.json"))
 
 
-def test_the_command_line_exits_2_with_one_line_and_no_traceback(corpus: Path, tmp_path: Path) -> None:
+def test_the_command_line_exits_2_with_one_line_and_no_traceback(corpus: Path, tokenizer: Path, tmp_path: Path) -> None:
     """End to end as users run it: a fresh process, exit status, stderr (found before Ray starts)."""
-    args, expected = _bad_inputs(tmp_path, corpus)["tokenizer"]
+    args, expected = _bad_inputs(tmp_path, corpus, tokenizer)["tokenizer"]
     before = sorted(p.name for p in tmp_path.iterdir())
     result = ringtrain_cli(["prepare", *_with_defaults(args, tmp_path)], home=tmp_path, ray_tmp=tmp_path, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith(expected) and result.stderr.count("\n") == 1, result.stderr

@@ -21,14 +21,14 @@ from ringtrain.errors import ConfigError
 from ringtrain.prepare import chat_render, chat_template
 from ringtrain.prepare.chat_records import BadConversation, ChatRecord, Conversation, read_chat
 from ringtrain.prepare.chat_render import ChatRenderer, ChatSpec, TemplateRefused
-from tests.prepare.test_chat_render import conversations, reference_mask
-from tests.tiny_tokenizer import (
+from ringtrain_dev.tiny_tokenizer import (
     CHAT_WORDS,
     TOOLS_MARKED_TEMPLATE,
     TOOLS_TEMPLATE,
     TOOLS_WEIGHTED_REFERENCE,
     save_chat_tokenizer,
 )
+from tests.prepare.test_chat_render import conversations, reference_mask
 
 VOCAB = 320
 

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ringtrain import cli
 from ringtrain.prepared import Manifest
+from ringtrain_dev.tiny_tokenizer import save_chat_tokenizer
+from tests.prepare.prepare_cli import files_of, prepare
 from tests.prepare.serial import run_serially
 from tests.prepare.test_chat_render import conversations, reference_mask
 from tests.prepare.test_prepare_ray import cluster  # noqa: F401  (the module's Ray cluster)
-from tests.tiny_tokenizer import save_chat_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +53,6 @@ def write_chat_corpus(folder: Path, num: int = 240) -> list[list[dict[str, str]]
     (folder / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines(parts[2])))
     pq.write_table(pa.Table.from_pylist([{"messages": c} for c in parts[3]]), folder / "d.parquet", row_group_size=16)
     return convs
-
-
-def prepare(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main(["prepare", "--quiet", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def read_back(root: Path) -> list[tuple[list[int], list[int]]]:
@@ -297,7 +287,7 @@ def test_on_ray_the_bytes_are_the_same_at_any_parallelism_and_split(
 
 def test_the_manifest_refuses_inconsistent_chat_counts(chat_tokenizers: dict[str, Path], tmp_path: Path) -> None:
     from ringtrain.errors import DataError
-    from tests.prepared_data import write_chat_prepared
+    from ringtrain_dev.prepared_data import write_chat_prepared
 
     conv = [(np.arange(5), np.array([0, 1, 1, 1, 1], np.uint8)), (np.arange(3), np.array([0, 0, 1], np.uint8))]
     manifest = write_chat_prepared(tmp_path / "d", conv, vocab_size=16)

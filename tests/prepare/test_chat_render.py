@@ -22,7 +22,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.prepare import chat_render, chat_template
 from ringtrain.prepare.chat_records import BadConversation, ChatRecord
 from ringtrain.prepare.chat_render import ChatRenderer, ChatSpec, TemplateRefused
-from tests.tiny_tokenizer import CHAT_WORDS, CHATML_TEMPLATE, LLAMA3_MARKED_TEMPLATE, save_chat_tokenizer
+from ringtrain_dev.tiny_tokenizer import CHAT_WORDS, CHATML_TEMPLATE, LLAMA3_MARKED_TEMPLATE, save_chat_tokenizer
 
 Conversation = list[dict[str, str]]
 

@@ -141,7 +141,7 @@ def test_a_long_text_file_or_parquet_value_is_a_bad_record_read_no_further(tmp_p
     (record,) = list(sources.read_records(sources.Piece(0, source), "text", max_bytes=LIMIT))
     assert isinstance(record, sources.BadRecord) and record.line == 1
     assert record.reason == f"the file ({LIMIT + 1:,} bytes) is over the {LIMIT:,}-byte limit (--max-record-bytes)"
-    from tests.corpus import write_parquet
+    from ringtrain_dev.corpus import write_parquet
 
     parquet = write_parquet(tmp_path / "p.parquet", [{"id": str(i), "text": t} for i, t in enumerate(["ok", "é" * 600, "fine"])], row_group_size=2)
     got = list(sources.read_records(sources.Piece(0, sources.SourceFile(0, str(parquet), "parquet")), "text", max_bytes=1000))

@@ -13,7 +13,7 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import write_jsonl
+from ringtrain_dev.corpus import write_jsonl
 
 
 def prepare(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from ringtrain.prepare.preference_render import render_pair
 from ringtrain.prepared import Manifest
 from tests.prepare.test_chat_policy import with_template
 from tests.prepare.test_chat_prepare import prepare, read_back
-from tests.tiny_tokenizer import TOOLS_TEMPLATE, TOOLS_WEIGHTED_REFERENCE, save_chat_tokenizer
+from ringtrain_dev.tiny_tokenizer import TOOLS_TEMPLATE, TOOLS_WEIGHTED_REFERENCE, save_chat_tokenizer
 
 VOCAB = 320
 SYSTEM = {"role": "system", "content": "be terse"}

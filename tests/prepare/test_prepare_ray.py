@@ -23,7 +23,8 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import write_jsonl
+from ringtrain_dev.corpus import write_jsonl
+from tests.prepare.prepare_cli import files_of
 
 ray = pytest.importorskip("ray")
 
@@ -47,16 +48,6 @@ def cluster() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def prepare(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main(["prepare", "--quiet", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 SHARD_TOKENS = "60000"  # the 210K-token corpus makes four shards: boundaries are exercised

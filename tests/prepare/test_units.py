@@ -23,7 +23,7 @@ from ringtrain.prepared import (
     shard_paths,
     token_dtype_for,
 )
-from tests.corpus import write_jsonl, write_parquet
+from ringtrain_dev.corpus import write_jsonl, write_parquet
 
 
 def _manifest(**changes: object) -> dict[str, object]:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from ringtrain_dev.cli_runs import run_cli
+
 from .test_elastic import JOB, STEPS, job_file
-from .test_run_e2e import run_cli
 
 # The batch the node-loss test's NaN poisons and controllers.on_nan=skip drops (0-based: step
 # STEPS - 1 trains batch STEPS - 2 when nothing was skipped before).

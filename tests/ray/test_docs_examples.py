@@ -15,9 +15,8 @@ from typing import Iterator
 
 import pytest
 
+from ringtrain_dev.ray_head import end_processes, processes_using
 from tests.docs_blocks import PAGES, RUNNABLE, Workspace, blocks
-
-from .harness import end_processes, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -22,10 +22,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
+from ringtrain_dev.cli_runs import run_cli
+from ringtrain_dev.ray_head import REPO, TORCH_EXTENSIONS_DIR, processes_using
 from tests.chaos_replay import keep
 
 from .test_resume_e2e import final_params, losses
-from .test_run_e2e import REPO, TORCH_EXTENSIONS_DIR, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -89,13 +90,8 @@ def start_job(cluster: Any, run_dir: Path, home: Path, *overrides: str) -> subpr
     args = [str(job_file(home)), f"run_dir={run_dir}", f"cluster.address={cluster.address}", *JOB, *overrides]
     return subprocess.Popen(
         [sys.executable, "-m", "ringtrain", "run", *args],
-        env=env,
-        cwd=home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+        env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -130,6 +126,19 @@ def finish(job: subprocess.Popen[str]) -> str:
         pytest.fail(f"the job did not finish:\n{out[-3000:]}")
     assert job.returncode == 0, out[-3000:]
     return out
+
+
+def run_to_its_end(home: Path, *overrides: str) -> Path:
+    """The job (``JOB`` and ``overrides``) run through the CLI on an embedded cluster of its own:
+    it must finish and leave no process. Its run directory."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtc-", dir="/tmp"))  # short: Ray's socket paths live below it
+    try:
+        result = run_cli([str(job_file(home)), f"run_dir={home / 'run'}", *JOB, *overrides], home=home, ray_tmp=ray_tmp)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert processes_using(ray_tmp) == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return home / "run"
 
 
 def incidents(run_dir: Path) -> list[dict[str, Any]]:

@@ -1,6 +1,8 @@
 """The embedded cluster a run starts: on loopback only, with a token made for the run and kept in
 the process environment, never written under ~/.ray; the user's own choice of token left alone;
-none of its processes, nor any its workers started, left once it is closed.
+none of its processes, nor any its workers started, left once it is closed. Its listeners are
+taken once a worker has opened the world's rendezvous store (torch's, unauthenticated), as a
+run's rank 0 does.
 
 Each case runs in a fresh Python (as `ringtrain run` does) with its own HOME and RAY_TMPDIR and
 no Ray variable of the test's environment; the first case's probe starts the cluster twice in
@@ -22,14 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from .harness import REPO, end_processes, processes_using
+from ringtrain.actors.cluster import loopback_interface
+from ringtrain_dev.ray_head import REPO, end_processes, processes_using
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PROBE = r"""
 import json, os, sys
 import psutil, ray
+from ringtrain import config
 from ringtrain.actors.cluster import connect_to
+from ringtrain.actors.worker import TrainWorker
 
 def cluster_processes():
     return [p for p in psutil.Process().children(recursive=True)]
@@ -69,10 +74,15 @@ for first in [True, False][: int(sys.argv[1])]:
     procs = cluster_processes()
     answer = ray.get(ray.remote(lambda: "answered").remote())
     spawned = ray.get(Spawner.remote().spawn.remote()) if first else []
+    worker = ray.remote(num_cpus=0)(TrainWorker).remote(config.load(None, []), 0, "cpu", True)
+    store_host, _ = ray.get(worker.create_store.remote(2))
+    interfaces = ray.get(worker.__ray_call__.remote(lambda self: [os.environ.get(n) for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]))
     runs.append({
         "token": os.environ.get("RAY_AUTH_TOKEN"),
         "gcs_token": token_of(procs, "gcs_server"),
-        "listening": listening(procs),
+        "store_host": store_host,
+        "rank_interfaces": interfaces,
+        "listening": listening(cluster_processes()),
         "answer": answer,
         # Process groups of the cluster's processes that are the driver's own: a signal to the
         # driver's group (`kill %1`) must not reach them (actors/cluster.py).
@@ -129,8 +139,12 @@ def test_an_embedded_cluster_listens_on_loopback_with_a_per_run_token_off_disk(r
         assert re.fullmatch(r"[0-9a-f]{64}", str(run["token"])), run
         assert run["gcs_token"] == run["token"], "Ray's processes take the token from the environment"
         assert run["answer"] == "answered"
-        # Loopback only: 127.0.0.1, or its IPv4-mapped IPv6 form where a server opened an IPv6 socket.
+        # Loopback only: 127.0.0.1, or its IPv4-mapped IPv6 form where a server opened an IPv6 socket;
+        # the rendezvous store among them (torch alone binds it to '::', every interface).
         assert run["listening"] and all(loopback(address) for address in run["listening"]), run["listening"]
+        assert run["store_host"] == "127.0.0.1"
+        # gloo and NCCL take the loopback interface for the ranks' connections, not the hostname's.
+        assert run["rank_interfaces"] == [loopback_interface()] * 2
         assert run["after"] == {"RAY_AUTH_TOKEN": None, "RAY_AUTH_MODE": None}
         assert run["left"] == [], "every process of the cluster, and what its workers started, ends with close"
         assert run["in_drivers_group"] == [], "a signal to the driver's process group would reach the cluster"

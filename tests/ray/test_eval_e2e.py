@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ringtrain_dev.cli_runs import QUICKSTART, ringtrain_cli
+from ringtrain_dev.ray_head import processes_using
+from ringtrain_dev.tiny import TINY
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
 from tests.hf_models import hf_logits, save_model, tokens
-from tests.tiny_tokenizer import save_tokenizer
 
-from .test_run_e2e import QUICKSTART, TINY, processes_using, ray_tmp, ringtrain_cli  # noqa: F401
+from .test_run_e2e import ray_tmp  # noqa: F401
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

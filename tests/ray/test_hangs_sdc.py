@@ -17,16 +17,13 @@ uninterrupted one does.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.chaos_replay import keep
 
-from .test_elastic import JOB, STEPS, check_ledger, check_matches_reference, incidents, job_file, records
-from .test_run_e2e import processes_using, run_cli
+from .test_elastic import STEPS, check_ledger, check_matches_reference, incidents, records, run_to_its_end
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -47,32 +44,20 @@ BAD_RANK, BAD_STEP = 0, 13
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("chaos")
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtt-", dir="/tmp"))
     stalls = [f"{{kind: {kind}, rank: {rank}, step: {step}}}" for kind, rank, step in STALLS]
     # Bit 26, an exponent bit: the largest gradient element is 16x off, an error that shows in
     # this short run, yet the loss stays finite.
     bitflip = f"{{kind: bitflip, rank: {BAD_RANK}, step: {BAD_STEP}, target: gradients, bit: 26}}"
-    try:
-        result = run_cli(
-            [
-                str(job_file(home)),
-                f"run_dir={home / 'run'}",
-                *JOB,
-                "cluster.num_cpus=3",  # room for a new worker while the bad device's slot stays held
-                "mesh.min_dp=2",
-                f"controllers.hang_timeout_s={HANG_TIMEOUT_S}",
-                f"controllers.sdc_every_steps={SDC_EVERY}",
-                f"chaos.faults=[{', '.join([*stalls, bitflip])}]",
-            ],
-            home=home,
-            ray_tmp=ray_tmp,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert processes_using(ray_tmp) == []
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    keep(home / "run", "three_stalls_then_a_bitflip")
-    return home / "run"
+    run_dir = run_to_its_end(
+        home,
+        "cluster.num_cpus=3",  # room for a new worker while the bad device's slot stays held
+        "mesh.min_dp=2",
+        f"controllers.hang_timeout_s={HANG_TIMEOUT_S}",
+        f"controllers.sdc_every_steps={SDC_EVERY}",
+        f"chaos.faults=[{', '.join([*stalls, bitflip])}]",
+    )
+    keep(run_dir, "three_stalls_then_a_bitflip")
+    return run_dir
 
 
 def test_each_stall_is_diagnosed_naming_the_rank_and_op_and_the_job_recovers(run_dir: Path) -> None:

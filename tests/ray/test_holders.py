@@ -14,8 +14,7 @@ import pytest
 
 from ringtrain import config
 from ringtrain.checkpoint.wire import decode
-
-from .test_run_e2e import TORCH_EXTENSIONS_DIR
+from ringtrain_dev.ray_head import TORCH_EXTENSIONS_DIR
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

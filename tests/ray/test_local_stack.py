@@ -5,7 +5,7 @@ the stack's own credentials only; a job submitted from a shell whose PATH has no
 head's Python, checkpoints to the stack's S3 with no --env, and succeeds.
 
 The stack runs on free loopback ports with its own state folder, Ray temp folder and HOME, and
-`stop` must leave no process of it behind (found by its RAY_TMPDIR, as tests/ray/harness.py does).
+`stop` must leave no process of it behind (found by its RAY_TMPDIR, as ringtrain_dev/ray_head.py does).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from ringtrain_dev.ray_head import REPO, VENV_BIN, end_processes, free_ports, processes_of, processes_using, shell_path
+from ringtrain_dev.tiny import TINY
 from tests.tools import tool
-
-from .harness import REPO, VENV_BIN, end_processes, free_ports, processes_of, processes_using, shell_path
-from .test_run_e2e import TINY
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -18,9 +18,12 @@ import pytest
 
 from ringtrain import metrics
 from ringtrain.incidents import INCIDENT_KINDS
+from ringtrain_dev.cli_runs import QUICKSTART, run_cli
+from ringtrain_dev.ray_head import REPO, processes_using
+from ringtrain_dev.tiny import TINY
 from tests.tools import tool
 
-from .test_run_e2e import QUICKSTART, REPO, TINY, processes_using, ray_tmp, run_cli  # noqa: F401  (fixture)
+from .test_run_e2e import ray_tmp  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -19,9 +19,12 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ringtrain.telemetry.tensorboard import INCIDENT_COUNT_TAG, SCALAR_TAGS
+from ringtrain_dev.cli_runs import QUICKSTART, run_cli
+from ringtrain_dev.ray_head import REPO, processes_using
+from ringtrain_dev.tiny import TINY
 from tests.unit.test_report_browser import CHARTS, assert_drawn, render_in_chromium
 
-from .test_run_e2e import QUICKSTART, REPO, TINY, processes_using, ray_tmp, run_cli  # noqa: F401  (fixture)
+from .test_run_e2e import ray_tmp  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -25,9 +25,10 @@ import pytest
 
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.wire import FragmentIndex, decode
-
-from .signalled import Background, records, stop_line
-from .test_run_e2e import QUICKSTART, TINY, processes_using, run_cli
+from ringtrain_dev.cli_runs import Background, records, stop_line
+from ringtrain_dev.cli_runs import QUICKSTART, run_cli
+from ringtrain_dev.ray_head import processes_using
+from ringtrain_dev.tiny import TINY
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

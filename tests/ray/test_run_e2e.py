@@ -7,10 +7,7 @@ command lines; after the CLI exits none of them may be left.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -18,20 +15,11 @@ from typing import Iterator
 import pytest
 import yaml
 
-from tests.tiny import TINIEST_MODEL
-
-from .harness import REPO, TORCH_EXTENSIONS_DIR, processes_using
+from ringtrain_dev.cli_runs import QUICKSTART, run_cli
+from ringtrain_dev.ray_head import processes_using
+from ringtrain_dev.tiny import TINY
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-QUICKSTART = REPO / "jobs" / "quickstart.yaml"
-TINY = [
-    *TINIEST_MODEL,
-    "data.seq_len=64",
-    "train.global_batch=4",
-    "train.warmup_steps=1",
-    "cluster.num_cpus=2",
-]
 
 
 @pytest.fixture
@@ -40,26 +28,6 @@ def ray_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="rtt-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def run_cli(args: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``ringtrain run ARGS`` as a user would start it, with the test's own HOME and Ray temp dir."""
-    return ringtrain_cli(["run", *args], home=home, ray_tmp=ray_tmp, timeout=timeout)
-
-
-def ringtrain_cli(argv: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    env.update(
-        HOME=str(home),
-        RAY_TMPDIR=str(ray_tmp),
-        RAY_AUTH_MODE="disabled",
-        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS_DIR),
-        PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "ringtrain", *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=home
-    )
 
 
 def test_run_writes_run_dir_and_leaves_no_process(tmp_path: Path, ray_tmp: Path) -> None:

@@ -9,16 +9,13 @@ seat (its slot is held back), and the run ends as the uninterrupted one does.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.chaos_replay import keep
 
-from .test_elastic import JOB, check_ledger, check_matches_reference, incidents, job_file, records
-from .test_run_e2e import processes_using, run_cli
+from .test_elastic import check_ledger, check_matches_reference, incidents, records, run_to_its_end
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -35,30 +32,16 @@ STRAGGLER_FACTOR = 3.0
 
 
 def test_a_persistent_straggler_is_named_and_its_seat_taken_by_a_spare(tmp_path: Path, reference: Path) -> None:
-    home = tmp_path
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
     slow = f"{{kind: slow, rank: {SLOW_RANK}, step: {STRAGGLER_FROM}, seconds: {SLOW_S}, count: 10}}"
-    try:
-        result = run_cli(
-            [
-                str(job_file(home)),
-                f"run_dir={home / 'run'}",
-                *JOB,
-                "cluster.num_cpus=3",  # room for the spare; the straggler's slot stays held
-                "mesh.spares=1",
-                "controllers.on_straggler=evict",
-                f"controllers.straggler_steps={STRAGGLER_STEPS}",
-                f"controllers.straggler_factor={STRAGGLER_FACTOR}",
-                f"chaos.faults=[{slow}]",
-            ],
-            home=home,
-            ray_tmp=ray_tmp,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert processes_using(ray_tmp) == []
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    run_dir = home / "run"
+    run_dir = run_to_its_end(
+        tmp_path,
+        "cluster.num_cpus=3",  # room for the spare; the straggler's slot stays held
+        "mesh.spares=1",
+        "controllers.on_straggler=evict",
+        f"controllers.straggler_steps={STRAGGLER_STEPS}",
+        f"controllers.straggler_factor={STRAGGLER_FACTOR}",
+        f"chaos.faults=[{slow}]",
+    )
 
     (incident,) = incidents(run_dir)
     found = incident["verdict"]["straggler"]

@@ -11,6 +11,7 @@ training workers) is ended by PID and none may be left.
 
 from __future__ import annotations
 
+import http.server
 import json
 import queue
 import re
@@ -21,11 +22,13 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
 import pytest
+import requests
 
 from ringtrain import config
 from ringtrain.checkpoint import open_store
@@ -41,10 +44,7 @@ from ringtrain.submission import (
     runtime_env,
 )
 from ringtrain.submission_files import listing
-from tests.tiny import TINIEST_MODEL
-from tests.tiny_tokenizer import save_tokenizer
-
-from .harness import (
+from ringtrain_dev.ray_head import (
     HEAD_START_TIMEOUT_S,
     REPO,
     VENV_BIN,
@@ -55,6 +55,9 @@ from .harness import (
     processes_using,
     running_head,
 )
+from ringtrain_dev.tiny import TINIEST_MODEL
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
+from tests.tools import missing
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -255,11 +258,18 @@ def unpacked_working_dirs(head: Head, job_name: str) -> list[Path]:
     return sorted({p.parent.resolve() for p in found})  # session_latest links to the session
 
 
-def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares(head: Head, tmp_path: Path) -> None:
+def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares(
+    head: Head, tmp_path: Path, fake_tracker: tuple[str, list[str]]
+) -> None:
+    """The job also takes an MLflow token with --secret: its driver sends it to the (fake)
+    tracking server, and neither the job API nor any file of Ray's holds it afterwards."""
+    tracker_uri, tracker_requests = fake_tracker
     job = job_folder(tmp_path / "job")
+    secret = "mlflow-token-" + uuid.uuid4().hex
     submitted = ringtrain(
-        head, "submit", str(job), *ONE_WORKER, "data.path=corpus",
-        "--address", head.address, "--token", head.token, "--no-wait", env=head.env_without_token(),
+        head, "submit", str(job), *ONE_WORKER, "data.path=corpus", f"telemetry.mlflow.tracking_uri={tracker_uri}",
+        "--address", head.address, "--token", head.token, "--no-wait", "--secret", "MLFLOW_TRACKING_TOKEN",
+        env={**head.env_without_token(), "MLFLOW_TRACKING_TOKEN": secret},
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     submission_id = submitted.stdout.strip()
@@ -296,6 +306,36 @@ def test_submit_with_the_token_flag_runs_the_job_and_ships_only_what_it_declares
     assert len(unpacked) == 1, unpacked
     shipped = [f for f in listing(unpacked[0]) if not f.startswith("runs/")]  # runs/: the job's own output
     assert shipped == ["corpus/part-0.txt", "corpus/part-1.txt", "corpus/part-2.txt", "tiny-job.yaml"]
+
+    # The secret reached the driver, which gave it to MLflow, and stays nowhere on the cluster.
+    assert tracker_requests and all(r.endswith(f"Bearer {secret}") for r in tracker_requests), tracker_requests
+    listed = requests.get(f"{head.address}/api/jobs/", headers=auth_headers(head.token), timeout=30)
+    assert listed.status_code == 200 and submission_id in listed.text and secret not in listed.text
+    for path in head.temp_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert secret.encode() not in path.read_bytes(), path
+    job_env = next(j for j in listed.json() if j["submission_id"] == submission_id)["runtime_env"]["env_vars"]
+    sealed = job_env["RINGTRAIN_SECRETS"].removeprefix("gcs://")
+    assert requests.get(f"{head.address}/api/packages/gcs/{sealed}", headers=auth_headers(head.token), timeout=30).status_code == 404
+
+
+@pytest.fixture
+def fake_tracker() -> Iterator[tuple[str, list[str]]]:
+    """A tracking server on loopback that answers every request and records its Authorization."""
+    try:
+        import mlflow  # noqa: F401 - the job's driver needs MLflow's client
+    except ImportError:
+        missing("mlflow is not installed (pip install -e '.[test]')")
+    from tests.unit.test_tracker_destinations import FakeTracker
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeTracker)
+    FakeTracker.requests = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", FakeTracker.requests
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_run_that_joins_the_cluster_reads_its_relative_inputs_from_its_own_folder(head: Head, tmp_path: Path) -> None:

@@ -16,25 +16,18 @@ from typing import Iterator
 import pytest
 
 from ringtrain.telemetry.trackers import read_history
-from tests.trackers.conftest import MlflowServer, start_mlflow
+from ringtrain_dev.cli_runs import QUICKSTART, run_cli
+from ringtrain_dev.mlflow_server import MlflowServer, start_mlflow
+from ringtrain_dev.ray_head import processes_using
+from ringtrain_dev.tiny import TINY
+from tests.trackers.conftest import mlflow_server  # noqa: F401 (a fixture)
 from tests.trackers.wandb_records import offline_run
-
-from .test_run_e2e import QUICKSTART, TINY, processes_using, run_cli
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = 8
 STOP_AT = 5
 TRAINING = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm"}
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    server = start_mlflow(tmp_path_factory.mktemp("mlflow"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

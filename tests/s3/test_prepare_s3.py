@@ -19,18 +19,24 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.prepared import Manifest
-from tests.corpus import build_corpus, save_tokenizer
-from tests.dist.ranks import gloo_rank, run_ranks
+from ringtrain_dev.corpus import build_corpus, save_tokenizer
+from ringtrain_dev.ranks import gloo_rank, run_ranks
+from ringtrain_dev.tiny import TINY_MODEL
 from tests.prepare.serial import run_serially
-from tests.tiny import TINY_MODEL
+
+
+@pytest.fixture
+def serial_on_s3(s3_endpoint: str, aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ringtrain prepare` runs in this process (tests/prepare/serial.py), its S3 calls going to
+    the moto server (set after ``aws_env``, which clears every AWS setting)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    run_serially(monkeypatch)
 
 
 def test_prepare_reads_and_writes_s3(
-    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    serial_on_s3: None, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    run_serially(monkeypatch)
     files = build_corpus(tmp_path / "corpus", num_modules=12, num_files=4)  # .jsonl, .gz, .parquet, .zst
     for path in files:
         s3_client.upload_file(str(path), bucket, f"corpus/{path.name}")
@@ -102,16 +108,13 @@ def _train_from_s3(rank: int, world: int, store: str, overrides: list[str], resu
 
 
 def test_training_reads_a_dataset_prepared_to_s3(
-    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    serial_on_s3: None, s3_client: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The round trip: prepared to s3://, then checked and read as ``ringtrain run`` does (shards
     fetched into the node's cache and verified) and trained on for two steps by a real rank."""
     from ringtrain import config
     from ringtrain.train.mixture import check_sources, open_samples
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    run_serially(monkeypatch)
     files = build_corpus(tmp_path / "corpus", num_modules=6, num_files=2)
     for path in files:
         s3_client.upload_file(str(path), bucket, f"corpus/{path.name}")
@@ -141,11 +144,8 @@ def test_training_reads_a_dataset_prepared_to_s3(
 
 
 def test_overwrite_replaces_only_a_dataset_prepare_wrote_on_s3(
-    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    serial_on_s3: None, s3_client: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    run_serially(monkeypatch)
     src = tmp_path / "a.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(10)))
     args = ["prepare", str(src), "--tokenizer", "bytes", "--quiet", "--parallelism", "1", "--overwrite"]
@@ -176,7 +176,7 @@ def test_overwrite_replaces_only_a_dataset_prepare_wrote_on_s3(
 
 
 def test_what_appears_under_the_prefix_while_preparing_is_judged_again_before_the_copy(
-    s3_endpoint: str, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    serial_on_s3: None, s3_client: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """S3 has no rename: the prefix is judged again just before the dataset is copied in. An
@@ -184,8 +184,6 @@ def test_what_appears_under_the_prefix_while_preparing_is_judged_again_before_th
     prepared dataset is kept, manifest and all) and is left as it is."""
     from ringtrain.prepare import writer
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    run_serially(monkeypatch)
     src = tmp_path / "a.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(10)))
     shard_written = writer.S3Output.shard_written

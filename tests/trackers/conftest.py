@@ -1,87 +1,21 @@
-"""A real MLflow tracking server on loopback (sqlite backend, a local artifact folder), started
-for the tests that need one and stopped by its PID after them."""
+"""A real MLflow tracking server on loopback (``ringtrain_dev.mlflow_server``), started for the
+tests that need one and stopped by its PID after them; the tests skip (fail under CI) without
+the mlflow package."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from ringtrain_dev.mlflow_server import MlflowServer, running_mlflow
 from tests.tools import missing
-
-# The server answers /health after about 12 s on two cores; more while other tests compete.
-START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class MlflowServer:
-    uri: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def stop(self) -> None:
-        """Ends the server and the workers it started (its own process group), by PID."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-
-
-def start_mlflow(folder: Path) -> MlflowServer:
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
-        missing("mlflow is not installed (pip install -e '.[test]')")
-    port = free_port()
-    folder.mkdir(parents=True, exist_ok=True)
-    log = folder / "server.log"
-    command = [
-        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-        "--backend-store-uri", f"sqlite:///{folder / 'db.sqlite'}", "--artifacts-destination", str(folder / "artifacts"),
-        "--workers", "1",
-    ]  # fmt: skip
-    # Without job execution: MLflow 3 otherwise starts five job-queue consumers beside the
-    # server, each importing mlflow and polling, CPU the tests' training runs need.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env)
-    server = MlflowServer(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mlflow server exited {process.returncode}: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{server.uri}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return server
-        except OSError:
-            time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"mlflow server not healthy within {START_TIMEOUT_S} s: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    server = start_mlflow(tmp_path_factory.mktemp("mlflow"))
-    try:
+    if importlib.util.find_spec("mlflow") is None:
+        missing("mlflow is not installed (pip install -e '.[test]')")
+    with running_mlflow(tmp_path_factory.mktemp("mlflow")) as server:
         yield server
-    finally:
-        server.stop()

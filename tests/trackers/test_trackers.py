@@ -18,8 +18,9 @@ from ringtrain.errors import ConfigError
 from ringtrain.telemetry import trackers as tracker_module
 from ringtrain.telemetry.rundir import RunDir
 from ringtrain.telemetry.trackers import Event, Point, Status, Trackers, TrackerSink, open_trackers, tracker_meta
-from tests.fake_run import NAN_INCIDENT, step_record
-from tests.trackers.conftest import MlflowServer, free_port
+from ringtrain_dev.fake_run import NAN_INCIDENT, step_record
+from ringtrain_dev.mlflow_server import MlflowServer
+from ringtrain_dev.ray_head import free_ports
 from tests.trackers.wandb_records import offline_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +159,7 @@ def test_a_step_redone_with_other_values_is_kept_not_dropped(mlflow_server: Mlfl
 
 
 def test_a_tracker_unreachable_at_the_start_is_one_warning(tmp_path: Path) -> None:
-    job = job_with(f"http://127.0.0.1:{free_port()}")
+    job = job_with(f"http://127.0.0.1:{free_ports(1)[0]}")
     attempt = Attempt(job, tmp_path / "run")
     _wait_for(lambda: attempt.trackers.sinks[0].lost)
     attempt.steps([step_record(s) for s in range(1, 4)])
@@ -229,17 +230,18 @@ def _wait_for(condition: Any, timeout_s: float = 60.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def test_submit_passes_named_credentials_in_the_submission_only(tmp_path: Path) -> None:
+def test_submit_passes_named_variables_in_the_submission_only(tmp_path: Path) -> None:
+    """Settings, not secrets: those go with --secret (tests/unit/test_submission_secrets.py)."""
     from ringtrain.submission import passed_env, runtime_env
 
-    shell = {"WANDB_API_KEY": "secret-key", "OTHER": "x"}
-    env = runtime_env(tmp_path, env_vars=passed_env(["WANDB_API_KEY"], shell))
-    assert env["env_vars"] == {"WANDB_API_KEY": "secret-key"}
+    shell = {"WANDB_PROJECT": "p", "OTHER": "x"}
+    env = runtime_env(tmp_path, env_vars=passed_env(["WANDB_PROJECT"], shell))
+    assert env["env_vars"] == {"WANDB_PROJECT": "p"}
     assert "env_vars" not in runtime_env(tmp_path)
-    with pytest.raises(ConfigError, match="--env: MLFLOW_TRACKING_TOKEN is not set in this shell"):
-        passed_env(["MLFLOW_TRACKING_TOKEN"], shell)
+    with pytest.raises(ConfigError, match="--env: WANDB_ENTITY is not set in this shell"):
+        passed_env(["WANDB_ENTITY"], shell)
     with pytest.raises(ConfigError, match="give the name only"):
-        passed_env(["WANDB_API_KEY=secret"], shell)
+        passed_env(["WANDB_PROJECT=p"], shell)
 
 
 def test_a_wandb_run_ends_with_its_service_stopped(tmp_path: Path) -> None:

@@ -72,7 +72,8 @@ class OfflineRun:
 
 def offline_run(root: Path, run_id: str) -> OfflineRun:
     run = OfflineRun(run_id)
-    for path in sorted(root.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    # A run resumed within the second it ended gets W&B's folder name with "-1" (and so on) added.
+    for path in sorted(root.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb")):
         for record in records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":

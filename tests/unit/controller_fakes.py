@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
+from ringtrain.actors.protocols import Reform
 from ringtrain.actors.simulated import (  # noqa: F401  (the tests import these from here)
     ERROR_FRAME, UNIX0, Clock, Corruption, Durations, Fault, Reformed, SimulatedGroup, SimulatedRecovery,
 )
@@ -152,14 +153,11 @@ class FakeElastic(SimulatedRecovery):
         self.calls.append(("capacity", {"lost": lost, "reuse_slots": reuse_slots}))
         return super().capacity(lost, reuse_slots=reuse_slots)
 
-    def reform(self, *, lost: frozenset[int], new_dp: int, spares: int, last_step: int,
-               fired_through: Optional[int] = None, quarantine: bool = False) -> Reformed:
-        self.calls.append(("reform", {"lost": lost, "new_dp": new_dp, "spares": spares, "last_step": last_step,
-                                      "fired_through": fired_through, "quarantine": quarantine}))
+    def reform(self, request: Reform) -> Reformed:
+        self.calls.append(("reform", dataclasses.asdict(request)))
         # What the run directory says while the recovery is under way.
         self.incidents_at_reform += [json.loads(p.read_text()) for p in sorted((self.run_dir / "incidents").glob("*.json"))]
-        return super().reform(lost=lost, new_dp=new_dp, spares=spares, last_step=last_step,
-                              fired_through=fired_through, quarantine=quarantine)
+        return super().reform(request)
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
         self.calls.append(("cordon", {"ranks": ranks}))

@@ -1,12 +1,10 @@
-"""Shared by the memory-saver tests: a tiny decoder on one CPU rank, a live-storage byte counter,
-and the ``quiet_cpu`` fixture the saver test modules use."""
+"""Shared by the memory-saver tests: a tiny decoder on one CPU rank, and the ``quiet_cpu``
+fixture the saver test modules use (their byte counter is ``ringtrain_dev.live_bytes``)."""
 
 from __future__ import annotations
 
 import gc
-import threading
-import weakref
-from typing import Any, Iterator, Optional
+from typing import Iterator
 
 import pytest
 import torch
@@ -59,52 +57,3 @@ def grads(model: Transformer, *, seq: int = 64) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     (model(ids, pos, labels) / int((labels != -100).sum())).backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-class LiveBytes:
-    """Bytes of live CPU tensor storage created while active, and their peak (a dispatch mode
-    sees every op's outputs, the backward's included; a finalizer takes a storage off when it dies)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                tracker.observe(out)
-                return out
-
-        self.mode = _Mode()
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-        self._lock = threading.Lock()
-
-    def observe(self, out: Any) -> None:
-        from torch.utils._pytree import tree_leaves
-
-        for leaf in tree_leaves(out):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            storage = leaf.untyped_storage()
-            key = id(storage)
-            with self._lock:
-                known = key in self.live
-                self.current += storage.nbytes() - self.live.get(key, 0)
-                self.live[key] = storage.nbytes()
-            if not known:
-                weakref.finalize(storage, self._forget, key)
-        self.peak = max(self.peak, self.current)
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            self.current -= self.live.pop(key, 0)
-
-    def __enter__(self) -> "LiveBytes":
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.mode.__exit__(*exc)

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.attention import LoopbackTransport
 from ringtrain.train.attention.attend import local_attention, ring_attention
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.ulysses import ulysses_attention
-from tests.emulated_cp import emulated_attention
+from ringtrain_dev.emulated_cp import emulated_attention
+from ringtrain_dev.loopback import LoopbackTransport
 
 B, S, D = 2, 8, 8
 

@@ -1,6 +1,6 @@
 """How a call's blocks run (train/attention/plan.py, call.py): whole, one masked call, pieces, or
 not at all, and which K/V exchange a layout gets; and blocks cut by documents and windows, through
-the emulated ring (tests/emulated_cp.py), equal to one call over the sequence, masked and in
+the emulated ring (ringtrain_dev/emulated_cp.py), equal to one call over the sequence, masked and in
 pieces alike (the CPU kernels take masks, so short blocks run masked here; the fused GPU kernels
 do not, and a kernel refusing masks stands in for them); and an all-gathered chunk's rows against
 its prefix and itself as one call, one masked call or split, each equal to one call."""
@@ -24,7 +24,7 @@ from ringtrain.train.attention.call import (
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.kernels import MATH, MathKernel, default_scale
 from ringtrain.train.attention.plan import EMPTY, MASKED, MASKED_BELOW_SCORES, PIECES, WHOLE, exchange_for, plan
-from tests.emulated_cp import emulated_ring
+from ringtrain_dev.emulated_cp import emulated_ring
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -143,7 +143,7 @@ def test_cut_blocks_through_the_emulated_ring_equal_one_call(kernel: MathKernel,
 ])
 def test_ulysses_gathers_into_either_kernel_layout(kernel: str, ring: int, ulysses: int, heads: int,
                                                   kv_heads: int) -> None:
-    from tests.emulated_cp import emulated_attention
+    from ringtrain_dev.emulated_cp import emulated_attention
 
     seq = 16 * ring * ulysses
     gen = torch.Generator().manual_seed(5)

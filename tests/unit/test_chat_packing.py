@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ringtrain.train.conversations import conversation_weights, pack_conversations
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, ShardedData
 from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
-from tests.chat_data import chat_samples, random_conversations, skip_without_chat_manifests, write_chat
+from ringtrain_dev.chat_data import chat_samples, random_conversations, skip_without_chat_manifests, write_chat
 
 VOCAB, SEQ = 64, 32
 
@@ -37,7 +37,7 @@ def test_rows_hold_whole_conversations_once_and_are_a_function_of_the_seed(packi
 def test_first_fit_decreasing_fills_rows_fuller_than_next_fit() -> None:
     """Conversations of 47 to 1,018 tokens into rows of 2,048: first-fit decreasing leaves less of
     each row to padding (the same draw docs/performance.md's table reports, by bench/chat_packing.py)."""
-    from tests.chat_data import conversation_lengths
+    from ringtrain_dev.chat_data import conversation_lengths
 
     lengths = conversation_lengths(4000, seed=0)
     fill = {}
@@ -183,7 +183,7 @@ def test_a_chat_dataset_under_concat_packing_is_refused_naming_the_key(chat_root
 def test_sequence_loss_norm_needs_a_chat_dataset(tmp_path: Path) -> None:
     from ringtrain.errors import ConfigError
     from ringtrain.train.mixture import check_sources
-    from tests.prepared_data import random_documents, write_prepared
+    from ringtrain_dev.prepared_data import random_documents, write_prepared
 
     write_prepared(tmp_path / "text", random_documents(8, vocab_size=VOCAB, eos_id=2, min_len=20, max_len=30),
                    vocab_size=VOCAB, eos_id=2)
@@ -262,7 +262,7 @@ def test_the_console_and_the_report_say_what_seq_len_dropped_or_cut(
     from ringtrain.telemetry.report import render
     from ringtrain.telemetry.runfiles import read_run
     from ringtrain.train.mixture import chat_packing_counts
-    from tests.fake_run import write_run_dir
+    from ringtrain_dev.fake_run import write_run_dir
 
     root, convs = chat_root
     longer = [len(t) for t, _ in convs if len(t) > SEQ]

@@ -67,19 +67,15 @@ def test_a_corpus_shorter_than_seq_len_plus_one_is_a_data_error(num_tokens: int)
         SampleOrder(num_tokens=num_tokens, seq_len=16, seed=0)
 
 
+def _one_rank(tokens: np.ndarray, seq_len: int) -> ShardedData:
+    """The data of a world of one rank, one sequence a step, a vocabulary of 256."""
+    plan = BatchPlan(global_batch=1, dp=1, micro_batch=1)
+    return ShardedData(tokens, seq_len=seq_len, seed=0, plan=plan, ring=1, ulysses=1, ring_idx=0, ulysses_idx=0, vocab_size=256)
+
+
 def test_sharded_data_refuses_a_short_corpus() -> None:
     with pytest.raises(DataError):
-        ShardedData(
-            np.arange(16),
-            seq_len=16,
-            seed=0,
-            plan=BatchPlan(global_batch=1, dp=1, micro_batch=1),
-            ring=1,
-            ulysses=1,
-            ring_idx=0,
-            ulysses_idx=0,
-            vocab_size=256,
-        )
+        _one_rank(np.arange(16), seq_len=16)
 
 
 # --- BatchPlan -----------------------------------------------------------------------------
@@ -295,17 +291,7 @@ def test_unusable_data_path_is_a_config_error_naming_data_path(tmp_path: Path, m
 
 def test_tokens_beyond_the_vocab_are_refused_with_the_key_named() -> None:
     seq_len = 8
-    data = ShardedData(
-        np.arange(300, dtype=np.int64),
-        seq_len=seq_len,
-        seed=0,
-        plan=BatchPlan(global_batch=1, dp=1, micro_batch=1),
-        ring=1,
-        ulysses=1,
-        ring_idx=0,
-        ulysses_idx=0,
-        vocab_size=256,
-    )
+    data = _one_rank(np.arange(300, dtype=np.int64), seq_len=seq_len)
     high = next(s for s in range(data.order.num_windows) if data.sample_tokens(s).max() >= 256)
     with pytest.raises(DataError, match="model.vocab_size=256"):
         data.micro_batch([high])

@@ -16,7 +16,7 @@ from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.corpus import PreparedCorpus
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, SampleOrder, ShardedData, pack_documents
 from ringtrain.train.mixture import MixedSamples, SourceSpec, check_sources, quotas
-from tests.prepared_data import random_documents, write_prepared
+from ringtrain_dev.prepared_data import random_documents, write_prepared
 
 VOCAB, EOS, SEQ = 300, 7, 16
 

@@ -35,7 +35,7 @@ from ringtrain.train.attention.kernels import (
     SdpaFlashKernel,
 )
 from ringtrain.train.model import MemorySavers, ModelArgs, Transformer
-from tests.emulated_cp import emulated_attention, emulated_ring
+from ringtrain_dev.emulated_cp import emulated_attention, emulated_ring
 
 aten = torch.ops.aten
 DEVICE = "meta"
@@ -125,7 +125,7 @@ def test_blocks_keep_to_their_inputs_device(name: str, causal: bool, cut: str) -
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_the_ring_keeps_to_its_inputs_device(name: str, docs: bool, causal: bool) -> None:
     """Every rank's ring forward and backward: half blocks, merges, travelling accumulators
-    (the transport emulated, see tests/emulated_cp.py)."""
+    (the transport emulated, see ringtrain_dev/emulated_cp.py)."""
     kernel = CUDA_KERNELS[name]()
     q, k, v, dout = _qkv(192)
     ring = emulated_ring(q, k, v, dout, world=3, kernel=kernel, causal=causal, scale=SCALE,

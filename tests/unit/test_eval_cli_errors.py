@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -21,8 +22,8 @@ from ringtrain.commands.eval import _data_tokenizer_notes
 from ringtrain.commands.eval_source import EvalSource
 from ringtrain.errors import ConfigError
 from ringtrain.prepared import tokenizer_sha256
-from tests.prepared_data import random_documents, write_prepared
-from tests.tiny_tokenizer import save_tokenizer
+from ringtrain_dev.prepared_data import random_documents, write_prepared
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY_MODULES = ("torch", "ray", "deepspeed")
@@ -34,15 +35,21 @@ LLAMA = {
 
 
 def _eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(tmp_path, "eval", *args)
+
+
+def run_cli(tmp_path: Path, *args: str, refused: tuple[str, ...] = HEAVY_MODULES,
+            env_extra: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+    """``ringtrain ARGS`` with the ``refused`` modules (torch, Ray and DeepSpeed) refusing to be imported."""
     poison = tmp_path / "poison"
-    for name in HEAVY_MODULES:
+    for name in refused:
         (poison / name).mkdir(parents=True, exist_ok=True)
         (poison / name / "__init__.py").write_text(f"raise ImportError('{name} imported before the input was checked')\n")
-    env = dict(os.environ, HOME=str(tmp_path), RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, HOME=str(tmp_path), RAY_AUTH_MODE="disabled", **(env_extra or {}))
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(poison), str(REPO / "platform"), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "ringtrain", "eval", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ringtrain", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -77,6 +84,13 @@ CASES = {
     "bad-mesh": (["{model}", "--data", "{rows}", "mesh.cp=2", "attention.impl=ulysses", "mesh.ulysses=3"], "mesh.ulysses"),
     "run-without-checkpoints": (["{run}", "--data", "{rows}"], "SOURCE: {run} has no valid durable checkpoint"),
     "empty-checkpoint-store": (["file://{tmp}/store", "--data", "{rows}"], "SOURCE: no valid checkpoint in"),
+    # A run folder or a model folder from elsewhere whose file links out of it.
+    "run-config-linking-out": (
+        ["{linkrun}", "--data", "{rows}"], "SOURCE: {linkrun}/config.yaml leads through a link to {tmp}/elsewhere.yaml, outside {linkrun}"
+    ),
+    "tokenizer-linking-out": (
+        ["{linkmodel}", "--data", "{rows}"], "model.hf: {linkmodel}/tokenizer.json leads through a link to {tokmodel}/tokenizer.json"
+    ),
 }
 
 
@@ -88,7 +102,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, model: Path, rows: Path
     (tmp_path / "store").mkdir()
     tokmodel = save_tokenizer(tmp_path / "tokmodel")
     (tokmodel / "config.json").write_text(json.dumps(LLAMA))
-    names = {"model": model, "tokmodel": tokmodel, "rows": rows, "tmp": tmp_path, "run": run}
+    linkrun = tmp_path / "linkrun"
+    linkrun.mkdir()
+    (tmp_path / "elsewhere.yaml").write_text("name: r\n")
+    (linkrun / "config.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    linkmodel = tmp_path / "linkmodel"
+    linkmodel.mkdir()
+    (linkmodel / "config.json").write_text(json.dumps(LLAMA))
+    (linkmodel / "tokenizer.json").symlink_to(tokmodel / "tokenizer.json")
+    names = {"model": model, "tokmodel": tokmodel, "rows": rows, "tmp": tmp_path, "run": run, "linkrun": linkrun, "linkmodel": linkmodel}
     proc = _eval(tmp_path, *(a.format(**names) for a in args))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

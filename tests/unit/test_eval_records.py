@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ringtrain import config
 from ringtrain.actors.controller import Controller
 from ringtrain.actors.steps import StepResult
+from ringtrain.evaluation.generation import GenerationRequest
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.telemetry.report import write_report
@@ -62,12 +63,12 @@ class EvaluatingGroup:
                 tally.add(int(p), 1.0 + int(p) / 100)
         return tally
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    def generate(self, request: GenerationRequest) -> list[list[int]]:
         marker = list(b"The pass key is")
         out = []
-        for ids in prompts:
+        for ids in map(list, request.prompts):
             start = next(i for i in range(len(ids)) if ids[i : i + len(marker)] == marker) + len(marker)
-            out.append(ids[start : start + num_new])
+            out.append(ids[start : start + request.max_new])
         return out
 
     def snapshot_refs(self, step: int) -> list[Any]:
@@ -138,3 +139,39 @@ def test_a_report_without_evaluations_has_no_eval_section(tmp_path: Path) -> Non
     run.append_metrics({"step": 1, "loss": 1.0})
     run.close()
     assert 'id="evaluation"' not in write_report(tmp_path)[0].read_text()
+
+
+def test_eval_tasks_reach_the_records_tensorboard_trackers_and_report(tmp_path: Path) -> None:
+    """eval.tasks without eval.data: each evaluation's lm-eval results by task (here a stand-in
+    for lm-eval that counts its calls) in the step's record, TensorBoard and the trackers' scalars
+    under comma-free tags, and the report's task table."""
+    from ringtrain.actors.evaluation import EvalPlan
+    from ringtrain.evaluation.text import ByteTokenizer
+    from ringtrain.telemetry.tensorboard import record_scalars
+
+    calls: list[int] = []
+
+    def tasks(group: Any) -> dict[str, dict[str, Any]]:
+        calls.append(group.step)
+        return {"tiny_mc": {"alias": "tiny_mc", "acc,none": 0.25 * len(calls), "acc_stderr,none": 0.1},
+                "tiny_gen": {"exact_match,strict-match": 0.5}}
+
+    job = config.load(None, ["train.steps=4", "checkpoint.snapshot_every=0", "controllers.sdc_every_steps=0",
+                             "eval.every=2", "eval.tasks=[tiny_mc,tiny_gen]"])
+    config.validate(job)
+    run_dir = tmp_path / "run"
+    plan = EvalPlan(None, BUCKET, ByteTokenizer(), tasks=tasks)
+    summary = Controller(job, EvaluatingGroup(), RunDir(run_dir), sinks=[TensorBoardSink(run_dir)], eval_plan=plan).run()
+    assert summary["status"] == "finished" and calls == [2, 4]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ev = records[3]["eval"]
+    assert ev["tasks"]["tiny_mc"]["acc,none"] == 0.5 and "loss" not in ev
+    scalars = record_scalars(records[3])
+    assert scalars["eval/tasks/tiny_mc/acc"] == 0.5 and scalars["eval/tasks/tiny_gen/exact_match/strict-match"] == 0.5
+    assert not any("stderr" in tag or "," in tag or "alias" in tag for tag in scalars)
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/tasks/tiny_mc/acc")] == [(2, 0.25), (4, 0.5)]
+    page = write_report(run_dir)[0].read_text()
+    assert 'id="eval-tasks"' in page and "exact_match,strict-match" in page

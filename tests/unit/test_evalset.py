@@ -12,7 +12,7 @@ from ringtrain.evaluation.tokenizer import find_tokenizer
 from ringtrain.topology import sequence_positions
 from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.evalset import DEFAULT_WINDOWS, load_eval_set
-from tests.tiny_tokenizer import save_tokenizer
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
 
 def test_rows_are_labelled_as_transformers_does(tmp_path: Path) -> None:

@@ -287,6 +287,41 @@ def test_a_source_folder_that_is_gone_is_reported_and_hf_source_replaces_it(tmp_
     assert code == 0 and (tmp_path / "hf2" / "tokenizer.json").read_text() == SIDE["tokenizer.json"]
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["recorded folder", "--hf-source"])
+def test_a_side_file_linking_out_of_the_model_folder_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], explicit: bool
+) -> None:
+    """merges.txt -> /proc/self/environ in a model folder, fine-tuned and exported, put the whole
+    environment into the folder meant for publishing."""
+    source = source_with_tokenizer(tmp_path / "src")
+    job, params = hf_job(source)
+    write_checkpoint(tmp_path / "ckpt", job, params)
+    (source / "merges.txt").symlink_to("/proc/self/environ")
+    out_dir = tmp_path / "hf"
+    capsys.readouterr()  # what making the model printed
+
+    extra = ["--hf-source", source] if explicit else []
+    code, _, err = run_export(capsys, tmp_path / "ckpt", out_dir, *extra)
+    assert code == 2
+    assert_one_line_error(err, f"--hf-source: {source}/merges.txt leads through a link to /proc/", "outside")
+    assert not out_dir.exists() and not list(tmp_path.glob(".hf.export-*"))
+
+
+def test_a_link_inside_the_model_folder_is_copied_as_a_regular_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = source_with_tokenizer(tmp_path / "src")
+    job, params = hf_job(source)
+    write_checkpoint(tmp_path / "ckpt", job, params)
+    (source / "originals").mkdir()
+    (source / "tokenizer.json").rename(source / "originals" / "tokenizer.json")
+    (source / "tokenizer.json").symlink_to("originals/tokenizer.json")
+
+    code, _, _ = run_export(capsys, tmp_path / "ckpt", tmp_path / "hf")
+    assert code == 0
+    copied = tmp_path / "hf" / "tokenizer.json"
+    assert not copied.is_symlink() and copied.read_text() == SIDE["tokenizer.json"]
+    assert all(not p.is_symlink() and p.is_file() for p in (tmp_path / "hf").iterdir())
+
+
 # --- which checkpoint a SOURCE names -----------------------------------------------------------
 
 

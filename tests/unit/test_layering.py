@@ -3,6 +3,10 @@
 ``LAYERS`` below is the one table of layers; docs/architecture.md mirrors it (a test checks).
 Every module must have a layer, and imports only go downward. Every import counts: module
 level, inside functions (lazy imports), under ``if TYPE_CHECKING``.
+
+Around the product: the development package (platform/ringtrain_dev/) is what tests/ and bench/
+share; the product imports none of them, the benches import neither the tests nor each other, the
+tests import no bench but the one they test (tests/bench/), and nothing edits ``sys.path``.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ LAYERS: dict[str, int] = {
     "ringtrain.incidents": 0,
     "ringtrain.uris": 0,
     "ringtrain.cachedir": 0,  # the per-user data cache folder
-    "ringtrain.jsonfile": 0,  # small JSON files from folders made elsewhere, read with bounds
+    "ringtrain.jsonfile": 0,  # the one parser of JSON from elsewhere, with bounds (files, manifests, headers)
     "ringtrain.folderswap": 0,  # a finished output folder put in place, what was there judged last
+    "ringtrain.links": 0,  # links in a folder from elsewhere, which must stay inside it
     "ringtrain.inputs": 0,  # the local inputs a job's config names
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
     "ringtrain.policies": 1,
@@ -54,6 +59,7 @@ LAYERS: dict[str, int] = {
     "ringtrain.commands": 4,  # one module per verb of the command line
     "ringtrain.submission": 4,
     "ringtrain.submission_files": 4,
+    "ringtrain.submission_secrets": 4,  # a submitted job's secrets: through the cluster's store, not its record
     "ringtrain.__main__": 4,
 }
 # The package itself holds only its version: L0, and it places nothing beneath it (or every
@@ -341,21 +347,116 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# Cycles closed only by a lazy import inside a function, where a module picks an optional
-# implementation that is built on its own types: the tracker a job configured (each tracker
-# module implements trackers.py's contract), and the Parquet chat reader (which reads with
-# sources.py's batch limits and errors).
-LAZY_PLUGIN_CYCLES = [
-    ["ringtrain.prepare.chat_records", "ringtrain.prepare.sources"],
-    ["ringtrain.telemetry.mlflow_tracker", "ringtrain.telemetry.trackers", "ringtrain.telemetry.wandb_tracker"],
-]
-
-
 def test_no_module_imports_itself_back() -> None:
-    """No other import cycles: a module's collaborators take what they use rather than
-    reaching back into it (actors/group.py's helpers did, through type-only imports)."""
-    assert sorted(_cycles(_import_graph())) == LAZY_PLUGIN_CYCLES
+    """No import cycles, not even one closed by an import inside a function: a module's
+    collaborators take what they use from a floor below both rather than reaching back into it
+    (actors/group.py's helpers did, through type-only imports; the tracker modules took their
+    points from trackers.py, which loads them, and the Parquet chat reader its bounds from
+    sources.py, which calls it)."""
+    assert _cycles(_import_graph()) == []
 
 
 def test_a_cycle_is_found() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ---- the product, the development package, the tests and the benches ---------------------------
+
+# The development package the tests and benches share (platform/ringtrain_dev/): no layer, and no
+# part of the product.
+DEV = "ringtrain_dev"
+BENCH = REPO / "bench"
+TESTS = REPO / "tests"
+BENCH_FILES = sorted(BENCH.glob("*.py"))
+DEV_FILES = sorted((PLATFORM / DEV).rglob("*.py"))
+# The benches' own tests: a bench is what they test, so they import it (``from bench import x``).
+BENCH_TESTS = TESTS / "bench"
+# The one place allowed to change where imports come from: none does today (pytest's rootdir
+# conftest puts the repository root on the path, and platform/ comes from the install or
+# PYTHONPATH), and a new one goes here and nowhere else.
+SYS_PATH_EDITORS = {TESTS / "conftest.py"}
+SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\b|(\[[^\]]*\])?\s*\+?=[^=])")
+
+
+def top_level_imports(source: str) -> set[str]:
+    """The top-level names of every absolute import in ``source``, wherever the statement is
+    (relative imports stay inside their own package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.partition(".")[0])
+    return found
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_product_imports_no_development_code(module: str) -> None:
+    bad = {name for name in _imports(module) if _top(name) in (DEV, "tests", "bench")}
+    assert not bad, f"{module} imports {sorted(bad)}: the product never leans on what only tests and benches have"
+
+
+@pytest.mark.parametrize("path", BENCH_FILES, ids=_shown)
+def test_a_bench_imports_neither_the_tests_nor_another_bench(path: Path) -> None:
+    """What two benches, or a bench and a test, share lives in the development package."""
+    siblings = {p.stem for p in BENCH_FILES}
+    bad = top_level_imports(path.read_text()) & ({"tests", "bench"} | siblings)
+    assert not bad, f"{_shown(path)} imports {sorted(bad)}: share it through platform/{DEV}/"
+
+
+@pytest.mark.parametrize("path", DEV_FILES, ids=_shown)
+def test_the_development_package_imports_neither_the_tests_nor_the_benches(path: Path) -> None:
+    bad = top_level_imports(path.read_text()) & {"tests", "bench"}
+    assert not bad, f"{_shown(path)} imports {sorted(bad)}"
+
+
+def test_only_the_benches_tests_import_a_bench() -> None:
+    importing = sorted(
+        _shown(path) for path in TESTS.rglob("*.py")
+        if not path.is_relative_to(BENCH_TESTS) and "bench" in top_level_imports(path.read_text())
+    )  # fmt: skip
+    assert not importing, f"{importing} import bench/: share it through platform/{DEV}/"
+
+
+def test_the_development_package_is_found_and_kept_out_of_the_wheel() -> None:
+    """Beside ringtrain in platform/, so the editable install and PYTHONPATH=platform bring it;
+    the packages the wheel is built from (pyproject.toml, as setuptools reads it) leave it out."""
+    import setuptools
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    assert (PLATFORM / DEV / "__init__.py").is_file() and DEV_FILES
+    find = read_configuration(REPO / "pyproject.toml", expand=False)["tool"]["setuptools"]["packages"]["find"]
+    packages = setuptools.find_packages(where=str(REPO / find["where"][0]), include=find["include"])
+    assert "ringtrain.train.attention" in packages
+    assert not [p for p in packages if _top(p) != ROOT], packages
+
+
+def _python_files() -> list[Path]:
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                             capture_output=True, text=True)
+    if tracked.returncode == 0 and tracked.stdout.strip():
+        return [REPO / line for line in tracked.stdout.splitlines() if (REPO / line).is_file()]
+    return sorted(p for folder in ("platform", "tests", "bench", "jobs", "infra") for p in (REPO / folder).rglob("*.py"))
+
+
+def test_nothing_edits_sys_path() -> None:
+    """A module found through an edited ``sys.path`` is found only where that edit ran first:
+    the installed ringtrain (and its development package beside it) is on the path everywhere."""
+    edits = sorted(
+        f"{_shown(path)}:{number}"
+        for path in _python_files() if path not in SYS_PATH_EDITORS
+        for number, line in enumerate(path.read_text().splitlines(), start=1) if SYS_PATH_EDIT.search(line)
+    )  # fmt: skip
+    assert not edits, f"sys.path edited at {edits}: import from the installed packages instead"
+
+
+def test_a_sys_path_edit_is_seen() -> None:
+    # Written with "SYS" for "sys", so this file holds no edit of its own.
+    edits = ('SYS.path.insert(0, "x")', "SYS.path[:0] = [ROOT]", "SYS.path.append(p)", "SYS.path = []", "SYS.path += [p]")
+    reads = ("for p in SYS.path:", "if SYS.path == other:", "x = SYS.path[0]", "SYS.path_hooks")
+    assert all(SYS_PATH_EDIT.search(line.replace("SYS", "sys")) for line in edits)
+    assert not any(SYS_PATH_EDIT.search(line.replace("SYS", "sys")) for line in reads)

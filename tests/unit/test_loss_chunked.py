@@ -3,14 +3,13 @@ longer grows with tokens x vocab."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
 from ringtrain.train.model import MemorySavers
-from tests.unit.savers_tools import LiveBytes, grads, quiet_cpu, tiny_model  # noqa: F401
+from ringtrain_dev.live_bytes import loss_peak
+from tests.unit.savers_tools import grads, quiet_cpu, tiny_model  # noqa: F401
 
 TOL = 1e-6
 
@@ -63,13 +62,7 @@ def test_model_gradients_with_chunked_loss_equal_the_unchunked(tied: bool) -> No
 
 
 def _loss_peak(tokens: int, vocab: int, chunk: int) -> int:
-    hidden, weight, labels = _inputs(tokens, 32, vocab)
-    gc.collect()
-    with LiveBytes() as live:
-        loss = chunked_cross_entropy_sum(hidden, weight, labels, chunk) if chunk else full_cross_entropy_sum(hidden, weight, labels)
-        loss.backward()
-        del loss
-    return live.peak
+    return loss_peak(*_inputs(tokens, 32, vocab), chunk)
 
 
 def test_peak_memory_no_longer_grows_with_tokens_times_vocab() -> None:

@@ -19,7 +19,8 @@ import torch
 
 from ringtrain.train.model import MemorySavers, Transformer
 from ringtrain.train.offload import DEFAULT_MIN_BYTES, _is_parameter
-from tests.unit.savers_tools import TINY, LiveBytes, batch, grads, quiet_cpu, tiny_model  # noqa: F401
+from ringtrain_dev.live_bytes import LiveBytes
+from tests.unit.savers_tools import TINY, batch, grads, quiet_cpu, tiny_model  # noqa: F401
 
 SEQ = 32  # tokens per row: enough for every saved tensor to clear DEFAULT_MIN_BYTES
 

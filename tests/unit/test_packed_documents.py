@@ -161,7 +161,7 @@ def test_a_familys_children_see_its_first_document_by_unmasked_pieces() -> None:
     kernel that takes no masks, each child's rows against the prompt run as one unmasked,
     non-causal call, and each document's own square as a causal one; the result is the dense
     reference's, alone (cp1) and on an emulated ring of two."""
-    from tests.emulated_cp import emulated_attention
+    from ringtrain_dev.emulated_cp import emulated_attention
 
     q, k, v, dout, _ = _packed(64, [], dtype=torch.float64)
     doc = torch.tensor([[0] * 14 + [1] * 10 + [2] * 12 + [3] * 9 + [4] * 7 + [5] * 8 + [-1] * 4])

@@ -16,6 +16,7 @@ import pytest
 from ringtrain import config
 from ringtrain.actors import recovery as recovery_module
 from ringtrain.actors.group import WorkerGroup
+from ringtrain.actors.protocols import Reform
 from ringtrain.actors.recovery import Recovery
 from ringtrain.actors.roster import Member, Slot
 from ringtrain.chaos import FaultPlan, FaultSpec
@@ -55,8 +56,8 @@ class BreakingElastic(FakeElastic):
         super().__init__(*args, **kwargs)
         self.breaks, self.rank = breaks, rank
 
-    def reform(self, **kwargs: Any) -> Any:
-        out = super().reform(**kwargs)
+    def reform(self, request: Reform) -> Any:
+        out = super().reform(request)
         if self.breaks:
             self.breaks -= 1
             self.group.phases = {"warm_s": 0.1, "join_s": 0.2}  # as WorkerGroup leaves them
@@ -177,8 +178,8 @@ def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
     with pytest.raises(WorkerError):
-        r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5, fired_through=6)
-    resumed = r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5, fired_through=6)
+        r.reform(Reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5, fired_through=6))
+    resumed = r.reform(Reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5, fired_through=6))
 
     assert resumed.step == 5
     assert plans == [5]  # planned once: the retry did not ask the holders again
@@ -188,7 +189,7 @@ def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch
     assert worlds.crashing == [frozenset({2}), frozenset()]
     assert [f.kind for f in first_job.chaos.faults] == [f.kind for f in retry_job.chaos.faults] == ["nan"]
     # The next recovery plans afresh.
-    r.reform(lost=frozenset({0}), new_dp=2, spares=0, last_step=7)
+    r.reform(Reform(lost=frozenset({0}), new_dp=2, spares=0, last_step=7))
     assert plans == [5, 7]
 
 
@@ -219,14 +220,14 @@ def test_a_restoring_fault_strikes_the_first_recovery_from_its_step_once(monkeyp
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
     with pytest.raises(WorkerError):  # the recovery from step 10 breaks once: retried
-        r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10)
-    r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10)
+        r.reform(Reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10))
+    r.reform(Reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=9, fired_through=10))
     assert worlds.crashing == [frozenset(), frozenset()]
     assert [f.kind for f in g.job.chaos.faults] == ["crash_restoring", "crash"]  # still to come
-    r.reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=30, fired_through=31)
+    r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=30, fired_through=31))
     assert worlds.crashing[-1] == frozenset({2})
     assert [f.kind for f in g.job.chaos.faults] == ["crash"]
-    r.reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=40, fired_through=41)
+    r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=40, fired_through=41))
     assert worlds.crashing[-1] == frozenset()
     # A rollback in place from step 35 restores on the same workers: struck there, once.
     g.job = job
@@ -286,27 +287,27 @@ def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: py
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
     with pytest.raises(WorkerError):
-        r.reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5)
+        r.reform(Reform(lost=frozenset({1}), new_dp=2, spares=0, last_step=5))
     # The world being formed lost its rank 2, a2, which served rank 2's shard; its node n2
     # lives, and the shard with it: the retry reads the same shards.
     with pytest.raises(WorkerError):
-        r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+        r.reform(Reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5))
     assert len(plans) == 1 and worlds.worlds[1][2] == worlds.worlds[0][2] == [f"shard1-{i}" for i in range(4)]
     # Node n2 is found gone: a2's shard went with it, so the restore is planned again.
     g.forget_node("n2")
     with pytest.raises(WorkerError):
-        r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+        r.reform(Reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5))
     assert len(plans) == 2 and "a2" not in plans[1]
     assert worlds.worlds[2][2] == [f"shard2-{i}" for i in range(4)]
     # The third world loses its rank 2 too, a fresh worker that served nothing (rank 2's shard
     # came from node n1's holder, which lives): the second plan's shards are read as they are.
     with pytest.raises(WorkerError):
-        r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+        r.reform(Reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5))
     assert len(plans) == 2 and worlds.worlds[3][2] == worlds.worlds[2][2]
     # A call that failed holds an error, not a shard (its producer died before answering), even
     # with its node alive: read again, or every retry would restore the same error.
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [ref != "shard2-3" for ref in refs])
-    r.reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5)
+    r.reform(Reform(lost=frozenset({2}), new_dp=2, spares=0, last_step=5))
     assert len(plans) == 3 and worlds.worlds[4][2] == [f"shard3-{i}" for i in range(4)]
 
 
@@ -380,7 +381,7 @@ def evicting(monkeypatch: pytest.MonkeyPatch) -> tuple[Recovery, list[str], list
 def test_a_straggler_eviction_restores_the_step_it_finished_from_its_own_shard(monkeypatch: pytest.MonkeyPatch) -> None:
     r, events, plans = evicting(monkeypatch)
     # As the Controller evicts a straggler after step 6: restore_to = fired_through = 6.
-    resumed = r.reform(lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=6, quarantine=True)
+    resumed = r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=6, quarantine=True))
 
     assert resumed.step == 6  # no step redone
     assert plans[0].fetch == ((0, "peer:0"), (1, "peer:1"), (2, "peer:2"), (3, "peer:3"))
@@ -391,7 +392,7 @@ def test_a_straggler_eviction_restores_the_step_it_finished_from_its_own_shard(m
 def test_a_rank_evicted_for_corrupting_data_is_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
     r, events, plans = evicting(monkeypatch)
     # An SDC scan failed in step 7; the last clean scan was after step 6.
-    resumed = r.reform(lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=7, quarantine=True)
+    resumed = r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=7, quarantine=True))
 
     assert events[:2] == ["quarantine ['a3']", "holdings [0, 1, 2]"]
     assert resumed.step == 5 and (3, "node:n") in plans[0].fetch  # its shard of 6 was in transit

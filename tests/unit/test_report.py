@@ -18,7 +18,7 @@ from ringtrain.commands import report as report_command
 from ringtrain.telemetry.report import REPORT_NAME, write_report
 from ringtrain.telemetry.runfiles import NO_SUMMARY, read_run
 from ringtrain.telemetry.svgchart import MAX_POINTS
-from tests.fake_run import FAILED_SUMMARY, NAN_INCIDENT, step_record, step_records, write_run_dir
+from ringtrain_dev.fake_run import FAILED_SUMMARY, NAN_INCIDENT, step_record, step_records, write_run_dir
 
 PLATFORM = Path(__file__).resolve().parents[2] / "platform"
 CHARTS = ("loss", "throughput", "step-time", "timeline", "checkpoint", "goodput", "durable", "lr", "grad-norm", "mfu")
@@ -205,6 +205,116 @@ def test_malformed_lines_and_incomplete_incidents_are_reported_by_name(tmp_path:
     ]
     assert page.polylines["loss"] == [2]  # steps 1 and 3
     assert "incident-0002-crash" in page.ids and "Incident 2: crash" in page.text
+
+
+# Records of a damaged or hand-made metrics.jsonl, each once a traceback of the report: a value
+# of a shape the charts do not expect, or a number no float holds.
+DAMAGED_RECORDS = {
+    "infinite-step": {"step": math.inf, "loss": 1.0},
+    "integer-past-floats": {"step": 4, "tokens_per_s": 10**400, "goodput": 10**400, "step_time_s": 10**400},
+    "ranks-not-a-list": {"step": 4, "rank_step_time_s": 1e308},
+    "buckets-not-a-list": {"step": 4, "eval": {"loss": 1.0, "by_position": 5}},
+    "bucket-end-infinite": {"step": 4, "eval": {"by_position": [{"start": "a", "end": math.inf, "loss": "z"}]}},
+    "depths-not-a-list": {"step": 4, "eval": {"passkey": {"depths": 5}}},
+    "accuracy-not-numbers": {"step": 4, "eval": {"passkey": {"lengths": [1], "accuracy": [["x"]]}}},
+    "by-length-not-a-mapping": {"step": 4, "eval": {"passkey": {"by_length": 5, "lengths": [1], "accuracy": [[0.5]]}}},
+    "nested-past-the-parser": None,  # written as text below
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_RECORDS)
+def test_damaged_metrics_are_a_warning_and_the_rest_of_the_report(tmp_path: Path, case: str) -> None:
+    run = write_run_dir(tmp_path / "run", steps=3, summary=FAILED_SUMMARY)
+    record = DAMAGED_RECORDS[case]
+    line = "[" * 100_000 + "]" * 100_000 if record is None else json.dumps(record)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    page, warnings = report_of(run)
+
+    assert "incident-0001-nan" in page.ids and "Resolved config" in page.text  # the rest is there
+    if case in ("infinite-step", "nested-past-the-parser"):  # not a record: skipped, and said so
+        assert warnings == ["metrics.jsonl: 1 malformed line(s) skipped (line 4)"]
+    elif case == "integer-past-floats":  # the values no float holds are left out, the step drawn
+        assert warnings == [] and page.polylines["loss"] == [3]
+    else:
+        assert len(warnings) == 1 and "could not be drawn from damaged values" in warnings[0], warnings
+        assert warnings[0] in page.text
+
+
+def test_a_config_yaml_alias_bomb_is_shown_as_text_not_expanded(tmp_path: Path) -> None:
+    """Ten aliases a level, seven levels: 10^7 values in under 500 bytes, which drawing the run's
+    name would spell out (a 645-byte one grew to gigabytes)."""
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 7)]
+    (run / "config.yaml").write_text("\n".join(lines) + "\nname: *a6\n")
+    page, warnings = report_of(run)
+
+    assert len(warnings) == 1 and "holds more than 100,000 values" in warnings[0], warnings
+    assert warnings[0].endswith("shown as text")
+    assert "name: *a6" in page.text and len(page.text) < 200_000  # as written, never expanded
+    assert "incident-0001-nan" in page.ids
+
+
+def test_a_config_yaml_over_1_mib_is_not_read(tmp_path: Path) -> None:
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
+    (run / "config.yaml").write_text("name: big\nnote: " + "x" * (1 << 20) + "\n")
+    page, warnings = report_of(run)
+    assert len(warnings) == 1 and "more than a config holds (1,048,576)" in warnings[0], warnings
+    assert "x" * 1000 not in page.text
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "summary.json", "incidents/0001-nan.json", "incidents"])
+def test_a_file_linking_out_of_the_run_directory_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A run folder from elsewhere whose config.yaml links to ~/.aws/credentials would put the
+    credentials into report.html, a page made to be shared: nothing is read, nothing written."""
+    secret = tmp_path / "credentials"
+    secret.write_text("aws_secret_access_key = SECRET-VALUE\n")
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
+    linked = run / name
+    target = secret
+    if name == "incidents":
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "0001-nan.json").write_text(json.dumps({**NAN_INCIDENT, "reason": secret.read_text()}))
+        target = elsewhere
+    if linked.is_dir():
+        import shutil
+
+        shutil.rmtree(linked)
+    else:
+        linked.unlink()
+    linked.symlink_to(target)
+
+    code = report_command.run(argparse.Namespace(run_dir=str(run), open=False))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"ringtrain: report: RUN_DIR: {linked} leads through a link to {target}, outside {run}") and err.count("\n") == 1
+    assert not (run / REPORT_NAME).exists()
+
+
+def test_the_report_is_never_written_through_a_link_in_the_run_directory(tmp_path: Path) -> None:
+    """A folder from elsewhere with report.html (or the name it is written to first) linking to
+    a file of the user's: the page replaces the link, the file is untouched."""
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
+    mine = {name: tmp_path / f"mine-{name}" for name in (REPORT_NAME, REPORT_NAME + ".tmp")}
+    for name, target in mine.items():
+        target.write_text("the user's own file\n")
+        (run / name).symlink_to(target)
+    report_of(run)
+    assert all(target.read_text() == "the user's own file\n" for target in mine.values())
+    assert not (run / REPORT_NAME).is_symlink() and not (run / (REPORT_NAME + ".tmp")).exists()
+
+
+def test_a_link_inside_the_run_directory_is_its_own(tmp_path: Path) -> None:
+    run = write_run_dir(tmp_path / "run", summary=FAILED_SUMMARY)
+    (run / "config.saved.yaml").write_text((run / "config.yaml").read_text())
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").symlink_to("config.saved.yaml")
+    _, warnings = report_of(run)
+    assert warnings == []
 
 
 def test_all_text_is_escaped(tmp_path: Path) -> None:

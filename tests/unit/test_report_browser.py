@@ -16,7 +16,7 @@ import pytest
 
 from ringtrain import config
 from ringtrain.telemetry.report import write_report
-from tests.fake_run import FAILED_SUMMARY, write_run_dir
+from ringtrain_dev.fake_run import FAILED_SUMMARY, write_run_dir
 from tests.tools import tool
 
 pytestmark = [pytest.mark.slow]

@@ -8,10 +8,10 @@ import threading
 
 import torch
 
-from bench.attention import LoopbackTransport
 from ringtrain.train.attention.attend import ring_attention
 from ringtrain.train.attention.exchanges.ring import visitor_buffers
 from ringtrain.train.attention.kernels import get_kernel
+from ringtrain_dev.loopback import LoopbackTransport
 
 B, S, HEADS, KV_HEADS, D, WORLD = 1, 16, 4, 2, 8, 4
 

@@ -1,4 +1,4 @@
-"""The emulated ring (tests/emulated_cp.py), checked on the CPU where it can be.
+"""The emulated ring (ringtrain_dev/emulated_cp.py), checked on the CPU where it can be.
 
 The GPU tier runs the real ring code for every rank of a ring in one process, with its P2P
 exchange replaced by mailboxes, to test CUDA kernels inside the ring on a single GPU. That
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ringtrain.train.attention.kernels import MATH, BlockOutput, MathKernel, default_scale, get_kernel
-from tests.emulated_cp import emulated_ring
+from ringtrain_dev.emulated_cp import emulated_ring
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 TIMEOUT_S = 20.0  # a message that never comes fails the test in seconds (the ring itself takes ms)

@@ -199,8 +199,7 @@ def test_a_lost_lease_stops_durable_checkpointing_with_an_incident(tmp_path: Pat
 
 
 SECOND_SIGNAL = """
-import os, signal, sys, time
-sys.path.insert(0, {platform!r})
+import time
 from ringtrain.commands.run import StopSignals
 stop = StopSignals()
 stop.install()
@@ -215,9 +214,9 @@ except KeyboardInterrupt:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_exits_at_once(signum: int) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "platform"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(
-        [sys.executable, "-c", SECOND_SIGNAL.format(platform=str(REPO / "platform"))],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", SECOND_SIGNAL], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         time.sleep(1.0)  # imports done, handlers installed (bounded: the assertions below say if not)

@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ringtrain.telemetry.tensorboard import INCIDENT_COUNT_TAG, SCALAR_TAGS, TensorBoardSink
-from tests.fake_run import NAN_INCIDENT, step_record
+from ringtrain_dev.fake_run import NAN_INCIDENT, step_record
 
 
 def load(run_dir: Path) -> EventAccumulator:
@@ -100,7 +100,7 @@ def test_the_driver_writes_events_without_importing_torch(tmp_path: Path) -> Non
     # cost every run seconds of CPU before its cluster starts.
     code = (
         "import sys; from pathlib import Path; from ringtrain.telemetry.tensorboard import TensorBoardSink; "
-        "from tests.fake_run import NAN_INCIDENT, step_record; "
+        "from ringtrain_dev.fake_run import NAN_INCIDENT, step_record; "
         "sink = TensorBoardSink(Path(sys.argv[1])); sink.step(step_record(1)); sink.incident(NAN_INCIDENT); sink.close(); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

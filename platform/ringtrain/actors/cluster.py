@@ -238,6 +238,32 @@ TOKEN_PATH_VARIABLE = "RAY_AUTH_TOKEN_PATH"
 EMBEDDED_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", SINGLE_NODE_VARIABLE)
 
 
+# Where gloo and NCCL listen for the connections between ranks: by default gloo on the address
+# the machine's hostname resolves to, NCCL on its first interface that is not loopback.
+RANK_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def rank_interfaces(environ: Mapping[str, str]) -> dict[str, str]:
+    """The interface variables of a worker process of an embedded cluster: the loopback
+    interface, as the cluster's own ports and the rendezvous store, so that no rank listens
+    beyond this machine (a value the user set stays). None for a process of another cluster,
+    whose ranks find each other on its nodes' addresses."""
+    if not environ.get(CLUSTER_MARK_VARIABLE):
+        return {}
+    loopback = loopback_interface()
+    return {name: environ.get(name) or loopback for name in RANK_INTERFACE_VARIABLES} if loopback else {}
+
+
+def loopback_interface() -> Optional[str]:
+    """The name of the interface that holds 127.0.0.1 (``lo`` on Linux), None where none does."""
+    import psutil  # comes with Ray
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return str(name)
+    return None
+
+
 def embedded_environment(environ: Mapping[str, str]) -> dict[str, Optional[str]]:
     """The variables an embedded start sets: a cluster of one (loopback only), and a fresh
     per-run token (token authentication is Ray's default; Ray switches it on) unless the user

@@ -29,7 +29,7 @@ from ringtrain import metrics
 from ringtrain.actors.durable_copies import DurableCopies
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
-from ringtrain.actors.protocols import Durable, Elastic, Group, Sink
+from ringtrain.actors.protocols import Durable, Elastic, Group, Reform, Sink
 from ringtrain.actors.runbook import RunBook
 from ringtrain.actors.states import (
     ALLOWED, Failed, Finished, Recovering, Resizing, Restoring, Starting, State, Stopped, Stopping, Training, check_handlers,
@@ -370,14 +370,14 @@ class Controller:
                 # Dropped when the data reaches it again: the restore point may lie steps before.
                 self.book.ledger.skip(self.elastic.skip_batch(batch))
             return formed
-        return self.elastic.reform(
+        return self.elastic.reform(Reform(
             lost=frozenset(failure.ranks),
             new_dp=decision.dp_after,
             spares=decision.spares_used,
             last_step=last_step,
             fired_through=fired_through,
             quarantine=failure.quarantine,
-        )
+        ))
 
     def _retry(self, exc: WorkerError, state: Restoring) -> Recovering:
         """The recovery ``state`` carried out broke: the failure to recover from next."""

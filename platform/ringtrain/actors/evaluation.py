@@ -1,6 +1,7 @@
 """Evaluation on a worker group: what to score (an EvalPlan, read once on the driver) and
 running it over the group's mesh (``evaluate``), for ``ringtrain eval`` and for the Controller's
-evaluations during training alike.
+evaluations during training alike. lm-evaluation-harness tasks come as a ``TaskRun`` the command
+layer makes (lm-eval is imported there alone), run on the same group.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from typing import Optional, Protocol
 
 from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
+from ringtrain.evaluation.generation import GenerationRequest
 from ringtrain.evaluation.passkey import PasskeyPrompt, answer_tokens, build_prompts, score
-from ringtrain.evaluation.result import EvalResult
+from ringtrain.evaluation.result import EvalResult, TaskMetrics
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.evaluation.text import ByteTokenizer, Tokenizer
 from ringtrain.train.evalset import EvalSet, load_eval_set
@@ -21,17 +23,24 @@ class EvalGroup(Protocol):
     """What evaluation needs of a worker group (``actors.group.WorkerGroup``)."""
 
     def evaluate(self, evalset: EvalSet, bucket_tokens: int) -> LossTally: ...
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]: ...
+    def generate(self, request: GenerationRequest) -> list[list[int]]: ...
+
+
+class TaskRun(Protocol):
+    """lm-evaluation-harness tasks with ``group`` as the model: lm-eval's results by task."""
+
+    def __call__(self, group: EvalGroup) -> TaskMetrics: ...
 
 
 @dataclass(frozen=True)
 class EvalPlan:
-    evalset: EvalSet
+    evalset: Optional[EvalSet]  # None: no data to score (tasks alone)
     bucket_tokens: int
     tokenizer: Tokenizer
     prompts: tuple[PasskeyPrompt, ...] = ()  # passkey retrieval; empty: none
     num_new: int = 0  # tokens generated for each prompt
     loss_norm: str = "token"  # the job's train.loss_norm, which a chat dataset's loss follows
+    tasks: Optional[TaskRun] = None  # eval.tasks, as the command layer runs them
 
 
 def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
@@ -46,17 +55,19 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
     (``data_key`` for the data) before any cluster is asked for anything."""
     e = job.eval
     vocab = job.model_int("vocab_size")
-    evalset = load_eval_set(
-        e.data,
-        seq_len=e.seq_len or job.data.seq_len,
-        vocab_size=vocab,
-        max_rows=e.max_rows,
-        token_dtype=job.data.token_dtype,
-        tokenizer=tokenizer,
-        key=data_key,
-    )
+    evalset = None
+    if e.data:
+        evalset = load_eval_set(
+            e.data,
+            seq_len=e.seq_len or job.data.seq_len,
+            vocab_size=vocab,
+            max_rows=e.max_rows,
+            token_dtype=job.data.token_dtype,
+            tokenizer=tokenizer,
+            key=data_key,
+        )
     # A chat dataset's loss is averaged as training averages it; a mean of windows' means would not be.
-    norm = job.train.loss_norm if evalset.coverage is not None else "token"
+    norm = job.train.loss_norm if evalset is not None and evalset.coverage is not None else "token"
     if not e.passkey:
         return EvalPlan(evalset, e.bucket_tokens, tokenizer or ByteTokenizer(), loss_norm=norm)
     if tokenizer is None and vocab < ByteTokenizer.vocab_size:
@@ -71,10 +82,13 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
 
 def evaluate(group: EvalGroup, plan: EvalPlan) -> EvalResult:
     """Score ``plan`` on the group's mesh; collective over every worker, between steps."""
-    tally = group.evaluate(plan.evalset, plan.bucket_tokens)
+    evalset = plan.evalset
+    tally = group.evaluate(evalset, plan.bucket_tokens) if evalset is not None else None
     grid = None
     if plan.prompts:
-        generated = group.generate([list(p.ids) for p in plan.prompts], plan.num_new)
+        generated = group.generate(GenerationRequest.of([list(p.ids) for p in plan.prompts], plan.num_new))
         grid = score(plan.tokenizer, plan.prompts, generated)
-    return EvalResult(tally, rows=plan.evalset.num_rows, seq_len=plan.evalset.seq_len, passkey=grid,
-                      coverage=plan.evalset.coverage, loss_norm=plan.loss_norm)
+    tasks = plan.tasks(group) if plan.tasks is not None else None
+    return EvalResult(tally, rows=evalset.num_rows if evalset is not None else 0,
+                      seq_len=evalset.seq_len if evalset is not None else 0, passkey=grid,
+                      coverage=evalset.coverage if evalset is not None else None, loss_norm=plan.loss_norm, tasks=tasks)

@@ -35,6 +35,7 @@ from ringtrain.status import WorkerInfo
 from ringtrain.topology import Topology
 
 if TYPE_CHECKING:
+    from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
 
 log = logging.getLogger(__name__)
@@ -372,16 +373,32 @@ class WorkerGroup:
         tallies = gather(self.members, lambda _, w: w.evaluate.remote(ref, bucket_tokens), self._collective_timeout(forwards))
         return merge_all(tallies)
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        """Greedy continuations (``num_new`` tokens) of ``prompts``, shared out over the replicas."""
+    def generate(self, request: "GenerationRequest") -> list[list[int]]:
+        """The new tokens of each prompt of ``request``, its batches shared out over the replicas."""
+        return self._per_item(lambda w, ref: w.generate.remote(ref), request, len(request.prompts))
+
+    def score(self, request: "ScoreRequest") -> list[tuple[float, bool]]:
+        """Each sequence of ``request`` scored, its batches shared out over the replicas."""
+        return self._per_item(lambda w, ref: w.score.remote(ref), request, len(request.sequences))
+
+    def _per_item(self, call: Callable[[Any, Any], Any], request: Any, items: int) -> list[Any]:
+        """``call(worker, request)`` on every worker; each item's answer from the replica that
+        had it (every rank of a replica holds its replica's answers; ring position 0 speaks)."""
         import ray
 
         topo = self.topology
-        ref = ray.put(prompts)
-        forwards = -(-len(prompts) // topo.dp) * num_new
-        outputs = gather(self.members, lambda _, w: w.generate.remote(ref, num_new), self._collective_timeout(forwards))
-        # Every rank of a replica holds its replica's answers; ring position 0 speaks for it.
-        return [ids for d in range(topo.dp) for ids in outputs[topo.rank_of(d, 0)]][: len(prompts)]
+        ref = ray.put(request)
+        # A forward of a batch is no longer than a training step, which bounds a prefill; a
+        # decode step of one token a row far shorter.
+        forwards = -(-items // topo.dp) * 2
+        outputs = gather(self.members, lambda _, w: call(w, ref), self._collective_timeout(forwards))
+        found: list[Any] = [None] * items
+        for d in range(topo.dp):
+            for i, answer in enumerate(outputs[topo.rank_of(d, 0)]):
+                if answer is not None:
+                    found[i] = answer
+        assert all(answer is not None for answer in found), "an item no replica answered"
+        return found
 
     def _collective_timeout(self, forwards: int) -> float:
         # A forward takes no longer than a training step, which the step timeout bounds.

@@ -6,6 +6,7 @@ drive the Controller with scripted ones.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from ringtrain.actors.steps import StepResult
@@ -43,6 +44,28 @@ class Group(Protocol):
     def shutdown(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Reform:
+    """What ``Elastic.reform`` is asked: drop the ``lost`` ranks, seat the survivors of the kept
+    replicas in a ``new_dp`` world, fill the empty seats with up to ``spares`` warm spares, then
+    new workers, and resume from the newest whole snapshot at or before ``last_step`` (0: the
+    initial state). ``fired_through``: the step the failure was seen in (None: ``last_step + 1``):
+    chaos faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused
+    (their devices corrupted data, or are slow)."""
+
+    lost: frozenset[int]
+    new_dp: int
+    spares: int
+    last_step: int
+    fired_through: Optional[int] = None
+    quarantine: bool = False
+
+    @property
+    def fired(self) -> int:
+        """The step by which the chaos faults due have fired."""
+        return self.last_step + 1 if self.fired_through is None else self.fired_through
+
+
 class Elastic(Protocol):
     """Carries out recoveries and resizes on the group (``actors.recovery.Recovery``). A reform,
     a rollback and a grow each return the world formed again: the ``step`` it resumes after, the
@@ -53,16 +76,7 @@ class Elastic(Protocol):
         every rank on it)."""
         ...
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity: ...
-    def reform(
-        self,
-        *,
-        lost: frozenset[int],
-        new_dp: int,
-        spares: int,
-        last_step: int,
-        fired_through: Optional[int] = None,
-        quarantine: bool = False,
-    ) -> Any: ...
+    def reform(self, request: Reform) -> Any: ...
     def cordon(self, ranks: tuple[int, ...]) -> None: ...
     def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Any: ...
     def skip_batch(self, batch: int) -> range: ...

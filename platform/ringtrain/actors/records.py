@@ -40,6 +40,8 @@ def step_record(reports: list[StepReport], *, dp: int, cp: int, wall_s: float) -
         "rank_memory_bytes": [r.memory_bytes for r in by_rank],
         # The slowest rank's wait for its batches: what the step lost to data loading.
         "data_wait_s": max(r.data_wait_s for r in by_rank),
+        # A preference objective's rewards and log-probs, the same on every rank.
+        **by_rank[0].objective_metrics,
     }
 
 

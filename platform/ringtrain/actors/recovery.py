@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from ringtrain.actors.group import Member, StepResult, WorkerGroup
+from ringtrain.actors.protocols import Reform
 from ringtrain.chaos import FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.policies.faults import Capacity, RankOutcome
@@ -227,28 +228,17 @@ class Recovery:
 
     # --- actions -------------------------------------------------------------------------
 
-    def reform(
-        self,
-        *,
-        lost: frozenset[int],
-        new_dp: int,
-        spares: int,
-        last_step: int,
-        fired_through: Optional[int] = None,
-        quarantine: bool = False,
-    ) -> Resumed:
-        """Drop ``lost`` ranks and form the world ``policies.recovery.plan_recovery`` plans:
-        the survivors of the kept replicas in a ``new_dp`` world, up to ``spares`` warm spares
-        then new workers in the empty seats, resuming from the newest whole snapshot at or
-        before ``last_step`` (0: the initial state). ``fired_through`` and ``quarantine`` as
-        for the plan.
+    def reform(self, request: Reform) -> Resumed:
+        """Carry out ``request`` (``Reform`` says what it asks): the world
+        ``policies.recovery.plan_recovery`` plans for it.
 
         Lost ranks that are alive with a state to trust (``evicted_alive``: a straggler's) are
         stopped only once the restore point is fetched: their own newest shards count, so the
         step they finished is not redone while its copy is still on the way to the holders."""
+        lost, new_dp, spares, last_step = request.lost, request.new_dp, request.spares, request.last_step
+        quarantine, fired = request.quarantine, request.fired
         g = self.group
         old = list(g.members)
-        fired = last_step + 1 if fired_through is None else fired_through
         doomed = [old[r] for r in sorted(lost)]
         readable = evicted_alive(quarantine=quarantine, last_step=last_step, fired_through=fired)
         if not readable:

@@ -166,11 +166,13 @@ class RunBook:
         t0 = self.clock()
         found = evaluate(cast(EvalGroup, self.group), self.eval_plan).to_dict()
         found["seconds"] = self.clock() - t0
-        self.last_eval = {"step": step, **{k: found[k] for k in ("loss", "perplexity", "tokens")}}
-        passkey = found.get("passkey")
+        self.last_eval = {"step": step, **{k: found.get(k) for k in ("loss", "perplexity", "tokens")}}
+        passkey, tasks = found.get("passkey"), found.get("tasks")
+        scored = (f"loss {_or_dash(found['loss'], '.4f')}, perplexity {_or_dash(found['perplexity'], '.4g')} "
+                  f"over {found['tokens']} tokens") if "loss" in found else "no data"
         self.observers.on_message(
-            f"eval after step {step}: loss {_or_dash(found['loss'], '.4f')}, perplexity {_or_dash(found['perplexity'], '.4g')} "
-            f"over {found['tokens']} tokens" + (f", passkey {passkey['overall']:.0%}" if passkey else "") + f" ({found['seconds']:.1f} s)"
+            f"eval after step {step}: {scored}" + (f", passkey {passkey['overall']:.0%}" if passkey else "")
+            + (f", tasks {', '.join(sorted(tasks))}" if tasks else "") + f" ({found['seconds']:.1f} s)"
         )
         return found
 

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ringtrain.actors.protocols import Reform
 from ringtrain.actors.simulated_snapshots import SimulatedSnapshots
 from ringtrain.actors.steps import StepResult
 from ringtrain.chaos import FaultSpec
@@ -357,21 +358,12 @@ class SimulatedRecovery:
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
         return Capacity(self.spares, self.free_slots)
 
-    def reform(
-        self,
-        *,
-        lost: frozenset[int],
-        new_dp: int,
-        spares: int,
-        last_step: int,
-        fired_through: Optional[int] = None,
-        quarantine: bool = False,
-    ) -> Reformed:
-        fired = last_step + 1 if fired_through is None else fired_through
+    def reform(self, request: Reform) -> Reformed:
         plan = plan_recovery(
-            self, lost=lost, new_dp=new_dp, spares=spares, last_step=last_step, fired_through=fired, quarantine=quarantine
-        )
-        return self._form(plan, fired_through=fired, seconds=self.group.durations.recover_s, phases={"plan_s": 0.5})
+            self, lost=request.lost, new_dp=request.new_dp, spares=request.spares, last_step=request.last_step,
+            fired_through=request.fired, quarantine=request.quarantine,
+        )  # fmt: skip
+        return self._form(plan, fired_through=request.fired, seconds=self.group.durations.recover_s, phases={"plan_s": 0.5})
 
     def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Reformed:
         fired = last_step + 1 if fired_through is None else fired_through

@@ -11,6 +11,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
+from ringtrain.actors.cluster import rank_interfaces
 from ringtrain.actors.holder import HolderDelivery
 from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
@@ -18,6 +19,7 @@ from ringtrain.status import StepReport, WorkerInfo
 if TYPE_CHECKING:
     import torch
 
+    from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
     from ringtrain.train.evalset import EvalSet
 
@@ -39,6 +41,7 @@ def process_env(device_type: str) -> dict[str, str]:
     # Quiet the per-process banners (inherited by any subprocess); errors still surface
     # through the controller.
     env["PYTHONWARNINGS"] = "ignore"
+    env.update(rank_interfaces(os.environ))
     return env
 
 
@@ -235,11 +238,23 @@ class TrainWorker:
 
         return self._collective(lambda trainer: Evaluator.of(trainer).losses(evalset, bucket_tokens))
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        """Greedy continuations of this rank's replica's share of ``prompts``; collective."""
+    def generate(self, request: "GenerationRequest") -> list[Optional[list[int]]]:
+        """The new tokens of this rank's replica's prompts of ``request`` (None for the other
+        replicas'), through the KV cache sharded over its CP group; collective."""
+        from ringtrain.evaluation.text import ByteTokenizer
+        from ringtrain.evaluation.tokenizer import find_tokenizer
         from ringtrain.train.evaluator import Evaluator
 
-        return self._collective(lambda trainer: Evaluator.of(trainer).generate(prompts, num_new))
+        # Stop strings are matched in the text the model's tokenizer makes (bytes without one).
+        decode = (find_tokenizer(self.job.model.hf) or ByteTokenizer()).decode if request.stop.strings else None
+        return self._collective(lambda trainer: Evaluator.of(trainer).generate(request, decode))
+
+    def score(self, request: "ScoreRequest") -> list[Optional[tuple[float, bool]]]:
+        """This rank's replica's sequences of ``request`` scored (None for the other replicas');
+        collective."""
+        from ringtrain.train.evaluator import Evaluator
+
+        return self._collective(lambda trainer: Evaluator.of(trainer).score(request))
 
     def _collective(self, call: Callable[[Any], T]) -> T:
         """Run ``call(trainer)``; a failure cuts this rank off its world, as in a step."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from ringtrain.checkpoint.layout import check_shard_names
 from ringtrain.errors import RingtrainError
+from ringtrain.jsonfile import JsonFileError, parse_json
 
 FORMAT_VERSION = 1
 # sha256 runs on the CPU's SHA extensions (x86 SHA-NI, ARMv8 crypto) where present and is then
@@ -95,9 +96,9 @@ class Manifest:
     def decode(cls, data: bytes, *, step: int) -> Manifest:
         """Parse and check a manifest read from step ``step``'s folder; ManifestInvalid says why not."""
         try:
-            document = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestInvalid(f"manifest is not valid JSON ({exc})") from None
+            document = parse_json(data, MAX_MANIFEST_BYTES)
+        except JsonFileError as exc:
+            raise ManifestInvalid(f"manifest {exc}") from None
         if not isinstance(document, dict):
             raise ManifestInvalid("manifest is not a JSON object")
         version = document.get("format_version")

@@ -26,6 +26,7 @@ from ringtrain.checkpoint.store import CheckpointStore, Compatible, open_store
 from ringtrain.config.loading import RUN_CONFIG
 from ringtrain.config.yamlfile import read_mapping
 from ringtrain.errors import ConfigError
+from ringtrain.links import check_inside
 
 # A run's checkpoint store when its config names none: this folder of the run directory.
 RUN_STORE = "checkpoints"
@@ -96,7 +97,8 @@ def run_store_uri(run_dir: Path, key: str = "SOURCE") -> str:
     """The checkpoint store of a run: its config's checkpoint.uri, else <run_dir>/checkpoints.
     The config is read as plain YAML, not validated: a run written by an older version, whose
     config the current schema would refuse, still names its store."""
-    saved = read_mapping(run_dir / RUN_CONFIG, key)  # bounded: the folder may be someone else's
+    # Bounded, and from the folder itself: the folder may be someone else's.
+    saved = read_mapping(check_inside(run_dir, run_dir / RUN_CONFIG, key), key)
     section = saved.get("checkpoint")
     uri = section.get("uri") if isinstance(section, dict) else None
     if uri is not None and not isinstance(uri, str):

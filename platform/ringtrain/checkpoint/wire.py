@@ -30,6 +30,8 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
+from ringtrain.jsonfile import JsonFileError, parse_json
+
 # The state each parameter element carries: its fp32 master value and Adam's two moments.
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 FORMAT = 1
@@ -203,11 +205,10 @@ def decode(blob: Buffer) -> DecodedShard:
     if _PREFIX + header_len > len(view):
         raise SnapshotFormatError("truncated snapshot header")
     try:
-        header = json.loads(bytes(view[_PREFIX : _PREFIX + header_len]))
-    except RecursionError:
-        raise SnapshotFormatError("the header nests too deeply to be read") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise SnapshotFormatError(f"the header is not JSON ({exc})") from None
+        header = parse_json(view[_PREFIX : _PREFIX + header_len], max_bytes=None)  # bounded by the blob
+    except JsonFileError as exc:
+        # The parser words a limit that failed; text that is simply not JSON the format words itself.
+        raise SnapshotFormatError(f"the header is not JSON ({exc.detail})" if exc.limit is None else f"the header {exc}") from None
     need = _check_header(header)
     payload = view[_PREFIX + header_len :]
     if len(payload) != need:

@@ -1,5 +1,6 @@
 """`ringtrain eval SOURCE --data PATH`: a model's next-token loss by position, and optionally
-passkey retrieval, computed on a dp x cp mesh of workers.
+passkey retrieval, computed on a dp x cp mesh of workers; `--tasks T1,T2`: lm-evaluation-harness
+tasks with the workers as lm-eval's model (``eval_tasks``, ``lm_eval_model``), alone or besides.
 
 SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``commands.eval_source``).
 The workers are the ones training uses (WorkerGroup, TrainWorker, Trainer), so any layout
@@ -21,13 +22,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ringtrain import config
 from ringtrain.commands.eval_source import EvalSource, resolve_source
-from ringtrain.config import STDLIB_CORPUS, ChaosConfig, JobConfig
+from ringtrain.commands.workers import checked, inference_job, started_workers
+from ringtrain.config import STDLIB_CORPUS, JobConfig
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
+    from ringtrain.commands.eval_tasks import TaskPlan
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # eval.* keys -> the option that sets them, so an error names what the user typed.
@@ -71,70 +73,101 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passkey-depths", metavar="D[,D...]", help="where the key hides, 0 (start) to 1 (end); default 0,0.25,0.5,0.75,1")
     parser.add_argument("--passkey-trials", type=int, help="keys per length and depth (default 1)")
     parser.add_argument("--seed", type=int, help="draws the passkeys (default 0)")
+    parser.add_argument("--tasks", metavar="T[,T...]", help="lm-evaluation-harness tasks, groups or tags (e.g. ruler, or local YAML tasks with --include-path)")
+    parser.add_argument("--include-path", metavar="DIR", help="a folder of lm-eval task YAML files")
+    parser.add_argument("--limit", type=int, help="examples per task at most (lm-eval's --limit)")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples in each prompt (lm-eval's --num_fewshot)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("overrides", nargs="*", help="key=value job overrides, e.g. mesh.dp=2 mesh.cp=2 attention.impl=ring")
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain eval``; ConfigError (exit 2) for bad input, before any cluster starts."""
-    source, job, plan = prepare(args)
+    source, job, plan, tasks = prepare(args)
 
-    from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.evaluation import evaluate
-    from ringtrain.actors.group import WorkerGroup
 
-    cluster = connect(job)
-    ok = False
-    try:
-        device = resolve_device(job)
-        check_capacity(job, device)
-        coverage = plan.evalset.coverage
-        scored = (f"{plan.evalset.num_rows} sequences of {plan.evalset.seq_len} tokens" if coverage is None
-                  else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
+    scored = [f"tasks {', '.join(tasks.names)}"] if tasks is not None else []
+    evalset = plan.evalset
+    if evalset is not None:
+        coverage = evalset.coverage
+        scored.insert(0, f"{evalset.num_rows} sequences of {evalset.seq_len} tokens" if coverage is None
+                      else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
+
+    def banner(device: str) -> None:
         _stderr(
-            f"ringtrain eval: {source.where}: {scored}, "
+            f"ringtrain eval: {source.where}: {'; '.join(scored)}, "
             f"dp {job.topology.dp} x cp {job.topology.cp} ({job.cp_layout.runs}), ZeRO-{job.zero.stage}, {device}"
         )
-        group = WorkerGroup(cluster.for_workers(job), device)
-        try:
-            group.start()
-            if source.checkpoint is not None:
-                group.restore(source.shards())
-            result = evaluate(group, plan)
-        finally:
-            group.shutdown()
-        ok = True
-    finally:
-        cluster.close(keep_logs=not ok)
+
+    with started_workers(job, source, banner) as group:
+        result = evaluate(group, plan) if evalset is not None or plan.prompts else None
+        task_results = _run_tasks(tasks, group, source) if tasks is not None else None
     if args.json:
-        print(json.dumps({"source": source.where, "data": job.eval.data, **result.to_dict()}))
-    else:
+        out: dict[str, Any] = {"source": source.where}
+        if result is not None:
+            out.update(data=job.eval.data, **result.to_dict())
+        if task_results is not None:
+            from ringtrain.commands.eval_tasks import results_json
+
+            out.update(results_json(task_results))
+        print(json.dumps(out, default=str))
+        return EXIT_OK
+    if result is not None:
         print(result.table())
+    if task_results is not None:
+        from lm_eval.utils import make_table
+
+        print(make_table(task_results))
     return EXIT_OK
 
 
-def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"]:
-    """The source, the workers' job and the eval plan: every input check, no cluster."""
+def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, Any]:
+    from ringtrain.commands.eval_tasks import run_tasks
+
+    return run_tasks(tasks, group, source.tokenizer_folder)
+
+
+def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"]]:
+    """The source, the workers' job, the eval plan (``--data``, ``--passkey``) and the lm-eval
+    tasks (``--tasks``): every input check, no cluster."""
     from ringtrain.actors.evaluation import plan_for
     from ringtrain.evaluation.tokenizer import find_tokenizer
 
     if not args.source:
         raise ConfigError("SOURCE", "is missing: give a run directory, a checkpoint URI or a Hugging Face model folder")
-    if not args.data:
-        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of rows")
+    if not args.data and not args.tasks:
+        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of rows "
+                                    "(or --tasks for lm-evaluation-harness tasks)")
     try:
         source = resolve_source(args.source)
         job = _eval_job(source, args)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
         plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
-        # The workers' own data source is never read; it only has to be valid at this length.
-        seq_len = _round_up(plan.evalset.seq_len, 2 * job.topology.cp)
-        job.data = dataclasses.replace(job.data, seq_len=seq_len, path=_worker_data(job.eval.data, plan.evalset, seq_len))
-        job = _checked(job)
+        evalset = plan.evalset
+        tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
+        # The workers' own data source is never read; it only has to be valid at this length,
+        # which holds the eval set's rows and the longest sequence a task's request may have.
+        longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0)
+        seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
+        path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
+        job.data = dataclasses.replace(job.data, seq_len=seq_len, path=path)
+        job = checked(job)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
-    return source, job, plan
+    return source, job, plan, tasks
+
+
+def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int) -> "TaskPlan":
+    from ringtrain.commands.eval_tasks import plan_tasks
+    from ringtrain.evaluation.tokenizer import find_tokenizer
+
+    if find_tokenizer(source.tokenizer_folder) is None:
+        raise ConfigError("--tasks", "lm-eval's tasks need the model's tokenizer: give a Hugging Face model folder "
+                                     "(or a run of one)")
+    return plan_tasks(args.tasks, include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                      max_length=max_length, tokenizer_folder=source.tokenizer_folder)
 
 
 def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
@@ -163,9 +196,9 @@ def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
 
 
 def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
-    """The source's job with the user's overrides and options, shaped for evaluation: no
-    snapshots, checkpoints, chaos or spares, one sequence per forward."""
-    job = config.merge(source.job, list(args.overrides))
+    """The source's job with the user's overrides and options, shaped for evaluation
+    (``workers.inference_job``): one sequence per forward."""
+    job = inference_job(source, list(args.overrides))
     e = job.eval
     job.eval = dataclasses.replace(
         e,
@@ -179,26 +212,10 @@ def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
         passkey_trials=args.passkey_trials if args.passkey_trials is not None else e.passkey_trials,
         seed=args.seed if args.seed is not None else e.seed,
     )
-    job.checkpoint = dataclasses.replace(job.checkpoint, snapshot_every=0, persist_every=0, resume="none")
-    job.chaos = ChaosConfig()
-    job.mesh = dataclasses.replace(job.mesh, spares=0, min_dp=1, max_dp=None)
-    # A run's fixed metrics port may be taken by a job still running; Ray picks a free one.
-    job.telemetry = dataclasses.replace(job.telemetry, metrics_port=None)
-    job.train = dataclasses.replace(
-        job.train, micro_batch=1, global_batch=job.mesh.dp, stop_at_step=None, skip_batches=[]
-    )
+    job.train = dataclasses.replace(job.train, micro_batch=1, global_batch=job.mesh.dp)
     # A length every cp divides, until the eval set says how long its sequences are.
     job.data = dataclasses.replace(job.data, seq_len=2 * job.mesh.cp)
-    return _checked(job)
-
-
-def _checked(job: JobConfig) -> JobConfig:
-    from ringtrain.hf import resolve_job
-
-    resolved = resolve_job(job)  # reads model.hf's config.json, and validates
-    if not job.model.hf:
-        config.validate(resolved)
-    return resolved
+    return checked(job)
 
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:

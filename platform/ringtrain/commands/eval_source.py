@@ -94,7 +94,7 @@ def _from_hf(folder: Path) -> EvalSource:
 def _from_run(run_dir: Path) -> EvalSource:
     from ringtrain.actors.resume import incompatibility
 
-    job = config.load_saved(run_dir / config.RUN_CONFIG)
+    job = config.load_saved(run_dir / config.RUN_CONFIG, KEY)
     try:
         found = open_source(str(run_dir.absolute()), key=KEY, accept=incompatibility(job), eager=True)
     except NoCheckpoint as exc:
@@ -130,7 +130,7 @@ def _job_beside(store_uri: str) -> Optional[JobConfig]:
     if not store_uri.startswith("file://"):
         return None
     config_file = Path(store_uri.removeprefix("file://")).parent / config.RUN_CONFIG
-    return config.load_saved(config_file) if config_file.is_file() else None
+    return config.load_saved(config_file, KEY) if config_file.is_file() else None
 
 
 def _job_of_meta(meta: Any) -> JobConfig:

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from ringtrain import config
 from ringtrain.commands.run import stop_wait_env
 from ringtrain.commands.submit_checks import SUBMITTED_VARIABLE, await_checks
+from ringtrain.config.destinations import forwarded_hosts
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.submission import (
     CLUSTER_PYTHON_VARIABLE,
@@ -35,6 +36,7 @@ from ringtrain.submission import (
     resolve_token,
 )
 from ringtrain.submission_files import shipped_inputs
+from ringtrain.submission_secrets import SECRET_FLAG, check_env_names, check_no_password, read_secrets
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_POLL_S = 0.5
@@ -67,7 +69,17 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         action="append",
         default=[],
         metavar="NAME",
-        help="pass this variable of your shell to the job, e.g. WANDB_API_KEY or MLFLOW_TRACKING_TOKEN (repeatable)",
+        help="pass this variable of your shell to the job, e.g. WANDB_PROJECT or HF_HUB_OFFLINE (repeatable); it stays "
+        "readable in the job's record on the cluster, so a secret (*_KEY, *_TOKEN, *_SECRET, *PASSWORD*) is refused: use --secret",
+    )
+    submit.add_argument(
+        SECRET_FLAG,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass this variable of your shell to the job's driver as a secret, e.g. WANDB_API_KEY, MLFLOW_TRACKING_TOKEN or "
+        "AWS_SECRET_ACCESS_KEY (repeatable): read once by the job and deleted from the cluster, never in the job's record or "
+        "Ray's logs (docs/security.md)",
     )
     submit.add_argument(
         "--no-ship-package",
@@ -123,9 +135,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     # Validated before connecting: bad input never reaches the cluster.
     job = config.load(job_path, args.overrides)
     shipped_inputs(job_path, job)
+    check_env_names(args.env)
+    check_no_password(job.telemetry.mlflow.tracking_uri)
+    secrets = read_secrets(args.secret)
     # Ray's job supervisor SIGKILLs a stopped job 3 s after its SIGTERM unless told to wait for
     # the stop's save (commands/run.py); a user's own --env value wins.
-    env_vars = {**stop_wait_env(job), SUBMITTED_VARIABLE: "1", **passed_env(args.env)}
+    # The tracking server this client accepted is the job's driver's to reach as well.
+    env_vars = {**stop_wait_env(job), SUBMITTED_VARIABLE: "1", **forwarded_hosts(job.telemetry.mlflow.tracking_uri),
+                **passed_env(args.env)}
     python = resolve_cluster_python(args.python)
     client = _client(args)
     submission_id = client.submit(
@@ -135,6 +152,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         submission_id=args.submission_id,
         ship_package=not args.no_ship_package,
         env_vars=env_vars,
+        secrets=secrets,
         python=python,
     )
     # The id alone on stdout, so `ID=$(ringtrain submit ... --no-wait)` works; the rest is for people.

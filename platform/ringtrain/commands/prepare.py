@@ -18,6 +18,7 @@ a cluster would take longer than the work (``pipeline.in_process`` says when).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -26,6 +27,17 @@ from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.prepare.chat_records import DEFAULT_MESSAGES_FIELD, MESSAGES_FLAG
+from ringtrain.prepare.render_budget import (
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_RECORD_TOKENS,
+    DEFAULT_RENDER_MEMORY_MIB,
+    DEFAULT_RENDER_TIMEOUT_S,
+    MAX_MESSAGES_FLAG,
+    MAX_TOKENS_FLAG,
+    MEMORY_FLAG,
+    TIMEOUT_FLAG,
+    RenderBudget,
+)
 from ringtrain.prepare.sources import DEFAULT_MAX_RECORD_BYTES, MAX_RECORD_FLAG
 from ringtrain.prepared import (
     CHAT_ROLES,
@@ -69,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-on-eos", choices=CHAT_TRAIN_ON_EOS, default=None, help="--format chat: whether a trained turn's end-of-turn token trains: every turn's (turn, the default), the last trained turn's only (last), or none")
     parser.add_argument("--chat-template", default=None, metavar="FILE", help="--format chat: render with this Jinja file, or a template that ships by name (qwen3: Qwen3's with {% generation %} markers), instead of the tokenizer's")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed, text-less or too long record stops the run (fail) or is counted and listed in the manifest (skip)")
+    parser.add_argument(MAX_MESSAGES_FLAG, type=int, default=None, help=f"--format chat and preference: the most messages a conversation (a pair) may hold (default {DEFAULT_MAX_MESSAGES:,}); a longer one is a bad record, found before it is rendered")
+    parser.add_argument(MAX_TOKENS_FLAG, type=int, default=None, help=f"--format chat and preference: the most tokens a rendered conversation (a pair) may hold (default {DEFAULT_MAX_RECORD_TOKENS:,}); a longer one is a bad record")
+    parser.add_argument(TIMEOUT_FLAG, type=float, default=None, metavar="SECONDS", help=f"--format chat and preference: the longest one conversation (pair) may take to render and tokenize (default {DEFAULT_RENDER_TIMEOUT_S:g} s); a slower one is a bad record")
+    parser.add_argument(MEMORY_FLAG, type=int, default=None, metavar="MIB", help=f"--format chat and preference: the most memory rendering one conversation (pair) may add (default {DEFAULT_RENDER_MEMORY_MIB:,} MiB); a hungrier one is a bad record")
     parser.add_argument(
         "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
         help=f"the longest record read, a JSONL line, a Parquet value or a whole text file (default {DEFAULT_MAX_RECORD_BYTES >> 20} MiB); "
@@ -226,8 +242,10 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
 
     chat_flags = {MESSAGES_FLAG: args.messages_field, "--train-on": args.train_on, "--roles-to-train": args.roles_to_train,
                   "--train-on-eos": args.train_on_eos, chat_template.OVERRIDE_KEY: args.chat_template}  # fmt: skip
+    budget_flags = {MAX_MESSAGES_FLAG: args.max_messages, MAX_TOKENS_FLAG: args.max_record_tokens,
+                    TIMEOUT_FLAG: args.render_timeout, MEMORY_FLAG: args.render_memory}  # fmt: skip
     if args.format == "text":
-        for flag, value in chat_flags.items():
+        for flag, value in {**chat_flags, **budget_flags}.items():
             if value is not None:
                 raise ConfigError(flag, "applies to --format chat and preference only")
         return None
@@ -236,14 +254,24 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
         for flag in (MESSAGES_FLAG, "--train-on", "--roles-to-train"):
             if chat_flags[flag] is not None:
                 raise ConfigError(flag, "applies to --format chat only: a pair trains its completions' assistant turns")
+    for flag, value in budget_flags.items():
+        if value is not None and not 0 < value < math.inf:
+            raise ConfigError(flag, f"must be a positive number, got {value}")
     text_files = [f.uri for f in files if f.kind == "text"]
     if text_files:
         raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not conversations (--format chat reads JSONL or Parquet)")
     template = chat_template.find(args.tokenizer)
     if args.chat_template is not None:
         template = chat_template.override(template, args.chat_template)
+    budget = RenderBudget(
+        max_messages=args.max_messages or DEFAULT_MAX_MESSAGES,
+        max_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
+        timeout_s=args.render_timeout or DEFAULT_RENDER_TIMEOUT_S,
+        memory_mib=args.render_memory or DEFAULT_RENDER_MEMORY_MIB,
+    )
     spec = chat_render.ChatSpec(template, args.train_on or "assistant", args.messages_field or DEFAULT_MESSAGES_FIELD,
-                                vocab_size, roles_to_train(args.roles_to_train), args.train_on_eos or "turn", args.format)  # fmt: skip
+                                vocab_size, roles_to_train(args.roles_to_train), args.train_on_eos or "turn", args.format,
+                                budget)  # fmt: skip
     chat_render.check(spec)
     return spec
 

@@ -2,7 +2,8 @@
 
 ``add_arguments`` fills the ``report`` subcommand's parser and ``run`` executes it. Exit
 codes: 0 the report was written (warnings about missing or damaged files go to stderr, and
-into the page), 1 it could not be written, 2 RUN_DIR does not exist: one line naming it.
+into the page), 1 it could not be written, 2 RUN_DIR does not exist, or a file of it is a link
+out of it (``telemetry.runfiles``): one line naming it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import webbrowser
 from pathlib import Path
 
+from ringtrain.errors import ConfigError
 from ringtrain.telemetry.report import REPORT_NAME, write_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -34,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         path, warnings = write_report(run_dir)
+    except ConfigError as exc:
+        print(f"ringtrain: report: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         # A file of the run that cannot be read, or a folder that cannot be written: the OS says which.
         print(f"ringtrain: report: cannot write {run_dir / REPORT_NAME}: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ no save is writing; otherwise it is left to expire.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import signal
@@ -85,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain run``; ConfigError (exit 2) for bad input, before any cluster starts."""
     from ringtrain.actors.cluster import check_embedded_capacity
     from ringtrain.hf import resolve_job
+    from ringtrain.submission_secrets import receive as receive_secrets
     from ringtrain.telemetry.trackers import check_installed as check_trackers
     from ringtrain.train.mixture import check_sources
 
     stop = StopSignals()
     stop.install()
+    # A submitted job's secrets, before anything reads the environment for credentials.
+    receive_secrets()
     job = resolve_job(config.load(args.job, args.overrides))
     if job.model.hf:
         from ringtrain.hf.weights import check_pretrained  # torch: only for a pretrained model
@@ -238,10 +242,19 @@ def _train(
 
 
 def _eval_plan(job: config.JobConfig) -> "EvalPlan":
-    """eval.data read (and the passkey prompts built) before any cluster starts: bad input exits 2."""
+    """eval.data read (the passkey prompts built, eval.tasks found and their data loaded) before
+    any cluster starts: bad input exits 2."""
     from ringtrain.actors.evaluation import model_tokenizer, plan_for
 
-    return plan_for(job, tokenizer=model_tokenizer(job))
+    plan = plan_for(job, tokenizer=model_tokenizer(job))
+    e = job.eval
+    if not e.tasks:
+        return plan
+    from ringtrain.commands.eval_tasks import training_tasks
+
+    tasks = training_tasks(e.tasks, include_path=e.include_path, limit=e.limit, num_fewshot=e.num_fewshot,
+                           max_length=e.seq_len or job.data.seq_len, tokenizer_folder=job.model.hf)
+    return dataclasses.replace(plan, tasks=tasks)
 
 
 def run_metrics(job: config.JobConfig, run_id: str) -> "RunMetrics":

@@ -23,8 +23,10 @@ from ringtrain.config.schema import (
     CHECKPOINTING_MODES,
     DEVICES,
     DTYPES,
+    FULL_ATTENTION,
     LAYER_TYPES,
     LOSS_NORMS,
+    OBJECTIVES,
     MLFLOW_URI_SCHEMES,
     NAN_POLICIES,
     NORM_STYLES,
@@ -106,6 +108,8 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("train.grad_clip", f"must be >= 0, 0 disables clipping (got {t.grad_clip})")
     _one_of(t.dtype, DTYPES, "train.dtype")
     _one_of(t.loss_norm, LOSS_NORMS, "train.loss_norm")
+    _one_of(t.objective, OBJECTIVES, "train.objective")
+    validate_preference(job)
 
     ck = job.checkpoint
     for key in ("snapshot_every", "persist_every"):
@@ -187,6 +191,30 @@ def validate_finite(job: JobConfig) -> None:
             raise ConfigError(key, f"must be a finite number (got {value})")
 
 
+def validate_preference(job: JobConfig) -> None:
+    """The preference objective's settings: a positive, finite beta, label smoothing in [0, 0.5),
+    and a layout a pair can take (a shared prompt is cut by no sliding window)."""
+    p, d = job.train.preference, job.data
+    if not (math.isfinite(p.beta) and p.beta > 0):
+        raise ConfigError("train.preference.beta", f"must be a finite number > 0 (got {p.beta})")
+    if not 0 <= p.label_smoothing < 0.5:
+        raise ConfigError("train.preference.label_smoothing", f"must be in [0, 0.5) (got {p.label_smoothing})")
+    if not math.isfinite(p.gamma):
+        raise ConfigError("train.preference.gamma", f"must be a finite number (got {p.gamma})")
+    if not (math.isfinite(p.sft_weight) and p.sft_weight >= 0):
+        raise ConfigError("train.preference.sft_weight", f"must be a finite number >= 0 (got {p.sft_weight})")
+    if job.train.objective == "lm":
+        return
+    if d.chat_overlong == "truncate":
+        raise ConfigError("data.chat_overlong", "truncate would cut a pair's completions; a preference objective "
+                          "takes drop or truncate_start (its prompt cut from the start)")
+    m = job.model
+    windowed = bool(m.sliding_window) and (m.layer_types is None or any(t != FULL_ATTENTION for t in m.layer_types))
+    if d.prefix_sharing and windowed:
+        raise ConfigError("data.prefix_sharing", "a shared prompt is not cut by sliding-window layers (a completion's "
+                          "positions continue its prompt's, not the row's): set data.prefix_sharing=false")
+
+
 def validate_data_sources(d: DataConfig) -> None:
     """Packing and the mixture's sources: paths given, weights and upsampling factors positive."""
     _one_of(d.packing, PACKINGS, "data.packing")
@@ -218,8 +246,12 @@ def validate_eval(e: EvalConfig) -> None:
     """The eval section's values; whether ``eval.data`` exists is checked where it is read."""
     if e.every < 0:
         raise ConfigError("eval.every", f"must be >= 0, 0 turns evaluation off (got {e.every})")
-    if e.every and not e.data:
-        raise ConfigError("eval.data", f"is empty, but eval.every={e.every}: name the data to evaluate on (as data.path takes, or a 2-D .npy)")
+    if e.every and not e.data and not e.tasks:
+        raise ConfigError("eval.data", f"is empty, but eval.every={e.every}: name the data to evaluate on (as data.path takes, or a 2-D .npy), or eval.tasks")
+    if e.limit is not None:
+        _positive(e.limit, "eval.limit")
+    if e.num_fewshot is not None and e.num_fewshot < 0:
+        raise ConfigError("eval.num_fewshot", f"must be >= 0 (got {e.num_fewshot})")
     for key in ("seq_len", "max_rows"):
         if getattr(e, key) is not None:
             _positive(getattr(e, key), f"eval.{key}")

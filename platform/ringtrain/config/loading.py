@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,28 +14,37 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from ringtrain.config.checks import validate
+from ringtrain.config.destinations import TRACKING_KEY, check_tracking_uri, override_value
 from ringtrain.config.interpolation import refuse_resolvers
 from ringtrain.config.overrides import SECTIONS, apply, as_config_error, check_section, first_line, parse
 from ringtrain.config.schema import MODEL_DEFAULTS, JobConfig, checkpointing_mode
 from ringtrain.config.yamlfile import check_bounds, read_mapping
 from ringtrain.errors import ConfigError
+from ringtrain.links import check_inside
 
 # The resolved config a run directory keeps, loadable again with ``load`` (and ``ringtrain run``).
 RUN_CONFIG = "config.yaml"
 
 
 def load(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> JobConfig:
-    """Build the job config from an optional YAML file and ``key=value`` overrides, then validate."""
+    """Build the job config from an optional YAML file and ``key=value`` overrides, then validate.
+    A tracking server the file names must be one the user allows (``destinations``)."""
     layers = [_layer(read_mapping(Path(path)), str(path))] if path is not None else []
-    return _build(layers, overrides or [])
+    job = _build(layers, overrides or [])
+    uri = job.telemetry.mlflow.tracking_uri
+    given = path is None or override_value(parse(overrides or []), TRACKING_KEY) == uri
+    check_tracking_uri(uri, given_by_user=given, where=str(path), environ=os.environ)
+    return job
 
 
-def load_saved(path: str | Path) -> JobConfig:
+def load_saved(path: str | Path, key: str = "config") -> JobConfig:
     """A config ringtrain wrote and now reads as the source of a model (a run directory's
     ``config.yaml``, or the one beside a checkpoint store), validated, without its ``cluster``
     section: a file in a run folder others can write must never choose the cluster a command
     joins (with the user's token, unpickling what its workers send back). The cluster is the
-    user's: ``cluster.*`` overrides, RAY_ADDRESS, else an embedded one."""
+    user's: ``cluster.*`` overrides, RAY_ADDRESS, else an embedded one. The file must lie in
+    its folder: a link out of a folder from elsewhere is refused (``links``), naming ``key``."""
+    check_inside(Path(path).parent, path, key)
     data = read_mapping(Path(path))
     data.pop("cluster", None)
     return _build([_layer(data, str(path))], [])

@@ -163,6 +163,10 @@ CHAT_OVERLONG = ("drop", "truncate", "truncate_start")
 # How whole conversations fill rows: next-fit (a row closes when the next one does not fit) or
 # first-fit decreasing within seeded windows of conversations (train/conversations.py).
 CHAT_PACKINGS = ("next_fit", "first_fit")
+# What a step minimises: lm, the next-token loss; or a preference objective over pairs of a
+# preference dataset (train/preference.py).
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+OBJECTIVES = ("lm", *PREFERENCE_OBJECTIVES)
 # token: the mean over every trained token of the global batch; sequence: each conversation's
 # token mean, averaged over the global batch's conversations (LongAlign, Bai et al. 2024).
 LOSS_NORMS = ("token", "sequence")
@@ -195,8 +199,11 @@ class DataConfig:
     packing: str = "concat"
     # CHAT_OVERLONG: a chat dataset's conversation longer than seq_len (counted either way).
     chat_overlong: str = "drop"
-    # CHAT_PACKINGS: how a chat dataset's conversations fill the rows.
+    # CHAT_PACKINGS: how a chat dataset's conversations (or a preference dataset's pairs) fill the rows.
     chat_packing: str = "next_fit"
+    # A preference pair's prompt laid out once, both completions continuing it (its forward and
+    # backward run once); false: prompt + chosen and prompt + rejected as two documents.
+    prefix_sharing: bool = True
     # Where S3 shards are cached on each node; "": $RINGTRAIN_DATA_CACHE, else a private folder
     # of the user's own under the temp dir (ringtrain.cachedir).
     cache_dir: str = ""
@@ -231,6 +238,16 @@ class AttentionConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """The preference objectives' settings (train/preference.py has their definitions)."""
+
+    beta: float = 0.1  # DPO's and IPO's beta (IPO's tau), SimPO's beta, ORPO's lambda
+    gamma: float = 0.5  # SimPO's target reward margin
+    label_smoothing: float = 0.0  # conservative DPO's (and SimPO's) label noise, in [0, 0.5)
+    sft_weight: float = 0.0  # times the chosen completion's mean token NLL, added (RPO)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100  # the schedule's length: warmup + cosine span these
     stop_at_step: Optional[int] = None  # end this run early (a time slice); resume continues it
@@ -259,6 +276,9 @@ class TrainConfig:
     fused_ops: bool = True
     # LOSS_NORMS: how a step's token losses are averaged (sequence needs a chat dataset).
     loss_norm: str = "token"
+    # OBJECTIVES: lm, or a preference objective, which trains on a preference dataset's pairs.
+    objective: str = "lm"
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
 
 @dataclass
@@ -372,11 +392,12 @@ class TelemetryConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation: next-token loss by position (and optionally passkey retrieval) on held-out data.
+    """Evaluation: next-token loss by position (and optionally passkey retrieval) on held-out data,
+    and lm-evaluation-harness tasks.
 
     ``ringtrain eval`` fills these from its options; during training, every ``every`` steps
-    and after the last one the Controller evaluates on ``data`` and adds the result to that
-    step's metrics.jsonl record under ``"eval"`` (see ``ringtrain.evaluation.result``).
+    and after the last one the Controller evaluates on ``data`` and ``tasks`` and adds the result
+    to that step's metrics.jsonl record under ``"eval"`` (see ``ringtrain.evaluation.result``).
     """
 
     every: int = 0  # evaluate during training every this many steps (0: never)
@@ -394,6 +415,13 @@ class EvalConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 1
     seed: int = 0  # draws the passkeys
+    # lm-evaluation-harness tasks, groups or tags (the eval extra), run with the workers as the
+    # model; include_path: a folder of local task YAML files; limit: examples per task at most;
+    # num_fewshot: shots in each prompt (None: each task's own).
+    tasks: list[str] = field(default_factory=list)
+    include_path: str = ""
+    limit: Optional[int] = None
+    num_fewshot: Optional[int] = None
 
 
 @dataclass

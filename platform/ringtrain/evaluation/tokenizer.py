@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ringtrain.errors import ConfigError
+from ringtrain.links import check_inside
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -38,4 +39,7 @@ def find_tokenizer(folder: str) -> Optional[HFTokenizer]:
     if not folder:
         return None
     path = Path(folder) / TOKENIZER_FILE
-    return HFTokenizer(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    check_inside(folder, path, "model.hf")
+    return HFTokenizer(path)

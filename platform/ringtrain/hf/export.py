@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from ringtrain.config import JobConfig, ModelConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.folderswap import DestinationAppeared, swap_in
 from ringtrain.jsonfile import read_json
+from ringtrain.links import check_inside
 from ringtrain.hf.fragments import MasterWeights
 from ringtrain.hf.hfconfig import CONFIG_FILE, hf_config
 from ringtrain.hf.names import to_hf
@@ -118,6 +120,7 @@ def export(
     if out.is_dir() and any(out.iterdir()):
         _check_replaceable(out)
     meta = loaded.meta
+    side_files, copied = _side_files(hf_source or meta.get("hf_source"), explicit=hf_source is not None)
     model = model_config(meta, loaded.uri)
     source_cfg = meta.get("hf_config") or None
     if dtype is None:
@@ -144,7 +147,9 @@ def export(
         if len(shards) > 1:
             _write_json(tmp / INDEX_FILE, index(shards))
         _write_json(tmp / CONFIG_FILE, config)
-        _copy_side_files(tmp, hf_source or meta.get("hf_source"), explicit=hf_source is not None, say=say)
+        for name, path in side_files:
+            _copy_regular(path, tmp / name)
+        say(copied)
         written = sorted(p.name for p in tmp.iterdir())
         _write_json(
             tmp / EXPORT_MANIFEST,
@@ -287,25 +292,44 @@ def _write_json(path: Path, content: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _copy_side_files(folder: Path, source: Optional[str], *, explicit: bool, say: Say) -> None:
+def _side_files(source: Optional[str], *, explicit: bool) -> tuple[list[tuple[str, Path]], str]:
+    """(name, where it really is) of each side file the source model folder has, checked before
+    anything is written (a link out of the folder is refused: ``links``), and the line that
+    says what was copied."""
     if not source:
-        say("no source model folder (trained from scratch): no tokenizer files to copy")
-        return
+        return [], "no source model folder (trained from scratch): no tokenizer files to copy"
     src = Path(source)
     if not src.is_dir():
-        say(f"the source model folder {source} is gone: no tokenizer or generation_config.json copied (use --hf-source PATH)")
-        return
-    copied = [name for name in SIDE_FILES if (src / name).is_file()]
-    for name in copied:
-        shutil.copyfile(src / name, folder / name)
+        return [], f"the source model folder {source} is gone: no tokenizer or generation_config.json copied (use --hf-source PATH)"
     origin = "--hf-source" if explicit else "the source model folder"
-    say(f"copied {', '.join(copied)} from {origin} {src}" if copied else f"{origin} {src} has no tokenizer or generation files")
+    try:
+        found = [(name, check_inside(src, src / name, "--hf-source")) for name in SIDE_FILES if (src / name).is_file()]
+    except ConfigError as exc:
+        raise ExportError(exc.key, exc.reason) from None
+    names = ", ".join(name for name, _ in found)
+    return found, (f"copied {names} from {origin} {src}" if found else f"{origin} {src} has no tokenizer or generation files")
+
+
+def _copy_regular(source: Path, dest: Path) -> None:
+    """``source`` (a checked file's real path) into the new regular file ``dest``: read without
+    following a link put there since, and written where nothing was ('x' fails on any entry,
+    a link included)."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ExportError("--hf-source", f"{source} cannot be read as a file of the model folder ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f, open(dest, "xb") as out:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ExportError("--hf-source", f"{source} is not a regular file")
+        shutil.copyfileobj(f, out)
 
 
 def _publish(tmp: Path, out: Path) -> None:
     """Put the finished folder in place (``folderswap``): what is at ``out`` is replaced only if
     it is still an export's folder or empty when the export ends."""
     for path in tmp.iterdir():  # on disk before the folder becomes visible under its name
+        if not stat.S_ISREG(path.lstat().st_mode):  # only files this export wrote, never a link
+            raise ExportError("OUT_DIR", f"{path} is not a file the export wrote: nothing was published")
         with open(path, "rb") as f:
             os.fsync(f.fileno())
 

@@ -29,6 +29,7 @@ from ringtrain.config import (
 )
 from ringtrain.errors import ConfigError
 from ringtrain.jsonfile import JsonFileError, read_json
+from ringtrain.links import check_folder
 from ringtrain.hf.architectures import (
     ARCHITECTURES,
     GEMMA3,
@@ -73,6 +74,9 @@ def read_hf_config(folder: str | Path, key: str = "model.hf") -> dict[str, Any]:
         )
     if not file.is_file():
         raise ConfigError(key, f"{file} is missing (a Hugging Face model folder holds config.json and *.safetensors)")
+    # Every file of the folder, not only config.json: transformers, the tokenizer and an export
+    # read the others by name.
+    check_folder(path, key)
     try:
         cfg = read_json(file)
     except JsonFileError as exc:

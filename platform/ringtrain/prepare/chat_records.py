@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ringtrain.prepare.record_bounds import PARQUET_BATCH_BYTES, PARQUET_BATCH_ROWS, BadRecord, too_long
+from ringtrain.prepare.render_budget import too_many_messages
 from ringtrain.prepared import CHAT_ROLES as ROLES
 
 DEFAULT_MESSAGES_FIELD = "messages"
@@ -240,9 +242,10 @@ def _string_leaf_paths(schema: Any, columns: list[str]) -> list[int]:
             and any(schema.column(i).path == c or schema.column(i).path.startswith(c + ".") for c in columns)]  # fmt: skip
 
 
-def _columns(names: list[str], field: str, context_fields: frozenset[str], record_fields: tuple[str, ...] = ()) -> list[str]:
-    """The columns a chat record is read from: ``record_fields`` where given (a preference
-    pair's), else ``field`` (or Alpaca's); then the context's."""
+def _columns(names: list[str], field: str, context_fields: frozenset[str],
+             record_fields: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:  # fmt: skip
+    """The columns a chat record is read from: its own (``record_fields`` where given, a
+    preference pair's; else ``field``, or Alpaca's), then the context's."""
     if record_fields:
         taken = [n for n in record_fields if n in names]
     elif field in names:
@@ -250,13 +253,13 @@ def _columns(names: list[str], field: str, context_fields: frozenset[str], recor
     elif "instruction" in names and "output" in names:
         taken = [n for n in ALPACA_FIELDS if n in names]
     else:
-        return []
-    return taken + sorted(n for n in context_fields if n in names and n not in taken)
+        return [], []
+    return taken, sorted(n for n in context_fields if n in names and n not in taken)
 
 
 def parquet_conversations(
     piece: Any, path: str, field: str, counter: Any, max_bytes: int, context_fields: frozenset[str] = frozenset(),
-    record_fields: tuple[str, ...] = (),
+    record_fields: tuple[str, ...] = (), max_messages: int = 0,
 ) -> Iterator[Any]:
     """A Parquet piece's conversations (``Conversation`` or ``BadRecord``, in row order) from its
     list<struct> column ``field`` (or Alpaca's string columns), with the ``context_fields``
@@ -265,18 +268,22 @@ def parquet_conversations(
     The string leaves are read as dictionaries and each row's bytes, over all its columns, are
     measured on the Arrow arrays before it is decoded, so a row over ``max_bytes``, or one huge
     value repeated in every row, never becomes Python objects; batches hold about
-    ``PARQUET_BATCH_BYTES`` of rows at the row group's mean row size.
+    ``PARQUET_BATCH_BYTES`` of rows at the row group's mean row size. A row of more than
+    ``max_messages`` messages (0: any) is a bad record before it is decoded too: a few bytes of
+    dictionary codes can stand for a million.
     """
+    import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from ringtrain.errors import DataError
-    from ringtrain.prepare.sources import PARQUET_BATCH_BYTES, PARQUET_BATCH_ROWS, BadRecord, too_long
 
     uri = piece.source.uri
     try:
         probe = pq.ParquetFile(path)
-        columns = _columns(probe.schema_arrow.names, field, context_fields, record_fields)
+        own, context = _columns(probe.schema_arrow.names, field, context_fields, record_fields)
+        columns, taken = own + context, len(own)
         if not columns:
             wanted = (f"none of the columns {', '.join(record_fields)}" if record_fields
                       else f"no column {field!r} ({MESSAGES_FLAG}), nor Alpaca's instruction and output")  # fmt: skip
@@ -298,10 +305,17 @@ def parquet_conversations(
                     continue
                 sizes = sum(value_bytes(a) for a in arrays).tolist()
                 what = f"field {field!r}" if len(columns) == 1 else f"fields {', '.join(map(repr, columns))}"
+                # The messages of the record's own columns (a pair's three lists), not its context's.
+                counts = sum(np.asarray(pc.list_value_length(a).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+                             for a in arrays[:taken] if pa.types.is_list(a.type) or pa.types.is_large_list(a.type))  # fmt: skip
+                counts = np.broadcast_to(counts, (batch.num_rows,)).tolist()
                 for row in range(batch.num_rows):
                     counter.lines += 1
+                    many = too_many_messages(counts[row], max_messages) if max_messages else None
                     if sizes[row] > max_bytes:
                         yield BadRecord(counter.lines, too_long(f"{what} ({sizes[row]:,} bytes)", max_bytes))
+                    elif many is not None:
+                        yield BadRecord(counter.lines, many)
                     else:
                         yield Conversation({name: a[row].as_py() for name, a in zip(columns, arrays)})
     except (pa.ArrowException, OSError) as exc:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -54,6 +54,7 @@ from ringtrain.prepare.chat_records import (
 )
 from ringtrain.prepare.chat_template import KEY, OVERRIDE_KEY, ChatTemplate, shipped
 from ringtrain.prepare.preference_records import PAIR_FIELDS
+from ringtrain.prepare.render_budget import OverBudget, RenderBudget, Watchdog
 from ringtrain.prepare.sources import BadRecord
 
 # A conversation every chat template renders (no system turn: some templates refuse one), used
@@ -82,6 +83,7 @@ class ChatSpec:
     roles: tuple[str, ...] = ("assistant",)  # --roles-to-train
     eos: str = "turn"  # prepared.CHAT_TRAIN_ON_EOS
     content: str = "chat"  # prepared.CONTENTS: conversations, or preference pairs
+    budget: RenderBudget = RenderBudget()  # what one record may cost (render_budget)
 
     @property
     def record_fields(self) -> tuple[str, ...]:
@@ -198,6 +200,9 @@ class ChatRenderer:
             whole = self._text(chat, len(chat.messages))
         except Exception as exc:  # the template's own code (raise_exception, a filter): any error
             raise BadConversation(f"the chat template cannot render it ({type(exc).__name__}: {exc})") from None
+        over = spec.budget.text_over(len(whole))
+        if over is not None:
+            raise BadConversation(over)
         if spec.train_on == "all":
             ids = self._encode(whole)[0]
             mask = np.ones(len(ids), dtype=np.uint8)
@@ -317,16 +322,39 @@ class ChatEncoder:
         self.renderer = ChatRenderer(spec)
         self.dtype = np.dtype(dtype)
         self.field = spec.messages_field
+        self.budget = spec.budget
+        self.watchdog = Watchdog(spec.budget)
 
     def convert(self, record: Conversation, line: int) -> Union[Rendered, BadRecord]:
-        """A record's conversation rendered; what is wrong with it a bad record at ``line``, one
-        that stops the run whatever ``--on-bad-record`` says when the template is at fault."""
+        """A record's conversation rendered within the budget; what is wrong with it a bad record
+        at ``line``, one that stops the run whatever ``--on-bad-record`` says when the template
+        is at fault."""
+        value = record.fields.get(self.field)
+        rendered = self.within_budget(
+            len(value) if isinstance(value, list) else 0, line,
+            lambda: (Rendered(*self.renderer.render(read_chat(record, self.field, self.renderer.context_fields))),),
+        )  # fmt: skip
+        return rendered if isinstance(rendered, BadRecord) else rendered[0]
+
+    def within_budget(self, num_messages: int, line: int, render: Callable[[], tuple[Rendered, ...]]
+                      ) -> Union[tuple[Rendered, ...], BadRecord]:  # fmt: skip
+        """``render()``'s documents, rendered under the budget's watchdog, or the bad record at
+        ``line`` they make: over a bound, refused by the record's own fields, or (fatal) by the
+        template or the vocabulary."""
+        over = self.budget.messages_over(num_messages)
+        if over is not None:
+            return BadRecord(line, over)
         try:
-            return Rendered(*self.renderer.render(read_chat(record, self.field, self.renderer.context_fields)))
+            with self.watchdog.watch():
+                docs = render()
+        except OverBudget:
+            return BadRecord(line, self.watchdog.reason)
         except BadConversation as exc:
             return BadRecord(line, str(exc))
         except DataError as exc:  # TemplateRefused, an id outside the vocabulary: not the record's fault
             return BadRecord(line, str(exc), fatal=True)
+        over = self.budget.tokens_over(sum(len(d) for d in docs))
+        return docs if over is None else BadRecord(line, over)
 
     def encode(self, docs: list[Rendered]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens, lengths, mask) of a chunk's conversations laid end to end; no EOS is appended."""

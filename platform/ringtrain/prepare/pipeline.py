@@ -125,8 +125,9 @@ class PieceTokenizer:
             chat = self.chat
             context = chat.renderer.context_fields if chat is not None else frozenset()
             pair_fields = self.job.chat.record_fields if self.job.chat is not None else ()
+            max_messages = chat.budget.max_messages if chat is not None else 0
             for record in read_records(piece, self.job.text_field, local, counter, self.job.max_record_bytes,
-                                       chat is not None, context, pair_fields):  # fmt: skip
+                                       chat is not None, context, pair_fields, max_messages):  # fmt: skip
                 if isinstance(record, Conversation) and chat is not None:
                     record = chat.convert(record, counter.lines)
                 if isinstance(record, BadRecord):

@@ -15,10 +15,9 @@ from typing import Union
 
 import numpy as np
 
-from ringtrain.errors import DataError
 from ringtrain.prepare.chat_records import BadConversation, ChatRecord, Conversation
 from ringtrain.prepare.chat_render import ChatEncoder, ChatRenderer, Rendered
-from ringtrain.prepare.preference_records import CHOSEN, REJECTED, PreferenceRecord, read_preference
+from ringtrain.prepare.preference_records import CHOSEN, PAIR_FIELDS, REJECTED, PreferenceRecord, read_preference
 from ringtrain.prepare.sources import BadRecord
 
 Pair = tuple[Rendered, Rendered, Rendered]  # the prompt, the chosen completion, the rejected one
@@ -46,9 +45,8 @@ class PreferenceEncoder(ChatEncoder):
     record), and a chunk of them to flat (tokens, lengths, mask) as chat conversations are."""
 
     def convert(self, record: Conversation, line: int) -> Union[Pair, BadRecord]:  # type: ignore[override]
-        try:
-            return render_pair(self.renderer, read_preference(record, self.renderer.context_fields))
-        except BadConversation as exc:
-            return BadRecord(line, str(exc))
-        except DataError as exc:  # TemplateRefused, an id outside the vocabulary: not the record's fault
-            return BadRecord(line, str(exc), fatal=True)
+        """A record's pair rendered within the budget (its prompt's and completions' messages
+        counted together), or the bad record at ``line`` it makes."""
+        count = sum(len(v) for v in (record.fields.get(name) for name in PAIR_FIELDS) if isinstance(v, list))
+        docs = self.within_budget(count, line, lambda: render_pair(self.renderer, read_preference(record, self.renderer.context_fields)))
+        return docs if isinstance(docs, BadRecord) else (docs[0], docs[1], docs[2])

@@ -31,7 +31,17 @@ from pathlib import Path
 from typing import IO, Any, Optional, Union
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.links import check_inside
 from ringtrain.prepare.chat_records import Conversation, parquet_conversations
+from ringtrain.prepare.record_bounds import (
+    DEFAULT_MAX_RECORD_BYTES,
+    MAX_RECORD_FLAG,
+    PARQUET_BATCH_BYTES,
+    PARQUET_BATCH_ROWS,
+    PARQUET_PAGE_BYTES,
+    BadRecord,
+    too_long,
+)
 from ringtrain.prepare.streams import READ_CHUNK, LongLine, decompressed_chunks, lines
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -39,16 +49,6 @@ COMPRESSED_SUFFIXES = ("", ".gz", ".zst")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".md")
 SRC_KEY = "SRC"
-# Parquet rows read per batch, at most, and the bytes a batch's rows should come to (by the
-# densest page's bytes per row): bounds a reader's memory whatever the file's size. A page of
-# the text column decodes to at most PARQUET_PAGE_BYTES (or twice the record limit, if more).
-PARQUET_BATCH_ROWS = 1024
-PARQUET_BATCH_BYTES = 64 << 20
-PARQUET_PAGE_BYTES = 64 << 20
-# The longest record (a JSONL line, a Parquet value, a text file) read: far beyond any context a
-# model trains at (16 MiB is about 4M tokens), far below what would exhaust a reader.
-DEFAULT_MAX_RECORD_BYTES = 16 << 20
-MAX_RECORD_FLAG = "--max-record-bytes"
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,6 @@ class Piece:
     source: SourceFile
     start: int = 0
     end: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class BadRecord:
-    line: int  # 1-based line (JSONL) or row (Parquet)
-    reason: str
-    # Stops the run even under --on-bad-record skip: what is wrong is not the record's (a chat
-    # template that cannot be masked, seen on this record).
-    fatal: bool = False
 
 
 # A document's text, a chat record's messages field (``chat_records``), or a bad record.
@@ -110,16 +101,31 @@ def _expand_local(arg: str) -> list[str]:
             raise ConfigError(SRC_KEY, f"{arg} matches no file")
         found: list[str] = []
         for match in sorted(matches):
+            if Path(match).is_dir() or kind_of(match) is not None:
+                # A match is a file of the folder the pattern starts in, which it must not leave.
+                check_inside(_glob_root(path), match, SRC_KEY)
             found += _expand_local(match) if Path(match).is_dir() else _known([match])
         return found
     if path.is_dir():
-        files = [str(p) for p in path.rglob("*") if p.is_file()]
-        return _known(files)
+        files = _known([str(p) for p in path.rglob("*") if p.is_file()])
+        for file in files:
+            check_inside(path, file, SRC_KEY)
+        return files
     if not path.exists():
         raise ConfigError(SRC_KEY, f"{arg} does not exist")
     if kind_of(path.name) is None:
         raise ConfigError(SRC_KEY, f"{arg}: unknown format (expected .jsonl[.gz|.zst], .ndjson, .parquet, .txt or .md)")
     return [str(path)]
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The folder a glob pattern searches: its path up to the first part with a wildcard."""
+    parts = []
+    for part in pattern.parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
 
 
 def _expand_s3(arg: str) -> list[str]:
@@ -254,11 +260,6 @@ def _range_chunks(path: str, uri: str, start: int) -> Iterator[bytes]:
     with _raw(uri, path, start) as stream:
         while chunk := stream.read(READ_CHUNK):
             yield chunk
-
-
-def too_long(what: str, limit: int) -> str:
-    """A bad record's reason: ``what`` (a line, a value, a file) is longer than ``limit``."""
-    return f"{what} is over the {limit:,}-byte limit ({MAX_RECORD_FLAG})"
 
 
 def _corrupt_errors() -> tuple[type[BaseException], ...]:
@@ -493,12 +494,14 @@ def read_records(
     chat: bool = False,
     context_fields: frozenset[str] = frozenset(),
     record_fields: tuple[str, ...] = (),
+    max_messages: int = 0,
 ) -> Iterator[Record]:
     """The records of ``piece`` in file order: a document's text (with ``chat``: the record, as a
     Conversation; from Parquet, the messages column ``text_field`` names, or Alpaca's, and the
     ``context_fields`` columns; a preference pair's ``record_fields``) or a BadRecord (its line
-    counted from the piece's first line; a record over ``max_bytes`` is one). ``counter`` follows
-    the lines consumed.
+    counted from the piece's first line; a record over ``max_bytes`` is one, and a Parquet
+    conversation of more than ``max_messages`` messages, 0 for any). ``counter`` follows the
+    lines consumed.
 
     ``local`` is where the file's bytes are when they are not at ``piece.source.uri`` (an S3
     object downloaded first); errors still name the URI.
@@ -509,7 +512,8 @@ def read_records(
     if source.kind == "jsonl":
         return _jsonl(piece, path, text_field, counter, max_bytes, chat)
     if source.kind == "parquet" and chat:
-        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields, record_fields)
+        return parquet_conversations(piece, path, text_field, counter, max_bytes, context_fields, record_fields,
+                                     max_messages)
     if source.kind == "parquet":
         return _parquet(piece, path, text_field, counter, max_bytes)
     return _text(path, source.uri, counter, max_bytes)

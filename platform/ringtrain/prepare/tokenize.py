@@ -19,6 +19,7 @@ import numpy as np
 from ringtrain.errors import ConfigError
 from ringtrain.jsonfile import read_json
 from ringtrain.evaluation.tokenizer import TOKENIZER_FILE, HFTokenizer
+from ringtrain.links import check_folder, check_inside
 from ringtrain.prepared import BYTES_EOS_ID, BYTES_TOKENIZER, BYTES_VOCAB_SIZE, TokenizerInfo, tokenizer_sha256
 
 KEY = "--tokenizer"
@@ -48,11 +49,15 @@ class BatchTokenizer(HFTokenizer):
         return None if found is None else int(found)
 
 
+# The files beside a tokenizer.json that say which token ends a document, in the order asked.
+EOS_CONFIG_FILES = ("tokenizer_config.json", "generation_config.json", "config.json")
+
+
 def _config_eos(folder: Path) -> tuple[Optional[str], Optional[int]]:
     """(EOS token, EOS id) as the folder's tokenizer_config.json / config.json state them."""
     token: Optional[str] = None
     eos_id: Optional[int] = None
-    for name in ("tokenizer_config.json", "generation_config.json", "config.json"):
+    for name in EOS_CONFIG_FILES:
         try:
             cfg: Any = read_json(folder / name)
         except (OSError, ValueError):  # JsonFileError among them: the next file may say
@@ -80,6 +85,13 @@ def resolve(arg: str) -> TokenizerSpec:
         raise ConfigError(KEY, f"{arg} does not exist (a folder with {TOKENIZER_FILE}, a {TOKENIZER_FILE}, or 'bytes')")
     if not file.is_file():
         raise ConfigError(KEY, f"{arg} has no {TOKENIZER_FILE}")
+    if path.is_dir():
+        check_folder(path, KEY)  # transformers reads more of it for --format chat
+    else:
+        # The files beside it are read too (its config, and for --format chat the template and
+        # whatever else transformers loads): none of them may lead out of that folder.
+        for entry in file.parent.iterdir():
+            check_inside(file.parent, entry, KEY)
     tok = BatchTokenizer(file, key=KEY)
     token, eos_id = _config_eos(file.parent)
     if token is not None:

@@ -114,21 +114,21 @@ class Provisioner:
             yield
         except GrafanaUnauthorizedError as exc:
             raise GrafanaAuthError(f"Grafana at {self.url} rejected the credentials (HTTP 401) to {what}") from exc
-        except GrafanaTimeoutError as exc:
-            raise GrafanaPushError(
-                f"Grafana at {self.url} did not answer within {self.timeout:g} s to {what}"
-            ) from exc
-        except GrafanaException as exc:
+        except (GrafanaException, OSError, ValueError) as exc:
+            raise GrafanaPushError(self._failure(exc, what)) from exc
+
+    def _failure(self, exc: Exception, what: str) -> str:
+        """One line of what went wrong in a request to ``what``."""
+        if isinstance(exc, GrafanaTimeoutError):
+            return f"Grafana at {self.url} did not answer within {self.timeout:g} s to {what}"
+        if isinstance(exc, GrafanaException):
             detail = exc.message if exc.status_code else f"cannot reach it ({_connection_reason(exc)})"
-            raise GrafanaPushError(f"Grafana at {self.url} failed to {what}: {_one_line(detail)}") from exc
-        except OSError as exc:
+            return f"Grafana at {self.url} failed to {what}: {_one_line(detail)}"
+        if isinstance(exc, OSError):
             # niquests' connection errors derive from OSError; grafana-client lets them through.
-            raise GrafanaPushError(f"cannot reach Grafana at {self.url}: {_connection_reason(exc)}") from exc
-        except ValueError as exc:
-            # A body that is not JSON: something other than Grafana's API answered.
-            raise GrafanaPushError(
-                f"{self.url} did not answer like Grafana's HTTP API to {what} (is the URL right?)"
-            ) from exc
+            return f"cannot reach Grafana at {self.url}: {_connection_reason(exc)}"
+        # A body that is not JSON (ValueError): something other than Grafana's API answered.
+        return f"{self.url} did not answer like Grafana's HTTP API to {what} (is the URL right?)"
 
     def _find(self, what: str, read: Callable[[], T]) -> Optional[T]:
         """The object ``read`` returns, or None when Grafana answers 404."""
@@ -140,18 +140,33 @@ class Provisioner:
                     return None
                 raise
 
+    def _settle(
+        self, kind: str, uid: str, existing: Optional[Json], unchanged: bool, create: Callable[[], object],
+        update: Callable[[], object], *, named: str = "", updating: str = "update",
+    ) -> Change:
+        """Create the object where Grafana has none, update it where it is not what is wanted
+        (``unchanged`` says it is), and say which was done. ``named``: what messages call its
+        kind (default ``kind``); ``updating``: the verb of its update."""
+        name = f"{named or kind} {uid}"
+        if existing is None:
+            with self._doing(f"create {name}"):
+                create()
+            return Change(kind, uid, "created")
+        if unchanged:
+            return Change(kind, uid, "unchanged")
+        with self._doing(f"{updating} {name}"):
+            update()
+        return Change(kind, uid, "updated")
+
     def folder(self, title: str) -> Change:
         uid = folder_uid(title)
         existing = self._find(f"folder {uid}", lambda: self.api.folder.get_folder(uid))
-        if existing is None:
-            with self._doing(f"create folder {uid}"):
-                self.api.folder.create_folder(title, uid=uid)
-            return Change("folder", uid, "created")
-        if existing.get("title") == title:
-            return Change("folder", uid, "unchanged")
-        with self._doing(f"rename folder {uid}"):
-            self.api.folder.update_folder(uid, title=title, overwrite=True)
-        return Change("folder", uid, "updated")
+        return self._settle(
+            "folder", uid, existing, existing is not None and existing.get("title") == title,
+            lambda: self.api.folder.create_folder(title, uid=uid),
+            lambda: self.api.folder.update_folder(uid, title=title, overwrite=True),
+            updating="rename",
+        )  # fmt: skip
 
     def datasource(self, prometheus_url: Optional[str]) -> Change:
         """The Prometheus data source; without a URL an existing one is kept as it is."""
@@ -166,15 +181,12 @@ class Provisioner:
             # POST carries long PromQL expressions that a GET query string may truncate.
             "jsonData": {"httpMethod": "POST"},
         }
-        if existing is None:
-            with self._doing(f"create data source {uid}"):
-                self.api.datasource.create_datasource(wanted)
-            return Change("datasource", uid, "created")
-        if contains(existing, wanted):
-            return Change("datasource", uid, "unchanged")
-        with self._doing(f"update data source {uid}"):
-            self.api.datasource.update_datasource_by_uid(uid, wanted)
-        return Change("datasource", uid, "updated")
+        return self._settle(
+            "datasource", uid, existing, existing is not None and contains(existing, wanted),
+            lambda: self.api.datasource.create_datasource(wanted),
+            lambda: self.api.datasource.update_datasource_by_uid(uid, wanted),
+            named="data source",
+        )  # fmt: skip
 
     def dashboard(self, board: Json, folder: str) -> Change:
         uid = board["uid"]
@@ -198,15 +210,11 @@ class Provisioner:
     def alert_rule(self, rule: Json) -> Change:
         uid = rule["uid"]
         existing = self._find(f"alert rule {uid}", lambda: self.api.alertingprovisioning.get_alertrule(uid))
-        if existing is None:
-            with self._doing(f"create alert rule {uid}"):
-                self.api.alertingprovisioning.create_alertrule(rule)
-            return Change("alert rule", uid, "created")
-        if contains(existing, rule):
-            return Change("alert rule", uid, "unchanged")
-        with self._doing(f"update alert rule {uid}"):
-            self.api.alertingprovisioning.update_alertrule(uid, rule)
-        return Change("alert rule", uid, "updated")
+        return self._settle(
+            "alert rule", uid, existing, existing is not None and contains(existing, rule),
+            lambda: self.api.alertingprovisioning.create_alertrule(rule),
+            lambda: self.api.alertingprovisioning.update_alertrule(uid, rule),
+        )  # fmt: skip
 
 
 def _one_line(text: str) -> str:

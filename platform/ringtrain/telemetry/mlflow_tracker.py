@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote
 
+from ringtrain.config.destinations import mask_credentials
 from ringtrain.config.schema import MlflowConfig
-from ringtrain.telemetry.trackers import Event, Point, Status, incident_text
+from ringtrain.telemetry.tracker_items import Event, Point, Status, incident_text, is_key
 
 # MLflow's own limits on one request and on a parameter's or tag's value.
 MAX_METRICS_PER_BATCH = 1000
@@ -51,7 +52,7 @@ class MlflowTracker:
 
     def __init__(self, settings: MlflowConfig, *, default_name: str) -> None:
         self.settings = settings
-        self.where = settings.tracking_uri
+        self.where = mask_credentials(settings.tracking_uri)
         self.run_name = settings.run_name or default_name
         self.client: Any = None
         self.run_id = ""
@@ -94,6 +95,9 @@ class MlflowTracker:
         return self.run_id
 
     def _run_with_key(self, experiment_id: str, key: str) -> Any:
+        # Checked again where it becomes query text: a key is hex digits, never a quote.
+        if not is_key(key):
+            raise ValueError(f"{key!r} is not a ringtrain tracker key")
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=1)
         return found[0] if found else None
 

@@ -13,11 +13,11 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ringtrain.evaluation.buckets import short_count
 from ringtrain.planner.devices import CPU_CORE_PEAK_FLOPS
-from ringtrain.telemetry.runfiles import NO_SUMMARY, IncidentFile, RunFiles, incident_anchor, is_number, read_run
+from ringtrain.telemetry.runfiles import NO_SUMMARY, IncidentFile, RunFiles, first_line, incident_anchor, is_number, read_run
 from ringtrain.telemetry.svgchart import Point, Series, drawn, escape, fmt, kind_color, line_chart, series_color
 from ringtrain.train.conversations import PACKING_COUNTS, packing_note
 
@@ -32,13 +32,19 @@ def write_report(run_dir: Path) -> tuple[Path, list[str]]:
     run = read_run(run_dir)
     path = run_dir / REPORT_NAME
     tmp = path.with_name(path.name + ".tmp")
-    # Written aside and renamed: a browser reloading the page never sees half of it.
-    tmp.write_text(render(run), encoding="utf-8")
+    # Written aside and renamed: a browser reloading the page never sees half of it. Into a new
+    # file: whatever was at that name (a link planted in a folder from elsewhere) is not written
+    # through, and the rename replaces the entry at ``path``, never what a link there points at.
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "x", encoding="utf-8") as page:
+        page.write(render(run))
     os.replace(tmp, path)
     return path, run.warnings
 
 
 def render(run: RunFiles) -> str:
+    # The sections first: one that meets values it cannot draw adds its warning to the list.
+    sections = [_drawn(run, title, draw) for title, draw in SECTIONS]
     name = str(run.config.get("name") or run.path.name)
     written = time.strftime("%Y-%m-%d %H:%M:%S")
     parts = [
@@ -50,8 +56,19 @@ def render(run: RunFiles) -> str:
     if run.warnings:
         items = "".join(f"<li>{escape(w)}</li>" for w in run.warnings)
         parts.append(f'<section id="warnings" class="warnings"><h2>Missing or damaged</h2><ul>{items}</ul></section>')
-    parts += [_overview(run), _charts(run), _evaluation(run), _incidents(run), _config(run), "</body></html>\n"]
+    parts += [*sections, "</body></html>\n"]
     return "\n".join(parts)
+
+
+def _drawn(run: RunFiles, title: str, draw: Callable[[RunFiles], str]) -> str:
+    """A section of the page, or, where the run's files hold values of shapes it cannot draw
+    (a list where a number belongs, a mapping where a list does), a note and a warning."""
+    try:
+        return draw(run)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+        warning = f"the {title} section could not be drawn from damaged values ({type(exc).__name__}: {first_line(exc)}): left out"
+        run.warnings.append(warning)
+        return f'<section><h2>{escape(title.capitalize())}</h2><p class="note">{escape(warning)}</p></section>'
 
 
 def _status(run: RunFiles) -> str:
@@ -205,6 +222,17 @@ def _straggler_note(ranks: list[Series]) -> str:
 MAX_EVAL_CURVES = 5
 
 
+def _task_table(step: float, tasks: dict[str, Any]) -> str:
+    """The latest evaluation's lm-eval metrics, task by task, under lm-eval's names."""
+    rows = "".join(
+        f"<tr><td>{escape(str(task))}</td><td>{escape(str(name))}</td><td>{escape(fmt(value))}</td></tr>"
+        for task, metrics in sorted(tasks.items()) if isinstance(metrics, dict)
+        for name, value in metrics.items() if is_number(value)
+    )
+    return (f'<h3>lm-eval tasks</h3><p class="note">After step {escape(fmt(step))}.</p><table class="incidents" '
+            f'id="eval-tasks"><thead><tr><th>task</th><th>metric</th><th>value</th></tr></thead><tbody>{rows}</tbody></table>')
+
+
 def _evaluation(run: RunFiles) -> str:
     """Evaluations recorded under ``"eval"`` (``eval.every``): loss over steps, loss by position
     for a few of them, the latest one's buckets, and its passkey accuracy grid."""
@@ -240,6 +268,9 @@ def _evaluation(run: RunFiles) -> str:
     passkey = next((e["passkey"] for _, e in reversed(evals) if isinstance(e.get("passkey"), dict)), None)
     if passkey is not None:
         parts.append(_passkey_grid(passkey))
+    tasks = next(((s, e["tasks"]) for s, e in reversed(evals) if isinstance(e.get("tasks"), dict)), None)
+    if tasks is not None:
+        parts.append(_task_table(*tasks))
     return f'<section id="evaluation"><h2>Evaluation</h2><div class="grid">{"".join(cards)}</div>{"".join(parts)}</section>'
 
 
@@ -411,6 +442,15 @@ def _when(value: Any) -> str:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
 
+
+# The page's sections in order, by the title a warning names them with.
+SECTIONS: tuple[tuple[str, Callable[[RunFiles], str]], ...] = (
+    ("overview", _overview),
+    ("charts", _charts),
+    ("evaluation", _evaluation),
+    ("incidents", _incidents),
+    ("resolved config", _config),
+)
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d1d1f;background:#fff}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ringtrain.config import RUN_CONFIG, JobConfig, to_yaml
+from ringtrain.config.destinations import mask_credentials
 
 
 def default_run_dir(job: JobConfig, now: Optional[float] = None) -> Path:
@@ -27,7 +28,8 @@ class RunDir:
         self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")
 
     def write_config(self, job: JobConfig) -> None:
-        _atomic_write(self.path / RUN_CONFIG, to_yaml(job))
+        # Credentials written into a URI stay out of a folder others may read (and the report).
+        _atomic_write(self.path / RUN_CONFIG, mask_credentials(to_yaml(job)))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(record, sort_keys=True) + "\n")

@@ -2,14 +2,21 @@
 incidents/), read as far as it can be.
 
 It tolerates what a live, crashed or damaged run leaves: a missing file, a half-written last
-line, a malformed incident. Each such gap becomes a warning naming the file, and everything that
-could be read is kept. ``telemetry.rundir`` is the writer of the same files.
+line, a malformed incident, a number no float holds. Each such gap becomes a warning naming the
+file, and everything that could be read is kept. ``telemetry.rundir`` is the writer of the same
+files.
+
+The folder may come from elsewhere, so its files are read as untrusted: ``config.yaml`` within
+the bounds of a job file (``config.yamlfile``: a few lines of YAML aliases can describe billions
+of values, which drawing the config would spell out), and none through a link out of the folder
+(``links``), which would put whatever it points at into a page meant to be shared.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeGuard
@@ -17,6 +24,12 @@ from typing import Any, Optional, TypeGuard
 import yaml
 
 from ringtrain.config import RUN_CONFIG
+from ringtrain.config.yamlfile import MAX_FILE_BYTES, check_bounds
+from ringtrain.errors import ConfigError
+from ringtrain.links import check_inside
+
+# The key a file of the run directory that links out of it is refused under.
+RUN_DIR_KEY = "RUN_DIR"
 
 # What a run without a summary.json is: it never wrote one, or has not yet.
 NO_SUMMARY = "still running or ended abruptly"
@@ -52,7 +65,10 @@ class RunFiles:
 
 
 def read_run(run_dir: Path) -> RunFiles:
-    """Everything readable in ``run_dir``; each missing or damaged part adds a warning."""
+    """Everything readable in ``run_dir``; each missing or damaged part adds a warning. A file
+    that links out of the folder is a ConfigError naming it (``RUN_DIR``): nothing is read."""
+    for name in (RUN_CONFIG, "metrics.jsonl", "summary.json", "incidents"):
+        check_inside(run_dir, run_dir / name, RUN_DIR_KEY)
     run = RunFiles(path=run_dir)
     _read_config(run)
     _read_metrics(run)
@@ -66,11 +82,22 @@ def _read_config(run: RunFiles) -> None:
     if not path.is_file():
         run.warnings.append("config.yaml is missing: the resolved config is not shown")
         return
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        run.warnings.append(f"config.yaml is {size:,} bytes, more than a config holds ({MAX_FILE_BYTES:,}): not shown")
+        return
     run.config_text = path.read_text(encoding="utf-8", errors="replace")
     try:
         loaded = yaml.safe_load(run.config_text)
+        check_bounds(loaded, RUN_CONFIG)
     except yaml.YAMLError as exc:
         run.warnings.append(f"config.yaml is not valid YAML ({first_line(exc)}): shown as text")
+        return
+    except RecursionError:
+        run.warnings.append("config.yaml nests too deeply to be read: shown as text")
+        return
+    except ConfigError as exc:
+        run.warnings.append(f"{exc.reason}: shown as text")
         return
     if isinstance(loaded, dict):
         run.config = loaded
@@ -113,11 +140,36 @@ def _read_metrics(run: RunFiles) -> None:
 
 
 def _record(line: str) -> Optional[dict[str, Any]]:
-    try:
-        record = json.loads(line)
-    except ValueError:
+    """A metrics record, its numbers all floats' (a larger integer is dropped); None unless a
+    JSON object with a finite step."""
+    record = _json(line)
+    if not isinstance(record, dict):
         return None
-    return record if isinstance(record, dict) and is_number(record.get("step")) else None
+    step = record.get("step")
+    return record if is_number(step) and math.isfinite(step) else None
+
+
+# What ``_json`` returns for text that is not JSON, or nests too deeply to read.
+NOT_JSON = object()
+
+
+def _json(text: str) -> Any:
+    """The JSON value of ``text`` with every integer too large for a float replaced by None
+    (each value is drawn as a float), or NOT_JSON."""
+    try:
+        return _floatable(json.loads(text))
+    except (ValueError, RecursionError):
+        return NOT_JSON
+
+
+def _floatable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _floatable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floatable(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        return None
+    return value
 
 
 def _latest_attempt(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
@@ -137,10 +189,9 @@ def _read_summary(run: RunFiles) -> None:
     if not path.is_file():
         run.warnings.append(f"summary.json is missing: the run is {NO_SUMMARY}")
         return
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except ValueError as exc:
-        run.warnings.append(f"summary.json is not valid JSON ({exc}): the run's outcome is unknown")
+    summary = _json(path.read_text(encoding="utf-8", errors="replace"))
+    if summary is NOT_JSON:
+        run.warnings.append("summary.json is not valid JSON: the run's outcome is unknown")
         return
     if isinstance(summary, dict):
         run.summary = summary
@@ -154,10 +205,10 @@ def _read_incidents(run: RunFiles) -> None:
         return
     for path in sorted(p for p in folder.glob("*.json") if p.is_file()):
         shown = f"incidents/{path.name}"
-        try:
-            data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-        except ValueError as exc:
-            run.warnings.append(f"{shown} is not valid JSON ({exc}): not listed")
+        check_inside(run.path, path, RUN_DIR_KEY)
+        data = _json(path.read_text(encoding="utf-8", errors="replace"))
+        if data is NOT_JSON:
+            run.warnings.append(f"{shown} is not valid JSON: not listed")
             continue
         if not isinstance(data, dict):
             run.warnings.append(f"{shown} does not hold a JSON object: not listed")

@@ -20,6 +20,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from ringtrain.status import PREFERENCE_METRICS
+
 # metrics.jsonl key -> TensorBoard tag. The prefix before "/" is the section TensorBoard groups by.
 SCALAR_TAGS: dict[str, str] = {
     "loss": "train/loss",
@@ -37,6 +39,8 @@ SCALAR_TAGS: dict[str, str] = {
     "persist_s": "checkpoint/persist_s",
     "last_durable_step": "checkpoint/last_durable_step",
     "goodput": "run/goodput",
+    # A preference objective's: TRL's names, already sectioned (rewards/..., logps/...).
+    **{name: name for name in PREFERENCE_METRICS},
 }
 # Per-rank lists: key -> tag prefix; rank r of the list is written as f"{prefix}/rank_{r}".
 RANK_TAGS: dict[str, str] = {
@@ -125,8 +129,8 @@ def _event(step: int, summary: Summary, wall_time: Optional[float] = None) -> Ev
 
 def eval_scalars(evaluation: dict[str, Any]) -> dict[str, float]:
     """A record's ``"eval"`` entry as TensorBoard tags: the totals, one loss per position
-    bucket (``eval/loss_by_position/0001024-0002048``)
-    and the passkey accuracy per prompt length."""
+    bucket (``eval/loss_by_position/0001024-0002048``), the passkey accuracy per prompt length,
+    and each lm-eval task's metrics (``task_metric_tag``)."""
     out = {f"eval/{key}": float(evaluation[key]) for key in ("loss", "perplexity", "tokens") if is_number(evaluation.get(key))}
     buckets = evaluation.get("by_position")
     for entry in buckets if isinstance(buckets, list) else []:
@@ -137,7 +141,23 @@ def eval_scalars(evaluation: dict[str, Any]) -> dict[str, float]:
     for length, accuracy in (by_length or {}).items():
         if is_number(accuracy):
             out[f"eval/passkey/len_{int(length):07d}"] = float(accuracy)
+    tasks = evaluation.get("tasks")
+    for task, metrics in (tasks if isinstance(tasks, dict) else {}).items():
+        for name, value in (metrics if isinstance(metrics, dict) else {}).items():
+            tag = task_metric_tag(task, name)
+            if tag is not None and is_number(value):
+                out[tag] = float(value)
     return out
+
+
+def task_metric_tag(task: str, metric: str) -> Optional[str]:
+    """An lm-eval metric (``acc,none``: the metric, then its filter) as a tag every tracker takes
+    (no commas: ``eval/tasks/arc_easy/acc``, ``.../exact_match/strict-match``); None for a
+    metric's standard error, which is no curve of its own."""
+    name, _, flt = metric.partition(",")
+    if name.endswith("_stderr") or name == "alias":
+        return None
+    return f"eval/tasks/{task}/{name}" + ("" if flt in ("", "none") else f"/{flt}")
 
 
 def _position(value: Any) -> str:

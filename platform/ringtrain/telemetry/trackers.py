@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from ringtrain.config import JobConfig
+from ringtrain.config.destinations import mask_credentials
 from ringtrain.telemetry.tensorboard import is_number, record_scalars
+from ringtrain.telemetry.tracker_items import Event, Point, Status, is_key
 
 if TYPE_CHECKING:
     from ringtrain.telemetry.rundir import RunDir
@@ -55,22 +57,6 @@ RETRY_BACKOFF_S = 1.0  # doubled after each failed try
 FINISH_TIMEOUT_S = 60.0
 # A step's training values: equal in two attempts of the step when the step was redone exactly.
 TRAINING_KEYS = ("loss", "lr", "grad_norm", "tokens")
-
-Status = str  # "finished" | "failed" | "stopped", as summary.json says
-
-
-@dataclass(frozen=True)
-class Point:
-    step: int
-    scalars: dict[str, float]
-    redone: bool = False  # the tracker holds this step already, with other training values
-
-
-@dataclass(frozen=True)
-class Event:
-    step: int
-    incident: dict[str, Any]
-
 
 @dataclass(frozen=True)
 class Finish:
@@ -100,7 +86,8 @@ class Tracker(Protocol):
 
 
 def params_of(job: JobConfig) -> dict[str, str]:
-    """The resolved config as flat ``section.key`` parameters (lists and maps as JSON)."""
+    """The resolved config as flat ``section.key`` parameters (lists and maps as JSON), with
+    credentials written into a URI masked."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -108,17 +95,10 @@ def params_of(job: JobConfig) -> dict[str, str]:
             for key, sub in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), sub)
         else:
-            out[prefix] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            out[prefix] = mask_credentials(value if isinstance(value, str) else json.dumps(value, sort_keys=True))
 
     walk("", dataclasses.asdict(job))
     return out
-
-
-def incident_text(incident: dict[str, Any], step: int) -> str:
-    """One line of an incident, as a tracker's event shows it."""
-    ranks = list(incident.get("ranks") or [])
-    where = f" on ranks {ranks}" if ranks else ""
-    return f"{incident.get('kind', '?')} at step {step}{where}: {incident.get('action', '?')}; {incident.get('reason', '')}"
 
 
 def training_values(record: dict[str, Any]) -> tuple[Any, ...]:
@@ -173,14 +153,15 @@ class TrackerState:
         """The run's tracker key: kept here, else taken from a checkpoint's meta, else new."""
         with self._lock:
             key = self._data.get(KEY_ENTRY, {}).get("key")
-        if not isinstance(key, str) or not key:
+        if not is_key(key):
             key = uuid.uuid4().hex
             self.update(KEY_ENTRY, key=key)
-        return key
+        return str(key)
 
     def adopt_key(self, key: Any) -> None:
-        """A resumed run's key, from its checkpoint, where this run directory has none yet."""
-        if isinstance(key, str) and key and not self._data.get(KEY_ENTRY, {}).get("key"):
+        """A resumed run's key, from its checkpoint, where this run directory has none yet; a
+        value that is not a key (KEY_PATTERN) is not adopted."""
+        if is_key(key) and not is_key(self._data.get(KEY_ENTRY, {}).get("key")):
             self.update(KEY_ENTRY, key=key)
 
     def meta(self) -> dict[str, str]:
@@ -366,7 +347,7 @@ class TrackerSink:
 
     def _say(self, text: str) -> None:
         with self._trouble_lock:
-            self._trouble.append(text)
+            self._trouble.append(mask_credentials(text))  # a client's error may quote the URI whole
 
 
 def _batches(points: Sequence[Point]) -> Iterator[list[Point]]:

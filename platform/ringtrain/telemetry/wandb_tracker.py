@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ringtrain.config.schema import WandbConfig
-from ringtrain.telemetry.trackers import Event, Point, Status, incident_text
+from ringtrain.telemetry.tracker_items import Event, Point, Status, incident_text
 
 # Seconds wandb.init may take to reach its service (or a server in online mode) before the sink
 # counts it as unreachable; far less than W&B's own default of 90.

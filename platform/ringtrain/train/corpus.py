@@ -215,6 +215,12 @@ class PreparedCorpus:
         """Whether the dataset holds conversations with loss masks (``prepare --format chat``)."""
         return getattr(self.manifest, "content", "text") == "chat"
 
+    @property
+    def is_preference(self) -> bool:
+        """Whether the dataset holds preference pairs, three documents a pair (``prepare --format
+        preference``)."""
+        return getattr(self.manifest, "content", "text") == "preference"
+
     def mask(self, start: int, stop: int) -> np.ndarray:
         """The loss mask of stream tokens ``[start, stop)`` of a chat dataset (1: a trained
         target), read across shard boundaries."""

@@ -40,14 +40,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import numpy as np
 
 from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.links import check_folder
 from ringtrain.topology import sequence_positions
 from ringtrain.train.conversations import conversation_weights
+
+if TYPE_CHECKING:
+    from ringtrain.train.pairs import PairRows
 
 # The label of a position that predicts nothing (the last token of a row sample), as
 # torch.nn.functional.cross_entropy's default ignore_index.
@@ -90,6 +94,8 @@ def check_data_path(path: str) -> None:
         raise ConfigError("data.path", f"no such file or directory: {path}")
     if p.is_dir() and not any(f.is_file() for f in p.rglob("*")):
         raise ConfigError("data.path", f"directory {path} holds no files")
+    if p.is_dir():
+        check_folder(p, "data.path")  # every file of it is read as text
 
 
 def load_tokens(path: str, token_dtype: str = "uint16") -> np.ndarray:
@@ -206,6 +212,12 @@ class MicroBatch:
     doc_ids: Optional[np.ndarray] = None  # document index within the sample, under doc packing
     weights: Optional[np.ndarray] = None  # float32 per-label loss weights (train.loss_norm: sequence)
     origins: tuple[tuple[int, int], ...] = ()  # (source, document of its first token) per sample
+    # Preference pairs (train/pairs.py): each label's completion slot in the micro-batch (2 k:
+    # the k-th pair's chosen, 2 k + 1 its rejected; -1: none), the pairs' dataset indices by
+    # slot, and the documents' families (a pair's prompt shared: pairs.PAIR_FAMILY; else 0).
+    completions: Optional[np.ndarray] = None
+    pairs: tuple[int, ...] = ()
+    family: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,20 @@ class Sample:
     doc_ids: Optional[np.ndarray]  # int64 document index within the window (doc packing), else None
     origin: tuple[int, int]  # (source index, document index in that source) of the first token
     targets: Optional[np.ndarray] = None  # uint8 loss mask of a chat row: 1 where a token is a trained target
+    # A row of preference pairs (train/pairs.py): each token's position (a completion's continue
+    # its prompt's), the completion slot each token is a trained target of (-1: none), the pairs'
+    # dataset indices by slot, and the documents' families.
+    positions: Optional[np.ndarray] = None
+    completions: Optional[np.ndarray] = None
+    pairs: tuple[int, ...] = ()
+    family: int = 0
+
+
+class PairSource(Protocol):
+    """A source of preference pairs' rows (``mixture.MixedSamples`` of a preference dataset)."""
+
+    def pair_rows(self) -> "PairRows": ...
+    def pair_sample(self, row: int) -> Sample: ...
 
 
 class SampleSource(Protocol):
@@ -240,6 +266,22 @@ def pack_documents(tokens: np.ndarray, doc_ids: np.ndarray) -> tuple[np.ndarray,
     starts[1:] = doc_in[1:] != doc_in[:-1]
     first = np.maximum.accumulate(np.where(starts, index, 0))
     return inputs, labels, index - first
+
+
+def _pair_fields(samples: list[Optional[Sample]], positions: np.ndarray) -> dict[str, object]:
+    """A micro-batch's preference fields from its rows of pairs (none where the rows are not):
+    each label's completion slot (the token it predicts is a target of; the shift on the whole
+    row, before the split), numbered across the micro-batch's rows."""
+    if not samples or samples[0] is None or samples[0].completions is None:
+        return {}
+    slots, pairs, offset = [], [], 0
+    for s in samples:
+        assert s is not None and s.completions is not None
+        owner = s.completions[1:]
+        slots.append(np.where(owner >= 0, owner + offset, -1))
+        pairs.extend(s.pairs)
+        offset += 2 * len(s.pairs)
+    return {"completions": np.stack(slots)[:, positions], "pairs": tuple(pairs), "family": samples[0].family}
 
 
 class ShardedData:
@@ -287,21 +329,56 @@ class ShardedData:
 
     def _inputs_labels(self, sample: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray], tuple[int, int]]:
         """(inputs, labels, position ids or None, doc ids or None, origin) of one sample."""
+        inputs, labels, positions, doc_ids, origin, _ = self._sample_parts(sample)
+        return inputs, labels, positions, doc_ids, origin
+
+    def _sample_parts(self, sample: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray],
+                                                  tuple[int, int], Optional[Sample]]:  # fmt: skip
+        """``_inputs_labels`` and the source's sample (None for a token file)."""
         if self.source is not None:
-            s = self.source.sample(sample)
-            if s.doc_ids is None:
-                return s.tokens[:-1], s.tokens[1:], None, None, s.origin
-            inputs, labels, positions = pack_documents(s.tokens, s.doc_ids)
-            if s.targets is not None:
-                labels[s.targets[1:] == 0] = IGNORE_INDEX  # the shift on the whole sample, before any split
-            return inputs, labels, positions, s.doc_ids[:-1], s.origin
+            return self._parts_of(self.source.sample(sample))
         tokens = self.sample_tokens(sample)
         if self.rows:
-            return tokens, np.append(tokens[1:], IGNORE_INDEX), None, None, (0, -1)
-        return tokens[:-1], tokens[1:], None, None, (0, -1)
+            return tokens, np.append(tokens[1:], IGNORE_INDEX), None, None, (0, -1), None
+        return tokens[:-1], tokens[1:], None, None, (0, -1), None
+
+    @staticmethod
+    def _parts_of(s: Sample) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray],
+                                      tuple[int, int], Optional[Sample]]:  # fmt: skip
+        """``_sample_parts`` of a source's sample."""
+        if s.doc_ids is None:
+            return s.tokens[:-1], s.tokens[1:], None, None, s.origin, s
+        inputs, labels, positions = pack_documents(s.tokens, s.doc_ids)
+        if s.targets is not None:
+            labels[s.targets[1:] == 0] = IGNORE_INDEX  # the shift on the whole sample, before any split
+        if s.positions is not None:
+            positions = s.positions[:-1]  # a pair's completions continue its prompt's positions
+        return inputs, labels, positions, s.doc_ids[:-1], s.origin, s
 
     def micro_batch(self, samples: list[int]) -> MicroBatch:
-        parts = [self._inputs_labels(s) for s in samples]
+        return self._assemble(tuple(samples), [self._sample_parts(s) for s in samples])
+
+    def preference_rows(self) -> int:
+        """How many rows of pairs the (one) preference dataset packs into."""
+        return self._pairs_source().pair_rows().num_rows
+
+    def num_pairs(self) -> int:
+        """The pairs of the (one) preference dataset, dropped ones included (table indices)."""
+        return self._pairs_source().pair_rows().total
+
+    def row_batch(self, row: int) -> MicroBatch:
+        """A micro-batch of the preference dataset's row ``row`` alone, as training lays it out
+        (for a pass over the whole dataset, whatever the sample order)."""
+        return self._assemble((), [self._parts_of(self._pairs_source().pair_sample(row))])
+
+    def _pairs_source(self) -> "PairSource":
+        if self.source is None or not hasattr(self.source, "pair_rows"):
+            raise DataError("the data holds no preference pairs")
+        return self.source  # type: ignore[return-value]
+
+    def _assemble(self, samples: tuple[int, ...], parts: list[tuple[np.ndarray, np.ndarray, Optional[np.ndarray],
+                                                                     Optional[np.ndarray], tuple[int, int], Optional[Sample]]]
+                  ) -> MicroBatch:  # fmt: skip
         inputs, labels = np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
         # A token file is not scanned up front (it may be terabytes); each batch is checked instead.
         if inputs.max() >= self.vocab_size:
@@ -316,13 +393,14 @@ class ShardedData:
                 # Counted over the whole sample: a conversation's weight is the same on every CP rank.
                 weights = np.stack([conversation_weights(l, d, IGNORE_INDEX) for l, d in zip(labels, whole_docs)])[:, pos]
         return MicroBatch(
-            samples=tuple(samples),
+            samples=samples,
             input_ids=inputs[:, pos],
             labels=labels[:, pos],
             position_ids=np.broadcast_to(pos, (len(samples), len(pos))).copy() if position_ids is None else position_ids,
             doc_ids=doc_ids,
             weights=weights,
             origins=tuple(p[4] for p in parts) if self.source is not None else (),
+            **_pair_fields([p[5] for p in parts], pos),
         )
 
     def step_batches(self, step: int, replica: int) -> list[MicroBatch]:

@@ -3,9 +3,9 @@
 Every rank of a replica runs the same forwards over the replica's rows (the CP attention needs
 all of them); each scores the positions it holds (``topology.sequence_positions``) and tallies
 their losses by position bucket. Tallies simply add up across ranks, so nothing is reduced here:
-the caller sums what every rank returns. Passkey generation is greedy and keeps no cache: each
-new token re-runs the forward over prompt + tokens so far; the rank holding the last position
-takes the argmax and an all-reduce over the CP group hands it to the replica's other ranks.
+the caller sums what every rank returns. Generation (passkey's, ``ringtrain generate``'s,
+lm-eval's) decodes with a KV cache sharded over the CP group (``train.decode``), the prompts in
+batches shared out over the replicas (``evaluation.batching``).
 
 Shape legend: B batch (1 here), S this rank's tokens of the sequence, V vocab.
 """
@@ -14,19 +14,26 @@ from __future__ import annotations
 
 import contextlib
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypeVar, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ringtrain.evaluation.batching import plan_batches, replica_batches
 from ringtrain.evaluation.buckets import bucket_index
+from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
+from ringtrain.evaluation.stops import Decode
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.topology import Topology, sequence_positions
+from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.data import IGNORE_INDEX
-from ringtrain.train.evalset import PAD_ID, EvalSet
+from ringtrain.train.decode import Decoder
+from ringtrain.train.evalset import EvalSet
 from ringtrain.train.mesh import Mesh
+from ringtrain.train.model import Block, Transformer
 
 if TYPE_CHECKING:
     from ringtrain.train.trainer import Trainer
@@ -35,18 +42,28 @@ if TYPE_CHECKING:
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Positions per cross-entropy chunk: bounds the fp32 copy of the logits at long context.
 CHUNK = 8192
+_R = TypeVar("_R")
+# Padded tokens of a decoded batch where the caller sets none.
+DEFAULT_BATCH_TOKENS = 8192
 
 
 class Evaluator:
-    def __init__(self, model: torch.nn.Module, mesh: Mesh, device: torch.device, forward: Optional[Forward] = None) -> None:
+    def __init__(self, model: Transformer, mesh: Mesh, device: torch.device, forward: Optional[Forward] = None, *,
+                 lockstep: bool = False, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+        """``lockstep``: every rank of the world takes part in every forward (ZeRO-3), so the
+        replicas decode as many steps; ``batch_tokens``: the padded tokens of a decoded batch."""
         self.model = model
         self.mesh = mesh
         self.device = device
         self.forward: Forward = forward or model
+        self.lockstep = lockstep
+        self.batch_tokens = batch_tokens
 
     @classmethod
     def of(cls, trainer: "Trainer") -> "Evaluator":
-        return cls(trainer.model, trainer.mesh, trainer.device)
+        job = trainer.job
+        return cls(trainer.model, trainer.mesh, trainer.device, lockstep=job.zero.stage == 3,
+                   batch_tokens=job.data.seq_len * job.train.micro_batch)
 
     @property
     def topology(self) -> Topology:
@@ -101,36 +118,54 @@ class Evaluator:
             tally.add_row(row, loss_sum, int(count))
         return tally
 
-    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        """Greedy continuations of this replica's share of ``prompts`` (the list is padded to a
-        multiple of dp with copies of its last prompt, so every replica runs as many forwards)."""
-        t = self.topology
-        if not prompts:
-            return []
-        padded = prompts + [prompts[-1]] * (-len(prompts) % t.dp)
-        share = len(padded) // t.dp
-        mine = padded[self.mesh.coord.replica * share : (self.mesh.coord.replica + 1) * share]
-        with self._eval_mode():
-            return [self._continue(list(p), num_new) for p in mine]
+    def generate(self, request: GenerationRequest, decode: Optional[Decode] = None) -> list[Optional[list[int]]]:
+        """The new tokens of this replica's prompts of ``request`` (None for the other
+        replicas'), decoded with a KV cache sharded over the CP group (``train.decode``), in
+        batches of at most ``batch_tokens`` padded tokens (``evaluation.batching``); ``decode``
+        turns ids into text where stop strings are asked for."""
+        decoder = Decoder(self.model, self._attention(), self.device, self._agree)
 
-    def _continue(self, ids: list[int], num_new: int) -> list[int]:
-        new: list[int] = []
-        for _ in range(num_new):
-            length = len(ids)
-            seq_len = -(-length // (2 * self.topology.cp)) * 2 * self.topology.cp
-            positions = self._positions(seq_len)
-            full = np.full(seq_len, PAD_ID, dtype=np.int64)
-            full[:length] = ids
-            logits_BSV = self._logits(full[positions], positions)
-            held = np.nonzero(positions == length - 1)[0]
-            token = torch.full((1,), -1, dtype=torch.long, device=self.device)
-            if held.size:
-                token[0] = logits_BSV[0, int(held[0])].argmax()
-            # Only the holder's entry is >= 0: the max hands its token to the whole replica.
-            dist.all_reduce(token, op=dist.ReduceOp.MAX, group=self.mesh.cp_group)
-            ids.append(int(token.item()))
-            new.append(ids[-1])
-        return new
+        def run(batch: Sequence[int]) -> list[list[int]]:
+            return decoder.generate([request.prompts[i] for i in batch], request.max_new, sampling=request.sampling,
+                                    stop=request.stop, decode=decode, seed=batch[0])
+
+        return self._batched([len(p) for p in request.prompts], run)
+
+    def score(self, request: ScoreRequest) -> list[Optional[tuple[float, bool]]]:
+        """Each of this replica's sequences of ``request`` scored (None for the other
+        replicas'): ``(summed log-probability, all greedy)``."""
+        decoder = Decoder(self.model, self._attention(), self.device, self._agree)
+
+        def run(batch: Sequence[int]) -> list[tuple[float, bool]]:
+            return decoder.score([request.sequences[i] for i in batch], [request.scored[i] for i in batch])
+
+        return self._batched([len(s) for s in request.sequences], run)
+
+    def _batched(self, lengths: list[int], run: Callable[[Sequence[int]], list[_R]]) -> list[Optional[_R]]:
+        """``run`` over this replica's batches of the items of ``lengths``, results in item order."""
+        t = self.topology
+        batches = plan_batches(lengths, self.batch_tokens, t.dp)
+        out: list[Optional[_R]] = [None] * len(lengths)
+        with self._eval_mode():
+            for batch in replica_batches(batches, t.dp, self.mesh.coord.replica):
+                for i, result in zip(batch, run(batch)):
+                    out[i] = result
+        return out
+
+    def _attention(self) -> ContextParallelAttention:
+        attention = cast(Block, self.model.layers[0]).attention.attention_fn
+        if not isinstance(attention, ContextParallelAttention):
+            raise TypeError(f"cached decoding runs a CP layout's attention, not {attention!r}")
+        return attention
+
+    def _agree(self, running: bool) -> bool:
+        """Whether any replica's batch still runs: under ZeRO-3 every rank takes part in every
+        forward (its parameters gathered over the world), so the replicas stop together."""
+        if not self.lockstep:
+            return running
+        flag = torch.tensor([int(running)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.dp_group)
+        return bool(flag.item())
 
 
 def _token_losses(logits_SV: torch.Tensor, labels_S: torch.Tensor) -> torch.Tensor:

@@ -78,11 +78,46 @@ def check_store_listens(host: str, port: int) -> None:
 
 
 def create_store(host: str, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """Rank 0's rendezvous store on a free port; keep the returned store alive for the job."""
-    store = dist.TCPStore(
-        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    """Rank 0's rendezvous store on a free port of ``host``; keep the returned store alive for
+    the job.
+
+    The store answers anyone who connects, with no authentication, and torch's own server
+    listens on every interface whatever host it is given. So its socket is bound here, to
+    ``host`` alone (the node's address in the cluster, 127.0.0.1 in an embedded run), and
+    handed to torch, which closes it with the store."""
+    listener = listen_on(host)
+    try:
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's now
     return store, store.port
+
+
+# Connections rank 0's store may hold waiting to be accepted: a world's ranks join at once.
+STORE_BACKLOG = 1024
+
+
+def listen_on(host: str) -> socket.socket:
+    """A listening TCP socket on a free port of ``host`` only (IPv4 or IPv6, as it resolves)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.bind(address)
+        listener.listen(STORE_BACKLOG)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
 
 def open_sockets() -> dict[int, str]:

@@ -28,12 +28,13 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ringtrain.config import JobConfig
+from ringtrain.config import PREFERENCE_OBJECTIVES, JobConfig
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.conversations import ConversationRows, pack_conversations, row_sample
 from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
 from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, unchecked_note
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
+from ringtrain.train.pairs import PAIR_FAMILY, STORED_DOCUMENTS, PairRows, pack_pairs, pair_row
 from ringtrain.uris import is_s3
 
 BLOCK = 1024
@@ -103,20 +104,27 @@ class MixedSamples:
     """Samples of ``seq_len + 1`` tokens from weighted prepared datasets (see the module doc)."""
 
     def __init__(self, corpora: Sequence[PreparedCorpus], specs: Sequence[SourceSpec], *, seq_len: int, seed: int,
-                 packing: str, chat_overlong: str = "drop", chat_packing: str = "next_fit") -> None:
+                 packing: str, chat_overlong: str = "drop", chat_packing: str = "next_fit",
+                 prefix_sharing: bool = True) -> None:  # fmt: skip
         self.corpora = list(corpora)
         self.seq_len = seq_len
         self.packing = packing
+        self.prefix_sharing = prefix_sharing
         self.schedule = SourceSchedule([s.weight for s in specs], seed) if len(specs) > 1 else None
         self.orders = []
-        # Per source: its rows of whole conversations (a chat dataset), else None (windows).
-        self.rows: list[Optional[ConversationRows]] = []
+        # Per source: its rows of whole conversations (a chat dataset) or pairs (a preference
+        # dataset), else None (windows).
+        self.rows: list[Optional[Union[ConversationRows, PairRows]]] = []
         for j, (corpus, spec) in enumerate(zip(self.corpora, specs)):
             key = [seed] if len(specs) == 1 else [seed, j + 1]
-            if corpus.is_chat:
+            if corpus.is_chat or corpus.is_preference:
                 if packing != "doc":
-                    raise DataError(f"{corpus.uri} is a chat dataset: it trains with data.packing: doc")
-                rows = pack_conversations(corpus.document_lengths(), seq_len, seed, chat_overlong, chat_packing)
+                    raise DataError(f"{corpus.uri} is a {corpus.manifest.content} dataset: it trains with data.packing: doc")
+                lengths = corpus.document_lengths()
+                rows: Union[ConversationRows, PairRows] = (
+                    pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=chat_overlong, packing=chat_packing)
+                    if corpus.is_preference else pack_conversations(lengths, seq_len, seed, chat_overlong, chat_packing)
+                )  # fmt: skip
                 self.rows.append(rows)
                 self.orders.append(WindowOrder(rows.num_rows, key))
                 continue
@@ -140,6 +148,8 @@ class MixedSamples:
         j, window = self.locate(sample)
         corpus = self.corpora[j]
         rows = self.rows[j]
+        if isinstance(rows, PairRows):
+            return self._pair_row(j, rows, window)
         if rows is not None:
             return self._row(j, rows, window)
         start, stop = window * self.seq_len, window * self.seq_len + self.seq_len + 1
@@ -160,9 +170,46 @@ class MixedSamples:
         out, doc_ids, mask = row_sample(tokens, masks, self.seq_len, corpus.eos_id)
         return Sample(tokens=out, doc_ids=doc_ids, origin=(j, int(conversations[0])), targets=mask)
 
+    def pair_rows(self) -> PairRows:
+        """The rows of the preference dataset (a preference objective trains on one alone)."""
+        rows = self.rows[0]
+        if len(self.rows) != 1 or not isinstance(rows, PairRows):
+            raise DataError("a preference objective trains on one preference dataset")
+        return rows
+
+    def pair_sample(self, row: int) -> Sample:
+        """Row ``row`` of the preference dataset, whatever the sample order."""
+        return self._pair_row(0, self.pair_rows(), row)
+
+    def _pair_row(self, j: int, rows: PairRows, row: int) -> Sample:
+        """Row ``row`` of preference source ``j``: its whole pairs, laid out (``pairs.pair_row``)."""
+        corpus = self.corpora[j]
+        pairs, cuts = rows.row(row)
+        parts = []
+        for pair, cut in zip(pairs.tolist(), cuts.tolist()):
+            spans = [corpus.document_span(STORED_DOCUMENTS * pair + d) for d in range(STORED_DOCUMENTS)]
+            (p0, p1), (c0, c1), (r0, r1) = spans
+            parts.append((corpus.tokens(p0 + cut, p1), corpus.tokens(c0, c1), corpus.mask(c0, c1),
+                          corpus.tokens(r0, r1), corpus.mask(r0, r1)))  # fmt: skip
+        laid = pair_row(parts, self.seq_len, corpus.eos_id, self.prefix_sharing)
+        return Sample(tokens=laid.tokens, doc_ids=laid.doc_ids, origin=(j, STORED_DOCUMENTS * int(pairs[0])),
+                      targets=laid.targets, positions=laid.positions, completions=laid.completions,
+                      pairs=tuple(pairs.tolist()), family=PAIR_FAMILY if self.prefix_sharing else 0)  # fmt: skip
+
     def close(self) -> None:
         for corpus in self.corpora:
             corpus.close()
+
+
+def _check_objective(job: JobConfig, path: str, content: str, key: str = "data.path") -> None:
+    """A preference objective trains on a preference dataset, and a preference dataset on one."""
+    objective = job.train.objective
+    if objective != "lm" and content != "preference":
+        raise ConfigError("train.objective", f"{objective} trains on preference pairs, and {path} holds {content} "
+                          "(make one with `ringtrain prepare --format preference`)")
+    if objective == "lm" and content == "preference":
+        raise ConfigError("train.objective", f"lm, but {path} is a preference dataset: set train.objective to one of "
+                          f"{', '.join(PREFERENCE_OBJECTIVES)}")
 
 
 def source_specs(job: JobConfig) -> list[SourceSpec]:
@@ -177,7 +224,8 @@ def open_mixture(job: JobConfig) -> MixedSamples:
     specs = source_specs(job)
     corpora = [PreparedCorpus(s.path, cache_dir=job.data.cache_dir) for s in specs]
     return MixedSamples(corpora, specs, seq_len=job.data.seq_len, seed=job.train.seed, packing=job.data.packing,
-                        chat_overlong=job.data.chat_overlong, chat_packing=job.data.chat_packing)
+                        chat_overlong=job.data.chat_overlong, chat_packing=job.data.chat_packing,
+                        prefix_sharing=job.data.prefix_sharing)
 
 
 def chat_packing_counts(job: JobConfig) -> Optional[dict[str, int]]:
@@ -235,11 +283,13 @@ def check_sources(job: JobConfig) -> list[str]:
                               f"{job.data.path!r} is not one (make one with `ringtrain prepare`)")
         if job.train.loss_norm == "sequence":
             raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
+        _check_objective(job, job.data.path, "text")
         return notes
     model_tok = folder_tokenizer(job.model.hf)
     vocab = job.model_int("vocab_size")
     first: Optional[tuple[str, str]] = None
     chat: set[bool] = set()
+    kinds: set[str] = set()
     for key, spec in zip(_source_keys(job), source_specs(job)):
         check_reachable(spec.path, key)
         try:
@@ -259,10 +309,14 @@ def check_sources(job: JobConfig) -> list[str]:
                 raise ConfigError(key, f"{spec.path} was tokenized with {tok.name!r}, {first[0]} with another "
                                   "tokenizer; mixed datasets must share one")
             first = first or (spec.path, tok.sha256)
-            if corpus.is_chat and job.data.packing != "doc":
-                raise ConfigError("data.packing", f"{job.data.packing}, but {spec.path} is a chat dataset: whole "
-                                  "conversations train with data.packing: doc")
+            content = corpus.manifest.content
+            if content != "text" and job.data.packing != "doc":
+                whole = "pairs" if corpus.is_preference else "conversations"
+                raise ConfigError("data.packing", f"{job.data.packing}, but {spec.path} is a {content} dataset: whole "
+                                  f"{whole} train with data.packing: doc")
+            _check_objective(job, spec.path, content, key)
             chat.add(corpus.is_chat)
+            kinds.add(content)
             if corpus.num_tokens < job.data.seq_len + 1:
                 raise ConfigError("data.seq_len", f"{job.data.seq_len}, but {spec.path} holds only {corpus.num_tokens} tokens")
             if not is_s3(spec.path):
@@ -271,8 +325,10 @@ def check_sources(job: JobConfig) -> list[str]:
             raise ConfigError(key, str(exc)) from None
         finally:
             corpus.close()
-    if len(chat) > 1:
-        raise ConfigError("data.sources", "mixes chat datasets with text datasets; train on one kind at a time")
+    if len(kinds) > 1:
+        raise ConfigError("data.sources", f"mixes {' and '.join(sorted(kinds))} datasets; train on one kind at a time")
+    if "preference" in kinds and len(source_specs(job)) > 1:
+        raise ConfigError("data.sources", "a preference objective trains on one preference dataset: name it as data.path")
     if job.train.loss_norm == "sequence" and chat != {True}:
         raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
     return notes

@@ -39,7 +39,13 @@ from ringtrain.config import JobConfig, checkpointing_mode
 from ringtrain.train import fused as ops
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.fused import FusedOps
-from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum, logits_cross_entropy_sum
+from ringtrain.train.data import IGNORE_INDEX
+from ringtrain.train.loss import (
+    chunked_cross_entropy_sum,
+    chunked_cross_entropy_tokens,
+    full_cross_entropy_sum,
+    logits_cross_entropy_sum,
+)
 from ringtrain.train.offload import ActivationOffloader
 from ringtrain.train.recompute import recomputed, tiled
 from ringtrain.train.rope import Rope, build_rope
@@ -313,11 +319,14 @@ class OutputHead(nn.Linear):
         return torch.tanh(logits / self.softcap) * self.softcap
 
     def forward(
-        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
         if labels is None:
             return self._capped(super().forward(x))
         x_TE, labels_T = x.flatten(0, -2), labels.flatten()
+        if per_token:
+            return self._token_losses(x_TE, labels_T)
         weights_T = None if weights is None else weights.flatten()
         if weights_T is None:
             fused_loss = ops.cross_entropy_sum(x_TE, self.weight, labels_T, self.fused, self.softcap)
@@ -333,6 +342,17 @@ class OutputHead(nn.Linear):
         if chunk > 0:
             return chunked_cross_entropy_sum(x_TE, self.weight, labels_T, chunk, weights_T)
         return full_cross_entropy_sum(x_TE, self.weight, labels_T, weights_T)
+
+    def _token_losses(self, x_TE: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+        """Each token's fp32 loss [T] (0 where unlabelled): chunked where the loss is (or where
+        the fused kernel would run: it keeps no token's loss apart), else over the whole logits."""
+        if self.softcap is not None:
+            logits_TV = self._capped(F.linear(x_TE, self.weight)).float()
+            return F.cross_entropy(logits_TV, labels_T, ignore_index=IGNORE_INDEX, reduction="none")
+        chunk = self.loss_chunk_tokens or (WEIGHTED_CHUNK_TOKENS if ops.kernels_run(self.fused, x_TE.device.type) else 0)
+        if chunk > 0:
+            return chunked_cross_entropy_tokens(x_TE, self.weight, labels_T, chunk)
+        return F.cross_entropy(F.linear(x_TE, self.weight).float(), labels_T, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 class Transformer(nn.Module):
@@ -431,12 +451,16 @@ class Transformer(nn.Module):
         *,
         doc_ids_BS: Optional[Union[torch.Tensor, Documents]] = None,
         weights_BS: Optional[torch.Tensor] = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
         """The logits [B, S, V]; with labels, the fp32 sum of the loss over labelled tokens
         (chunked when ``savers.loss_chunk_tokens`` is set), never the whole logits; with
-        ``weights_BS`` too, each token's loss weighted (train/loss.py)."""
+        ``weights_BS`` too, each token's loss weighted (train/loss.py); with ``per_token``, each
+        token's loss apart ([B S], 0 where unlabelled), for an objective of per-sequence sums."""
         if labels_BS is None:
             return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS))
+        if per_token:
+            return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS, per_token=True)
         if weights_BS is None:
             return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS)
         return self.output(self.hidden(input_ids_BS, position_ids_BS, doc_ids_BS), labels_BS, weights_BS)

@@ -31,8 +31,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ringtrain.config import PREFERENCE_OBJECTIVES, PreferenceConfig
+from ringtrain.status import PREFERENCE_METRICS as METRICS
+
 Tensor = torch.Tensor
-OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 # The objectives scored against a reference model's log-probs.
 NEEDS_REFERENCE = ("dpo", "ipo")
 
@@ -51,11 +53,15 @@ class PairScores:
 
 @dataclass(frozen=True)
 class Objective:
-    name: str  # OBJECTIVES
+    name: str  # config.PREFERENCE_OBJECTIVES
     beta: float
     gamma: float = 0.0  # SimPO's target margin
     label_smoothing: float = 0.0
     sft_weight: float = 0.0
+
+    @classmethod
+    def of(cls, name: str, settings: PreferenceConfig) -> "Objective":
+        return cls(name, settings.beta, settings.gamma, settings.label_smoothing, settings.sft_weight)
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,18 @@ class PairLosses:
     chosen_logps: Tensor
     rejected_logps: Tensor
 
-    def metrics(self) -> dict[str, float]:
-        """TRL's metric names, means over the pairs."""
+    def sums(self) -> Tensor:
+        """[1 + len(METRICS)] fp64: the pairs' summed loss, then each of METRICS summed over
+        them (a mean once divided by the number of pairs, after a reduction across ranks)."""
         margins = self.chosen_rewards - self.rejected_rewards
-        return {"rewards/chosen": float(self.chosen_rewards.mean()), "rewards/rejected": float(self.rejected_rewards.mean()),
-                "rewards/accuracies": float((margins > 0).float().mean()), "rewards/margins": float(margins.mean()),
-                "logps/chosen": float(self.chosen_logps.mean()), "logps/rejected": float(self.rejected_logps.mean())}  # fmt: skip
+        parts = (self.loss.detach(), self.chosen_rewards, self.rejected_rewards, (margins > 0).to(margins.dtype), margins,
+                 self.chosen_logps, self.rejected_logps)  # fmt: skip
+        return torch.stack([p.double().sum() for p in parts])
+
+    def metrics(self) -> dict[str, float]:
+        """METRICS, means over the pairs."""
+        means = (self.sums() / max(len(self.loss), 1)).tolist()
+        return dict(zip(METRICS, means[1:], strict=True))
 
 
 def log1mexp(x: Tensor) -> Tensor:
@@ -108,7 +120,7 @@ def pair_losses(objective: Objective, scores: PairScores) -> PairLosses:
         loss = -per_token_chosen - beta * F.logsigmoid(log_odds)
         rewards = (beta * per_token_chosen, beta * per_token_rejected)
     else:
-        raise ValueError(f"objective {objective.name!r} is not one of {', '.join(OBJECTIVES)}")
+        raise ValueError(f"objective {objective.name!r} is not one of {', '.join(PREFERENCE_OBJECTIVES)}")
     if objective.sft_weight:
         loss = loss - objective.sft_weight * per_token_chosen
     return PairLosses(loss, rewards[0].detach(), rewards[1].detach(), s.chosen.detach(), s.rejected.detach())

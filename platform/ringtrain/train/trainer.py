@@ -42,6 +42,8 @@ from ringtrain.train.fused import FusedOps
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.mixture import open_samples
 from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, full_shape, skip_parameter_init
+from ringtrain.train import pair_loss
+from ringtrain.train.preference import NEEDS_REFERENCE, Objective, PairLosses
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
 from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
@@ -234,6 +236,12 @@ class Trainer:
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
         if job.model.hf:
             self.load_pretrained(job.model.hf)
+        # A preference objective, and (DPO, IPO) each pair's log-probs under the starting weights:
+        # taken here, before any state is restored, so every start of the run takes the same.
+        self.objective = Objective.of(job.train.objective, job.train.preference) if job.train.objective != "lm" else None
+        self.reference: Optional[np.ndarray] = None
+        if self.objective is not None and self.objective.name in NEEDS_REFERENCE:
+            self.reference = self.reference_logps()
         self.snapshotter: Optional[Snapshotter] = None
         if job.checkpoint.snapshot_every > 0:
             self.snapshotter = Snapshotter(
@@ -264,10 +272,11 @@ class Trainer:
 
     def _docs(self, mb: MicroBatch) -> dict[str, Documents]:
         """The model's document-id argument under document packing, else nothing: the ids on the
-        device, and the host copy the batch already is (the blocks are cut by it)."""
+        device, and the host copy the batch already is (the blocks are cut by it); a preference
+        pair's documents in their families."""
         if mb.doc_ids is None:
             return {}
-        return {"doc_ids_BS": Documents(self._tensor(mb.doc_ids), np.asarray(mb.doc_ids))}
+        return {"doc_ids_BS": Documents(self._tensor(mb.doc_ids), np.asarray(mb.doc_ids), mb.family)}
 
     def _weights(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The model's per-label loss weights (train.loss_norm: sequence), else nothing: the
@@ -351,13 +360,8 @@ class Trainer:
                                **self._weights(mb))
         self._strike(strike)
         # The mean number of labels a rank holds per micro-batch (see the module docstring).
-        loss = loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp)
-        if poison:
-            loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
-        self.engine.backward(loss)
-        if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
-            self.snapshotter.fence()  # the optimizer step below changes what the copy reads
-        self.engine.step()
+        self._backward_and_step(loss_sum / (norm or len(mb.samples) * self.data.labels_per_sample / self.mesh.topology.cp),
+                                poison)  # fmt: skip
         count = (labels != IGNORE_INDEX).sum() if mb.weights is None else torch.tensor(_label_weight(mb), device=self.device)
         return (loss_sum * float("nan") if poison else loss_sum).detach(), count
 
@@ -371,25 +375,16 @@ class Trainer:
             self.data_cursor += 1
         batch = self.data_cursor
         batches, data_wait = self.prefetcher.get(batch, self.mesh.coord.replica, self.skip_batches)
-        world = self.mesh.topology.world_size
-        labels_per_rank, norm = self.job.train.global_batch * self.data.labels_per_sample / world, None
-        if self.data.packed_documents:
-            # Documents drop labels (see data.py): the step's mean is over the labels it has.
-            labels_per_rank = self._count_labels(batches) / world
-            norm = labels_per_rank / len(batches)
-        sums, counts = zip(
-            *(self._micro_step(mb, poison, strike if i == 0 else (), norm) for i, mb in enumerate(batches))
-        )
+        objective_metrics: dict[str, float] = {}
+        if self.objective is not None:
+            loss, local_loss_value, objective_metrics = self._pairs_step(batches, poison, strike)
+        else:
+            loss, local_loss_value = self._lm_step(batches, poison, strike)
         self.step += 1
         self.data_cursor += 1
-        local_sum = torch.stack(sums).sum()
-        local_loss = local_sum / torch.stack(counts).sum().clamp(min=1)
-        # The world's mean of sum / (N / world) is the mean over all N labels of the step.
-        loss = self._global_loss(local_sum / labels_per_rank, {f.kind for f in strike})
         grad_norm = self.engine.get_global_grad_norm()
         # Every scalar is read off the device before the capture: a read after it would wait
         # behind the snapshot's device-to-host copy (one copy engine a direction, in order).
-        local_loss_value = float(local_loss.item())
         grad_norm_value = float(grad_norm) if grad_norm is not None else float("nan")
         step_time = time.perf_counter() - start
         taken = self._maybe_snapshot()
@@ -413,7 +408,85 @@ class Trainer:
             snapshot_s=last.total_s if last else 0.0,
             snapshot_bytes=last.num_bytes if last else 0,
             memory_bytes=self._peak_memory(),
+            objective_metrics=objective_metrics,
         )
+
+    def _lm_step(self, batches: Sequence[MicroBatch], poison: bool, strike: Sequence[FaultSpec]) -> tuple[float, float]:
+        """The step's micro-batches under the next-token loss: (the step's loss, this rank's own)."""
+        world = self.mesh.topology.world_size
+        labels_per_rank, norm = self.job.train.global_batch * self.data.labels_per_sample / world, None
+        if self.data.packed_documents:
+            # Documents drop labels (see data.py): the step's mean is over the labels it has.
+            labels_per_rank = self._count_labels(batches) / world
+            norm = labels_per_rank / len(batches)
+        sums, counts = zip(
+            *(self._micro_step(mb, poison, strike if i == 0 else (), norm) for i, mb in enumerate(batches))
+        )
+        local_sum = torch.stack(sums).sum()
+        local_loss = local_sum / torch.stack(counts).sum().clamp(min=1)
+        # The world's mean of sum / (N / world) is the mean over all N labels of the step.
+        loss = self._global_loss(local_sum / labels_per_rank, {f.kind for f in strike})
+        return loss, float(local_loss.item())
+
+    def _pairs_step(self, batches: Sequence[MicroBatch], poison: bool,
+                    strike: Sequence[FaultSpec]) -> tuple[float, float, dict[str, float]]:  # fmt: skip
+        """The step's micro-batches of preference pairs under the objective (train/pair_loss.py):
+        (the step's loss, this rank's own, the step's metrics)."""
+        assert self.objective is not None
+        topology = self.mesh.topology
+        num_pairs = pair_loss.count_pairs(list(batches), topology.cp, self.device)
+        scale = pair_loss.pairs_scale(num_pairs, topology.world_size, len(batches))
+        losses = [self._pairs_micro_step(mb, scale, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)]
+        loss, metrics = pair_loss.step_metrics(losses, num_pairs, topology.cp, self.device)
+        local = float(torch.cat([l.loss.detach() for l in losses]).mean().item()) if losses else float("nan")
+        return loss, local, metrics
+
+    def _pairs_micro_step(self, mb: MicroBatch, scale: float, poison: bool, strike: Sequence[FaultSpec]) -> PairLosses:
+        """Forward, backward and (at the accumulation boundary) the optimizer step of one
+        micro-batch of pairs; its pairs' losses and rewards."""
+        assert self.objective is not None
+        labels = self._tensor(mb.labels).flatten()
+        token_losses = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb),
+                                   per_token=True)  # fmt: skip
+        self._strike(strike)
+        sums, counts = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
+        loss, losses = pair_loss.micro_loss(self.objective, pair_loss.pair_scores(sums, counts, mb.pairs, self.reference), scale)
+        self._backward_and_step(loss, poison)
+        return losses
+
+    def _backward_and_step(self, loss: torch.Tensor, poison: bool) -> None:
+        """Backward of a micro-batch's loss, then the engine's step (the optimizer's at the
+        accumulation boundary, after the snapshot in flight has read what it changes)."""
+        if poison:
+            loss = loss * float("nan")  # NaN gradients too, as a real numerical blow-up would give
+        self.engine.backward(loss)
+        if self.snapshotter is not None and self.engine.is_gradient_accumulation_boundary():
+            self.snapshotter.fence()  # the optimizer step below changes what the copy reads
+        self.engine.step()
+
+    def reference_logps(self) -> np.ndarray:
+        """Every pair's (chosen, rejected) completion log-prob sums under the current weights,
+        ``[pairs, 2]`` fp64: one pass over the dataset's rows, each replica its share (every
+        replica runs as many forwards: under ZeRO-3 each gathers parameters over the world),
+        combined over the world. Collective."""
+        rows = self.data.preference_rows()
+        topology, coord = self.mesh.topology, self.mesh.coord
+        table = torch.zeros((self.data.num_pairs(), 2), dtype=torch.float64, device=self.device)
+        training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for first in range(0, rows, topology.dp):
+                row = min(first + coord.replica, rows - 1)  # past the end: a repeat, not counted
+                mb = self.data.row_batch(row)
+                labels = self._tensor(mb.labels).flatten()
+                token_losses = self.model(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels,
+                                          **self._docs(mb), per_token=True)  # fmt: skip
+                sums, _ = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
+                if first + coord.replica < rows and coord.ring_pos == 0:
+                    table[list(mb.pairs)] += sums.view(-1, 2)
+        self.model.train(training)
+        dist.all_reduce(table)
+        return table.cpu().numpy()
 
     def _global_loss(self, local_loss: torch.Tensor, faults: set[str]) -> float:
         """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""

@@ -63,9 +63,9 @@ class Cut:
     q_docs_BQ: Optional[np.ndarray] = None
     k_docs_BS: Optional[np.ndarray] = None
     window: Optional[int] = None
-    family: int = 0  # ``documents.Documents.family``: a child document sees its parent's keys
     q_positions: Optional[np.ndarray] = None
     k_positions: Optional[np.ndarray] = None
+    family: int = 0  # ``documents.Documents.family``: a child document sees its parent's keys
 
     @property
     def whole(self) -> bool:

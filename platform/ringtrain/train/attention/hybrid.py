@@ -20,21 +20,23 @@ from ringtrain.train.attention.call import AttentionCall, check_qkv, check_windo
 from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.kernels import KernelArg, resolve_kernel
 from ringtrain.train.attention.transport import GroupArg, as_transport
-from ringtrain.train.attention.ulysses import all_to_all_attention
+from ringtrain.train.attention.ulysses import KeepKV, all_to_all_attention
 
 Tensor = torch.Tensor
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, ring_group: GroupArg, ulysses_group: GroupArg,
                      causal: bool = True, doc_ids: DocIds = None, kernel: KernelArg = "auto",
-                     scale: Optional[float] = None, kv_exchange: str = "ring", window: Optional[int] = None) -> Tensor:
+                     scale: Optional[float] = None, kv_exchange: str = "ring", window: Optional[int] = None,
+                     keep: Optional[KeepKV] = None) -> Tensor:
     """Attention over the CP group's sequence from this rank's part ([B, s, ...] in, [B, s, H, D] out).
 
     ``ring_group``: the R ranks with this rank's Ulysses index (group rank = ring index).
     ``ulysses_group``: the U ranks with this rank's ring index (group rank = Ulysses index).
     Both span more than one rank: a layout with a group of one runs the ring or Ulysses alone
     (``topology.CPLayout.runs``). ``kv_exchange``: how the ring group exchanges K/V
-    (``attend.ring_attention``); ``window``: a causal sliding window of that many tokens.
+    (``attend.ring_attention``); ``window``: a causal sliding window of that many tokens;
+    ``keep``: handed this rank's K/V after the all-to-all (its heads of the ring shard).
     """
     check_qkv(q, k, v, doc_ids)
     check_window(window, causal)
@@ -49,4 +51,4 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, ring_group: GroupArg, u
         return AttentionCall.of(ring, seq, causal=causal, docs=docs, window=window, scale=scale, kernel=chosen,
                                 kv_exchange=kv_exchange)
 
-    return all_to_all_attention(inner, q, k, v, group=ulysses, kernel=chosen, doc_ids=doc_ids)
+    return all_to_all_attention(inner, q, k, v, group=ulysses, kernel=chosen, doc_ids=doc_ids, keep=keep)

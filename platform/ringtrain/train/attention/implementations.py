@@ -23,7 +23,7 @@ from ringtrain.train.attention.documents import DocIds
 from ringtrain.train.attention.hybrid import hybrid_attention
 from ringtrain.train.attention.kernels import KernelArg, check_kernel_name, keyed_by
 from ringtrain.train.attention.transport import GroupArg, Transport, as_transport, group_size
-from ringtrain.train.attention.ulysses import ulysses_attention
+from ringtrain.train.attention.ulysses import KeepKV, ulysses_attention
 
 Tensor = torch.Tensor
 
@@ -31,18 +31,23 @@ IMPLS: tuple[str, ...] = (*ATTENTION_IMPLS, LOCAL_ATTENTION_IMPL)
 
 
 class ImplFn(Protocol):
-    """One implementation, called with both of a rank's CP groups (it uses the ones it needs)."""
+    """One implementation, called with both of a rank's CP groups (it uses the ones it needs);
+    ``keep``, where given, is handed the K/V this rank attends as the layout leaves them."""
 
     def __call__(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, /, *, ring_group: Optional[Transport],
                  ulysses_group: Optional[Transport], causal: bool, doc_ids: DocIds, kernel: KernelArg,
-                 kv_exchange: str, window: Optional[int], scale: Optional[float]) -> Tensor: ...
+                 kv_exchange: str, window: Optional[int], scale: Optional[float],
+                 keep: Optional[KeepKV]) -> Tensor: ...
 
 
 # Each implementation's function, called with the groups it needs; the rest of the options as given.
+# Without Ulysses a rank attends its own shard's K/V for every head: what it keeps.
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transport], ulysses_group: Optional[Transport],
-          **options: Any) -> Tensor:
+          keep: Optional[KeepKV], **options: Any) -> Tensor:
+    if keep is not None:
+        keep(k, v)
     return ring_attention(q, k, v, group=ring_group, **options)
 
 
@@ -52,7 +57,9 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transpo
 
 
 def _local(q: Tensor, k: Tensor, v: Tensor, /, *, ring_group: Optional[Transport], ulysses_group: Optional[Transport],
-           kv_exchange: str, **options: Any) -> Tensor:
+           kv_exchange: str, keep: Optional[KeepKV], **options: Any) -> Tensor:
+    if keep is not None:
+        keep(k, v)
     return local_attention(q, k, v, **options)
 
 
@@ -81,9 +88,11 @@ class ContextParallelAttention:
         return self.layout.runs
 
     def __call__(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool = True, doc_ids: DocIds = None,
-                 window: Optional[int] = None, scale: Optional[float] = None) -> Tensor:
+                 window: Optional[int] = None, scale: Optional[float] = None,
+                 keep: Optional[KeepKV] = None) -> Tensor:
         """``window``: a causal sliding window of that many tokens (None: full attention);
-        ``scale``: the softmax scale (None: head_dim ** -0.5)."""
+        ``scale``: the softmax scale (None: head_dim ** -0.5); ``keep``: handed the K/V this rank
+        attends, where the layout leaves them (a KV cache's prefill: ``kv_cache``)."""
         return self._run(
             q_BSHD,
             k_BSKD,
@@ -96,6 +105,7 @@ class ContextParallelAttention:
             kv_exchange=self.layout.kv_exchange,
             window=window,
             scale=scale,
+            keep=keep,
         )
 
     def __repr__(self) -> str:

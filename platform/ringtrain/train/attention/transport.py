@@ -3,8 +3,8 @@
 Every transfer the attention code issues goes through a ``Transport``: point-to-point sends and
 receives in one group launch, all-to-all, all-gather and reduce-scatter. Three implement it:
 ``ProcessGroupTransport`` here (torch.distributed, what a job runs), the one-process emulator
-of the tests (``tests/emulated_cp.py``: ranks as threads, mailboxes in memory) and the bench's
-loopback (``bench/attention.py``: one rank on one device). The attention code is handed one
+of the tests (``ringtrain_dev/emulated_cp.py``: ranks as threads, mailboxes in memory) and the
+benches' loopback (``ringtrain_dev/loopback.py``: one rank on one device). The attention code is handed one
 (``as_transport``); nothing replaces module globals.
 
 ``ProcessGroupTransport`` tallies every transfer by kind ("isend", "irecv", "all_to_all",

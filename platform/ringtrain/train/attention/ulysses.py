@@ -50,6 +50,10 @@ from ringtrain.train.attention.transport import GroupArg, Transport, as_transpor
 Tensor = torch.Tensor
 # The attention over the gathered sequence, as a call of the loop: (gathered length, documents) -> call.
 InnerCall = Callable[[int, Optional[Documents]], AttentionCall]
+# Handed the K/V a rank attends as its layout leaves them (``[B, S, K, D]`` views): a shard of
+# the sequence for every head, or, after Ulysses' all-to-all, the gathered sequence for this
+# rank's heads. What a KV cache keeps (``kv_cache``).
+KeepKV = Callable[[Tensor, Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q_BsHD: Tensor, k_BsKD: Tensor, v_BsKD: Tensor, group: Transport, kernel: AttentionKernel,
-        inner: InnerCall, docs: Optional[Documents],
+        inner: InnerCall, docs: Optional[Documents], keep: Optional[KeepKV] = None,
     ) -> Tensor:
         B, s, H, D = q_BsHD.shape
         U = group.size()
@@ -176,6 +180,8 @@ class _Ulysses(torch.autograd.Function):
         # The gathered sequence in the kernel's layout (one view), split into q, k and v there.
         (qkv,) = kernel.to_layout(_gathered(received, U, B, s, D))
         q, k, v = qkv.split_with_sizes((routes.h, routes.g, routes.g), dim=3 - kernel.seq_dim)
+        if keep is not None:
+            keep(*kernel.from_layout(k, v))
         nested = _Nested(ctx)
         out = attend_forward(nested, inner(U * s, docs), q, k, v, in_layout=True)
         ctx.nested, ctx.group, ctx.kernel, ctx.routing = nested, group, kernel, routing
@@ -215,7 +221,7 @@ class _Ulysses(torch.autograd.Function):
             all_copies = home.narrow(0, dq.shape[0], c * dkv.shape[0]).view(c, *dkv.shape)
             dkv.copy_(all_copies.sum(dim=0, dtype=accumulation_dtype(dkv.dtype)))
         dk, dv = dkv.view(2, B, s, -1, D).unbind(0)
-        return dq.view(B, s, H, D), dk, dv, None, None, None, None
+        return dq.view(B, s, H, D), dk, dv, None, None, None, None, None
 
 
 def _gathered(by_rank: Tensor, U: int, B: int, s: int, D: int) -> Tensor:
@@ -246,24 +252,26 @@ def _back_to_sequence(out_BShD: Tensor, group: Transport) -> Tensor:
 
 
 def all_to_all_attention(inner: InnerCall, q_BsHD: Tensor, k_BsKD: Tensor, v_BsKD: Tensor, *, group: Transport,
-                         kernel: AttentionKernel, doc_ids: DocIds) -> Tensor:
-    """``inner``'s attention over the sequence gathered over ``group``, for a share of the heads."""
+                         kernel: AttentionKernel, doc_ids: DocIds, keep: Optional[KeepKV] = None) -> Tensor:
+    """``inner``'s attention over the sequence gathered over ``group``, for a share of the heads;
+    ``keep`` is handed this rank's gathered K/V."""
     docs = Documents.of(doc_ids)
     gathered = None if docs is None else docs.concatenated(group)
-    out: Tensor = _Ulysses.apply(q_BsHD, k_BsKD, v_BsKD, group, kernel, inner, gathered)
+    out: Tensor = _Ulysses.apply(q_BsHD, k_BsKD, v_BsKD, group, kernel, inner, gathered, keep)
     return out
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causal: bool = True, doc_ids: DocIds = None,
                       kernel: KernelArg = "auto", scale: Optional[float] = None,
-                      window: Optional[int] = None) -> Tensor:
+                      window: Optional[int] = None, keep: Optional[KeepKV] = None) -> Tensor:
     """Attention over the group's whole sequence from this rank's contiguous part.
 
     ``q`` [B, s, H, D], ``k``/``v`` [B, s, K, D] and ``doc_ids`` [B, s] hold part u (of U equal
     contiguous parts) of the sequence on group rank u; returns this rank's output part
     [B, s, H, D]. ``group``: a process group or a ``Transport`` (a layout without Ulysses groups
     runs ``attend.local_attention``: ``topology.CPLayout.runs``). ``window``: a causal sliding
-    window of that many tokens, over the gathered sequence.
+    window of that many tokens, over the gathered sequence. ``keep``: handed the gathered K/V of
+    this rank's heads (``KeepKV``).
     """
     check_qkv(q, k, v, doc_ids)
     check_window(window, causal)
@@ -276,4 +284,4 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group: GroupArg, causa
         return AttentionCall.of(None, seq, causal=causal, docs=docs, window=window, scale=scale, kernel=chosen,
                                 kv_exchange="auto")
 
-    return all_to_all_attention(inner, q, k, v, group=transport, kernel=chosen, doc_ids=doc_ids)
+    return all_to_all_attention(inner, q, k, v, group=transport, kernel=chosen, doc_ids=doc_ids, keep=keep)

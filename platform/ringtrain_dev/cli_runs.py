@@ -1,9 +1,10 @@
-"""A `ringtrain run` started in the background and stopped by a signal mid-run, as `ray job stop`,
-Kubernetes or Ctrl-C stop one: shared by the stop tests and bench/stop.py.
+"""``ringtrain`` run as a user runs it: a command to its end (``ringtrain_cli``), or a `ringtrain
+run` in the background stopped by a signal mid-run, as `ray job stop`, Kubernetes or Ctrl-C stop
+one (``Background``): shared by the Ray tier's tests and bench/stop.py.
 
-The run gets its own HOME and Ray temp dir (its processes are then recognisable by their
-command lines); its output goes to files, since a pipe nobody reads while the test waits would
-fill up and stall the run.
+Each run gets its own HOME and Ray temp dir (its processes are then recognisable by their
+command lines); a background run's output goes to files, since a pipe nobody reads while the
+test waits would fill up and stall the run.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .harness import REPO, TORCH_EXTENSIONS_DIR
+from ringtrain_dev.ray_head import REPO, TORCH_EXTENSIONS_DIR
 
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 
 
 def run_env(home: Path, ray_tmp: Path) -> dict[str, str]:
+    """The environment of a run of this checkout's ringtrain on an embedded cluster of its own
+    (token authentication off: nothing but the run joins it)."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env.update(
@@ -33,6 +36,19 @@ def run_env(home: Path, ray_tmp: Path) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join([str(REPO / "platform"), env.get("PYTHONPATH", "")]),
     )
     return env
+
+
+def ringtrain_cli(argv: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``ringtrain ARGV`` to its end, with its own HOME and Ray temp dir; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "ringtrain", *argv], env=run_env(home, ray_tmp), capture_output=True, text=True,
+        timeout=timeout, cwd=home,
+    )  # fmt: skip
+
+
+def run_cli(args: list[str], *, home: Path, ray_tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``ringtrain run ARGS`` as a user would start it, with its own HOME and Ray temp dir."""
+    return ringtrain_cli(["run", *args], home=home, ray_tmp=ray_tmp, timeout=timeout)
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:

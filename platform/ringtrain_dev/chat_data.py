@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.prepared_data import npy_bytes, write_prepared
+from ringtrain_dev.prepared_data import npy_bytes, write_prepared
 
 
 def random_conversations(

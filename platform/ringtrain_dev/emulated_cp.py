@@ -38,7 +38,7 @@ from ringtrain.topology import CPLayout
 from ringtrain.train.attention.call import AttentionCall
 from ringtrain.train.attention.documents import Documents
 from ringtrain.train.attention.exchanges import EXCHANGES
-from ringtrain.train.attention.implementations import build_attention
+from ringtrain.train.attention.implementations import ContextParallelAttention, build_attention
 from ringtrain.train.attention.kernels import AttentionKernel
 from ringtrain.train.attention.loop import attend_backward, attend_forward
 from ringtrain.train.attention.transport import check_contiguous, send_recv_tensors
@@ -262,6 +262,29 @@ def emulated_ring(
     return RingResult(out, dq, dk, dv)
 
 
+class EmulatedGroups:
+    """The ring and Ulysses groups of one emulated CP group of ``layout``: CP rank c is ring index
+    c // U and Ulysses index c % U, as ``topology`` numbers a job's."""
+
+    def __init__(self, layout: CPLayout, timeout_s: float = 60.0) -> None:
+        self.layout = layout
+        self.ring_boxes = [_Mailboxes(timeout_s) for _ in range(layout.ulysses)]  # one ring per Ulysses index
+        self.ulysses_boxes = [_Mailboxes(timeout_s) for _ in range(layout.ring)]  # one group per ring index
+
+    def attention(self, rank: int, kernel: Union[str, AttentionKernel] = "auto") -> ContextParallelAttention:
+        """CP rank ``rank``'s attention of the layout, on its emulated groups."""
+        ring_idx, ulysses_idx = divmod(rank, self.layout.ulysses)
+        return build_attention(
+            self.layout, kernel,
+            ring_group=EmulatedTransport(ring_idx, self.layout.ring, self.ring_boxes[ulysses_idx]),
+            ulysses_group=EmulatedTransport(ulysses_idx, self.layout.ulysses, self.ulysses_boxes[ring_idx]),
+        )
+
+    def run(self, rank_main: Callable[[int], Any]) -> list[Any]:
+        """``rank_main(rank)`` on every CP rank, each a thread; their results in rank order."""
+        return run_in_threads(self.layout.cp, rank_main, [*self.ring_boxes, *self.ulysses_boxes])
+
+
 def emulated_attention(
     q_BSHD: Tensor,
     k_BSKD: Tensor,
@@ -286,8 +309,7 @@ def emulated_attention(
     them across calls (as a forward's layers share theirs)."""
     layout = CPLayout(ring, ulysses, kv_exchange)
     world = layout.cp
-    ring_boxes = [_Mailboxes(timeout_s) for _ in range(ulysses)]  # one ring per Ulysses index
-    ulysses_boxes = [_Mailboxes(timeout_s) for _ in range(ring)]  # one Ulysses group per ring index
+    groups = EmulatedGroups(layout, timeout_s)
 
     def parts(x: Optional[Tensor]) -> list[Optional[Tensor]]:
         return [None if x is None else cp_shard(x, dim=1, ring=ring, ulysses=ulysses, cp_rank=rank).contiguous()
@@ -299,12 +321,7 @@ def emulated_attention(
     documents = documents if documents is not None else [Documents.of(d) for d in doc_parts]
 
     def rank_main(rank: int) -> tuple[Tensor, ...]:
-        ring_idx, ulysses_idx = divmod(rank, ulysses)
-        attention = build_attention(
-            layout, kernel,
-            ring_group=EmulatedTransport(ring_idx, ring, ring_boxes[ulysses_idx]),
-            ulysses_group=EmulatedTransport(ulysses_idx, ulysses, ulysses_boxes[ring_idx]),
-        )
+        attention = groups.attention(rank, kernel)
         inputs = [q_parts[rank], k_parts[rank], v_parts[rank]]
         if dout_BSHD is None:
             with rank_context(), torch.no_grad():
@@ -315,6 +332,6 @@ def emulated_attention(
             out.backward(dout_parts[rank])
         return (out.detach(), *(x.grad for x in leaves))
 
-    done = run_in_threads(world, rank_main, [*ring_boxes, *ulysses_boxes])
+    done = groups.run(rank_main)
     out, *grads = (cp_unshard([r[i] for r in done], dim=1, ring=ring, ulysses=ulysses) for i in range(len(done[0])))
     return out, (tuple(grads) if grads else None)  # type: ignore[return-value]

@@ -1,0 +1,52 @@
+"""`ringtrain generate` on bad input: exit 2, one stderr line naming the option, file and line,
+no traceback, before torch, Ray or DeepSpeed is imported (the stand-ins of test_eval_cli_errors
+refuse to be), let alone a cluster started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ringtrain_dev.tiny_tokenizer import save_tokenizer
+from tests.unit.test_eval_cli_errors import LLAMA, run_cli
+
+PROMPTS = {
+    "good": '{"prompt": "The sky is blue."}\n{"ids": [5, 6, 7]}\n',
+    "not-json": '{"prompt": "fine"}\n{"prompt": oops}\n',
+    "no-field": '{"ids": [1, 2]}\n\n{"text": "where is the prompt"}\n',
+    "long": '{"ids": [5, 6]}\n{"ids": ' + json.dumps([5] * 60) + "}\n",
+    "out-of-vocab": '{"ids": [5, 600]}\n',
+}
+CASES = {
+    "no-prompts": (["{model}", "--max-new-tokens", "4"], "--prompts: is missing"),
+    "zero-new": (["{model}", "--prompts", "{good}", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
+    "negative-temperature": (["{model}", "--prompts", "{good}", "--max-new-tokens", "4", "--temperature", "-0.5"],
+                             "--temperature: temperature must be >= 0"),
+    "not-json": (["{model}", "--prompts", "{not-json}", "--max-new-tokens", "4"], "--prompts: {not-json} line 2: not JSON"),
+    "no-field": (["{model}", "--prompts", "{no-field}", "--max-new-tokens", "4"],
+                 "--prompts: {no-field} line 3: want an object with one of prompt, messages, ids"),
+    "too-long": (["{model}", "--prompts", "{long}", "--max-new-tokens", "8", "data.seq_len=64"],
+                 "--prompts: {long} line 2: 60 tokens and --max-new-tokens 8 exceed data.seq_len=64"),
+    "out-of-vocab": (["{model}", "--prompts", "{out-of-vocab}", "--max-new-tokens", "4"],
+                     "--prompts: {out-of-vocab} line 1: \"ids\" must be a non-empty list of token ids in [0, 96)"),
+    "missing-file": (["{model}", "--prompts", "{tmp}/none.jsonl", "--max-new-tokens", "4"], "--prompts: {tmp}/none.jsonl is not a file"),
+}
+
+
+@pytest.mark.parametrize(("args", "expected"), CASES.values(), ids=CASES.keys())
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], expected: str) -> None:
+    model = save_tokenizer(tmp_path / "model")
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    names: dict[str, object] = {"model": model, "tmp": tmp_path}
+    for name, text in PROMPTS.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(text)
+        names[name] = path
+    proc = run_cli(tmp_path, "generate", *(a.format(**names) for a in args))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert expected.format(**names) in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
