@@ -4,12 +4,13 @@ A Ray-tier chaos test hands its finished run folder to ``keep``: with RINGTRAIN_
 set to a folder, the run's job, summary, incidents and metrics are copied there under the
 scenario's name (``make chaos-records`` refreshes ``tests/chaos_records/`` so).
 ``tests/unit/test_chaos_replay.py`` replays each kept run with the Controller on
-``actors.simulated`` (``replay``) and compares the ``decisions`` of both.
+``actors.simulated`` (``replay``) and compares the ``decisions`` of both, and the recovery
+``plans`` each carried out.
 
 A replay takes its faults from the kept run: the job's chaos faults as they were configured
 (``FAULTS_AS_STRUCK``, slow ranks, bit flips, deaths inside a recovery), and from the incidents,
 the events the Ray test caused from outside (a worker killed, a node removed) at the step they
-struck. Capacity the test gave back to the cluster returns before the step the job grew at.
+struck, a kill before the rank's newest snapshot left it as such (``_in_transit``). Capacity the test gave back to the cluster returns before the step the job grew at.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
@@ -77,6 +78,14 @@ def decisions(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def plans(run_dir: Path) -> list[Optional[dict[str, Any]]]:
+    """The recovery plan each incident of the run records (``policies.recovery``: the step
+    restored and the kind of place each rank's shard came from, the seats, spares and new
+    workers, a retry's reuse, the chaos faults the new world kept); None for an incident with no
+    recovery of its own (a report, one a second failure interrupted)."""
+    return [json.loads(p.read_text()).get("plan") for p in sorted((run_dir / "incidents").glob("*.json"))]
+
+
 def replay(record: Path, scratch: Path, free_slots: int) -> Path:
     """Run the job of the kept run ``record`` on the simulated cluster, with its faults and room
     for ``free_slots`` workers beside the job's own and its warm spares; the simulated run's
@@ -100,7 +109,7 @@ def replay(record: Path, scratch: Path, free_slots: int) -> Path:
         if kind not in OUTSIDE_KINDS or (kind, rank, step) in configured or "during_recovery" in (incident.get("verdict") or {}):
             continue
         struck = OUTSIDE_KINDS[kind]
-        if struck == "crash" and incident["lost_steps"] == 1:
+        if struck == "crash" and _in_transit(incident, job.checkpoint.snapshot_every):
             struck = "crash_in_transit"  # killed before its newest snapshot left it
         if struck == "node_lost":
             ranks_per_node = len(incident["ranks"])
@@ -120,6 +129,16 @@ def replay(record: Path, scratch: Path, free_slots: int) -> Path:
     quiet = Progress(job.train.steps, enabled=False, out=io.StringIO())
     Controller(job, group, RunDir(scratch), progress=quiet, elastic=recovery, clock=clock).run()
     return scratch
+
+
+def _in_transit(incident: dict[str, Any], snapshot_every: int) -> bool:
+    """Whether the rank an incident names died before its newest snapshot reached a holder:
+    the recovery went back past that snapshot (its plan's ``restore_step``), or redid the
+    recorded step that took it (a record held for its snapshots is not counted as lost)."""
+    newest = incident["detected_at_step"] - 1
+    newest -= newest % snapshot_every
+    restored = (incident.get("plan") or {}).get("restore_step")
+    return incident["lost_steps"] == 1 or (restored is not None and restored < newest)
 
 
 def scenarios() -> list[str]:

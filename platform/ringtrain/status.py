@@ -76,3 +76,6 @@ class Incident:
     lost_steps: int = 0
     verdict: Optional[dict[str, Any]] = None
     phases: Optional[dict[str, float]] = None  # recovery time by phase (plan, warm, join, restore)
+    # The recovery carried out: the step restored and where each rank's shard came from, who took
+    # each seat, and what a retry reused (``policies.recovery.RecoveryPlan.to_dict``).
+    plan: Optional[dict[str, Any]] = None

@@ -122,8 +122,9 @@ def job(*overrides: str) -> config.JobConfig:
 # --- a dp x cp world: the product's simulated cluster, its recovery's calls recorded -----
 #
 # actors.simulated keeps the real data semantics (a data cursor, snapshots holding it, a
-# rollback or a reform restoring the newest at or before the step asked for, a skip moving the
-# cursor a batch on); time is its clock, which only it moves. The tests read its durations
+# rollback or a reform restoring what the product's recovery plan picks, the newest whole
+# snapshot at or before the step asked for, a skip moving the cursor a batch on); time is its
+# clock, which only it moves. The tests read its durations
 # under the names below, and FakeElastic records every call the Controller makes of the
 # recovery, with what the run directory said while a reform ran.
 
@@ -161,7 +162,7 @@ class FakeElastic(SimulatedRecovery):
     def cordon(self, ranks: tuple[int, ...]) -> None:
         self.calls.append(("cordon", {"ranks": ranks}))
 
-    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int:
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Reformed:
         self.calls.append(("rollback", {"last_step": last_step, "rejoin": rejoin, "fired_through": fired_through}))
         return super().rollback(last_step=last_step, rejoin=rejoin, fired_through=fired_through)
 

@@ -4,7 +4,9 @@ they did on Ray.
 
 Each run in tests/chaos_records/ was kept by its Ray test (``make chaos-records``); the replay
 strikes the same faults at the same steps (``tests.chaos_replay``) on a cluster with the room
-the Ray test's had.
+the Ray test's had. Ray's Recovery and the simulated cluster both carry out the plans of one
+function (``policies.recovery.plan_recovery``), each answering its view of the cluster: every
+incident's plan is the same on both.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos_replay import RECORDS, decisions, replay, scenarios
+from tests.chaos_replay import RECORDS, decisions, plans, replay, scenarios
 
 # The workers each Ray test's cluster had room for beside the job's own and its spares (0.5 CPU a worker).
 FREE_SLOTS = {
@@ -46,3 +48,11 @@ def test_the_simulated_cluster_decides_as_the_ray_run_did(scenario: str, tmp_pat
     assert (replayed["status"], replayed["final_step"], replayed["dp"]) == (on_ray["status"], on_ray["final_step"], on_ray["dp"])
     assert replayed["ledger"] == on_ray["ledger"]
 
+
+@pytest.mark.parametrize("scenario", sorted(FREE_SLOTS))
+def test_the_simulated_cluster_carries_out_the_recovery_plans_the_ray_run_did(scenario: str, tmp_path: Path) -> None:
+    kept = RECORDS / scenario
+    on_ray = plans(kept)
+    assert any(plan is not None for plan in on_ray)  # every kept run recovered at least once
+
+    assert plans(replay(kept, tmp_path, FREE_SLOTS[scenario])) == on_ray

@@ -22,16 +22,16 @@ def test_workers_json_follows_the_layout_after_each_change(tmp_path: Path) -> No
     job = elastic_job(mesh={"min_dp": 1})
     group = ElasticGroup(job, clock, {3: [Fault("crash", 3)]})
     fake = FakeElastic(group, tmp_path)
-    controller = Controller(job, group, RunDir(tmp_path), elastic=fake, clock=clock)
+    run_dir = RunDir(tmp_path)
     layouts: list[dict[str, Any]] = []
-    write_workers = controller.run_dir.write_workers
+    write_workers = run_dir.write_workers
 
     def spy(layout: dict[str, Any]) -> None:
         layouts.append(layout)
         write_workers(layout)
 
-    controller.run_dir.write_workers = spy  # type: ignore[method-assign]
-    controller.run()
+    run_dir.write_workers = spy  # type: ignore[method-assign]
+    Controller(job, group, run_dir, elastic=fake, clock=clock).run()
 
     # Once at the start (dp 2, ranks 0-3), once after the shrink to dp 1.
     assert layouts == [{"dp": 2, "ranks": [0, 1, 2, 3]}, {"dp": 1, "ranks": [0, 1]}]

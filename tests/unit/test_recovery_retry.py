@@ -20,6 +20,7 @@ from ringtrain.actors.protocols import Reform
 from ringtrain.actors.recovery import Recovery
 from ringtrain.actors.roster import Member, Slot
 from ringtrain.chaos import FaultPlan, FaultSpec
+from ringtrain.policies import recovery as recovery_policy
 from ringtrain.policies.faults import Kind
 from ringtrain.policies.retries import RecoveryFault, phase_of, retry_recovery
 from ringtrain.errors import WorkerError
@@ -136,6 +137,30 @@ class ScriptedWorlds:
         return 5
 
 
+def whole_snapshots(monkeypatch: pytest.MonkeyPatch, g: WorkerGroup, r: Recovery) -> list[int]:
+    """Every survivor holds its own shard of every step, node n's holder every rank's: a
+    recovery restores the step asked for, its shards ``shard<step>-<rank>``. Returns the steps
+    fetched, in order."""
+    from ringtrain.policies.snapshots import Holding, Source
+
+    steps = range(1, 100)
+    g.holders = {"n": "holder"}
+    fetched: list[int] = []
+
+    def holdings(survivors: dict[int, Member]) -> list[Holding]:
+        peers = [Holding(Source.PEER, f"peer:{k}", frozenset((s, k) for s in steps), tuple((s, 4) for s in steps)) for k in survivors]
+        node = Holding(Source.NODE, "node:n", frozenset((s, k) for s in steps for k in range(4)), tuple((s, 4) for s in steps))
+        return [*peers, node]
+
+    def fetch(plan: Any, survivors: dict[int, Member]) -> list[Any]:
+        fetched.append(plan.step)
+        return [f"shard{plan.step}-{i}" for i in range(4)]
+
+    monkeypatch.setattr(r, "_holdings", holdings)
+    monkeypatch.setattr(r, "_fetch", fetch)
+    return fetched
+
+
 def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
     faults = [FaultSpec(kind="crash_restoring", rank=2, step=1), FaultSpec(kind="nan", rank=0, step=9)]
     job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2), chaos=config.ChaosConfig(faults=faults))
@@ -148,13 +173,7 @@ def test_the_retry_reads_the_shards_the_interrupted_recovery_fetched(monkeypatch
     monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
     monkeypatch.setattr(g, "release_unused_placement", lambda: None)
     r = Recovery(g)
-    plans: list[int] = []
-
-    def restore_point(survivors: dict[int, Member], *, newest: int) -> tuple[Any, list[Any]]:
-        plans.append(newest)
-        return None, [f"shard{newest}-{i}" for i in range(4)]
-
-    monkeypatch.setattr(r, "restore_point", restore_point)
+    plans = whole_snapshots(monkeypatch, g, r)
     monkeypatch.setattr(r, "_forget_after", lambda step: None)
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
@@ -178,7 +197,7 @@ def test_a_restoring_fault_never_fires_as_a_step_fault() -> None:
     plan = FaultPlan([FaultSpec(kind="crash_restoring", rank=1, step=2)])
     assert plan.take(1, 2) == [] and plan.faults
     assert plan.restoring_due(1) == [] and plan.restoring_due(2) == plan.faults == plan.restoring_due(3)
-    assert recovery_module.RESTORING_FAULT == "crash_restoring"
+    assert recovery_policy.RESTORING_FAULT == "crash_restoring"
 
 
 def test_a_restoring_fault_strikes_the_first_recovery_from_its_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,7 +215,7 @@ def test_a_restoring_fault_strikes_the_first_recovery_from_its_step_once(monkeyp
     monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
     monkeypatch.setattr(g, "release_unused_placement", lambda: None)
     r = Recovery(g)
-    monkeypatch.setattr(r, "restore_point", lambda survivors, *, newest: (None, [f"shard{newest}-{i}" for i in range(4)]))
+    whole_snapshots(monkeypatch, g, r)
     monkeypatch.setattr(r, "_forget_after", lambda step: None)
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 
@@ -242,7 +261,7 @@ def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: py
     """A fetched shard stays in its producer's node after the producer dies: when the second
     failure takes a worker that served one, the retry reads the shards as they are while that
     node lives, and plans the restore again once the node is gone, or when a call failed."""
-    from ringtrain.policies.snapshots import RestorePlan
+    from ringtrain.policies.snapshots import Holding, Source
 
     job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2))
     g = WorkerGroup(job, "cpu")
@@ -256,13 +275,14 @@ def test_a_retry_reads_a_dead_workers_shard_while_its_node_lives(monkeypatch: py
     r = Recovery(g)
     plans: list[tuple[str, ...]] = []
 
-    def restore_point(survivors: dict[int, Member], *, newest: int) -> tuple[RestorePlan, list[Any]]:
+    def holdings(survivors: dict[int, Member]) -> list[Holding]:
         # Each rank's shard from its own survivor, the lost one's from node n1's holder.
-        where = tuple("node:n1" if rank not in survivors else f"peer:{rank}" for rank in range(4))
         plans.append(tuple(m.handle for m in survivors.values()))
-        return RestorePlan(newest, 4, tuple(enumerate(where))), [f"shard{len(plans)}-{i}" for i in range(4)]
+        peers = [Holding(Source.PEER, f"peer:{k}", frozenset({(5, k)}), ((5, 4),)) for k in survivors]
+        return [*peers, Holding(Source.NODE, "node:n1", frozenset((5, k) for k in range(4)), ((5, 4),))]
 
-    monkeypatch.setattr(r, "restore_point", restore_point)
+    monkeypatch.setattr(r, "_holdings", holdings)
+    monkeypatch.setattr(r, "_fetch", lambda plan, survivors: [f"shard{len(plans)}-{i}" for i in range(4)])
     monkeypatch.setattr(r, "_forget_after", lambda step: None)
     monkeypatch.setattr(recovery_module, "produced", lambda refs: [True] * len(refs))
 

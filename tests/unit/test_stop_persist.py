@@ -126,7 +126,7 @@ def test_a_stop_whose_workers_went_away_says_so_and_what_is_kept(tmp_path: Path)
             return super()._persist(step, snapshot_refs, t0, timeout_s)
 
     ctl, persister, _, out = controller(tmp_path, SnapshottingGroup(stop_at=8))
-    ctl.persister = gone = WorkersGone(persister.store, persister.meta, fence=persister.fence)
+    ctl.durable.persister = gone = WorkersGone(persister.store, persister.meta, fence=persister.fence)
     ctl.run()
     (line,) = stop_lines(out)
     assert line.startswith(

@@ -26,8 +26,8 @@ from ringtrain.actors.roster import Slot
 from ringtrain.actors.worker import TrainWorker
 from ringtrain.config import JobConfig
 from ringtrain.errors import CapacityError
+from ringtrain.policies.snapshots import buddy_node
 from ringtrain.status import WorkerInfo
-from ringtrain.topology import Topology
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -156,18 +156,6 @@ def holders_of(rank: int, job: JobConfig, infos: list[WorkerInfo], holders: dict
         if buddy is not None:
             chosen.append(holders[buddy])
     return chosen
-
-
-def buddy_node(rank: int, topology: Topology, rank_nodes: list[str], nodes: list[str]) -> Optional[str]:
-    """Another node to keep a copy of ``rank``'s snapshots: the node of the same ring position in
-    the next replica when that is elsewhere (spreads the copies evenly), else any other node."""
-    own = rank_nodes[rank]
-    c = topology.coord(rank)
-    peer = rank_nodes[topology.rank_of((c.replica + 1) % topology.dp, c.ring_pos)]
-    if peer != own:
-        return peer
-    others = [n for n in nodes if n != own]
-    return others[rank % len(others)] if others else None
 
 
 def node_alive(holders: dict[str, Any], node_id: str) -> bool:

@@ -1,10 +1,14 @@
-"""Recovery: carries out a fault or elastic decision on the WorkerGroup.
+"""Recovery: carries out a recovery plan (``policies.recovery``) on the WorkerGroup.
 
-Survivors keep their processes. The state of the step to resume from is gathered before anyone
-leaves the old world: each survivor's own shard from its memory, a lost rank's shard from a
-node holder (its own node's, or the buddy node's when its node is gone), picked by
-``policies.snapshots.plan_restore``. Then the new world forms (survivors, warm spares and
-new workers join one process group) and every rank loads the snapshot resharded to the new dp.
+The plan is computed from the group's view of the cluster (``GroupView``): what each survivor's
+memory and each node holder holds of the snapshots, the warm spares ready, the job's chaos
+faults, and the restore point a recovery interrupted by a second failure fetched. Survivors
+keep their processes. The state of the step to resume from is fetched before anyone leaves the
+old world: each survivor's own shard from its memory, a lost rank's shard from a node holder
+(its own node's, or the buddy node's when its node is gone). Then the new world forms
+(survivors, warm spares and new workers join one process group, in the seats the plan gives
+them) and every rank loads the snapshot resharded to the new dp. The simulated cluster
+(``actors.simulated``) carries out the same plans.
 """
 
 from __future__ import annotations
@@ -13,22 +17,22 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from ringtrain.actors.group import Member, StepResult, WorkerGroup
 from ringtrain.actors.protocols import Reform
-from ringtrain.chaos import RESTORING_FAULT, FaultPlan, FaultSpec
+from ringtrain.chaos import FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
-from ringtrain.policies.elastic import evicted, reseat
-from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
-from ringtrain.policies.snapshots import REBUILD, Holding, RestorePlan, Source, plan_restore
-from ringtrain.errors import RingtrainError
+from ringtrain.policies.faults import Capacity, RankOutcome
+from ringtrain.policies.recovery import (
+    Fetched, RecoveryError, RecoveryPlan, evicted_alive, node_losses, nodes_to_check, plan_recovery,
+)  # fmt: skip
+from ringtrain.policies.snapshots import REBUILD, Holding, RestorePlan, Source, source_kind
+from ringtrain.topology import Topology
 
 log = logging.getLogger(__name__)
 
-
-class RecoveryError(RingtrainError):
-    """No way back: no whole snapshot to resume from, or the new world could not form."""
+__all__ = ["GroupView", "Recovery", "RecoveryError", "Resumed", "evicted_alive", "produced", "producers"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Resumed:
     new_workers: int
     phases: dict[str, float]  # seconds per phase: plan (find and fetch the state), warm, join, restore
     seats: tuple[Optional[int], ...] = ()  # new rank -> the old rank seated there (None: a new worker)
+    plan: Optional[RecoveryPlan] = None
 
 
 # Who serves a shard of a restore plan: a surviving worker, or a node's holder (by node id).
@@ -59,46 +64,68 @@ def producers(plan: RestorePlan, survivors: dict[int, Member]) -> list[Producer]
     return out
 
 
-def world_job(job: JobConfig, *, dp: int, fired_through: int, restoring: tuple[FaultSpec, ...] = ()) -> JobConfig:
-    """The job for a world of ``dp`` replicas: the step faults due at or before
-    ``fired_through`` (the step that failed) are dropped, so a replacement does not meet them
-    again, and so are the ``restoring`` faults (those that strike the recovery forming this
-    world: ``restoring_crashes``); the other crash_restoring faults wait for their recovery."""
-    faults = [
-        f
-        for f in job.chaos.faults
-        if all(f is not r for r in restoring) and (f.kind == RESTORING_FAULT or f.step > fired_through)
-    ]
-    return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=dp), chaos=ChaosConfig(faults=faults))
+def world_job(job: JobConfig, plan: RecoveryPlan) -> JobConfig:
+    """The job of the world ``plan`` forms: its dp, and the chaos faults it keeps."""
+    return dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, dp=plan.dp), chaos=ChaosConfig(faults=list(plan.faults)))
 
 
-def restoring_crashes(job: JobConfig, *, fired_through: int, retry: bool, restores: bool) -> tuple[FaultSpec, ...]:
-    """The crash_restoring faults of ``job`` that strike the recovery from a failure seen in
-    step ``fired_through`` (``FaultPlan.restoring_due``): none in a retry (the first attempt
-    took them) or in a recovery with no snapshot to restore (``restores``: they wait for one)."""
-    return tuple(FaultPlan(job.chaos.faults).restoring_due(fired_through)) if restores and not retry else ()
+@dataclass(frozen=True)
+class Unfinished:
+    """The restore point of a recovery whose new world has not formed yet, fetched before the
+    old world was left: its plan, the pending shards, and who holds each one's only copy."""
+
+    fetched: Fetched
+    shards: Optional[list[Any]]
+    sources: list[Producer]
 
 
-def evicted_alive(*, quarantine: bool, last_step: int, fired_through: int) -> bool:
-    """Whether the ranks a reform drops are alive, their state that of ``last_step``, and
-    trusted: an eviction between steps (no step failed: the failure was seen in the step
-    restored, ``fired_through == last_step``) of ranks whose slots are quarantined is a
-    straggler's, slow but right. A rank evicted for corrupting data is never read: its scan
-    failed in a step after the restore point (the last clean scan), so ``fired_through`` is
-    later; nor is a rank of a failed step (died, stalled), nor one of a world that broke while
-    it formed (its slot is reused)."""
-    return quarantine and fired_through == last_step
+class GroupView:
+    """The WorkerGroup as a recovery plan reads it (``policies.recovery.ClusterView``): the
+    members of the world the failure broke, what they and the node holders hold."""
+
+    def __init__(self, recovery: "Recovery", members: Sequence[Member]) -> None:
+        self._recovery = recovery
+        self._members = members
+
+    @property
+    def topology(self) -> Topology:
+        return self._recovery.group.topology
+
+    def readers(self, ranks: frozenset[int]) -> dict[int, Member]:
+        return {r: self._members[r] for r in sorted(ranks)}
+
+    def holdings(self, ranks: frozenset[int]) -> list[Holding]:
+        return self._recovery._holdings(self.readers(ranks))
+
+    def ready_spares(self) -> int:
+        return len(self._recovery.group.ready_spares())
+
+    def faults(self) -> list[FaultSpec]:
+        return self._recovery.group.job.chaos.faults
+
+    def fetched(self) -> Optional[Fetched]:
+        unfinished = self._recovery._unfinished
+        return unfinished.fetched if unfinished is not None else None
+
+    def fetched_readable(self, ranks: frozenset[int]) -> bool:
+        """Whether every shard the interrupted recovery fetched still exists. A fetched shard
+        lives only in its producer's node (an actor call's result is not re-run): a call that
+        failed, or a producer's node found gone, means the shards are read again."""
+        unfinished = self._recovery._unfinished
+        if unfinished is None:
+            return False
+        made = produced(unfinished.shards) if unfinished.shards is not None else []
+        readers = self.readers(ranks)
+        return all(ok and self._recovery._readable(source, readers) for ok, source in zip(made, unfinished.sources))
 
 
 class Recovery:
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
         self._growth_workers = 0  # workers the growth being prepared needs (0: none prepared)
-        # The restore point of a recovery whose new world has not formed yet: (newest step asked
-        # for, pending shards, who holds each one's only copy). Fetched before the old world was
-        # left, so a retry after a worker died while joining or restoring reads the same state
-        # (policies.retries), as long as those holders live.
-        self._unfinished: Optional[tuple[int, Optional[list[Any]], list[Producer]]] = None
+        # A retry after a worker died while joining or restoring reads the same state
+        # (policies.recovery), as long as its holders live.
+        self._unfinished: Optional[Unfinished] = None
 
     def layout(self) -> dict[str, Any]:
         return self.group.layout()
@@ -107,22 +134,13 @@ class Recovery:
 
     def assess(self, failure: StepResult) -> list[RankOutcome]:
         """The step's outcomes, with each dead rank's node checked; a node found gone takes
-        every rank on it, whatever that rank's own call reported."""
+        every rank on it (``policies.recovery.node_losses``), and its holder and slots go."""
         g = self.group
-        node_of = {rank: (m.info.node_id if m.info else "") for rank, m in enumerate(g.members)}
-        alive: dict[str, bool] = {}
-        for o in failure.outcomes:
-            node = node_of[o.rank]
-            if o.outcome is Outcome.DIED and node not in alive:
-                alive[node] = g.node_alive(node)
-                if not alive[node]:
-                    g.forget_node(node)  # its holder and its slots went with it
-        out = []
-        for o in failure.outcomes:
-            if alive.get(node_of[o.rank], True) is False:
-                o = dataclasses.replace(o, outcome=Outcome.DIED, node_alive=False, error=o.error or "node lost")
-            out.append(o)
-        return out
+        node_of = [m.info.node_id if m.info else "" for m in g.members]
+        gone = [node for node in nodes_to_check(failure.outcomes, node_of=node_of) if not g.node_alive(node)]
+        for node in gone:
+            g.forget_node(node)
+        return node_losses(failure.outcomes, node_of=node_of, gone=gone)
 
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
         """Warm spares ready now, and slots a new worker could start in: the cluster's free
@@ -171,7 +189,7 @@ class Recovery:
 
         refs = []
         for (rank, where), producer in zip(plan.fetch, producers(plan, survivors)):
-            kind = where.partition(":")[0]
+            kind = source_kind(where)
             if kind == "peer":
                 refs.append(producer.handle.snapshot_blob.remote(plan.step))
             elif kind == REBUILD:
@@ -184,21 +202,35 @@ class Recovery:
             raise RecoveryError(f"the shards of snapshot step {plan.step} could not be read within {timeout:g} s")
         return refs
 
-    def restore_point(self, survivors: dict[int, Member], *, newest: int) -> tuple[RestorePlan, list[Any]]:
-        holdings = self._holdings(survivors)
-        plan = plan_restore(holdings, newest=newest)
-        if plan is None:
-            raise RecoveryError(
-                f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders "
-                f"(checkpoint.snapshot_every={self.group.job.checkpoint.snapshot_every}); held: {_held(holdings)}"
-            )
-        log.info("restoring step %d from %s", plan.step, ", ".join(f"rank {r}: {where}" for r, where in plan.fetch))
-        return plan, self._fetch(plan, survivors)
+    def _plan(self, members: list[Member], **order: Any) -> tuple[RecoveryPlan, Optional[list[Any]]]:
+        """The plan of a world to form from ``members`` (``policies.recovery.plan_recovery``
+        with ``order``), and the pending shards of its restore point (None: the initial state),
+        fetched unless a retry reuses those the interrupted recovery fetched."""
+        view = GroupView(self, members)
+        plan = plan_recovery(view, **order)
+        if plan.reused and self._unfinished is not None:
+            return plan, self._unfinished.shards
+        if plan.retry:
+            log.info("a shard of the interrupted recovery is lost: planning step %d's restore again", plan.last_step)
+        if plan.restore is None:
+            return plan, None
+        readers = view.readers(plan.readers)
+        log.info("restoring step %d from %s", plan.step, ", ".join(f"rank {r}: {where}" for r, where in plan.restore.fetch))
+        return plan, self._fetch(plan.restore, readers)
+
+    def _begin(self, plan: RecoveryPlan, shards: Optional[list[Any]], members: list[Member]) -> None:
+        """Keep the restore point of the world about to form, for a retry should it break (a
+        retry that reuses the interrupted recovery's keeps that one's)."""
+        if plan.reused:
+            return
+        sources = producers(plan.restore, GroupView(self, members).readers(plan.readers)) if plan.restore is not None else []
+        self._unfinished = Unfinished(Fetched(plan.last_step, plan.restore), shards, sources)
 
     # --- actions -------------------------------------------------------------------------
 
     def reform(self, request: Reform) -> Resumed:
-        """Carry out ``request`` (``Reform`` says what it asks).
+        """Carry out ``request`` (``Reform`` says what it asks): the world
+        ``policies.recovery.plan_recovery`` plans for it.
 
         Lost ranks that are alive with a state to trust (``evicted_alive``: a straggler's) are
         stopped only once the restore point is fetched: their own newest shards count, so the
@@ -206,63 +238,37 @@ class Recovery:
         lost, new_dp, spares, last_step = request.lost, request.new_dp, request.spares, request.last_step
         quarantine, fired = request.quarantine, request.fired
         g = self.group
-        topo = g.topology
         old = list(g.members)
         doomed = [old[r] for r in sorted(lost)]
         readable = evicted_alive(quarantine=quarantine, last_step=last_step, fired_through=fired)
         if not readable:
             self._drop(doomed, quarantine=quarantine)
-        survivors = {r: m for r, m in enumerate(old) if r not in lost}
         t0 = time.monotonic()
-        retry, shards = self._restore_shards(dict(enumerate(old)) if readable else survivors, last_step)
+        plan, shards = self._plan(
+            old, lost=lost, new_dp=new_dp, spares=spares, last_step=last_step, fired_through=fired, quarantine=quarantine
+        )
         plan_s = time.monotonic() - t0
+        self._begin(plan, shards, old)
         if readable:
             self._drop(doomed, quarantine=quarantine)
 
-        seats = reseat(dp=topo.dp, cp=topo.cp, lost=lost, new_dp=new_dp)
-        g.kill([old[r] for r in evicted(dp=topo.dp, cp=topo.cp, seats=seats, lost=lost)])
-        taken = g.ready_spares()[: min(spares, seats.count(None))]
+        g.kill([old[r] for r in plan.evicted])
+        taken = g.ready_spares()[: plan.spares]
         g.take_spares(taken)
-        fill = taken + g.spawn(seats.count(None) - len(taken))
-        members = [old[r] if r is not None else fill.pop(0) for r in seats]
-
-        crashes = restoring_crashes(g.job, fired_through=fired, retry=retry, restores=shards is not None)
-        job = world_job(g.job, dp=new_dp, fired_through=fired, restoring=crashes)
-        step = g.form_world(members, job, snapshot=shards, crash_restoring=frozenset(f.rank for f in crashes))
+        new = g.spawn(plan.spares + plan.new_workers - len(taken))
+        fill = taken + new
+        members = [old[r] if r is not None else fill.pop(0) for r in plan.seats]
+        step = g.form_world(members, world_job(g.job, plan), snapshot=shards, crash_restoring=plan.crash_ranks)
         self._unfinished = None
         g.release_unused_placement()
         self._forget_after(step)
-        return Resumed(
-            step, new_dp, len(taken), seats.count(None) - len(taken), {"plan_s": plan_s, **g.phases}, tuple(seats)
-        )
+        return Resumed(step, plan.dp, len(taken), len(new), {"plan_s": plan_s, **g.phases}, plan.seats, plan)
 
     def _drop(self, members: list[Member], *, quarantine: bool) -> None:
         if quarantine:
             self.group.quarantine(members)
         else:
             self.group.kill(members)  # slots on live nodes are reused
-
-    def _restore_shards(self, survivors: dict[int, Member], last_step: int) -> tuple[bool, Optional[list[Any]]]:
-        """Whether this is a retry, and the pending shards of the newest whole snapshot at or
-        before ``last_step`` (None: the initial state). A retry of an unfinished recovery
-        reuses the shards that recovery fetched: the world it was forming may already have
-        overwritten its holders' copies of that step with its own."""
-        retry = self._unfinished is not None and self._unfinished[0] == last_step
-        if self._unfinished is not None and retry:
-            _, shards, sources = self._unfinished
-            made = produced(shards) if shards is not None else []
-            if all(ok and self._readable(source, survivors) for ok, source in zip(made, sources)):
-                return True, shards
-            # A fetched shard lives only in its producer's node (an actor call's result is not
-            # re-run): when a call failed or such a node is gone, the shards are read again from
-            # what is left.
-            log.info("a shard of the interrupted recovery is lost: planning step %d's restore again", last_step)
-        shards, sources = None, []
-        if last_step:
-            plan, shards = self.restore_point(survivors, newest=last_step)
-            sources = producers(plan, survivors) if plan is not None else []
-        self._unfinished = (last_step, shards, sources)
-        return retry, shards
 
     def _readable(self, producer: Producer, survivors: dict[int, Member]) -> bool:
         """Whether the shard ``producer`` served is still readable. A finished call's result
@@ -310,19 +316,15 @@ class Recovery:
         """Add the prepared replicas at the step boundary after ``last_step``: every worker, old
         and new, loads ``last_step``'s snapshot resharded to ``new_dp``."""
         g = self.group
-        topo = g.topology
         old = list(g.members)
         t0 = time.monotonic()
-        plan, shards = self.restore_point(dict(enumerate(old)), newest=last_step)
+        plan, shards = self._plan(old, last_step=last_step, new_dp=new_dp, fired_through=last_step, grow=True)
         plan_s = time.monotonic() - t0
-        if plan.step != last_step:
-            raise RecoveryError(f"the snapshot of step {last_step} is not whole; cannot grow at this step")
-        seats = reseat(dp=topo.dp, cp=topo.cp, lost=frozenset(), new_dp=new_dp)
-        fill = g.take_growing(seats.count(None))
+        fill = g.take_growing(plan.new_workers)
         self._growth_workers = 0
-        members = [old[r] if r is not None else fill.pop(0) for r in seats]
-        step = g.form_world(members, world_job(g.job, dp=new_dp, fired_through=last_step), snapshot=shards)
-        return Resumed(step, new_dp, 0, seats.count(None), {"plan_s": plan_s, **g.phases}, tuple(seats))
+        members = [old[r] if r is not None else fill.pop(0) for r in plan.seats]
+        step = g.form_world(members, world_job(g.job, plan), snapshot=shards)
+        return Resumed(step, new_dp, 0, plan.new_workers, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
 
     # --- in place ----------------------------------------------------------------------
 
@@ -335,27 +337,27 @@ class Recovery:
         g.job = dataclasses.replace(g.job, train=dataclasses.replace(train, skip_batches=[*train.skip_batches, batch]))
         return range(batch * train.global_batch, (batch + 1) * train.global_batch)
 
-    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int:
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Resumed:
         """Same workers, state of the newest whole snapshot at or before ``last_step`` (0: the
         initial state); with ``rejoin`` the process group is rebuilt first (a failed collective
         may have broken it). ``fired_through`` as for ``reform``."""
         g = self.group
         members = list(g.members)
-        retry, shards = self._restore_shards(dict(enumerate(members)), last_step)
-        fired = last_step + 1 if fired_through is None else fired_through
-        crashes = restoring_crashes(g.job, fired_through=fired, retry=retry, restores=shards is not None)
-        job = world_job(g.job, dp=g.topology.dp, fired_through=fired, restoring=crashes)
-        crashing = frozenset(f.rank for f in crashes)
+        t0 = time.monotonic()
+        plan, shards = self._plan(members, last_step=last_step, fired_through=fired_through)
+        plan_s = time.monotonic() - t0
+        self._begin(plan, shards, members)
+        job = world_job(g.job, plan)
         if shards is None:  # back to the initial state, which joining a world builds
             step = g.form_world(members, job)
         elif rejoin:
-            step = g.form_world(members, job, snapshot=shards, crash_restoring=crashing)
+            step = g.form_world(members, job, snapshot=shards, crash_restoring=plan.crash_ranks)
         else:
             g.job = job  # the same world: only the faults that fired leave its job
-            step = g.restore_refs(shards, crash_restoring=crashing)
+            step = g.restore_refs(shards, crash_restoring=plan.crash_ranks)
         self._unfinished = None
         self._forget_after(step)
-        return step
+        return Resumed(step, plan.dp, 0, 0, {"plan_s": plan_s}, plan.seats, plan)
 
     def _forget_after(self, step: int) -> None:
         """Snapshots newer than ``step`` describe a future that was rolled back."""
@@ -405,17 +407,6 @@ def _holds_value(ref: Any) -> bool:
         return True
     except Exception:  # the call's error, or a result no longer readable: either way not a shard
         return False
-
-
-def _held(holdings: list[Holding]) -> str:
-    """What each place holds, for an error message: ``peer:0 {3: [0]}; node:ab12 {2: [0, 1]}``."""
-    parts = []
-    for h in holdings:
-        by_step: dict[int, list[int]] = {}
-        for step, rank in sorted(h.shards):
-            by_step.setdefault(step, []).append(rank)
-        parts.append(f"{h.location[:13]} {by_step}")
-    return "; ".join(parts) or "nothing"
 
 
 def _get_or(ref: Any, default: Any, timeout: float) -> Any:

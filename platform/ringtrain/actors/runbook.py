@@ -1,10 +1,11 @@
-"""RunBook: what the Controller writes down about a run, and the durable copies it keeps.
+"""RunBook: what has run and been recorded, the one owner of the run's record.
 
-The step records (metrics.jsonl), incidents, worker layout and summary, told to the run's
-observers (``actors.observers``: the run directory, the console, Prometheus, TensorBoard), the
-durable checkpoints handed to the Persister, a resume's restore and the evaluations due on the
-step cadence. A mixin of the Controller: the state machine decides, this part keeps the record,
-so each stays readable on its own.
+The step records (metrics.jsonl) with the samples each trained (the ledger) and the wall time
+kept, the incidents (the open ones: recovered from, their next step not recorded yet), the
+resizes, the evaluations, the start's phases, the error that ended the run, and the summary
+made of all of it, told to the run's observers (``actors.observers``: the run directory, the
+console, Prometheus, TensorBoard). The Controller decides; the RunBook keeps the record, so each
+stays readable on its own.
 
 A step's record says the step is done and survives a failure: a step that took snapshots is
 held back until the holders have them (``actors.safekeeping``), in step order, which the group
@@ -20,19 +21,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, cast
 
+from ringtrain import metrics
 from ringtrain.actors.evaluation import EvalGroup, EvalPlan, evaluate, model_tokenizer, plan_for
 from ringtrain.actors.observers import Observers
-from ringtrain.actors.protocols import Durable, Elastic, Group
+from ringtrain.actors.protocols import Group
 from ringtrain.actors.records import recovery_entry, step_record
-from ringtrain.actors.states import State
 from ringtrain.checkpoint import LoadedCheckpoint
 from ringtrain.config import JobConfig
 from ringtrain.policies.ledger import SampleLedger
-from ringtrain.policies.sdc import SdcScanner
-from ringtrain.policies.snapshots import persist_due
 from ringtrain.status import Incident, StepReport
 from ringtrain.telemetry.rundir import RunDir
-from ringtrain.topology import Topology
 from ringtrain.train.mixture import chat_packing_counts
 
 log = logging.getLogger(__name__)
@@ -53,52 +51,44 @@ class HeldRecord:
 
 
 class RunBook:
-    """The Controller's records; the attributes are the Controller's (set in its __init__)."""
+    def __init__(
+        self,
+        job: JobConfig,
+        group: Group,
+        run_dir: RunDir,
+        observers: Observers,
+        clock: Callable[[], float],
+        *,
+        run_id: str = "",
+        resume_from: Optional[LoadedCheckpoint] = None,
+        startup: Optional[dict[str, float]] = None,
+        eval_plan: Optional[EvalPlan] = None,
+    ) -> None:
+        """``run_dir``: read here (incident numbering, its path), written through ``observers``.
+        ``startup``: phases before the controller (ray.init); ``eval_plan``: what eval.every
+        scores (read from eval.data on the first evaluation unless given)."""
+        self.job, self.group, self.run_dir, self.observers, self.clock = job, group, run_dir, observers, clock
+        self.run_id = run_id
+        self.resume_from = resume_from
+        self.started = 0.0  # clock time the run began
+        self.start_step = 0
+        self.records: list[dict[str, Any]] = []
+        self.held: list[HeldRecord] = []  # records not written yet, oldest first
+        self.ledger = SampleLedger()
+        self.kept_s = 0.0  # wall time of the steps kept so far (goodput's numerator)
+        self.incidents: list[Incident] = []
+        self.open: list[tuple[Incident, float]] = []  # recovered from, awaiting their next recorded step
+        self.resizes: list[dict[str, Any]] = []
+        self.error: Optional[str] = None
+        self.error_location: Optional[dict[str, Any]] = None  # a repeating error's type, message, frame, step
+        self.startup: dict[str, float] = dict(startup or {})  # seconds by start phase, for summary.json
+        self.transit: dict[str, Any] = {}  # snapshot transit window by holder role (actors.transit)
+        self.eval_plan = eval_plan
+        self.last_eval: Optional[dict[str, Any]] = None
 
-    job: JobConfig
-    group: Group
-    run_dir: RunDir  # read here (incident numbering, its path); written through the observers
-    observers: Observers
-    persister: Optional[Durable]
-    resume_from: Optional[LoadedCheckpoint]
-    run_id: str
-    elastic: Optional[Elastic]
-    incidents: list[Incident]
-    clock: Callable[[], float]
-    records: list[dict[str, Any]]
-    held: list[HeldRecord]  # records not written yet, oldest first
-    ledger: SampleLedger
-    start_step: int
-    persist_s: float
-    error: Optional[str]
-    error_location: Optional[dict[str, Any]]
-    resizes: list[dict[str, Any]]
-    _kept_s: float
-    last_clean_scan: int
-    scans: int
-    eval_plan: Optional[EvalPlan]
-    last_eval: Optional[dict[str, Any]]
-    startup: dict[str, float]
-    transit: dict[str, Any]
-    state: State  # the Controller's (actors.states)
-    sdc: Optional[SdcScanner]
+    # --- incidents -----------------------------------------------------------------------
 
-    @property
-    def topology(self) -> Topology:
-        """The grid of the world training runs in now: the group's, which changes when a
-        recovery or a grow forms a new world (a world that broke forming counts: it is the one
-        a retry recovers from)."""
-        return self.group.topology
-
-    @property
-    def dp(self) -> int:
-        return self.topology.dp
-
-    def _write_layout(self) -> None:
-        if self.elastic is not None:
-            self.observers.on_layout(self.elastic.layout())
-
-    def _incident(
+    def incident(
         self,
         kind: str,
         ranks: tuple[int, ...],
@@ -120,18 +110,41 @@ class RunBook:
             detect_s=detect_s if detect_s is not None else self.clock() - t0,
             action=action,
             reason=reason,
-            dp_before=self.dp,
+            dp_before=self.group.topology.dp,
             verdict=verdict,
         )
         self.incidents.append(incident)
         self.observers.on_incident(dataclasses.asdict(incident))
         return incident
 
-    def _update_incident(self, incident: Incident) -> None:
+    def update_incident(self, incident: Incident) -> None:
         self.incidents = [incident if i.id == incident.id else i for i in self.incidents]
         self.observers.on_incident_update(dataclasses.asdict(incident))
 
-    def _resume(self, checkpoint: LoadedCheckpoint) -> int:
+    def recoveries(self) -> int:
+        """The recoveries made so far: every incident acted on, retries included."""
+        return sum(1 for i in self.incidents if i.action not in ("abort", "report"))
+
+    def recovered(self, incident: Incident, seen_at: float) -> None:
+        """``incident`` was recovered from: written again, and open until the next step is
+        recorded (``close_open``)."""
+        self.update_incident(incident)
+        self.open.append((incident, seen_at))
+
+    def close_open(self) -> None:
+        """The first step after a recovery was recorded: each open incident's clock closes."""
+        for incident, seen_at in self.open:
+            incident = dataclasses.replace(incident, recover_s=self.clock() - seen_at)
+            self.update_incident(incident)
+            self.observers.on_count(metrics.RECOVERIES, 1)
+            self.observers.on_gauge(metrics.RECOVERY_SECONDS, incident.recover_s or 0.0)
+            self.observers.on_count(metrics.LOST_STEPS, incident.lost_steps)
+            self.observers.on_gauge(metrics.DP_SIZE, self.group.topology.dp)
+        self.open = []
+
+    # --- steps ---------------------------------------------------------------------------
+
+    def resume(self, checkpoint: LoadedCheckpoint) -> int:
         t0 = self.clock()
         names = sorted(checkpoint.shards)
         step = self.group.restore([checkpoint.shards[n] for n in names])
@@ -141,46 +154,7 @@ class RunBook:
         )
         return step
 
-    def _maybe_persist(self, step: int) -> None:
-        if self.persister is None:
-            return
-        if persist_due(step, persist_every=self.job.checkpoint.persist_every, final_step=self.job.last_step):
-            # Pending results: the workers serve them while they train the next step.
-            self.persister.submit(step, self.group.snapshot_refs(step))
-        self._drain(wait=False)
-
-    def _drain(self, *, wait: bool) -> None:
-        if self.persister is None:
-            return
-        for persisted in self.persister.flush() if wait else self.persister.poll():
-            self.persist_s = persisted.seconds
-            self.observers.on_message(
-                f"checkpoint step {persisted.step}: {persisted.num_bytes / 1e6:.1f} MB in {persisted.seconds:.2f} s -> {persisted.uri}"
-            )
-
-    def _discard_durable_after(self, step: int) -> None:
-        """Durable checkpoints written after ``step`` hold state the probes have since rejected."""
-        if self.persister is None:
-            return
-        self._drain(wait=True)
-        gone = self.persister.discard_after(step)
-        if gone:
-            self.observers.on_message(f"deleted durable checkpoints of steps {gone}: written after the last clean scan")
-
-    def _close_durable(self, wait_s: Optional[float] = None) -> None:
-        """Wait for the saves in flight (at most ``wait_s``: a stopping run's bound) and close
-        the Persister."""
-        if self.persister is None:
-            return
-        try:
-            if wait_s is None:
-                self._drain(wait=True)
-            else:
-                self.persister.flush(timeout_s=wait_s)
-        finally:
-            self.persister.close(timeout_s=wait_s)
-
-    def _maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
+    def maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
         """Every eval.every steps and after the last: the eval plan scored on the state after
         ``step``, for that step's record. Outside the step's timing; a failure in it fails the
         run (recovery covers training steps only)."""
@@ -202,28 +176,29 @@ class RunBook:
         )
         return found
 
-    def _record(
-        self, reports: list[StepReport], wall_s: float, started: float, evaluation: Optional[dict[str, Any]] = None
+    def record(
+        self, reports: list[StepReport], wall_s: float, durable: dict[str, Any], evaluation: Optional[dict[str, Any]] = None
     ) -> None:
-        """Make the step's record; it is written once its snapshots are safe (``_commit``)."""
-        self.startup.setdefault("first_step_s", self.clock() - started)
-        record = step_record(reports, dp=self.dp, cp=self.topology.cp, wall_s=wall_s)
+        """Make the step's record (``durable``: the durable checkpoints' fields of it); it is
+        written once its snapshots are safe (``commit``)."""
+        self.startup.setdefault("first_step_s", self.clock() - self.started)
+        topology = self.group.topology
+        record = step_record(reports, dp=topology.dp, cp=topology.cp, wall_s=wall_s)
         if evaluation is not None:
             record["eval"] = evaluation
         record["reported_at"] = time.time()  # every rank's report in; "time" is when it is written
         record["generation"] = self.group.generation
-        record["persist_s"] = self.persist_s
-        record["last_durable_step"] = self.persister.last_durable_step if self.persister else 0
+        record.update(durable)
         # Wall time on steps that were kept: a step struck out by a rollback stops counting.
-        self._kept_s += wall_s
-        record["goodput"] = self._kept_s / max(self.clock() - started, 1e-9)
+        self.kept_s += wall_s
+        record["goodput"] = self.kept_s / max(self.clock() - self.started, 1e-9)
         record.update(self.observers.step_fields(record))  # MFU, with the telemetry's model FLOPs
         samples = tuple(s for r in reports for s in r.samples)
         origins = tuple(o for r in reports for o in r.origins)
         self.held.append(HeldRecord(record, samples, origins, needs_safety=reports[0].snapshot_taken))
-        self._commit(self.group.safe_through())
+        self.commit(self.group.safe_through())
 
-    def _commit(self, safe_through: int, *, unsafe_too: bool = False) -> None:
+    def commit(self, safe_through: int, *, unsafe_too: bool = False) -> None:
         """Write the held records, oldest first, up to the first whose snapshots are not known
         to be safe (past ``safe_through``); with ``unsafe_too``, every one."""
         while self.held and (unsafe_too or not self.held[0].needs_safety or self.held[0].step <= safe_through):
@@ -233,28 +208,44 @@ class RunBook:
             self.records.append(record)
             self.observers.on_step(record)
 
-    def _settle_held(self, resumed: int) -> None:
+    def rewind(self, resumed: int) -> list[int]:
         """After a recovery to ``resumed``: the held records of the steps it restored are
-        written (their state was just read back whole); the later ones are dropped, to be redone."""
+        written (their state was just read back whole), the later ones dropped, to be redone;
+        the recorded steps after it are struck out (returned) and their time no longer kept."""
         self.held = [h for h in self.held if h.step <= resumed]
-        self._commit(resumed, unsafe_too=True)
+        self.commit(resumed, unsafe_too=True)
+        struck = self.ledger.rollback(resumed)
+        self.records = [r for r in self.records if r["step"] <= resumed]
+        self.kept_s = sum(r["step_time_s"] for r in self.records)
+        return struck
 
-    def _commit_all(self, wait_s: float) -> None:
+    def commit_all(self, wait_s: float) -> None:
         """At the end of the run: wait up to ``wait_s`` for the last snapshots to be safe, then
         write every held record (a run that stops has no recovery left to protect)."""
         if self.held:
-            self._commit(self.group.safe_through(wait_s))
+            self.commit(self.group.safe_through(wait_s))
             if self.held:
                 log.warning("steps %s recorded before their snapshots were known to be safe", [h.step for h in self.held])
-            self._commit(0, unsafe_too=True)
+            self.commit(0, unsafe_too=True)
 
-    def _summary(self, *, wall_s: float) -> dict[str, Any]:
+    @property
+    def last_step(self) -> int:
+        """The newest step recorded (the start step before any)."""
+        return self.records[-1]["step"] if self.records else self.start_step
+
+    # --- the summary ---------------------------------------------------------------------
+
+    def summary(
+        self, *, status: str, wall_s: float, durable: dict[str, Any], sdc: Optional[dict[str, int]]
+    ) -> dict[str, Any]:
+        """summary.json: ``durable``, the durable checkpoints' fields; ``sdc``, the scans'."""
         last = self.records[-1] if self.records else None
         tokens = sum(r["tokens"] for r in self.records)
-        train_s = self._kept_s
+        train_s = self.kept_s
         ledger = self.ledger.totals()
+        topology = self.group.topology
         return {
-            "status": self.state.name,
+            "status": status,
             "steps": self.job.train.steps,
             "start_step": self.start_step,
             "final_step": last["step"] if last else self.start_step,
@@ -272,15 +263,15 @@ class RunBook:
             "device": self.group.infos[0].device_name if self.group.infos else None,
             "num_samples": ledger["samples"],
             "ledger": ledger,
-            "dp": self.dp,
-            "cp": self.topology.cp,
+            "dp": topology.dp,
+            "cp": topology.cp,
             "resumed_from": self.resume_from.uri if self.resume_from else None,
-            "last_durable_step": self.persister.last_durable_step if self.persister else 0,
-            "checkpoint_errors": list(self.persister.errors) if self.persister else [],
+            "last_durable_step": durable["last_durable_step"],
+            "checkpoint_errors": durable["checkpoint_errors"],
             "incidents": [{"id": i.id, "kind": i.kind, "ranks": list(i.ranks), "step": i.detected_at_step} for i in self.incidents],
             "recoveries": [recovery_entry(i) for i in self.incidents if i.action not in ("abort", "report")],
             "resizes": self.resizes,
-            "sdc": {"scans": self.scans, "last_clean_scan": self.last_clean_scan} if self.sdc is not None else None,
+            "sdc": sdc,
             "error": self.error,
             "error_location": self.error_location,
             # From the controller's start: each phase of the workers' start, and the first step done.
@@ -291,8 +282,8 @@ class RunBook:
             # A chat dataset's conversations packed into rows, dropped or truncated (None: no chat data).
             "chat": chat_packing_counts(self.job),
             "run_dir": str(self.run_dir.path),
+            "durable_stopped": durable["durable_stopped"],
         }
-
 
 
 def _or_dash(value: Optional[float], spec: str) -> str:

@@ -4,18 +4,23 @@ that only the simulation moves.
 ``SimulatedGroup`` is a dp x cp world on the real data order: a data cursor; a step trains the
 global samples [cursor * G, (cursor + 1) * G) and moves it on; replica d reports its contiguous
 G / dp of them from its ring position 0. Snapshots hold the cursor, every ``snapshot_every``
-steps, kept as the workers keep them (``checkpoint.retention``), and a step's snapshots are safe
-off their ranks either at once or, with ``transit``, while the next step runs. ``faults`` strike
+steps, kept as the workers and node holders keep them (``actors.simulated_snapshots``), and a
+step's snapshots are safe off their ranks either at once or, with ``transit``, while the next
+step runs. ``faults`` strike
 a step once, on its next attempt (``Fault``: a crash, a lost node, a hang, an error, a NaN, a
 crash before the last step's snapshots left the rank), a ``poisoned`` batch makes every attempt
 at it NaN, a ``Corruption`` makes some ranks' SDC probe digests differ from the rest, and a
 ``Straggle`` makes a rank compute slowly for some steps, until a new world replaces it.
 
-``SimulatedRecovery`` carries the Controller's decisions out on it (``actors.protocols.Elastic``):
-a reform or a rollback restores the newest snapshot at or before the step asked for, a skip
-drops a batch, a grow adds replicas; spares, free slots and returning capacity are numbers. The
-job's ``crash_restoring`` chaos faults strike its reforms as they strike ``actors.recovery``'s:
-a worker of the world being formed dies while it restores.
+``SimulatedRecovery`` carries the Controller's decisions out on it (``actors.protocols.Elastic``)
+as Ray's ``actors.recovery`` does: each reform, rollback or grow is the plan
+``policies.recovery.plan_recovery`` makes from the cluster as it is (the snapshots each rank's
+memory and each node's holder hold, ``actors.simulated_snapshots``; the spares ready; the job's
+chaos faults; an interrupted recovery's restore point), so the step restored, the ranks a lost
+node takes, who takes each seat and what a retry keeps follow the product's own rules. A skip
+drops a batch; spares, free slots and returning capacity are numbers. The job's
+``crash_restoring`` chaos faults strike its recoveries as on Ray: a worker of the world being
+formed dies while it restores.
 
 The Controller and its policies run on them unchanged: the same decisions, incidents and sample
 ledger as on Ray, in milliseconds, each move taking the time ``Durations`` says.
@@ -29,13 +34,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ringtrain.actors.protocols import Reform
+from ringtrain.actors.simulated_snapshots import SimulatedSnapshots
 from ringtrain.actors.steps import StepResult
-from ringtrain.chaos import FaultPlan
-from ringtrain.checkpoint.retention import retained
+from ringtrain.chaos import FaultSpec
 from ringtrain.config import JobConfig
 from ringtrain.errors import WorkerError
-from ringtrain.policies.elastic import reseat
 from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
+from ringtrain.policies.recovery import (
+    Fetched, RecoveryPlan, kept_by_new_world, node_losses, nodes_to_check, plan_recovery,
+)  # fmt: skip
+from ringtrain.policies.snapshots import Holding
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
 
@@ -99,14 +107,21 @@ class Straggle:
     steps: range
     slowdown: float = 10.0
 
+    @property
+    def fault(self) -> FaultSpec:
+        """The chaos fault it stands for: ``slow`` on its steps."""
+        return FaultSpec(kind="slow", rank=self.rank, step=self.steps.start, count=len(self.steps))
+
 
 @dataclass(frozen=True)
 class Reformed:
-    """A world formed again: the step it restored, the time of each phase, who sits where."""
+    """A world formed again: the step it restored, the time of each phase, who sits where, and
+    the plan it carried out."""
 
     step: int
     phases: dict[str, float]
     seats: tuple[Optional[int], ...] = ()
+    plan: Optional[RecoveryPlan] = None
 
 
 class SimulatedGroup:
@@ -141,17 +156,15 @@ class SimulatedGroup:
         self.snapshot_every = snapshot_every
         self.step, self.cursor = 0, 0
         self.skipped: set[int] = set()  # batches never to train, as the workers keep them
-        self.snapshots = {0: 0}  # step -> data cursor after it
         self.attempts: list[int] = []  # every step started, in order
         self.shut_down = False
         self.corrupt = corrupt
         self.bad_ranks: set[int] = set()  # ranks whose device went bad (the corruption struck)
-        self.keep = keep  # snapshots held as the workers hold them (None: all)
-        self.pinned: Optional[int] = None
         self.scanned: list[int] = []  # the step each probe round ran after
         self.pins: list[int] = []
         self.transit = transit
-        self.safe = 0  # the newest step whose snapshots reached the holders
+        # The snapshots, held as the workers and node holders hold them (None: all kept).
+        self.snapshots = SimulatedSnapshots(cp=self.cp, ranks_per_node=self.ranks_per_node, keep=keep, buddy=job.checkpoint.buddy)
         self.straggles = straggles
         self.phases: dict[str, float] = {}  # of the last world formed: a failed one's ends where it broke
 
@@ -162,7 +175,7 @@ class SimulatedGroup:
     @property
     def infos(self) -> list[WorkerInfo]:
         return [
-            WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu", node_id=f"node-{r // self.ranks_per_node}")
+            WorkerInfo(rank=r, host="h", pid=100 + r, device="cpu", node_id=self.snapshots.node_of(r))
             for r in range(self.dp * self.cp)
         ]
 
@@ -171,8 +184,8 @@ class SimulatedGroup:
 
     def safe_through(self, wait_s: float = 0.0) -> int:
         if not self.transit or wait_s > 0:  # a wait lets the copy in flight land
-            self.safe = self.step
-        return self.safe
+            self.snapshots.safe = self.step
+        return self.snapshots.safe
 
     def train_step(self, probe: bool = False, on_safe: Optional[Callable[[int], None]] = None) -> StepResult:
         step = self.step + 1
@@ -180,12 +193,15 @@ class SimulatedGroup:
         world = self.dp * self.cp
         pending = self.faults.get(step, [])
         fault = pending.pop(0) if pending else None
-        if fault is not None and fault.kind == "crash_in_transit":
-            self.snapshots.pop(self.step, None)  # the dead rank's newest shard never left it
-        elif self.transit and self.safe < self.step and (fault is None or fault.kind not in IN_TRANSIT):
-            self.safe = self.step  # the last step's snapshots land while this one runs
+        snaps = self.snapshots
+        if fault is not None and fault.kind in IN_TRANSIT:
+            snaps.unsent.add((self.step, fault.rank))  # the dead rank's newest shard never left it
+            if fault.kind == "crash_in_transit_rebuilt":
+                snaps.rebuildable = (self.step, world)
+        elif self.transit and snaps.safe < self.step:
+            snaps.safe = self.step  # the last step's snapshots land while this one runs
             if on_safe is not None:
-                on_safe(self.safe)
+                on_safe(snaps.safe)
         if fault is not None and fault.kind != "nan":
             self.clock.advance(self.durations.detect_s)
             first_hand = _first_hand(fault)
@@ -213,8 +229,7 @@ class SimulatedGroup:
             )  # fmt: skip
         self.step, self.cursor = step, self.cursor + 1
         if step % self.snapshot_every == 0:
-            self.snapshots[step] = self.cursor
-            self._trim()
+            self.snapshots.take(step, self.cursor, world)
         if probe:
             found = self._probe_round()
             reports = [dataclasses.replace(r, probes=found[r.rank]) for r in reports]
@@ -234,20 +249,13 @@ class SimulatedGroup:
 
     def pin_snapshots(self, step: int) -> None:
         self.pins.append(step)
-        self.pinned = step
-        self._trim()
+        self.snapshots.pin(step)
 
-    def _trim(self) -> None:
-        if self.keep is not None:
-            held = retained(self.snapshots, keep=self.keep, pin=self.pinned)
-            self.snapshots = {s: c for s, c in self.snapshots.items() if s in held}
-
-    def restore_to(self, newest: int) -> int:
-        """Every rank back at the newest snapshot at or before ``newest``; the step restored."""
-        step = max(s for s in self.snapshots if s <= newest)
-        self.step, self.cursor = step, self.snapshots[step]
-        self.safe = step  # the new world's holders get the restored state
-        self.snapshots = {s: c for s, c in self.snapshots.items() if s <= step}  # a future rolled back
+    def restore_to(self, step: int) -> int:
+        """Every rank of the world as formed now back at ``step``'s state (0: the initial state),
+        the step a recovery plan restores; returns it."""
+        self.cursor = self.snapshots.restore(step, self.dp * self.cp)
+        self.step = step
         return step
 
     def snapshot_refs(self, step: int) -> list[Any]:
@@ -274,16 +282,20 @@ def _first_hand(fault: Fault) -> RankOutcome:
 
 
 class SimulatedRecovery:
-    """Carries the Controller's decisions out on a SimulatedGroup (``actors.protocols.Elastic``).
+    """Carries the Controller's decisions out on a SimulatedGroup (``actors.protocols.Elastic``):
+    each as the plan ``policies.recovery.plan_recovery`` makes of it from this cluster's answers
+    to the plan's view (``policies.recovery.ClusterView``), so a recovery restores, seats and
+    retries by the rules Ray's worker group does.
 
     ``spares``: warm spares at the start; ``free_slots``: room for new workers; from clock time
     ``capacity_from`` on (or once step ``capacity_after_step`` is done), ``capacity_replicas``
     more replicas' worth of workers are free for growth; ``warm_polls``: how many
-    ``growth_ready`` polls answer False before the workers started for growth are ready. ``whole_nodes``: a node found gone takes every rank on it, as
-    ``actors.recovery.Recovery.assess`` finds on Ray (off: only the rank that reported it).
-    ``replenish``: after a recovery the warm spares are made whole at once, as on a cluster with
-    room for them once their warm-up is done (off: spares seated are gone). ``job``: whose
-    ``crash_restoring`` faults strike the reforms."""
+    ``growth_ready`` polls answer False before the workers started for growth are ready.
+    ``whole_nodes``: a node found gone takes every rank on it, as on Ray (off: only the rank that
+    reported it). ``replenish``: after a recovery the warm spares are made whole at once, as on a
+    cluster with room for them once their warm-up is done (off: spares seated are gone).
+    ``job``: whose chaos faults the worlds' jobs carry (its ``crash_restoring`` faults strike
+    the recoveries)."""
 
     def __init__(
         self,
@@ -306,50 +318,88 @@ class SimulatedRecovery:
         self.capacity_from, self.capacity_after_step = capacity_from, capacity_after_step
         self.capacity_replicas, self.warm_polls = capacity_replicas, warm_polls
         self.preparing = 0
-        # The job's crash_restoring faults, each taken by the first reform it strikes.
-        self.restoring = FaultPlan(list(job.chaos.faults) if job is not None else [])
+        self.chaos: tuple[FaultSpec, ...] = tuple(job.chaos.faults) if job is not None else ()  # the world's job's
+        self.unfinished: Optional[Fetched] = None  # the restore point of a world that broke forming
+
+    # --- the plan's view of the cluster (policies.recovery.ClusterView) -------------------
+
+    @property
+    def topology(self) -> Topology:
+        return self.group.topology
+
+    def holdings(self, ranks: frozenset[int]) -> list[Holding]:
+        return self.group.snapshots.holdings(ranks, self.group.dp * self.group.cp)
+
+    def ready_spares(self) -> int:
+        return self.spares
+
+    def faults(self) -> tuple[FaultSpec, ...]:
+        return self.chaos
+
+    def fetched(self) -> Optional[Fetched]:
+        return self.unfinished
+
+    def fetched_readable(self, readers: frozenset[int]) -> bool:
+        return True  # a fetched shard is lost only with a Ray node's object store
+
+    # --- the Controller's calls ------------------------------------------------------------
 
     def assess(self, failure: StepResult) -> list[RankOutcome]:
+        g = self.group
+        node_of = [g.snapshots.node_of(r) for r in range(g.dp * g.cp)]
+        # A node is found gone when a rank that died there says so (a holder that stopped answering on Ray).
+        dead_nodes = {node_of[o.rank] for o in failure.outcomes if o.outcome is Outcome.DIED and not o.node_alive}
+        gone = [node for node in nodes_to_check(failure.outcomes, node_of=node_of) if node in dead_nodes]
+        g.snapshots.gone.update(gone)
         if not self.whole_nodes:
             return list(failure.outcomes)
-        per_node = self.group.ranks_per_node
-        gone = {o.rank // per_node for o in failure.outcomes if o.outcome is Outcome.DIED and not o.node_alive}
-        return [
-            dataclasses.replace(o, outcome=Outcome.DIED, node_alive=False, error=o.error or "node lost")
-            if o.rank // per_node in gone else o
-            for o in failure.outcomes
-        ]
+        return node_losses(failure.outcomes, node_of=node_of, gone=gone)
 
     def capacity(self, lost: tuple[int, ...], *, reuse_slots: bool = True) -> Capacity:
         return Capacity(self.spares, self.free_slots)
 
     def reform(self, request: Reform) -> Reformed:
-        lost, new_dp, spares, last_step, fired = request.lost, request.new_dp, request.spares, request.last_step, request.fired
+        plan = plan_recovery(
+            self, lost=request.lost, new_dp=request.new_dp, spares=request.spares, last_step=request.last_step,
+            fired_through=request.fired, quarantine=request.quarantine,
+        )  # fmt: skip
+        return self._form(plan, fired_through=request.fired, seconds=self.group.durations.recover_s, phases={"plan_s": 0.5})
+
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Reformed:
+        fired = last_step + 1 if fired_through is None else fired_through
+        plan = plan_recovery(self, last_step=last_step, fired_through=fired)
+        # In place, the workers keep the chaos faults they hold; a world joined again (a rejoin,
+        # or the initial state rebuilt) starts from its job's.
+        new_world = rejoin or plan.restore is None
+        return self._form(plan, fired_through=fired if new_world else None, seconds=self.group.durations.recover_s)
+
+    def _form(
+        self, plan: RecoveryPlan, *, fired_through: Optional[int], seconds: float, phases: Optional[dict[str, float]] = None
+    ) -> Reformed:
+        """Carry ``plan`` out: the new world's seats, dp, spares and job; its restore, unless a
+        crash_restoring fault strikes it (``fired_through``: a world joined after a failure seen
+        then, whose workers start from its job's faults; None: the same workers, in place)."""
         g = self.group
-        step = g.restore_to(last_step)
-        seats = reseat(dp=g.dp, cp=g.cp, lost=lost, new_dp=new_dp)
+        if not plan.reused:
+            self.unfinished = Fetched(plan.last_step, plan.restore)
         # A bad device leaves with its worker; one that keeps a seat moves with it.
-        g.bad_ranks = {new for new, old in enumerate(seats) if old in g.bad_ranks}
-        # A new world's job drops the faults due by the failed step (``actors.recovery.world_job``).
-        g.straggles = tuple(s for s in g.straggles if s.steps.start > fired)
-        g.dp = new_dp
-        self.spares -= spares
-        g.clock.advance(g.durations.recover_s)
-        crashes = self.restoring.restoring_due(fired) if step > 0 else []  # they wait for a snapshot to restore
+        g.bad_ranks = {new for new, old in enumerate(plan.seats) if old in g.bad_ranks}
+        if fired_through is not None:
+            g.straggles = tuple(s for s in g.straggles if kept_by_new_world(s.fault, fired_through=fired_through))
+        self.chaos = plan.faults
+        g.dp = plan.dp
+        self.spares -= plan.spares
+        g.clock.advance(seconds)
         g.phases = {"warm_s": 0.0, "join_s": 0.0}  # a world formed to its restore
-        if crashes:
-            self.restoring.faults = [f for f in self.restoring.faults if all(f is not c for c in crashes)]
-            raise WorkerError(crashes[0].rank, "h", "worker process died (ActorDiedError)", kind="died")
+        if plan.crashes:
+            raise WorkerError(plan.crashes[0].rank, "h", "worker process died (ActorDiedError)", kind="died")
+        g.restore_to(plan.step)
         g.phases = {**g.phases, "restore_s": 0.0}
-        return Reformed(step, {"plan_s": 0.5}, tuple(seats))
+        self.unfinished = None
+        return Reformed(plan.step, phases if phases is not None else {}, plan.seats, plan)
 
     def cordon(self, ranks: tuple[int, ...]) -> None:
         pass
-
-    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> int:
-        step = self.group.restore_to(last_step)
-        self.group.clock.advance(self.group.durations.recover_s)
-        return step
 
     def skip_batch(self, batch: int) -> range:
         g = self.group
@@ -380,12 +430,9 @@ class SimulatedRecovery:
         return self.preparing > 0
 
     def grow(self, *, new_dp: int, last_step: int) -> Reformed:
-        g = self.group
-        seats = reseat(dp=g.dp, cp=g.cp, lost=frozenset(), new_dp=new_dp)
-        g.dp = new_dp
+        plan = plan_recovery(self, last_step=last_step, new_dp=new_dp, fired_through=last_step, grow=True)
         self.preparing = 0
-        g.clock.advance(g.durations.grow_s)
-        return Reformed(last_step, {}, tuple(seats))
+        return self._form(plan, fired_through=last_step, seconds=self.group.durations.grow_s)
 
     def layout(self) -> dict[str, Any]:
         return {"dp": self.group.dp, "ranks": list(range(self.group.dp * self.group.cp))}

@@ -18,13 +18,18 @@ a new ``Recovering`` that remembers the recoveries it interrupted, rather than r
 
     any state but the terminal ones ──> Failed | Stopping ──> Stopped
 
-``ALLOWED`` is the transition table the Controller checks every move against.
+``ALLOWED`` is the transition table the Controller checks every move against, and the
+Controller's ``HANDLERS`` the table of what it does in each state: ``check_handlers`` holds the
+two against each other when the Controller's module is imported. A new state is one class here,
+its rows in ``ALLOWED`` (where it may go, and which states lead to it) and one handler in
+``HANDLERS``; a state without a handler, or a handler for a state with no row, fails that
+import, not a run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Collection, Mapping, Optional
 
 from ringtrain.policies.faults import Decision, Failure
 from ringtrain.status import Incident
@@ -132,3 +137,32 @@ ALLOWED: dict[type[State], tuple[type[State], ...]] = {
     Resizing: (Training, Failed, Stopping),
     Stopping: (Stopped,),
 }
+
+
+class MissingHandler(TypeError):
+    """The Controller's handler table and its transition table disagree."""
+
+
+def check_handlers(
+    handlers: Collection[type[State]],
+    allowed: Mapping[type[State], tuple[type[State], ...]] = ALLOWED,
+    states: Collection[type[State]] = (),
+) -> None:
+    """Raise MissingHandler unless ``handlers`` (the states the Controller has a handler for)
+    are exactly the states ``allowed`` moves from, and every state a row names or ``states``
+    lists (default: every subclass of State) that is not terminal has its row. The Controller's
+    module calls it as it is imported."""
+    known = set(states or _subclasses(State)) | set(allowed) | {s for row in allowed.values() for s in row}
+    problems = [f"{s.__name__} has no handler" for s in allowed if s not in handlers]
+    problems += [f"{s.__name__} has a handler but no row in ALLOWED" for s in handlers if s not in allowed]
+    problems += [f"{s.__name__} is not terminal but has no row in ALLOWED" for s in known if not s.terminal and s not in allowed]
+    problems += [f"{s.__name__} is terminal but has a row in ALLOWED" for s in allowed if s.terminal]
+    if problems:
+        raise MissingHandler("the Controller's states and handlers disagree: " + "; ".join(sorted(problems)))
+
+
+def _subclasses(cls: type[State]) -> list[type[State]]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found

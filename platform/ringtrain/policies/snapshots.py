@@ -2,14 +2,17 @@
 
 Sources are tried newest step first; at equal steps the cheapest wins: a peer's memory (no
 disk, often no network hop), then this node's holder, then the durable store. A step counts
-only when every rank's shard of it is present in that source.
+only when every rank's shard of it is present in that source. Each snapshot is also kept on a
+buddy node (``buddy_node``), so a lost node's ranks can be restored.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
+
+from ringtrain.topology import Topology
 
 
 class Source(enum.IntEnum):
@@ -81,8 +84,11 @@ def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -
     """
     holdings = sorted(holdings, key=lambda h: h.source)
     worlds: dict[int, int] = {}
+    cheapest: dict[tuple[int, int], str] = {}  # (step, rank) -> the cheapest place holding it
     for h in holdings:
         worlds.update(h.world_sizes)
+        for shard in h.shards:
+            cheapest.setdefault(shard, h.location)
     for step in sorted(worlds, reverse=True):
         if newest is not None and step > newest:
             continue
@@ -90,7 +96,7 @@ def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -
         rebuilder = next((h.location for h in holdings if (step, worlds[step]) in h.rebuilds), None)
         fetch = []
         for rank in range(worlds[step]):
-            where = next((h.location for h in holdings if (step, rank) in h.shards), None)
+            where = cheapest.get((step, rank))
             if where is None and rebuilder is not None:
                 where = f"{REBUILD}:{rebuilder}"
             if where is None:
@@ -99,3 +105,20 @@ def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -
         else:
             return RestorePlan(step, worlds[step], tuple(fetch))
     return None
+
+
+def source_kind(location: str) -> str:
+    """The kind of place a restore plan's location names: ``peer``, ``node`` or ``rebuild``."""
+    return location.partition(":")[0]
+
+
+def buddy_node(rank: int, topology: Topology, rank_nodes: Sequence[str], nodes: Sequence[str]) -> Optional[str]:
+    """Another node to keep a copy of ``rank``'s snapshots: the node of the same ring position in
+    the next replica when that is elsewhere (spreads the copies evenly), else any other node."""
+    own = rank_nodes[rank]
+    c = topology.coord(rank)
+    peer = rank_nodes[topology.rank_of((c.replica + 1) % topology.dp, c.ring_pos)]
+    if peer != own:
+        return peer
+    others = [n for n in nodes if n != own]
+    return others[rank % len(others)] if others else None
