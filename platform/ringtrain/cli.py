@@ -10,7 +10,8 @@ import argparse
 import logging
 import re
 import sys
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 from ringtrain.commands import dashboards, export, generate, jobs, plan, prepare, report, run
 from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the builtin
@@ -40,31 +41,44 @@ class _ExactFlags(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Verb:
+    """A verb of its own module in ``commands/``: its one line in ``--help``, its options, and
+    what it does given the parsed options and the command line (``argv``, None: sys.argv's)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, Optional[Sequence[str]]], int]
+
+
+# In the order `ringtrain --help` lists them; submit, status, logs and stop come after, from jobs.
+VERBS: dict[str, Verb] = {
+    "run": Verb("train a job on an embedded local Ray cluster, or RAY_ADDRESS", run.add_arguments,
+                lambda args, argv: run.run(args)),
+    "plan": Verb("which layouts fit on N GPUs and how fast (needs no GPU)", plan.add_arguments,
+                 lambda args, argv: plan.run(args, load_job=plan.load_job)),
+    "dashboards": Verb("export the Grafana dashboards, or push them and the alert rules", dashboards.add_arguments,
+                       lambda args, argv: dashboards.run(args)),
+    "report": Verb("write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)",
+                   report.add_arguments, lambda args, argv: report.run(args)),
+    "export": Verb("write a checkpoint as a Hugging Face model folder (config.json + safetensors)",
+                   export.add_arguments, lambda args, argv: export.run(args)),
+    "eval": Verb("loss by position (and passkey retrieval) of a run, checkpoint or HF model", evaluate.add_arguments,
+                 lambda args, argv: evaluate.run(args)),
+    "generate": Verb("continue prompts from a JSONL file with a run, checkpoint or HF model", generate.add_arguments,
+                     lambda args, argv: generate.run(args)),
+    "prepare": Verb("tokenize JSONL/Parquet/text corpora into a prepared dataset, on Ray Data", prepare.add_arguments,
+                    lambda args, argv: prepare.main(args, prepare.argv_after("prepare", argv))),
+}  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _ExactFlags(
         prog="ringtrain", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="VERB", title="verbs")
-    run.add_arguments(sub.add_parser("run", help="train a job on an embedded local Ray cluster, or RAY_ADDRESS"))
-    plan.add_arguments(sub.add_parser("plan", help="which layouts fit on N GPUs and how fast (needs no GPU)"))
-    dashboards.add_arguments(
-        sub.add_parser("dashboards", help="export the Grafana dashboards, or push them and the alert rules")
-    )
-    report.add_arguments(
-        sub.add_parser("report", help="write RUN_DIR/report.html: curves, step time by rank, incidents (works offline)")
-    )
-    export.add_arguments(
-        sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (config.json + safetensors)")
-    )
-    evaluate.add_arguments(
-        sub.add_parser("eval", help="loss by position (and passkey retrieval) of a run, checkpoint or HF model")
-    )
-    generate.add_arguments(
-        sub.add_parser("generate", help="continue prompts from a JSONL file with a run, checkpoint or HF model")
-    )
-    prepare.add_arguments(
-        sub.add_parser("prepare", help="tokenize JSONL/Parquet/text corpora into a prepared dataset, on Ray Data")
-    )
+    for name, verb in VERBS.items():
+        verb.add_arguments(sub.add_parser(name, help=verb.help))
     jobs.add_arguments(sub)  # submit, status, logs, stop
     return parser
 
@@ -77,22 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "run":
-            return run.run(args)
-        if args.command == "plan":
-            return plan.run(args, load_job=plan.load_job)
-        if args.command == "dashboards":
-            return dashboards.run(args)
-        if args.command == "report":
-            return report.run(args)
-        if args.command == "eval":
-            return evaluate.run(args)
-        if args.command == "generate":
-            return generate.run(args)
-        if args.command == "export":
-            return export.run(args)
-        if args.command == "prepare":
-            return prepare.main(args, prepare.argv_after("prepare", argv))
+        if args.command in VERBS:
+            return VERBS[args.command].run(args, argv)
         code = jobs.run(args)
         if code is not None:
             return code
