@@ -300,13 +300,15 @@ def emulated_attention(
     timeout_s: float = 60.0,
     rank_context: RankContext = contextlib.nullcontext,
     documents: Optional[list[Optional[Documents]]] = None,
+    window: Optional[int] = None,
 ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor, Tensor]]]:
     """The attention of the CP layout ``ring`` x ``ulysses`` (K/V exchanged as ``kv_exchange``
     asks) over a CP group of threads, on the full-sequence inputs sharded as a job shards them:
     the unsharded output, and with ``dout`` the unsharded (dq, dk, dv) through autograd (CPU or
     meta tensors: see the module doc). ``rank_context()`` holds each rank's attention call and
     backward; ``documents``: each rank's ``Documents`` of ``doc_ids_BS`` where a caller keeps
-    them across calls (as a forward's layers share theirs)."""
+    them across calls (as a forward's layers share theirs); ``window``: a causal sliding window
+    of that many tokens."""
     layout = CPLayout(ring, ulysses, kv_exchange)
     world = layout.cp
     groups = EmulatedGroups(layout, timeout_s)
@@ -325,10 +327,10 @@ def emulated_attention(
         inputs = [q_parts[rank], k_parts[rank], v_parts[rank]]
         if dout_BSHD is None:
             with rank_context(), torch.no_grad():
-                return (attention(*inputs, causal=causal, doc_ids=documents[rank]),)
+                return (attention(*inputs, causal=causal, doc_ids=documents[rank], window=window),)
         leaves = [x.detach().requires_grad_() for x in inputs if x is not None]
         with rank_context():
-            out = attention(*leaves, causal=causal, doc_ids=documents[rank])
+            out = attention(*leaves, causal=causal, doc_ids=documents[rank], window=window)
             out.backward(dout_parts[rank])
         return (out.detach(), *(x.grad for x in leaves))
 

@@ -59,11 +59,12 @@ TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, doc_ids: Optional[Tensor], window: Optional[int] = None,
-    family: int = 0,
+    family: int = 0, positions: Optional[Tensor] = None,
 ) -> Tensor:
     """Softmax attention in float64; a query row with no visible key outputs 0 (doc id < 0 is
-    padding); ``window``: query i sees keys i - window < j <= i; ``family``: documents in
-    families of that many, the later ones seeing the first's keys too."""
+    padding); ``window``: a query at position id p sees keys at p - window < p' <= p, by
+    ``positions`` [B, S] (default: the row's index); ``family``: documents in families of that
+    many, the later ones seeing the first's keys too."""
     B, S, H, D = q.shape
     groups = H // k.shape[2]
     k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
@@ -72,7 +73,8 @@ def reference_attention(
     if causal:
         allowed &= torch.ones(S, S, dtype=torch.bool).tril()
     if window is not None:
-        allowed &= torch.ones(S, S, dtype=torch.bool).triu(1 - window)
+        pos = torch.arange(S).expand(B, S) if positions is None else positions
+        allowed &= pos[:, :, None] - pos[:, None, :] < window
     if doc_ids is not None:
         same = doc_ids[:, :, None] == doc_ids[:, None, :]
         if family:  # a family's later documents also see its first one's keys
@@ -84,23 +86,29 @@ def reference_attention(
     return torch.einsum("bhqs,bshd->bqhd", probs, v)
 
 
-# Preference pairs as families of three documents (a prompt, two completions continuing it), in
-# sixteenths of a row: two pairs and padding, and one pair filling the row.
-PAIR_ROWS = ((3, 2, 4, 2, 2, 2), (7, 4, 5))
+# Preference pairs as families of three documents (a prompt, two completions continuing it):
+# each row's (document, length in sixteenths of the row), the rest padding. "pairs": two pairs,
+# and one pair filling the row. "pairs-mixed": pairs among plain documents (a family's first
+# alone), one pair's second completion more than a zigzag chunk after its prompt (on a ring of
+# four, on a rank whose window neighbours hold none of the prompt).
+FAMILY_ROWS = {
+    "pairs": (((0, 3), (1, 2), (2, 4), (3, 2), (4, 2), (5, 2)), ((0, 7), (1, 4), (2, 5))),
+    "pairs-mixed": (((0, 2), (3, 2), (4, 5), (5, 3), (6, 2)), ((0, 4), (1, 3), (2, 3), (3, 4))),
+}
 PAIR_FAMILY = 3
 
 
 def make_doc_ids(kind: str, batch: int, seq: int) -> Optional[Tensor]:
     """Packed documents whose boundaries cut across zigzag chunks; "padded" adds padding (-1)
-    tokens; "pairs" are families of PAIR_FAMILY (PAIR_ROWS) whose rows end in padding."""
+    tokens; "pairs" and "pairs-mixed" hold families of PAIR_FAMILY (FAMILY_ROWS)."""
     if kind == "none":
         return None
-    if kind == "pairs":
+    if kind in FAMILY_ROWS:
         doc = torch.full((batch, seq), -1, dtype=torch.long)
-        for row, lengths in enumerate(PAIR_ROWS[:batch]):
-            bounds = [0, *(seq * sum(lengths[: i + 1]) // 16 for i in range(len(lengths)))]
-            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-                doc[row, a:b] = i
+        for row, parts in enumerate(FAMILY_ROWS[kind][:batch]):
+            bounds = [0, *(seq * sum(n for _, n in parts[: i + 1]) // 16 for i in range(len(parts)))]
+            for (doc_id, _), a, b in zip(parts, bounds[:-1], bounds[1:]):
+                doc[row, a:b] = doc_id
         return doc
     doc = torch.zeros(batch, seq, dtype=torch.long)
     doc[0, seq // 3 :] = 1
@@ -110,6 +118,19 @@ def make_doc_ids(kind: str, batch: int, seq: int) -> Optional[Tensor]:
         doc[0, -3:] = -1
         doc[1, 0] = -1
     return doc
+
+
+def make_position_ids(doc: Tensor, family: int) -> Tensor:
+    """Each token's position id as a preference pair's layout gives it: a document's count from 0,
+    a family's later documents continue its first's (from its length on)."""
+    pos = torch.zeros_like(doc)
+    for b in range(doc.shape[0]):
+        seen: dict[int, int] = {}
+        for s, d in enumerate(doc[b].tolist()):
+            first = d - d % family
+            pos[b, s] = seen.get(d, 0) + (seen.get(first, 0) if d >= 0 and d != first else 0)
+            seen[d] = seen.get(d, 0) + 1
+    return pos
 
 
 # ---------------------------------------------------------------- cases
@@ -166,6 +187,15 @@ def _ring_cases(world: int) -> list[Case]:
                                        (13, "none", "ring"), (64, "none", "ring"), (3, "padded", "ring"),
                                        (6, "packed", "ring"), (3, "none", "allgather"), (6, "packed", "allgather"))
     ]
+    # Pairs under windows, measured by position ids: shorter than every prompt, between the
+    # prompts' lengths, longer than every prompt; among plain documents; both exchanges (which a
+    # window no longer than a chunk turns into the neighbours').
+    cases += [
+        Case("ring", world, 1, 4, 2, window=window, docs=docs, kv_exchange=exchange)
+        for window, docs, exchange in ((3, "pairs", "ring"), (3, "pairs-mixed", "ring"), (6, "pairs-mixed", "ring"),
+                                       (15, "pairs", "ring"), (3, "pairs-mixed", "allgather"),
+                                       (6, "pairs", "allgather"), (15, "pairs-mixed", "allgather"))
+    ]
     return cases
 
 
@@ -180,6 +210,7 @@ CASES: dict[int, list[Case]] = {
         Case("ulysses", 1, 2, 4, 2, causal=False),
         Case("ulysses", 1, 2, 4, 1, causal=True, docs="packed"),
         Case("ulysses", 1, 2, 4, 2, causal=True, docs="pairs"),
+        Case("ulysses", 1, 2, 4, 2, window=3, docs="pairs-mixed"),
         Case("ulysses", 1, 2, 3, 1, causal=True),  # heads padded to a multiple of 2
         Case("ulysses", 1, 2, 4, 2, causal=True, dtype="bfloat16"),
     ],
@@ -205,6 +236,11 @@ CASES: dict[int, list[Case]] = {
         Case("hybrid", 2, 2, 4, 2, window=3),
         Case("hybrid", 2, 2, 4, 1, window=9, docs="packed"),
         Case("build", 2, 2, 4, 2, window=6, docs="padded"),
+        Case("ulysses", 1, 4, 4, 2, window=6, docs="pairs"),
+        Case("hybrid", 2, 2, 4, 2, window=3, docs="pairs-mixed"),
+        Case("hybrid", 2, 2, 4, 1, window=9, docs="pairs"),
+        Case("hybrid", 2, 2, 4, 2, window=5, docs="pairs-mixed", kv_exchange="allgather"),
+        Case("build", 2, 2, 4, 2, window=6, docs="pairs-mixed"),
     ],
 }
 
@@ -297,9 +333,10 @@ def _run_case(case: Case, rank: int, groups: Groups) -> dict[str, Any]:
     dtype = getattr(torch, case.dtype)
     x = _inputs(case)
     full = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
-    family = PAIR_FAMILY if case.docs == "pairs" else 0
+    family = PAIR_FAMILY if case.docs in FAMILY_ROWS else 0
+    positions = make_position_ids(x["doc"], family) if family else None
     ref_out = reference_attention(full["q"], full["k"], full["v"], causal=case.causal, doc_ids=x["doc"],
-                                  window=case.window, family=family)
+                                  window=case.window, family=family, positions=positions)
     ref_out.backward(x["dout"])
 
     def shard(t: Tensor) -> Tensor:

@@ -11,6 +11,10 @@ the pairs, and its gradient. The step's loss, its logps and rewards, and every p
 gradient must equal it (fp32, 1e-5), with the prompt laid out once (shared) and twice (two
 documents), under dp1 x cp1, ring cp2 (ZeRO-2), Ulysses cp2 (ZeRO-3), ring cp4 with all-gathered
 K/V, hybrid cp4 and dp2 with accumulation; and some pair's completions lie on one rank alone.
+A Mistral model whose every layer has a sliding window shorter than most prompts does the same
+under dp1 x cp1 (both layouts), ring cp2 and ring cp4 (the window's neighbour exchange): a
+completion's window reaches into the prompt by position id, as transformers' does on the pair
+alone, not by its place in the row, where the rejected completion lies after the chosen one.
 
 Each Trainer takes its four objectives' steps on the same batch, its learning rate 1e-30 (so the
 weights stay the starting ones): one process group per world size.
@@ -30,26 +34,37 @@ import torch
 
 from ringtrain_dev.ranks import gloo_rank, run_ranks
 from ringtrain_dev.tiny_tokenizer import CHAT_WORDS, save_chat_tokenizer
+from tests.hf.windowed_models import save_windowed
 from tests.hf_models import save_model
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 SEQ, GLOBAL_BATCH, SEED, VOCAB = 96, 4, 5, 320
+WINDOW = 6  # the windowed model's: shorter than most prompts, and than a ring of four's chunks
 OBJECTIVES = {"dpo": {"train.preference.beta": 0.5, "train.preference.label_smoothing": 0.1},
               "ipo": {"train.preference.beta": 0.5},
               "simpo": {"train.preference.beta": 2.0, "train.preference.gamma": 0.3, "train.preference.sft_weight": 0.5},
               "orpo": {"train.preference.beta": 0.25}}  # fmt: skip
-# name -> (world size, prefix shared, overrides)
-LAYOUTS: dict[str, tuple[int, bool, list[str]]] = {
-    "dp1-cp1": (1, True, ["mesh.dp=1", "mesh.cp=1", "zero.stage=0", "train.micro_batch=4"]),
-    "dp1-cp1-two-documents": (1, False, ["mesh.dp=1", "mesh.cp=1", "zero.stage=0", "train.micro_batch=4"]),
-    "ring-cp2-zero2": (2, True, ["mesh.cp=2", "attention.impl=ring", "zero.stage=2", "train.micro_batch=4"]),
-    "ulysses-cp2-zero3": (2, True, ["mesh.cp=2", "attention.impl=ulysses", "zero.stage=3", "train.micro_batch=2"]),
-    "dp2-accum-zero2": (2, True, ["mesh.dp=2", "mesh.cp=1", "zero.stage=2", "train.micro_batch=1"]),
+LLAMA, WINDOWED = "llama", "mistral-windowed"
+CP1 = ["mesh.dp=1", "mesh.cp=1", "zero.stage=0", "train.micro_batch=4"]
+RING_CP2 = ["mesh.cp=2", "attention.impl=ring", "zero.stage=2", "train.micro_batch=4"]
+# name -> (world size, prefix shared, overrides, model)
+LAYOUTS: dict[str, tuple[int, bool, list[str], str]] = {
+    "dp1-cp1": (1, True, CP1, LLAMA),
+    "dp1-cp1-two-documents": (1, False, CP1, LLAMA),
+    "ring-cp2-zero2": (2, True, RING_CP2, LLAMA),
+    "ulysses-cp2-zero3": (2, True, ["mesh.cp=2", "attention.impl=ulysses", "zero.stage=3", "train.micro_batch=2"],
+                          LLAMA),
+    "dp2-accum-zero2": (2, True, ["mesh.dp=2", "mesh.cp=1", "zero.stage=2", "train.micro_batch=1"], LLAMA),
     "ring-cp4-allgather": (4, True, ["mesh.cp=4", "attention.impl=ring", "attention.kv_exchange=allgather",
-                                     "zero.stage=2", "train.micro_batch=4"]),
+                                     "zero.stage=2", "train.micro_batch=4"], LLAMA),
     "hybrid-cp4-zero3": (4, True, ["mesh.cp=4", "mesh.ulysses=2", "attention.impl=hybrid", "zero.stage=3",
-                                   "train.micro_batch=4"]),
+                                   "train.micro_batch=4"], LLAMA),
+    "windowed-dp1-cp1": (1, True, CP1, WINDOWED),
+    "windowed-dp1-cp1-two-documents": (1, False, CP1, WINDOWED),
+    "windowed-ring-cp2-zero2": (2, True, RING_CP2, WINDOWED),
+    "windowed-ring-cp4-neighbours": (4, True, ["mesh.cp=4", "attention.impl=ring", "zero.stage=2",
+                                               "train.micro_batch=4"], WINDOWED),
 }
 
 
@@ -179,13 +194,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (base / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(40)))
     assert cli.main(["prepare", str(base / "pairs.jsonl"), "--format", "preference", "--tokenizer", str(tokenizer),
                      "--out", str(base / "data"), "--quiet"]) == 0  # fmt: skip
-    folder = save_model(base / "model", "llama", vocab_size=VOCAB)
+    folders = {LLAMA: save_model(base / LLAMA, "llama", vocab_size=VOCAB),
+               WINDOWED: save_windowed(base / WINDOWED, WINDOWED, vocab_size=VOCAB, sliding_window=WINDOW)}
     pairs = _pairs(base / "data")
-    refs = {shared: _reference(folder, base / "data", pairs, shared) for shared in (True, False)}
+    refs = {(model, shared): _reference(folder, base / "data", pairs, shared)
+            for model, folder in folders.items() for shared in (True, False)}
     results: dict[str, Any] = {}
-    for world in sorted({w for w, _, _ in LAYOUTS.values()}):
-        runs = [(name, _overrides(str(folder), str(base / "data"), shared, layout))
-                for name, (w, shared, layout) in LAYOUTS.items() if w == world]  # fmt: skip
+    for world in sorted({w for w, _, _, _ in LAYOUTS.values()}):
+        runs = [(name, _overrides(str(folders[model]), str(base / "data"), shared, layout))
+                for name, (w, shared, layout, model) in LAYOUTS.items() if w == world]  # fmt: skip
         results.update(run_ranks(_rank, world, base, runs))
     return {"refs": refs, "runs": results, "pairs": pairs, "root": base / "data"}
 
@@ -193,7 +210,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_preference_step_equals_transformers_on_each_pair_alone(setup: dict[str, Any], layout: str, objective: str) -> None:
-    got, ref = setup["runs"][f"{layout}/{objective}"], setup["refs"][LAYOUTS[layout][1]][objective]
+    _, shared, _, model = LAYOUTS[layout]
+    got, ref = setup["runs"][f"{layout}/{objective}"], setup["refs"][(model, shared)][objective]
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5, rel=0)
     assert got["metrics"].keys() == ref["metrics"].keys()
     for key, value in ref["metrics"].items():

@@ -99,17 +99,21 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("bounds", [[100], [300, 700, 900]], ids=["2-docs", "4-docs"])
-def test_no_tensor_of_a_dense_mask_is_made(bounds: list[int]) -> None:
+@pytest.mark.parametrize(("bounds", "window", "family"),
+                         [([100], None, 0), ([300, 700, 900], None, 0), ([300, 500, 700, 760, 900], 100, 3)],
+                         ids=["2-docs", "4-docs", "pairs-under-a-window"])
+def test_no_tensor_of_a_dense_mask_is_made(bounds: list[int], window: Optional[int], family: int) -> None:
     """On the fused CPU kernel (its score tiles live inside the op), packed attention forward
     and backward makes nothing near a [Q, S] mask's size: the largest result is an
-    activation's, B S H D, far below S^2."""
+    activation's, B S H D, far below S^2. Pairs too (families of three, a prompt and two
+    completions), under a window."""
     S = 1024
     q, k, v, dout, doc = _packed(S, bounds, dtype=torch.float32)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     largest = _LargestTensor()
     with largest:
-        out = local_attention(*leaves, causal=True, doc_ids=doc, kernel=CpuFlashKernel())
+        out = local_attention(*leaves, causal=True, doc_ids=Documents(doc, doc.numpy(), family), window=window,
+                              kernel=CpuFlashKernel())
         out.backward(dout)
     assert largest.most <= q.numel() < S * S // 8
 

@@ -1,5 +1,6 @@
 """What a preference objective refuses before any worker starts (exit 2 naming the key): its
-settings out of range, a layout a pair cannot take, and data of the wrong kind for it."""
+settings out of range, a rule for overlong pairs that would cut a completion, and data of the
+wrong kind for it."""
 
 from __future__ import annotations
 
@@ -24,14 +25,20 @@ from ringtrain_dev.tiny_tokenizer import save_chat_tokenizer
         (["train.preference.label_smoothing=0.5"], "train.preference.label_smoothing", "must be in [0, 0.5)"),
         (["train.preference.sft_weight=-1"], "train.preference.sft_weight", "must be a finite number >= 0"),
         (["train.objective=simpo", "data.chat_overlong=truncate"], "data.chat_overlong", "truncate would cut a pair's completions"),
-        (["train.objective=orpo", "model.sliding_window=8"], "data.prefix_sharing", "a shared prompt is not cut by sliding-window layers"),
     ],
 )  # fmt: skip
 def test_settings_out_of_range_name_their_key(overrides: list[str], key: str, reason: str) -> None:
     with pytest.raises(ConfigError) as refused:
         config.load(None, overrides)
     assert refused.value.key == key and reason in refused.value.reason
-    config.load(None, ["train.objective=orpo", "model.sliding_window=8", "data.prefix_sharing=false"])
+
+
+@pytest.mark.parametrize("shared", ["true", "false"])
+def test_a_pair_takes_either_layout_under_sliding_window_layers(shared: str) -> None:
+    """A shared prompt under windowed layers: a completion's window reaches into its prompt by
+    position id (tests/dist/test_preference_loss.py's windowed layouts)."""
+    job = config.load(None, ["train.objective=orpo", "model.sliding_window=8", f"data.prefix_sharing={shared}"])
+    assert job.data.prefix_sharing is (shared == "true")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from ringtrain.config.schema import (
     CHECKPOINTING_MODES,
     DEVICES,
     DTYPES,
-    FULL_ATTENTION,
     LAYER_TYPES,
     LOSS_NORMS,
     OBJECTIVES,
@@ -193,7 +192,7 @@ def validate_finite(job: JobConfig) -> None:
 
 def validate_preference(job: JobConfig) -> None:
     """The preference objective's settings: a positive, finite beta, label smoothing in [0, 0.5),
-    and a layout a pair can take (a shared prompt is cut by no sliding window)."""
+    and a rule for overlong pairs that never cuts a completion."""
     p, d = job.train.preference, job.data
     if not (math.isfinite(p.beta) and p.beta > 0):
         raise ConfigError("train.preference.beta", f"must be a finite number > 0 (got {p.beta})")
@@ -208,11 +207,6 @@ def validate_preference(job: JobConfig) -> None:
     if d.chat_overlong == "truncate":
         raise ConfigError("data.chat_overlong", "truncate would cut a pair's completions; a preference objective "
                           "takes drop or truncate_start (its prompt cut from the start)")
-    m = job.model
-    windowed = bool(m.sliding_window) and (m.layer_types is None or any(t != FULL_ATTENTION for t in m.layer_types))
-    if d.prefix_sharing and windowed:
-        raise ConfigError("data.prefix_sharing", "a shared prompt is not cut by sliding-window layers (a completion's "
-                          "positions continue its prompt's, not the row's): set data.prefix_sharing=false")
 
 
 def validate_data_sources(d: DataConfig) -> None:

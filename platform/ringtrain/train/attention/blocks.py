@@ -7,14 +7,16 @@ Without documents or a window a block is one kernel call. Otherwise it is cut on
   documents share a prefix), so the block is one rectangle per document (``documents.segments``),
   each unmasked; a row whose document has no key here (padding included) keeps output 0 and LSE
   -inf;
-- a sliding window: by sequence position, into tiles that are left out, full, causal squares, or
+- a sliding window: by position id, into tiles that are left out, full, causal squares, or
   masked where the band's edge crosses them (``window.window_tiles``); a masked tile runs on a
-  kernel that takes masks (``kernels.mask_kernel``), with a mask of that tile only.
+  kernel that takes masks (``kernels.mask_kernel``), with a mask of that tile only. A position
+  id is the sequence position, less a child document's lag where documents come in families
+  (``documents.position_lags``).
 
-With both, each document's rectangle is cut by the window. Pieces that share rows merge through
-their LSEs. No [Q, S] mask of the whole block is ever made, and the block's own kernel runs every
-piece it can. The backward cuts the same way, each piece against the merged output and LSE of its
-rows.
+With both, each document's rectangle is cut by the window, a child's against its parent too.
+Pieces that share rows merge through their LSEs. No [Q, S] mask of the whole block is ever made,
+and the block's own kernel runs every piece it can. The backward cuts the same way, each piece
+against the merged output and LSE of its rows.
 
 A rectangle of a causal block without a window is square and on its diagonal: a causal block's
 rows and columns are the same positions, so a document's runs in both are the same slice (the
@@ -66,10 +68,23 @@ class Cut:
     q_positions: Optional[np.ndarray] = None
     k_positions: Optional[np.ndarray] = None
     family: int = 0  # ``documents.Documents.family``: a child document sees its parent's keys
+    # Under a window, with families: how far each token's position id falls behind its position
+    # (``documents.position_lags``); None: nowhere.
+    q_lags_BQ: Optional[np.ndarray] = None
+    k_lags_BS: Optional[np.ndarray] = None
 
     @property
     def whole(self) -> bool:
         return self.q_docs_BQ is None and self.window is None
+
+    def position_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' and columns' position ids, ``[1, n]`` or, with lags, ``[B, n]``: what a
+        window measures by (a child's continue its parent's, not the sequence's)."""
+        assert self.q_positions is not None and self.k_positions is not None
+        q_ids, k_ids = self.q_positions[None], self.k_positions[None]
+        if self.q_lags_BQ is not None and self.k_lags_BS is not None:
+            q_ids, k_ids = q_ids - self.q_lags_BQ, k_ids - self.k_lags_BS
+        return q_ids, k_ids
 
 
 @dataclass(frozen=True)
@@ -121,13 +136,13 @@ def pieces_of(batch: int, q_len: int, k_len: int, causal: bool, cut: Cut) -> lis
         return [Piece(b, rows, cols, causal) for b, rows, cols in rects] + parent_pieces
     if cut.q_positions is None or cut.k_positions is None:
         raise ValueError("a windowed block needs its rows' and columns' positions")
-    if parent_pieces:
-        # A child's positions continue its parent's, not the sequence's: the window's distances
-        # would have to be taken by position, which the tiles here do not.
-        raise ValueError("documents sharing a parent's prefix are not cut by a sliding window")
+    # Tiled by position ids: a child's rows against its parent's columns are a band too, shifted
+    # by the child's lag (its elder siblings' tokens between them count for nothing).
+    q_ids, k_ids = (np.broadcast_to(ids, (batch, ids.shape[1])) for ids in cut.position_ids())
+    rects += [(piece.b, piece.rows, piece.cols) for piece in parent_pieces]
     pieces = []
     for b, rows, cols in rects:
-        q_pos, k_pos = cut.q_positions[rows], cut.k_positions[cols]
+        q_pos, k_pos = q_ids[b.start, rows], k_ids[b.start, cols]
         tiles = window_tiles(q_pos, k_pos, cut.window)
         # By kind, so that each kind's tiles along the diagonal sit next to each other to batch.
         for kind in (CAUSAL, UPPER, FULL, MASKED):

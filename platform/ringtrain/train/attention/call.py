@@ -24,7 +24,7 @@ from ringtrain.config import KV_EXCHANGES
 from ringtrain.train.attention.block_kernel import AttentionKernel
 from ringtrain.train.attention.documents import DocIds, Documents
 from ringtrain.train.attention.transport import Transport
-from ringtrain.train.attention.window import shard_positions, sparse
+from ringtrain.train.attention.window import family_sources, needs, shard_positions, sparse
 
 Tensor = torch.Tensor
 
@@ -71,10 +71,12 @@ def choose_exchange(name: str, world: int, seq_local: int, window: Optional[int]
 @dataclass(frozen=True)
 class Side:
     """The rows or the columns of a visit, on the host: their sequence positions and, with packed
-    documents, their document ids ``[B, n]``."""
+    documents, their document ids ``[B, n]``; with documents in families under a window, how far
+    each token's position id falls behind its sequence position (``documents.position_lags``)."""
 
     positions: np.ndarray
     docs_BS: Optional[np.ndarray]
+    lags_BS: Optional[np.ndarray] = None
 
 
 # How a field of ``AttentionCall`` enters the key its plan is kept under (``plan_key``): by its
@@ -140,9 +142,10 @@ class AttentionCall:
         docs = None
         if self.docs is not None:
             docs = self.docs.host_BS if self.transport is None else self.docs.shards(self.transport)[source].host_BS
-        if self.world == 1:
-            return Side(_whole_positions(self.seq_local), docs)
-        return Side(shard_positions(self.world, source, self.seq_local), docs)
+        positions = (_whole_positions(self.seq_local) if self.world == 1
+                     else shard_positions(self.world, source, self.seq_local))
+        lags = self._lags()
+        return Side(positions, docs, None if lags is None else lags[:, positions])
 
     def whole_side(self) -> Side:
         """The ring's whole sequence in order."""
@@ -150,7 +153,30 @@ class AttentionCall:
         if self.docs is not None:
             assert self.transport is not None
             docs = self.docs.whole_sequence(self.transport).host_BS
-        return Side(_whole_positions(self.world * self.seq_local), docs)
+        return Side(_whole_positions(self.world * self.seq_local), docs, self._lags())
+
+    def window_sources(self) -> tuple[tuple[int, ...], ...]:
+        """For each ring rank, the ranks whose K/V its queries see through the window, itself
+        included: the layout's (``window.needs``), and with documents in families the ranks
+        holding the parents' keys that their children see (``window.family_sources``: every
+        rank finds the same, from the ring's gathered documents)."""
+        window, lags = self.window, self._lags()
+        assert window is not None
+        if lags is None:
+            return needs(self.world, self.seq_local, window)
+        assert self.docs is not None and self.transport is not None
+        whole, family = self.docs.whole_sequence(self.transport).host_BS, self.docs.family
+        found: tuple[tuple[int, ...], ...] = self.docs.cached(
+            ("sources", self.world, self.seq_local, window),
+            lambda: family_sources(self.world, self.seq_local, window, whole, lags, family))
+        return found
+
+    def _lags(self) -> Optional[np.ndarray]:
+        """``documents.position_lags`` of the ring's whole sequence where a window measures by
+        them (documents in families), else None."""
+        if self.window is None or self.docs is None or not self.docs.family:
+            return None
+        return self.docs.position_lags(self.transport)
 
 
 # The attribute paths of the plan's key: each field itself, or the attributes of it it names.

@@ -15,7 +15,11 @@ k j + k - 1 form family j): the family's first document is the parent of the oth
 queries see its keys as well as their own, and not each other's. A preference pair is a family of
 three (its prompt, then its chosen and its rejected completion, each continuing the prompt):
 the prompt's forward and backward run once for both. The parent comes first in the sequence, so
-a child's rectangle against its parent is wholly visible, never causal.
+a child's rectangle against its parent is wholly visible, never causal. A child's position ids
+continue its parent's (its first token one past the parent's last), not the sequence's: its
+elder siblings lie between them in the sequence but not in positions. A sliding window measures
+by position ids, so a child's tokens sit ``position_lags`` tokens earlier than their place in
+the sequence says.
 
 The cut is computed on the host: ``Documents`` holds the ids on the device and, copied once, on
 the host; it slices like a tensor, and gathers across a group once per forward (the model makes
@@ -67,6 +71,30 @@ def doc_visibility(q_doc_BQ: Tensor, k_doc_BS: Tensor, family: int = 0) -> Tenso
     if family:
         same_BQS = same_BQS | (parents(q_doc_BQ, family)[:, :, None] == k_doc_BS[:, None, :])
     return same_BQS & (q_doc_BQ >= 0)[:, :, None]
+
+
+def position_lags(ids_BN: np.ndarray, family: int) -> np.ndarray:
+    """``[B, N]``: how many places each token's position id falls behind its place in the sequence
+    ``ids_BN`` (the whole sequence, in order): for a child document, the tokens between its
+    parent's end and its own start (its elder siblings); 0 elsewhere, and where the parent is
+    not in the row."""
+    lags_BN = np.zeros(ids_BN.shape, dtype=np.int64)
+    for b in range(ids_BN.shape[0]):
+        found = runs(ids_BN[b])
+        extent = extents(found)
+        for doc, start, stop in found:
+            parent = int(parents(doc, family))
+            if parent >= 0 and parent in extent and extent[parent][1] <= extent[doc][0]:
+                lags_BN[b, start:stop] = extent[doc][0] - extent[parent][1]
+    return lags_BN
+
+
+def extents(found: list[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
+    """Each document's first position and its last plus one, from its ``runs``."""
+    extent: dict[int, tuple[int, int]] = {}
+    for doc, start, stop in found:
+        extent[doc] = (extent.get(doc, (start, stop))[0], stop)
+    return extent
 
 
 def runs(ids_S: np.ndarray) -> list[tuple[int, int, int]]:
@@ -138,6 +166,16 @@ class Documents:
         if key not in self._gathered:
             self._gathered[key] = make()
         return self._gathered[key]
+
+    def position_lags(self, group: Optional[Transport]) -> np.ndarray:
+        """``position_lags`` of the ring's whole sequence, ``[B, N]`` (``group``'s; None: these ids
+        are the whole sequence), once per forward."""
+        key = (None if group is None else _group_key(group), "lags")
+        if key not in self._gathered:
+            whole = self.host_BS if group is None else self.whole_sequence(group).host_BS
+            self._gathered[key] = position_lags(whole, self.family)
+        lags_BN: np.ndarray = self._gathered[key]
+        return lags_BN
 
     def whole_sequence(self, group: Transport) -> Documents:
         """The ring's whole sequence in order, from every rank's zigzag shard."""

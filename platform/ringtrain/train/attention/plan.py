@@ -67,18 +67,20 @@ class Visit:
 
 def cut_of(block: Block, rows: Side, cols: Side, window: Optional[int], family: int = 0) -> Cut:
     """What cuts ``block``: its rows' and columns' documents (and their families) and, under a
-    window, their positions."""
+    window, their positions (and lags, with families)."""
     docs: dict[str, Any] = {}
     if rows.docs_BS is not None and cols.docs_BS is not None:
         docs = {"q_docs_BQ": rows.docs_BS[:, block.rows], "k_docs_BS": cols.docs_BS[:, block.cols], "family": family}
     if window is None:
         return Cut(**docs)
+    if rows.lags_BS is not None and cols.lags_BS is not None:
+        docs.update(q_lags_BQ=rows.lags_BS[:, block.rows], k_lags_BS=cols.lags_BS[:, block.cols])
     return Cut(**docs, window=window, q_positions=rows.positions[block.rows], k_positions=cols.positions[block.cols])
 
 
 def cut_visibility(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -> np.ndarray:
-    """``[B, Q, S]``: which scores of a block ``cut`` leaves. Under a window the positions say what
-    is causal; otherwise a causal block's rows are the last of its columns (a square on the
+    """``[B, Q, S]``: which scores of a block ``cut`` leaves. Under a window the position ids say
+    what is causal; otherwise a causal block's rows are the last of its columns (a square on the
     diagonal, and for a block wider than tall the prefix before it)."""
     visible = np.ones((1, q_len, k_len), dtype=bool)
     if causal and cut.window is None:
@@ -86,8 +88,7 @@ def cut_visibility(cut: Cut, causal: bool, batch: int, q_len: int, k_len: int) -
     if cut.q_docs_BQ is not None and cut.k_docs_BS is not None:
         visible = visible & doc_visibility(cut.q_docs_BQ, cut.k_docs_BS, cut.family)
     if cut.window is not None:
-        assert cut.q_positions is not None and cut.k_positions is not None
-        visible = visible & band_mask(cut.q_positions, cut.k_positions, cut.window)[None]
+        visible = visible & band_mask(*cut.position_ids(), cut.window)
     return np.broadcast_to(visible, (batch, q_len, k_len))
 
 

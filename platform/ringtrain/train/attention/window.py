@@ -1,7 +1,7 @@
 """Sliding-window attention: which tiles of a block a window leaves, and which ranks' K/V a rank needs.
 
-A window of W tokens lets the query at sequence position p see the keys at positions
-p - W < q <= p (itself and the W - 1 before it, as transformers' ``sliding_window``). A block
+A window of W tokens lets the query at position p see the keys at positions p - W < q <= p
+(itself and the W - 1 before it, as transformers' ``sliding_window``), by position id. A block
 of rows and columns is laid on a grid of ``tile`` positions (the same grid for both, so a
 tile's rows and columns line up with the band's diagonals), and each tile is one of:
 
@@ -17,11 +17,18 @@ With the tile the window itself (from ``MIN_TILE`` on) each row of tiles is its 
 and the upper triangle before it: a layer costs S W score entries against S^2 / 2, on the fast
 kernel throughout (``blocks`` runs the equal tiles down the diagonal as one batch). Adjacent
 full tiles of a row are one call. Positions come from the layout (a zigzag shard holds two runs
-of consecutive positions), never from data.
+of consecutive positions), never from the data, but for one thing: a document in a family
+continues its parent's position ids, not the sequence's, so its tokens sit its lag earlier
+(``documents.position_lags``, from the documents alone; ``blocks`` tiles by what is left).
 
 Under context parallelism a rank needs the K/V of only the ranks whose tokens fall in some of
 its queries' windows (``needed_sources``): with a window no longer than a zigzag chunk that is its
-two neighbours, so the K/V go to them directly instead of around the whole ring.
+two neighbours, so the K/V go to them directly instead of around the whole ring. Documents in
+families change that where a child lies far from its parent in the sequence: its queries see
+the parent's keys by position id (``documents.position_lags``), which may lie on a rank further
+back than the neighbours. ``family_sources`` adds those ranks, from the ring's documents, so the
+K/V go to the neighbours alone wherever the families keep within them, and to the ranks the
+families reach besides where they do not.
 
 Shape legend: Q / K a block's rows / columns, R ranks in the ring, L a zigzag chunk's length.
 """
@@ -29,12 +36,14 @@ Shape legend: Q / K a block's rows / columns, R ranks in the ring, L a zigzag ch
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ringtrain.topology import sequence_positions
+from ringtrain.train.attention.documents import extents, parents, runs
 
 FULL, CAUSAL, UPPER, MASKED = "full", "causal", "upper", "masked"
 MIN_TILE = 64  # tiles below this cost more in kernel launches than their masks save
@@ -126,8 +135,9 @@ def window_tiles(q_positions: np.ndarray, k_positions: np.ndarray, window: int) 
 
 
 def band_mask(q_positions: np.ndarray, k_positions: np.ndarray, window: int) -> np.ndarray:
-    """``[Q, S]``: True where the key is inside the query's causal window (a masked tile's mask)."""
-    gap = q_positions[:, None] - k_positions[None, :]
+    """``[..., Q, S]``: True where the key is inside the query's causal window (a masked tile's
+    mask); positions ``[..., Q]`` and ``[..., S]`` (a batch row's each, where they differ)."""
+    gap = q_positions[..., :, None] - k_positions[..., None, :]
     return (gap >= 0) & (gap < window)
 
 
@@ -160,3 +170,40 @@ def sparse(world: int, seq_local: int, window: int) -> bool:
     """Whether some rank needs fewer than all ranks' K/V: then sending them to those alone beats
     the ring."""
     return any(len(sources) < world for sources in needs(world, seq_local, window))
+
+
+def family_sources(world: int, seq_local: int, window: int, ids_BN: np.ndarray, lags_BN: np.ndarray,
+                   family: int) -> tuple[tuple[int, ...], ...]:
+    """``needs`` and, for each rank, the ranks holding parent keys that its children's queries see
+    through the window by position id: the ring's whole sequence's documents ``ids_BN`` and their
+    ``lags_BN`` (``documents.position_lags``), the same on every rank."""
+    reads = [set(sources) for sources in needs(world, seq_local, window)]
+    # Every rank's stretches of consecutive positions, in sequence order: who holds a span.
+    held = sorted((pos, pos + length, rank) for rank in range(world)
+                  for _, pos, length in position_runs(shard_positions(world, rank, seq_local)))
+    starts = np.array([start for start, _, _ in held])
+
+    def holders(start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """The stretches holding some of positions [start, stop): (first position, end, rank)."""
+        for stretch in held[max(int(np.searchsorted(starts, start, side="right")) - 1, 0):]:
+            if stretch[0] >= stop:
+                return
+            if stretch[1] > start:
+                yield stretch
+
+    for b in range(ids_BN.shape[0]):
+        found = runs(ids_BN[b])
+        extent = extents(found)
+        for doc, start, stop in found:
+            parent = int(parents(doc, family))
+            if parent < 0 or parent not in extent:
+                continue
+            parent_start, parent_stop = extent[parent]
+            lag = int(lags_BN[b, start])
+            for run_start, _, rank in holders(start, stop):
+                # The run's first query reaches furthest back: to keys at positions from its own,
+                # less its lag, less the window, plus one.
+                lowest = max(parent_start, max(start, run_start) - lag - window + 1)
+                if lowest < parent_stop:
+                    reads[rank].update(holder for _, _, holder in holders(lowest, parent_stop))
+    return tuple(tuple(sorted(sources)) for sources in reads)

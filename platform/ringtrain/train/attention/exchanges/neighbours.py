@@ -6,8 +6,11 @@ ring a rank's two chunks then see into few other ranks' shards (``window.needed_
 W no longer than a chunk, its two ring neighbours), so passing every K/V block around all R
 ranks would move and wait for blocks nobody reads. Here a rank sends its K and V once to each
 rank that needs them and receives from each rank it needs, in one group launch, and attends its
-own block while they are in flight. The backward sends each visiting block's dK/dV home to its
-owner, which adds them to its own.
+own block while they are in flight. Documents in families add the ranks holding the parents'
+keys that a child sees by position id where those lie further back than the neighbours
+(``call.AttentionCall.window_sources``): still only the ranks the data needs, where a ring would
+visit every rank. The backward sends each visiting block's dK/dV home to its owner, which adds
+them to its own.
 """
 
 from __future__ import annotations
@@ -19,15 +22,13 @@ import torch
 from ringtrain.train.attention.accumulator import VisitAccumulator
 from ringtrain.train.attention.blocks import ALL, Block
 from ringtrain.train.attention.exchanges.base import KV, Exchange, Tag, Tensor, VisitBackward, VisitSpec
-from ringtrain.train.attention.window import needs
 
 
 class NeighbourExchange(Exchange):
     def _peers(self) -> tuple[list[int], list[int]]:
         """(the ranks whose K/V this rank reads, the ranks that read this rank's)."""
         call = self.call
-        assert call.window is not None
-        reads = needs(call.world, call.seq_local, call.window)
+        reads = call.window_sources()
         sources = [j for j in reads[call.rank] if j != call.rank]
         readers = [r for r in range(call.world) if r != call.rank and call.rank in reads[r]]
         return sources, readers
