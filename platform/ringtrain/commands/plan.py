@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ringtrain import config
-from ringtrain.config import OBJECTIVES, JobConfig
+from ringtrain.config import OBJECTIVES, PREFERENCE_OBJECTIVES, JobConfig
 from ringtrain.errors import ConfigError
 from ringtrain.planner import devices, goodput_report
 from ringtrain.planner.failures import PROFILES, profile
@@ -146,7 +146,7 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     completion_tokens = DEFAULT_COMPLETION_TOKENS
     if args.completion_tokens is not None:
         if not keeps_token_losses(objective):
-            raise ConfigError("--completion-tokens", f"sizes a preference pair: give --objective, one of {', '.join(OBJECTIVES[1:])}")
+            raise ConfigError("--completion-tokens", f"sizes a preference pair: give --objective, one of {', '.join(PREFERENCE_OBJECTIVES)}")
         completion_tokens = _int(args.completion_tokens, "--completion-tokens", maximum=MAX_TOKENS)
 
     device = devices.device(args.gpu_type)
