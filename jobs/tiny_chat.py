@@ -39,17 +39,13 @@ def conversations(rng: random.Random, count: int) -> list[dict]:
     return chats
 
 
-def main() -> None:
-    corpus = Path(sys.argv[1] if len(sys.argv) > 1 else "data/chats.jsonl")
-    folder = Path(sys.argv[2] if len(sys.argv) > 2 else "runs/tiny-chat")
-    chats = conversations(random.Random(0), 400)
-    corpus.parent.mkdir(parents=True, exist_ok=True)
-    corpus.write_text("".join(json.dumps(c) + "\n" for c in chats))
-
+def save_chat_model(folder: Path, texts: list[str]) -> None:
+    """A byte-level BPE tokenizer trained on ``texts`` with the ChatML template, and a 2-layer Llama
+    of its vocabulary, saved in ``folder`` as a Hugging Face model folder."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    texts = [m["content"] for c in chats for m in c["messages"]] + ["system user assistant"]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"]))
+    tok.train_from_iterator(texts + ["system user assistant"],
+                            trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"]))  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
@@ -59,6 +55,15 @@ def main() -> None:
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=2)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def main() -> None:
+    corpus = Path(sys.argv[1] if len(sys.argv) > 1 else "data/chats.jsonl")
+    folder = Path(sys.argv[2] if len(sys.argv) > 2 else "runs/tiny-chat")
+    chats = conversations(random.Random(0), 400)
+    corpus.parent.mkdir(parents=True, exist_ok=True)
+    corpus.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    save_chat_model(folder, [m["content"] for c in chats for m in c["messages"]])
     print(f"wrote {len(chats)} conversations to {corpus} and a tiny chat model to {folder}")
 
 

@@ -53,6 +53,7 @@ TINY_JOBS: dict[str, dict[str, Any]] = {
     "your-own-data.yaml": {"model": _TINY_MODEL, "data": {"seq_len": 64}, **_TINY_STEPS},
     "extend-context.yaml": {"data": {"seq_len": 256}, **_TINY_STEPS},
     "sft-chat.yaml": _TINY_STEPS,
+    "dpo-chat.yaml": _TINY_STEPS,
 }
 
 

@@ -97,3 +97,19 @@ def test_a_hf_folder_whose_name_yaml_would_misread_is_still_that_folder(tmp_path
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA))
     assert resolve_source(str(folder)).job.model.hf == str(folder.resolve())
+
+
+def test_a_preference_runs_workers_score_without_its_objective(tmp_path: Path) -> None:
+    """Evaluating or generating from a DPO run starts workers that never train: with the run's
+    objective they would first take reference log-probs of data they are not given, and fail."""
+    from ringtrain.commands.workers import inference_job
+
+    job = config.load(None, [*SHAPE, f"run_dir={tmp_path / 'run'}", "train.objective=dpo", "train.preference.beta=0.2"])
+    run = RunDir(tmp_path / "run")
+    run.write_config(job)
+    run.close()
+    open_store((tmp_path / "run" / "checkpoints").as_uri()).save(4, {"rank-0": b"shard"}, checkpoint_meta(job))
+    source = resolve_source(str(tmp_path / "run"))
+    assert source.job.train.objective == "dpo"
+    shaped = inference_job(source, ["train.objective=ipo"])
+    assert shaped.train.objective == "lm" and shaped.train.preference.beta == 0.2

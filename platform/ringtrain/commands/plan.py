@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ringtrain import config
-from ringtrain.config import JobConfig
+from ringtrain.config import OBJECTIVES, PREFERENCE_OBJECTIVES, JobConfig
 from ringtrain.errors import ConfigError
 from ringtrain.planner import devices, goodput_report
 from ringtrain.planner.failures import PROFILES, profile
@@ -26,6 +26,8 @@ from ringtrain.planner.goodput import MODES, Costs, Job
 from ringtrain.planner.layout import DTYPES, Workload, resolve_dtype, workload_of
 from ringtrain.planner.models import PRESETS, preset
 from ringtrain.planner.plans import Request, job_candidate, plan_text, reach_text, states_plan
+from ringtrain.planner.preference import DEFAULT_COMPLETION_TOKENS, keeps_token_losses
+from ringtrain.planner.reach import MAX_TOKENS
 from ringtrain.planner.search import MAX_GPUS, Cluster, advise, search
 from ringtrain.planner.throughput import Assumptions
 
@@ -79,6 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the longest sequence that fits per layout (with the long-context savers), instead of a plan at --seq-len",
     )
+    parser.add_argument(
+        "--objective",
+        help=f"what a step minimises: {', '.join(OBJECTIVES)} (default: the job's train.objective, else lm); a "
+        "preference objective trains rows of whole pairs, and --max-seq-len then gives the longest pair",
+    )
+    parser.add_argument(
+        "--completion-tokens",
+        help=f"with a preference objective: each completion's tokens, for the longest prompt a row holds "
+        f"(default {DEFAULT_COMPLETION_TOKENS:,})",
+    )
     goodput = parser.add_argument_group("goodput under failures (--goodput; docs/planner.md)")
     goodput.add_argument("--goodput", action="store_true", help="simulate the job's goodput under failures instead")
     goodput.add_argument("--failures", default="llama3", help=f"a failure profile ({', '.join(PROFILES)}) or a JSON file of rates")
@@ -127,7 +139,15 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         raise ConfigError(args.overrides[0], "key=value overrides apply to a job file; give one first")
     if args.goodput and (args.params or args.max_seq_len):
         raise ConfigError("--goodput", "simulates a job on a layout: give a job file or --model, without --params or --max-seq-len")
+    if args.params and (args.objective or args.completion_tokens):
+        raise ConfigError("--objective", "plans activations, which --params leaves out: give a job file or --model")
     job = load_job(args.job, args.overrides) if args.job else None
+    objective = _objective(args.objective, job)
+    completion_tokens = DEFAULT_COMPLETION_TOKENS
+    if args.completion_tokens is not None:
+        if not keeps_token_losses(objective):
+            raise ConfigError("--completion-tokens", f"sizes a preference pair: give --objective, one of {', '.join(PREFERENCE_OBJECTIVES)}")
+        completion_tokens = _int(args.completion_tokens, "--completion-tokens", maximum=MAX_TOKENS)
 
     device = devices.device(args.gpu_type)
     gpus = _int(args.gpus, "--gpus", maximum=MAX_GPUS) if args.gpus is not None else (job.world_size if job else 8)
@@ -143,6 +163,7 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         micro_batch=micro_batch,
         top=_int(args.top, "--top"),
         as_json=bool(args.json),
+        completion_tokens=completion_tokens,
     )
     optimizer_bytes = None
     if args.optimizer_bytes is not None:
@@ -159,16 +180,16 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         model, seq, name = preset(args.model), 0, "JOB.yaml"
     if args.seq_len is not None:
         seq = _int(args.seq_len, "--seq-len")
+    flash = not args.no_flash and (job is None or job.attention.kernel != "math")
     if getattr(args, "max_seq_len", False):
-        return reach_text(model, dtype, optimizer_bytes, not args.no_flash and (job is None or job.attention.kernel != "math"), request)
+        return reach_text(model, dtype, optimizer_bytes, flash, request, objective)
     if seq == 0:
         raise ConfigError("--seq-len", "is required with --model")
     if args.global_batch is not None:
         global_batch = _int(args.global_batch, "--global-batch")
     else:
         global_batch = job.train.global_batch if job is not None else max(1, DEFAULT_GLOBAL_BATCH_TOKENS // seq)
-    flash = not args.no_flash and (job is None or job.attention.kernel != "math")
-    workload = Workload(model, seq, dtype, flash, optimizer_bytes, global_batch)
+    workload = Workload(model, seq, dtype, flash, optimizer_bytes, global_batch, objective=objective)
     if args.goodput:
         return _goodput_text(args, job, workload, request, name)
     return plan_text(workload, request, job_candidate(job, workload, request), name)
@@ -306,6 +327,14 @@ def _positive(value: str, flag: str, *, maximum: float = math.inf) -> float:
     if number > maximum:
         raise ConfigError(flag, f"must be at most {maximum:g} (got {value})")
     return number
+
+
+def _objective(value: Optional[str], job: Optional[JobConfig]) -> str:
+    if value is None:
+        return job.train.objective if job is not None else "lm"
+    if value not in OBJECTIVES:
+        raise ConfigError("--objective", f"{value!r} is not one of {', '.join(OBJECTIVES)}")
+    return value
 
 
 def _dtype(value: Optional[str], job: Optional[JobConfig]) -> str:

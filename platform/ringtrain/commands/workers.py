@@ -24,14 +24,16 @@ if TYPE_CHECKING:
 
 def inference_job(source: EvalSource, overrides: list[str]) -> JobConfig:
     """The source's job with ``overrides``, shaped for inference: no snapshots, checkpoints, chaos
-    or spares, nothing stopped early. Not validated: the caller sets what it needs first."""
+    or spares, nothing stopped early, and no training objective (a preference run's workers would
+    otherwise take its reference log-probs, from data they are not given, before scoring
+    anything). Not validated: the caller sets what it needs first."""
     job = config.merge(source.job, overrides)
     job.checkpoint = dataclasses.replace(job.checkpoint, snapshot_every=0, persist_every=0, resume="none")
     job.chaos = ChaosConfig()
     job.mesh = dataclasses.replace(job.mesh, spares=0, min_dp=1, max_dp=None)
     # A run's fixed metrics port may be taken by a job still running; Ray picks a free one.
     job.telemetry = dataclasses.replace(job.telemetry, metrics_port=None)
-    job.train = dataclasses.replace(job.train, stop_at_step=None, skip_batches=[])
+    job.train = dataclasses.replace(job.train, stop_at_step=None, skip_batches=[], objective="lm")
     return job
 
 

@@ -167,6 +167,9 @@ CHAT_PACKINGS = ("next_fit", "first_fit")
 # preference dataset (train/preference.py).
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 OBJECTIVES = ("lm", *PREFERENCE_OBJECTIVES)
+# The preference objectives scored against a reference model's log-probs: the starting weights',
+# taken in one forward pass over the dataset before step 1 (train/trainer.py).
+REFERENCE_OBJECTIVES = ("dpo", "ipo")
 # token: the mean over every trained token of the global batch; sequence: each conversation's
 # token mean, averaged over the global batch's conversations (LongAlign, Bai et al. 2024).
 LOSS_NORMS = ("token", "sequence")

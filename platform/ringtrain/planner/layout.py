@@ -189,6 +189,8 @@ class Workload:
     # Fused kernels (train.fused_ops on a GPU, train/fused.py): RMSNorm, SwiGLU and the loss keep
     # less for the backward than the eager ops (planner/savers.py says how much).
     fused: bool = False
+    # train.objective: lm, or a preference objective whose rows hold pairs (planner/preference.py).
+    objective: str = "lm"
 
     @property
     def global_batch_tokens(self) -> int:
@@ -236,4 +238,5 @@ def workload_of(job: JobConfig, device_type: str, *, optimizer_bytes: Optional[i
         optimizer_bytes=optimizer_bytes,
         global_batch=job.train.global_batch,
         fused=bool(job.train.fused_ops) and device_type != "cpu",
+        objective=job.train.objective,
     )

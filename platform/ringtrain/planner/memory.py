@@ -70,6 +70,12 @@ The long-context savers (selective recomputation, tiled MLP, chunked loss, activ
 change the kept layers, the recomputed layer, the SwiGLU working set and the loss terms above as
 planner/savers.py says; offloaded layers' kept bytes count as host memory.
 
+A preference objective (``planner/preference.py``) keeps each token's loss apart, 8 bytes a
+token with its gradient, and never runs the fused loss (chunked in its place); DPO and IPO take a
+reference pass before step 1, forward only under ``torch.no_grad``, whose peak
+(``reference_activations``) is one layer's or the loss's forward working set over the same model
+states: the larger of it and the step's is the peak (the step's, in every layout seen).
+
 Windowed layers (``planner/windows.py``). The fused kernels keep the same q, k, v, output and
 log-sum-exp whatever the window, so a windowed layer keeps what a full one does, except where
 its K/V go straight to the ranks that read them: it keeps the s blocks it received,
@@ -89,6 +95,7 @@ from typing import Optional
 
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec, kv_copies
+from ringtrain.planner.preference import FUSED_FALLBACK_CHUNK, TOKEN_LOSS_BYTES, keeps_token_losses, needs_reference
 from ringtrain.planner.savers import (
     ffn_norms_kept,
     layer_bytes,
@@ -233,6 +240,53 @@ def windowed_exchange(model: ModelSpec, layout: Layout, seq_len: int, act_bytes:
     return WindowedExchange(2 * ranks.sources * block * act_bytes, 8 * (1 + ranks.sources + ranks.readers) * block)
 
 
+def attention_work(model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool) -> int:
+    """The attention backward's working set on one rank (see the module doc): fp32 dq and dK/dV
+    accumulators, K/V in flight and block gradients, or a windowed layer's dK/dV buffers; plus
+    the scores of the largest block when unfused."""
+    t, h, p = layout.micro_batch * seq_len // layout.cp, model.dim, act_bytes
+    c = kv_copies(model.n_kv_heads, layout.ulysses)
+    work = t * ((4 + 2 * p) * h + (16 + 6 * p) * model.kv_dim * c)
+    work = max(work, t * (4 + 2 * p) * h + windowed_exchange(model, layout, seq_len, p).backward_work)
+    return work + (0 if flash else score_bytes(model, layout, seq_len))
+
+
+def rotary_bytes(model: ModelSpec, tokens: int) -> int:
+    """cos and sin in fp32 for ``tokens`` tokens, per RoPE."""
+    return 4 * tokens * model.head_dim * (2 if model.local_rope else 1)
+
+
+def reference_activations(
+    model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool, fused: bool = False
+) -> int:
+    """The reference pass's activation peak on one rank (planner/preference.py): a forward of one
+    row under ``torch.no_grad``, which keeps nothing for a backward. The largest of its three
+    phases, over the rotary tables:
+
+        attention  the residual, the norm's working set, q, k, v (and Ulysses' copies, a
+                   windowed layer's received K/V) and the attention's working set, bounded by
+                   its backward's
+        MLP        the residual and the attention's output, the norm's working set and the
+                   SwiGLU's f-wide intermediates (a tile's, with tiles)
+        loss       the final hidden states and the loss's forward: the logits, their fp32 copy
+                   and log-softmax (a chunk's, where the loss is chunked), and the fp32 token
+                   losses and log-sum-exps
+    """
+    t, h, p = seq_len // layout.cp, model.dim, act_bytes  # one row, whatever the micro batch
+    row = dataclasses.replace(layout, micro_batch=1)
+    c = kv_copies(model.n_kv_heads, layout.ulysses)
+    norm = norm_kept(model, t, p, fused)
+    received = windowed_exchange(model, row, seq_len, p).kept if model.num_windowed_layers else 0
+    attention = (t * p * h + norm + t * p * (model.q_dim + 2 * model.kv_dim) + ulysses_extra(model, t, layout.ulysses, p, c)
+                 + received + attention_work(model, row, seq_len, p, flash=flash))  # fmt: skip
+    mlp = 2 * t * p * h + norm + mlp_kept(model, t, p, fused) // layout.mlp_tiles
+    fp32_copy = 4 if p < 4 else 0  # the logits' .float(), a copy only when they are not fp32 already
+    chunk = layout.loss_chunk or (FUSED_FALLBACK_CHUNK if fused else 0)
+    rows = min(chunk, t) if chunk > 0 else t
+    loss = t * p * h + rows * model.vocab_size * (p + fp32_copy + 4) + 8 * t
+    return rotary_bytes(model, t) + max(attention, mlp, loss)
+
+
 @dataclass(frozen=True)
 class Activations:
     kept: int  # what every layer keeps (its input only, with checkpointing)
@@ -248,9 +302,11 @@ class Activations:
 
 
 def activations(
-    model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool, fused: bool = False
+    model: ModelSpec, layout: Layout, seq_len: int, act_bytes: int, *, flash: bool, fused: bool = False,
+    per_token: bool = False,
 ) -> Activations:
-    """Activation bytes on one rank at the two candidate peaks (see module doc)."""
+    """Activation bytes on one rank at the two candidate peaks (see module doc); ``per_token``:
+    a preference objective's loss (planner/preference.py)."""
     t = layout.micro_batch * seq_len // layout.cp
     h, p = model.dim, act_bytes
     layer = layer_activation_bytes(model, t, layout.ulysses, p, fused)
@@ -266,8 +322,8 @@ def activations(
 
     received_kv = exchanged(on_device_forward)
     kept = on_device_forward * saved.kept + received_kv
-    rotary = 4 * t * model.head_dim * (2 if model.local_rope else 1)  # cos and sin, per RoPE
-    loss, logits_kept = loss_bytes(model, layout, t, p, fused)
+    rotary = rotary_bytes(model, t)
+    loss, logits_kept = loss_bytes(model, layout, t, p, fused, per_token)
     # The layers that do not recompute (the last ones) keep everything.
     recomputing = layout.recomputed_layers(model.n_layers)
     keeping = model.n_layers - recomputing if recomputing else 0
@@ -281,21 +337,17 @@ def activations(
     # leaves no logits referenced by then). The
     # SwiGLU backward holds the incoming gradient and two f-wide gradients beyond what the layer
     # keeps; by the time the attention's backward runs, the layer's FFN half has been freed.
-    c = kv_copies(model.n_kv_heads, layout.ulysses)
-    attention_work = t * ((4 + 2 * p) * h + (16 + 6 * p) * model.kv_dim * c)
-    attention_work = max(attention_work, t * (4 + 2 * p) * h + exchange.backward_work)
-    if not flash:
-        attention_work += score_bytes(model, layout, seq_len)
+    attention = attention_work(model, layout, seq_len, p, flash=flash)
     # The one recomputed layer, when windowed, holds the K/V it received again.
     recomputed = saved.recomputed + (exchange.kept if layout.checkpointing and model.num_windowed_layers else 0)
     base = on_device_backward * saved.kept + exchanged(on_device_backward) + recomputed + rotary + logits_kept
-    backward_peak = base + max(saved.ffn_work, attention_work - saved.ffn_kept)
+    backward_peak = base + max(saved.ffn_work, attention - saved.ffn_kept)
     if keeping:
         # The keeping layers run their backward first, with every layer's bytes still held; the
         # recomputing ones after them, once the others' are freed.
-        last_first = kept + rotary + logits_kept + max(plain.ffn_work, attention_work - plain.ffn_kept)
+        last_first = kept + rotary + logits_kept + max(plain.ffn_work, attention - plain.ffn_kept)
         backward_peak = max(last_first, recomputing * saved.kept + recomputed + rotary + logits_kept
-                            + max(saved.ffn_work, attention_work - saved.ffn_kept))
+                            + max(saved.ffn_work, attention - saved.ffn_kept))
     # The offloaded layers all save the one pair of rotary tables: train/offload.py keeps one host
     # copy of a storage however many layers save it.
     offloaded = model.n_layers - on_device_forward
@@ -316,6 +368,8 @@ class MemoryEstimate:
     kept_by_layers: int = 0  # of the activations: what the layers keep for the backward
     logits_and_loss: int = 0  # of the activations at the loss peak: the full-vocabulary logits
     received_kv: int = 0  # of kept_by_layers: the K/V windowed layers received (module doc)
+    token_losses: int = 0  # of logits_and_loss: a preference objective's per-token losses
+    reference_pass: int = 0  # DPO's and IPO's reference pass: its activation peak (0: none taken)
 
     @property
     def model_states(self) -> int:
@@ -338,17 +392,26 @@ def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
         offload_params=layout.offload_params,
     )
     buffers = zero_buffers(model, model.num_params, layout.zero_stage, prec)
-    acts = activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash, fused=workload.fused)
+    per_token = keeps_token_losses(workload.objective)
+    acts = activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash, fused=workload.fused,
+                       per_token=per_token)  # fmt: skip
+    reference = 0
+    if needs_reference(workload.objective):
+        reference = reference_activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash,
+                                          fused=workload.fused)  # fmt: skip
     return MemoryEstimate(
         params=states.params,
         grads=states.grads,
         optimizer=states.optimizer,
         zero_buffers=buffers.resident,
-        activations=max(acts.peak, buffers.reduce_transient),
+        # The reference pass runs on the same model states and buffers before step 1.
+        activations=max(acts.peak, buffers.reduce_transient, reference),
         host=states.host + acts.host,
         kept_by_layers=acts.kept,
         logits_and_loss=acts.loss,
         received_kv=acts.received_kv,
+        token_losses=TOKEN_LOSS_BYTES * layout.micro_batch * workload.seq_len // layout.cp if per_token else 0,
+        reference_pass=reference,
     )
 
 

@@ -16,6 +16,7 @@ from ringtrain.config import JobConfig
 from ringtrain.planner.devices import GB
 from ringtrain.planner.layout import Layout, Workload, layout_of, precision
 from ringtrain.planner.memory import MemoryEstimate, states_estimate
+from ringtrain.planner.preference import DEFAULT_COMPLETION_TOKENS
 from ringtrain.planner.render import Plan, format_count, plan_record, reach_record, render, render_reach, states_table
 from ringtrain.planner.search import (
     Candidate,
@@ -37,6 +38,7 @@ class Request:
     micro_batch: int
     top: int
     as_json: bool
+    completion_tokens: int = DEFAULT_COMPLETION_TOKENS  # each completion of a pair (a preference objective)
 
 
 def plan_text(workload: Workload, request: Request, job_layout: Optional[Candidate], job_path: str) -> str:
@@ -47,13 +49,17 @@ def plan_text(workload: Workload, request: Request, job_layout: Optional[Candida
     return render(plan, top=request.top)
 
 
-def reach_text(model: Any, dtype: str, optimizer_bytes: Optional[int], flash: bool, request: Request) -> str:
-    """``--max-seq-len``: one sequence per replica (the global batch is dp sequences)."""
-    workload = Workload(model, 0, dtype, flash, optimizer_bytes, global_batch=request.cluster.gpus)
+def reach_text(
+    model: Any, dtype: str, optimizer_bytes: Optional[int], flash: bool, request: Request, objective: str = "lm"
+) -> str:
+    """``--max-seq-len``: one sequence (a row of pairs, under a preference objective) per replica
+    (the global batch is dp sequences)."""
+    workload = Workload(model, 0, dtype, flash, optimizer_bytes, global_batch=request.cluster.gpus, objective=objective)
     reach = max_seq_len(workload, request.cluster, request.assume, micro_batch=request.micro_batch)
     if request.as_json:
-        return json.dumps(reach_record(workload, request.cluster, reach, top=request.top), indent=2)
-    return render_reach(workload, request.cluster, reach, top=request.top)
+        record = reach_record(workload, request.cluster, reach, top=request.top, completion_tokens=request.completion_tokens)
+        return json.dumps(record, indent=2)
+    return render_reach(workload, request.cluster, reach, top=request.top, completion_tokens=request.completion_tokens)
 
 
 def _make_plan(workload: Workload, request: Request, job_layout: Optional[Candidate], job_path: str) -> Plan:
@@ -61,7 +67,7 @@ def _make_plan(workload: Workload, request: Request, job_layout: Optional[Candid
     advice: list[str] = []
     if not any(c.fits for c in ranked):
         advice = advise(workload, request.cluster, request.assume, ranked, micro_batch=request.micro_batch)
-    return Plan(workload, request.cluster, request.assume, ranked, job_layout, job_path, advice)
+    return Plan(workload, request.cluster, request.assume, ranked, job_layout, job_path, advice, request.completion_tokens)
 
 
 def job_candidate(job: Optional[JobConfig], workload: Workload, request: Request) -> Optional[Candidate]:

@@ -10,6 +10,7 @@ from ringtrain.planner.devices import GB
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate
 from ringtrain.planner.models import ModelSpec
+from ringtrain.planner.preference import DEFAULT_COMPLETION_TOKENS, PairFit, keeps_token_losses, needs_reference
 from ringtrain.planner.search import Candidate, Cluster, Reach
 from ringtrain.planner.throughput import Assumptions, attention_flops_per_token, flops_per_token
 
@@ -23,6 +24,7 @@ class Plan:
     job_layout: Optional[Candidate] = None  # the layout the job file asks for, when there is one
     job_path: str = "JOB.yaml"
     advice: list[str] = field(default_factory=list)
+    completion_tokens: int = DEFAULT_COMPLETION_TOKENS  # each completion of a pair, under a preference objective
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -71,6 +73,27 @@ def header(plan: Plan) -> list[str]:
         f"{plan.candidates[0].layout.micro_batch if plan.candidates else 1}; "
         f"global batch {w.global_batch} x {w.seq_len:,} = {w.global_batch_tokens:,} tokens",
         *_windows_line(w),
+        *_objective_lines(w.objective, PairFit.of(w.seq_len, plan.completion_tokens)),
+    ]
+
+
+def _pair_words(fit: PairFit) -> str:
+    """The longest pair a row holds, in words."""
+    if not fit.shared_prompt:
+        return f"no pair of two {fit.completion:,}-token completions (--completion-tokens)"
+    two = f"a {fit.two_documents_prompt:,}-token one" if fit.two_documents_prompt else "none"
+    return (f"a {fit.shared_prompt:,}-token prompt and two {fit.completion:,}-token completions (--completion-tokens) "
+            f"with the prompt shared (data.prefix_sharing=true), {two} as two documents")  # fmt: skip
+
+
+def _objective_lines(objective: str, fit: PairFit) -> list[str]:
+    """A preference objective's rows: the pair a row holds, and the reference pass."""
+    if not keeps_token_losses(objective):
+        return []
+    reference = "a reference pass before step 1, forward only" if needs_reference(objective) else "no reference pass"
+    return [
+        f"             objective {objective}: each row holds whole pairs; a {fit.row:,}-token row, {_pair_words(fit)}",
+        f"             the loss keeps each token's log-prob; {reference}",
     ]
 
 
@@ -137,7 +160,8 @@ def breakdown(c: Candidate, cluster: Cluster, model: ModelSpec, *, title: str, j
         f"    ZeRO buffers      {_gb(m.zero_buffers):>7}",
         f"    activations       {_gb(m.activations):>7}   layers keep {_gb(m.kept_by_layers)}"
         + (f" (windowed layers' received K/V {_gb(m.received_kv)})" if m.received_kv else "")
-        + f", logits and loss {_gb(m.logits_and_loss)}",
+        + f", logits and loss {_gb(m.logits_and_loss)}"
+        + (f"; reference pass {_gb(m.reference_pass)}" if m.reference_pass else ""),
         f"    total             {_gb(m.total):>7}   of {_gb(cluster.usable_bytes)} usable"
         + (f"; host {_gb(m.host * min(cluster.gpus, cluster.gpus_per_node))} per node" if m.host else ""),
         f"  step: {steps} micro batch{'es' if steps != 1 else ''} per replica, {s.tokens_per_step:,} tokens, "
@@ -225,6 +249,8 @@ def _memory_record(m: MemoryEstimate) -> dict[str, int]:
         "kept_by_layers": m.kept_by_layers,
         "logits_and_loss": m.logits_and_loss,
         "received_kv": m.received_kv,
+        "token_losses": m.token_losses,
+        "reference_pass": m.reference_pass,
         "total": m.total,
         "host": m.host,
     }
@@ -253,6 +279,8 @@ def plan_record(plan: Plan, *, top: int) -> dict[str, Any]:
             "attention_if_full": attention_flops_per_token(_unwindowed(w.model), w.seq_len),
         },
         "seq_len": w.seq_len,
+        "objective": w.objective,
+        "longest_pair": PairFit.of(w.seq_len, plan.completion_tokens).record() if keeps_token_losses(w.objective) else None,
         "dtype": w.dtype,
         "flash_attention": w.flash,
         "global_batch": w.global_batch,
@@ -313,41 +341,77 @@ def _host_line(cluster: Cluster) -> str:
 
 
 REACH_COLUMNS = ("#", "max seq", "dp", "cp", "ring", "ulysses", "ZeRO", "savers", "GB/GPU", "host GB/node", "tokens/s")
+# Under a preference objective the longest sequence is a row of pairs, and the pair it holds is
+# told by its prompt per pair layout (planner/preference.py).
+PAIR_COLUMNS = ("max row", "prompt, shared", "prompt, 2 docs")
 
 
-def render_reach(workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int) -> str:
-    """``ringtrain plan --max-seq-len``: the longest sequence per layout, longest first."""
+def render_reach(
+    workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int,
+    completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
+) -> str:  # fmt: skip
+    """``ringtrain plan --max-seq-len``: the longest sequence per layout, longest first; under a
+    preference objective, the longest row of pairs and the longest pair's prompt in it."""
     w = workload
+    pairs = keeps_token_losses(w.objective)
+    flag = f" --objective {w.objective}" if pairs else ""
     lines = [
-        f"ringtrain plan --max-seq-len: {w.model.name}, {format_count(w.model.num_params)} params, "
-        f"{cluster.gpus} x {cluster.device.name}, {w.dtype}, one sequence per replica",
+        f"ringtrain plan --max-seq-len{flag}: {w.model.name}, {format_count(w.model.num_params)} params, "
+        f"{cluster.gpus} x {cluster.device.name}, {w.dtype}, one {'row of pairs' if pairs else 'sequence'} per replica",
         f"assumptions: {_gb(cluster.usable_bytes)} of {_gb(cluster.device.memory_bytes)} GB usable per GPU; "
         + _host_line(cluster),
-        "",
     ]
+    if pairs:
+        lines.append(
+            f"a pair of a P-token prompt and two {completion_tokens:,}-token completions (--completion-tokens) takes P + "
+            f"{2 * completion_tokens + 1:,} tokens of a row with its prompt shared (data.prefix_sharing=true), 2P + "
+            f"{2 * completion_tokens:,} as two documents; the loss keeps each token's log-prob"
+            + ("; the reference pass before step 1 is forward only" if needs_reference(w.objective) else "")
+        )
+    lines.append("")
     if not reach:
         return "\n".join(lines + ["no layout fits even the shortest sequence tried (2 x cp x 64 tokens)"])
+    columns = (REACH_COLUMNS[0], *PAIR_COLUMNS, *REACH_COLUMNS[2:]) if pairs else REACH_COLUMNS
     rows = []
     for i, r in enumerate(reach[:top]):
         c, lay = r.candidate, r.candidate.layout
         host = c.memory.host * min(cluster.gpus, cluster.gpus_per_node)
+        fit = PairFit.of(r.max_seq_len, completion_tokens)
+        lengths = [f"{r.max_seq_len:,}"] + ([f"{fit.shared_prompt:,}", f"{fit.two_documents_prompt:,}"] if pairs else [])
         rows.append(
-            (str(i + 1), f"{r.max_seq_len:,}", str(lay.dp), str(lay.cp), str(lay.ring), str(lay.ulysses),
+            (str(i + 1), *lengths, str(lay.dp), str(lay.cp), str(lay.ring), str(lay.ulysses),
              str(lay.zero_stage), lay.saver_column(), _gb(c.memory.total), _gb(host), f"{c.step.tokens_per_s:,.0f}")
         )
-    widths = [max(len(r[i]) for r in [REACH_COLUMNS, *rows]) for i in range(len(REACH_COLUMNS))]
-    for r in [REACH_COLUMNS, *rows]:
-        lines.append("  ".join(v.ljust(w) if i == 7 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip())
-    best = reach[0].candidate.layout
-    lines += ["", f"longest: {reach[0].max_seq_len:,} tokens; run: ringtrain run JOB.yaml data.seq_len={reach[0].max_seq_len} {' '.join(best.overrides())}"]
-    return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    left = columns.index("savers")
+    for r in [columns, *rows]:
+        lines.append("  ".join(v.ljust(w) if i == left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip())
+    best, longest = reach[0].candidate, reach[0].max_seq_len
+    run = f"run: ringtrain run JOB.yaml{' train.objective=' + w.objective if pairs else ''} data.seq_len={longest} {' '.join(best.layout.overrides())}"
+    if not pairs:
+        return "\n".join(lines + ["", f"longest: {longest:,} tokens; {run}"])
+    lines += ["", f"longest pair: a {longest:,}-token row, {_pair_words(PairFit.of(longest, completion_tokens))}"]
+    if best.memory.reference_pass:
+        lines.append(f"reference pass: its activations peak at {_gb(best.memory.reference_pass)} GB per GPU, the step's at "
+                     f"{_gb(best.memory.activations)}")  # fmt: skip
+    return "\n".join(lines + [run])
 
 
-def reach_record(workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int) -> dict[str, Any]:
-    """``--max-seq-len --json``: ``max_seq_len`` per layout, with the host-memory assumption."""
+def reach_record(
+    workload: Workload, cluster: Cluster, reach: list[Reach], *, top: int,
+    completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
+) -> dict[str, Any]:  # fmt: skip
+    """``--max-seq-len --json``: ``max_seq_len`` per layout, with the host-memory assumption;
+    under a preference objective, each layout's longest pair (``longest_pair``) too."""
+    pairs = keeps_token_losses(workload.objective)
+
+    def pair(row: int) -> dict[str, Any]:
+        return {"longest_pair": PairFit.of(row, completion_tokens).record()} if pairs else {}
+
     return {
         "model": {"name": workload.model.name, "num_params": workload.model.num_params},
         "dtype": workload.dtype,
+        "objective": workload.objective,
         "gpus": cluster.gpus,
         "gpus_per_node": cluster.gpus_per_node,
         "gpu_type": cluster.device.name,
@@ -355,5 +419,7 @@ def reach_record(workload: Workload, cluster: Cluster, reach: list[Reach], *, to
         "host_memory_bytes_per_node": cluster.device.host_memory_bytes,
         "pcie_bytes_per_s": cluster.device.pcie_bw,
         "max_seq_len": reach[0].max_seq_len if reach else 0,
-        "layouts": [{"max_seq_len": r.max_seq_len, **candidate_record(r.candidate, workload.model)} for r in reach[:top]],
+        **pair(reach[0].max_seq_len if reach else 0),
+        "layouts": [{"max_seq_len": r.max_seq_len, **pair(r.max_seq_len), **candidate_record(r.candidate, workload.model)}
+                    for r in reach[:top]],
     }

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ringtrain.planner.layout import Layout
 from ringtrain.planner.models import ModelSpec, kv_copies
+from ringtrain.planner.preference import FUSED_FALLBACK_CHUNK, TOKEN_LOSS_BYTES
 
 # The chunk the search gives the chunked loss when it turns it on: 1,024 tokens of a 128K
 # vocabulary are 1.8 GB in bf16 with the fp32 loss terms, a fixed cost whatever the context.
@@ -126,25 +127,31 @@ def fused_loss_rows(tokens: int, vocab_size: int, dim: int) -> int:
 
 
 def loss_bytes(
-    model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, fused: bool = False
+    model: ModelSpec, layout: Layout, tokens: int, act_bytes: int, fused: bool = False, per_token: bool = False
 ) -> tuple[int, int]:
     """(the loss's peak at the start of the backward, the logits kept through the backward).
 
     The model's output head computes the loss itself, so nothing holds the logits once its
     forward is done: the log-softmax keeps only its fp32 output, and its backward holds that, the
     incoming gradient and the outgoing one, 12 bytes per logit; none are kept through the
-    layers' backward."""
+    layers' backward. ``per_token``: a preference objective's loss, each token's apart
+    (planner/preference.py): ``TOKEN_LOSS_BYTES`` more per token, and chunked where the fused
+    kernel would run."""
     V = model.vocab_size
-    if fused:
+    token_losses = TOKEN_LOSS_BYTES * tokens if per_token else 0
+    chunk = layout.loss_chunk
+    if fused and per_token and chunk <= 0:
+        chunk = FUSED_FALLBACK_CHUNK
+    elif fused and not per_token:
         # The fused loss makes each chunk's logits (fp32, with their gradient in the input dtype)
         # and turns them into the hidden states' gradient and the fp32 weight gradient during the
         # forward; those two are what it keeps.
         rows = min(fused_loss_rows(tokens, V, model.dim), tokens)
         return rows * V * (8 + act_bytes) + tokens * act_bytes * model.dim + 4 * V * model.dim, 0
-    if layout.loss_chunk <= 0:
-        return tokens * V * 12, 0
-    rows = min(layout.loss_chunk, tokens)
-    return rows * V * (act_bytes + 12) + 4 * tokens + 4 * V * model.dim, 0
+    if chunk <= 0:
+        return tokens * V * 12 + token_losses, 0
+    rows = min(chunk, tokens)
+    return rows * V * (act_bytes + 12) + 4 * tokens + 4 * V * model.dim + token_losses, 0
 
 
 def resident_layers(model: ModelSpec, layout: Layout) -> tuple[int, int]:
