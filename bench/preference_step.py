@@ -10,7 +10,7 @@ Pairs of a long prompt and two short completions (``--prompt-tokens`` about 6K, 
 test_preference_loss.py); the figure is the median step time of the two-document layout over the
 shared one's, measured in the same run, alternating, warm-up steps left out. Target >= 1.3x.
 
-Usage: python bench/preference_step.py [--prompt-tokens 6144] [--completion-tokens 512] [--steps 4] [--out PATH]
+Usage: python bench/preference_step.py [--prompt-tokens 6144] [--completion-tokens 512] [--steps 6] [--out PATH]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=6144)
     parser.add_argument("--completion-tokens", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps of each layout (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps of each layout (after one warm-up step)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     run = Run("preference_step")
