@@ -29,6 +29,7 @@ from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
+    from ringtrain.commands.eval_pairs import PairsEval
     from ringtrain.commands.eval_tasks import TaskPlan
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain eval``; ConfigError (exit 2) for bad input, before any cluster starts."""
-    source, job, plan, tasks = prepare(args)
+    source, job, plan, tasks, pairs = prepare(args)
 
     from ringtrain.actors.evaluation import evaluate
 
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         coverage = evalset.coverage
         scored.insert(0, f"{evalset.num_rows} sequences of {evalset.seq_len} tokens" if coverage is None
                       else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
+    if pairs is not None:
+        scored.insert(0, f"{pairs.pairs.num_scored} preference pairs in {pairs.pairs.num_rows} rows of {pairs.pairs.seq_len} tokens")
 
     def banner(device: str) -> None:
         _stderr(
@@ -100,13 +103,16 @@ def run(args: argparse.Namespace) -> int:
             f"dp {job.topology.dp} x cp {job.topology.cp} ({job.cp_layout.runs}), ZeRO-{job.zero.stage}, {device}"
         )
 
-    with started_workers(job, source, banner) as group:
+    with started_workers(job, source, banner, pairs.before_restore if pairs is not None else None) as group:
         result = evaluate(group, plan) if evalset is not None or plan.prompts else None
+        preference = pairs.score(group) if pairs is not None else None
         task_results = _run_tasks(tasks, group, source) if tasks is not None else None
     if args.json:
         out: dict[str, Any] = {"source": source.where}
         if result is not None:
             out.update(data=job.eval.data, **result.to_dict())
+        if preference is not None:
+            out.update(data=job.eval.data, preference=preference)
         if task_results is not None:
             from ringtrain.commands.eval_tasks import results_json
 
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     if result is not None:
         print(result.table())
+    if preference is not None:
+        print("  ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in preference.items()))
     if task_results is not None:
         from lm_eval.utils import make_table
 
@@ -128,9 +136,10 @@ def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, A
     return run_tasks(tasks, group, source.tokenizer_folder)
 
 
-def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"]]:
-    """The source, the workers' job, the eval plan (``--data``, ``--passkey``) and the lm-eval
-    tasks (``--tasks``): every input check, no cluster."""
+def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"], Optional["PairsEval"]]:
+    """The source, the workers' job, the eval plan (``--data``, ``--passkey``), the lm-eval
+    tasks (``--tasks``) and a preference dataset's pairs with their objective and reference:
+    every input check, no cluster."""
     from ringtrain.actors.evaluation import plan_for
     from ringtrain.evaluation.tokenizer import find_tokenizer
 
@@ -144,19 +153,47 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         job = _eval_job(source, args)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
-        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
+        _check_objective(job)
+        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
+        pairs = _pairs_plan(job, source, plan)
         # The workers' own data source is never read; it only has to be valid at this length,
-        # which holds the eval set's rows and the longest sequence a task's request may have.
-        longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0)
+        # which holds the eval set's rows, the pairs' rows and the longest sequence a task's
+        # request may have. They score, and train nothing: the objective is the driver's.
+        longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0,
+                      plan.pairs.seq_len if plan.pairs is not None else 0)  # fmt: skip
         seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
         path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
         job.data = dataclasses.replace(job.data, seq_len=seq_len, path=path)
+        job.train = dataclasses.replace(job.train, objective="lm")
         job = checked(job)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
-    return source, job, plan, tasks
+    return source, job, plan, tasks, pairs
+
+
+def _check_objective(job: JobConfig) -> None:
+    """``--data`` and ``train.objective`` agree, as ``ringtrain run`` asks of its data: a
+    preference dataset is scored by a preference objective, any other data by ``lm``."""
+    from ringtrain.train.evalset import content_of
+    from ringtrain.train.mixture import check_objective
+
+    if not job.eval.data:
+        return
+    try:
+        check_objective(job, job.eval.data, content_of(job.eval.data))
+    except ConfigError as exc:
+        hint = "; to score its next-token loss, pass train.objective=lm" if job.train.objective != "lm" else ""
+        raise ConfigError(exc.key, exc.reason + hint) from None
+
+
+def _pairs_plan(job: JobConfig, source: EvalSource, plan: "EvalPlan") -> Optional["PairsEval"]:
+    if plan.pairs is None:
+        return None
+    from ringtrain.commands.eval_pairs import plan_pairs
+
+    return plan_pairs(job, source, plan.pairs, job.eval.seq_len or job.data.seq_len)
 
 
 def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int) -> "TaskPlan":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
 from ringtrain.commands.eval_source import EvalSource
@@ -46,9 +46,11 @@ def checked(job: JobConfig) -> JobConfig:
 
 
 @contextlib.contextmanager
-def started_workers(job: JobConfig, source: EvalSource, banner: Callable[[str], None]) -> Iterator["WorkerGroup"]:
+def started_workers(job: JobConfig, source: EvalSource, banner: Callable[[str], None],
+                    before_restore: Optional[Callable[["WorkerGroup"], None]] = None) -> Iterator["WorkerGroup"]:  # fmt: skip
     """The job's workers, started (and restored from the source's checkpoint) for the block;
-    ``banner`` is handed the device once it is known, before the workers start."""
+    ``banner`` is handed the device once it is known, before the workers start;
+    ``before_restore`` runs on the started workers before a checkpoint is loaded into them."""
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.group import WorkerGroup
 
@@ -61,6 +63,8 @@ def started_workers(job: JobConfig, source: EvalSource, banner: Callable[[str], 
         group = WorkerGroup(cluster.for_workers(job), device)
         try:
             group.start()
+            if before_restore is not None:
+                before_restore(group)
             if source.checkpoint is not None:
                 group.restore(source.shards())
             yield group
