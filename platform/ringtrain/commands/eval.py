@@ -105,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
 
     with started_workers(job, source, banner, pairs.before_restore if pairs is not None else None) as group:
         result = evaluate(group, plan) if evalset is not None or plan.prompts else None
-        preference = pairs.score(group) if pairs is not None else None
         task_results = _run_tasks(tasks, group, source) if tasks is not None else None
+        # Last: a reference model's pass leaves its weights in the workers.
+        preference = pairs.score(group) if pairs is not None else None
     if args.json:
         out: dict[str, Any] = {"source": source.where}
         if result is not None:
