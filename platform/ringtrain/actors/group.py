@@ -401,7 +401,7 @@ class WorkerGroup:
         import ray
 
         pairs_ref, weights_ref = ray.put(pairs), ray.put(weights)
-        forwards = -(-pairs.num_rows // self.topology.dp)
+        forwards = -(-pairs.num_rows // self.topology.dp) + (weights is not None)  # loading weights: about a forward's
         answers = gather(self.members, lambda _, w: w.score_pairs.remote(pairs_ref, weights_ref), self._collective_timeout(forwards))
         return answers[0]
 

@@ -1,6 +1,8 @@
 """`ringtrain eval SOURCE --data PATH`: a model's next-token loss by position, and optionally
 passkey retrieval, computed on a dp x cp mesh of workers; `--tasks T1,T2`: lm-evaluation-harness
-tasks with the workers as lm-eval's model (``eval_tasks``, ``lm_eval_model``), alone or besides.
+tasks with the workers as lm-eval's model (``eval_tasks``, ``lm_eval_model``), alone or besides;
+`--data PREFERENCE_DATASET train.objective=dpo ...`: a preference objective's loss, log-probs and
+rewards over the dataset's pairs (``eval_pairs``), scored after the rest.
 
 SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``commands.eval_source``).
 The workers are the ones training uses (WorkerGroup, TrainWorker, Trainer), so any layout
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``eval`` subcommand's arguments."""
     parser.__class__ = _IntermixedParser  # the subparser was made by add_subparsers' class
     parser.add_argument("source", nargs="?", metavar="SOURCE", help="a run directory, a checkpoint URI or a Hugging Face model folder")
-    parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of token rows")
+    parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, a 2-D .npy of token rows, or a prepared dataset (chat; preference, with train.objective=dpo, ipo, simpo or orpo)")
     parser.add_argument("--seq-len", type=int, help="tokens per window of a stream (default: the job's data.seq_len)")
     parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, every conversation of a chat dataset that fits --seq-len, 64 windows of a stream)")
     parser.add_argument("--bucket-tokens", type=int, help="the first position bucket's size; each next one doubles (default 1024)")
@@ -154,8 +156,8 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         job = _eval_job(source, args)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
-        _check_objective(job)
         plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+        _check_objective(job)  # once the data is known to be there
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
         pairs = _pairs_plan(job, source, plan)

@@ -38,7 +38,7 @@ from ringtrain.train.reference_input import REFERENCE_KEY, Reference, ReferenceW
 from ringtrain.train.zero_state import ZeroState
 
 
-class Trainer(Protocol):
+class TrainerView(Protocol):
     """What the pass needs of a rank's ``train.trainer.Trainer``."""
 
     job: JobConfig
@@ -52,7 +52,7 @@ class Trainer(Protocol):
     def load_pretrained(self, folder: str, key: str = ...) -> None: ...
 
 
-def pair_logps(trainer: Trainer, data: ShardedData) -> tuple[np.ndarray, np.ndarray]:
+def pair_logps(trainer: TrainerView, data: ShardedData) -> tuple[np.ndarray, np.ndarray]:
     """Every pair's (chosen, rejected) completion log-prob sums under the trainer's current
     weights, and their trained-token counts: ``[pairs, 2]`` fp64 each, in eval mode, without
     gradients. Collective over the world."""
@@ -77,7 +77,7 @@ def pair_logps(trainer: Trainer, data: ShardedData) -> tuple[np.ndarray, np.ndar
     return np.ascontiguousarray(out[:, :2]), np.ascontiguousarray(out[:, 2:])
 
 
-def reference_table(trainer: Trainer, given: Optional[Reference]) -> np.ndarray:
+def reference_table(trainer: TrainerView, given: Optional[Reference]) -> np.ndarray:
     """The table the trainer's objective scores against: the one given, else computed (with the
     given weights in the starting weights' place for the pass). Collective when computed."""
     num_pairs = trainer.data.num_pairs()
@@ -96,7 +96,7 @@ def reference_table(trainer: Trainer, given: Optional[Reference]) -> np.ndarray:
         put_back()
 
 
-def load_weights(trainer: Trainer, weights: ReferenceWeights) -> None:
+def load_weights(trainer: TrainerView, weights: ReferenceWeights) -> None:
     """Put ``weights`` into the trainer's ZeRO state (each rank reading the fragments it keeps)."""
     if weights.folder:
         trainer.load_pretrained(weights.folder, key=REFERENCE_KEY)
@@ -104,7 +104,7 @@ def load_weights(trainer: Trainer, weights: ReferenceWeights) -> None:
         trainer.zero.load(FragmentIndex([decode(blob) for blob in weights.shards]))
 
 
-def _starting_weights(trainer: Trainer) -> Callable[[], None]:
+def _starting_weights(trainer: TrainerView) -> Callable[[], None]:
     """How to put the trainer's current (starting) weights back after another model's pass:
     ``model.hf`` read again, or, for a model trained from scratch, every rank's fragments of
     them (host copies for the length of the pass; collective)."""
@@ -121,7 +121,7 @@ def _starting_weights(trainer: Trainer) -> Callable[[], None]:
     return lambda: zero.load(index)
 
 
-def pairs_data(trainer: Trainer, source: SampleSource, seq_len: int) -> ShardedData:
+def pairs_data(trainer: TrainerView, source: SampleSource, seq_len: int) -> ShardedData:
     """This rank's view of ``source``'s rows of pairs (``ringtrain eval``'s), on the trainer's mesh."""
     topology, coord = trainer.mesh.topology, trainer.mesh.coord
     return ShardedData(source, seq_len=seq_len, seed=0, plan=BatchPlan(topology.dp, topology.dp, 1), ring=topology.ring,
