@@ -3,13 +3,13 @@
 Each pair answers a user's question of random words after the system prompt "You are terse.":
 the chosen answer in words of the ring (``RING_WORDS``), the rejected one, as long, in the other
 words, so the preference is one a 2-layer model learns within a few steps. A held-out set of
-conversations (new questions, answered as the chosen answers are) is what `ringtrain eval` scores
-the tuned model on. The model is jobs/tiny_chat.py's: a 2-layer Llama
+conversations (new questions, answered as the chosen answers are) and one of pairs are what
+`ringtrain eval` scores the tuned model on: its next-token loss, and its DPO loss and rewards. The model is jobs/tiny_chat.py's: a 2-layer Llama
 whose byte-level BPE tokenizer, trained here on the corpus, carries a ChatML template. Seeded:
 the same files on every run.
 
-Usage: python jobs/tiny_pairs.py [PAIRS_JSONL] [HELD_OUT_JSONL] [MODEL_FOLDER]
-       (default data/pairs.jsonl data/held-out.jsonl runs/tiny-chat)
+Usage: python jobs/tiny_pairs.py [PAIRS_JSONL] [HELD_OUT_JSONL] [MODEL_FOLDER] [HELD_OUT_PAIRS_JSONL]
+       (default data/pairs.jsonl data/held-out.jsonl runs/tiny-chat data/held-out-pairs.jsonl)
 """
 
 import json
@@ -60,15 +60,16 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:] + ["data/pairs.jsonl", "data/held-out.jsonl", "runs/tiny-chat"][len(sys.argv) - 1 :]
-    corpus, evaluation, folder = (Path(a) for a in args[:3])
-    training, heldout = pairs(random.Random(0), 400), held_out(random.Random(1), 100)
+    defaults = ["data/pairs.jsonl", "data/held-out.jsonl", "runs/tiny-chat", "data/held-out-pairs.jsonl"]
+    corpus, evaluation, folder, evaluation_pairs = (Path(a) for a in (sys.argv[1:] + defaults[len(sys.argv) - 1 :])[:4])
+    training, heldout, heldout_pairs = pairs(random.Random(0), 400), held_out(random.Random(1), 100), pairs(random.Random(2), 50)
     write_jsonl(corpus, training)
     write_jsonl(evaluation, heldout)
+    write_jsonl(evaluation_pairs, heldout_pairs)
     texts = [m["content"] for p in training for m in (*p["prompt"], *p["chosen"], *p["rejected"])]
     save_chat_model(folder, texts)
     print(f"wrote {len(training)} preference pairs to {corpus}, {len(heldout)} held-out conversations to "
-          f"{evaluation} and a tiny chat model to {folder}")  # fmt: skip
+          f"{evaluation}, {len(heldout_pairs)} held-out pairs to {evaluation_pairs} and a tiny chat model to {folder}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -357,6 +357,10 @@ class Manifest:
         """The manifest file's text: fixed key order and indentation, so equal manifests are equal bytes."""
         return json.dumps(self.to_json(), indent=1, ensure_ascii=False) + "\n"
 
+    def digest(self) -> str:
+        """The sha256 of the manifest's text: the dataset's identity (every shard's sha256 is in it)."""
+        return hashlib.sha256(self.dumps().encode()).hexdigest()
+
     @classmethod
     def from_json(cls, obj: Any, where: str = MANIFEST_NAME) -> "Manifest":
         """Parse and check a manifest; ``where`` (its file or URI) is named in every error."""

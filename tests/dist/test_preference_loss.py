@@ -18,6 +18,17 @@ alone, not by its place in the row, where the rejected completion lies after the
 
 Each Trainer takes its four objectives' steps on the same batch, its learning rate 1e-30 (so the
 weights stay the starting ones): one process group per world size.
+
+The same processes check the rest of the reference model's and evaluation's numbers:
+
+- ``train.preference.reference`` another model: the table a Trainer takes (under ring cp2,
+  ZeRO-2) equals transformers' log-probs under that model's weights for every pair, and its DPO
+  step is transformers' against them, so the starting weights were put back; a model trained
+  from scratch gets back its very starting weights (bitwise).
+- ``ringtrain eval``'s pairs (its PairSet, rows shorter than the layout's and padded, the
+  workers' ``score_pairs`` and the command's result object): the DPO (against another model)
+  and SimPO numbers of every pair that fits equal transformers' on each pair alone, under dp1 x
+  cp1, ring cp2 and hybrid cp4.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import json
 import multiprocessing as mp
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -45,6 +56,10 @@ OBJECTIVES = {"dpo": {"train.preference.beta": 0.5, "train.preference.label_smoo
               "ipo": {"train.preference.beta": 0.5},
               "simpo": {"train.preference.beta": 2.0, "train.preference.gamma": 0.3, "train.preference.sft_weight": 0.5},
               "orpo": {"train.preference.beta": 0.25}}  # fmt: skip
+SUM_RTOL = 1e-6  # a summed completion log-prob of many fp32 terms: its rounding grows with its size
+EVAL_SEQ = 62  # the rows `ringtrain eval` packs, padded to 64 on rings of two and four; some pairs are longer
+EVALUATED = ("dp1-cp1", "ring-cp2-zero2", "hybrid-cp4-zero3")
+REFERENCE_LAYOUTS = ("ring-cp2-zero2", "hybrid-cp4-zero3")  # a reference model's table taken, then the starting weights back
 LLAMA, WINDOWED = "llama", "mistral-windowed"
 CP1 = ["mesh.dp=1", "mesh.cp=1", "zero.stage=0", "train.micro_batch=4"]
 RING_CP2 = ["mesh.cp=2", "attention.impl=ring", "zero.stage=2", "train.micro_batch=4"]
@@ -75,22 +90,37 @@ def _overrides(folder: str, root: str, shared: bool, layout: list[str]) -> list[
             "checkpoint.snapshot_every=0", "train.objective=dpo", *layout]  # fmt: skip
 
 
-def _rank(rank: int, world: int, store: str, runs: list[tuple[str, list[str]]], results: mp.Queue) -> None:
+def _rank(rank: int, world: int, store: str, runs: list[tuple[str, list[str], dict[str, Any]]], results: mp.Queue) -> None:
     with gloo_rank(rank, world, store, results):
+        import dataclasses
+
         from deepspeed.utils import safe_get_full_grad
 
         from ringtrain import config
+        from ringtrain.actors.worker import TrainWorker
         from ringtrain.hf import resolve_job
         from ringtrain.hf.names import to_hf
+        from ringtrain.train.pairset import load_pair_set
         from ringtrain.train.preference import Objective
+        from ringtrain.train.reference_input import Reference, ReferenceWeights
         from ringtrain.train.trainer import Trainer
 
         out: dict[str, Any] = {}
-        for name, overrides in runs:
+        for name, overrides, extra in runs:
             job = resolve_job(config.load(None, overrides))
-            trainer = Trainer(job, rank=rank, device=torch.device("cpu"))
+            if extra.get("scratch"):  # the model folder's shape, its weights drawn from the seed
+                job = dataclasses.replace(job, model=dataclasses.replace(job.model, hf=""))
+            other = extra.get("reference")
+            trainer = Trainer(job, rank=rank, device=torch.device("cpu"),
+                              reference=Reference(weights=ReferenceWeights("other", folder=other)) if other else None)
+            if extra.get("scratch"):
+                out[name] = {"table": trainer.reference, "params": {k: v.numpy() for k, v in trainer.parameters_fp32().items()}}
+                trainer.prefetcher.close()
+                continue
             step = trainer.engine.step
             for objective, settings in OBJECTIVES.items():
+                if objective not in extra.get("objectives", OBJECTIVES):
+                    continue
                 grads: dict[str, np.ndarray] = {}
 
                 def capture(*args: Any, _step: Any = step, _grads: dict = grads, **kw: Any) -> Any:
@@ -104,6 +134,18 @@ def _rank(rank: int, world: int, store: str, runs: list[tuple[str, list[str]]], 
                 trainer.data_cursor = 0  # every objective on the step's same batch
                 report = trainer.train_step()
                 out[f"{name}/{objective}"] = {"loss": report.loss, "metrics": report.objective_metrics, "grads": grads}
+            if other:
+                out[f"{name}/table"] = trainer.reference
+            if extra.get("eval"):
+                # As `ringtrain eval` scores them: its rows, on its workers, the reference put in after.
+                pairs = load_pair_set(job.data.path, seq_len=EVAL_SEQ, multiple=2 * job.topology.cp,
+                                      vocab_size=job.model_int("vocab_size"), prefix_sharing=True, overlong="drop",
+                                      packing="next_fit")  # fmt: skip
+                worker = TrainWorker(job, rank, "cpu")
+                worker._trainer = trainer
+                policy, counts = worker.score_pairs(pairs, None)
+                table, _ = worker.score_pairs(pairs, ReferenceWeights("other", folder=extra["eval"]))
+                out[f"{name}/eval"] = {"pairs": pairs, "policy": policy, "counts": counts, "table": table}
             trainer.prefetcher.close()
         if rank == 0:
             results.put(out)
@@ -150,12 +192,14 @@ def _completion_logp(model: Any, prompt: np.ndarray, completion: np.ndarray, mas
     targets = ids[0, 1:]
     trained = torch.zeros(ids.shape[1] - 1, dtype=torch.bool)
     trained[len(prompt) - 1 :] = torch.as_tensor(mask == 1)
-    return logp[torch.arange(len(targets)), targets][trained].sum(), int(trained.sum())
+    return logp[torch.arange(len(targets)), targets][trained].double().sum(), int(trained.sum())
 
 
-def _reference(folder: Path, root: Path, pairs: list[tuple[np.ndarray, ...]], shared: bool) -> dict[str, Any]:
+def _reference(folder: Path, root: Path, pairs: list[tuple[np.ndarray, ...]], shared: bool,
+               reference: Optional[Path] = None) -> dict[str, Any]:  # fmt: skip
     """transformers on each pair of step 1's global batch alone: per objective, the loss, the
-    metrics and the gradients."""
+    metrics and the gradients; the reference model's log-probs those of ``reference`` (None:
+    the starting weights)."""
     from transformers import AutoModelForCausalLM
 
     from ringtrain.config import PreferenceConfig
@@ -173,16 +217,31 @@ def _reference(folder: Path, root: Path, pairs: list[tuple[np.ndarray, ...]], sh
     chosen = torch.stack([c for (c, _), _ in scored])
     rejected = torch.stack([r for _, (r, _) in scored])
     counts = [torch.tensor([float(n) for (_, n), _ in scored]), torch.tensor([float(n) for _, (_, n) in scored])]
+    # The reference model is the starting one (its sums, detached), or ``reference``'s.
+    ref = (chosen.detach(), rejected.detach()) if reference is None else _pair_sums(reference, pairs, step)[:2]
     out: dict[str, Any] = {"pairs": step}
     for name, settings in OBJECTIVES.items():
         objective = Objective.of(name, PreferenceConfig(**{k.rsplit(".", 1)[1]: v for k, v in settings.items()}))
-        # The reference model is the starting one: its sums, detached.
-        losses = pair_losses(objective, PairScores(chosen, rejected, counts[0], counts[1], chosen.detach(), rejected.detach()))
+        losses = pair_losses(objective, PairScores(chosen, rejected, counts[0], counts[1], *ref))
         loss = losses.loss.mean()
         grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         out[name] = {"loss": float(loss.detach()), "metrics": losses.metrics(),
                      "grads": {k: g.numpy() for (k, _), g in zip(model.named_parameters(), grads)}}  # fmt: skip
     return out
+
+
+def _pair_sums(folder: Path, pairs: list[tuple[np.ndarray, ...]], which: list[int]) -> tuple[torch.Tensor, ...]:
+    """transformers' (chosen sums, rejected sums, chosen counts, rejected counts) of pairs ``which``, each alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        scored = [(_completion_logp(model, pairs[j][0], pairs[j][1], pairs[j][2]),
+                   _completion_logp(model, pairs[j][0], pairs[j][3], pairs[j][4])) for j in which]  # fmt: skip
+    return (torch.stack([c for (c, _), _ in scored]).double(), torch.stack([r for _, (r, _) in scored]).double(),
+            torch.tensor([float(n) for (_, n), _ in scored], dtype=torch.float64),
+            torch.tensor([float(n) for _, (_, n) in scored], dtype=torch.float64))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -196,15 +255,27 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                      "--out", str(base / "data"), "--quiet"]) == 0  # fmt: skip
     folders = {LLAMA: save_model(base / LLAMA, "llama", vocab_size=VOCAB),
                WINDOWED: save_windowed(base / WINDOWED, WINDOWED, vocab_size=VOCAB, sliding_window=WINDOW)}
+    folder = folders[LLAMA]
+    other = save_model(base / "other", "llama", vocab_size=VOCAB, seed=7)
     pairs = _pairs(base / "data")
-    refs = {(model, shared): _reference(folder, base / "data", pairs, shared)
-            for model, folder in folders.items() for shared in (True, False)}
+    refs: dict[Any, Any] = {(model, shared): _reference(path, base / "data", pairs, shared)
+                            for model, path in folders.items() for shared in (True, False)}
+    refs["other"] = _reference(folder, base / "data", pairs, True, reference=other)
     results: dict[str, Any] = {}
     for world in sorted({w for w, _, _, _ in LAYOUTS.values()}):
-        runs = [(name, _overrides(str(folders[model]), str(base / "data"), shared, layout))
+        runs = [(name, _overrides(str(folders[model]), str(base / "data"), shared, layout),
+                 {"eval": str(other)} if name in EVALUATED else {})
                 for name, (w, shared, layout, model) in LAYOUTS.items() if w == world]  # fmt: skip
+        for name in REFERENCE_LAYOUTS:
+            if LAYOUTS[name][0] == world:
+                runs.append((f"reference/{name}", _overrides(str(folder), str(base / "data"), True, LAYOUTS[name][2]),
+                             {"reference": str(other), "objectives": ("dpo",)}))  # fmt: skip
+        if world == 2:
+            ring = _overrides(str(folder), str(base / "data"), True, LAYOUTS["ring-cp2-zero2"][2])
+            runs += [("scratch-reference", ring, {"reference": str(other), "scratch": True}),
+                     ("scratch", [*ring, "train.objective=simpo"], {"scratch": True})]  # fmt: skip
         results.update(run_ranks(_rank, world, base, runs))
-    return {"refs": refs, "runs": results, "pairs": pairs, "root": base / "data"}
+    return {"refs": refs, "runs": results, "pairs": pairs, "root": base / "data", "folder": folder, "other": other}
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -242,3 +313,79 @@ def test_the_step_holds_pairs_whose_completions_lie_on_one_ring_rank(setup: dict
             spread.append(len(set(rank_of[np.flatnonzero(owners // 2 == k)].tolist())))
     samples.close()
     assert min(spread) == 1 and max(spread) > 1, spread
+
+
+@pytest.mark.parametrize("layout", REFERENCE_LAYOUTS)
+def test_a_reference_model_scores_the_table_in_the_models_place(setup: dict[str, Any], layout: str) -> None:
+    """``train.preference.reference`` another model folder: the table holds its log-probs of
+    every pair the rows keep (transformers' on each pair alone), and the DPO step that follows
+    scores the starting weights against them: the starting weights were put back."""
+    from ringtrain.train.corpus import PreparedCorpus
+    from ringtrain.train.mixture import MixedSamples, SourceSpec
+
+    root = setup["root"]
+    samples = MixedSamples([PreparedCorpus(str(root))], [SourceSpec(str(root))], seq_len=SEQ, seed=SEED, packing="doc")
+    rows = samples.pair_rows()
+    kept = sorted(int(p) for p in rows.pairs)
+    samples.close()
+    assert kept
+    table = setup["runs"][f"reference/{layout}/table"]
+    chosen, rejected, _, _ = _pair_sums(setup["other"], setup["pairs"], kept)
+    # A completion's sum of up to a few hundred fp32 log-probs: fp32's rounding, relative.
+    np.testing.assert_allclose(table[kept, 0], chosen.numpy(), rtol=SUM_RTOL, atol=1e-5)
+    np.testing.assert_allclose(table[kept, 1], rejected.numpy(), rtol=SUM_RTOL, atol=1e-5)
+    starting, _, _, _ = _pair_sums(setup["folder"], setup["pairs"], kept[:4])
+    assert float(np.abs(table[kept[:4], 0] - starting.numpy()).max()) > 1e-2  # another model's, not the policy's
+
+    got, ref = setup["runs"][f"reference/{layout}/dpo"], setup["refs"]["other"]["dpo"]
+    assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5, rel=0)
+    for key, value in ref["metrics"].items():
+        assert got["metrics"][key] == pytest.approx(value, abs=1e-5, rel=1e-6), key
+    assert abs(ref["loss"] - setup["refs"][(LLAMA, True)]["dpo"]["loss"]) > 1e-3  # the reference model made a difference
+
+
+def test_a_model_trained_from_scratch_gets_its_starting_weights_back_after_the_reference(setup: dict[str, Any]) -> None:
+    runs = setup["runs"]
+    with_reference, plain = runs["scratch-reference"], runs["scratch"]
+    assert plain["table"] is None and with_reference["table"] is not None
+    np.testing.assert_allclose(with_reference["table"], runs["reference/ring-cp2-zero2/table"], rtol=SUM_RTOL, atol=1e-5)
+    assert with_reference["params"].keys() == plain["params"].keys()
+    for name, value in plain["params"].items():
+        np.testing.assert_array_equal(with_reference["params"][name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("layout", EVALUATED)
+def test_eval_of_preference_pairs_equals_transformers_on_each_pair_alone(setup: dict[str, Any], layout: str) -> None:
+    """DPO against another model and SimPO, as `ringtrain eval` reports them: means over every
+    pair that fits EVAL_SEQ tokens, each pair scored by transformers alone."""
+    from ringtrain.commands.eval_pairs import PairsEval
+    from ringtrain.config import PreferenceConfig
+    from ringtrain.train.pairs import row_length
+    from ringtrain.train.preference import Objective, PairScores, pair_losses
+
+    got = setup["runs"][f"{layout}/eval"]
+    pairs = setup["pairs"]
+    fits = [j for j, (p, c, _, r, _) in enumerate(pairs) if row_length(len(p), len(c), len(r), True) <= EVAL_SEQ]
+    assert 0 < len(fits) < len(pairs)  # some pairs are too long for the rows: left out
+    scored = sorted(int(p) for row in got["pairs"].rows for p in row.pairs)
+    assert scored == fits
+    chosen, rejected, chosen_n, rejected_n = _pair_sums(setup["folder"], pairs, fits)
+    ref_chosen, ref_rejected, _, _ = _pair_sums(setup["other"], pairs, fits)
+    np.testing.assert_allclose(got["policy"][fits], torch.stack([chosen, rejected], 1).numpy(), rtol=SUM_RTOL, atol=1e-5)
+    np.testing.assert_array_equal(got["counts"][fits], torch.stack([chosen_n, rejected_n], 1).numpy())
+    np.testing.assert_allclose(got["table"][fits], torch.stack([ref_chosen, ref_rejected], 1).numpy(), rtol=SUM_RTOL, atol=1e-5)
+
+    for name in ("dpo", "simpo"):
+        settings = PreferenceConfig(**{k.rsplit(".", 1)[1]: v for k, v in OBJECTIVES[name].items()})
+        objective = Objective.of(name, settings)
+        result = PairsEval(got["pairs"], name, settings, reference="other" if name == "dpo" else "",
+                           table=got["table"] if name == "dpo" else None).result(got["policy"], got["counts"])  # fmt: skip
+        ref = (ref_chosen, ref_rejected) if name == "dpo" else (None, None)
+        want = pair_losses(objective, PairScores(chosen, rejected, chosen_n, rejected_n, *ref))
+        margins = want.chosen_rewards - want.rejected_rewards
+        expected = {"pairs": len(fits), "loss": float(want.loss.mean()), "chosen_logps": float(chosen.mean()),
+                    "rejected_logps": float(rejected.mean()), "reward_accuracy": float((margins > 0).double().mean()),
+                    "reward_margin": float(margins.mean())}  # fmt: skip
+        for key, value in expected.items():
+            assert result[key] == pytest.approx(value, abs=1e-5, rel=0), (name, key)
+        assert result["objective"] == name

@@ -2,14 +2,17 @@
 tolerance at another dp, for every ZeRO stage.
 
 Each case trains STEPS steps uninterrupted while taking the snapshot of step CUT, then starts
-fresh processes, restores that snapshot and trains the remaining steps.
+fresh processes, restores that snapshot and trains the remaining steps. A DPO run does so with
+the reference table its first world took, read back from a checkpoint store: no pass over the
+data runs again (one would fail the resumed ranks).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -30,12 +33,14 @@ TINY = [
 
 
 def _rank_main(
-    rank: int, world: int, store_path: str, overrides: list[str], blobs: Optional[list[bytes]], results: mp.Queue
+    rank: int, world: int, store_path: str, overrides: list[str], blobs: Optional[list[bytes]], reference: Any,
+    results: mp.Queue,
 ) -> None:
     import torch
     import torch.distributed as dist
 
     from ringtrain import config
+    from ringtrain.train import reference as reference_pass
     from ringtrain.train.trainer import Trainer, set_rank_env
 
     torch.set_num_threads(1)
@@ -43,7 +48,13 @@ def _rank_main(
     set_rank_env(rank=rank, world_size=world, device=device)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        trainer = Trainer(config.load(None, overrides), rank=rank, device=device)
+        if reference is not None:  # the run's stored table is given: a pass over the data would be a bug
+
+            def computed_again(*args: Any, **kwargs: Any) -> Any:
+                raise AssertionError("the reference log-probs were computed again")
+
+            reference_pass.pair_logps = computed_again
+        trainer = Trainer(config.load(None, overrides), rank=rank, device=device, reference=reference)
         losses, snapshot = [], None
         if blobs is not None:
             assert trainer.restore(blobs) == CUT
@@ -57,17 +68,43 @@ def _rank_main(
         dist.all_gather_object(shards, snapshot)
         params = {k: v.numpy() for k, v in trainer.parameters_fp32().items()}
         if rank == 0:
-            results.put((losses, shards, params))
+            results.put((losses, shards, params, trainer.reference))
         trainer.close()
     except BaseException as exc:
         results.put(exc)
         raise
 
 
-def run(overrides: list[str], tmp_path: Path, blobs: Optional[list[bytes]] = None):
+def _warm_up_rank(rank: int, world: int, store_path: str, overrides: list[str], results: mp.Queue) -> None:
+    """A spare's rehearsal of the job (``trainer.warm_up``), no pass over the data allowed."""
+    import torch
+
+    from ringtrain import config
+    from ringtrain.train import reference as reference_pass
+    from ringtrain.train.trainer import warm_up
+
+    def computed(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a warm-up computed the reference log-probs")
+
+    try:
+        reference_pass.pair_logps = computed
+        warm_up(config.load(None, overrides), torch.device("cpu"))
+        results.put(True)
+    except BaseException as exc:
+        results.put(exc)
+        raise
+
+
+def run(overrides: list[str], tmp_path: Path, blobs: Optional[list[bytes]] = None, reference: Any = None) -> Any:
+    """(losses, every rank's snapshot of CUT, parameters)."""
+    return run_with_table(overrides, tmp_path, blobs, reference)[:3]
+
+
+def run_with_table(overrides: list[str], tmp_path: Path, blobs: Optional[list[bytes]] = None, reference: Any = None) -> Any:
+    """``run``'s, and the reference table the Trainer scored against (None: no DPO or IPO)."""
     from ringtrain import config
 
-    return run_ranks(_rank_main, config.load(None, overrides).world_size, tmp_path, overrides, blobs)
+    return run_ranks(_rank_main, config.load(None, overrides).world_size, tmp_path, overrides, blobs, reference)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -140,3 +177,57 @@ def test_a_chat_run_shrunk_mid_epoch_goes_on_as_the_uninterrupted_run(tmp_path: 
     np.testing.assert_allclose(shrunk_losses, losses[CUT:], rtol=1e-5)
     for name, value in params.items():
         np.testing.assert_allclose(shrunk_params[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_a_dpo_run_resumed_or_shrunk_mid_epoch_scores_against_its_stored_table(tmp_path: Path) -> None:
+    """DPO, dp 2 snapshotted at step CUT inside the first epoch of pairs, its reference table
+    stored as the driver stores it (``ReferenceKeeper``) and read back by a keeper of a new run:
+    resumed at dp 2, and shrunk to one rank, the remaining steps' losses and the parameters are
+    bitwise the uninterrupted run's, and neither computes the table again (nor does a spare's
+    warm-up for the job). Bitwise at another
+    dp too: without CP each pair's forward is one rank's either way, the two replicas' gradients
+    meet in one sum of two (a + b, as the accumulation's), every scale is the same number (the
+    pairs' ``dp x accumulation / N``) and the gradient is not clipped."""
+    from ringtrain import cli, config
+    from ringtrain.actors.reference_keeper import ReferenceKeeper, run_key
+    from ringtrain.checkpoint import open_store
+    from ringtrain.commands.reference import initial_identity
+    from ringtrain.train.mixture import open_mixture
+    from ringtrain_dev.tiny_tokenizer import CHAT_WORDS, save_chat_tokenizer
+
+    rng = np.random.default_rng(3)
+
+    def say(n: int) -> str:
+        return " ".join(rng.choice(CHAT_WORDS, size=n))
+
+    records = [{"prompt": say(int(rng.integers(2, 8))), "chosen": say(int(rng.integers(1, 5))) + " yes",
+                "rejected": say(int(rng.integers(1, 5))) + " no"} for _ in range(36)]  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = save_chat_tokenizer(tmp_path / "tokenizer", "chatml", vocab_size=320)
+    assert cli.main(["prepare", str(tmp_path / "pairs.jsonl"), "--format", "preference", "--tokenizer", str(tokenizer),
+                     "--out", str(tmp_path / "data"), "--quiet"]) == 0  # fmt: skip
+    dpo = [*TINY, "model.vocab_size=320", f"data.path={tmp_path / 'data'}", "data.packing=doc", "train.objective=dpo",
+           "train.micro_batch=2", "train.grad_clip=0", "zero.stage=2", "mesh.cp=1"]  # fmt: skip
+    rows = open_mixture(config.load(None, dpo)).pair_rows().num_rows
+    assert CUT * 4 < rows, rows  # the cut falls inside the first epoch of pairs
+    losses, shards, params, table = run_with_table([*dpo, "mesh.dp=2"], tmp_path)
+    assert table is not None and table.shape[1] == 2 and np.any(table != 0)
+
+    job = config.load(None, [*dpo, "mesh.dp=2"])
+    key = run_key(job, initial_identity(job), "cpu")
+    store = open_store((tmp_path / "checkpoints").as_uri())
+    ReferenceKeeper(key, None, store=store).learned(table)
+    again = ReferenceKeeper(key, None, store=store)  # a later run of the same run directory
+    assert again.table is not None and again.computed == 0
+    np.testing.assert_array_equal(again.table, table)
+    reference = again.join_input()
+
+    # A spare warming up for this job rehearses its step without a pass over the data.
+    assert run_ranks(_warm_up_rank, 1, tmp_path, [*dpo, "mesh.dp=2"]) is True
+
+    for mesh in (["mesh.dp=2"], ["mesh.dp=1"]):
+        resumed_losses, _, resumed_params, used = run_with_table([*dpo, *mesh], tmp_path, blobs=shards, reference=reference)
+        assert resumed_losses == losses[CUT:], mesh
+        np.testing.assert_array_equal(used, table)
+        for name, value in params.items():
+            np.testing.assert_array_equal(resumed_params[name], value, err_msg=f"{mesh} {name}")

@@ -99,9 +99,14 @@ def test_a_hf_folder_whose_name_yaml_would_misread_is_still_that_folder(tmp_path
     assert resolve_source(str(folder)).job.model.hf == str(folder.resolve())
 
 
-def test_a_preference_runs_workers_score_without_its_objective(tmp_path: Path) -> None:
-    """Evaluating or generating from a DPO run starts workers that never train: with the run's
-    objective they would first take reference log-probs of data they are not given, and fail."""
+def test_a_preference_run_is_scored_by_its_objective_on_pairs_alone(tmp_path: Path) -> None:
+    """Evaluating a DPO run on text (or generating from it) scores the next-token loss: its
+    workers never train, and with the run's objective they would first take reference log-probs
+    of data they are not given. An objective the command line names is kept, to be checked
+    against the data."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.eval import _eval_job
+    from ringtrain.commands.generate import _workers_job
     from ringtrain.commands.workers import inference_job
 
     job = config.load(None, [*SHAPE, f"run_dir={tmp_path / 'run'}", "train.objective=dpo", "train.preference.beta=0.2"])
@@ -111,5 +116,12 @@ def test_a_preference_runs_workers_score_without_its_objective(tmp_path: Path) -
     open_store((tmp_path / "run" / "checkpoints").as_uri()).save(4, {"rank-0": b"shard"}, checkpoint_meta(job))
     source = resolve_source(str(tmp_path / "run"))
     assert source.job.train.objective == "dpo"
-    shaped = inference_job(source, ["train.objective=ipo"])
-    assert shaped.train.objective == "lm" and shaped.train.preference.beta == 0.2
+    assert inference_job(source, ["train.objective=ipo"]).train.objective == "ipo"
+    assert _workers_job(inference_job(source, [])).train.objective == "lm"
+
+    def evaluated(*overrides: str) -> config.JobConfig:
+        return _eval_job(source, _parser().parse_args(["eval", str(tmp_path / "run"), "--data", "stdlib", *overrides]))
+
+    on_text = evaluated()
+    assert on_text.train.objective == "lm" and on_text.train.preference.beta == 0.2
+    assert evaluated("train.objective=ipo").train.objective == "ipo"

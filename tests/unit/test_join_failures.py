@@ -49,7 +49,8 @@ class BrokenTrainer:
 class TinyTrainer:
     """Stands in for a Trainer built in the world joined; ``close`` leaves it, as the real one does."""
 
-    def __init__(self, job: config.JobConfig, *, rank: int, device: torch.device, deliver: Any = None) -> None:
+    def __init__(self, job: config.JobConfig, *, rank: int, device: torch.device, deliver: Any = None,
+                 reference: Any = None) -> None:
         assert dist.is_initialized() and dist.get_world_size() == 1
         self.model = torch.nn.Linear(2, 2)
         self.bad_device = None

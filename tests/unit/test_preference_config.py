@@ -25,6 +25,8 @@ from ringtrain_dev.tiny_tokenizer import save_chat_tokenizer
         (["train.preference.label_smoothing=0.5"], "train.preference.label_smoothing", "must be in [0, 0.5)"),
         (["train.preference.sft_weight=-1"], "train.preference.sft_weight", "must be a finite number >= 0"),
         (["train.objective=simpo", "data.chat_overlong=truncate"], "data.chat_overlong", "truncate would cut a pair's completions"),
+        (["train.objective=dpo", "train.preference.reference=''"], "train.preference.reference", "is empty: give initial"),
+        (["train.objective=orpo", "train.preference.reference=/m"], "train.preference.reference", "orpo scores against no reference model"),
     ],
 )  # fmt: skip
 def test_settings_out_of_range_name_their_key(overrides: list[str], key: str, reason: str) -> None:

@@ -16,7 +16,8 @@ from ringtrain.evaluation.passkey import PasskeyPrompt, answer_tokens, build_pro
 from ringtrain.evaluation.result import EvalResult, TaskMetrics
 from ringtrain.evaluation.tally import LossTally
 from ringtrain.evaluation.text import ByteTokenizer, Tokenizer
-from ringtrain.train.evalset import EvalSet, load_eval_set
+from ringtrain.train.evalset import EvalSet, content_of, load_eval_set
+from ringtrain.train.pairset import PairSet, load_pair_set
 
 
 class EvalGroup(Protocol):
@@ -41,6 +42,7 @@ class EvalPlan:
     num_new: int = 0  # tokens generated for each prompt
     loss_norm: str = "token"  # the job's train.loss_norm, which a chat dataset's loss follows
     tasks: Optional[TaskRun] = None  # eval.tasks, as the command layer runs them
+    pairs: Optional[PairSet] = None  # a preference dataset's pairs (``ringtrain eval``), scored apart
 
 
 def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
@@ -50,13 +52,23 @@ def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
     return find_tokenizer(job.model.hf)
 
 
-def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key: str = "eval.data") -> EvalPlan:
+def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key: str = "eval.data",
+             pairs: bool = False) -> EvalPlan:  # fmt: skip
     """Read ``job.eval.data`` and build the passkey prompts; input errors name their key
-    (``data_key`` for the data) before any cluster is asked for anything."""
+    (``data_key`` for the data) before any cluster is asked for anything. With ``pairs`` a
+    preference dataset is read as its pairs (``ringtrain eval``), else refused."""
     e = job.eval
     vocab = job.model_int("vocab_size")
-    evalset = None
-    if e.data:
+    evalset = pair_set = None
+    if e.data and content_of(e.data, data_key) == "preference":
+        if not pairs:
+            raise ConfigError(data_key, f"{e.data} is a preference dataset: score it with `ringtrain eval SOURCE --data "
+                              f"{e.data} train.objective=dpo` (or another preference objective)")
+        d = job.data
+        pair_set = load_pair_set(e.data, seq_len=e.seq_len or d.seq_len, multiple=2 * job.topology.cp, vocab_size=vocab,
+                                 prefix_sharing=d.prefix_sharing, overlong=d.chat_overlong, packing=d.chat_packing,
+                                 max_rows=e.max_rows, key=data_key)  # fmt: skip
+    elif e.data:
         evalset = load_eval_set(
             e.data,
             seq_len=e.seq_len or job.data.seq_len,
@@ -69,7 +81,7 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
     # A chat dataset's loss is averaged as training averages it; a mean of windows' means would not be.
     norm = job.train.loss_norm if evalset is not None and evalset.coverage is not None else "token"
     if not e.passkey:
-        return EvalPlan(evalset, e.bucket_tokens, tokenizer or ByteTokenizer(), loss_norm=norm)
+        return EvalPlan(evalset, e.bucket_tokens, tokenizer or ByteTokenizer(), loss_norm=norm, pairs=pair_set)
     if tokenizer is None and vocab < ByteTokenizer.vocab_size:
         raise ConfigError("eval.passkey", f"the model has no tokenizer.json and its vocabulary ({vocab}) cannot hold bytes")
     text = tokenizer or ByteTokenizer()
@@ -77,7 +89,7 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
     top = max(max(p.ids) for p in prompts)
     if top >= vocab:
         raise ConfigError("eval.passkey", f"the tokenizer gives token id {top}, outside the model's vocabulary [0, {vocab})")
-    return EvalPlan(evalset, e.bucket_tokens, text, tuple(prompts), answer_tokens(text, prompts), norm)
+    return EvalPlan(evalset, e.bucket_tokens, text, tuple(prompts), answer_tokens(text, prompts), norm, pairs=pair_set)
 
 
 def evaluate(group: EvalGroup, plan: EvalPlan) -> EvalResult:

@@ -35,8 +35,13 @@ from ringtrain.status import WorkerInfo
 from ringtrain.topology import Topology
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from ringtrain.actors.reference_keeper import ReferenceKeeper
     from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
+    from ringtrain.train.pairset import PairSet
+    from ringtrain.train.reference_input import ReferenceWeights
 
 log = logging.getLogger(__name__)
 _slot_node = placement.slot_node  # the group's own names for these: tests stand in for them here
@@ -62,6 +67,8 @@ class WorkerGroup:
         # before the next world forms, so no worker is ever asked to join twice at once.
         self.leftovers = world.Leftovers()
         self.safekeeping = Safekeeping(self._ask_holders)  # which steps' snapshots the holders have
+        # DPO's and IPO's reference table, handed to every world (None: the objective needs none).
+        self.reference: Optional[ReferenceKeeper] = None
 
     # --- views ---------------------------------------------------------------------------
 
@@ -181,10 +188,13 @@ class WorkerGroup:
         (one pending shard per rank of the snapshot's world), every rank restores it; returns the
         step restored (0 without one). ``crash_restoring``: ranks whose process exits as it
         restores (chaos: a second failure inside the recovery). See ``actors.world``."""
+        import ray
+
         timeout = self.job.controllers.start_timeout_s
         self.job = job
         self.roster.seat(members)
         self.phases = {}
+        keeper = self.reference
         try:
             formed = world.form_world(
                 members,
@@ -196,11 +206,14 @@ class WorkerGroup:
                 timeout=timeout,
                 snapshot=snapshot,
                 crash_restoring=crash_restoring,
+                reference=ray.put(keeper.join_input()) if keeper is not None else None,
             )
         finally:
             if "warm_s" in self.phases:  # a world counts once its workers are warm and its holders seated
                 self.generation += 1
         self.num_params = formed.num_params
+        if keeper is not None and keeper.table is None:  # this world computed it: every later one is given it
+            keeper.learned(get(members[0].handle.reference_table.remote(), rank=0, host=host_of(members, 0), timeout=timeout))
         self.safekeeping.restart(formed.step)
         return formed.step
 
@@ -380,6 +393,17 @@ class WorkerGroup:
     def score(self, request: "ScoreRequest") -> list[tuple[float, bool]]:
         """Each sequence of ``request`` scored, its batches shared out over the replicas."""
         return self._per_item(lambda w, ref: w.score.remote(ref), request, len(request.sequences))
+
+    def score_pairs(self, pairs: "PairSet", weights: Optional["ReferenceWeights"] = None) -> tuple["np.ndarray", "np.ndarray"]:
+        """Every pair of ``pairs`` scored on the mesh, ``weights`` first put in the model's place
+        when given: (chosen, rejected) completion log-prob sums and trained-token counts,
+        ``[pairs, 2]`` each (every rank holds the whole table: rank 0's is taken). Between steps."""
+        import ray
+
+        pairs_ref, weights_ref = ray.put(pairs), ray.put(weights)
+        forwards = -(-pairs.num_rows // self.topology.dp) + (weights is not None)  # loading weights: about a forward's
+        answers = gather(self.members, lambda _, w: w.score_pairs.remote(pairs_ref, weights_ref), self._collective_timeout(forwards))
+        return answers[0]
 
     def _per_item(self, call: Callable[[Any, Any], Any], request: Any, items: int) -> list[Any]:
         """``call(worker, request)`` on every worker; each item's answer from the replica that

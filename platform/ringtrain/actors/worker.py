@@ -17,11 +17,14 @@ from ringtrain.config import JobConfig
 from ringtrain.status import StepReport, WorkerInfo
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
     from ringtrain.train.evalset import EvalSet
+    from ringtrain.train.pairset import PairSet
+    from ringtrain.train.reference_input import Reference, ReferenceWeights
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -134,11 +137,13 @@ class TrainWorker:
         the store's timeout (the recovery then forms another world)."""
         self._store = None
 
-    def join(self, job: JobConfig, rank: int, host: str, port: int, holders: Sequence[Any] = ()) -> int:
+    def join(self, job: JobConfig, rank: int, host: str, port: int, holders: Sequence[Any] = (),
+             reference: Optional["Reference"] = None) -> int:  # fmt: skip
         """Become ``rank`` of ``job``'s world: join the process group and build model, engine
         and data. Any earlier world of this process is left first. Returns the parameter count.
 
-        ``holders`` are the SnapshotHolder actors every snapshot of this rank is handed to.
+        ``holders`` are the SnapshotHolder actors every snapshot of this rank is handed to;
+        ``reference`` DPO's and IPO's reference table, or the weights to take it with.
         """
         from ringtrain.train import collectives, forensics
         from ringtrain.train.mesh import init_process_group, open_sockets
@@ -171,7 +176,7 @@ class TrainWorker:
             # Every collective of the world is recorded, so a stall can be diagnosed; a new world
             # restarts the per-group sequence numbers.
             collectives.install().reset()
-            self._trainer = Trainer(job, rank=rank, device=device, deliver=HolderDelivery(holders))
+            self._trainer = Trainer(job, rank=rank, device=device, deliver=HolderDelivery(holders), reference=reference)
             self._trainer.bad_device = self._bad_device  # a new world does not heal the device
             collectives.install()  # points the DeepSpeed engine just built at the recorder too
         except BaseException:
@@ -255,6 +260,22 @@ class TrainWorker:
         from ringtrain.train.evaluator import Evaluator
 
         return self._collective(lambda trainer: Evaluator.of(trainer).score(request))
+
+    def reference_table(self) -> Optional["np.ndarray"]:
+        """DPO's and IPO's reference table this rank's world took (the same on every rank), or None."""
+        return self._trainer.reference if self._trainer is not None else None
+
+    def score_pairs(self, pairs: "PairSet", weights: Optional["ReferenceWeights"]) -> tuple["np.ndarray", "np.ndarray"]:
+        """Every pair of ``pairs`` scored on this world's mesh (``train.reference.pair_logps``),
+        ``weights`` first put in the model's place when given; collective."""
+        from ringtrain.train.reference import load_weights, pair_logps, pairs_data
+
+        def score(trainer: Any) -> tuple["np.ndarray", "np.ndarray"]:
+            if weights is not None:
+                load_weights(trainer, weights)
+            return pair_logps(trainer, pairs_data(trainer, pairs, pairs.seq_len))
+
+        return self._collective(score)
 
     def _collective(self, call: Callable[[Any], T]) -> T:
         """Run ``call(trainer)``; a failure cuts this rank off its world, as in a step."""

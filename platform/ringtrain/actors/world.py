@@ -97,10 +97,12 @@ def form_world(
     timeout: float,
     snapshot: Optional[list[Any]] = None,
     crash_restoring: frozenset[int] = frozenset(),
+    reference: Any = None,
 ) -> World:
     """Join the seated ``members`` as ranks 0..n-1 of ``job``'s world, once each has warmed
     (``wait_warm``) and the holders are seated, restoring ``snapshot`` when given. ``phases``
-    takes each phase's time as it completes."""
+    takes each phase's time as it completes; ``reference`` (a pending ``Reference``, or None)
+    is what every rank is given for DPO's and IPO's reference."""
     settle_leftovers(leftovers, job, members)
     t0 = time.monotonic()
     wait_warm(members, timeout)
@@ -116,7 +118,7 @@ def form_world(
         stop_store(members[0].handle)
         leftovers.give_up(pending)
 
-    counts = gather(members, lambda rank, w: w.join.remote(job, rank, host, port, holders[rank]), timeout, on_failure=abandon_join)
+    counts = gather(members, lambda rank, w: w.join.remote(job, rank, host, port, holders[rank], reference), timeout, on_failure=abandon_join)
     t2 = time.monotonic()
     phases["join_s"] = t2 - t1
     if snapshot is None:

@@ -1,6 +1,8 @@
 """`ringtrain eval SOURCE --data PATH`: a model's next-token loss by position, and optionally
 passkey retrieval, computed on a dp x cp mesh of workers; `--tasks T1,T2`: lm-evaluation-harness
-tasks with the workers as lm-eval's model (``eval_tasks``, ``lm_eval_model``), alone or besides.
+tasks with the workers as lm-eval's model (``eval_tasks``, ``lm_eval_model``), alone or besides;
+`--data PREFERENCE_DATASET train.objective=dpo ...`: a preference objective's loss, log-probs and
+rewards over the dataset's pairs (``eval_pairs``), scored after the rest.
 
 SOURCE is a run directory, a checkpoint URI or a Hugging Face model folder (``commands.eval_source``).
 The workers are the ones training uses (WorkerGroup, TrainWorker, Trainer), so any layout
@@ -29,6 +31,7 @@ from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
+    from ringtrain.commands.eval_pairs import PairsEval
     from ringtrain.commands.eval_tasks import TaskPlan
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -65,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``eval`` subcommand's arguments."""
     parser.__class__ = _IntermixedParser  # the subparser was made by add_subparsers' class
     parser.add_argument("source", nargs="?", metavar="SOURCE", help="a run directory, a checkpoint URI or a Hugging Face model folder")
-    parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of token rows")
+    parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, a 2-D .npy of token rows, or a prepared dataset (chat; preference, with train.objective=dpo, ipo, simpo or orpo)")
     parser.add_argument("--seq-len", type=int, help="tokens per window of a stream (default: the job's data.seq_len)")
     parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, every conversation of a chat dataset that fits --seq-len, 64 windows of a stream)")
     parser.add_argument("--bucket-tokens", type=int, help="the first position bucket's size; each next one doubles (default 1024)")
@@ -83,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain eval``; ConfigError (exit 2) for bad input, before any cluster starts."""
-    source, job, plan, tasks = prepare(args)
+    source, job, plan, tasks, pairs = prepare(args)
 
     from ringtrain.actors.evaluation import evaluate
 
@@ -93,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         coverage = evalset.coverage
         scored.insert(0, f"{evalset.num_rows} sequences of {evalset.seq_len} tokens" if coverage is None
                       else coverage.line(job.eval.seq_len or job.data.seq_len))  # fmt: skip
+    if pairs is not None:
+        scored.insert(0, f"{pairs.pairs.num_scored} preference pairs in {pairs.pairs.num_rows} rows of {pairs.pairs.seq_len} tokens")
 
     def banner(device: str) -> None:
         _stderr(
@@ -100,13 +105,17 @@ def run(args: argparse.Namespace) -> int:
             f"dp {job.topology.dp} x cp {job.topology.cp} ({job.cp_layout.runs}), ZeRO-{job.zero.stage}, {device}"
         )
 
-    with started_workers(job, source, banner) as group:
+    with started_workers(job, source, banner, pairs.before_restore if pairs is not None else None) as group:
         result = evaluate(group, plan) if evalset is not None or plan.prompts else None
         task_results = _run_tasks(tasks, group, source) if tasks is not None else None
+        # Last: a reference model's pass leaves its weights in the workers.
+        preference = pairs.score(group) if pairs is not None else None
     if args.json:
         out: dict[str, Any] = {"source": source.where}
         if result is not None:
             out.update(data=job.eval.data, **result.to_dict())
+        if preference is not None:
+            out.update(data=job.eval.data, preference=preference)
         if task_results is not None:
             from ringtrain.commands.eval_tasks import results_json
 
@@ -115,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     if result is not None:
         print(result.table())
+    if preference is not None:
+        print("  ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in preference.items()))
     if task_results is not None:
         from lm_eval.utils import make_table
 
@@ -128,9 +139,10 @@ def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, A
     return run_tasks(tasks, group, source.tokenizer_folder)
 
 
-def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"]]:
-    """The source, the workers' job, the eval plan (``--data``, ``--passkey``) and the lm-eval
-    tasks (``--tasks``): every input check, no cluster."""
+def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"], Optional["PairsEval"]]:
+    """The source, the workers' job, the eval plan (``--data``, ``--passkey``), the lm-eval
+    tasks (``--tasks``) and a preference dataset's pairs with their objective and reference:
+    every input check, no cluster."""
     from ringtrain.actors.evaluation import plan_for
     from ringtrain.evaluation.tokenizer import find_tokenizer
 
@@ -144,19 +156,47 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         job = _eval_job(source, args)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
-        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder))
+        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+        _check_objective(job)  # once the data is known to be there
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
+        pairs = _pairs_plan(job, source, plan)
         # The workers' own data source is never read; it only has to be valid at this length,
-        # which holds the eval set's rows and the longest sequence a task's request may have.
-        longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0)
+        # which holds the eval set's rows, the pairs' rows and the longest sequence a task's
+        # request may have. They score, and train nothing: the objective is the driver's.
+        longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0,
+                      plan.pairs.seq_len if plan.pairs is not None else 0)  # fmt: skip
         seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
         path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
         job.data = dataclasses.replace(job.data, seq_len=seq_len, path=path)
+        job.train = dataclasses.replace(job.train, objective="lm")
         job = checked(job)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
-    return source, job, plan, tasks
+    return source, job, plan, tasks, pairs
+
+
+def _check_objective(job: JobConfig) -> None:
+    """``--data`` and ``train.objective`` agree, as ``ringtrain run`` asks of its data: a
+    preference dataset is scored by a preference objective, any other data by ``lm``."""
+    from ringtrain.train.evalset import content_of
+    from ringtrain.train.mixture import check_objective
+
+    if not job.eval.data:
+        return
+    try:
+        check_objective(job, job.eval.data, content_of(job.eval.data))
+    except ConfigError as exc:
+        hint = "; to score its next-token loss, pass train.objective=lm" if job.train.objective != "lm" else ""
+        raise ConfigError(exc.key, exc.reason + hint) from None
+
+
+def _pairs_plan(job: JobConfig, source: EvalSource, plan: "EvalPlan") -> Optional["PairsEval"]:
+    if plan.pairs is None:
+        return None
+    from ringtrain.commands.eval_pairs import plan_pairs
+
+    return plan_pairs(job, source, plan.pairs, job.eval.seq_len or job.data.seq_len)
 
 
 def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int) -> "TaskPlan":
@@ -199,6 +239,10 @@ def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
     """The source's job with the user's overrides and options, shaped for evaluation
     (``workers.inference_job``): one sequence per forward."""
     job = inference_job(source, list(args.overrides))
+    if not _names_objective(args.overrides) and not _holds_pairs(args.data):
+        # A preference run's objective scores pairs alone: its text, chat data or tasks are scored
+        # by their next-token loss, unless the command line asks for an objective.
+        job.train = dataclasses.replace(job.train, objective="lm")
     e = job.eval
     job.eval = dataclasses.replace(
         e,
@@ -216,6 +260,18 @@ def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
     # A length every cp divides, until the eval set says how long its sequences are.
     job.data = dataclasses.replace(job.data, seq_len=2 * job.mesh.cp)
     return checked(job)
+
+
+def _names_objective(overrides: Sequence[str]) -> bool:
+    from ringtrain.config.overrides import parse
+
+    return any(key == "train.objective" for key, _ in parse(list(overrides)))
+
+
+def _holds_pairs(data: Optional[str]) -> bool:
+    from ringtrain.train.evalset import content_of
+
+    return bool(data) and content_of(data, "--data") == "preference"
 
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:

@@ -120,11 +120,12 @@ def prepare(args: argparse.Namespace) -> GeneratePlan:
 
 def _workers_job(job: JobConfig) -> JobConfig:
     """The workers' job: ``data.seq_len`` a length every CP layout shards (their data is never
-    read), ``train.micro_batch`` such sequences in a decoded batch."""
+    read), ``train.micro_batch`` such sequences in a decoded batch, and the next-token objective
+    whatever the run trained with (they decode, and score no pairs)."""
     unit = 2 * job.mesh.cp
     seq_len = -(-job.data.seq_len // unit) * unit
     job.data = dataclasses.replace(job.data, seq_len=seq_len, path=STDLIB_CORPUS, sources=[])
-    job.train = dataclasses.replace(job.train, global_batch=job.mesh.dp * job.train.micro_batch)
+    job.train = dataclasses.replace(job.train, global_batch=job.mesh.dp * job.train.micro_batch, objective="lm")
     return checked(job)
 
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ringtrain.actors.persister import Persister
     from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
     from ringtrain.checkpoint.lease import WriterLease
+    from ringtrain.commands.reference import ResolvedReference
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.prometheus import RunMetrics
 
@@ -85,6 +86,7 @@ def stop_wait_env(job: config.JobConfig) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain run``; ConfigError (exit 2) for bad input, before any cluster starts."""
     from ringtrain.actors.cluster import check_embedded_capacity
+    from ringtrain.commands.reference import resolve_reference
     from ringtrain.hf import resolve_job
     from ringtrain.submission_secrets import receive as receive_secrets
     from ringtrain.telemetry.trackers import check_installed as check_trackers
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         check_pretrained(job)
     for note in check_sources(job):
         print(f"ringtrain: warning: {note}", file=sys.stderr)
+    reference = resolve_reference(job)
     check_trackers(job)
     check_embedded_capacity(job)  # before an embedded cluster starts, and leaves a temp dir
     eval_plan = _eval_plan(job) if job.eval.every else None
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     lease = store_claim(job, store, run_path)
     if os.environ.get(SUBMITTED_VARIABLE):  # `ringtrain submit` waits for this line (commands/submit_checks)
         print(CHECKED, flush=True)
-    return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop)
+    return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop, reference)
 
 
 def _chat_data_note(job: config.JobConfig, progress: "Progress") -> None:
@@ -147,13 +150,16 @@ def _train(
     lease: "Optional[WriterLease]",
     eval_plan: "Optional[EvalPlan]",
     stop: StopSignals,
+    reference: "Optional[ResolvedReference]",
 ) -> int:
-    """The run itself, on a cluster, once every input is known to be good and the store is ours."""
+    """The run itself, on a cluster, once every input is known to be good and the store is ours;
+    ``reference``: DPO's and IPO's reference model, when the objective scores against one."""
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.controller import Controller
     from ringtrain.actors.group import WorkerGroup
     from ringtrain.actors.persister import Persister
     from ringtrain.actors.recovery import Recovery
+    from ringtrain.actors.reference_keeper import ReferenceKeeper, run_key
     from ringtrain.actors.resume import checkpoint_meta, take_store
     from ringtrain.telemetry.prometheus import new_run_id
     from ringtrain.telemetry.report import write_report
@@ -195,6 +201,9 @@ def _train(
         _chat_data_note(job, progress)
         try:
             group = WorkerGroup(job, device)
+            if reference is not None:
+                group.reference = ReferenceKeeper(run_key(job, reference.identity, device), reference.weights,
+                                                  store=store, fence=lease, say=progress.message)  # fmt: skip
             controller = Controller(
                 job,
                 group,

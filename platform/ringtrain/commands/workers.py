@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
 from ringtrain.commands.eval_source import EvalSource
@@ -24,16 +24,17 @@ if TYPE_CHECKING:
 
 def inference_job(source: EvalSource, overrides: list[str]) -> JobConfig:
     """The source's job with ``overrides``, shaped for inference: no snapshots, checkpoints, chaos
-    or spares, nothing stopped early, and no training objective (a preference run's workers would
-    otherwise take its reference log-probs, from data they are not given, before scoring
-    anything). Not validated: the caller sets what it needs first."""
+    or spares, and nothing stopped early. Its objective stays the run's (or the overrides'): the
+    caller says what it scores with, and gives its workers ``lm`` (a preference objective's
+    workers would first take reference log-probs of data they are not given). Not validated:
+    the caller sets what it needs first."""
     job = config.merge(source.job, overrides)
     job.checkpoint = dataclasses.replace(job.checkpoint, snapshot_every=0, persist_every=0, resume="none")
     job.chaos = ChaosConfig()
     job.mesh = dataclasses.replace(job.mesh, spares=0, min_dp=1, max_dp=None)
     # A run's fixed metrics port may be taken by a job still running; Ray picks a free one.
     job.telemetry = dataclasses.replace(job.telemetry, metrics_port=None)
-    job.train = dataclasses.replace(job.train, stop_at_step=None, skip_batches=[], objective="lm")
+    job.train = dataclasses.replace(job.train, stop_at_step=None, skip_batches=[])
     return job
 
 
@@ -48,9 +49,11 @@ def checked(job: JobConfig) -> JobConfig:
 
 
 @contextlib.contextmanager
-def started_workers(job: JobConfig, source: EvalSource, banner: Callable[[str], None]) -> Iterator["WorkerGroup"]:
+def started_workers(job: JobConfig, source: EvalSource, banner: Callable[[str], None],
+                    before_restore: Optional[Callable[["WorkerGroup"], None]] = None) -> Iterator["WorkerGroup"]:  # fmt: skip
     """The job's workers, started (and restored from the source's checkpoint) for the block;
-    ``banner`` is handed the device once it is known, before the workers start."""
+    ``banner`` is handed the device once it is known, before the workers start;
+    ``before_restore`` runs on the started workers before a checkpoint is loaded into them."""
     from ringtrain.actors.cluster import check_capacity, connect, resolve_device
     from ringtrain.actors.group import WorkerGroup
 
@@ -63,6 +66,8 @@ def started_workers(job: JobConfig, source: EvalSource, banner: Callable[[str], 
         group = WorkerGroup(cluster.for_workers(job), device)
         try:
             group.start()
+            if before_restore is not None:
+                before_restore(group)
             if source.checkpoint is not None:
                 group.restore(source.shards())
             yield group

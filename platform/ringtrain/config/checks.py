@@ -30,6 +30,8 @@ from ringtrain.config.schema import (
     NAN_POLICIES,
     NORM_STYLES,
     PACKINGS,
+    REFERENCE_INITIAL,
+    REFERENCE_OBJECTIVES,
     ROPE_TYPES,
     SLIDING_ATTENTION,
     STDLIB_CORPUS,
@@ -202,8 +204,14 @@ def validate_preference(job: JobConfig) -> None:
         raise ConfigError("train.preference.gamma", f"must be a finite number (got {p.gamma})")
     if not (math.isfinite(p.sft_weight) and p.sft_weight >= 0):
         raise ConfigError("train.preference.sft_weight", f"must be a finite number >= 0 (got {p.sft_weight})")
+    if not p.reference.strip():
+        raise ConfigError("train.preference.reference", f"is empty: give {REFERENCE_INITIAL} (the starting weights), a "
+                          "Hugging Face model folder, a run directory or a checkpoint URI")
     if job.train.objective == "lm":
         return
+    if job.train.objective not in REFERENCE_OBJECTIVES and p.reference != REFERENCE_INITIAL:
+        raise ConfigError("train.preference.reference", f"{p.reference}, but {job.train.objective} scores against no "
+                          f"reference model (only {' and '.join(REFERENCE_OBJECTIVES)} do): leave it at {REFERENCE_INITIAL}")
     if d.chat_overlong == "truncate":
         raise ConfigError("data.chat_overlong", "truncate would cut a pair's completions; a preference objective "
                           "takes drop or truncate_start (its prompt cut from the start)")

@@ -166,10 +166,11 @@ CHAT_PACKINGS = ("next_fit", "first_fit")
 # What a step minimises: lm, the next-token loss; or a preference objective over pairs of a
 # preference dataset (train/preference.py).
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
-OBJECTIVES = ("lm", *PREFERENCE_OBJECTIVES)
-# The preference objectives scored against a reference model's log-probs: the starting weights',
-# taken in one forward pass over the dataset before step 1 (train/trainer.py).
+# The preference objectives scored against a reference model's log-probs, and the reference that
+# is the run's own starting weights.
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
+REFERENCE_INITIAL = "initial"
+OBJECTIVES = ("lm", *PREFERENCE_OBJECTIVES)
 # token: the mean over every trained token of the global batch; sequence: each conversation's
 # token mean, averaged over the global batch's conversations (LongAlign, Bai et al. 2024).
 LOSS_NORMS = ("token", "sequence")
@@ -248,6 +249,10 @@ class PreferenceConfig:
     gamma: float = 0.5  # SimPO's target reward margin
     label_smoothing: float = 0.0  # conservative DPO's (and SimPO's) label noise, in [0, 0.5)
     sft_weight: float = 0.0  # times the chosen completion's mean token NLL, added (RPO)
+    # DPO's and IPO's reference model: REFERENCE_INITIAL (the starting weights), or a Hugging Face
+    # model folder, a run directory or a checkpoint URI of the same model's shape and tokenizer.
+    # Its completion log-probs are taken once, on the job's mesh, and kept in the checkpoint store.
+    reference: str = "initial"
 
 
 @dataclass

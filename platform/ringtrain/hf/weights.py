@@ -138,9 +138,10 @@ def load_full(model: torch.nn.Module, weights: PretrainedWeights) -> None:
             p.copy_(torch.from_numpy(weights.full(name)).to(p.dtype))
 
 
-def check_pretrained(job: Any) -> None:
-    """Before any worker starts: every tensor the job's model needs is in ``model.hf`` with its
-    shape, and every file opens (a truncated safetensors fails here, naming it)."""
+def check_pretrained(job: Any, folder: str = "", key: str = "model.hf") -> None:
+    """Before any worker starts: every tensor the job's model needs is in ``folder`` (default
+    ``model.hf``) with its shape, and every file opens (a truncated safetensors fails here,
+    naming it); errors name ``key``."""
     from ringtrain.train.model import ModelArgs, Transformer
 
     def no_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -148,7 +149,7 @@ def check_pretrained(job: Any) -> None:
 
     with torch.device("meta"):  # shapes without memory, whatever the model's size
         model = Transformer(ModelArgs.from_job(job), attention_fn=no_attention, init_std=None)
-    weights = PretrainedWeights(job.model.hf)
+    weights = PretrainedWeights(folder or job.model.hf, key=key)
     for file in sorted(set(weights.files.values())):
         weights._open(file)
     weights.check({name: tuple(p.shape) for name, p in model.named_parameters()})

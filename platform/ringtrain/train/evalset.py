@@ -99,7 +99,7 @@ def load_eval_set(
     key: str = "eval.data",
 ) -> EvalSet:
     """The sequences of ``path``; errors name ``key``."""
-    if path != STDLIB_CORPUS and is_prepared_path(path) and _is_chat(path, key):
+    if content_of(path, key) == "chat":
         found = chat_set(path, seq_len=seq_len, max_rows=max_rows, key=key)
         top = int(found.inputs.max(initial=0))
         if top >= vocab_size:
@@ -125,13 +125,16 @@ def load_eval_set(
     return found
 
 
-def _is_chat(path: str, key: str) -> bool:
+def content_of(path: str, key: str = "eval.data") -> str:
+    """What ``path`` holds: a prepared dataset's content (text, chat or preference), else text."""
+    if path == STDLIB_CORPUS or not is_prepared_path(path):
+        return "text"
     try:
         corpus = PreparedCorpus(path)
     except (DataError, ValueError, OSError) as exc:
         raise ConfigError(key, str(exc)) from None
     corpus.close()
-    return corpus.is_chat
+    return corpus.manifest.content
 
 
 def chat_set(path: str, *, seq_len: int, max_rows: Optional[int] = None, key: str = "eval.data") -> EvalSet:

@@ -201,7 +201,7 @@ class MixedSamples:
             corpus.close()
 
 
-def _check_objective(job: JobConfig, path: str, content: str, key: str = "data.path") -> None:
+def check_objective(job: JobConfig, path: str, content: str, key: str = "data.path") -> None:
     """A preference objective trains on a preference dataset, and a preference dataset on one."""
     objective = job.train.objective
     if objective != "lm" and content != "preference":
@@ -283,7 +283,7 @@ def check_sources(job: JobConfig) -> list[str]:
                               f"{job.data.path!r} is not one (make one with `ringtrain prepare`)")
         if job.train.loss_norm == "sequence":
             raise ConfigError("train.loss_norm", "sequence averages over conversations: it needs a chat dataset")
-        _check_objective(job, job.data.path, "text")
+        check_objective(job, job.data.path, "text")
         return notes
     model_tok = folder_tokenizer(job.model.hf)
     vocab = job.model_int("vocab_size")
@@ -314,7 +314,7 @@ def check_sources(job: JobConfig) -> list[str]:
                 whole = "pairs" if corpus.is_preference else "conversations"
                 raise ConfigError("data.packing", f"{job.data.packing}, but {spec.path} is a {content} dataset: whole "
                                   f"{whole} train with data.packing: doc")
-            _check_objective(job, spec.path, content, key)
+            check_objective(job, spec.path, content, key)
             chat.add(corpus.is_chat)
             kinds.add(content)
             if corpus.num_tokens < job.data.seq_len + 1:

@@ -31,12 +31,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ringtrain.config import PREFERENCE_OBJECTIVES, PreferenceConfig
+from ringtrain.config import PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, PreferenceConfig
 from ringtrain.status import PREFERENCE_METRICS as METRICS
 
 Tensor = torch.Tensor
-# The objectives scored against a reference model's log-probs.
-NEEDS_REFERENCE = ("dpo", "ipo")
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def pair_losses(objective: Objective, scores: PairScores) -> PairLosses:
     beta, s = objective.beta, scores
     per_token_chosen = s.chosen / s.chosen_tokens.clamp(min=1)
     per_token_rejected = s.rejected / s.rejected_tokens.clamp(min=1)
-    if objective.name in NEEDS_REFERENCE:
+    if objective.name in REFERENCE_OBJECTIVES:
         if s.ref_chosen is None or s.ref_rejected is None:
             raise ValueError(f"{objective.name} scores against the reference's log-probs, and none were given")
         ratio_chosen, ratio_rejected = s.chosen - s.ref_chosen, s.rejected - s.ref_rejected
@@ -124,3 +122,15 @@ def pair_losses(objective: Objective, scores: PairScores) -> PairLosses:
     if objective.sft_weight:
         loss = loss - objective.sft_weight * per_token_chosen
     return PairLosses(loss, rewards[0].detach(), rewards[1].detach(), s.chosen.detach(), s.rejected.detach())
+
+
+def report(objective: Objective, scores: PairScores) -> dict[str, float]:
+    """An evaluation's numbers for the pairs of ``scores``: the objective's mean loss, the mean
+    summed log-prob of each completion, the share of pairs whose chosen reward is the higher
+    (``reward_accuracy``), the mean reward margin, and each completion's mean reward."""
+    losses = pair_losses(objective, scores)
+    means = losses.metrics()
+    return {"loss": float(losses.loss.double().mean()), "chosen_logps": means["logps/chosen"],
+            "rejected_logps": means["logps/rejected"], "reward_accuracy": means["rewards/accuracies"],
+            "reward_margin": means["rewards/margins"], "chosen_reward": means["rewards/chosen"],
+            "rejected_reward": means["rewards/rejected"]}  # fmt: skip

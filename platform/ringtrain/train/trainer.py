@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ringtrain.chaos import FaultPlan, FaultSpec
 from ringtrain.train.deepspeed_import import import_deepspeed
 from ringtrain.checkpoint.wire import FragmentIndex, decode
-from ringtrain.config import AttentionConfig, ChaosConfig, JobConfig, checkpointing_mode
+from ringtrain.config import REFERENCE_OBJECTIVES, AttentionConfig, ChaosConfig, JobConfig, checkpointing_mode
 from ringtrain.planner.recompute import Recompute, recompute_for
 from ringtrain.status import StepReport
 from ringtrain.train.attention.documents import Documents
@@ -43,7 +43,9 @@ from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.mixture import open_samples
 from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, full_shape, skip_parameter_init
 from ringtrain.train import pair_loss
-from ringtrain.train.preference import NEEDS_REFERENCE, Objective, PairLosses
+from ringtrain.train.preference import Objective, PairLosses
+from ringtrain.train.reference import reference_table
+from ringtrain.train.reference_input import Reference
 from ringtrain.train.sdc_probes import BitFlip, digests, flip_bit, run_probes
 from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
 from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
@@ -138,6 +140,7 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
     one-layer copy of the model in a one-rank world of its own. A fresh process spends seconds
     on these; a warm spare or a new worker that did it in the background joins a world in a
     fraction of a second."""
+    preference = job.train.objective != "lm"
     tiny = dataclasses.replace(
         job,
         # The weights of a pretrained model are not needed to warm up: a random copy does, of
@@ -149,10 +152,13 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
         # One rank: the default's ring of one, which runs local attention whatever the job's layout
         # (a hybrid's mesh.ulysses would not fit in one rank).
         attention=dataclasses.replace(job.attention, impl=AttentionConfig.impl),
-        train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None),
+        # DPO's and IPO's step rehearsed as SimPO's (the same kernels): no reference pass over the data.
+        train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None,
+                                  objective="simpo" if job.train.objective in REFERENCE_OBJECTIVES else job.train.objective),
         # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
-        data=dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64), path=_warm_up_data(job.data.path),
-                                 chat_overlong="truncate"),
+        # A preference pair is never cut: its rows stay the job's.
+        data=job.data if preference else dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64),
+                                                              path=_warm_up_data(job.data.path), chat_overlong="truncate"),
         checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0),
         chaos=ChaosConfig(),
     )
@@ -198,7 +204,10 @@ class Trainer:
         device: torch.device,
         attention_factory: Optional[AttentionFactory] = None,
         deliver: Optional[DeliverFn] = None,
+        reference: Optional[Reference] = None,
     ) -> None:
+        """``reference``: DPO's and IPO's reference table, or the weights to take it with
+        (``train/reference.py``); None: taken with the starting weights."""
         self.job = job
         self.device = device
         self.dtype = resolve_dtype(job, device)
@@ -236,12 +245,12 @@ class Trainer:
         self.zero = ZeroState(self.engine, self.model, job.zero.stage, rank, topology.world_size)
         if job.model.hf:
             self.load_pretrained(job.model.hf)
-        # A preference objective, and (DPO, IPO) each pair's log-probs under the starting weights:
-        # taken here, before any state is restored, so every start of the run takes the same.
+        # A preference objective, and (DPO, IPO) each pair's log-probs under the reference: the
+        # run's table when given, else taken here, before any state is restored.
         self.objective = Objective.of(job.train.objective, job.train.preference) if job.train.objective != "lm" else None
         self.reference: Optional[np.ndarray] = None
-        if self.objective is not None and self.objective.name in NEEDS_REFERENCE:
-            self.reference = self.reference_logps()
+        if self.objective is not None and self.objective.name in REFERENCE_OBJECTIVES:
+            self.reference = reference_table(self, reference)
         self.snapshotter: Optional[Snapshotter] = None
         if job.checkpoint.snapshot_every > 0:
             self.snapshotter = Snapshotter(
@@ -253,12 +262,12 @@ class Trainer:
                 keep=job.checkpoint.keep_in_memory,
             )
 
-    def load_pretrained(self, folder: str) -> None:
+    def load_pretrained(self, folder: str, key: str = "model.hf") -> None:
         """Put a Hugging Face model's weights into this rank's ZeRO state, reading only the
-        fragments this rank keeps; Adam starts from zero moments."""
+        fragments this rank keeps; Adam starts from zero moments. Errors name ``key``."""
         from ringtrain.hf.weights import PretrainedWeights
 
-        weights = PretrainedWeights(folder)
+        weights = PretrainedWeights(folder, key=key)
         weights.check({name: tuple(full_shape(p)) for name, p in self.model.named_parameters()})
         self.zero.load(weights)
 
@@ -464,29 +473,12 @@ class Trainer:
             self.snapshotter.fence()  # the optimizer step below changes what the copy reads
         self.engine.step()
 
-    def reference_logps(self) -> np.ndarray:
-        """Every pair's (chosen, rejected) completion log-prob sums under the current weights,
-        ``[pairs, 2]`` fp64: one pass over the dataset's rows, each replica its share (every
-        replica runs as many forwards: under ZeRO-3 each gathers parameters over the world),
-        combined over the world. Collective."""
-        rows = self.data.preference_rows()
-        topology, coord = self.mesh.topology, self.mesh.coord
-        table = torch.zeros((self.data.num_pairs(), 2), dtype=torch.float64, device=self.device)
-        training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            for first in range(0, rows, topology.dp):
-                row = min(first + coord.replica, rows - 1)  # past the end: a repeat, not counted
-                mb = self.data.row_batch(row)
-                labels = self._tensor(mb.labels).flatten()
-                token_losses = self.model(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels,
-                                          **self._docs(mb), per_token=True)  # fmt: skip
-                sums, _ = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
-                if first + coord.replica < rows and coord.ring_pos == 0:
-                    table[list(mb.pairs)] += sums.view(-1, 2)
-        self.model.train(training)
-        dist.all_reduce(table)
-        return table.cpu().numpy()
+    def token_losses(self, mb: MicroBatch) -> torch.Tensor:
+        """Each of this rank's tokens' loss in ``mb`` under the current weights (0 where it
+        predicts nothing): the forward alone, for passes that take no step."""
+        labels = self._tensor(mb.labels).flatten()
+        return self.model(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb),
+                          per_token=True)  # fmt: skip
 
     def _global_loss(self, local_loss: torch.Tensor, faults: set[str]) -> float:
         """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""

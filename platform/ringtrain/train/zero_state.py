@@ -157,6 +157,11 @@ class ZeroState:
                 if numel:
                     values = index.read(name, "param", start, start + numel)
                     p.ds_tensor.data.view(-1)[:numel].copy_(torch.from_numpy(values).to(p.ds_tensor.dtype))
+                if p.numel() == p.ds_numel:
+                    # Gathered whole and kept so (a small parameter ZeRO-3 persists after its first
+                    # forward): the forward reads this copy, not the partition, until a step.
+                    whole = index.read(name, "param", 0, p.ds_numel)
+                    p.data.view(-1).copy_(torch.from_numpy(whole).to(p.device, p.dtype))
             elif self.stage in (1, 2):
                 values = index.read(name, "param", 0, p.numel())
                 p.data.view(-1).copy_(torch.from_numpy(values).to(p.device, p.dtype))

@@ -1,0 +1,92 @@
+"""PairSet: a preference dataset's pairs as ``ringtrain eval`` scores them, in rows laid out as
+training lays them out.
+
+The pairs are packed into rows of ``seq_len`` tokens (``pairs.pack_pairs``: whole pairs, each
+prompt laid out once or twice as ``data.prefix_sharing`` says, an overlong pair dropped or its
+prompt cut as ``data.chat_overlong`` says), then each row padded to a length the mesh's chunks
+divide (padding is a document of its own that predicts nothing), so which pairs are scored, and
+how much of each, depends on ``seq_len`` alone, never on the mesh. Read once on the driver and
+sent to the workers, whose ``ShardedData`` reads it as it reads a preference dataset (it is a
+``PairSource``). Pure numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ringtrain.errors import ConfigError, DataError
+from ringtrain.train.corpus import PreparedCorpus
+from ringtrain.train.data import Sample
+from ringtrain.train.mixture import MixedSamples, SourceSpec
+from ringtrain.train.pairs import PairRows
+
+
+@dataclass(frozen=True)
+class PairSet:
+    rows: tuple[Sample, ...]  # each of seq_len + 1 tokens
+    layout: PairRows  # which pairs each row holds; counts of those packed, dropped, cut
+    seq_len: int
+    packing: str = "doc"  # a SampleSource's: rows carry their documents
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_scored(self) -> int:
+        """The pairs the rows hold."""
+        return sum(len(row.pairs) for row in self.rows)
+
+    def pair_rows(self) -> PairRows:
+        return self.layout
+
+    def pair_sample(self, row: int) -> Sample:
+        return self.rows[row]
+
+    def sample(self, sample: int) -> Sample:
+        return self.rows[sample % self.num_rows]
+
+    def close(self) -> None:
+        """Nothing is held open: the rows are in memory."""
+
+
+def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, prefix_sharing: bool, overlong: str,
+                  packing: str, max_rows: Optional[int] = None, key: str = "eval.data") -> PairSet:  # fmt: skip
+    """The pairs of preference dataset ``path`` in rows of ``seq_len`` tokens, padded to a
+    multiple of ``multiple``; all rows, or the first ``max_rows``. Errors name ``key``."""
+    try:
+        corpus = PreparedCorpus(path)
+    except (DataError, ValueError, OSError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    try:
+        samples = MixedSamples([corpus], [SourceSpec(path)], seq_len=seq_len, seed=0, packing="doc",
+                               chat_overlong=overlong, chat_packing=packing, prefix_sharing=prefix_sharing)  # fmt: skip
+        layout = samples.pair_rows()
+        length = -(-seq_len // multiple) * multiple
+        taken = range(min(layout.num_rows, max_rows or layout.num_rows))
+        rows = tuple(_padded(samples.pair_sample(r), length + 1, corpus.eos_id) for r in taken)
+    except DataError as exc:
+        raise ConfigError(key, str(exc)) from None
+    finally:
+        corpus.close()
+    top = max(int(row.tokens.max()) for row in rows)
+    if top >= vocab_size:
+        raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary [0, {vocab_size})")
+    return PairSet(rows, layout, length)
+
+
+def _padded(row: Sample, length: int, pad_id: int) -> Sample:
+    """``row`` padded to ``length`` tokens with a document that predicts nothing."""
+    pad = length - len(row.tokens)
+    if pad == 0:
+        return row
+
+    def grow(values: Optional[np.ndarray], fill: int) -> Optional[np.ndarray]:
+        return None if values is None else np.concatenate([values, np.full(pad, fill, dtype=values.dtype)])
+
+    return Sample(tokens=grow(row.tokens, pad_id), doc_ids=grow(row.doc_ids, -1), origin=row.origin,
+                  targets=grow(row.targets, 0), positions=grow(row.positions, 0), completions=grow(row.completions, -1),
+                  pairs=row.pairs, family=row.family)  # fmt: skip
