@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from ringtrain.status import PREFERENCE_METRICS
 from ringtrain.telemetry.tensorboard import INCIDENT_COUNT_TAG, SCALAR_TAGS, TensorBoardSink
 from ringtrain_dev.fake_run import NAN_INCIDENT, step_record
 
@@ -26,7 +27,8 @@ def steps_and_values(events: EventAccumulator, tag: str) -> list[tuple[int, floa
 
 def test_every_scalar_is_written_at_its_step(tmp_path: Path) -> None:
     sink = TensorBoardSink(tmp_path)
-    records = [step_record(1), step_record(2)]
+    # A preference run's records, which carry its objective's metrics besides the rest.
+    records = [step_record(step, **{name: step + i / 8 for i, name in enumerate(PREFERENCE_METRICS)}) for step in (1, 2)]
     for r in records:
         sink.step(r)
     sink.incident(NAN_INCIDENT)
