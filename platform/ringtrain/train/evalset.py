@@ -32,7 +32,7 @@ from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.evaluation.result import ChatCoverage
 from ringtrain.evaluation.text import Tokenizer
-from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
+from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
 from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
 
 DEFAULT_WINDOWS = 64  # windows of a stream scored when no max_rows is given
@@ -129,6 +129,7 @@ def content_of(path: str, key: str = "eval.data") -> str:
     """What ``path`` holds: a prepared dataset's content (text, chat or preference), else text."""
     if path == STDLIB_CORPUS or not is_prepared_path(path):
         return "text"
+    check_reachable(path, key)  # one quick request names a bad endpoint or grant before reads retry
     try:
         corpus = PreparedCorpus(path)
     except (DataError, ValueError, OSError) as exc:
