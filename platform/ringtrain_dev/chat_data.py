@@ -1,13 +1,11 @@
 """Small chat datasets for the training side's tests: random conversations with assistant-turn
-loss masks, written as a prepared dataset in the chat format (docs: notes of #42), without the
+loss masks, written as a prepared dataset in the chat format (docs/data.md), without the
 tokenizer or the Ray pipeline that ``ringtrain prepare --format chat`` runs."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,27 +54,6 @@ def write_chat(
     manifest["chat"] = {"template_sha256": "0" * 64, "template_file": "chat_template.jinja", "train_on": "assistant",
                         "mask_source": "generation", "messages_field": "messages"}
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-
-
-@functools.cache
-def chat_manifests_read() -> bool:
-    """Whether this tree's manifest reader knows chat datasets (``prepared.Manifest.content``,
-    the prepare side of #42): a dataset written here then reads as one."""
-    from ringtrain.train.corpus import PreparedCorpus
-
-    with tempfile.TemporaryDirectory() as tmp:
-        write_chat(Path(tmp) / "d", random_conversations(2, vocab_size=16, min_len=4, max_len=6), vocab_size=16)
-        corpus = PreparedCorpus(str(Path(tmp) / "d"))
-        corpus.close()
-        return corpus.is_chat
-
-
-def skip_without_chat_manifests() -> None:
-    """Skip the calling test until the manifest reader carries the chat fields."""
-    import pytest
-
-    if not chat_manifests_read():
-        pytest.skip("prepared.Manifest does not read chat datasets yet (#42's prepare side: `content`)")
 
 
 def chat_samples(root: Path, *, seq_len: int, seed: int, overlong: str = "drop", packing: str = "next_fit") -> object:

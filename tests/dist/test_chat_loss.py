@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringtrain_dev.chat_data import chat_samples, random_conversations, skip_without_chat_manifests, write_chat
+from ringtrain_dev.chat_data import chat_samples, random_conversations, write_chat
 from ringtrain_dev.ranks import gloo_rank, run_ranks
 from tests.hf_models import VOCAB, save_model
 
@@ -214,7 +214,6 @@ def _rendered(base: Path) -> list[tuple[np.ndarray, np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    skip_without_chat_manifests()
     base = tmp_path_factory.mktemp("chat_loss")
     folder = save_model(base / "model", "llama")
     convs = random_conversations(NUM_CONVERSATIONS, vocab_size=VOCAB, min_len=6, max_len=14, seed=7)

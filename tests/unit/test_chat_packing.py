@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ringtrain.train.conversations import conversation_weights, pack_conversations
 from ringtrain.train.data import IGNORE_INDEX, BatchPlan, ShardedData
 from ringtrain.train.loss import chunked_cross_entropy_sum, full_cross_entropy_sum
-from ringtrain_dev.chat_data import chat_samples, random_conversations, skip_without_chat_manifests, write_chat
+from ringtrain_dev.chat_data import chat_samples, random_conversations, write_chat
 
 VOCAB, SEQ = 64, 32
 
@@ -91,7 +91,6 @@ def _data(samples: object, ring: int, ulysses: int, ring_idx: int, ulysses_idx: 
 
 @pytest.fixture(scope="module")
 def chat_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[np.ndarray, np.ndarray]]]:
-    skip_without_chat_manifests()
     root = tmp_path_factory.mktemp("chat") / "data"
     convs = random_conversations(24, vocab_size=VOCAB, min_len=4, max_len=40, seed=1)
     write_chat(root, convs, vocab_size=VOCAB)
