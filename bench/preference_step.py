@@ -33,9 +33,11 @@ MODEL = ["model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_hea
          "model.ffn_dim=256"]  # fmt: skip
 
 
-def _dataset(root: Path, prompt_tokens: int, completion_tokens: int, pairs: int) -> tuple[Path, int, int]:
-    """A preference dataset of ``pairs`` pairs, and the longest pair's row in each layout."""
+def _dataset(root: Path, prompt_tokens: int, completion_tokens: int, pairs: int) -> tuple[Path, int, int, int, int]:
+    """A preference dataset of ``pairs`` pairs; the longest pair's row in each layout, and the
+    median prompt and completion as the template rendered them (tokens)."""
     import numpy as np
+    from tokenizers import Tokenizer
 
     from ringtrain import cli
     from ringtrain.train.corpus import PreparedCorpus
@@ -44,9 +46,15 @@ def _dataset(root: Path, prompt_tokens: int, completion_tokens: int, pairs: int)
 
     rng = random.Random(0)
     tokenizer = save_chat_tokenizer(root / "tokenizer", "chatml", vocab_size=VOCAB)
+    encoder = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    cost = {word: len(encoder.encode(" " + word).ids) for word in CHAT_WORDS}  # each word's tokens, its space included
 
-    def words(tokens: int) -> str:  # about three tokens a word with its space, for this tokenizer
-        return " ".join(rng.choice(CHAT_WORDS) for _ in range(max(1, tokens // 3)))
+    def words(tokens: int) -> str:  # words drawn until the tokenizer counts ``tokens``
+        drawn, count = [], 0
+        while count < tokens:
+            drawn.append(rng.choice(CHAT_WORDS))
+            count += cost[drawn[-1]]
+        return " ".join(drawn)
 
     records = [{"prompt": words(prompt_tokens), "chosen": words(completion_tokens), "rejected": words(completion_tokens)}
                for _ in range(pairs)]  # fmt: skip
@@ -58,11 +66,11 @@ def _dataset(root: Path, prompt_tokens: int, completion_tokens: int, pairs: int)
     corpus = PreparedCorpus(str(root / "data"))
     lengths = corpus.document_lengths().reshape(-1, 3)
     corpus.close()
-    print(f"{pairs} pairs; median prompt {int(np.median(lengths[:, 0]))} tokens, completions "
-          f"{int(np.median(lengths[:, 1:]))} tokens")
+    prompt, completion = int(np.median(lengths[:, 0])), int(np.median(lengths[:, 1:]))
+    print(f"{pairs} pairs; median prompt {prompt} tokens, completions {completion} tokens")
     # A row is seq_len + 1 tokens; seq_len even (the zigzag layout's two chunks).
     longest = {shared: int(row_length(lengths[:, 0], lengths[:, 1], lengths[:, 2], shared).max()) for shared in (True, False)}
-    return root / "data", *(-(-longest[shared] // 2) * 2 for shared in (True, False))
+    return root / "data", *(-(-longest[shared] // 2) * 2 for shared in (True, False)), prompt, completion
 
 
 def main() -> int:
@@ -86,7 +94,8 @@ def main() -> int:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     times: dict[bool, list[float]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as tmp:
-        data, shared_len, twice_len = _dataset(Path(tmp), args.prompt_tokens, args.completion_tokens, args.steps + 1)
+        data, shared_len, twice_len, prompt, completion = _dataset(Path(tmp), args.prompt_tokens, args.completion_tokens,
+                                                                   args.steps + 1)
         trainers = {}
         for shared, seq_len in ((True, shared_len), (False, twice_len)):
             job = config.load(None, [*MODEL, f"data.path={data}", "data.packing=doc", f"data.seq_len={seq_len}",
@@ -110,7 +119,7 @@ def main() -> int:
     print(f"shared is {ratio:.2f}x faster: {'PASS' if ok else 'FAIL'} (target >= {TARGET}x)")
     run.write({"target_speedup": TARGET, "pass": ok, "speedup": ratio, "shared_step_s": shared_s, "twice_step_s": twice_s,
                "shared_row_tokens": shared_len, "twice_row_tokens": twice_len, "steps": args.steps,
-               "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
+               "prompt_tokens": prompt, "completion_tokens": completion,  # as rendered: the template's tokens included
                "objective": "simpo", "model": MODEL}, device_type="cpu", out=args.out)  # fmt: skip
     return 0 if ok else 1
 
