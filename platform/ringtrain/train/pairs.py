@@ -67,6 +67,12 @@ class PairRows:
         lo, hi = int(self.starts[index]), int(self.starts[index + 1])
         return self.pairs[lo:hi], self.prompt_cut[lo:hi]
 
+    def head(self, num_rows: int) -> "PairRows":
+        """The first ``num_rows`` rows; the dataset's counts (and so its pairs' indices) as they were."""
+        end = int(self.starts[num_rows])
+        return PairRows(self.pairs[:end], self.prompt_cut[:end], self.starts[: num_rows + 1], total=self.total,
+                        dropped=self.dropped, truncated=self.truncated)  # fmt: skip
+
     def counts(self) -> dict[str, int]:
         return {"pairs": self.total, "packed": self.total - self.dropped, "dropped": self.dropped,
                 "truncated": self.truncated, "rows": self.num_rows}  # fmt: skip

@@ -27,7 +27,7 @@ from ringtrain.train.pairs import PairRows
 @dataclass(frozen=True)
 class PairSet:
     rows: tuple[Sample, ...]  # each of seq_len + 1 tokens
-    layout: PairRows  # which pairs each row holds; counts of those packed, dropped, cut
+    layout: PairRows  # which pairs each of ``rows`` holds; the dataset's counts of pairs, dropped, cut
     seq_len: int
     packing: str = "doc"  # a SampleSource's: rows carry their documents
 
@@ -64,10 +64,11 @@ def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, pr
     try:
         samples = MixedSamples([corpus], [SourceSpec(path)], seq_len=seq_len, seed=0, packing="doc",
                                chat_overlong=overlong, chat_packing=packing, prefix_sharing=prefix_sharing)  # fmt: skip
-        layout = samples.pair_rows()
+        packed = samples.pair_rows()
+        # The rows scored, and the layout of those alone: a pass over the rows reads it.
+        layout = packed.head(min(packed.num_rows, max_rows or packed.num_rows))
         length = -(-seq_len // multiple) * multiple
-        taken = range(min(layout.num_rows, max_rows or layout.num_rows))
-        rows = tuple(_padded(samples.pair_sample(r), length + 1, corpus.eos_id) for r in taken)
+        rows = tuple(_padded(samples.pair_sample(r), length + 1, corpus.eos_id) for r in range(layout.num_rows))
     except DataError as exc:
         raise ConfigError(key, str(exc)) from None
     finally:
