@@ -34,7 +34,7 @@ from ringtrain.train.conversations import ConversationRows, pack_conversations, 
 from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
 from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, unchecked_note
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
-from ringtrain.train.pairs import PAIR_FAMILY, STORED_DOCUMENTS, PairRows, pack_pairs, pair_row
+from ringtrain.train.pairs import PAIR_FAMILY, STORED_DOCUMENTS, PairRow, PairRows, pack_pairs, pair_row
 from ringtrain.uris import is_s3
 
 BLOCK = 1024
@@ -192,13 +192,19 @@ class MixedSamples:
             parts.append((corpus.tokens(p0 + cut, p1), corpus.tokens(c0, c1), corpus.mask(c0, c1),
                           corpus.tokens(r0, r1), corpus.mask(r0, r1)))  # fmt: skip
         laid = pair_row(parts, self.seq_len, corpus.eos_id, self.prefix_sharing)
-        return Sample(tokens=laid.tokens, doc_ids=laid.doc_ids, origin=(j, STORED_DOCUMENTS * int(pairs[0])),
-                      targets=laid.targets, positions=laid.positions, completions=laid.completions,
-                      pairs=tuple(pairs.tolist()), family=PAIR_FAMILY if self.prefix_sharing else 0)  # fmt: skip
+        return pair_sample(laid, (j, STORED_DOCUMENTS * int(pairs[0])), tuple(pairs.tolist()), self.prefix_sharing)
 
     def close(self) -> None:
         for corpus in self.corpora:
             corpus.close()
+
+
+def pair_sample(laid: PairRow, origin: tuple[int, int], pairs: tuple[int, ...], shared: bool) -> Sample:
+    """A row of ``pairs`` (dataset indices, slot order) laid out, as a SampleSource's sample whose
+    first token comes from ``origin``."""
+    return Sample(tokens=laid.tokens, doc_ids=laid.doc_ids, origin=origin, targets=laid.targets,
+                  positions=laid.positions, completions=laid.completions, pairs=pairs,
+                  family=PAIR_FAMILY if shared else 0)  # fmt: skip
 
 
 def check_objective(job: JobConfig, path: str, content: str, key: str = "data.path") -> None:

@@ -20,8 +20,8 @@ import numpy as np
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.corpus import PreparedCorpus
 from ringtrain.train.data import Sample
-from ringtrain.train.mixture import MixedSamples, SourceSpec
-from ringtrain.train.pairs import PairRows
+from ringtrain.train.mixture import MixedSamples, SourceSpec, pair_sample
+from ringtrain.train.pairs import PairRows, pair_row
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,19 @@ def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, pr
     if top >= vocab_size:
         raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary [0, {vocab_size})")
     return PairSet(rows, layout, length)
+
+
+def rehearsal_pairs(seq_len: int, vocab_size: int, *, prefix_sharing: bool) -> PairSet:
+    """One made-up pair in a row of ``seq_len`` tokens (at least 4): what a warm-up trains a
+    preference step on, so it reads no dataset and needs no pair of the job's to fit its row."""
+    part = max(1, seq_len // 8)  # tokens of the prompt, and of each completion
+    ids = np.arange(3 * part, dtype=np.int64) % vocab_size
+    prompt, chosen, rejected = ids[:part], ids[part : 2 * part], ids[2 * part :]
+    trained = np.ones(part, dtype=np.uint8)
+    laid = pair_row([(prompt, chosen, trained, rejected, trained)], seq_len, 0, prefix_sharing)
+    first = np.zeros(1, dtype=np.int64)
+    layout = PairRows(first, first, np.array([0, 1], dtype=np.int64), total=1, dropped=0, truncated=0)
+    return PairSet((pair_sample(laid, (0, 0), (0,), prefix_sharing),), layout, seq_len)
 
 
 def _padded(row: Sample, length: int, pad_id: int) -> Sample:

@@ -36,11 +36,12 @@ from ringtrain.config import REFERENCE_OBJECTIVES, AttentionConfig, ChaosConfig,
 from ringtrain.planner.recompute import Recompute, recompute_for
 from ringtrain.status import StepReport
 from ringtrain.train.attention.documents import Documents
-from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
+from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, SampleSource, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.fused import FusedOps
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.mixture import open_samples
+from ringtrain.train.pairset import rehearsal_pairs
 from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, full_shape, skip_parameter_init
 from ringtrain.train import pair_loss
 from ringtrain.train.preference import Objective, PairLosses
@@ -51,6 +52,8 @@ from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
 from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
 
 AttentionFactory = Callable[[JobConfig, Mesh], AttentionFn]
+# The longest row a warm-up trains on: enough to run every kernel a step runs.
+WARM_UP_SEQ_LEN = 64
 
 
 def set_rank_env(*, rank: int, world_size: int, device: torch.device) -> None:
@@ -137,10 +140,21 @@ def build_model(job: JobConfig, attention_fn: AttentionFn, device: Optional[torc
 def warm_up(job: JobConfig, device: torch.device) -> None:
     """Touch everything a rank's first build and first step load lazily (DeepSpeed's and
     torch's deferred imports, op builders, kernels, the corpus) by training one step of a
-    one-layer copy of the model in a one-rank world of its own. A fresh process spends seconds
-    on these; a warm spare or a new worker that did it in the background joins a world in a
-    fraction of a second."""
+    one-layer copy of the model in a one-rank world of its own, on rows of at most
+    ``WARM_UP_SEQ_LEN`` tokens (a long context needs the job's CP ring to fit; one rank holds
+    it all). A fresh process spends seconds on these; a warm spare or a new worker that did it
+    in the background joins a world in a fraction of a second.
+
+    A preference job rehearses its objective's step (pair documents, per-token losses, the
+    completions' sums, the objective) on one made-up pair (``pairset.rehearsal_pairs``): its
+    dataset's pairs may all be longer than the rehearsal's rows, and a pair is never cut into
+    one. DPO and IPO rehearse as SimPO (the same kernels), so no reference pass is taken."""
     preference = job.train.objective != "lm"
+    seq_len = min(job.data.seq_len, WARM_UP_SEQ_LEN)
+    data = dataclasses.replace(job.data, seq_len=seq_len)
+    if not preference:
+        # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
+        data = dataclasses.replace(data, path=_warm_up_data(job.data.path), chat_overlong="truncate")
     tiny = dataclasses.replace(
         job,
         # The weights of a pretrained model are not needed to warm up: a random copy does, of
@@ -152,22 +166,19 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
         # One rank: the default's ring of one, which runs local attention whatever the job's layout
         # (a hybrid's mesh.ulysses would not fit in one rank).
         attention=dataclasses.replace(job.attention, impl=AttentionConfig.impl),
-        # DPO's and IPO's step rehearsed as SimPO's (the same kernels): no reference pass over the data.
         train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None,
                                   objective="simpo" if job.train.objective in REFERENCE_OBJECTIVES else job.train.objective),
-        # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
-        # A preference pair is never cut: its rows stay the job's.
-        data=job.data if preference else dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64),
-                                                              path=_warm_up_data(job.data.path), chat_overlong="truncate"),
+        data=data,
         checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0),
         chaos=ChaosConfig(),
     )
+    pairs = rehearsal_pairs(seq_len, tiny.model_int("vocab_size"), prefix_sharing=data.prefix_sharing) if preference else None
     set_rank_env(rank=0, world_size=1, device=device)
     cuda = device.type == "cuda"
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
     )
-    trainer = Trainer(tiny, rank=0, device=device)
+    trainer = Trainer(tiny, rank=0, device=device, samples=pairs)
     try:
         trainer.train_step()
     finally:
@@ -205,9 +216,11 @@ class Trainer:
         attention_factory: Optional[AttentionFactory] = None,
         deliver: Optional[DeliverFn] = None,
         reference: Optional[Reference] = None,
+        samples: Optional[SampleSource] = None,
     ) -> None:
         """``reference``: DPO's and IPO's reference table, or the weights to take it with
-        (``train/reference.py``); None: taken with the starting weights."""
+        (``train/reference.py``); None: taken with the starting weights. ``samples``: what the
+        rank trains on in place of the job's data (a warm-up's made-up pair)."""
         self.job = job
         self.device = device
         self.dtype = resolve_dtype(job, device)
@@ -223,7 +236,7 @@ class Trainer:
         self.engine = build_engine(self.model, job, self.mesh, self.dtype, device.type)
         c = self.mesh.coord
         self.data = ShardedData(
-            open_samples(job),
+            samples if samples is not None else open_samples(job),
             seq_len=job.data.seq_len,
             seed=job.train.seed,
             plan=BatchPlan(job.train.global_batch, topology.dp, job.train.micro_batch),
