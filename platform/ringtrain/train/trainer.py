@@ -192,6 +192,21 @@ def _warm_up_data(path: str) -> str:
     return STDLIB_CORPUS if path.endswith(".npy") else path
 
 
+def _closing_reduction_tampered(faults: set[str], device: torch.device) -> bool:
+    """Whether a chaos fault of the step (``faults``, their kinds) tampers with its closing
+    all-reduce, the one its reported loss comes from: skip_collective leaves it out, wrong_shape
+    enters it with another shape (here, in place of it). The rank then reports its own loss."""
+    if "skip_collective" in faults:
+        return True
+    if "wrong_shape" in faults:
+        # On the rank's own device: NCCL rejects a CPU tensor before anything is sent, which
+        # would fail this rank at once instead of leaving its peers waiting on a mismatched
+        # collective (the stall the fault is there to produce). gloo returns at once.
+        dist.all_reduce(torch.zeros(0, device=device))
+        return True
+    return False
+
+
 def _attended_tokens(mb: MicroBatch) -> int:
     """The micro-batch's tokens that are not padding (a chat row's padding is document -1)."""
     return int(mb.input_ids.size if mb.doc_ids is None else (np.asarray(mb.doc_ids) >= 0).sum())
@@ -459,7 +474,8 @@ class Trainer:
         num_pairs = pair_loss.count_pairs(list(batches), topology.cp, self.device)
         scale = pair_loss.pairs_scale(num_pairs, topology.world_size, len(batches))
         losses = [self._pairs_micro_step(mb, scale, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)]
-        loss, metrics = pair_loss.step_metrics(losses, num_pairs, topology.cp, self.device)
+        reduce = not _closing_reduction_tampered({f.kind for f in strike}, self.device)
+        loss, metrics = pair_loss.step_metrics(losses, num_pairs, topology.cp, self.device, reduce=reduce)
         local = float(torch.cat([l.loss.detach() for l in losses]).mean().item()) if losses else float("nan")
         return loss, local, metrics
 
@@ -474,7 +490,8 @@ class Trainer:
         sums, counts = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
         loss, losses = pair_loss.micro_loss(self.objective, pair_loss.pair_scores(sums, counts, mb.pairs, self.reference), scale)
         self._backward_and_step(loss, poison)
-        return losses
+        # A poisoned step reports its loss as NaN, as the lm path's does: the controller reads the reported loss.
+        return dataclasses.replace(losses, loss=losses.loss.detach() * float("nan")) if poison else losses
 
     def _backward_and_step(self, loss: torch.Tensor, poison: bool) -> None:
         """Backward of a micro-batch's loss, then the engine's step (the optimizer's at the
@@ -495,13 +512,7 @@ class Trainer:
 
     def _global_loss(self, local_loss: torch.Tensor, faults: set[str]) -> float:
         """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""
-        if "skip_collective" in faults:
-            return float(local_loss.item())
-        if "wrong_shape" in faults:
-            # On the rank's own device: NCCL rejects a CPU tensor before anything is sent, which
-            # would fail this rank at once instead of leaving its peers waiting on a mismatched
-            # collective (the stall the fault is there to produce). gloo returns at once.
-            dist.all_reduce(torch.zeros(0, device=self.device))
+        if _closing_reduction_tampered(faults, self.device):
             return float(local_loss.item())
         return float(all_reduce_mean(local_loss).item())
 
