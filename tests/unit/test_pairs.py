@@ -88,3 +88,75 @@ def test_eval_capped_by_max_rows_scores_the_rows_it_keeps(dataset: Path, monkeyp
     np.testing.assert_array_equal(policy[scored], -counts[scored])
     rest = np.setdiff1d(np.arange(NUM_PAIRS), scored)
     assert not counts[rest].any() and not policy[rest].any()
+
+
+def _job(path: Path, *overrides: str) -> Any:
+    from ringtrain import config
+
+    return config.load(None, [f"model.vocab_size={VOCAB}", f"data.path={path}", "data.packing=doc", f"data.seq_len={SEQ}",
+                              "train.objective=simpo", *overrides])  # fmt: skip
+
+
+def _laid_out(path: Path) -> np.ndarray:
+    """Each stored pair's tokens laid out whole in a row, its prompt shared, from its parts' lengths."""
+    from ringtrain.train.corpus import PreparedCorpus
+    from ringtrain.train.pairs import row_length
+
+    corpus = PreparedCorpus(str(path))
+    try:
+        parts = corpus.document_lengths().reshape(-1, STORED_DOCUMENTS)
+    finally:
+        corpus.close()
+    return row_length(parts[:, 0], parts[:, 1], parts[:, 2], True)
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate_start"])
+def test_the_driver_counts_the_pairs_seq_len_dropped_or_cut(
+    dataset: Path, overlong: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The console's note before the first step and summary.json's "chat" (``chat_packing_counts``)
+    say how the preference dataset packs, as the workers pack it, and what data.seq_len cost it."""
+    import io
+
+    from ringtrain.commands.run import _chat_data_note
+    from ringtrain.telemetry.progress import Progress
+    from ringtrain.train.mixture import chat_packing_counts, open_mixture
+
+    job = _job(dataset, f"data.chat_overlong={overlong}")
+    need = _laid_out(dataset)
+    long = need > SEQ
+    assert 0 < long.sum() < NUM_PAIRS
+    counts = chat_packing_counts(job)
+    samples = open_mixture(job)
+    rows = samples.pair_rows().num_rows  # the workers' rows
+    samples.close()
+    lost = int(need[long].sum()) if overlong == "drop" else int((need[long] - SEQ).sum())
+    assert counts == {"pairs": NUM_PAIRS, "packed": NUM_PAIRS - int(long.sum()) * (overlong == "drop"),
+                      "dropped": int(long.sum()) * (overlong == "drop"), "truncated": int(long.sum()) * (overlong != "drop"),
+                      "rows": rows, "tokens": int(need.sum()), "dropped_tokens": lost * (overlong == "drop"),
+                      "truncated_tokens": lost * (overlong != "drop"), "row_tokens": rows * SEQ,
+                      "packed_tokens": int(need.sum()) - lost}  # fmt: skip
+
+    out = io.StringIO()
+    _chat_data_note(job, Progress(1, out=out))
+    console = out.getvalue() + capsys.readouterr().err
+    share = lost / need.sum()
+    done = (f"longer than data.seq_len={SEQ} dropped" if overlong == "drop"
+            else f"their prompts cut from the start to fit {SEQ} tokens")  # fmt: skip
+    assert f"preference data: {counts['packed']} of {NUM_PAIRS} pairs in {rows} rows" in console, console
+    assert f"{int(long.sum())} {done}, {share:.1%} of the tokens" in console, console
+    assert console.startswith("ringtrain: warning: preference data:") == (share > 0.05), console
+
+
+def test_pairs_that_fit_no_row_are_refused_before_any_cluster(dataset: Path, tmp_path: Path) -> None:
+    """`ringtrain run` with a data.seq_len no pair fits: exit 2, one line naming the key and the
+    dataset, torch and Ray never imported (no worker ever meets it)."""
+    from tests.unit.test_eval_cli_errors import run_cli
+
+    quickstart = Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"
+    proc = run_cli(tmp_path, "run", str(quickstart), f"model.vocab_size={VOCAB}", f"data.path={dataset}",
+                   "data.packing=doc", "data.seq_len=8", "train.objective=simpo")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"ringtrain: config error: data.seq_len: {dataset}: no preference pair fits data.seq_len=8 (all {NUM_PAIRS} are "
+                     "longer; raise data.seq_len or set data.chat_overlong: truncate_start)"], proc.stderr  # fmt: skip

@@ -21,7 +21,7 @@ from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.corpus import PreparedCorpus
 from ringtrain.train.data import Sample
 from ringtrain.train.mixture import MixedSamples, SourceSpec, pair_sample
-from ringtrain.train.pairs import PairRows, pair_row
+from ringtrain.train.pairs import STORED_DOCUMENTS, PairRows, pack_pairs, pair_row
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,7 @@ def rehearsal_pairs(seq_len: int, vocab_size: int, *, prefix_sharing: bool) -> P
     prompt, chosen, rejected = ids[:part], ids[part : 2 * part], ids[2 * part :]
     trained = np.ones(part, dtype=np.uint8)
     laid = pair_row([(prompt, chosen, trained, rejected, trained)], seq_len, 0, prefix_sharing)
-    first = np.zeros(1, dtype=np.int64)
-    layout = PairRows(first, first, np.array([0, 1], dtype=np.int64), total=1, dropped=0, truncated=0)
+    layout = pack_pairs(np.full(STORED_DOCUMENTS, part), seq_len, 0, shared=prefix_sharing, overlong="drop")
     return PairSet((pair_sample(laid, (0, 0), (0,), prefix_sharing),), layout, seq_len)
 
 
