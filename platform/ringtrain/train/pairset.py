@@ -7,7 +7,8 @@ prompt cut as ``data.chat_overlong`` says), then each row padded to a length the
 divide (padding is a document of its own that predicts nothing), so which pairs are scored, and
 how much of each, depends on ``seq_len`` alone, never on the mesh. Read once on the driver and
 sent to the workers, whose ``ShardedData`` reads it as it reads a preference dataset (it is a
-``PairSource``). Pure numpy.
+``PairSource``). A warm-up's step trains on a PairSet too: one made-up pair
+(``rehearsal_pairs``). Pure numpy.
 """
 
 from __future__ import annotations
