@@ -179,6 +179,18 @@ def test_a_chat_dataset_under_concat_packing_is_refused_naming_the_key(chat_root
     check_sources(_job(root, "data.packing=doc", "train.loss_norm=sequence"))  # type: ignore[arg-type]
 
 
+def test_a_seq_len_no_conversation_fits_is_refused_naming_the_key(chat_root: tuple[Path, list]) -> None:
+    from ringtrain.errors import ConfigError
+    from ringtrain.train.mixture import check_sources
+
+    root, convs = chat_root
+    short = min(len(t) for t, _ in convs) // 2 * 2 - 2  # shorter than every conversation, a multiple of 2 x mesh.cp
+    with pytest.raises(ConfigError) as err:
+        check_sources(_job(root, "data.packing=doc", f"data.seq_len={short}"))  # type: ignore[arg-type]
+    assert err.value.key == "data.seq_len" and f"{root}: no conversation fits" in err.value.reason
+    check_sources(_job(root, "data.packing=doc", f"data.seq_len={short}", "data.chat_overlong=truncate"))  # type: ignore[arg-type]
+
+
 def test_sequence_loss_norm_needs_a_chat_dataset(tmp_path: Path) -> None:
     from ringtrain.errors import ConfigError
     from ringtrain.train.mixture import check_sources

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ringtrain.train.preference import Objective, PairScores, pair_losses
+from ringtrain.train.preference import Objective, PairScores, log1mexp, pair_losses
 
 # (policy chosen, policy rejected, chosen tokens, rejected tokens, reference chosen, reference rejected)
 PAIRS = [(-12.0, -15.5, 6, 9, -13.0, -14.0), (-40.2, -31.0, 20, 11, -39.0, -33.5), (-3.0, -3.0, 1, 1, -2.5, -3.5)]
@@ -68,3 +68,35 @@ def test_orpo_stays_finite_where_a_completion_is_almost_certain() -> None:
     """log(1 - e^p) near p = 0 (a completion of probability ~1): the stable branch, no inf."""
     scores = PairScores(torch.tensor([-1e-7]), torch.tensor([-5.0]), torch.tensor([1.0]), torch.tensor([1.0]))
     assert torch.isfinite(pair_losses(Objective("orpo", 0.1), scores).loss).all()
+
+
+@pytest.mark.parametrize("x", [-60.0, -3.0, -0.7, -0.6931471805599453, -0.69, -0.3, -1e-3, -1e-9])
+def test_log1mexp_and_its_gradient_are_the_closed_forms(x: float) -> None:
+    """log(1 - e^x) and its derivative -e^x / (1 - e^x), on both sides of the branch point -ln 2."""
+    at = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    value = log1mexp(at)
+    value.backward()
+    assert float(value.detach()) == pytest.approx(math.log(-math.expm1(x)), rel=1e-14)
+    assert float(at.grad) == pytest.approx(-math.exp(x) / -math.expm1(x), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chosen", [0.0, -1e-320, -1e-44])
+def test_orpo_has_a_finite_gradient_where_the_chosen_completion_is_certain(dtype: torch.dtype, chosen: float) -> None:
+    """A mean token log-prob of exactly 0 (fp32's log-softmax saturates at a logit margin of
+    about 28), or one closer to 0 than the dtype's smallest normal number: log(1 - e^p) is held
+    finite, and so is every gradient (no unused branch's infinity times 0)."""
+    c = torch.tensor([chosen], dtype=dtype, requires_grad=True)
+    r = torch.tensor([-5.0], dtype=dtype, requires_grad=True)
+    ones = torch.ones(1, dtype=dtype)
+    losses = pair_losses(Objective("orpo", 0.1), PairScores(c, r, ones, ones))
+    losses.loss.sum().backward()
+    assert torch.isfinite(losses.loss).all()
+    assert torch.isfinite(c.grad).all() and torch.isfinite(r.grad).all()
+    # The NLL's -1 a token, plus at most the odds term's limit at 0, -beta * odds(rejected): the
+    # odds term gives its share where p is a normal number, none where p was held.
+    odds = math.exp(-5.0) / -math.expm1(-5.0)
+    assert -1.0 - 0.1 * odds - 1e-6 <= float(c.grad) <= -1.0 + 1e-6
+    x = torch.zeros(1, dtype=dtype, requires_grad=True)
+    log1mexp(x).sum().backward()
+    assert torch.isfinite(x.grad).all()

@@ -37,7 +37,8 @@ _PACK_KEY = 0x636861
 # Conversations first-fit packs together: enough that a window's short ones fill its long ones'
 # rows, few enough that every epoch's rows still mix the whole dataset.
 FIRST_FIT_WINDOW = 1024
-# What ``ConversationRows.counts`` reports, in the run's summary under "chat".
+# What ``ConversationRows.counts`` reports, in the run's summary under "chat" (a preference
+# dataset's counts have pairs in the conversations' place: ``pairs.PAIR_COUNTS``).
 PACKING_COUNTS = ("conversations", "packed", "dropped", "truncated", "rows", "tokens", "dropped_tokens",
                   "truncated_tokens", "row_tokens", "packed_tokens")  # fmt: skip
 
@@ -176,22 +177,28 @@ LOSS_WARNING_SHARE = 0.05
 
 
 def packing_note(counts: dict[str, int], seq_len: int, overlong: str) -> tuple[str, bool]:
-    """One line saying how a chat dataset packs into rows and what ``seq_len`` cost it (the
-    conversations dropped or cut, and their share of the tokens), and whether that share is past
-    ``LOSS_WARNING_SHARE``; ``counts`` as ``ConversationRows.counts`` (summed over sources)."""
+    """One line saying how a chat dataset (or a preference dataset) packs into rows and what
+    ``seq_len`` cost it (the conversations or pairs dropped or cut, and their share of the
+    tokens), and whether that share is past ``LOSS_WARNING_SHARE``; ``counts`` as
+    ``ConversationRows.counts`` (summed over sources) or ``pairs.PairRows.counts``."""
+    pairs = "pairs" in counts
+    unit = "pairs" if pairs else "conversations"
     tokens = max(1, counts["tokens"])
     fill = counts["packed_tokens"] / max(1, counts["row_tokens"])
-    line = f"chat data: {counts['packed']:,} of {counts['conversations']:,} conversations in {counts['rows']:,} rows ({fill:.1%} of their tokens used)"
+    line = (f"{'preference' if pairs else 'chat'} data: {counts['packed']:,} of {counts[unit]:,} {unit} in "
+            f"{counts['rows']:,} rows ({fill:.1%} of their tokens used)")  # fmt: skip
     lost = counts["dropped_tokens"] + counts["truncated_tokens"]
     if counts["dropped"]:
         line += (f"; {counts['dropped']:,} longer than data.seq_len={seq_len} dropped, "
                  f"{counts['dropped_tokens'] / tokens:.1%} of the tokens")  # fmt: skip
     if counts["truncated"]:
         kept = "last" if overlong == "truncate_start" else "first"
-        line += (f"; {counts['truncated']:,} cut to their {kept} {seq_len} tokens, "
-                 f"{counts['truncated_tokens'] / tokens:.1%} of the tokens cut")  # fmt: skip
+        done = f"their prompts cut from the start to fit {seq_len} tokens" if pairs else f"cut to their {kept} {seq_len} tokens"
+        line += f"; {counts['truncated']:,} {done}, {counts['truncated_tokens'] / tokens:.1%} of the tokens cut"
     warn = lost / tokens > LOSS_WARNING_SHARE
     if warn:
-        remedy = "raise data.seq_len" + ("" if counts["truncated"] else " or set data.chat_overlong: truncate (or truncate_start)")
+        # A pair's completions are never cut: truncate_start is the one rule that cuts a pair.
+        rule = "truncate_start" if pairs else "truncate (or truncate_start)"
+        remedy = "raise data.seq_len" + ("" if overlong != "drop" else f" or set data.chat_overlong: {rule}")
         line += f" (more than {LOSS_WARNING_SHARE:.0%} of the tokens lost: {remedy})"
     return line, warn

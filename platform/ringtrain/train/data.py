@@ -327,14 +327,10 @@ class ShardedData:
         start = self.order.window(sample) * self.order.seq_len
         return np.asarray(self.tokens[start : start + self.order.seq_len + 1], dtype=np.int64)
 
-    def _inputs_labels(self, sample: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray], tuple[int, int]]:
-        """(inputs, labels, position ids or None, doc ids or None, origin) of one sample."""
-        inputs, labels, positions, doc_ids, origin, _ = self._sample_parts(sample)
-        return inputs, labels, positions, doc_ids, origin
-
     def _sample_parts(self, sample: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray],
                                                   tuple[int, int], Optional[Sample]]:  # fmt: skip
-        """``_inputs_labels`` and the source's sample (None for a token file)."""
+        """(inputs, labels, position ids or None, doc ids or None, origin) of one sample, and the
+        source's sample (None for a token file)."""
         if self.source is not None:
             return self._parts_of(self.source.sample(sample))
         tokens = self.sample_tokens(sample)

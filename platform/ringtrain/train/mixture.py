@@ -34,7 +34,7 @@ from ringtrain.train.conversations import ConversationRows, pack_conversations, 
 from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
 from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, unchecked_note
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
-from ringtrain.train.pairs import PAIR_FAMILY, STORED_DOCUMENTS, PairRows, pack_pairs, pair_row
+from ringtrain.train.pairs import PAIR_FAMILY, STORED_DOCUMENTS, PairRow, PairRows, pack_pairs, pair_row
 from ringtrain.uris import is_s3
 
 BLOCK = 1024
@@ -100,6 +100,28 @@ class SourceSpec:
     long_doc_tokens: int = 4096
 
 
+def is_packed(corpus: PreparedCorpus) -> bool:
+    """Whether ``corpus`` trains in rows of whole conversations or pairs (else in windows)."""
+    return corpus.is_chat or corpus.is_preference
+
+
+def pack_rows(corpus: PreparedCorpus, seq_len: int, seed: int, *, overlong: str, packing: str,
+              prefix_sharing: bool) -> Union[ConversationRows, PairRows]:  # fmt: skip
+    """A chat dataset's rows of whole conversations, or a preference dataset's of whole pairs;
+    a DataError where none fits ``seq_len``."""
+    lengths = corpus.document_lengths()
+    if corpus.is_preference:
+        return pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=overlong, packing=packing)
+    return pack_conversations(lengths, seq_len, seed, overlong, packing)
+
+
+def job_rows(corpus: PreparedCorpus, job: JobConfig) -> Union[ConversationRows, PairRows]:
+    """``pack_rows`` of ``corpus`` as ``job`` trains on it."""
+    d = job.data
+    return pack_rows(corpus, d.seq_len, job.train.seed, overlong=d.chat_overlong, packing=d.chat_packing,
+                     prefix_sharing=d.prefix_sharing)  # fmt: skip
+
+
 class MixedSamples:
     """Samples of ``seq_len + 1`` tokens from weighted prepared datasets (see the module doc)."""
 
@@ -117,14 +139,11 @@ class MixedSamples:
         self.rows: list[Optional[Union[ConversationRows, PairRows]]] = []
         for j, (corpus, spec) in enumerate(zip(self.corpora, specs)):
             key = [seed] if len(specs) == 1 else [seed, j + 1]
-            if corpus.is_chat or corpus.is_preference:
+            if is_packed(corpus):
                 if packing != "doc":
                     raise DataError(f"{corpus.uri} is a {corpus.manifest.content} dataset: it trains with data.packing: doc")
-                lengths = corpus.document_lengths()
-                rows: Union[ConversationRows, PairRows] = (
-                    pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=chat_overlong, packing=chat_packing)
-                    if corpus.is_preference else pack_conversations(lengths, seq_len, seed, chat_overlong, chat_packing)
-                )  # fmt: skip
+                rows = pack_rows(corpus, seq_len, seed, overlong=chat_overlong, packing=chat_packing,
+                                 prefix_sharing=prefix_sharing)  # fmt: skip
                 self.rows.append(rows)
                 self.orders.append(WindowOrder(rows.num_rows, key))
                 continue
@@ -192,13 +211,19 @@ class MixedSamples:
             parts.append((corpus.tokens(p0 + cut, p1), corpus.tokens(c0, c1), corpus.mask(c0, c1),
                           corpus.tokens(r0, r1), corpus.mask(r0, r1)))  # fmt: skip
         laid = pair_row(parts, self.seq_len, corpus.eos_id, self.prefix_sharing)
-        return Sample(tokens=laid.tokens, doc_ids=laid.doc_ids, origin=(j, STORED_DOCUMENTS * int(pairs[0])),
-                      targets=laid.targets, positions=laid.positions, completions=laid.completions,
-                      pairs=tuple(pairs.tolist()), family=PAIR_FAMILY if self.prefix_sharing else 0)  # fmt: skip
+        return pair_sample(laid, (j, STORED_DOCUMENTS * int(pairs[0])), tuple(pairs.tolist()), self.prefix_sharing)
 
     def close(self) -> None:
         for corpus in self.corpora:
             corpus.close()
+
+
+def pair_sample(laid: PairRow, origin: tuple[int, int], pairs: tuple[int, ...], shared: bool) -> Sample:
+    """A row of ``pairs`` (dataset indices, slot order) laid out, as a SampleSource's sample whose
+    first token comes from ``origin``."""
+    return Sample(tokens=laid.tokens, doc_ids=laid.doc_ids, origin=origin, targets=laid.targets,
+                  positions=laid.positions, completions=laid.completions, pairs=pairs,
+                  family=PAIR_FAMILY if shared else 0)  # fmt: skip
 
 
 def check_objective(job: JobConfig, path: str, content: str, key: str = "data.path") -> None:
@@ -230,8 +255,9 @@ def open_mixture(job: JobConfig) -> MixedSamples:
 
 def chat_packing_counts(job: JobConfig) -> Optional[dict[str, int]]:
     """How the job's chat datasets pack into rows (``ConversationRows.counts``, added up over the
-    sources), for the console and the run's summary; None when it trains on no chat dataset. The
-    packing is a function of the data and the seed, so the driver computes the workers' own."""
+    sources), or its preference dataset (``PairRows.counts``), for the console and the run's
+    summary; None when it trains on neither. The packing is a function of the data and the
+    seed, so the driver computes the workers' own."""
     if not uses_prepared_data(job):
         return None
     try:
@@ -239,19 +265,28 @@ def chat_packing_counts(job: JobConfig) -> Optional[dict[str, int]]:
     except (DataError, ValueError, OSError):
         return None  # a summary is written whatever failed; the data's error is reported elsewhere
     try:
-        if not any(c.is_chat for c in corpora):
+        if not any(is_packed(c) for c in corpora):
             return None
         out: dict[str, int] = {}
         for corpus in corpora:
-            if corpus.is_chat:
-                rows = pack_conversations(corpus.document_lengths(), job.data.seq_len, job.train.seed,
-                                          job.data.chat_overlong, job.data.chat_packing)
-                for key, value in rows.counts().items():
+            if is_packed(corpus):
+                for key, value in job_rows(corpus, job).counts().items():
                     out[key] = out.get(key, 0) + value
         return out
+    except (DataError, OSError):
+        return None  # as above: check_sources refused data that fits no row before any cluster
     finally:
         for corpus in corpora:
             corpus.close()
+
+
+def _check_rows(corpus: PreparedCorpus, job: JobConfig, path: str) -> None:
+    """Raise a ConfigError naming ``data.seq_len`` when no conversation or pair of ``corpus``
+    fits a row, as a worker's packing would find once the cluster had started."""
+    try:
+        job_rows(corpus, job)
+    except DataError as exc:
+        raise ConfigError("data.seq_len", f"{path}: {exc}") from None
 
 
 def uses_prepared_data(job: JobConfig) -> bool:
@@ -319,6 +354,8 @@ def check_sources(job: JobConfig) -> list[str]:
             kinds.add(content)
             if corpus.num_tokens < job.data.seq_len + 1:
                 raise ConfigError("data.seq_len", f"{job.data.seq_len}, but {spec.path} holds only {corpus.num_tokens} tokens")
+            if is_packed(corpus):
+                _check_rows(corpus, job, spec.path)
             if not is_s3(spec.path):
                 corpus.shard(0)
         except DataError as exc:

@@ -18,20 +18,22 @@ Both give the same losses and gradients. Each token that is a completion's train
 labelled with its completion's slot in the row (``2 k`` for pair k's chosen, ``2 k + 1`` for its
 rejected), so a rank can sum its tokens' log-probs into the pairs they belong to.
 
-A pair longer than ``seq_len`` is dropped (counted), or its prompt cut from its start where the
-job asks (``data.chat_overlong: truncate_start``); one whose completions alone do not fit is
-dropped either way. Pure numpy.
+A pair longer than ``seq_len`` is dropped, or its prompt cut from its start where the job asks
+(``data.chat_overlong: truncate_start``); one whose completions alone do not fit is dropped
+either way. Both are counted with the tokens they lost (``PairRows.counts``: the driver reports
+them, as a chat dataset's, before the first step and in the run's summary). Pure numpy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from ringtrain.errors import DataError
-from ringtrain.train.conversations import PACKERS, _PACK_KEY
+from ringtrain.train.conversations import PACKERS, PACKING_COUNTS, _PACK_KEY
 
 # Documents a pair is laid out as when its prompt is shared: the family's first (the prompt but
 # its last token) and one per completion.
@@ -39,6 +41,9 @@ PAIR_FAMILY = 3
 # The documents of pair j in a preference dataset: 3 j (prompt), 3 j + 1, 3 j + 2.
 STORED_DOCUMENTS = 3
 CHOSEN, REJECTED = 0, 1
+# What ``PairRows.counts`` reports, in the run's summary under "chat": a chat dataset's counts
+# with pairs in the conversations' place (a pair's tokens those it takes laid out in a row).
+PAIR_COUNTS = ("pairs", *PACKING_COUNTS[1:])
 
 
 def row_length(prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, shared: bool) -> np.ndarray:
@@ -54,9 +59,13 @@ class PairRows:
     pairs: np.ndarray  # int64 pair indices, row after row
     prompt_cut: np.ndarray  # int64, aligned with ``pairs``
     starts: np.ndarray  # int64 offsets into ``pairs`` of each row, then the end
-    total: int
-    dropped: int
-    truncated: int
+    seq_len: int
+    total: int  # pairs in the dataset
+    dropped: int  # longer than seq_len, left out
+    truncated: int  # longer than seq_len, their prompts cut
+    num_tokens: int  # the dataset's pairs' tokens, each pair's as it is laid out whole
+    dropped_tokens: int  # the dropped pairs' tokens
+    truncated_tokens: int  # what cutting took from the truncated ones
 
     @property
     def num_rows(self) -> int:
@@ -67,9 +76,19 @@ class PairRows:
         lo, hi = int(self.starts[index]), int(self.starts[index + 1])
         return self.pairs[lo:hi], self.prompt_cut[lo:hi]
 
+    def head(self, num_rows: int) -> "PairRows":
+        """The first ``num_rows`` rows; the dataset's counts (and so its pairs' indices) as they were."""
+        end = int(self.starts[num_rows])
+        return dataclasses.replace(self, pairs=self.pairs[:end], prompt_cut=self.prompt_cut[:end],
+                                   starts=self.starts[: num_rows + 1])  # fmt: skip
+
     def counts(self) -> dict[str, int]:
-        return {"pairs": self.total, "packed": self.total - self.dropped, "dropped": self.dropped,
-                "truncated": self.truncated, "rows": self.num_rows}  # fmt: skip
+        """What the run's summary reports about the packing (``PAIR_COUNTS``): pairs and tokens,
+        what was lost to ``seq_len``, and the rows' capacity against the tokens they hold."""
+        values = (self.total, self.total - self.dropped, self.dropped, self.truncated, self.num_rows, self.num_tokens,
+                  self.dropped_tokens, self.truncated_tokens, self.num_rows * self.seq_len,
+                  self.num_tokens - self.dropped_tokens - self.truncated_tokens)  # fmt: skip
+        return dict(zip(PAIR_COUNTS, values, strict=True))
 
 
 def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared: bool, overlong: str,
@@ -89,12 +108,16 @@ def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared:
     keep = (over <= 0) | ((overlong == "truncate_start") & (cut < prompt[order]))
     order, cut = order[keep], cut[keep]
     if len(order) == 0:
-        raise DataError(f"no preference pair fits data.seq_len={seq_len} (all {len(parts)} are longer)")
+        remedy = "" if overlong == "truncate_start" else " or set data.chat_overlong: truncate_start"
+        raise DataError(f"no preference pair fits data.seq_len={seq_len} (all {len(parts)} are longer; "
+                        f"raise data.seq_len{remedy})")  # fmt: skip
     taken = row_length(prompt[order] - cut, chosen[order], rejected[order], shared)
     placed, starts = PACKERS[packing](taken, seq_len)
     long = int((over > 0).sum())
-    return PairRows(order[placed].astype(np.int64), cut[placed], starts, total=len(parts),
-                    dropped=len(parts) - len(order), truncated=long - (len(parts) - len(order)))
+    return PairRows(order[placed].astype(np.int64), cut[placed], starts, seq_len=seq_len, total=len(parts),
+                    dropped=len(parts) - len(order), truncated=long - (len(parts) - len(order)),
+                    num_tokens=int(need.sum()), dropped_tokens=int(need[~keep].sum()),
+                    truncated_tokens=int((need[keep] - taken).sum()))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ prompt cut as ``data.chat_overlong`` says), then each row padded to a length the
 divide (padding is a document of its own that predicts nothing), so which pairs are scored, and
 how much of each, depends on ``seq_len`` alone, never on the mesh. Read once on the driver and
 sent to the workers, whose ``ShardedData`` reads it as it reads a preference dataset (it is a
-``PairSource``). Pure numpy.
+``PairSource``). A warm-up's step trains on a PairSet too: one made-up pair
+(``rehearsal_pairs``). Pure numpy.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import numpy as np
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.corpus import PreparedCorpus
 from ringtrain.train.data import Sample
-from ringtrain.train.mixture import MixedSamples, SourceSpec
-from ringtrain.train.pairs import PairRows
+from ringtrain.train.mixture import MixedSamples, SourceSpec, pair_sample
+from ringtrain.train.pairs import STORED_DOCUMENTS, PairRows, pack_pairs, pair_row
 
 
 @dataclass(frozen=True)
 class PairSet:
     rows: tuple[Sample, ...]  # each of seq_len + 1 tokens
-    layout: PairRows  # which pairs each row holds; counts of those packed, dropped, cut
+    layout: PairRows  # which pairs each of ``rows`` holds; the dataset's counts of pairs, dropped, cut
     seq_len: int
     packing: str = "doc"  # a SampleSource's: rows carry their documents
 
@@ -64,10 +65,11 @@ def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, pr
     try:
         samples = MixedSamples([corpus], [SourceSpec(path)], seq_len=seq_len, seed=0, packing="doc",
                                chat_overlong=overlong, chat_packing=packing, prefix_sharing=prefix_sharing)  # fmt: skip
-        layout = samples.pair_rows()
+        packed = samples.pair_rows()
+        # The rows scored, and the layout of those alone: a pass over the rows reads it.
+        layout = packed.head(min(packed.num_rows, max_rows or packed.num_rows))
         length = -(-seq_len // multiple) * multiple
-        taken = range(min(layout.num_rows, max_rows or layout.num_rows))
-        rows = tuple(_padded(samples.pair_sample(r), length + 1, corpus.eos_id) for r in taken)
+        rows = tuple(_padded(samples.pair_sample(r), length + 1, corpus.eos_id) for r in range(layout.num_rows))
     except DataError as exc:
         raise ConfigError(key, str(exc)) from None
     finally:
@@ -76,6 +78,18 @@ def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, pr
     if top >= vocab_size:
         raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary [0, {vocab_size})")
     return PairSet(rows, layout, length)
+
+
+def rehearsal_pairs(seq_len: int, vocab_size: int, *, prefix_sharing: bool) -> PairSet:
+    """One made-up pair in a row of ``seq_len`` tokens (at least 4): what a warm-up trains a
+    preference step on, so it reads no dataset and needs no pair of the job's to fit its row."""
+    part = max(1, seq_len // 8)  # tokens of the prompt, and of each completion
+    ids = np.arange(3 * part, dtype=np.int64) % vocab_size
+    prompt, chosen, rejected = ids[:part], ids[part : 2 * part], ids[2 * part :]
+    trained = np.ones(part, dtype=np.uint8)
+    laid = pair_row([(prompt, chosen, trained, rejected, trained)], seq_len, 0, prefix_sharing)
+    layout = pack_pairs(np.full(STORED_DOCUMENTS, part), seq_len, 0, shared=prefix_sharing, overlong="drop")
+    return PairSet((pair_sample(laid, (0, 0), (0,), prefix_sharing),), layout, seq_len)
 
 
 def _padded(row: Sample, length: int, pad_id: int) -> Sample:

@@ -86,9 +86,21 @@ class PairLosses:
         return dict(zip(METRICS, means[1:], strict=True))
 
 
+LN2 = 0.6931471805599453
+
+
 def log1mexp(x: Tensor) -> Tensor:
-    """log(1 - e^x) for x < 0, by the branch that keeps its precision (Mächler 2012)."""
-    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+    """log(1 - e^x) for x < 0, by the branch that keeps its precision (Mächler 2012), finite
+    with a finite gradient up to x = 0.
+
+    A completion's mean token log-prob is exactly 0 where fp32's log-softmax saturates (a logit
+    margin of about 28), and log(1 - e^0) is -inf: x is held at most the dtype's smallest normal
+    number below 0 (its gradient 0 past it). Each branch takes its input clamped into its own
+    domain, because ``torch.where`` multiplies the unused branch's gradient by 0, and 0 times an
+    infinite gradient is NaN."""
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)
+    far = x < -LN2
+    return torch.where(far, torch.log1p(-torch.exp(x.clamp(max=-LN2))), torch.log(-torch.expm1(x.clamp(min=-LN2))))
 
 
 def _smoothed(logits: Tensor, epsilon: float) -> Tensor:

@@ -36,11 +36,12 @@ from ringtrain.config import REFERENCE_OBJECTIVES, AttentionConfig, ChaosConfig,
 from ringtrain.planner.recompute import Recompute, recompute_for
 from ringtrain.status import StepReport
 from ringtrain.train.attention.documents import Documents
-from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, ShardedData
+from ringtrain.train.data import IGNORE_INDEX, BatchPlan, BatchPrefetcher, MicroBatch, SampleSource, ShardedData
 from ringtrain.train.engine import build_engine, partitioned_construction, resolve_dtype
 from ringtrain.train.fused import FusedOps
 from ringtrain.train.mesh import Mesh, all_reduce_mean, build_mesh
 from ringtrain.train.mixture import open_samples
+from ringtrain.train.pairset import rehearsal_pairs
 from ringtrain.train.model import AttentionFn, MemorySavers, ModelArgs, Transformer, full_shape, skip_parameter_init
 from ringtrain.train import pair_loss
 from ringtrain.train.preference import Objective, PairLosses
@@ -51,6 +52,8 @@ from ringtrain.train.snapshot import DeliverFn, Snapshot, Snapshotter
 from ringtrain.train.zero_state import ZeroState, capture_scalars, restore_scalars
 
 AttentionFactory = Callable[[JobConfig, Mesh], AttentionFn]
+# The longest row a warm-up trains on: enough to run every kernel a step runs.
+WARM_UP_SEQ_LEN = 64
 
 
 def set_rank_env(*, rank: int, world_size: int, device: torch.device) -> None:
@@ -137,10 +140,21 @@ def build_model(job: JobConfig, attention_fn: AttentionFn, device: Optional[torc
 def warm_up(job: JobConfig, device: torch.device) -> None:
     """Touch everything a rank's first build and first step load lazily (DeepSpeed's and
     torch's deferred imports, op builders, kernels, the corpus) by training one step of a
-    one-layer copy of the model in a one-rank world of its own. A fresh process spends seconds
-    on these; a warm spare or a new worker that did it in the background joins a world in a
-    fraction of a second."""
+    one-layer copy of the model in a one-rank world of its own, on rows of at most
+    ``WARM_UP_SEQ_LEN`` tokens (a long context needs the job's CP ring to fit; one rank holds
+    it all). A fresh process spends seconds on these; a warm spare or a new worker that did it
+    in the background joins a world in a fraction of a second.
+
+    A preference job rehearses its objective's step (pair documents, per-token losses, the
+    completions' sums, the objective) on one made-up pair (``pairset.rehearsal_pairs``): its
+    dataset's pairs may all be longer than the rehearsal's rows, and a pair is never cut into
+    one. DPO and IPO rehearse as SimPO (the same kernels), so no reference pass is taken."""
     preference = job.train.objective != "lm"
+    seq_len = min(job.data.seq_len, WARM_UP_SEQ_LEN)
+    data = dataclasses.replace(job.data, seq_len=seq_len)
+    if not preference:
+        # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
+        data = dataclasses.replace(data, path=_warm_up_data(job.data.path), chat_overlong="truncate")
     tiny = dataclasses.replace(
         job,
         # The weights of a pretrained model are not needed to warm up: a random copy does, of
@@ -152,22 +166,19 @@ def warm_up(job: JobConfig, device: torch.device) -> None:
         # One rank: the default's ring of one, which runs local attention whatever the job's layout
         # (a hybrid's mesh.ulysses would not fit in one rank).
         attention=dataclasses.replace(job.attention, impl=AttentionConfig.impl),
-        # DPO's and IPO's step rehearsed as SimPO's (the same kernels): no reference pass over the data.
         train=dataclasses.replace(job.train, global_batch=1, micro_batch=1, stop_at_step=None,
                                   objective="simpo" if job.train.objective in REFERENCE_OBJECTIVES else job.train.objective),
-        # Conversations of a chat dataset cut to the warm-up's rows: one longer than them still warms up.
-        # A preference pair is never cut: its rows stay the job's.
-        data=job.data if preference else dataclasses.replace(job.data, seq_len=min(job.data.seq_len, 64),
-                                                              path=_warm_up_data(job.data.path), chat_overlong="truncate"),
+        data=data,
         checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0),
         chaos=ChaosConfig(),
     )
+    pairs = rehearsal_pairs(seq_len, tiny.model_int("vocab_size"), prefix_sharing=data.prefix_sharing) if preference else None
     set_rank_env(rank=0, world_size=1, device=device)
     cuda = device.type == "cuda"
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, device_id=device if cuda else None
     )
-    trainer = Trainer(tiny, rank=0, device=device)
+    trainer = Trainer(tiny, rank=0, device=device, samples=pairs)
     try:
         trainer.train_step()
     finally:
@@ -179,6 +190,21 @@ def _warm_up_data(path: str) -> str:
     from ringtrain.config import STDLIB_CORPUS
 
     return STDLIB_CORPUS if path.endswith(".npy") else path
+
+
+def _closing_reduction_tampered(faults: set[str], device: torch.device) -> bool:
+    """Whether a chaos fault of the step (``faults``, their kinds) tampers with its closing
+    all-reduce, the one its reported loss comes from: skip_collective leaves it out, wrong_shape
+    enters it with another shape (here, in place of it). The rank then reports its own loss."""
+    if "skip_collective" in faults:
+        return True
+    if "wrong_shape" in faults:
+        # On the rank's own device: NCCL rejects a CPU tensor before anything is sent, which
+        # would fail this rank at once instead of leaving its peers waiting on a mismatched
+        # collective (the stall the fault is there to produce). gloo returns at once.
+        dist.all_reduce(torch.zeros(0, device=device))
+        return True
+    return False
 
 
 def _attended_tokens(mb: MicroBatch) -> int:
@@ -205,9 +231,11 @@ class Trainer:
         attention_factory: Optional[AttentionFactory] = None,
         deliver: Optional[DeliverFn] = None,
         reference: Optional[Reference] = None,
+        samples: Optional[SampleSource] = None,
     ) -> None:
         """``reference``: DPO's and IPO's reference table, or the weights to take it with
-        (``train/reference.py``); None: taken with the starting weights."""
+        (``train/reference.py``); None: taken with the starting weights. ``samples``: what the
+        rank trains on in place of the job's data (a warm-up's made-up pair)."""
         self.job = job
         self.device = device
         self.dtype = resolve_dtype(job, device)
@@ -223,7 +251,7 @@ class Trainer:
         self.engine = build_engine(self.model, job, self.mesh, self.dtype, device.type)
         c = self.mesh.coord
         self.data = ShardedData(
-            open_samples(job),
+            samples if samples is not None else open_samples(job),
             seq_len=job.data.seq_len,
             seed=job.train.seed,
             plan=BatchPlan(job.train.global_batch, topology.dp, job.train.micro_batch),
@@ -446,7 +474,8 @@ class Trainer:
         num_pairs = pair_loss.count_pairs(list(batches), topology.cp, self.device)
         scale = pair_loss.pairs_scale(num_pairs, topology.world_size, len(batches))
         losses = [self._pairs_micro_step(mb, scale, poison, strike if i == 0 else ()) for i, mb in enumerate(batches)]
-        loss, metrics = pair_loss.step_metrics(losses, num_pairs, topology.cp, self.device)
+        reduce = not _closing_reduction_tampered({f.kind for f in strike}, self.device)
+        loss, metrics = pair_loss.step_metrics(losses, num_pairs, topology.cp, self.device, reduce=reduce)
         local = float(torch.cat([l.loss.detach() for l in losses]).mean().item()) if losses else float("nan")
         return loss, local, metrics
 
@@ -461,7 +490,8 @@ class Trainer:
         sums, counts = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
         loss, losses = pair_loss.micro_loss(self.objective, pair_loss.pair_scores(sums, counts, mb.pairs, self.reference), scale)
         self._backward_and_step(loss, poison)
-        return losses
+        # A poisoned step reports its loss as NaN, as the lm path's does: the controller reads the reported loss.
+        return dataclasses.replace(losses, loss=losses.loss.detach() * float("nan")) if poison else losses
 
     def _backward_and_step(self, loss: torch.Tensor, poison: bool) -> None:
         """Backward of a micro-batch's loss, then the engine's step (the optimizer's at the
@@ -482,13 +512,7 @@ class Trainer:
 
     def _global_loss(self, local_loss: torch.Tensor, faults: set[str]) -> float:
         """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""
-        if "skip_collective" in faults:
-            return float(local_loss.item())
-        if "wrong_shape" in faults:
-            # On the rank's own device: NCCL rejects a CPU tensor before anything is sent, which
-            # would fail this rank at once instead of leaving its peers waiting on a mismatched
-            # collective (the stall the fault is there to produce). gloo returns at once.
-            dist.all_reduce(torch.zeros(0, device=self.device))
+        if _closing_reduction_tampered(faults, self.device):
             return float(local_loss.item())
         return float(all_reduce_mean(local_loss).item())
 
