@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.commands.eval_source import EvalSource, resolve_source
-from ringtrain.commands.workers import checked, inference_job, started_workers
+from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
 from ringtrain.config import STDLIB_CORPUS, JobConfig
 from ringtrain.errors import ConfigError
 
@@ -168,9 +168,7 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
                       plan.pairs.seq_len if plan.pairs is not None else 0)  # fmt: skip
         seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
         path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
-        job.data = dataclasses.replace(job.data, seq_len=seq_len, path=path)
-        job.train = dataclasses.replace(job.train, objective="lm")
-        job = checked(job)
+        job = workers_job(job, seq_len, path)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan, tasks, pairs

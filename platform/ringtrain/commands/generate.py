@@ -26,8 +26,8 @@ from typing import Any, Optional
 from ringtrain.commands.eval import _IntermixedParser
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.prompt_file import ChatTemplate, read_prompts
-from ringtrain.commands.workers import checked, inference_job, started_workers
-from ringtrain.config import STDLIB_CORPUS, JobConfig
+from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
+from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
 from ringtrain.evaluation.generation import GenerationRequest, Sampling
 from ringtrain.evaluation.stops import StopRule
@@ -115,18 +115,8 @@ def prepare(args: argparse.Namespace) -> GeneratePlan:
                                            f"set data.seq_len higher")
     stop = StopRule(eos_ids(source.tokenizer_folder), tuple(args.stop))
     request = GenerationRequest.of([ids for _, ids in prompts], args.max_new_tokens, sampling, stop)
-    return GeneratePlan(source, _workers_job(job), request, tokenizer)
-
-
-def _workers_job(job: JobConfig) -> JobConfig:
-    """The workers' job: ``data.seq_len`` a length every CP layout shards (their data is never
-    read), ``train.micro_batch`` such sequences in a decoded batch, and the next-token objective
-    whatever the run trained with (they decode, and score no pairs)."""
-    unit = 2 * job.mesh.cp
-    seq_len = -(-job.data.seq_len // unit) * unit
-    job.data = dataclasses.replace(job.data, seq_len=seq_len, path=STDLIB_CORPUS, sources=[])
-    job.train = dataclasses.replace(job.train, global_batch=job.mesh.dp * job.train.micro_batch, objective="lm")
-    return checked(job)
+    # data.seq_len the longest sequence, train.micro_batch such sequences in a decoded batch.
+    return GeneratePlan(source, workers_job(job, job.data.seq_len), request, tokenizer)
 
 
 def text_tokenizer(source: EvalSource, vocab_size: int) -> Optional[Tokenizer]:
