@@ -159,3 +159,23 @@ def test_a_model_folder_without_a_tokenizer_says_it_cannot_check(tmp_path: Path,
     (note,) = _data_tokenizer_notes(EvalSource("hf", config.load(None, []), str(model)), str(data))
     assert note.startswith(f"SOURCE: {model} has no tokenizer.json, so whether {data} (tokenized with 'some-bpe'")
     assert "cannot be checked" in note
+
+
+def test_tasks_without_lm_eval_installed_name_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """lm-evaluation-harness is the eval extra's: without it, --tasks (and a job's eval.tasks)
+    exit 2 saying what to install, not with an import traceback."""
+    from ringtrain import cli
+    from ringtrain.commands.eval_tasks import training_tasks
+
+    for name in ("lm_eval", "lm_eval.tasks"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ModuleNotFoundError
+    tokmodel = save_tokenizer(tmp_path / "tokmodel")
+    (tokmodel / "config.json").write_text(json.dumps(LLAMA))
+    assert cli.main(["eval", str(tokmodel), "--tasks", "arc_easy"]) == 2
+    assert capsys.readouterr().err == (
+        "ringtrain: config error: --tasks: needs lm-evaluation-harness: pip install 'ringtrain[eval]'\n")
+    with pytest.raises(ConfigError) as in_a_job:
+        training_tasks(["arc_easy"], include_path="", limit=None, num_fewshot=None, max_length=64,
+                       tokenizer_folder=str(tokmodel))  # fmt: skip
+    assert (in_a_job.value.key, in_a_job.value.reason) == ("eval.tasks", "needs lm-evaluation-harness: pip install 'ringtrain[eval]'")

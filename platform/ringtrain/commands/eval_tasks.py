@@ -21,6 +21,7 @@ from ringtrain.errors import ConfigError
 
 OPTION = "--tasks"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+EXTRA = "ringtrain[eval]"  # pyproject.toml's extra that installs lm-eval
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,10 @@ def plan_tasks(text: str, *, include_path: Optional[str], limit: Optional[int], 
     if not names:
         raise ConfigError(OPTION, "names no task")
 
-    from lm_eval.tasks import TaskManager, get_task_dict
+    try:
+        from lm_eval.tasks import TaskManager, get_task_dict
+    except ImportError:  # an edge dependency: the eval extra
+        raise ConfigError(OPTION, f"needs lm-evaluation-harness: pip install {EXTRA!r}") from None
 
     metadata = {"max_seq_lengths": [max_length], **({"pretrained": tokenizer_folder} if tokenizer_folder else {})}
     manager = TaskManager(include_path=include_path, metadata=metadata)
