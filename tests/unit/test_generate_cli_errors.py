@@ -50,3 +50,22 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], expect
     assert len(lines) == 1, proc.stderr
     assert expected.format(**names) in lines[0], lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+
+@pytest.mark.parametrize(("out", "says"), [("{tmp}/no-such-folder/out.jsonl", "{tmp}/no-such-folder/out.jsonl: no such folder"),
+                                           ("{tmp}", "{tmp} is a folder; name a file to write")])  # fmt: skip
+def test_an_out_file_that_cannot_be_written_is_refused_before_the_work(tmp_path: Path, out: str, says: str) -> None:
+    """Among the input checks (generate.prepare), not when the results are written after the run."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.generate import prepare
+    from ringtrain.errors import ConfigError
+
+    model = save_tokenizer(tmp_path / "model")
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "good.jsonl").write_text(PROMPTS["good"])
+    args = _parser().parse_args(["generate", str(model), "--prompts", str(tmp_path / "good.jsonl"), "--max-new-tokens", "4",
+                                 "--out", out.format(tmp=tmp_path)])  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        prepare(args)
+    assert refused.value.key == "--out" and refused.value.reason.startswith(says.format(tmp=tmp_path))

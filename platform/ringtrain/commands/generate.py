@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ringtrain.commands.destination import check_writable
 from ringtrain.commands.eval import _IntermixedParser
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.prompt_file import ChatTemplate, read_prompts
@@ -96,6 +97,8 @@ def prepare(args: argparse.Namespace) -> GeneratePlan:
         raise ConfigError("--prompts", "is missing: give a JSONL file of prompts")
     if args.max_new_tokens is None or args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be at least 1 (got {args.max_new_tokens})")
+    if args.out is not None:
+        check_writable(args.out, "--out")
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
