@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 
 OPTION = "--tasks"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -68,7 +68,7 @@ def plan_tasks(text: str, *, include_path: Optional[str], limit: Optional[int], 
             get_task_dict([name], manager)
         except Exception as exc:  # datasets' and lm-eval's own errors, of many types
             raise ConfigError(OPTION, f"task {name!r}: its data cannot be loaded offline "
-                                      f"(dataset {_dataset_of(manager, name)}): {_first_line(exc)}") from None
+                                      f"(dataset {_dataset_of(manager, name)}): {first_line(exc)}") from None
     return TaskPlan(names, limit, num_fewshot, max_length, manager)
 
 
@@ -130,8 +130,3 @@ def _dataset_of(manager: Any, name: str) -> str:
     entry = manager.task_index.get(name)
     cfg = getattr(entry, "cfg", None) or {}
     return repr(cfg.get("dataset_path", name))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from ringtrain.commands.destination import check_writable
 from ringtrain.commands.eval import _IntermixedParser
+from ringtrain.commands.eval_source import KEY as SOURCE_KEY
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.prompt_file import ChatTemplate, read_prompts
 from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
@@ -33,6 +34,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.evaluation.generation import GenerationRequest, Sampling
 from ringtrain.evaluation.stops import StopRule
 from ringtrain.evaluation.text import ByteTokenizer, Tokenizer
+from ringtrain.jsonfile import JsonFileError, read_json
 
 EXIT_OK = 0
 # Prompts a call to the workers takes, per replica: progress is reported between calls.
@@ -138,10 +140,30 @@ def eos_ids(folder: str) -> frozenset[int]:
     for name in ("generation_config.json", "config.json"):
         path = Path(folder) / name if folder else None
         if path is not None and path.is_file():
-            value: Any = json.loads(path.read_text()).get("eos_token_id")
+            value = _eos_entry(path)
             if value is not None:
-                return frozenset(value if isinstance(value, list) else [value])
+                return frozenset(value)
     return frozenset()
+
+
+def _eos_entry(path: Path) -> Optional[list[int]]:
+    """The ``eos_token_id`` of a folder's JSON file ``path`` as a list of ids, None where it has
+    none; a ConfigError naming SOURCE where the file or the entry is not what transformers reads."""
+    try:
+        found = read_json(path)
+    except JsonFileError as exc:
+        raise ConfigError(SOURCE_KEY, f"{path} {exc}") from None
+    except OSError as exc:
+        raise ConfigError(SOURCE_KEY, f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(found, dict):
+        raise ConfigError(SOURCE_KEY, f"{path} must hold a JSON object")
+    value: Any = found.get("eos_token_id")
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(SOURCE_KEY, f"{path}: eos_token_id must be a token id or a list of them (got {value!r:.80})")
+    return ids
 
 
 def _line(ids: list[int], tokenizer: Optional[Tokenizer], stop: StopRule) -> dict[str, Any]:
