@@ -22,6 +22,7 @@ from ringtrain.commands.eval import _data_tokenizer_notes
 from ringtrain.commands.eval_source import EvalSource
 from ringtrain.errors import ConfigError
 from ringtrain.prepared import tokenizer_sha256
+from ringtrain.train.dataset_tokenizer import trained_tokenizer
 from ringtrain_dev.prepared_data import random_documents, write_prepared
 from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
@@ -152,6 +153,11 @@ def test_a_run_trained_from_scratch_is_checked_against_its_training_data(tmp_pat
     # A byte-level model (trained on text) scoring a dataset of BPE ids.
     with pytest.raises(ConfigError, match=r"not with the bytes it trained on \(stdlib\)"):
         _data_tokenizer_notes(EvalSource("run", config.load(None, []), ""), str(other))
+    # Its training data gone since (moved, deleted): nothing tells what it held, bytes or another
+    # dataset's ids, so nothing is refused for it.
+    gone = tmp_path / "gone"
+    assert trained_tokenizer(str(gone)) is None and trained_tokenizer(gone.as_uri()) is None
+    assert _data_tokenizer_notes(EvalSource("run", config.load(None, [f"data.path={gone}"]), ""), str(other)) == []
 
 
 def test_a_model_folder_without_a_tokenizer_says_it_cannot_check(tmp_path: Path, model: Path) -> None:
