@@ -185,3 +185,14 @@ def test_tasks_without_lm_eval_installed_name_the_extra(tmp_path: Path, monkeypa
         training_tasks(["arc_easy"], include_path="", limit=None, num_fewshot=None, max_length=64,
                        tokenizer_folder=str(tokmodel))  # fmt: skip
     assert (in_a_job.value.key, in_a_job.value.reason) == ("eval.tasks", "needs lm-evaluation-harness: pip install 'ringtrain[eval]'")
+
+
+@pytest.mark.parametrize(("option", "value"), [("--include-path", "tasks"), ("--limit", "5"), ("--num-fewshot", "2")])
+def test_an_lm_eval_option_without_tasks_is_refused(tmp_path: Path, model: Path, rows: Path, option: str, value: str) -> None:
+    """It shapes --tasks' run alone: with --data only, it would silently do nothing."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.eval import prepare
+
+    with pytest.raises(ConfigError) as refused:
+        prepare(_parser().parse_args(["eval", str(model), "--data", str(rows), option, value]))
+    assert (refused.value.key, refused.value.reason) == (option, "applies to --tasks only")

@@ -151,6 +151,8 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     if not args.data and not args.tasks:
         raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of rows "
                                     "(or --tasks for lm-evaluation-harness tasks)")
+    if not args.tasks:
+        _check_no_task_options(args)
     try:
         source = resolve_source(args.source)
         job = _eval_job(source, args)
@@ -172,6 +174,15 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan, tasks, pairs
+
+
+def _check_no_task_options(args: argparse.Namespace) -> None:
+    """lm-eval's options shape --tasks' run alone: given without it, they would do nothing."""
+    from ringtrain.commands.eval_tasks import JOB_KEYS, OPTION
+
+    for flag in JOB_KEYS:
+        if flag != OPTION and getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            raise ConfigError(flag, f"applies to {OPTION} only")
 
 
 def _check_objective(job: JobConfig) -> None:
