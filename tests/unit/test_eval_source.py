@@ -153,3 +153,22 @@ def test_the_workers_of_a_run_trained_on_sources_take_the_eval_data_alone(tmp_pa
     decoding = generate.prepare(_parser().parse_args(["generate", str(tmp_path / "run"), "--prompts", str(prompts),
                                                       "--max-new-tokens", "4"])).job  # fmt: skip
     assert (decoding.data.sources, decoding.data.path, decoding.data.seq_len) == ([], config.STDLIB_CORPUS, 64)
+
+
+def test_the_length_eval_scores_is_seq_len_else_the_jobs_eval_seq_len_else_its_data_seq_len(tmp_path: Path) -> None:
+    """The one length of a stream's windows, a chat dataset's conversations, a row of pairs and
+    lm-eval's max_length, as --seq-len's help and docs/evaluation.md say."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.eval import _eval_job
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    source = resolve_source(str(tmp_path))
+
+    def length(*args: str) -> int:
+        job = _eval_job(source, _parser().parse_args(["eval", str(tmp_path), "--data", "stdlib", *args]))
+        assert job.eval.seq_len is not None
+        return job.eval.seq_len
+
+    assert length("data.seq_len=24") == 24
+    assert length("data.seq_len=24", "eval.seq_len=20") == 20
+    assert length("--seq-len", "16", "data.seq_len=24", "eval.seq_len=20") == 16

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.__class__ = _IntermixedParser  # the subparser was made by add_subparsers' class
     parser.add_argument("source", nargs="?", metavar="SOURCE", help="a run directory, a checkpoint URI or a Hugging Face model folder")
     parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, a 2-D .npy of token rows, or a prepared dataset (chat; preference, with train.objective=dpo, ipo, simpo or orpo)")
-    parser.add_argument("--seq-len", type=int, help="tokens per window of a stream (default: the job's data.seq_len)")
+    parser.add_argument("--seq-len", type=int, help="the length scored: a stream's windows, the longest conversation, a row of "
+                        "preference pairs, lm-eval's max_length (default: the job's eval.seq_len, else its data.seq_len)")
     parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, every conversation of a chat dataset that fits --seq-len, 64 windows of a stream)")
     parser.add_argument("--bucket-tokens", type=int, help="the first position bucket's size; each next one doubles (default 1024)")
     parser.add_argument("--passkey", metavar="LEN[,LEN...]", help="passkey retrieval at these prompt lengths in tokens")

@@ -5,9 +5,10 @@ driver before any cluster starts, then run by lm-eval with the workers as its mo
 Tasks, groups and tags are lm-eval's own, and ``--include-path`` adds local YAML tasks, as with
 ``lm_eval``. Datasets load offline (``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1`` unless the user
 set them): a task whose data is not in the local cache, or not a local file, is named with its
-dataset. Synthetic tasks (RULER's) are given the model folder's tokenizer and the job's
-``data.seq_len`` as their one length (lm-eval's task metadata ``pretrained`` and
-``max_seq_lengths``).
+dataset. Synthetic tasks (RULER's) are given the model folder's tokenizer and the model's
+``max_length`` as their one length (lm-eval's task metadata ``pretrained`` and
+``max_seq_lengths``): eval's ``--seq-len``, a training job's ``eval.seq_len``, else its
+``data.seq_len``.
 """
 
 from __future__ import annotations
