@@ -71,7 +71,7 @@ def rows(tmp_path: Path) -> Path:
 
 CASES = {
     "no-source": ([], "SOURCE: is missing"),
-    "no-data": (["{model}"], "--data: is missing"),
+    "no-data": (["{model}"], "--data: is missing: give stdlib, text files, a .bin or .npy token stream, a 2-D .npy of rows or a prepared dataset"),
     "missing-source": (["{tmp}/nowhere", "--data", "{rows}"], "SOURCE: no such run directory, checkpoint or model folder"),
     "missing-data": (["{model}", "--data", "{tmp}/nothing.npy"], "--data: no such file or directory"),
     "out-of-vocab": (["{model}", "--data", "stdlib"], "--data: stdlib holds token id"),

@@ -150,8 +150,8 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     if not args.source:
         raise ConfigError("SOURCE", "is missing: give a run directory, a checkpoint URI or a Hugging Face model folder")
     if not args.data and not args.tasks:
-        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of rows "
-                                    "(or --tasks for lm-evaluation-harness tasks)")
+        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, a 2-D .npy of rows or "
+                                    "a prepared dataset (or --tasks for lm-evaluation-harness tasks)")
     if not args.tasks:
         _check_no_task_options(args)
     try:
@@ -159,7 +159,10 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         job = _eval_job(source, args)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
-        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+        try:
+            plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+        except ConfigError as exc:
+            raise _length_named(exc, job.eval.seq_len) from None
         _check_objective(job)  # once the data is known to be there
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
@@ -175,6 +178,12 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan, tasks, pairs
+
+
+def _length_named(exc: ConfigError, seq_len: Optional[int]) -> ConfigError:
+    """``exc`` naming --seq-len where it says data.seq_len: the pairs' rows are eval's length
+    here, which the packing of pairs names by training's key (``train/pairs.py``)."""
+    return ConfigError(exc.key, exc.reason.replace(f"data.seq_len={seq_len}", f"--seq-len {seq_len}"))
 
 
 def _check_no_task_options(args: argparse.Namespace) -> None:

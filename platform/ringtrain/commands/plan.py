@@ -143,7 +143,8 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     if args.chart:
         check_writable(args.chart, "--chart")
     if args.params and (args.objective or args.completion_tokens):
-        raise ConfigError("--objective", "plans activations, which --params leaves out: give a job file or --model")
+        given = "--objective" if args.objective else "--completion-tokens"
+        raise ConfigError(given, "plans activations, which --params leaves out: give a job file or --model")
     job = load_job(args.job, args.overrides) if args.job else None
     objective = _objective(args.objective, job)
     completion_tokens = DEFAULT_COMPLETION_TOKENS
