@@ -150,3 +150,23 @@ def test_bad_preference_input_exits_2_naming_the_line_or_flag(
         code, _, err = prepare([*args, "--format", "preference", "--out", str(tmp_path / "o")], capsys)
         assert code == 2 and err.startswith(f"ringtrain: config error: {said}"), err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_bad_pair_is_found_before_any_cluster_starts(
+    tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corpus prepare would tokenize on Ray (--parallelism): its malformed pair at line 3 is
+    named on the driver by the actors' own check, no cluster started."""
+    from ringtrain.prepare import pipeline
+
+    def no_cluster(address: Any, num_cpus: Any) -> Any:
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(pipeline, "connect", no_cluster)
+    good = records()[2]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in [good, good, {"prompt": "p", "chosen": "c", "rejected": " "}, good]))
+    code, _, err = prepare([str(src), "--format", "preference", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"),
+                            "--parallelism", "2"], capsys)  # fmt: skip
+    assert (code, err) == (2, f"ringtrain: data error: {src}:3: field 'rejected' is empty\n")
+    assert not (tmp_path / "out").exists()

@@ -179,9 +179,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         corpus_bytes=sources.local_bytes(files),
         split_bytes=args.split_bytes,
     )
-    if chat is not None and chat.content == "chat" and not local and args.on_bad_record == "fail":
+    if chat is not None and not local and args.on_bad_record == "fail":
         # Before the cluster: a malformed record is found in a second, not after the actors start.
-        first_pass.check_chat_records(files, chat.messages_field, chat.template.variables, args.max_record_bytes)
+        first_pass.check_records(files, chat.content, chat.messages_field, chat.template.variables, args.max_record_bytes)
     started = time.monotonic()
     handle = None if local else pipeline.connect(args.address, args.num_cpus or None)
     cluster_start_s = time.monotonic() - started
