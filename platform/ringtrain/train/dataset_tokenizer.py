@@ -18,10 +18,9 @@ from typing import Optional
 
 from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.evaluation.tokenizer import TOKENIZER_FILE
 from ringtrain.prepared import BYTES_TOKENIZER, TokenizerInfo, tokenizer_sha256
 from ringtrain.uris import local_path
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
