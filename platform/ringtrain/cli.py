@@ -63,7 +63,8 @@ VERBS: dict[str, Verb] = {
                    report.add_arguments, lambda args, argv: report.run(args)),
     "export": Verb("write a checkpoint as a Hugging Face model folder (config.json + safetensors)",
                    export.add_arguments, lambda args, argv: export.run(args)),
-    "eval": Verb("loss by position (and passkey retrieval) of a run, checkpoint or HF model", evaluate.add_arguments,
+    "eval": Verb("score a run, checkpoint or HF model: loss by position, passkey retrieval, lm-eval tasks, "
+                 "preference pairs", evaluate.add_arguments,
                  lambda args, argv: evaluate.run(args)),
     "generate": Verb("continue prompts from a JSONL file with a run, checkpoint or HF model", generate.add_arguments,
                      lambda args, argv: generate.run(args)),

@@ -67,3 +67,11 @@ class NonFiniteLoss(RingtrainError):
 
 class ClusterError(RingtrainError):
     """Ray could not be reached or started."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a library's exception (transformers', lm-eval's run to many), for a
+    message of one line, without a colon that led into the next; its type's name when it says
+    nothing."""
+    text = str(exc).strip().splitlines()
+    return text[0].rstrip(": ") if text else type(exc).__name__

@@ -119,6 +119,9 @@ def test_prepare_writes_each_pair_as_three_documents(
     want = [render_pair(r, read_preference(Conversation(rec), r.context_fields)) for rec in pairs + plain]
     assert read_back(out) == [(d.ids.tolist(), d.mask.tolist()) for pair in want for d in pair]
     assert "prepared 6 preference pairs" in stdout
+    # What trains is the completions' assistant turns; --train-on is refused for pairs, so never named.
+    assert f"{manifest.chat.num_trained_tokens:,} trained (the completions' assistant turns)" in stdout
+    assert "--train-on" not in stdout
 
 
 def test_bad_preference_input_exits_2_naming_the_line_or_flag(
@@ -132,4 +135,38 @@ def test_bad_preference_input_exits_2_naming_the_line_or_flag(
     code, _, err = prepare([str(src), "--format", "preference", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "o"),
                             "--train-on", "last"], capsys)  # fmt: skip
     assert code == 2 and err.startswith("ringtrain: config error: --train-on: applies to --format chat only")
+    # The refusals --format chat shares name the format the user gave.
+    text, renamed = tmp_path / "t.txt", tmp_path / "renamed" / "renamed.json"
+    text.write_text("hello")
+    renamed.parent.mkdir()
+    renamed.write_bytes((tokenizer / "tokenizer.json").read_bytes())
+    (renamed.parent / "tokenizer_config.json").write_bytes((tokenizer / "tokenizer_config.json").read_bytes())
+    for args, said in [
+        ([str(src), "--tokenizer", "bytes"], "--tokenizer: bytes has no chat template: --format preference needs a tokenizer folder"),
+        ([str(src), "--tokenizer", str(renamed)], f"--tokenizer: {renamed}: --format preference reads the tokenizer from its folder"),
+        ([str(text), "--tokenizer", str(tokenizer)],
+         f"SRC: {text}: a .txt or .md file holds one text, not preference pairs (--format preference reads JSONL or Parquet)"),
+    ]:  # fmt: skip
+        code, _, err = prepare([*args, "--format", "preference", "--out", str(tmp_path / "o")], capsys)
+        assert code == 2 and err.startswith(f"ringtrain: config error: {said}"), err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_bad_pair_is_found_before_any_cluster_starts(
+    tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corpus prepare would tokenize on Ray (--parallelism): its malformed pair at line 3 is
+    named on the driver by the actors' own check, no cluster started."""
+    from ringtrain.prepare import pipeline
+
+    def no_cluster(address: Any, num_cpus: Any) -> Any:
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(pipeline, "connect", no_cluster)
+    good = records()[2]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in [good, good, {"prompt": "p", "chosen": "c", "rejected": " "}, good]))
+    code, _, err = prepare([str(src), "--format", "preference", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"),
+                            "--parallelism", "2"], capsys)  # fmt: skip
+    assert (code, err) == (2, f"ringtrain: data error: {src}:3: field 'rejected' is empty\n")
+    assert not (tmp_path / "out").exists()

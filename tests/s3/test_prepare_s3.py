@@ -108,11 +108,15 @@ def _train_from_s3(rank: int, world: int, store: str, overrides: list[str], resu
 
 
 def test_training_reads_a_dataset_prepared_to_s3(
-    serial_on_s3: None, s3_client: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    serial_on_s3: None, s3_client: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The round trip: prepared to s3://, then checked and read as ``ringtrain run`` does (shards
-    fetched into the node's cache and verified) and trained on for two steps by a real rank."""
+    fetched into the node's cache and verified) and trained on for two steps by a real rank; and
+    scored as ``ringtrain eval --data`` reads it, window for window as the local copy."""
     from ringtrain import config
+    from ringtrain.cachedir import CACHE_ENV
+    from ringtrain.train.evalset import load_eval_set
     from ringtrain.train.mixture import check_sources, open_samples
 
     files = build_corpus(tmp_path / "corpus", num_modules=6, num_files=2)
@@ -138,6 +142,9 @@ def test_training_reads_a_dataset_prepared_to_s3(
         remote.close()
         mirror.close()
     assert any((tmp_path / "cache").rglob("*.tokens.npy"))  # fetched into this node's cache
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "eval-cache"))
+    scored, mirrored = (load_eval_set(uri, seq_len=64, vocab_size=512, max_rows=6, key="--data") for uri in (out, str(local)))
+    assert (scored.inputs == mirrored.inputs).all() and (scored.labels == mirrored.labels).all() and scored.num_rows == 6
 
     losses = run_ranks(_train_from_s3, 1, tmp_path, overrides, timeout=180)
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -22,6 +22,7 @@ from ringtrain.commands.eval import _data_tokenizer_notes
 from ringtrain.commands.eval_source import EvalSource
 from ringtrain.errors import ConfigError
 from ringtrain.prepared import tokenizer_sha256
+from ringtrain.train.dataset_tokenizer import trained_tokenizer
 from ringtrain_dev.prepared_data import random_documents, write_prepared
 from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
@@ -70,7 +71,7 @@ def rows(tmp_path: Path) -> Path:
 
 CASES = {
     "no-source": ([], "SOURCE: is missing"),
-    "no-data": (["{model}"], "--data: is missing"),
+    "no-data": (["{model}"], "--data: is missing: give stdlib, text files, a .bin or .npy token stream, a 2-D .npy of rows or a prepared dataset"),
     "missing-source": (["{tmp}/nowhere", "--data", "{rows}"], "SOURCE: no such run directory, checkpoint or model folder"),
     "missing-data": (["{model}", "--data", "{tmp}/nothing.npy"], "--data: no such file or directory"),
     "out-of-vocab": (["{model}", "--data", "stdlib"], "--data: stdlib holds token id"),
@@ -152,6 +153,11 @@ def test_a_run_trained_from_scratch_is_checked_against_its_training_data(tmp_pat
     # A byte-level model (trained on text) scoring a dataset of BPE ids.
     with pytest.raises(ConfigError, match=r"not with the bytes it trained on \(stdlib\)"):
         _data_tokenizer_notes(EvalSource("run", config.load(None, []), ""), str(other))
+    # Its training data gone since (moved, deleted): nothing tells what it held, bytes or another
+    # dataset's ids, so nothing is refused for it.
+    gone = tmp_path / "gone"
+    assert trained_tokenizer(str(gone)) is None and trained_tokenizer(gone.as_uri()) is None
+    assert _data_tokenizer_notes(EvalSource("run", config.load(None, [f"data.path={gone}"]), ""), str(other)) == []
 
 
 def test_a_model_folder_without_a_tokenizer_says_it_cannot_check(tmp_path: Path, model: Path) -> None:
@@ -159,3 +165,34 @@ def test_a_model_folder_without_a_tokenizer_says_it_cannot_check(tmp_path: Path,
     (note,) = _data_tokenizer_notes(EvalSource("hf", config.load(None, []), str(model)), str(data))
     assert note.startswith(f"SOURCE: {model} has no tokenizer.json, so whether {data} (tokenized with 'some-bpe'")
     assert "cannot be checked" in note
+
+
+def test_tasks_without_lm_eval_installed_name_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """lm-evaluation-harness is the eval extra's: without it, --tasks (and a job's eval.tasks)
+    exit 2 saying what to install, not with an import traceback."""
+    from ringtrain import cli
+    from ringtrain.commands.eval_tasks import training_tasks
+
+    for name in ("lm_eval", "lm_eval.tasks"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ModuleNotFoundError
+    tokmodel = save_tokenizer(tmp_path / "tokmodel")
+    (tokmodel / "config.json").write_text(json.dumps(LLAMA))
+    assert cli.main(["eval", str(tokmodel), "--tasks", "arc_easy"]) == 2
+    assert capsys.readouterr().err == (
+        "ringtrain: config error: --tasks: needs lm-evaluation-harness: pip install 'ringtrain[eval]'\n")
+    with pytest.raises(ConfigError) as in_a_job:
+        training_tasks(["arc_easy"], include_path="", limit=None, num_fewshot=None, max_length=64,
+                       tokenizer_folder=str(tokmodel))  # fmt: skip
+    assert (in_a_job.value.key, in_a_job.value.reason) == ("eval.tasks", "needs lm-evaluation-harness: pip install 'ringtrain[eval]'")
+
+
+@pytest.mark.parametrize(("option", "value"), [("--include-path", "tasks"), ("--limit", "5"), ("--num-fewshot", "2")])
+def test_an_lm_eval_option_without_tasks_is_refused(tmp_path: Path, model: Path, rows: Path, option: str, value: str) -> None:
+    """It shapes --tasks' run alone: with --data only, it would silently do nothing."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.eval import prepare
+
+    with pytest.raises(ConfigError) as refused:
+        prepare(_parser().parse_args(["eval", str(model), "--data", str(rows), option, value]))
+    assert (refused.value.key, refused.value.reason) == (option, "applies to --tasks only")

@@ -106,8 +106,7 @@ def test_a_preference_run_is_scored_by_its_objective_on_pairs_alone(tmp_path: Pa
     against the data."""
     from ringtrain.cli import _parser
     from ringtrain.commands.eval import _eval_job
-    from ringtrain.commands.generate import _workers_job
-    from ringtrain.commands.workers import inference_job
+    from ringtrain.commands.workers import inference_job, workers_job
 
     job = config.load(None, [*SHAPE, f"run_dir={tmp_path / 'run'}", "train.objective=dpo", "train.preference.beta=0.2"])
     run = RunDir(tmp_path / "run")
@@ -117,7 +116,7 @@ def test_a_preference_run_is_scored_by_its_objective_on_pairs_alone(tmp_path: Pa
     source = resolve_source(str(tmp_path / "run"))
     assert source.job.train.objective == "dpo"
     assert inference_job(source, ["train.objective=ipo"]).train.objective == "ipo"
-    assert _workers_job(inference_job(source, [])).train.objective == "lm"
+    assert workers_job(inference_job(source, []), 64).train.objective == "lm"
 
     def evaluated(*overrides: str) -> config.JobConfig:
         return _eval_job(source, _parser().parse_args(["eval", str(tmp_path / "run"), "--data", "stdlib", *overrides]))
@@ -125,3 +124,51 @@ def test_a_preference_run_is_scored_by_its_objective_on_pairs_alone(tmp_path: Pa
     on_text = evaluated()
     assert on_text.train.objective == "lm" and on_text.train.preference.beta == 0.2
     assert evaluated("train.objective=ipo").train.objective == "ipo"
+
+
+def test_the_workers_of_a_run_trained_on_sources_take_the_eval_data_alone(tmp_path: Path) -> None:
+    """A run trained on data.sources: eval's and generate's workers are given their own data
+    (eval's rows, or stdlib at generate's length) and none of the run's sources, which the
+    config check would refuse beside a data.path the user never wrote."""
+    import numpy as np
+
+    from ringtrain.cli import _parser
+    from ringtrain.commands import eval as evaluate
+    from ringtrain.commands import generate
+
+    rows = tmp_path / "rows.npy"
+    np.save(rows, np.arange(2 * 16).reshape(2, 16) % 90)
+    job = config.load(None, [*SHAPE, f"run_dir={tmp_path / 'run'}", f"data.sources=[{{path: {rows}}}]",
+                             "data.seq_len=64"])  # fmt: skip
+    run = RunDir(tmp_path / "run")
+    run.write_config(job)
+    run.close()
+    open_store((tmp_path / "run" / "checkpoints").as_uri()).save(4, {"rank-0": b"shard"}, checkpoint_meta(job))
+    assert resolve_source(str(tmp_path / "run")).job.data.sources
+
+    _, scored, *_ = evaluate.prepare(_parser().parse_args(["eval", str(tmp_path / "run"), "--data", str(rows)]))
+    assert (scored.data.sources, scored.data.path, scored.data.seq_len) == ([], str(rows), 16)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [5, 6, 7]}\n')
+    decoding = generate.prepare(_parser().parse_args(["generate", str(tmp_path / "run"), "--prompts", str(prompts),
+                                                      "--max-new-tokens", "4"])).job  # fmt: skip
+    assert (decoding.data.sources, decoding.data.path, decoding.data.seq_len) == ([], config.STDLIB_CORPUS, 64)
+
+
+def test_the_length_eval_scores_is_seq_len_else_the_jobs_eval_seq_len_else_its_data_seq_len(tmp_path: Path) -> None:
+    """The one length of a stream's windows, a chat dataset's conversations, a row of pairs and
+    lm-eval's max_length, as --seq-len's help and docs/evaluation.md say."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.eval import _eval_job
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    source = resolve_source(str(tmp_path))
+
+    def length(*args: str) -> int:
+        job = _eval_job(source, _parser().parse_args(["eval", str(tmp_path), "--data", "stdlib", *args]))
+        assert job.eval.seq_len is not None
+        return job.eval.seq_len
+
+    assert length("data.seq_len=24") == 24
+    assert length("data.seq_len=24", "eval.seq_len=20") == 20
+    assert length("--seq-len", "16", "data.seq_len=24", "eval.seq_len=20") == 16

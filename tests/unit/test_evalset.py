@@ -12,6 +12,7 @@ from ringtrain.evaluation.tokenizer import find_tokenizer
 from ringtrain.topology import sequence_positions
 from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.evalset import DEFAULT_WINDOWS, load_eval_set
+from ringtrain_dev.prepared_data import random_documents, write_prepared
 from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
 
@@ -62,6 +63,24 @@ def test_text_is_tokenized_when_the_model_has_a_tokenizer(tmp_path: Path) -> Non
     as_bytes = load_eval_set(str(text), seq_len=16, vocab_size=256, max_rows=3)
     assert as_bytes.inputs.max() < 256 and bytes(as_bytes.inputs[0].tolist()).decode() in text.read_text()
     assert find_tokenizer("") is None and find_tokenizer(str(tmp_path)) is None
+
+
+def test_a_prepared_text_dataset_gives_windows_of_its_token_stream(tmp_path: Path) -> None:
+    """Its documents end to end, as training reads them, whatever the model's tokenizer; never
+    the bytes of its manifest and shard files."""
+    docs = random_documents(9, vocab_size=90, eos_id=2, min_len=5, max_len=30, seed=3)
+    write_prepared(tmp_path / "ptext", docs, vocab_size=90, eos_id=2, docs_per_shard=4)
+    stream = np.concatenate(docs)
+    tokenizer = find_tokenizer(str(save_tokenizer(tmp_path / "model")))
+    s = load_eval_set(str(tmp_path / "ptext"), seq_len=16, vocab_size=96, max_rows=5, tokenizer=tokenizer)
+    assert s.num_rows == 5 and s.seq_len == 16
+    starts = [round(i * (stream.size - 17) / 4) for i in range(5)]  # spread from the first token to the last
+    np.testing.assert_array_equal(s.inputs, np.stack([stream[a : a + 16] for a in starts]))
+    np.testing.assert_array_equal(s.labels, np.stack([stream[a + 1 : a + 17] for a in starts]))
+    with pytest.raises(ConfigError, match=f"holds {stream.size} tokens, fewer than seq_len"):
+        load_eval_set(str(tmp_path / "ptext"), seq_len=stream.size, vocab_size=96, key="--data")
+    with pytest.raises(ConfigError, match=r"token id \d+, outside the model's vocabulary"):
+        load_eval_set(str(tmp_path / "ptext"), seq_len=16, vocab_size=80)
 
 
 @pytest.mark.parametrize(

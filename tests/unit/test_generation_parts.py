@@ -7,6 +7,7 @@ greedy too; a seed draws the same tokens again)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -74,5 +75,9 @@ def test_greedy_nucleus_and_seeded_sampling() -> None:
     assert torch.equal(first[0], first[1])
     draws = torch.stack([next_tokens(logits, hot, torch.Generator().manual_seed(s)) for s in range(20)])
     assert len(set(draws[:, 0].tolist())) > 1, "a hot sample draws more than one token"
-    with pytest.raises(ValueError, match="temperature"):
-        Sampling(temperature=-1.0)
+    for temperature in (-1.0, math.nan, math.inf):  # NaN passes a `< 0` check; inf turns the softmax flat
+        with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0 \\(got {temperature}\\)"):
+            Sampling(temperature=temperature)
+    for top_p in (0.0, 1.5, math.nan):
+        with pytest.raises(ValueError, match="top_p must be in"):
+            Sampling(temperature=1.0, top_p=top_p)

@@ -256,6 +256,9 @@ def test_a_long_study_says_how_far_it_got() -> None:
         (["--step-s", "-1"], "--step-s"),
         (["--step-s", "inf"], "--step-s"),
         (["--max-seq-len"], "--goodput"),
+        # Before the simulation, not when its chart is written after it.
+        (["--chart", "no-such-folder/goodput.svg"], "--chart"),
+        (["--chart", "."], "--chart"),
     ],
 )
 def test_bad_goodput_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str], args: list[str], flag: str) -> None:

@@ -229,3 +229,10 @@ def test_simpo_takes_no_reference_pass_and_a_job_file_its_own_objective(capsys: 
     assert record["objective"] == "ipo" and record["job_layout"]["memory_bytes"]["reference_pass"] > 0
     assert _run([str(QUICKSTART), "--gpus", "4", "--top", "1"]) == 0
     assert "objective" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", [["--objective", "dpo"], ["--completion-tokens", "512"]])
+def test_a_parameter_count_plans_no_pair_and_names_the_flag_given(given: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["--params", "8B", *given]) == 2
+    assert capsys.readouterr().err == (f"ringtrain: config error: {given[0]}: plans activations, which --params leaves out: "
+                                       "give a job file or --model\n")  # fmt: skip

@@ -223,3 +223,15 @@ def test_eval_of_pairs_refuses_bad_input_with_one_line(pairs: Path, tmp_path: Pa
     args = [a.format(**names) for a in extra if a != "--data-is-text"]
     proc = run_cli(tmp_path, "eval", str(model), "--data", data, "--json", *args)
     _one_line(proc, expected.format(**names))
+
+
+def test_eval_of_pairs_none_fit_names_seq_len(pairs: Path, tmp_path: Path) -> None:
+    """eval's rows of pairs are --seq-len long (the job's data.seq_len only its default): a length no
+    pair fits names the option."""
+    from ringtrain.commands.eval import prepare
+
+    model = _model(tmp_path / "model", tokenizer=lambda f: shutil.copy(pairs / "tok" / "tokenizer.json", f))
+    args = cli._parser().parse_args(["eval", str(model), "--data", str(pairs / "data"), "--seq-len", "8", "train.objective=simpo"])
+    with pytest.raises(ConfigError) as refused:
+        prepare(args)
+    assert refused.value.key == "--data" and refused.value.reason == "no preference pair fits --seq-len 8 (all 12 are longer)"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.commands.eval_source import EvalSource, resolve_source
-from ringtrain.commands.workers import checked, inference_job, started_workers
+from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
 from ringtrain.config import STDLIB_CORPUS, JobConfig
 from ringtrain.errors import ConfigError
 
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.__class__ = _IntermixedParser  # the subparser was made by add_subparsers' class
     parser.add_argument("source", nargs="?", metavar="SOURCE", help="a run directory, a checkpoint URI or a Hugging Face model folder")
     parser.add_argument("--data", help="stdlib, text files, a .bin or .npy token stream, a 2-D .npy of token rows, or a prepared dataset (chat; preference, with train.objective=dpo, ipo, simpo or orpo)")
-    parser.add_argument("--seq-len", type=int, help="tokens per window of a stream (default: the job's data.seq_len)")
+    parser.add_argument("--seq-len", type=int, help="the length scored: a stream's windows, the longest conversation, a row of "
+                        "preference pairs, lm-eval's max_length (default: the job's eval.seq_len, else its data.seq_len)")
     parser.add_argument("--max-rows", type=int, help="sequences to score (default: every row of a 2-D .npy, every conversation of a chat dataset that fits --seq-len, 64 windows of a stream)")
     parser.add_argument("--bucket-tokens", type=int, help="the first position bucket's size; each next one doubles (default 1024)")
     parser.add_argument("--passkey", metavar="LEN[,LEN...]", help="passkey retrieval at these prompt lengths in tokens")
@@ -149,14 +150,19 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     if not args.source:
         raise ConfigError("SOURCE", "is missing: give a run directory, a checkpoint URI or a Hugging Face model folder")
     if not args.data and not args.tasks:
-        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, or a 2-D .npy of rows "
-                                    "(or --tasks for lm-evaluation-harness tasks)")
+        raise ConfigError("--data", "is missing: give stdlib, text files, a .bin or .npy token stream, a 2-D .npy of rows or "
+                                    "a prepared dataset (or --tasks for lm-evaluation-harness tasks)")
+    if not args.tasks:
+        _check_no_task_options(args)
     try:
         source = resolve_source(args.source)
         job = _eval_job(source, args)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
-        plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+        try:
+            plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+        except ConfigError as exc:
+            raise _length_named(exc, job.eval.seq_len) from None
         _check_objective(job)  # once the data is known to be there
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
@@ -168,12 +174,25 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
                       plan.pairs.seq_len if plan.pairs is not None else 0)  # fmt: skip
         seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
         path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
-        job.data = dataclasses.replace(job.data, seq_len=seq_len, path=path)
-        job.train = dataclasses.replace(job.train, objective="lm")
-        job = checked(job)
+        job = workers_job(job, seq_len, path)
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan, tasks, pairs
+
+
+def _length_named(exc: ConfigError, seq_len: Optional[int]) -> ConfigError:
+    """``exc`` naming --seq-len where it says data.seq_len: the pairs' rows are eval's length
+    here, which the packing of pairs names by training's key (``train/pairs.py``)."""
+    return ConfigError(exc.key, exc.reason.replace(f"data.seq_len={seq_len}", f"--seq-len {seq_len}"))
+
+
+def _check_no_task_options(args: argparse.Namespace) -> None:
+    """lm-eval's options shape --tasks' run alone: given without it, they would do nothing."""
+    from ringtrain.commands.eval_tasks import JOB_KEYS, OPTION
+
+    for flag in JOB_KEYS:
+        if flag != OPTION and getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            raise ConfigError(flag, f"applies to {OPTION} only")
 
 
 def _check_objective(job: JobConfig) -> None:

@@ -5,9 +5,10 @@ driver before any cluster starts, then run by lm-eval with the workers as its mo
 Tasks, groups and tags are lm-eval's own, and ``--include-path`` adds local YAML tasks, as with
 ``lm_eval``. Datasets load offline (``HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1`` unless the user
 set them): a task whose data is not in the local cache, or not a local file, is named with its
-dataset. Synthetic tasks (RULER's) are given the model folder's tokenizer and the job's
-``data.seq_len`` as their one length (lm-eval's task metadata ``pretrained`` and
-``max_seq_lengths``).
+dataset. Synthetic tasks (RULER's) are given the model folder's tokenizer and the model's
+``max_length`` as their one length (lm-eval's task metadata ``pretrained`` and
+``max_seq_lengths``): eval's ``--seq-len``, a training job's ``eval.seq_len``, else its
+``data.seq_len``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 
 OPTION = "--tasks"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+EXTRA = "ringtrain[eval]"  # pyproject.toml's extra that installs lm-eval
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,10 @@ def plan_tasks(text: str, *, include_path: Optional[str], limit: Optional[int], 
     if not names:
         raise ConfigError(OPTION, "names no task")
 
-    from lm_eval.tasks import TaskManager, get_task_dict
+    try:
+        from lm_eval.tasks import TaskManager, get_task_dict
+    except ImportError:  # an edge dependency: the eval extra
+        raise ConfigError(OPTION, f"needs lm-evaluation-harness: pip install {EXTRA!r}") from None
 
     metadata = {"max_seq_lengths": [max_length], **({"pretrained": tokenizer_folder} if tokenizer_folder else {})}
     manager = TaskManager(include_path=include_path, metadata=metadata)
@@ -64,7 +69,7 @@ def plan_tasks(text: str, *, include_path: Optional[str], limit: Optional[int], 
             get_task_dict([name], manager)
         except Exception as exc:  # datasets' and lm-eval's own errors, of many types
             raise ConfigError(OPTION, f"task {name!r}: its data cannot be loaded offline "
-                                      f"(dataset {_dataset_of(manager, name)}): {_first_line(exc)}") from None
+                                      f"(dataset {_dataset_of(manager, name)}): {first_line(exc)}") from None
     return TaskPlan(names, limit, num_fewshot, max_length, manager)
 
 
@@ -126,8 +131,3 @@ def _dataset_of(manager: Any, name: str) -> str:
     entry = manager.task_index.get(name)
     cfg = getattr(entry, "cfg", None) or {}
     return repr(cfg.get("dataset_path", name))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

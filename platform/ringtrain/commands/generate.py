@@ -23,15 +23,18 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ringtrain.commands.destination import check_writable
 from ringtrain.commands.eval import _IntermixedParser
+from ringtrain.commands.eval_source import KEY as SOURCE_KEY
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.prompt_file import ChatTemplate, read_prompts
-from ringtrain.commands.workers import checked, inference_job, started_workers
-from ringtrain.config import STDLIB_CORPUS, JobConfig
+from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
+from ringtrain.config import JobConfig
 from ringtrain.errors import ConfigError
 from ringtrain.evaluation.generation import GenerationRequest, Sampling
 from ringtrain.evaluation.stops import StopRule
 from ringtrain.evaluation.text import ByteTokenizer, Tokenizer
+from ringtrain.jsonfile import JsonFileError, read_json
 
 EXIT_OK = 0
 # Prompts a call to the workers takes, per replica: progress is reported between calls.
@@ -96,6 +99,8 @@ def prepare(args: argparse.Namespace) -> GeneratePlan:
         raise ConfigError("--prompts", "is missing: give a JSONL file of prompts")
     if args.max_new_tokens is None or args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be at least 1 (got {args.max_new_tokens})")
+    if args.out is not None:
+        check_writable(args.out, "--out")
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
@@ -115,18 +120,8 @@ def prepare(args: argparse.Namespace) -> GeneratePlan:
                                            f"set data.seq_len higher")
     stop = StopRule(eos_ids(source.tokenizer_folder), tuple(args.stop))
     request = GenerationRequest.of([ids for _, ids in prompts], args.max_new_tokens, sampling, stop)
-    return GeneratePlan(source, _workers_job(job), request, tokenizer)
-
-
-def _workers_job(job: JobConfig) -> JobConfig:
-    """The workers' job: ``data.seq_len`` a length every CP layout shards (their data is never
-    read), ``train.micro_batch`` such sequences in a decoded batch, and the next-token objective
-    whatever the run trained with (they decode, and score no pairs)."""
-    unit = 2 * job.mesh.cp
-    seq_len = -(-job.data.seq_len // unit) * unit
-    job.data = dataclasses.replace(job.data, seq_len=seq_len, path=STDLIB_CORPUS, sources=[])
-    job.train = dataclasses.replace(job.train, global_batch=job.mesh.dp * job.train.micro_batch, objective="lm")
-    return checked(job)
+    # data.seq_len the longest sequence, train.micro_batch such sequences in a decoded batch.
+    return GeneratePlan(source, workers_job(job, job.data.seq_len), request, tokenizer)
 
 
 def text_tokenizer(source: EvalSource, vocab_size: int) -> Optional[Tokenizer]:
@@ -145,10 +140,30 @@ def eos_ids(folder: str) -> frozenset[int]:
     for name in ("generation_config.json", "config.json"):
         path = Path(folder) / name if folder else None
         if path is not None and path.is_file():
-            value: Any = json.loads(path.read_text()).get("eos_token_id")
+            value = _eos_entry(path)
             if value is not None:
-                return frozenset(value if isinstance(value, list) else [value])
+                return frozenset(value)
     return frozenset()
+
+
+def _eos_entry(path: Path) -> Optional[list[int]]:
+    """The ``eos_token_id`` of a folder's JSON file ``path`` as a list of ids, None where it has
+    none; a ConfigError naming SOURCE where the file or the entry is not what transformers reads."""
+    try:
+        found = read_json(path)
+    except JsonFileError as exc:
+        raise ConfigError(SOURCE_KEY, f"{path} {exc}") from None
+    except OSError as exc:
+        raise ConfigError(SOURCE_KEY, f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(found, dict):
+        raise ConfigError(SOURCE_KEY, f"{path} must hold a JSON object")
+    value: Any = found.get("eos_token_id")
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(SOURCE_KEY, f"{path}: eos_token_id must be a token id or a list of them (got {value!r:.80})")
+    return ids
 
 
 def _line(ids: list[int], tokenizer: Optional[Tokenizer], stop: StopRule) -> dict[str, Any]:

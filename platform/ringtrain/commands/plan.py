@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ringtrain import config
+from ringtrain.commands.destination import check_writable
 from ringtrain.config import OBJECTIVES, PREFERENCE_OBJECTIVES, JobConfig
 from ringtrain.errors import ConfigError
 from ringtrain.planner import devices, goodput_report
@@ -139,8 +140,11 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
         raise ConfigError(args.overrides[0], "key=value overrides apply to a job file; give one first")
     if args.goodput and (args.params or args.max_seq_len):
         raise ConfigError("--goodput", "simulates a job on a layout: give a job file or --model, without --params or --max-seq-len")
+    if args.chart:
+        check_writable(args.chart, "--chart")
     if args.params and (args.objective or args.completion_tokens):
-        raise ConfigError("--objective", "plans activations, which --params leaves out: give a job file or --model")
+        given = "--objective" if args.objective else "--completion-tokens"
+        raise ConfigError(given, "plans activations, which --params leaves out: give a job file or --model")
     job = load_job(args.job, args.overrides) if args.job else None
     objective = _objective(args.objective, job)
     completion_tokens = DEFAULT_COMPLETION_TOKENS

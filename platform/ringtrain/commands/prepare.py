@@ -78,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(MESSAGES_FLAG, default=None, help=f"--format chat: the JSONL field / Parquet list<struct> column holding the messages, OpenAI-style (role, content) or ShareGPT (from, value); a record without it but with Alpaca's instruction and output is read as a user and an assistant turn (default: {DEFAULT_MESSAGES_FIELD}; the format in docs/data.md)")
     parser.add_argument("--train-on", choices=CHAT_TRAIN_ON, default=None, help="--format chat: the turns trained: every turn of --roles-to-train (assistant, the default), the last of them only (last), or every token but the first (all); a message's own \"weight\": 0|1 or \"train\": false|true overrides its role")
     parser.add_argument("--roles-to-train", default=None, metavar="ROLES", help=f"--format chat: the comma-separated roles whose turns train, of {', '.join(CHAT_ROLES)} (default: assistant)")
-    parser.add_argument("--train-on-eos", choices=CHAT_TRAIN_ON_EOS, default=None, help="--format chat: whether a trained turn's end-of-turn token trains: every turn's (turn, the default), the last trained turn's only (last), or none")
-    parser.add_argument("--chat-template", default=None, metavar="FILE", help="--format chat: render with this Jinja file, or a template that ships by name (qwen3: Qwen3's with {% generation %} markers), instead of the tokenizer's")
+    parser.add_argument("--train-on-eos", choices=CHAT_TRAIN_ON_EOS, default=None, help="--format chat and preference: whether a trained turn's end-of-turn token trains: every turn's (turn, the default), the last trained turn's only (last), or none")
+    # argparse %-formats help texts: a literal % is written %%.
+    parser.add_argument("--chat-template", default=None, metavar="FILE", help="--format chat and preference: render with this Jinja file, or a template that ships by name (qwen3: Qwen3's with {%% generation %%} markers), instead of the tokenizer's")
     parser.add_argument("--on-bad-record", choices=("fail", "skip"), default="fail", help="a malformed, text-less or too long record stops the run (fail) or is counted and listed in the manifest (skip)")
     parser.add_argument(MAX_MESSAGES_FLAG, type=int, default=None, help=f"--format chat and preference: the most messages a conversation (a pair) may hold (default {DEFAULT_MAX_MESSAGES:,}); a longer one is a bad record, found before it is rendered")
     parser.add_argument(MAX_TOKENS_FLAG, type=int, default=None, help=f"--format chat and preference: the most tokens a rendered conversation (a pair) may hold (default {DEFAULT_MAX_RECORD_TOKENS:,}); a longer one is a bad record")
@@ -178,9 +179,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], stream: TextIO = sys.stde
         corpus_bytes=sources.local_bytes(files),
         split_bytes=args.split_bytes,
     )
-    if chat is not None and chat.content == "chat" and not local and args.on_bad_record == "fail":
+    if chat is not None and not local and args.on_bad_record == "fail":
         # Before the cluster: a malformed record is found in a second, not after the actors start.
-        first_pass.check_chat_records(files, chat.messages_field, chat.template.variables, args.max_record_bytes)
+        first_pass.check_records(files, chat.content, chat.messages_field, chat.template.variables, args.max_record_bytes)
     started = time.monotonic()
     handle = None if local else pipeline.connect(args.address, args.num_cpus or None)
     cluster_start_s = time.monotonic() - started
@@ -259,8 +260,10 @@ def chat_spec(args: argparse.Namespace, files: "list[SourceFile]", vocab_size: i
             raise ConfigError(flag, f"must be a positive number, got {value}")
     text_files = [f.uri for f in files if f.kind == "text"]
     if text_files:
-        raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not conversations (--format chat reads JSONL or Parquet)")
-    template = chat_template.find(args.tokenizer)
+        what = "preference pairs" if args.format == "preference" else "conversations"
+        raise ConfigError("SRC", f"{text_files[0]}: a .txt or .md file holds one text, not {what} (--format {args.format} reads "
+                                 "JSONL or Parquet)")
+    template = chat_template.find(args.tokenizer, args.format)
     if args.chat_template is not None:
         template = chat_template.override(template, args.chat_template)
     budget = RenderBudget(
@@ -299,7 +302,10 @@ def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
         if summary.cluster_start_s is None
         else f"cluster start {summary.cluster_start_s:.1f} s not included"
     )
-    trained = f", {m.chat.num_trained_tokens:,} trained (--train-on {m.chat.train_on})" if m.chat is not None else ""
+    trained = ""
+    if m.chat is not None:  # a pair trains its completions' assistant turns: it takes no --train-on
+        rule = "the completions' assistant turns" if m.preference is not None else f"--train-on {m.chat.train_on}"
+        trained = f", {m.chat.num_trained_tokens:,} trained ({rule})"
     stream.write(
         f"prepared {count:,} {what}, {m.num_tokens:,} tokens{trained} ({m.dtype}) from {len(m.sources)} files "
         f"into {len(m.shards)} shards at {out_uri}\n"

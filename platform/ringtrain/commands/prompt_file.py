@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 from ringtrain.evaluation.text import Tokenizer
 
 FIELDS = ("prompt", "messages", "ids")
@@ -32,7 +32,11 @@ class ChatTemplate:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+            except Exception as exc:  # transformers' many errors of a folder it cannot read, each of many lines
+                raise ConfigError(OPTION, f"{where}: \"messages\" needs the model's chat template, and the tokenizer of "
+                                          f"{self.folder} cannot be loaded ({first_line(exc)})") from None
         if not getattr(self._tokenizer, "chat_template", None):
             raise ConfigError(OPTION, f"{where}: \"messages\" needs a chat template, and {self.folder} has none")
         try:
@@ -50,11 +54,15 @@ def read_prompts(path: str, tokenizer: Optional[Tokenizer], template: Optional[C
     if not file.is_file():
         raise ConfigError(OPTION, f"{path} is not a file")
     prompts = []
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(OPTION, f"{where}: not UTF-8 text (byte {exc.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path} line {number}"
             prompts.append((where, _prompt(line, where, tokenizer, template, vocab_size)))
     if not prompts:
         raise ConfigError(OPTION, f"{path} holds no prompt")

@@ -7,7 +7,8 @@ credentials and endpoint a job reads (the local stack hands its own to every job
 may have none). So a submitted ``ringtrain run`` (``SUBMITTED_VARIABLE`` set in its runtime env)
 prints ``CHECKED`` once every input passed, before it joins the cluster; ``await_checks`` follows
 the job's log until that line, or until the job ends without it, and then the job's own error
-lines are the verdict, with the ``--env`` that would pass this shell's AWS settings along.
+lines are the verdict, with the ``--env`` (or ``--secret``) flags that would pass this shell's
+AWS settings along.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
 
+from ringtrain.submission_secrets import SECRET_FLAG, looks_secret
+
 SUBMITTED_VARIABLE = "RINGTRAIN_SUBMITTED"
 CHECKED = "ringtrain: the job's inputs passed their checks on the cluster"
 # A job's start: the runtime env unpacked, Python and ringtrain imported, every input read.
 CHECK_TIMEOUT_S = 600.0
 POLL_S = 1.0
-CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")
+# What of this shell's S3 settings a job can be given. Not AWS_SHARED_CREDENTIALS_FILE: a path on
+# this machine, which the cluster's nodes do not have.
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 
@@ -68,8 +73,9 @@ def await_checks(
 
 
 def env_hints(errors: tuple[str, ...], environ: Mapping[str, str]) -> list[str]:
-    """What of this shell's AWS settings would reach the job with --env, for an S3 failure the
-    job reported (its line names the variables the cluster lacks)."""
+    """What of this shell's AWS settings would reach the job with --env (--secret for a name that
+    looks like a secret), for an S3 failure the job reported (its line names the variables the
+    cluster lacks)."""
     text = " ".join(errors)
     wanted: tuple[str, ...] = ()
     if "no AWS credentials were found" in text or "AWS credentials are incomplete" in text:
@@ -79,5 +85,10 @@ def env_hints(errors: tuple[str, ...], environ: Mapping[str, str]) -> list[str]:
     here = [name for name in wanted if environ.get(name)]
     if not here:
         return []
-    flags = " ".join(f"--env {name}" for name in here)
-    return [f"ringtrain: this shell sets {', '.join(here)}: give them to the job with {flags}, or set them on the cluster"]
+    # A secret-looking name passed with --env is refused by submit itself (submission_secrets).
+    secret = [name for name in here if looks_secret(name)]
+    flags = " ".join(f"{SECRET_FLAG if name in secret else '--env'} {name}" for name in here)
+    # As docs/security.md says: a secret reaches the job's driver, never its workers.
+    where = (f" (a {SECRET_FLAG} reaches the job's driver only, which writes the checkpoints; a dataset on s3:// is read "
+             "by the workers with the cluster's own credentials)") if secret else ""  # fmt: skip
+    return [f"ringtrain: this shell sets {', '.join(here)}: give them to the job with {flags}{where}, or set them on the cluster"]

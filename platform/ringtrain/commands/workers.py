@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
 from ringtrain.commands.eval_source import EvalSource
-from ringtrain.config import ChaosConfig, JobConfig
+from ringtrain.config import STDLIB_CORPUS, ChaosConfig, JobConfig
 
 if TYPE_CHECKING:
     from ringtrain.actors.group import WorkerGroup
@@ -36,6 +36,18 @@ def inference_job(source: EvalSource, overrides: list[str]) -> JobConfig:
     job.telemetry = dataclasses.replace(job.telemetry, metrics_port=None)
     job.train = dataclasses.replace(job.train, stop_at_step=None, skip_batches=[])
     return job
+
+
+def workers_job(job: JobConfig, seq_len: int, path: str = STDLIB_CORPUS) -> JobConfig:
+    """The job the workers run, validated: ``data.seq_len`` ``seq_len`` rounded up to a length
+    every CP layout shards, ``data.path`` alone (the run's ``data.sources`` dropped: the workers'
+    data is never read, only checked at that length), ``train.micro_batch`` sequences a replica
+    takes at once, and the next-token objective whatever the run trained with (they score and
+    decode, and take no pairs)."""
+    unit = 2 * job.mesh.cp
+    job.data = dataclasses.replace(job.data, seq_len=-(-seq_len // unit) * unit, path=path, sources=[])
+    job.train = dataclasses.replace(job.train, global_batch=job.mesh.dp * job.train.micro_batch, objective="lm")
+    return checked(job)
 
 
 def checked(job: JobConfig) -> JobConfig:

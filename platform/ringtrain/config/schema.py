@@ -156,7 +156,6 @@ def checkpointing_mode(value: "str | bool") -> str:
 
 
 PACKINGS = ("concat", "doc")
-# A chat dataset's conversation longer than data.seq_len: left out (counted), or cut to fit.
 # A chat conversation longer than seq_len: dropped, cut to its first seq_len tokens, or cut to its
 # last (long-document QA, whose answer comes last).
 CHAT_OVERLONG = ("drop", "truncate", "truncate_start")

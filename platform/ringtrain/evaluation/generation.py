@@ -4,6 +4,7 @@ as one value that travels from the command line to every worker; pure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ringtrain.evaluation.stops import StopRule
@@ -20,8 +21,9 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        # Written so NaN fails: every comparison with it is false.
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
 

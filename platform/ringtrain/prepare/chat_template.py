@@ -129,14 +129,16 @@ def _from_config(config: object, where: Path) -> str | None:
     raise ConfigError(KEY, f"{where}: chat_template is {type(entry).__name__}, not a template")
 
 
-def find(tokenizer: str) -> ChatTemplate:
-    """The chat template of the tokenizer ``--tokenizer`` names (a folder, or its tokenizer.json)."""
+def find(tokenizer: str, content: str = "chat") -> ChatTemplate:
+    """The chat template of the tokenizer ``--tokenizer`` names (a folder, or its tokenizer.json),
+    for ``--format`` ``content`` (chat or preference: the messages name it)."""
     if tokenizer == BYTES_TOKENIZER:
-        raise ConfigError(KEY, "bytes has no chat template: --format chat needs a tokenizer folder that carries one")
+        raise ConfigError(KEY, f"bytes has no chat template: --format {content} needs a tokenizer folder that carries one")
     path = Path(tokenizer)
     folder = path if path.is_dir() else path.parent
     if not path.is_dir() and path.name != TOKENIZER_FILE:
-        raise ConfigError(KEY, f"{tokenizer}: --format chat reads the tokenizer from its folder; name the folder holding {TOKENIZER_FILE}")
+        raise ConfigError(KEY, f"{tokenizer}: --format {content} reads the tokenizer from its folder; name the folder "
+                               f"holding {TOKENIZER_FILE}")
     jinja = folder / TEMPLATE_FILE
     if jinja.is_file():
         try:

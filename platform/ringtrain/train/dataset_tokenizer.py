@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.evaluation.tokenizer import TOKENIZER_FILE
 from ringtrain.prepared import BYTES_TOKENIZER, TokenizerInfo, tokenizer_sha256
-
-TOKENIZER_FILE = "tokenizer.json"
+from ringtrain.uris import local_path
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ def trained_tokenizer(first_source: str) -> Optional[ModelTokenizer]:
     from ringtrain.train.corpus import is_prepared_path, read_manifest
     from ringtrain.train.data import is_byte_corpus
 
+    local = local_path(first_source)
+    if first_source != STDLIB_CORPUS and local is not None and not local.exists():
+        return None  # moved or deleted since: nothing tells what it held, text or a dataset
     if not is_prepared_path(first_source):
         return ModelTokenizer(BYTES_TOKENIZER, f"the bytes it trained on ({first_source})") if is_byte_corpus(first_source) else None
     try:

@@ -3,9 +3,10 @@
 Two shapes of source, as in training (``train/data.py``): a 2-D ``.npy`` whose rows are the
 sequences (each row's inputs are the row, its labels the row shifted by one with the last
 ignored: transformers' ``labels=input_ids``), or a stream (a ``.bin`` or 1-D ``.npy`` of token
-ids, or text: its bytes for a byte-level model, its tokens when the model brings a tokenizer)
-cut into ``seq_len + 1``-token windows spread evenly over the whole stream, so the score stands
-for the corpus rather than its first files. A chat dataset (``prepare --format chat``) gives
+ids, a prepared text dataset's tokens, local or on ``s3://``, or text: its bytes for a
+byte-level model, its tokens when the model brings a tokenizer) cut into ``seq_len + 1``-token
+windows spread evenly over the whole stream, so the score stands for the corpus rather than its
+first files. A chat dataset (``prepare --format chat``) gives
 whole conversations, one per row, padded to the longest scored: labels are the next tokens its
 loss mask trains on, so the loss and the count are over trained tokens, by position in the
 conversation. Every conversation of at most ``seq_len`` tokens is scored, or ``max_rows`` of
@@ -101,10 +102,19 @@ def load_eval_set(
     """The sequences of ``path``; errors name ``key``."""
     if content_of(path, key) == "chat":
         found = chat_set(path, seq_len=seq_len, max_rows=max_rows, key=key)
-        top = int(found.inputs.max(initial=0))
-        if top >= vocab_size:
-            raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary [0, {vocab_size})")
-        return found
+    elif is_prepared_path(path):  # a prepared text dataset: its token stream, not its files' bytes
+        found = windows_set(_prepared_windows(path, seq_len, max_rows or DEFAULT_WINDOWS, key))
+    else:
+        found = _file_set(path, seq_len=seq_len, max_rows=max_rows, token_dtype=token_dtype, tokenizer=tokenizer, key=key)
+    top, low = int(found.inputs.max(initial=0)), int(found.inputs.min(initial=0))
+    if top >= vocab_size or low < 0:
+        raise ConfigError(key, f"{path} holds token id {top if top >= vocab_size else low}, outside the model's vocabulary [0, {vocab_size})")
+    return found
+
+
+def _file_set(path: str, *, seq_len: int, max_rows: Optional[int], token_dtype: str, tokenizer: Optional[Tokenizer],
+              key: str) -> EvalSet:  # fmt: skip
+    """The sequences of what ``data.path`` takes: text, a token stream or a 2-D ``.npy`` of rows."""
     if path != STDLIB_CORPUS and not Path(path).exists():
         raise ConfigError(key, f"no such file or directory: {path}")
     try:
@@ -114,15 +124,10 @@ def load_eval_set(
     if tokens.ndim == 2:
         if tokens.shape[1] < 2:
             raise ConfigError(key, f"the rows of {path} hold {tokens.shape[1]} token(s): nothing to predict")
-        found = rows_set(tokens[: max_rows or len(tokens)])
-    elif tokenizer is not None and is_byte_corpus(path):
-        found = windows_set(_token_windows(tokens, tokenizer, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
-    else:
-        found = windows_set(_windows(tokens, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
-    top, low = int(found.inputs.max(initial=0)), int(found.inputs.min(initial=0))
-    if top >= vocab_size or low < 0:
-        raise ConfigError(key, f"{path} holds token id {top if top >= vocab_size else low}, outside the model's vocabulary [0, {vocab_size})")
-    return found
+        return rows_set(tokens[: max_rows or len(tokens)])
+    if tokenizer is not None and is_byte_corpus(path):
+        return windows_set(_token_windows(tokens, tokenizer, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
+    return windows_set(_windows(tokens, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
 
 
 def content_of(path: str, key: str = "eval.data") -> str:
@@ -175,12 +180,35 @@ def _starts(num_tokens: int, span: int, count: int) -> list[int]:
     return [round(i * last / (count - 1)) for i in range(count)]
 
 
-def _windows(stream: np.ndarray, seq_len: int, count: int, path: str, key: str) -> np.ndarray:
+def _window_starts(num_tokens: int, seq_len: int, count: int, path: str, key: str) -> list[int]:
+    """Where ``count`` windows of ``seq_len + 1`` tokens start, spread over a stream of
+    ``num_tokens`` (fewer where the stream holds fewer)."""
     span = seq_len + 1
-    available = (stream.size - 1) // seq_len
+    available = (num_tokens - 1) // seq_len
     if available < 1:
-        raise ConfigError(key, f"{path} holds {stream.size} tokens, fewer than seq_len + 1 = {span}")
-    return np.stack([np.asarray(stream[s : s + span]) for s in _starts(stream.size, span, min(count, available))])
+        raise ConfigError(key, f"{path} holds {num_tokens} tokens, fewer than seq_len + 1 = {span}")
+    return _starts(num_tokens, span, min(count, available))
+
+
+def _windows(stream: np.ndarray, seq_len: int, count: int, path: str, key: str) -> np.ndarray:
+    starts = _window_starts(stream.size, seq_len, count, path, key)
+    return np.stack([np.asarray(stream[s : s + seq_len + 1]) for s in starts])
+
+
+def _prepared_windows(path: str, seq_len: int, count: int, key: str) -> np.ndarray:
+    """Windows of a prepared dataset's token stream (its documents end to end, as training reads
+    them), read shard by shard: a local folder or an ``s3://`` prefix."""
+    try:
+        corpus = PreparedCorpus(path)
+    except (DataError, ValueError, OSError) as exc:
+        raise ConfigError(key, str(exc)) from None
+    try:
+        starts = _window_starts(corpus.num_tokens, seq_len, count, path, key)
+        return np.stack([corpus.tokens(s, s + seq_len + 1) for s in starts])
+    except DataError as exc:
+        raise ConfigError(key, str(exc)) from None
+    finally:
+        corpus.close()
 
 
 def _token_windows(blob: np.ndarray, tokenizer: Tokenizer, seq_len: int, count: int, path: str, key: str) -> np.ndarray:
