@@ -60,6 +60,8 @@ class WorkerGroup:
         # Rank -> the holders its snapshots go to in the current world (``seat_holders``).
         self.holders_by_rank: list[list[Any]] = []
         self.num_params = 0
+        # The step the run began at: 0, or the step of the checkpoint a resume loaded (``restore``).
+        self.start_step = 0
         self.generation = 0  # worlds formed so far
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
         self.startup: dict[str, float] = {}  # seconds by phase of the first world's start
@@ -445,9 +447,13 @@ class WorkerGroup:
         return [w.snapshot.remote(step) for w in self.workers]
 
     def restore(self, blobs: list[bytes]) -> int:
+        """Every rank loads a checkpoint (``blobs``: its shards; a resume's, or the one
+        evaluated): the run begins at the step restored (``start_step``), which every rank then
+        keeps as a snapshot."""
         import ray
 
-        return self.restore_refs([ray.put(b) for b in blobs])  # one copy of each shard for every rank
+        self.start_step = self.restore_refs([ray.put(b) for b in blobs])  # one copy of each shard for every rank
+        return self.start_step
 
     def shutdown(self) -> None:
         import ray

@@ -333,6 +333,9 @@ class SimulatedRecovery:
     def ready_spares(self) -> int:
         return self.spares
 
+    def start_step(self) -> int:
+        return 0  # a simulated run starts from step 0 (``SimulatedGroup.restore``)
+
     def faults(self) -> tuple[FaultSpec, ...]:
         return self.chaos
 
