@@ -173,3 +173,29 @@ def test_rays_recovery_goes_back_to_the_step_its_run_began_at(monkeypatch: pytes
     assert g.restore([b"shard0", b"shard1"]) == 3 and g.start_step == 3  # the run resumed from step 3
     with pytest.raises(RecoveryError, match="not even of step 3, which the run resumed from"):
         r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=4))
+
+
+def test_the_simulated_retry_reads_again_what_a_node_found_gone_served() -> None:
+    """As on Ray: a shard the interrupted recovery fetched from a node's holder went with that
+    node, so the retry plans the restore again from what is left instead of reusing it."""
+    from ringtrain import config
+    from ringtrain.actors.protocols import Reform
+    from ringtrain.errors import WorkerError
+
+    job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2), chaos=config.ChaosConfig(faults=[
+        FaultSpec(kind="crash_restoring", rank=0, step=6)]))  # fmt: skip
+    group = simulated.SimulatedGroup(job, simulated.Clock())  # a ring to a node: ranks 0-1 on node-0, 2-3 on node-1
+    for _ in range(5):
+        group.train_step()
+    group.safe_through()  # the holders have every step's snapshots
+    sim = simulated.SimulatedRecovery(group, free_slots=1, job=job)
+    with pytest.raises(WorkerError):  # rank 3 died in step 6; rank 0 of the new world dies restoring
+        sim.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=5))
+    fetched = sim.unfinished
+    assert fetched is not None and fetched.restore is not None
+    assert dict(fetched.restore.fetch)[3] == "node:node-0"  # the dead rank's shard, from the buddy holder
+    assert plan_recovery(sim, lost=frozenset({0}), new_dp=2, last_step=5, fired_through=6).reused
+    group.snapshots.gone.add("node-0")  # found gone while the recovery ran
+    again = plan_recovery(sim, lost=frozenset({0}), new_dp=2, last_step=5, fired_through=6)
+    assert (again.retry, again.reused, again.step) == (True, False, 5)
+    assert "node:node-0" not in dict(again.restore.fetch if again.restore else ()).values()
