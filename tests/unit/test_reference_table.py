@@ -76,6 +76,22 @@ def test_a_damaged_or_foreign_table_is_not_used_and_says_why(tmp_path: Path) -> 
         save_table(store, _key(), np.ones((4, 2)))
 
 
+def test_a_table_keyed_by_a_checkpoint_of_many_shards_reads_back(tmp_path: Path) -> None:
+    """A checkpoint reference's key holds every shard's checksum: 2,000 of them make a header
+    of ~150 KB, which the read takes whole (its limit is this key's header and values)."""
+    store = open_store(tmp_path.as_uri())
+    checksums = [f"sha256x64m:{i:064x}" for i in range(2000)]
+    key = _key(reference={"checkpoint": "file:///runs/a/checkpoints/step-9", "step": 9, "shards": checksums})
+    table = np.linspace(-9.0, -1.0, 10).reshape(5, 2)
+    save_table(store, key, table)
+    found = load_table(store, key)
+    assert found.note == "" and found.table is not None
+    np.testing.assert_array_equal(found.table, table)
+    path = tmp_path / object_key(key)
+    path.write_bytes(path.read_bytes() + b"\0")  # one byte more than this key's table holds: not read
+    assert "is larger than a table of 5 pairs" in load_table(store, key).note
+
+
 def test_the_keeper_stores_the_first_worlds_table_once_and_gives_it_to_every_later_world(tmp_path: Path) -> None:
     said: list[str] = []
     store = open_store(tmp_path.as_uri())

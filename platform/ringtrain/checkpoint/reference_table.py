@@ -31,8 +31,8 @@ from ringtrain.checkpoint.store import CheckpointStore
 # The store's folder of reference tables, beside its step folders.
 TABLES_DIR = "reference-logps"
 FORMAT = "ringtrain-reference-logps-1"
-_HEADER_LIMIT = 64 << 10
 _DTYPE = "<f8"
+_SHA256_HEX = 64  # the length of a sha256 hex digest
 
 
 def table_key(*, dataset: str, num_pairs: int, reference: Mapping[str, Any], seq_len: int, prefix_sharing: bool,
@@ -67,10 +67,9 @@ def save_table(store: CheckpointStore, key: Mapping[str, Any], table: np.ndarray
     if values.shape != (key["num_pairs"], 2):
         raise ValueError(f"a reference table of shape {values.shape} for {key['num_pairs']} pairs")
     payload = values.tobytes()
-    header = {"format": FORMAT, "key": dict(key), "shape": list(values.shape), "sha256": hashlib.sha256(payload).hexdigest()}
     name = object_key(key)
     confirm_fence(fence)
-    store.backend.put(name, _canonical(header) + b"\n" + payload)
+    store.backend.put(name, _header(key, hashlib.sha256(payload).hexdigest()) + b"\n" + payload)
     return store.backend.uri(name)
 
 
@@ -79,9 +78,10 @@ def load_table(store: CheckpointStore, key: Mapping[str, Any]) -> Found:
     object there is not this key's whole table (``Found.note`` says what is wrong with it)."""
     name = object_key(key)
     uri = store.backend.uri(name)
-    limit = _HEADER_LIMIT + 16 * int(key["num_pairs"]) + 1
+    # This key's table is exactly its header, a newline and the values: nothing longer is read.
+    header_bytes = len(_header(key, "0" * _SHA256_HEX))
     try:
-        blob = store.backend.get(name, limit=limit)
+        blob = store.backend.get(name, limit=header_bytes + 1 + 16 * int(key["num_pairs"]))
     except ObjectMissing:
         return Found(None, uri)
     except ObjectTooLarge:
@@ -100,6 +100,11 @@ def load_table(store: CheckpointStore, key: Mapping[str, Any]) -> Found:
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         return Found(None, uri, f"{uri} fails its sha256 check")
     return Found(np.frombuffer(payload, dtype=_DTYPE).reshape(-1, 2).astype(np.float64), uri)
+
+
+def _header(key: Mapping[str, Any], sha256: str) -> bytes:
+    """The object's first line: what it is, its key, its shape and its values' sha256."""
+    return _canonical({"format": FORMAT, "key": dict(key), "shape": [int(key["num_pairs"]), 2], "sha256": sha256})
 
 
 def _canonical(value: Any) -> bytes:
