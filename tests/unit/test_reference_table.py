@@ -92,6 +92,35 @@ def test_a_table_keyed_by_a_checkpoint_of_many_shards_reads_back(tmp_path: Path)
     assert "is larger than a table of 5 pairs" in load_table(store, key).note
 
 
+def test_a_hostile_table_is_computed_again_with_a_line_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header is JSON from elsewhere: one nested 20,000 deep is not a table (no traceback);
+    an object the store refuses to read (a symbolic link), or a read that fails, costs the
+    table's reuse, never the run: the keeper computes it again, saying why in one line."""
+    store = open_store(tmp_path.as_uri())
+    big = _key(reference={"checkpoint": "file:///runs/a/checkpoints/step-9", "shards": [f"{i:075}" for i in range(500)]})
+    deep = tmp_path / object_key(big)  # a header of this key may take 38 KB
+    deep.parent.mkdir(parents=True)
+    deep.write_bytes(b"[" * 20_000 + b"\n" + bytes(80))
+    assert "is not a reference table" in load_table(store, big).note
+    path = tmp_path / object_key(_key())
+    said: list[str] = []
+    (tmp_path / "elsewhere.table").write_bytes(b"anything")
+    path.symlink_to(tmp_path / "elsewhere.table")
+    keeper = ReferenceKeeper(_key(), None, store=store, say=said.append)
+    assert keeper.table is None and keeper.join_input() == Reference()
+    path.unlink()
+    save_table(store, _key(), np.ones((5, 2)))
+
+    def denied(name: str, size_hint: Any = None, limit: Any = None) -> bytes:
+        raise PermissionError(13, "Permission denied\nsecond line")
+
+    monkeypatch.setattr(store.backend, "get", denied)
+    ReferenceKeeper(_key(), None, store=store, say=said.append)
+    assert len(said) == 2 and all(line.startswith(f"reference log-probs: could not read {store.backend.uri(object_key(_key()))}: ")
+                                  and line.endswith("; computing them again") for line in said)  # fmt: skip
+    assert "UnsafeObject" in said[0] and "PermissionError: [Errno 13] Permission denied;" in said[1]
+
+
 def test_the_keeper_stores_the_first_worlds_table_once_and_gives_it_to_every_later_world(tmp_path: Path) -> None:
     said: list[str] = []
     store = open_store(tmp_path.as_uri())

@@ -23,7 +23,7 @@ import numpy as np
 
 from ringtrain.checkpoint import CheckpointStore
 from ringtrain.checkpoint.fence import Fence
-from ringtrain.checkpoint.reference_table import load_table, save_table, table_key
+from ringtrain.checkpoint.reference_table import Found, load_table, object_key, save_table, table_key
 from ringtrain.config import JobConfig
 from ringtrain.train.reference_input import Reference, ReferenceWeights
 
@@ -42,12 +42,21 @@ class ReferenceKeeper:
         self.uri = ""  # where the table is stored ("" while it is not)
         self.computed = 0  # tables a world computed: 1 for a fresh run, 0 for one that found its own
         if store is not None:
-            found = load_table(store, self.key)
+            found = self._load(store)
             if found.note:
                 say(f"reference log-probs: {found.note}; computing them again")
             if found.table is not None:
                 self.table, self.uri = found.table, found.uri
                 say(f"reference log-probs of {len(found.table)} pairs read from {found.uri}")
+
+    def _load(self, store: CheckpointStore) -> Found:
+        """The store's table of this key; one the store cannot hand over (refused, denied, a
+        failed request) is computed again, as a damaged one is, with the line saying why."""
+        try:
+            return load_table(store, self.key)
+        except Exception as exc:
+            uri = store.backend.uri(object_key(self.key))
+            return Found(None, uri, f"could not read {uri}: {_why(exc)}")
 
     def join_input(self) -> Reference:
         """What each rank of a world forming is given: the table once there is one, else the
@@ -65,9 +74,15 @@ class ReferenceKeeper:
         try:
             self.uri = save_table(self.store, self.key, self.table, fence=self.fence)
         except Exception as exc:  # the run goes on with the table in memory; a later run computes it again
-            self.say(f"reference log-probs: could not store them in {self.store.uri}: {type(exc).__name__}: {exc}")
+            self.say(f"reference log-probs: could not store them in {self.store.uri}: {_why(exc)}")
             return
         self.say(f"reference log-probs of {len(self.table)} pairs stored in {self.uri}")
+
+
+def _why(exc: BaseException) -> str:
+    """An error in one line: its type and its message's first line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def run_key(job: JobConfig, identity: Mapping[str, Any], device: str, seq_len: Optional[int] = None) -> dict[str, Any]:

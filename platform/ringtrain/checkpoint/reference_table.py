@@ -27,6 +27,7 @@ from ringtrain.checkpoint.backends import ObjectMissing, ObjectTooLarge
 from ringtrain.checkpoint.fence import Fence
 from ringtrain.checkpoint.fence import confirm as confirm_fence
 from ringtrain.checkpoint.store import CheckpointStore
+from ringtrain.jsonfile import JsonFileError, parse_json
 
 # The store's folder of reference tables, beside its step folders.
 TABLES_DIR = "reference-logps"
@@ -75,7 +76,8 @@ def save_table(store: CheckpointStore, key: Mapping[str, Any], table: np.ndarray
 
 def load_table(store: CheckpointStore, key: Mapping[str, Any]) -> Found:
     """The table stored under ``key``; ``Found.table`` None when there is none, or when the
-    object there is not this key's whole table (``Found.note`` says what is wrong with it)."""
+    object there is not this key's whole table (``Found.note`` says what is wrong with it).
+    The store's own errors (an object it refuses to read, a failed request) are raised."""
     name = object_key(key)
     uri = store.backend.uri(name)
     # This key's table is exactly its header, a newline and the values: nothing longer is read.
@@ -88,8 +90,8 @@ def load_table(store: CheckpointStore, key: Mapping[str, Any]) -> Found:
         return Found(None, uri, f"{uri} is larger than a table of {key['num_pairs']} pairs")
     head, newline, payload = blob.partition(b"\n")
     try:
-        header = json.loads(head) if newline else None
-    except ValueError:
+        header = parse_json(head, max_bytes=header_bytes) if newline else None
+    except JsonFileError:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         return Found(None, uri, f"{uri} is not a reference table")
