@@ -37,7 +37,8 @@ VOCAB = 320
 
 
 def _key(**changes: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {"dataset": "d" * 64, "num_pairs": 5, "reference": {"initial": {"seed": 0}}, "seq_len": 64,
+    fields: dict[str, Any] = {"dataset": "d" * 64, "num_pairs": 5, "reference": {"initial": {"seed": 0}},
+                              "model": {"dim": 128, "rope_theta": 10000.0, "sliding_window": None}, "seq_len": 64,
                               "prefix_sharing": True, "overlong": "drop", "precision": {"dtype": "auto", "device": "cpu"}}
     fields.update(changes)
     return table_key(**fields)
@@ -51,8 +52,8 @@ def test_a_table_reads_back_under_its_own_key_only(tmp_path: Path) -> None:
     found = load_table(store, _key())
     np.testing.assert_array_equal(found.table, table)
     assert found.note == ""
-    for other in (_key(dataset="e" * 64), _key(reference={"folder": {"path": "/m"}}), _key(seq_len=128),
-                  _key(prefix_sharing=False), _key(precision={"dtype": "bf16", "device": "cuda"})):  # fmt: skip
+    for other in (_key(dataset="e" * 64), _key(reference={"folder": {"path": "/m"}}), _key(model={"dim": 128, "rope_theta": 5e5}),
+                  _key(seq_len=128), _key(prefix_sharing=False), _key(precision={"dtype": "bf16", "device": "cuda"})):  # fmt: skip
         assert object_key(other) != object_key(_key())
         assert load_table(store, other).table is None and load_table(store, other).note == ""
     assert store.list() == []  # no checkpoint: the table is no step of the store
@@ -208,6 +209,11 @@ def test_the_key_follows_the_dataset_and_the_starting_weights(pairs: Path, tmp_p
     assert run_key(config.replace(job, ["train.seed=1"]), initial_identity(config.replace(job, ["train.seed=1"])), "cpu") != key
     assert run_key(job, initial_identity(job), "cuda") != key
     assert run_key(config.replace(job, ["data.seq_len=32"]), initial_identity(job), "cpu") != key
+    # The same weights scored under other forward settings: another table.
+    for changed in ("model.rope_theta=500000", "model.sliding_window=16", "model.max_position_embeddings=4096",
+                    "model.rope_scaling={rope_type: linear, factor: 2.0}", "model.norm_eps=1e-6"):  # fmt: skip
+        assert run_key(config.replace(job, [changed]), initial_identity(job), "cpu") != key, changed
+    assert run_key(config.replace(job, ["model.rope_theta=10000"]), initial_identity(job), "cpu") == key  # its default
     folder = _model(tmp_path / "m")
     (folder / "model.safetensors").write_bytes(b"weights")
     before = initial_identity(config.replace(job, [f"model.hf={folder}"]))

@@ -1,7 +1,8 @@
 """ReferenceKeeper: the driver's copy of DPO's and IPO's reference table, for every world of a run.
 
 A run starts with the table its checkpoint store holds under the run's key
-(``checkpoint/reference_table.py``: the dataset, the reference model, the layout and precision),
+(``checkpoint/reference_table.py``: the dataset, the reference model, the model settings it is
+scored under, the layout and precision),
 or with none: then the first world computes it on its own mesh before step 1 and rank 0 hands it
 back (``learned``), and the keeper writes it to the store once, through the run's fence, beside
 the checkpoints a resume reads. Every later world (a resize, a recovery's new world) and every
@@ -24,7 +25,8 @@ import numpy as np
 from ringtrain.checkpoint import CheckpointStore
 from ringtrain.checkpoint.fence import Fence
 from ringtrain.checkpoint.reference_table import Found, load_table, object_key, save_table, table_key
-from ringtrain.config import JobConfig
+from ringtrain.config import MODEL_DEFAULTS, JobConfig
+from ringtrain.hf.hfconfig import OVERRIDABLE_KEYS, SHAPE_KEYS
 from ringtrain.train.reference_input import Reference, ReferenceWeights
 
 log = logging.getLogger(__name__)
@@ -86,13 +88,24 @@ def _why(exc: BaseException) -> str:
 
 
 def run_key(job: JobConfig, identity: Mapping[str, Any], device: str, seq_len: Optional[int] = None) -> dict[str, Any]:
-    """The table key of ``job``'s dataset (``data.path``) and ``identity``, at ``seq_len`` (None:
-    ``data.seq_len``), computed on ``device``."""
+    """The table key of ``job``'s dataset (``data.path``) and ``identity``, scored under
+    ``job``'s model settings (``job`` resolved: ``ringtrain.hf.resolve_job``) at ``seq_len``
+    (None: ``data.seq_len``), computed on ``device``."""
     from ringtrain.train.corpus import read_manifest
     from ringtrain.train.pairs import STORED_DOCUMENTS
 
     manifest = read_manifest(job.data.path)
     d = job.data
     return table_key(dataset=manifest.digest(), num_pairs=manifest.num_documents // STORED_DOCUMENTS, reference=identity,
-                     seq_len=seq_len or d.seq_len, prefix_sharing=d.prefix_sharing, overlong=d.chat_overlong,
-                     precision={"dtype": job.train.dtype, "device": device})  # fmt: skip
+                     model=forward_settings(job), seq_len=seq_len or d.seq_len, prefix_sharing=d.prefix_sharing,
+                     overlong=d.chat_overlong, precision={"dtype": job.train.dtype, "device": device})  # fmt: skip
+
+
+def forward_settings(job: JobConfig) -> dict[str, Any]:
+    """The model settings a forward pass runs under: what a model folder's config.json decides
+    (the shape, norms, scales) and what a job may change over the same weights (rotary
+    embeddings, context length, attention windows), an unset key as its default."""
+    m = job.model
+    settings = {key: getattr(m, key) for key in (*SHAPE_KEYS, *OVERRIDABLE_KEYS)}
+    settings.update(head_dim=job.head_dim, ffn_dim=job.ffn_dim)
+    return {key: MODEL_DEFAULTS.get(key) if value is None else value for key, value in settings.items()}

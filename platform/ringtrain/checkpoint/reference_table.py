@@ -2,8 +2,8 @@
 
 The table (``train/reference.py``: each pair's chosen and rejected completion log-prob sums
 under the reference model, ``[pairs, 2]`` fp64) is a function of the preference dataset, the
-reference weights and the few settings that decide which tokens each completion scores. Those
-make its key (``table_key``); the object's name is the key's digest, so a run that changes any
+reference weights, the model's forward settings the weights are scored under, and the few
+settings that decide which tokens each completion scores. Those make its key (``table_key``); the object's name is the key's digest, so a run that changes any
 of them finds no table under its own name and computes one, never reading another key's. The
 object holds its key and its values' sha256 beside the values: a read checks all three (a table
 whose key or bytes do not match is not used; the caller computes it again, and says why).
@@ -36,13 +36,15 @@ _DTYPE = "<f8"
 _SHA256_HEX = 64  # the length of a sha256 hex digest
 
 
-def table_key(*, dataset: str, num_pairs: int, reference: Mapping[str, Any], seq_len: int, prefix_sharing: bool,
-              overlong: str, precision: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+def table_key(*, dataset: str, num_pairs: int, reference: Mapping[str, Any], model: Mapping[str, Any], seq_len: int,
+              prefix_sharing: bool, overlong: str, precision: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
     """What a table is a function of: the dataset (its manifest's digest) and its pairs, the
-    reference model's identity, the row length, layout and overlong rule (which decide how much
-    of a long prompt is cut) and the precision it was computed at (dtype and device)."""
+    reference model's identity, the model settings its forward runs under (shape, rotary
+    embeddings, attention windows: a job may change some over the same weights), the row
+    length, layout and overlong rule (which decide how much of a long prompt is cut) and the
+    precision it was computed at (dtype and device)."""
     return {"format": FORMAT, "dataset": dataset, "num_pairs": int(num_pairs), "reference": dict(reference),
-            "seq_len": int(seq_len), "prefix_sharing": bool(prefix_sharing), "overlong": overlong,
+            "model": dict(model), "seq_len": int(seq_len), "prefix_sharing": bool(prefix_sharing), "overlong": overlong,
             "precision": dict(precision)}  # fmt: skip
 
 
