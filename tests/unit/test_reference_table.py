@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from ringtrain import cli, config
+from ringtrain.actors import reference_keeper
 from ringtrain.actors.reference_keeper import ReferenceKeeper, run_key
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.reference_table import TABLES_DIR, load_table, object_key, save_table, table_key
@@ -171,6 +172,7 @@ def test_the_group_hands_each_world_the_keepers_table(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(ray, "put", lambda value: value)
     monkeypatch.setattr(world_module, "form_world", form_world)
+    monkeypatch.setattr(reference_keeper, "pair_rows", lambda job: 3)  # what the first world's join is timed by
     monkeypatch.setattr(group_module, "get", lambda ref, **_: np.full((5, 2), -1.0))
     g = WorkerGroup(config.JobConfig(), "cpu")
     g.reference = ReferenceKeeper(_key(), ReferenceWeights("m", folder="/m"), store=None)
@@ -205,6 +207,7 @@ def test_the_key_follows_the_dataset_and_the_starting_weights(pairs: Path, tmp_p
                              f"model.vocab_size={VOCAB}"])  # fmt: skip
     key = run_key(job, initial_identity(job), "cpu")
     assert key["num_pairs"] == 12 and len(key["dataset"]) == 64
+    assert 1 <= reference_keeper.pair_rows(job) < 12  # rows of pairs the pass scores: several pairs to a row
     assert run_key(job, initial_identity(job), "cpu") == key
     assert run_key(config.replace(job, ["train.seed=1"]), initial_identity(config.replace(job, ["train.seed=1"])), "cpu") != key
     assert run_key(job, initial_identity(job), "cuda") != key

@@ -43,6 +43,7 @@ class ReferenceKeeper:
         self.table: Optional[np.ndarray] = None
         self.uri = ""  # where the table is stored ("" while it is not)
         self.computed = 0  # tables a world computed: 1 for a fresh run, 0 for one that found its own
+        self._rows: Optional[int] = None  # the rows of pairs a pass scores, once counted
         if store is not None:
             found = self._load(store)
             if found.note:
@@ -65,6 +66,13 @@ class ReferenceKeeper:
         weights to compute it with (None: the starting weights)."""
         return Reference(table=self.table) if self.table is not None else Reference(weights=self.weights)
 
+    def pass_rows(self, job: JobConfig) -> int:
+        """The rows of pairs the pass over ``job``'s dataset scores (counted once: the packing is
+        a function of the data and the seed, the same in every world)."""
+        if self._rows is None:
+            self._rows = pair_rows(job)
+        return self._rows
+
     def learned(self, table: np.ndarray) -> None:
         """The table a world computed; stored once (later worlds were given it, and compute none)."""
         if self.table is not None:
@@ -79,6 +87,18 @@ class ReferenceKeeper:
             self.say(f"reference log-probs: could not store them in {self.store.uri}: {_why(exc)}")
             return
         self.say(f"reference log-probs of {len(self.table)} pairs stored in {self.uri}")
+
+
+def pair_rows(job: JobConfig) -> int:
+    """How many rows ``job``'s preference dataset packs into, as the workers pack it (from its
+    documents' lengths: no token is read)."""
+    from ringtrain.train.mixture import open_mixture
+
+    mixture = open_mixture(job)
+    try:
+        return mixture.pair_rows().num_rows
+    finally:
+        mixture.close()
 
 
 def _why(exc: BaseException) -> str:
