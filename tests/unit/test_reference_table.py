@@ -277,3 +277,35 @@ def test_eval_of_pairs_refuses_bad_input_with_one_line(pairs: Path, tmp_path: Pa
     args = [a.format(**names) for a in extra if a != "--data-is-text"]
     proc = run_cli(tmp_path, "eval", str(model), "--data", data, "--json", *args)
     _one_line(proc, expected.format(**names))
+
+
+def test_a_checkpoint_reference_is_read_only_as_it_is_handed_to_the_workers(tmp_path: Path) -> None:
+    """Its shards (with both Adam moments: a 7B model's ~84 GB) are not held on the driver: read
+    from the store as they are pickled for the workers, each time, and never by a run whose
+    table the store holds. The keeper lets go of the weights once it knows the table."""
+    import pickle
+
+    from ringtrain.actors.resume import checkpoint_meta
+
+    shape = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", f"model.vocab_size={VOCAB}"]
+    store_dir = tmp_path / "ref"
+    shards = {"rank-0": b"rank 0's state", "rank-1": b"rank 1's state"}
+    open_store(store_dir.as_uri()).save(7, shards, checkpoint_meta(config.load(None, shape)))
+    job = config.load(None, [*shape, "train.objective=dpo", f"train.preference.reference={store_dir}"])
+    resolved = resolve_reference(job)
+    assert resolved is not None and resolved.weights is not None
+    assert resolved.weights.shards == () and resolved.identity["step"] == 7
+    handed = pickle.loads(pickle.dumps(Reference(weights=resolved.weights)))  # as ray.put hands it over
+    assert handed.weights == ReferenceWeights(resolved.weights.where, shards=(shards["rank-0"], shards["rank-1"]))
+
+    store = open_store((tmp_path / "run").as_uri())
+    fresh = ReferenceKeeper(_key(), resolved.weights, store=store)
+    assert fresh.join_input().weights is resolved.weights
+    fresh.learned(np.ones((5, 2)))
+    assert fresh.weights is None
+    for name in shards:  # the reference checkpoint's shards gone: a run that has its table never asks
+        (store_dir / "step-000000007" / name).unlink()
+    resumed = ReferenceKeeper(_key(), resolved.weights, store=store)
+    assert resumed.weights is None and pickle.loads(pickle.dumps(resumed.join_input())).table is not None
+    with pytest.raises(Exception, match="rank-0"):
+        pickle.dumps(resolved.weights)  # a world that would compute the table reads the shards

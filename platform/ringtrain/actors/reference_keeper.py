@@ -49,7 +49,7 @@ class ReferenceKeeper:
             if found.note:
                 say(f"reference log-probs: {found.note}; computing them again")
             if found.table is not None:
-                self.table, self.uri = found.table, found.uri
+                self.table, self.uri, self.weights = found.table, found.uri, None
                 say(f"reference log-probs of {len(found.table)} pairs read from {found.uri}")
 
     def _load(self, store: CheckpointStore) -> Found:
@@ -63,7 +63,9 @@ class ReferenceKeeper:
 
     def join_input(self) -> Reference:
         """What each rank of a world forming is given: the table once there is one, else the
-        weights to compute it with (None: the starting weights)."""
+        weights to compute it with (None: the starting weights). The keeper holds the weights
+        only until the table is known; a checkpoint's are read as they are handed over
+        (``commands/reference.py``'s ``CheckpointWeights``)."""
         return Reference(table=self.table) if self.table is not None else Reference(weights=self.weights)
 
     def pass_rows(self, job: JobConfig) -> int:
@@ -78,6 +80,7 @@ class ReferenceKeeper:
         if self.table is not None:
             return
         self.table = np.asarray(table, dtype=np.float64)
+        self.weights = None  # no world needs them any more
         self.computed += 1
         if self.store is None:
             return
