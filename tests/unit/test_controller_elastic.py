@@ -5,6 +5,7 @@ shrink lands on one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,29 @@ def test_after_a_shrink_the_job_grows_back_when_capacity_has_stayed(
     assert [r["dp"] for r in lines] == dps
     assert summary["ledger"] == whole(10)
     assert json.loads((tmp_path / "workers.json").read_text())["dp"] == 2
+
+
+def test_a_grow_waits_for_a_step_that_took_a_snapshot(tmp_path: Path) -> None:
+    """The grown world loads the state of the step it grows at: with a snapshot every 2 steps,
+    the replicas ready after step 7 (as in the every-step case above) join after step 8."""
+    job = elastic_job(train={"steps": 10}, mesh={"min_dp": 1}, grow_after_s=3.0, heartbeat_s=1.0)
+    summary, _, fake = elastic_run(tmp_path, job, faults={3: [Fault("crash", 2)]}, snapshot_every=2, capacity_from=5.0)
+
+    assert (summary["status"], summary["final_step"], summary["dp"]) == ("finished", 10, 2)
+    assert fake.named("grow") == [{"new_dp": 2, "last_step": 8}]
+    assert len(fake.named("growth_ready")) == 2  # ready after step 7, held for step 8's snapshot
+    assert summary["ledger"] == whole(10)
+
+
+def test_a_run_without_snapshots_never_grows(tmp_path: Path) -> None:
+    """checkpoint.snapshot_every=0: no state to reshard into a grown world, so no workers are
+    started for one however long capacity stays."""
+    job = elastic_job(mesh={"max_dp": 4}, train={"global_batch": 8}, grow_after_s=0.0)
+    job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, snapshot_every=0))
+    summary, _, fake = elastic_run(tmp_path, job, capacity_from=0.0, capacity_replicas=2)
+
+    assert summary["status"] == "finished" and summary["dp"] == 2
+    assert fake.named("growth_capacity") == [] and fake.named("prepare_growth") == [] and fake.named("grow") == []
 
 
 def test_no_growth_when_capacity_never_returns(tmp_path: Path) -> None:

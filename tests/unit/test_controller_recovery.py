@@ -18,9 +18,10 @@ from tests.unit.controller_fakes import (
 @pytest.mark.parametrize(
     "snapshot_every, resumed",
     # The crash is in step 6, so the last completed step is 5; its newest snapshot is step 5
-    # (every step) or step 3 (every third), which loses steps 4 and 5.
-    [(1, 5), (3, 3)],
-    ids=["restore-last-step", "restore-older-step"],
+    # (every step) or step 3 (every third), which loses steps 4 and 5. Every seventh step: no
+    # snapshot yet, so the new world starts from the initial state and redoes steps 1-5.
+    [(1, 5), (3, 3), (7, 0)],
+    ids=["restore-last-step", "restore-older-step", "restore-initial-state"],
 )
 def test_a_crash_with_a_warm_spare_replaces_the_rank_and_the_run_finishes(
     tmp_path: Path, snapshot_every: int, resumed: int
@@ -40,6 +41,8 @@ def test_a_crash_with_a_warm_spare_replaces_the_rank_and_the_run_finishes(
     (recovery,) = summary["recoveries"]
     assert (recovery["kind"], recovery["action"], recovery["ranks"], recovery["detected_at_step"]) == ("crash", "replace", [3], 6)
     assert (recovery["dp_before"], recovery["dp_after"], recovery["lost_steps"]) == (2, 2, 5 - resumed)
+    (incident,) = incident_files(tmp_path).values()
+    assert incident["plan"]["restore_step"] == resumed
     # Every step took STEP_S on the fake clock; the crashed attempt DETECT_S, the reform RECOVER_S.
     steps_run = 5 + (8 - resumed)
     wall = steps_run * STEP_S + DETECT_S + RECOVER_S

@@ -18,12 +18,14 @@ import threading
 import time
 from typing import Any, Optional
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from ringtrain import config
 from ringtrain.actors import group as group_module
+from ringtrain.actors import reference_keeper
 from ringtrain.actors import worker as worker_module
 from ringtrain.actors import world as world_module
 from ringtrain.actors.group import WorkerGroup
@@ -358,3 +360,53 @@ def test_a_worker_still_inside_the_last_worlds_join_fails_the_next_world(
     assert clock.now == pytest.approx(0.1 + waited)
     # The calls still running stay pending: the next world waits for them again.
     assert sorted(ref.name for ref in g.leftovers.calls) == ["join1.0", "join1.1", "join1.2"]
+
+
+# --- a join that takes DPO's reference pass -----------------------------------------------------
+
+
+class SlowJoins(ScriptedWorlds):
+    """Every join ends ``join_s`` after it starts; rank 0 hands back the table it computed."""
+
+    def __init__(self, ray: ScriptedRay, join_s: float) -> None:
+        super().__init__(ray)
+        self.join_s = join_s
+
+    def call(self, rank: int, name: str) -> Ref:
+        now = self.ray.clock.now
+        if name == "join":
+            return Ref(f"join.{rank}", now + self.join_s, 1000)
+        if name == "reference_table":
+            return Ref("table", now, np.zeros((5, 2)))
+        return super().call(rank, name)
+
+
+@pytest.mark.parametrize("join_s, formed", [(9000.0, True), (20000.0, False)], ids=["within-the-pass", "past-the-pass"])
+def test_a_join_that_takes_the_reference_pass_is_given_the_pass_time(
+    scripted: tuple[WorkerGroup, ScriptedWorlds, ScriptedRay, Clock], monkeypatch: pytest.MonkeyPatch, join_s: float, formed: bool
+) -> None:
+    """Before its table is known, a world's join takes DPO's reference pass over the dataset:
+    controllers.start_timeout_s (300 s) and a step's timeout (600 s) for each of the 20 rows of
+    pairs a replica of dp 2 scores and one more (12,900 s); past that, the timeout says it was
+    the reference pass. Once the table is known a join has start_timeout_s."""
+    import ray
+
+    g, _, sray, clock = scripted
+    job = config.replace(g.job, ["train.objective=dpo"])
+    slow = SlowJoins(sray, join_s)
+    g.members = [Member(ScriptedWorker(slow, r), Slot("pg", r), info=m.info) for r, m in enumerate(g.members)]
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    monkeypatch.setattr(reference_keeper, "pair_rows", lambda job: 40)
+    g.reference = reference_keeper.ReferenceKeeper({"num_pairs": 5}, None, store=None)
+    if not formed:
+        with pytest.raises(WorkerError) as failed:
+            g.form_world(g.members, job)
+        assert failed.value.kind == "timeout" and clock.now == pytest.approx(12_900.0)
+        assert str(failed.value).endswith("no answer within 12900 s (ranks [0, 1, 2, 3]) in a join that takes dpo's reference "
+                                          "pass over 40 rows of pairs (controllers.start_timeout_s + "
+                                          "controllers.step_timeout_s x 21 forwards)")  # fmt: skip
+        return
+    assert g.form_world(g.members, job) == 0
+    assert clock.now == pytest.approx(join_s) and g.reference.table is not None
+    with pytest.raises(WorkerError, match=r"no answer within 300 s \(ranks \[0, 1, 2, 3\]\)$"):
+        g.form_world(g.members, job)  # the next world is given the table: no pass, no more time

@@ -31,6 +31,7 @@ class View:
     chaos: Sequence[FaultSpec] = ()
     kept: Optional[Fetched] = None
     readable: bool = True
+    start: int = 0  # the step the run began at (a resume's)
     asked: list[frozenset[int]] = field(default_factory=list)
 
     @property
@@ -45,6 +46,9 @@ class View:
 
     def ready_spares(self) -> int:
         return self.spares
+
+    def start_step(self) -> int:
+        return self.start
 
     def faults(self) -> Sequence[FaultSpec]:
         return self.chaos
@@ -80,10 +84,23 @@ def test_the_restore_point_is_the_newest_whole_step_read_from_the_survivors_and_
     # A straggler evicted between steps is alive with a state to trust: its own shard counts.
     trusted = plan_recovery(View(), lost=frozenset({3}), new_dp=2, spares=1, last_step=6, fired_through=6, quarantine=True)
     assert (trusted.step, trusted.readers) == (6, {0, 1, 2, 3})
-    # Step 0 is the initial state: nothing to read. Nothing whole otherwise: no way back.
+    # Step 0 is the initial state: nothing to read.
     assert plan_recovery(View(), last_step=0).restore is None
-    with pytest.raises(RecoveryError, match="no snapshot at or before step 4 is whole"):
-        plan_recovery(View(), lost=frozenset({3}), new_dp=2, last_step=4)
+
+
+def test_a_run_goes_back_to_its_start_when_no_snapshot_is_whole() -> None:
+    """A failure before the first snapshot (every 5 steps here: none at or before step 4):
+    a run that began at step 0 restarts from its initial state, which forming a world builds;
+    one that resumed from step 3 kept that step as a snapshot, and without it whole has no way
+    back."""
+    fresh = plan_recovery(View(), lost=frozenset({3}), new_dp=2, spares=1, last_step=4)
+    assert (fresh.restore, fresh.step, fresh.seats, fresh.spares) == (None, 0, (0, 1, 2, None), 1)
+    rollback = plan_recovery(View(chaos=(FaultSpec(kind="crash_restoring", rank=2, step=5),)), last_step=4)
+    assert rollback.restore is None and rollback.crashes == ()  # a restoring fault waits for a restore
+    with pytest.raises(RecoveryError, match="no snapshot at or before step 4 is whole .* not even of step 3, which the run resumed from"):
+        plan_recovery(View(start=3), lost=frozenset({3}), new_dp=2, last_step=4)
+    resumed = plan_recovery(View(start=3, peer_steps=(3,), node_steps=(3,)), lost=frozenset({3}), new_dp=2, last_step=4)
+    assert resumed.step == 3
 
 
 def test_empty_seats_go_to_the_ready_spares_first_then_to_new_workers() -> None:
@@ -125,3 +142,60 @@ def test_a_grow_restores_the_step_it_grows_at_or_none() -> None:
     assert (plan.step, plan.seats, plan.spares, plan.new_workers) == (6, (0, 1, 2, 3, None, None), 0, 2)
     with pytest.raises(RecoveryError, match="the snapshot of step 7 is not whole; cannot grow at this step"):
         plan_recovery(View(), last_step=7, new_dp=3, fired_through=7, grow=True)
+
+
+def test_rays_recovery_goes_back_to_the_step_its_run_began_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's worker group answers the plan's start: 0 (no snapshot whole: the new world forms
+    from the initial state, no shard fetched), or the step a resume's checkpoint restored."""
+    import ray
+
+    from ringtrain import config
+    from ringtrain.actors.group import WorkerGroup
+    from ringtrain.actors.protocols import Reform
+    from ringtrain.actors.roster import Member, Slot
+    from ringtrain.status import WorkerInfo
+
+    g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
+    g.members = [Member(f"a{r}", Slot("pg", r), info=WorkerInfo(r, "h", 1, "cpu", "n")) for r in range(4)]
+    formed: list[Optional[list[str]]] = []
+    monkeypatch.setattr(g, "form_world", lambda members, job, snapshot=None, crash_restoring=frozenset(): formed.append(snapshot) or 0)
+    monkeypatch.setattr(g, "kill", lambda members, reuse_slots=True: None)
+    monkeypatch.setattr(g, "spawn", lambda count: [Member(f"new{i}", Slot("pg2", i), warm="w") for i in range(count)])
+    monkeypatch.setattr(g, "release_unused_placement", lambda: None)
+    r = ray_recovery.Recovery(g)
+    monkeypatch.setattr(r, "_holdings", lambda survivors: [])  # a failure before the first snapshot
+    monkeypatch.setattr(r, "_forget_after", lambda step: None)
+
+    resumed = r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=4))
+    assert (resumed.step, formed) == (0, [None])
+    monkeypatch.setattr(ray, "put", lambda blob: blob)
+    monkeypatch.setattr(g, "restore_refs", lambda shards: 3)
+    assert g.restore([b"shard0", b"shard1"]) == 3 and g.start_step == 3  # the run resumed from step 3
+    with pytest.raises(RecoveryError, match="not even of step 3, which the run resumed from"):
+        r.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=4))
+
+
+def test_the_simulated_retry_reads_again_what_a_node_found_gone_served() -> None:
+    """As on Ray: a shard the interrupted recovery fetched from a node's holder went with that
+    node, so the retry plans the restore again from what is left instead of reusing it."""
+    from ringtrain import config
+    from ringtrain.actors.protocols import Reform
+    from ringtrain.errors import WorkerError
+
+    job = config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2), chaos=config.ChaosConfig(faults=[
+        FaultSpec(kind="crash_restoring", rank=0, step=6)]))  # fmt: skip
+    group = simulated.SimulatedGroup(job, simulated.Clock())  # a ring to a node: ranks 0-1 on node-0, 2-3 on node-1
+    for _ in range(5):
+        group.train_step()
+    group.safe_through()  # the holders have every step's snapshots
+    sim = simulated.SimulatedRecovery(group, free_slots=1, job=job)
+    with pytest.raises(WorkerError):  # rank 3 died in step 6; rank 0 of the new world dies restoring
+        sim.reform(Reform(lost=frozenset({3}), new_dp=2, spares=0, last_step=5))
+    fetched = sim.unfinished
+    assert fetched is not None and fetched.restore is not None
+    assert dict(fetched.restore.fetch)[3] == "node:node-0"  # the dead rank's shard, from the buddy holder
+    assert plan_recovery(sim, lost=frozenset({0}), new_dp=2, last_step=5, fired_through=6).reused
+    group.snapshots.gone.add("node-0")  # found gone while the recovery ran
+    again = plan_recovery(sim, lost=frozenset({0}), new_dp=2, last_step=5, fired_through=6)
+    assert (again.retry, again.reused, again.step) == (True, False, 5)
+    assert "node:node-0" not in dict(again.restore.fetch if again.restore else ()).values()

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from ringtrain import cli, config
+from ringtrain.actors import reference_keeper
 from ringtrain.actors.reference_keeper import ReferenceKeeper, run_key
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.reference_table import TABLES_DIR, load_table, object_key, save_table, table_key
@@ -37,7 +38,8 @@ VOCAB = 320
 
 
 def _key(**changes: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {"dataset": "d" * 64, "num_pairs": 5, "reference": {"initial": {"seed": 0}}, "seq_len": 64,
+    fields: dict[str, Any] = {"dataset": "d" * 64, "num_pairs": 5, "reference": {"initial": {"seed": 0}},
+                              "model": {"dim": 128, "rope_theta": 10000.0, "sliding_window": None}, "seq_len": 64,
                               "prefix_sharing": True, "overlong": "drop", "precision": {"dtype": "auto", "device": "cpu"}}
     fields.update(changes)
     return table_key(**fields)
@@ -51,8 +53,8 @@ def test_a_table_reads_back_under_its_own_key_only(tmp_path: Path) -> None:
     found = load_table(store, _key())
     np.testing.assert_array_equal(found.table, table)
     assert found.note == ""
-    for other in (_key(dataset="e" * 64), _key(reference={"folder": {"path": "/m"}}), _key(seq_len=128),
-                  _key(prefix_sharing=False), _key(precision={"dtype": "bf16", "device": "cuda"})):  # fmt: skip
+    for other in (_key(dataset="e" * 64), _key(reference={"folder": {"path": "/m"}}), _key(model={"dim": 128, "rope_theta": 5e5}),
+                  _key(seq_len=128), _key(prefix_sharing=False), _key(precision={"dtype": "bf16", "device": "cuda"})):  # fmt: skip
         assert object_key(other) != object_key(_key())
         assert load_table(store, other).table is None and load_table(store, other).note == ""
     assert store.list() == []  # no checkpoint: the table is no step of the store
@@ -74,6 +76,51 @@ def test_a_damaged_or_foreign_table_is_not_used_and_says_why(tmp_path: Path) -> 
     assert "is not a reference table" in load_table(store, _key()).note
     with pytest.raises(ValueError, match="shape"):
         save_table(store, _key(), np.ones((4, 2)))
+
+
+def test_a_table_keyed_by_a_checkpoint_of_many_shards_reads_back(tmp_path: Path) -> None:
+    """A checkpoint reference's key holds every shard's checksum: 2,000 of them make a header
+    of ~150 KB, which the read takes whole (its limit is this key's header and values)."""
+    store = open_store(tmp_path.as_uri())
+    checksums = [f"sha256x64m:{i:064x}" for i in range(2000)]
+    key = _key(reference={"checkpoint": "file:///runs/a/checkpoints/step-9", "step": 9, "shards": checksums})
+    table = np.linspace(-9.0, -1.0, 10).reshape(5, 2)
+    save_table(store, key, table)
+    found = load_table(store, key)
+    assert found.note == "" and found.table is not None
+    np.testing.assert_array_equal(found.table, table)
+    path = tmp_path / object_key(key)
+    path.write_bytes(path.read_bytes() + b"\0")  # one byte more than this key's table holds: not read
+    assert "is larger than a table of 5 pairs" in load_table(store, key).note
+
+
+def test_a_hostile_table_is_computed_again_with_a_line_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header is JSON from elsewhere: one nested 20,000 deep is not a table (no traceback);
+    an object the store refuses to read (a symbolic link), or a read that fails, costs the
+    table's reuse, never the run: the keeper computes it again, saying why in one line."""
+    store = open_store(tmp_path.as_uri())
+    big = _key(reference={"checkpoint": "file:///runs/a/checkpoints/step-9", "shards": [f"{i:075}" for i in range(500)]})
+    deep = tmp_path / object_key(big)  # a header of this key may take 38 KB
+    deep.parent.mkdir(parents=True)
+    deep.write_bytes(b"[" * 20_000 + b"\n" + bytes(80))
+    assert "is not a reference table" in load_table(store, big).note
+    path = tmp_path / object_key(_key())
+    said: list[str] = []
+    (tmp_path / "elsewhere.table").write_bytes(b"anything")
+    path.symlink_to(tmp_path / "elsewhere.table")
+    keeper = ReferenceKeeper(_key(), None, store=store, say=said.append)
+    assert keeper.table is None and keeper.join_input() == Reference()
+    path.unlink()
+    save_table(store, _key(), np.ones((5, 2)))
+
+    def denied(name: str, size_hint: Any = None, limit: Any = None) -> bytes:
+        raise PermissionError(13, "Permission denied\nsecond line")
+
+    monkeypatch.setattr(store.backend, "get", denied)
+    ReferenceKeeper(_key(), None, store=store, say=said.append)
+    assert len(said) == 2 and all(line.startswith(f"reference log-probs: could not read {store.backend.uri(object_key(_key()))}: ")
+                                  and line.endswith("; computing them again") for line in said)  # fmt: skip
+    assert "UnsafeObject" in said[0] and "PermissionError: [Errno 13] Permission denied;" in said[1]
 
 
 def test_the_keeper_stores_the_first_worlds_table_once_and_gives_it_to_every_later_world(tmp_path: Path) -> None:
@@ -125,6 +172,7 @@ def test_the_group_hands_each_world_the_keepers_table(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(ray, "put", lambda value: value)
     monkeypatch.setattr(world_module, "form_world", form_world)
+    monkeypatch.setattr(reference_keeper, "pair_rows", lambda job: 3)  # what the first world's join is timed by
     monkeypatch.setattr(group_module, "get", lambda ref, **_: np.full((5, 2), -1.0))
     g = WorkerGroup(config.JobConfig(), "cpu")
     g.reference = ReferenceKeeper(_key(), ReferenceWeights("m", folder="/m"), store=None)
@@ -159,10 +207,16 @@ def test_the_key_follows_the_dataset_and_the_starting_weights(pairs: Path, tmp_p
                              f"model.vocab_size={VOCAB}"])  # fmt: skip
     key = run_key(job, initial_identity(job), "cpu")
     assert key["num_pairs"] == 12 and len(key["dataset"]) == 64
+    assert 1 <= reference_keeper.pair_rows(job) < 12  # rows of pairs the pass scores: several pairs to a row
     assert run_key(job, initial_identity(job), "cpu") == key
     assert run_key(config.replace(job, ["train.seed=1"]), initial_identity(config.replace(job, ["train.seed=1"])), "cpu") != key
     assert run_key(job, initial_identity(job), "cuda") != key
     assert run_key(config.replace(job, ["data.seq_len=32"]), initial_identity(job), "cpu") != key
+    # The same weights scored under other forward settings: another table.
+    for changed in ("model.rope_theta=500000", "model.sliding_window=16", "model.max_position_embeddings=4096",
+                    "model.rope_scaling={rope_type: linear, factor: 2.0}", "model.norm_eps=1e-6"):  # fmt: skip
+        assert run_key(config.replace(job, [changed]), initial_identity(job), "cpu") != key, changed
+    assert run_key(config.replace(job, ["model.rope_theta=10000"]), initial_identity(job), "cpu") == key  # its default
     folder = _model(tmp_path / "m")
     (folder / "model.safetensors").write_bytes(b"weights")
     before = initial_identity(config.replace(job, [f"model.hf={folder}"]))
@@ -235,3 +289,35 @@ def test_eval_of_pairs_none_fit_names_seq_len(pairs: Path, tmp_path: Path) -> No
     with pytest.raises(ConfigError) as refused:
         prepare(args)
     assert refused.value.key == "--data" and refused.value.reason == "no preference pair fits --seq-len 8 (all 12 are longer)"
+
+
+def test_a_checkpoint_reference_is_read_only_as_it_is_handed_to_the_workers(tmp_path: Path) -> None:
+    """Its shards (with both Adam moments: a 7B model's ~84 GB) are not held on the driver: read
+    from the store as they are pickled for the workers, each time, and never by a run whose
+    table the store holds. The keeper lets go of the weights once it knows the table."""
+    import pickle
+
+    from ringtrain.actors.resume import checkpoint_meta
+
+    shape = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", f"model.vocab_size={VOCAB}"]
+    store_dir = tmp_path / "ref"
+    shards = {"rank-0": b"rank 0's state", "rank-1": b"rank 1's state"}
+    open_store(store_dir.as_uri()).save(7, shards, checkpoint_meta(config.load(None, shape)))
+    job = config.load(None, [*shape, "train.objective=dpo", f"train.preference.reference={store_dir}"])
+    resolved = resolve_reference(job)
+    assert resolved is not None and resolved.weights is not None
+    assert resolved.weights.shards == () and resolved.identity["step"] == 7
+    handed = pickle.loads(pickle.dumps(Reference(weights=resolved.weights)))  # as ray.put hands it over
+    assert handed.weights == ReferenceWeights(resolved.weights.where, shards=(shards["rank-0"], shards["rank-1"]))
+
+    store = open_store((tmp_path / "run").as_uri())
+    fresh = ReferenceKeeper(_key(), resolved.weights, store=store)
+    assert fresh.join_input().weights is resolved.weights
+    fresh.learned(np.ones((5, 2)))
+    assert fresh.weights is None
+    for name in shards:  # the reference checkpoint's shards gone: a run that has its table never asks
+        (store_dir / "step-000000007" / name).unlink()
+    resumed = ReferenceKeeper(_key(), resolved.weights, store=store)
+    assert resumed.weights is None and pickle.loads(pickle.dumps(resumed.join_input())).table is not None
+    with pytest.raises(Exception, match="rank-0"):
+        pickle.dumps(resolved.weights)  # a world that would compute the table reads the shards

@@ -45,10 +45,12 @@ def gather(
     call: Callable[[int, Any], Any],
     timeout: float,
     on_failure: Optional[Callable[[dict[Any, Member]], None]] = None,
+    doing: str = "",
 ) -> list[Any]:
     """Call every one of ``members`` (with its rank and actor handle), wait for all; the first
     failure names its rank. ``on_failure`` is given the calls still pending when one failed
-    (with the member running each), before the error."""
+    (with the member running each), before the error; ``doing``, what the calls do when that
+    is more than their name says, ends a timeout's message."""
     import ray
 
     rank_of = {call(rank, m.handle): rank for rank, m in enumerate(members)}
@@ -60,9 +62,8 @@ def gather(
         try:
             if not done:
                 stuck = sorted(rank_of[r] for r in pending)
-                raise WorkerError(
-                    stuck[0], host_of(members, stuck[0]), f"no answer within {timeout:g} s (ranks {stuck})", kind="timeout"
-                )
+                why = f"no answer within {timeout:g} s (ranks {stuck})" + (f" {doing}" if doing else "")
+                raise WorkerError(stuck[0], host_of(members, stuck[0]), why, kind="timeout")
             rank = rank_of[done[0]]
             results[rank] = get(done[0], rank=rank, host=host_of(members, rank), timeout=0)
         except WorkerError:

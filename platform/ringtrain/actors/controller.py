@@ -234,7 +234,7 @@ class Controller:
         if failing is not None:
             return Stopping(failing)
         self._finish_recovery()
-        grow_to = self.watches.maybe_grow(step)
+        grow_to = self.watches.maybe_grow(step, snapshot_taken=reports[0].snapshot_taken)
         if self.elastic is not None and self.elastic.spares_changed():
             self._write_layout()
         if grow_to is not None:

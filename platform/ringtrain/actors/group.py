@@ -60,6 +60,8 @@ class WorkerGroup:
         # Rank -> the holders its snapshots go to in the current world (``seat_holders``).
         self.holders_by_rank: list[list[Any]] = []
         self.num_params = 0
+        # The step the run began at: 0, or the step of the checkpoint a resume loaded (``restore``).
+        self.start_step = 0
         self.generation = 0  # worlds formed so far
         self.phases: dict[str, float] = {}  # how long the last world took to form, by phase
         self.startup: dict[str, float] = {}  # seconds by phase of the first world's start
@@ -207,6 +209,7 @@ class WorkerGroup:
                 snapshot=snapshot,
                 crash_restoring=crash_restoring,
                 reference=ray.put(keeper.join_input()) if keeper is not None else None,
+                join=self._reference_join(job, timeout),
             )
         finally:
             if "warm_s" in self.phases:  # a world counts once its workers are warm and its holders seated
@@ -216,6 +219,21 @@ class WorkerGroup:
             keeper.learned(get(members[0].handle.reference_table.remote(), rank=0, host=host_of(members, 0), timeout=timeout))
         self.safekeeping.restart(formed.step)
         return formed.step
+
+    def _reference_join(self, job: JobConfig, timeout: float) -> Optional[tuple[float, str]]:
+        """How long a join of ``job``'s world may take, and why, when it takes DPO's and IPO's
+        reference pass (no table yet): ``timeout`` for the world, and a forward per row of pairs
+        a replica scores, plus one for putting another model's weights in place, or the
+        starting weights back (as ``score_pairs``). None: the join takes ``timeout``."""
+        keeper = self.reference
+        if keeper is None or keeper.table is not None:
+            return None
+        rows = keeper.pass_rows(job)
+        forwards = -(-rows // job.topology.dp) + 1
+        return timeout + self._collective_timeout(forwards), (
+            f"in a join that takes {job.train.objective}'s reference pass over {rows} rows of pairs "
+            f"(controllers.start_timeout_s + controllers.step_timeout_s x {forwards} forwards)"
+        )
 
     def restore_refs(self, shards: list[Any], crash_restoring: frozenset[int] = frozenset()) -> int:
         """Every rank loads the snapshot whose shards are pending in ``shards`` (``crash_restoring``
@@ -445,9 +463,13 @@ class WorkerGroup:
         return [w.snapshot.remote(step) for w in self.workers]
 
     def restore(self, blobs: list[bytes]) -> int:
+        """Every rank loads a checkpoint (``blobs``: its shards; a resume's, or the one
+        evaluated): the run begins at the step restored (``start_step``), which every rank then
+        keeps as a snapshot."""
         import ray
 
-        return self.restore_refs([ray.put(b) for b in blobs])  # one copy of each shard for every rank
+        self.start_step = self.restore_refs([ray.put(b) for b in blobs])  # one copy of each shard for every rank
+        return self.start_step
 
     def shutdown(self) -> None:
         import ray

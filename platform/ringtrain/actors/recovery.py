@@ -100,6 +100,9 @@ class GroupView:
     def ready_spares(self) -> int:
         return len(self._recovery.group.ready_spares())
 
+    def start_step(self) -> int:
+        return self._recovery.group.start_step
+
     def faults(self) -> list[FaultSpec]:
         return self._recovery.group.job.chaos.faults
 

@@ -1,7 +1,8 @@
 """ReferenceKeeper: the driver's copy of DPO's and IPO's reference table, for every world of a run.
 
 A run starts with the table its checkpoint store holds under the run's key
-(``checkpoint/reference_table.py``: the dataset, the reference model, the layout and precision),
+(``checkpoint/reference_table.py``: the dataset, the reference model, the model settings it is
+scored under, the layout and precision),
 or with none: then the first world computes it on its own mesh before step 1 and rank 0 hands it
 back (``learned``), and the keeper writes it to the store once, through the run's fence, beside
 the checkpoints a resume reads. Every later world (a resize, a recovery's new world) and every
@@ -23,8 +24,9 @@ import numpy as np
 
 from ringtrain.checkpoint import CheckpointStore
 from ringtrain.checkpoint.fence import Fence
-from ringtrain.checkpoint.reference_table import load_table, save_table, table_key
-from ringtrain.config import JobConfig
+from ringtrain.checkpoint.reference_table import Found, load_table, object_key, save_table, table_key
+from ringtrain.config import MODEL_DEFAULTS, JobConfig
+from ringtrain.hf.hfconfig import OVERRIDABLE_KEYS, SHAPE_KEYS
 from ringtrain.train.reference_input import Reference, ReferenceWeights
 
 log = logging.getLogger(__name__)
@@ -41,43 +43,92 @@ class ReferenceKeeper:
         self.table: Optional[np.ndarray] = None
         self.uri = ""  # where the table is stored ("" while it is not)
         self.computed = 0  # tables a world computed: 1 for a fresh run, 0 for one that found its own
+        self._rows: Optional[int] = None  # the rows of pairs a pass scores, once counted
         if store is not None:
-            found = load_table(store, self.key)
+            found = self._load(store)
             if found.note:
                 say(f"reference log-probs: {found.note}; computing them again")
             if found.table is not None:
-                self.table, self.uri = found.table, found.uri
+                self.table, self.uri, self.weights = found.table, found.uri, None
                 say(f"reference log-probs of {len(found.table)} pairs read from {found.uri}")
+
+    def _load(self, store: CheckpointStore) -> Found:
+        """The store's table of this key; one the store cannot hand over (refused, denied, a
+        failed request) is computed again, as a damaged one is, with the line saying why."""
+        try:
+            return load_table(store, self.key)
+        except Exception as exc:
+            uri = store.backend.uri(object_key(self.key))
+            return Found(None, uri, f"could not read {uri}: {_why(exc)}")
 
     def join_input(self) -> Reference:
         """What each rank of a world forming is given: the table once there is one, else the
-        weights to compute it with (None: the starting weights)."""
+        weights to compute it with (None: the starting weights). The keeper holds the weights
+        only until the table is known; a checkpoint's are read as they are handed over
+        (``commands/reference.py``'s ``CheckpointWeights``)."""
         return Reference(table=self.table) if self.table is not None else Reference(weights=self.weights)
+
+    def pass_rows(self, job: JobConfig) -> int:
+        """The rows of pairs the pass over ``job``'s dataset scores (counted once: the packing is
+        a function of the data and the seed, the same in every world)."""
+        if self._rows is None:
+            self._rows = pair_rows(job)
+        return self._rows
 
     def learned(self, table: np.ndarray) -> None:
         """The table a world computed; stored once (later worlds were given it, and compute none)."""
         if self.table is not None:
             return
         self.table = np.asarray(table, dtype=np.float64)
+        self.weights = None  # no world needs them any more
         self.computed += 1
         if self.store is None:
             return
         try:
             self.uri = save_table(self.store, self.key, self.table, fence=self.fence)
         except Exception as exc:  # the run goes on with the table in memory; a later run computes it again
-            self.say(f"reference log-probs: could not store them in {self.store.uri}: {type(exc).__name__}: {exc}")
+            self.say(f"reference log-probs: could not store them in {self.store.uri}: {_why(exc)}")
             return
         self.say(f"reference log-probs of {len(self.table)} pairs stored in {self.uri}")
 
 
+def pair_rows(job: JobConfig) -> int:
+    """How many rows ``job``'s preference dataset packs into, as the workers pack it (from its
+    documents' lengths: no token is read)."""
+    from ringtrain.train.mixture import open_mixture
+
+    mixture = open_mixture(job)
+    try:
+        return mixture.pair_rows().num_rows
+    finally:
+        mixture.close()
+
+
+def _why(exc: BaseException) -> str:
+    """An error in one line: its type and its message's first line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 def run_key(job: JobConfig, identity: Mapping[str, Any], device: str, seq_len: Optional[int] = None) -> dict[str, Any]:
-    """The table key of ``job``'s dataset (``data.path``) and ``identity``, at ``seq_len`` (None:
-    ``data.seq_len``), computed on ``device``."""
+    """The table key of ``job``'s dataset (``data.path``) and ``identity``, scored under
+    ``job``'s model settings (``job`` resolved: ``ringtrain.hf.resolve_job``) at ``seq_len``
+    (None: ``data.seq_len``), computed on ``device``."""
     from ringtrain.train.corpus import read_manifest
     from ringtrain.train.pairs import STORED_DOCUMENTS
 
     manifest = read_manifest(job.data.path)
     d = job.data
     return table_key(dataset=manifest.digest(), num_pairs=manifest.num_documents // STORED_DOCUMENTS, reference=identity,
-                     seq_len=seq_len or d.seq_len, prefix_sharing=d.prefix_sharing, overlong=d.chat_overlong,
-                     precision={"dtype": job.train.dtype, "device": device})  # fmt: skip
+                     model=forward_settings(job), seq_len=seq_len or d.seq_len, prefix_sharing=d.prefix_sharing,
+                     overlong=d.chat_overlong, precision={"dtype": job.train.dtype, "device": device})  # fmt: skip
+
+
+def forward_settings(job: JobConfig) -> dict[str, Any]:
+    """The model settings a forward pass runs under: what a model folder's config.json decides
+    (the shape, norms, scales) and what a job may change over the same weights (rotary
+    embeddings, context length, attention windows), an unset key as its default."""
+    m = job.model
+    settings = {key: getattr(m, key) for key in (*SHAPE_KEYS, *OVERRIDABLE_KEYS)}
+    settings.update(head_dim=job.head_dim, ffn_dim=job.ffn_dim)
+    return {key: MODEL_DEFAULTS.get(key) if value is None else value for key, value in settings.items()}

@@ -268,6 +268,13 @@ class SimulatedGroup:
         self.shut_down = True
 
 
+def _producer_node(where: str, snaps: SimulatedSnapshots) -> str:
+    """The node of the place a restore plan's shard came from: a holder's, or a worker's
+    (``peer:<rank>``, ``rebuild:peer:<rank>``)."""
+    kind, _, name = where.partition(":")
+    return name if kind == "node" else snaps.node_of(int(name.rpartition(":")[2]))
+
+
 def _first_hand(fault: Fault) -> RankOutcome:
     """How the struck rank's step call ends."""
     if fault.kind in ("crash", *IN_TRANSIT):
@@ -333,6 +340,9 @@ class SimulatedRecovery:
     def ready_spares(self) -> int:
         return self.spares
 
+    def start_step(self) -> int:
+        return 0  # a simulated run starts from step 0 (``SimulatedGroup.restore``)
+
     def faults(self) -> tuple[FaultSpec, ...]:
         return self.chaos
 
@@ -340,7 +350,11 @@ class SimulatedRecovery:
         return self.unfinished
 
     def fetched_readable(self, readers: frozenset[int]) -> bool:
-        return True  # a fetched shard is lost only with a Ray node's object store
+        """As Ray's (``actors.recovery.GroupView``): a fetched shard lives in its producer's
+        node, so one a node found gone since produced (its holder, or a worker there) is lost."""
+        restore = self.unfinished.restore if self.unfinished is not None else None
+        snaps = self.group.snapshots
+        return not any(_producer_node(where, snaps) in snaps.gone for _, where in (restore.fetch if restore else ()))
 
     # --- the Controller's calls ------------------------------------------------------------
 

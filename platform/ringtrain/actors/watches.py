@@ -151,14 +151,20 @@ class Watches:
 
     # --- capacity for growth -------------------------------------------------------------------
 
-    def maybe_grow(self, step: int) -> Optional[int]:
+    def maybe_grow(self, step: int, *, snapshot_taken: bool) -> Optional[int]:
         """Between steps: grow back towards max_dp when capacity has returned and stayed.
-        Returns the dp to grow to once its replicas are ready."""
+        Returns the dp to grow to once its replicas are ready and ``step`` took a snapshot
+        (``snapshot_taken``): the new world restores that very step, so a grow waits for the next
+        step boundary with one (every checkpoint.snapshot_every steps; a run without snapshots
+        never grows, nor prepares workers for it)."""
         dp = self.group.topology.dp
         if self.elastic is None or dp >= self.job.max_dp or step >= self.job.last_step:
             return None
+        if not self.job.checkpoint.snapshot_every:
+            return None
         if self.growing_to is not None:
-            return self.growing_to if self.elastic.growth_ready() else None
+            ready = self.elastic.growth_ready()  # polled every step: it replaces a worker that died warming up
+            return self.growing_to if ready and snapshot_taken else None
         now = self.clock()
         if now < self._next_capacity_check:
             return None

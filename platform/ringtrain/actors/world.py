@@ -98,11 +98,14 @@ def form_world(
     snapshot: Optional[list[Any]] = None,
     crash_restoring: frozenset[int] = frozenset(),
     reference: Any = None,
+    join: Optional[tuple[float, str]] = None,
 ) -> World:
     """Join the seated ``members`` as ranks 0..n-1 of ``job``'s world, once each has warmed
     (``wait_warm``) and the holders are seated, restoring ``snapshot`` when given. ``phases``
     takes each phase's time as it completes; ``reference`` (a pending ``Reference``, or None)
-    is what every rank is given for DPO's and IPO's reference."""
+    is what every rank is given for DPO's and IPO's reference. Each phase may take ``timeout``;
+    ``join``: the join's own (seconds, and what the join does that takes them), when it does
+    more than build the world (it takes the reference pass)."""
     settle_leftovers(leftovers, job, members)
     t0 = time.monotonic()
     wait_warm(members, timeout)
@@ -118,7 +121,9 @@ def form_world(
         stop_store(members[0].handle)
         leftovers.give_up(pending)
 
-    counts = gather(members, lambda rank, w: w.join.remote(job, rank, host, port, holders[rank], reference), timeout, on_failure=abandon_join)
+    join_s, joining = join if join is not None else (timeout, "")
+    counts = gather(members, lambda rank, w: w.join.remote(job, rank, host, port, holders[rank], reference), join_s,
+                    on_failure=abandon_join, doing=joining)  # fmt: skip
     t2 = time.monotonic()
     phases["join_s"] = t2 - t1
     if snapshot is None:

@@ -11,6 +11,10 @@ An identity says which weights a table was taken from: a folder by its path and 
 files' sizes and modification times (hashing gigabytes of weights would cost more than the
 pass), a checkpoint by its URI, step and shards' checksums, a seeded start by its seed, scale
 and shape.
+
+A checkpoint's weights are not held on the driver (``CheckpointWeights``): they are read from
+its store each time they are handed to the workers, which a run whose table its store already
+holds never does.
 """
 
 from __future__ import annotations
@@ -19,13 +23,39 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
+from ringtrain.checkpoint import open_store
+from ringtrain.checkpoint.layout import split_checkpoint_uri
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.config import REFERENCE_INITIAL, REFERENCE_OBJECTIVES, JobConfig
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.train.reference_input import REFERENCE_KEY, ReferenceWeights
 
 # The files of a model folder whose change makes another model.
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWeights(ReferenceWeights):
+    """A checkpoint's weights, read from its store (every rank's shards, checked against the
+    manifest) only as they leave the driver, pickled for the workers (``ray.put``), and again
+    each time: ``shards`` stays empty here, and a worker is handed a plain ``ReferenceWeights``
+    of the shards. The checkpoint's shards must still be those it had when it was resolved."""
+
+    checkpoint: str = ""  # the checkpoint's URI, ``<store>/step-<n>``
+    checksums: tuple[str, ...] = ()  # its shards' checksums, sorted (the identity's)
+
+    def read(self) -> ReferenceWeights:
+        """The weights themselves; RingtrainError when the checkpoint changed since."""
+        store_uri, step = split_checkpoint_uri(self.checkpoint)
+        assert step is not None, self.checkpoint
+        loaded = open_store(store_uri).load(step)
+        if sorted(entry.checksum for entry in loaded.manifest.shards.values()) != list(self.checksums):
+            raise RingtrainError(f"{REFERENCE_KEY}: {self.checkpoint} holds other shards than when the run began")
+        return ReferenceWeights(self.where, shards=tuple(loaded.shards[name] for name in sorted(loaded.shards)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        weights = self.read()
+        return (ReferenceWeights, (weights.where, weights.folder, weights.shards))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +83,7 @@ def resolve_reference(job: JobConfig) -> Optional[ResolvedReference]:
     loaded = source.checkpoint
     checksums = sorted(entry.checksum for entry in loaded.manifest.shards.values())
     identity = {"checkpoint": loaded.uri, "step": loaded.step, "shards": checksums}
-    return ResolvedReference(identity, ReferenceWeights(source.where, shards=tuple(source.shards())))
+    return ResolvedReference(identity, CheckpointWeights(source.where, checkpoint=loaded.uri, checksums=tuple(checksums)))
 
 
 def initial_identity(job: JobConfig) -> dict[str, Any]:

@@ -13,8 +13,11 @@ rules:
 
 - restore: the newest step at or before the one asked for whose every rank's shard some place
   holds, each shard from the cheapest place (``policies.snapshots.plan_restore``); step 0 is the
-  initial state, which forming a world builds. A lost rank's own memory is read only when it is
-  alive with a state to trust (``evicted_alive``: a straggler's).
+  initial state, which forming a world builds (the job's seeded or pretrained weights, the data
+  at its start), so a run that began there goes back to it when no snapshot is whole (a failure
+  before the first one). A resumed run began at the step its checkpoint held: every rank keeps
+  that state as a snapshot, and without it whole there is no way back. A lost rank's own memory
+  is read only when it is alive with a state to trust (``evicted_alive``: a straggler's).
 - retry: a recovery asked for the step an interrupted recovery fetched (a worker died while the
   new world formed) reads the shards that recovery fetched, while every one is still readable:
   the world it was forming may already have overwritten its holders' copies of that step. It
@@ -125,6 +128,11 @@ class ClusterView(Protocol):
 
     def ready_spares(self) -> int: ...
 
+    def start_step(self) -> int:
+        """The step the run began at: 0 (the initial state), or the step of the checkpoint a
+        resume loaded."""
+        ...
+
     def faults(self) -> Sequence[FaultSpec]:
         """The chaos faults of the current world's job."""
         ...
@@ -198,13 +206,15 @@ def plan_recovery(
 ) -> RecoveryPlan:
     """The world to form after dropping ``lost`` ranks: ``new_dp`` replicas (default: the
     same), up to ``spares`` warm spares in the empty seats, resuming from the newest whole
-    snapshot at or before ``last_step`` (0: the initial state).
+    snapshot at or before ``last_step`` (0: the initial state; also when none is whole in a run
+    that began there).
 
     ``fired_through``: the step the failure was seen in (default ``last_step + 1``): chaos
     faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused (their
     devices corrupted data, or are slow). ``grow``: replicas added at the step boundary after
     ``last_step``, which must restore that very step; no failure, so no retry and no
-    crash_restoring fault. Raises RecoveryError when no whole snapshot is held."""
+    crash_restoring fault. Raises RecoveryError when there is no way back: a resumed run holds no
+    whole snapshot, or a grow none of ``last_step``."""
     topo = view.topology
     fired = last_step + 1 if fired_through is None else fired_through
     read_lost = evicted_alive(quarantine=quarantine, last_step=last_step, fired_through=fired)
@@ -238,17 +248,22 @@ def plan_recovery(
 
 def _restore_point(view: ClusterView, readers: frozenset[int], *, newest: int) -> Optional[RestorePlan]:
     """The newest whole snapshot at or before ``newest`` in what ``readers``' memories and the
-    node holders hold; None for step 0 (the initial state: nothing to read)."""
+    node holders hold; None for step 0 (the initial state: nothing to read), which a run that
+    began there goes back to when no snapshot is whole."""
     if not newest:
         return None
     holdings = view.holdings(readers)
     plan = plan_restore(holdings, newest=newest)
-    if plan is None:
-        raise RecoveryError(
-            f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders "
-            f"(checkpoint.snapshot_every sets how often one is taken); held: {held(holdings)}"
-        )
-    return plan
+    if plan is not None:
+        return plan
+    start = view.start_step()
+    if not start:
+        return None
+    raise RecoveryError(
+        f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders, not even "
+        f"of step {start}, which the run resumed from (checkpoint.snapshot_every sets how often one is taken); "
+        f"held: {held(holdings)}"
+    )
 
 
 def held(holdings: Sequence[Holding]) -> str:
