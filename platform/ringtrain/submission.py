@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 from ringtrain import config
 from ringtrain.config import JobConfig
 from ringtrain.config.destinations import is_loopback
-from ringtrain.errors import ClusterError, ConfigError, RingtrainError
+from ringtrain.errors import ClusterError, ConfigError, RingtrainError, first_line
 from ringtrain.submission_files import working_dir
 from ringtrain.submission_secrets import upload as upload_secrets
 
@@ -274,11 +274,6 @@ def _address_variables_cleared() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 class JobsClient:
     """One connection to a cluster's job API; every failure becomes a one-line RingtrainError."""
 
@@ -309,7 +304,7 @@ class JobsClient:
             raise self._refused() from None
         # RayError: a GCS address (host:6379) is looked up through the GCS first, which can time out.
         except (ConnectionError, OSError, ValueError, RuntimeError, RayError) as exc:
-            raise ClusterError(f"cannot reach the Ray job API at {address}: {_first_line(exc)}") from None
+            raise ClusterError(f"cannot reach the Ray job API at {address}: {first_line(exc)}") from None
 
     @contextmanager
     def _calls(self, submission_id: Optional[str] = None) -> Iterator[None]:
@@ -321,9 +316,9 @@ class JobsClient:
         except AuthenticationError:
             raise self._refused() from None
         except OSError as exc:  # requests' connection errors are OSErrors
-            raise ClusterError(f"lost the Ray job API at {self.address}: {_first_line(exc)}") from None
+            raise ClusterError(f"lost the Ray job API at {self.address}: {first_line(exc)}") from None
         except (RuntimeError, ValueError) as exc:  # ValueError: a working_dir Ray cannot package
-            text = _first_line(exc)
+            text = first_line(exc)
             if submission_id is not None and "status code 404" in text:
                 raise UnknownJobError(
                     f"no job {submission_id} on {self.address} (`ringtrain status` lists them)"
@@ -408,7 +403,7 @@ class JobsClient:
                 asyncio.run(_stream(self._client, submission_id, out))
             except aiohttp.ClientError as exc:
                 raise ClusterError(
-                    f"lost the log stream of {submission_id} from {self.address}: {_first_line(exc)}"
+                    f"lost the log stream of {submission_id} from {self.address}: {first_line(exc)}"
                 ) from None
         return self.state(submission_id)
 

@@ -112,15 +112,19 @@ def _laid_out(path: Path) -> np.ndarray:
 
 @pytest.mark.parametrize("overlong", ["drop", "truncate_start"])
 def test_the_driver_counts_the_pairs_seq_len_dropped_or_cut(
-    dataset: Path, overlong: str, capsys: pytest.CaptureFixture[str]
+    dataset: Path, overlong: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """The console's note before the first step and summary.json's "chat" (``chat_packing_counts``)
-    say how the preference dataset packs, as the workers pack it, and what data.seq_len cost it."""
+    """The console's note before the first step, summary.json's "chat" (``chat_packing_counts``)
+    and report.html say how the preference dataset packs, as the workers pack it, and what
+    data.seq_len cost it."""
     import io
 
     from ringtrain.commands.run import _chat_data_note
     from ringtrain.telemetry.progress import Progress
+    from ringtrain.telemetry.report import render
+    from ringtrain.telemetry.runfiles import read_run
     from ringtrain.train.mixture import chat_packing_counts, open_mixture
+    from ringtrain_dev.fake_run import write_run_dir
 
     job = _job(dataset, f"data.chat_overlong={overlong}")
     need = _laid_out(dataset)
@@ -146,6 +150,12 @@ def test_the_driver_counts_the_pairs_seq_len_dropped_or_cut(
     assert f"preference data: {counts['packed']} of {NUM_PAIRS} pairs in {rows} rows" in console, console
     assert f"{int(long.sum())} {done}, {share:.1%} of the tokens" in console, console
     assert console.startswith("ringtrain: warning: preference data:") == (share > 0.05), console
+
+    folder = write_run_dir(tmp_path / "run", summary={"status": "finished", "chat": counts},
+                           config_yaml=f"name: dpo\ndata:\n  seq_len: {SEQ}\n  chat_overlong: {overlong}\n")  # fmt: skip
+    page = render(read_run(folder))
+    assert f"{counts['packed']} of {NUM_PAIRS} pairs in {rows} rows" in page and f"{share:.1%} of the tokens" in page
+    assert ("warning: preference data:" in page) == (share > 0.05)
 
 
 def test_pairs_that_fit_no_row_are_refused_before_any_cluster(dataset: Path, tmp_path: Path) -> None:

@@ -279,7 +279,8 @@ class RunBook:
             # Step record -> snapshot readable at the node's holder and the buddy's, in ms.
             "snapshot_transit": self.transit,
             "eval": self.last_eval,
-            # A chat dataset's conversations packed into rows, dropped or truncated (None: no chat data).
+            # A chat dataset's conversations, or a preference dataset's pairs, packed into rows, dropped or
+            # truncated (None: neither).
             "chat": chat_packing_counts(self.job),
             "run_dir": str(self.run_dir.path),
             "durable_stopped": durable["durable_stopped"],

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from ringtrain.errors import first_line
 from ringtrain.evaluation.buckets import short_count
 from ringtrain.planner.devices import CPU_CORE_PEAK_FLOPS
-from ringtrain.telemetry.runfiles import NO_SUMMARY, IncidentFile, RunFiles, first_line, incident_anchor, is_number, read_run
+from ringtrain.telemetry.runfiles import NO_SUMMARY, IncidentFile, RunFiles, incident_anchor, is_number, read_run
 from ringtrain.telemetry.svgchart import Point, Series, drawn, escape, fmt, kind_color, line_chart, series_color
 from ringtrain.train.conversations import PACKING_COUNTS, packing_note
+from ringtrain.train.pairs import PAIR_COUNTS
 
 REPORT_NAME = "report.html"
 STACK_LINES = 20  # lines of a culprit's stack shown in an incident's detail
@@ -100,9 +102,9 @@ def _overview(run: RunFiles) -> str:
         ("parameters", _count(summary.get("num_params"))),
         ("incidents", str(len(run.incidents))),
     ]
-    chat = _chat_note(summary.get("chat"), run.config.get("data"))
-    if chat:
-        rows.append(("chat data", chat))
+    packing = _packing_note(summary.get("chat"), run.config.get("data"))
+    if packing:
+        rows.append(packing)
     if run.num_replayed:
         rows.append(("replayed steps", f"{run.num_replayed} (a resume ran them again; the later attempt is drawn)"))
     if summary.get("resumed_from"):
@@ -115,14 +117,18 @@ def _overview(run: RunFiles) -> str:
     return f'<section id="overview"><h2>Overview</h2>{_facts(rows)}</section>'
 
 
-def _chat_note(counts: Any, data: Any) -> str:
-    """The chat data's packing line (``conversations.packing_note``), a warning when what
-    data.seq_len dropped or cut is past its share; empty for other data or an older summary."""
-    if not isinstance(counts, dict) or not all(isinstance(counts.get(k), int) for k in PACKING_COUNTS) or not isinstance(data, dict):
-        return ""
+def _packing_note(counts: Any, data: Any) -> Optional[tuple[str, str]]:
+    """The chat or preference data's packing row (``conversations.packing_note``), a warning
+    when what data.seq_len dropped or cut is past its share; None for other data or an older
+    summary."""
+    kinds = {"chat data": PACKING_COUNTS, "preference data": PAIR_COUNTS}
+    kind = next((name for name, keys in kinds.items()
+                 if isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in keys)), None)  # fmt: skip
+    if kind is None or not isinstance(data, dict):
+        return None
     seq_len = data.get("seq_len")
     note, warn = packing_note(counts, seq_len if isinstance(seq_len, int) else 0, str(data.get("chat_overlong")))
-    return f"warning: {note}" if warn else note
+    return kind, f"warning: {note}" if warn else note
 
 
 def _charts(run: RunFiles) -> str:

@@ -25,7 +25,7 @@ import yaml
 
 from ringtrain.config import RUN_CONFIG
 from ringtrain.config.yamlfile import MAX_FILE_BYTES, check_bounds
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 from ringtrain.links import check_inside
 
 # The key a file of the run directory that links out of it is refused under.
@@ -222,10 +222,6 @@ def _read_incidents(run: RunFiles) -> None:
 
 def is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def incident_anchor(incident: IncidentFile) -> str:
