@@ -288,7 +288,8 @@ def test_eval_of_pairs_none_fit_names_seq_len(pairs: Path, tmp_path: Path) -> No
     args = cli._parser().parse_args(["eval", str(model), "--data", str(pairs / "data"), "--seq-len", "8", "train.objective=simpo"])
     with pytest.raises(ConfigError) as refused:
         prepare(args)
-    assert refused.value.key == "--data" and refused.value.reason == "no preference pair fits --seq-len 8 (all 12 are longer)"
+    assert refused.value.key == "--data" and refused.value.reason == ("no preference pair fits --seq-len 8 (all 12 are longer; "
+                                                              "raise --seq-len or set data.chat_overlong: truncate_start)")
 
 
 def test_a_checkpoint_reference_is_read_only_as_it_is_handed_to_the_workers(tmp_path: Path) -> None:

@@ -183,7 +183,8 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
 def _length_named(exc: ConfigError, seq_len: Optional[int]) -> ConfigError:
     """``exc`` naming --seq-len where it says data.seq_len: the pairs' rows are eval's length
     here, which the packing of pairs names by training's key (``train/pairs.py``)."""
-    return ConfigError(exc.key, exc.reason.replace(f"data.seq_len={seq_len}", f"--seq-len {seq_len}"))
+    reason = exc.reason.replace(f"data.seq_len={seq_len}", f"--seq-len {seq_len}")
+    return ConfigError(exc.key, reason.replace("raise data.seq_len", "raise --seq-len"))
 
 
 def _check_no_task_options(args: argparse.Namespace) -> None:
