@@ -32,6 +32,7 @@ class View:
     kept: Optional[Fetched] = None
     readable: bool = True
     start: int = 0  # the step the run began at (a resume's)
+    every: int = 5  # checkpoint.snapshot_every
     asked: list[frozenset[int]] = field(default_factory=list)
 
     @property
@@ -49,6 +50,9 @@ class View:
 
     def start_step(self) -> int:
         return self.start
+
+    def snapshot_every(self) -> int:
+        return self.every
 
     def faults(self) -> Sequence[FaultSpec]:
         return self.chaos
@@ -103,6 +107,14 @@ def test_a_run_goes_back_to_its_start_when_no_snapshot_is_whole() -> None:
     assert resumed.step == 3
 
 
+@pytest.mark.parametrize("every", [0, 2])
+def test_snapshots_taken_and_lost_end_the_run_rather_than_train_every_step_again(every: int) -> None:
+    """At step 6 with snapshots every 2 steps (or none taken), none whole: the run ends, its
+    durable checkpoints kept, instead of going back to step 0."""
+    with pytest.raises(RecoveryError, match="no snapshot at or before step 6 is whole in the survivors' memory or the node holders \\("):
+        plan_recovery(View(peer_steps=(), node_steps=(), every=every), lost=frozenset({3}), new_dp=2, last_step=6)
+
+
 def test_empty_seats_go_to_the_ready_spares_first_then_to_new_workers() -> None:
     plan = plan_recovery(View(spares=1), lost=frozenset({1, 3}), new_dp=2, spares=2, last_step=5)
     assert (plan.seats, plan.spares, plan.new_workers) == ((0, None, 2, None), 1, 1)
@@ -155,7 +167,8 @@ def test_rays_recovery_goes_back_to_the_step_its_run_began_at(monkeypatch: pytes
     from ringtrain.actors.roster import Member, Slot
     from ringtrain.status import WorkerInfo
 
-    g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2)), "cpu")
+    every_5 = config.CheckpointConfig(snapshot_every=5)
+    g = WorkerGroup(config.JobConfig(mesh=config.MeshConfig(dp=2, cp=2), checkpoint=every_5), "cpu")
     g.members = [Member(f"a{r}", Slot("pg", r), info=WorkerInfo(r, "h", 1, "cpu", "n")) for r in range(4)]
     formed: list[Optional[list[str]]] = []
     monkeypatch.setattr(g, "form_world", lambda members, job, snapshot=None, crash_restoring=frozenset(): formed.append(snapshot) or 0)

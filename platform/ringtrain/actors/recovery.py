@@ -103,6 +103,9 @@ class GroupView:
     def start_step(self) -> int:
         return self._recovery.group.start_step
 
+    def snapshot_every(self) -> int:
+        return self._recovery.group.job.checkpoint.snapshot_every
+
     def faults(self) -> list[FaultSpec]:
         return self._recovery.group.job.chaos.faults
 

@@ -343,6 +343,9 @@ class SimulatedRecovery:
     def start_step(self) -> int:
         return 0  # a simulated run starts from step 0 (``SimulatedGroup.restore``)
 
+    def snapshot_every(self) -> int:
+        return self.group.snapshot_every
+
     def faults(self) -> tuple[FaultSpec, ...]:
         return self.chaos
 

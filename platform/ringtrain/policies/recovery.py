@@ -14,8 +14,8 @@ rules:
 - restore: the newest step at or before the one asked for whose every rank's shard some place
   holds, each shard from the cheapest place (``policies.snapshots.plan_restore``); step 0 is the
   initial state, which forming a world builds (the job's seeded or pretrained weights, the data
-  at its start), so a run that began there goes back to it when no snapshot is whole (a failure
-  before the first one). A resumed run began at the step its checkpoint held: every rank keeps
+  at its start), so a run that began there goes back to it when it failed before its first
+  snapshot was due. A resumed run began at the step its checkpoint held: every rank keeps
   that state as a snapshot, and without it whole there is no way back. A lost rank's own memory
   is read only when it is alive with a state to trust (``evicted_alive``: a straggler's).
 - retry: a recovery asked for the step an interrupted recovery fetched (a worker died while the
@@ -131,6 +131,10 @@ class ClusterView(Protocol):
     def start_step(self) -> int:
         """The step the run began at: 0 (the initial state), or the step of the checkpoint a
         resume loaded."""
+        ...
+
+    def snapshot_every(self) -> int:
+        """Steps between snapshots (``checkpoint.snapshot_every``; 0: none taken)."""
         ...
 
     def faults(self) -> Sequence[FaultSpec]:
@@ -249,20 +253,22 @@ def plan_recovery(
 def _restore_point(view: ClusterView, readers: frozenset[int], *, newest: int) -> Optional[RestorePlan]:
     """The newest whole snapshot at or before ``newest`` in what ``readers``' memories and the
     node holders hold; None for step 0 (the initial state: nothing to read), which a run that
-    began there goes back to when no snapshot is whole."""
+    began there goes back to when it failed before its first snapshot was due. Snapshots taken
+    and lost since (a node gone without its buddy's copy) end the run, its durable checkpoints
+    kept: going back to step 0 would train every step again."""
     if not newest:
         return None
     holdings = view.holdings(readers)
     plan = plan_restore(holdings, newest=newest)
     if plan is not None:
         return plan
-    start = view.start_step()
-    if not start:
-        return None
+    start, every = view.start_step(), view.snapshot_every()
+    if not start and 0 < every and newest < every:
+        return None  # failed before its first snapshot was due: nothing was taken, nothing is lost going back
+    since = f", not even of step {start}, which the run resumed from" if start else ""
     raise RecoveryError(
-        f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders, not even "
-        f"of step {start}, which the run resumed from (checkpoint.snapshot_every sets how often one is taken); "
-        f"held: {held(holdings)}"
+        f"no snapshot at or before step {newest} is whole in the survivors' memory or the node holders{since} "
+        f"(checkpoint.snapshot_every sets how often one is taken); held: {held(holdings)}"
     )
 
 
