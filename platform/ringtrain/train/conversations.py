@@ -27,6 +27,7 @@ first token kept).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -44,25 +45,42 @@ PACKING_COUNTS = ("conversations", "packed", "dropped", "truncated", "rows", "to
 
 
 @dataclass(frozen=True)
-class ConversationRows:
-    """Rows of whole conversations: row r holds ``conversations[starts[r]:starts[r + 1]]``,
-    each taking ``lengths`` of its tokens from ``skips`` on (its whole length from 0 unless cut)."""
+class PackedRows:
+    """Rows of whole items (conversations, or preference pairs) packed into ``seq_len`` tokens:
+    row r holds items ``starts[r]:starts[r + 1]``; what packing kept and what ``seq_len`` cost."""
 
-    conversations: np.ndarray  # int64 conversation (document) indices, row after row
-    lengths: np.ndarray  # int64 tokens each takes, aligned with ``conversations``
-    skips: np.ndarray  # int64 tokens left out at each one's start (truncate_start), aligned
-    starts: np.ndarray  # int64 offsets into ``conversations`` of each row, then the end
+    COUNT_NAMES: ClassVar[tuple[str, ...]] = PACKING_COUNTS
+
+    starts: np.ndarray  # int64 offsets of each row's first item, then the end
     seq_len: int
-    total: int  # conversations in the dataset
+    total: int  # items in the dataset
     dropped: int  # longer than seq_len, left out
-    truncated: int  # longer than seq_len, cut to it
-    num_tokens: int  # the dataset's conversations' tokens, all of them
-    dropped_tokens: int  # the dropped conversations' tokens
+    truncated: int  # longer than seq_len, cut to fit
+    num_tokens: int  # the dataset's items' tokens, all of them (a pair's as it is laid out whole)
+    dropped_tokens: int  # the dropped items' tokens
     truncated_tokens: int  # what cutting took from the truncated ones
 
     @property
     def num_rows(self) -> int:
         return len(self.starts) - 1
+
+    def counts(self) -> dict[str, int]:
+        """What the run's summary reports about the packing (``COUNT_NAMES``): items and tokens,
+        what was lost to ``seq_len``, and the rows' capacity against the tokens they hold."""
+        values = (self.total, self.total - self.dropped, self.dropped, self.truncated, self.num_rows, self.num_tokens,
+                  self.dropped_tokens, self.truncated_tokens, self.num_rows * self.seq_len,
+                  self.num_tokens - self.dropped_tokens - self.truncated_tokens)  # fmt: skip
+        return dict(zip(self.COUNT_NAMES, values, strict=True))
+
+
+@dataclass(frozen=True)
+class ConversationRows(PackedRows):
+    """Rows of whole conversations, each taking ``lengths`` of its tokens from ``skips`` on (its
+    whole length from 0 unless cut)."""
+
+    conversations: np.ndarray  # int64 conversation (document) indices, row after row
+    lengths: np.ndarray  # int64 tokens each takes, aligned with ``conversations``
+    skips: np.ndarray  # int64 tokens left out at each one's start (truncate_start), aligned
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(conversation indices, tokens taken of each) of row ``index``."""
@@ -72,13 +90,6 @@ class ConversationRows:
     def row_skips(self, index: int) -> np.ndarray:
         """Tokens left out at the start of each conversation of row ``index``."""
         return self.skips[int(self.starts[index]) : int(self.starts[index + 1])]
-
-    def counts(self) -> dict[str, int]:
-        """What the run's summary reports about the packing: conversations and tokens, what was
-        lost to ``seq_len``, and the rows' capacity against the tokens they hold."""
-        values = (self.total, self.total - self.dropped, self.dropped, self.truncated, self.num_rows, self.num_tokens,
-                  self.dropped_tokens, self.truncated_tokens, self.num_rows * self.seq_len, int(self.lengths.sum()))  # fmt: skip
-        return dict(zip(PACKING_COUNTS, values, strict=True))
 
 
 def _next_fit(taken: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
 from ringtrain.errors import DataError
-from ringtrain.train.conversations import PACKERS, PACKING_COUNTS, _PACK_KEY
+from ringtrain.train.conversations import PACKERS, PACKING_COUNTS, _PACK_KEY, PackedRows
 
 # Documents a pair is laid out as when its prompt is shared: the family's first (the prompt but
 # its last token) and one per completion.
@@ -52,24 +52,14 @@ def row_length(prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray, sha
 
 
 @dataclass(frozen=True)
-class PairRows:
-    """Rows of whole pairs: row r holds ``pairs[starts[r]:starts[r + 1]]``, each with
-    ``prompt_cut`` tokens cut from its prompt's start."""
+class PairRows(PackedRows):
+    """Rows of whole pairs, each with ``prompt_cut`` tokens cut from its prompt's start (the
+    counts' items are pairs, their tokens as each pair is laid out whole)."""
+
+    COUNT_NAMES: ClassVar[tuple[str, ...]] = PAIR_COUNTS
 
     pairs: np.ndarray  # int64 pair indices, row after row
     prompt_cut: np.ndarray  # int64, aligned with ``pairs``
-    starts: np.ndarray  # int64 offsets into ``pairs`` of each row, then the end
-    seq_len: int
-    total: int  # pairs in the dataset
-    dropped: int  # longer than seq_len, left out
-    truncated: int  # longer than seq_len, their prompts cut
-    num_tokens: int  # the dataset's pairs' tokens, each pair's as it is laid out whole
-    dropped_tokens: int  # the dropped pairs' tokens
-    truncated_tokens: int  # what cutting took from the truncated ones
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.starts) - 1
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(pair indices, tokens cut from each one's prompt) of row ``index``."""
@@ -81,14 +71,6 @@ class PairRows:
         end = int(self.starts[num_rows])
         return dataclasses.replace(self, pairs=self.pairs[:end], prompt_cut=self.prompt_cut[:end],
                                    starts=self.starts[: num_rows + 1])  # fmt: skip
-
-    def counts(self) -> dict[str, int]:
-        """What the run's summary reports about the packing (``PAIR_COUNTS``): pairs and tokens,
-        what was lost to ``seq_len``, and the rows' capacity against the tokens they hold."""
-        values = (self.total, self.total - self.dropped, self.dropped, self.truncated, self.num_rows, self.num_tokens,
-                  self.dropped_tokens, self.truncated_tokens, self.num_rows * self.seq_len,
-                  self.num_tokens - self.dropped_tokens - self.truncated_tokens)  # fmt: skip
-        return dict(zip(PAIR_COUNTS, values, strict=True))
 
 
 def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared: bool, overlong: str,
@@ -114,8 +96,8 @@ def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared:
     taken = row_length(prompt[order] - cut, chosen[order], rejected[order], shared)
     placed, starts = PACKERS[packing](taken, seq_len)
     long = int((over > 0).sum())
-    return PairRows(order[placed].astype(np.int64), cut[placed], starts, seq_len=seq_len, total=len(parts),
-                    dropped=len(parts) - len(order), truncated=long - (len(parts) - len(order)),
+    return PairRows(pairs=order[placed].astype(np.int64), prompt_cut=cut[placed], starts=starts, seq_len=seq_len,
+                    total=len(parts), dropped=len(parts) - len(order), truncated=long - (len(parts) - len(order)),
                     num_tokens=int(need.sum()), dropped_tokens=int(need[~keep].sum()),
                     truncated_tokens=int((need[keep] - taken).sum()))  # fmt: skip
 
