@@ -74,6 +74,21 @@ def test_an_out_file_that_cannot_be_written_is_refused_before_the_work(tmp_path:
     assert refused.value.key == "--out" and refused.value.reason.startswith(says.format(tmp=tmp_path))
 
 
+def test_an_existing_out_file_that_may_not_be_written_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only file is refused too (os.access stands in: a root shell may write any file)."""
+    import os
+
+    from ringtrain.commands.destination import check_writable
+    from ringtrain.errors import ConfigError
+
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("")
+    check_writable(str(kept), "--out")
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != kept)
+    with pytest.raises(ConfigError, match="kept.jsonl: cannot write this file"):
+        check_writable(str(kept), "--out")
+
+
 def _bare_model(tmp_path: Path) -> Path:
     """A model folder with no tokenizer at all: config.json alone."""
     folder = tmp_path / "bare"

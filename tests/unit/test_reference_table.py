@@ -27,6 +27,7 @@ from ringtrain.actors import reference_keeper
 from ringtrain.actors.reference_keeper import ReferenceKeeper, run_key
 from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.reference_table import TABLES_DIR, load_table, object_key, save_table, table_key
+from ringtrain.commands.eval_pairs import PairsEval
 from ringtrain.commands.reference import initial_identity, resolve_reference
 from ringtrain.errors import ConfigError
 from ringtrain.train.reference_input import REFERENCE_KEY, Reference, ReferenceWeights
@@ -110,6 +111,10 @@ def test_a_hostile_table_is_computed_again_with_a_line_saying_why(tmp_path: Path
     path.symlink_to(tmp_path / "elsewhere.table")
     keeper = ReferenceKeeper(_key(), None, store=store, say=said.append)
     assert keeper.table is None and keeper.join_input() == Reference()
+    evaluated = PairsEval(None, "dpo", config.PreferenceConfig(), reference="initial", store=store,  # type: ignore[arg-type]
+                          key=lambda device: _key())  # fmt: skip
+    evaluated._look_up("cpu")  # ringtrain eval of the run: the pairs' reference scored instead, and said so
+    assert evaluated.table is None and "the run's table not used: could not read" in evaluated.reference
     path.unlink()
     save_table(store, _key(), np.ones((5, 2)))
 
@@ -305,7 +310,12 @@ def test_a_checkpoint_reference_is_read_only_as_it_is_handed_to_the_workers(tmp_
     shards = {"rank-0": b"rank 0's state", "rank-1": b"rank 1's state"}
     open_store(store_dir.as_uri()).save(7, shards, checkpoint_meta(config.load(None, shape)))
     job = config.load(None, [*shape, "train.objective=dpo", f"train.preference.reference={store_dir}"])
+    step_dir = store_dir / "step-000000007"
+    for name, blob in shards.items():  # damaged while it is resolved: the driver reads the manifest alone
+        (step_dir / name).write_bytes(bytes(len(blob)))
     resolved = resolve_reference(job)
+    for name, blob in shards.items():
+        (step_dir / name).write_bytes(blob)
     assert resolved is not None and resolved.weights is not None
     assert resolved.weights.shards == () and resolved.identity["step"] == 7
     handed = pickle.loads(pickle.dumps(Reference(weights=resolved.weights)))  # as ray.put hands it over

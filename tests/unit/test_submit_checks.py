@@ -51,24 +51,24 @@ def test_a_job_whose_inputs_pass_on_the_cluster_is_started() -> None:
 
 
 def test_a_job_refusing_its_s3_uri_on_the_cluster_names_the_variables_and_the_flags_to_pass() -> None:
-    """The flags submit takes: --secret for a secret-looking name (submit refuses it with --env),
-    and no credentials file, a path on this machine the cluster does not have."""
+    """The flags submit takes: --secret for credentials holding a secret-looking name (submit
+    refuses it with --env), all of them alike, since a key id on the workers without its secret
+    would stop boto3 there; no credentials file nor profile, which name this machine's files."""
     job = Job([("RUNNING", ""), ("FAILED", f"some Ray line\n{NO_CREDENTIALS}\n")])
     verdict = _await(job, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t",
-                           "AWS_SHARED_CREDENTIALS_FILE": "/home/me/.aws/credentials", "HOME": "/h"})  # fmt: skip
+                           "AWS_SHARED_CREDENTIALS_FILE": "/home/me/.aws/credentials", "AWS_PROFILE": "dev",
+                           "HOME": "/h"})  # fmt: skip
     assert not verdict.passed and verdict.bad_input and verdict.status == "FAILED"
     assert verdict.lines == (
         NO_CREDENTIALS,
         "ringtrain: this shell sets AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN: give them to the job with "
-        "--env AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY --secret AWS_SESSION_TOKEN (a --secret reaches the job's "
+        "--secret AWS_ACCESS_KEY_ID --secret AWS_SECRET_ACCESS_KEY --secret AWS_SESSION_TOKEN (a --secret reaches the job's "
         "driver only, which writes the checkpoints; a dataset on s3:// is read by the workers with the cluster's own "
         "credentials), or set them on the cluster",
     )
     flags = verdict.lines[1].split(" give them to the job with ")[1].split(" (")[0].split()
     check_env_names([name for flag, name in zip(flags[::2], flags[1::2]) if flag == "--env"])  # submit takes them
-    assert env_hints((NO_CREDENTIALS,), {"AWS_PROFILE": "dev"}) == [
-        "ringtrain: this shell sets AWS_PROFILE: give them to the job with --env AWS_PROFILE, or set them on the cluster"
-    ]
+    assert env_hints((NO_CREDENTIALS,), {"AWS_PROFILE": "dev"}) == []
     # Nothing of it here either: the job's own line (which names the variables) is all there is to say.
     assert _await(Job([("FAILED", NO_CREDENTIALS)]), {}).lines == (NO_CREDENTIALS,)
 

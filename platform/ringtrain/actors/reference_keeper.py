@@ -24,8 +24,9 @@ import numpy as np
 
 from ringtrain.checkpoint import CheckpointStore
 from ringtrain.checkpoint.fence import Fence
-from ringtrain.checkpoint.reference_table import Found, load_table, object_key, save_table, table_key
+from ringtrain.checkpoint.reference_table import Found, load_table, save_table, table_key
 from ringtrain.config import MODEL_DEFAULTS, JobConfig
+from ringtrain.errors import first_line
 from ringtrain.hf.hfconfig import OVERRIDABLE_KEYS, SHAPE_KEYS
 from ringtrain.train.reference_input import Reference, ReferenceWeights
 
@@ -53,13 +54,9 @@ class ReferenceKeeper:
                 say(f"reference log-probs of {len(found.table)} pairs read from {found.uri}")
 
     def _load(self, store: CheckpointStore) -> Found:
-        """The store's table of this key; one the store cannot hand over (refused, denied, a
-        failed request) is computed again, as a damaged one is, with the line saying why."""
-        try:
-            return load_table(store, self.key)
-        except Exception as exc:
-            uri = store.backend.uri(object_key(self.key))
-            return Found(None, uri, f"could not read {uri}: {_why(exc)}")
+        """The store's table of this key (``load_table``: one the store cannot hand over is
+        computed again, as a damaged one is, with the line saying why)."""
+        return load_table(store, self.key)
 
     def join_input(self) -> Reference:
         """What each rank of a world forming is given: the table once there is one, else the
@@ -87,7 +84,8 @@ class ReferenceKeeper:
         try:
             self.uri = save_table(self.store, self.key, self.table, fence=self.fence)
         except Exception as exc:  # the run goes on with the table in memory; a later run computes it again
-            self.say(f"reference log-probs: could not store them in {self.store.uri}: {_why(exc)}")
+            why = f"{type(exc).__name__}: {first_line(exc)}"
+            self.say(f"reference log-probs: could not store them in {self.store.uri}: {why}")
             return
         self.say(f"reference log-probs of {len(self.table)} pairs stored in {self.uri}")
 
@@ -102,12 +100,6 @@ def pair_rows(job: JobConfig) -> int:
         return mixture.pair_rows().num_rows
     finally:
         mixture.close()
-
-
-def _why(exc: BaseException) -> str:
-    """An error in one line: its type and its message's first line."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def run_key(job: JobConfig, identity: Mapping[str, Any], device: str, seq_len: Optional[int] = None) -> dict[str, Any]:

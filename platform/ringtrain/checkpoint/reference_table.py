@@ -27,6 +27,7 @@ from ringtrain.checkpoint.backends import ObjectMissing, ObjectTooLarge
 from ringtrain.checkpoint.fence import Fence
 from ringtrain.checkpoint.fence import confirm as confirm_fence
 from ringtrain.checkpoint.store import CheckpointStore
+from ringtrain.errors import first_line
 from ringtrain.jsonfile import JsonFileError, parse_json
 
 # The store's folder of reference tables, beside its step folders.
@@ -78,8 +79,9 @@ def save_table(store: CheckpointStore, key: Mapping[str, Any], table: np.ndarray
 
 def load_table(store: CheckpointStore, key: Mapping[str, Any]) -> Found:
     """The table stored under ``key``; ``Found.table`` None when there is none, or when the
-    object there is not this key's whole table (``Found.note`` says what is wrong with it).
-    The store's own errors (an object it refuses to read, a failed request) are raised."""
+    object there is not this key's whole table, or the store will not hand it over (an object it
+    refuses to read, a denied or failed request): ``Found.note`` says why. A table is a cache of
+    one pass over the data: whoever looks it up computes it again rather than fail on it."""
     name = object_key(key)
     uri = store.backend.uri(name)
     # This key's table is exactly its header, a newline and the values: nothing longer is read.
@@ -90,6 +92,8 @@ def load_table(store: CheckpointStore, key: Mapping[str, Any]) -> Found:
         return Found(None, uri)
     except ObjectTooLarge:
         return Found(None, uri, f"{uri} is larger than a table of {key['num_pairs']} pairs")
+    except Exception as exc:  # noqa: BLE001 - whatever the store raised, the table is taken again
+        return Found(None, uri, f"could not read {uri}: {type(exc).__name__}: {first_line(exc)}")
     head, newline, payload = blob.partition(b"\n")
     try:
         header = parse_json(head, max_bytes=header_bytes) if newline else None

@@ -71,6 +71,8 @@ class PairsEval:
         if found.table is not None:
             self.table = found.table
             self.reference += f" (the run's table, read from {found.uri})"
+        elif found.note:  # damaged, or not handed over: the reference is scored here instead
+            self.reference += f" (the run's table not used: {found.note})"
 
     def result(self, policy: "np.ndarray", counts: "np.ndarray") -> dict[str, Any]:
         """The JSON object of the scored pairs (policy and reference tables ``[pairs, 2]``)."""

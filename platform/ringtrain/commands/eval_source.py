@@ -54,21 +54,23 @@ class EvalSource:
         return [self.checkpoint.shards[name] for name in sorted(self.checkpoint.shards)]
 
 
-def resolve_source(text: str) -> EvalSource:
-    """The model behind SOURCE; a ConfigError naming SOURCE when there is none."""
+def resolve_source(text: str, *, eager: bool = True) -> EvalSource:
+    """The model behind SOURCE; a ConfigError naming SOURCE when there is none. ``eager``: a
+    checkpoint's shards are read and checked now (a store's newest damaged one passed over);
+    without it only its manifest, the shards on access."""
     if text.startswith(uris.SCHEMES):
-        return _from_checkpoint(text)
+        return _from_checkpoint(text, eager)
     path = Path(text)
     if not path.exists():
         raise ConfigError(KEY, f"no such run directory, checkpoint or model folder: {text}")
     if (path / "config.json").is_file():
         return _from_hf(path)
     if (path / config.RUN_CONFIG).is_file():
-        return _from_run(path)
+        return _from_run(path, eager)
     if path.is_dir():
         if split_checkpoint_uri(str(path))[1] is None and not _holds_checkpoints(path):
             raise ConfigError(KEY, f"{text} is {_what_folder(path)}, not a model: {ACCEPTS}")
-        return _from_checkpoint(path.resolve().as_uri())
+        return _from_checkpoint(path.resolve().as_uri(), eager)
     raise ConfigError(KEY, f"{text} is a file; give a run directory, a checkpoint or a Hugging Face model folder")
 
 
@@ -91,12 +93,12 @@ def _from_hf(folder: Path) -> EvalSource:
     return EvalSource("hf", job, str(folder.resolve()), where=f"Hugging Face model {folder}")
 
 
-def _from_run(run_dir: Path) -> EvalSource:
+def _from_run(run_dir: Path, eager: bool) -> EvalSource:
     from ringtrain.actors.resume import incompatibility
 
     job = config.load_saved(run_dir / config.RUN_CONFIG, KEY)
     try:
-        found = open_source(str(run_dir.absolute()), key=KEY, accept=incompatibility(job), eager=True)
+        found = open_source(str(run_dir.absolute()), key=KEY, accept=incompatibility(job), eager=eager)
     except NoCheckpoint as exc:
         raise ConfigError(
             KEY,
@@ -107,10 +109,10 @@ def _from_run(run_dir: Path) -> EvalSource:
     return _with_checkpoint("run", job, loaded, f"run {run_dir}, step {loaded.step}")
 
 
-def _from_checkpoint(uri: str) -> EvalSource:
+def _from_checkpoint(uri: str, eager: bool) -> EvalSource:
     from ringtrain.actors.resume import incompatibility
 
-    loaded = open_source(uri, key=KEY, eager=True).checkpoint
+    loaded = open_source(uri, key=KEY, eager=eager).checkpoint
     job = _job_beside(split_checkpoint_uri(uri)[0]) or _job_of_meta(loaded.meta)
     reason = incompatibility(job)(loaded.meta)
     if reason:

@@ -73,7 +73,7 @@ def resolve_reference(job: JobConfig) -> Optional[ResolvedReference]:
     if text == REFERENCE_INITIAL:
         return ResolvedReference(initial_identity(job), None)
     try:
-        source = resolve_source(text)
+        source = resolve_source(text, eager=False)  # the shards are read only where a world needs them
     except ConfigError as exc:
         raise ConfigError(REFERENCE_KEY, exc.reason) from None
     check_fits(job, source, text)

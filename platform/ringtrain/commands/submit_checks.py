@@ -25,9 +25,10 @@ CHECKED = "ringtrain: the job's inputs passed their checks on the cluster"
 # A job's start: the runtime env unpacked, Python and ringtrain imported, every input read.
 CHECK_TIMEOUT_S = 600.0
 POLL_S = 1.0
-# What of this shell's S3 settings a job can be given. Not AWS_SHARED_CREDENTIALS_FILE: a path on
-# this machine, which the cluster's nodes do not have.
-CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+# What of this shell's S3 settings a job can be given. Not AWS_SHARED_CREDENTIALS_FILE nor
+# AWS_PROFILE: a path, or a profile, in this machine's files, which the cluster's nodes do not have
+# (a profile a node lacks breaks every S3 client there, even one with good credentials).
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 
@@ -85,9 +86,11 @@ def env_hints(errors: tuple[str, ...], environ: Mapping[str, str]) -> list[str]:
     here = [name for name in wanted if environ.get(name)]
     if not here:
         return []
-    # A secret-looking name passed with --env is refused by submit itself (submission_secrets).
-    secret = [name for name in here if looks_secret(name)]
-    flags = " ".join(f"{SECRET_FLAG if name in secret else '--env'} {name}" for name in here)
+    # A secret-looking name passed with --env is refused by submit itself (submission_secrets);
+    # and credentials travel together: a key id on the workers without its secret would stop
+    # boto3 there (partial credentials) instead of falling back to the cluster's own.
+    secret = any(looks_secret(name) for name in here)
+    flags = " ".join(f"{SECRET_FLAG if secret else '--env'} {name}" for name in here)
     # As docs/security.md says: a secret reaches the job's driver, never its workers.
     where = (f" (a {SECRET_FLAG} reaches the job's driver only, which writes the checkpoints; a dataset on s3:// is read "
              "by the workers with the cluster's own credentials)") if secret else ""  # fmt: skip

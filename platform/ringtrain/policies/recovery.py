@@ -210,15 +210,16 @@ def plan_recovery(
 ) -> RecoveryPlan:
     """The world to form after dropping ``lost`` ranks: ``new_dp`` replicas (default: the
     same), up to ``spares`` warm spares in the empty seats, resuming from the newest whole
-    snapshot at or before ``last_step`` (0: the initial state; also when none is whole in a run
-    that began there).
+    snapshot at or before ``last_step`` (0: the initial state; also for a run that began there
+    and failed before its first snapshot was due).
 
     ``fired_through``: the step the failure was seen in (default ``last_step + 1``): chaos
     faults due by then have fired. ``quarantine``: the lost ranks' slots are never reused (their
     devices corrupted data, or are slow). ``grow``: replicas added at the step boundary after
     ``last_step``, which must restore that very step; no failure, so no retry and no
-    crash_restoring fault. Raises RecoveryError when there is no way back: a resumed run holds no
-    whole snapshot, or a grow none of ``last_step``."""
+    crash_restoring fault. Raises RecoveryError when there is no way back: no whole snapshot
+    where one was taken (or a resumed run's own step is not whole), or a grow none of
+    ``last_step``."""
     topo = view.topology
     fired = last_step + 1 if fired_through is None else fired_through
     read_lost = evicted_alive(quarantine=quarantine, last_step=last_step, fired_through=fired)
