@@ -117,9 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _s3_cause(exc: BaseException) -> Optional[str]:
     """The one sentence for an S3 failure no check caught first (botocore's own trace runs to 60
-    lines); None for anything else, or where boto3 was never loaded."""
-    if "botocore" not in sys.modules:
-        return None
+    lines); None for anything else."""
     from ringtrain.checkpoint.s3_access import cause
 
     return cause(exc)

@@ -53,14 +53,17 @@ def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
 
 
 def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key: str = "eval.data",
-             pairs: bool = False) -> EvalPlan:  # fmt: skip
+             pairs: bool = False, content: Optional[str] = None) -> EvalPlan:  # fmt: skip
     """Read ``job.eval.data`` and build the passkey prompts; input errors name their key
     (``data_key`` for the data) before any cluster is asked for anything. With ``pairs`` a
-    preference dataset is read as its pairs (``ringtrain eval``), else refused."""
+    preference dataset is read as its pairs (``ringtrain eval``), else refused. ``content``: what
+    the data holds, where the caller read it already (``content_of``)."""
     e = job.eval
     vocab = job.model_int("vocab_size")
     evalset = pair_set = None
-    if e.data and content_of(e.data, data_key) == "preference":
+    if e.data and content is None:
+        content = content_of(e.data, data_key)
+    if content == "preference":
         if not pairs:
             raise ConfigError(data_key, f"{e.data} is a preference dataset: score it with `ringtrain eval SOURCE --data "
                               f"{e.data} train.objective=dpo` (or another preference objective)")
@@ -77,6 +80,7 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
             token_dtype=job.data.token_dtype,
             tokenizer=tokenizer,
             key=data_key,
+            content=content,
         )
     # A chat dataset's loss is averaged as training averages it; a mean of windows' means would not be.
     norm = job.train.loss_norm if evalset is not None and evalset.coverage is not None else "token"

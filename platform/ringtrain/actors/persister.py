@@ -19,7 +19,6 @@ rule (``checkpoint.max_failed_saves``).
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -151,7 +150,7 @@ class Persister:
         if isinstance(exc, RayError):
             first = (str(exc).strip().splitlines() or [""])[0]
             return f"the snapshot could not be fetched from the workers, which (or whose cluster) went away: {type(exc).__name__}: {first}"
-        said = cause(exc) if "botocore" in sys.modules else None
+        said = cause(exc)
         return f"{self.store.uri}: {said}" if said else f"{self.store.uri}: {type(exc).__name__}: {exc}"
 
     def _stop(self, exc: FenceLost) -> None:

@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -285,7 +284,7 @@ class WriterLease:
                 log.error("%s", exc)
                 return
             except Exception as exc:  # a network blip: the next renewal may succeed before expiry
-                said = cause(exc) if "botocore" in sys.modules else None
+                said = cause(exc)
                 log.warning("renewing the writer lease %s failed (the next renewal tries again): %s", self.uri, said or exc)
 
     def _write(self, now: float, version: Optional[str]) -> bool:

@@ -15,6 +15,7 @@ reported with the same sentences.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -81,7 +82,10 @@ def _origin(url: str) -> str:
 
 def cause(exc: BaseException, endpoint_url: Optional[str] = None) -> Optional[str]:
     """One sentence for a failure of boto3 or botocore (or one carried in ``exc``'s causes), with
-    what to change; None when ``exc`` is no such failure."""
+    what to change; None when ``exc`` is no such failure (as it never is while botocore was never
+    loaded: a file:// store's failure asks for no boto3 import)."""
+    if "botocore" not in sys.modules:
+        return None
     from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
     from botocore import exceptions as bc
 

@@ -85,7 +85,7 @@ def open_source(
     except S3Unavailable as exc:
         raise ConfigError(key, f"cannot read {where}: {exc.cause}") from None
     except Exception as exc:  # these calls only read the source: denied, unreachable, no bucket
-        said = cause(exc) if uris.is_s3(uri) else None
+        said = cause(exc)
         raise ConfigError(key, f"cannot read {where}: {said or f'{type(exc).__name__}: {exc}'}") from None
     if loaded is None:
         why = "; ".join(str(s) for s in store.skipped[:3])

@@ -154,16 +154,19 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
                                     "a prepared dataset (or --tasks for lm-evaluation-harness tasks)")
     if not args.tasks:
         _check_no_task_options(args)
+    from ringtrain.train.evalset import content_of
+
     try:
         source = resolve_source(args.source)
-        job = _eval_job(source, args)
+        content = content_of(args.data, "--data") if args.data else None  # read once: text, chat or preference
+        job = _eval_job(source, args, content)
         for note in _data_tokenizer_notes(source, job.eval.data):
             _stderr(f"ringtrain: warning: {note}")
         try:
-            plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True)
+            plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True, content=content)
         except ConfigError as exc:
             raise _length_named(exc, job.eval.seq_len) from None
-        _check_objective(job)  # once the data is known to be there
+        _check_objective(job, content)  # once the data is known to be there
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
         pairs = _pairs_plan(job, source, plan)
@@ -196,16 +199,15 @@ def _check_no_task_options(args: argparse.Namespace) -> None:
             raise ConfigError(flag, f"applies to {OPTION} only")
 
 
-def _check_objective(job: JobConfig) -> None:
-    """``--data`` and ``train.objective`` agree, as ``ringtrain run`` asks of its data: a
-    preference dataset is scored by a preference objective, any other data by ``lm``."""
-    from ringtrain.train.evalset import content_of
+def _check_objective(job: JobConfig, content: Optional[str]) -> None:
+    """``--data`` (holding ``content``) and ``train.objective`` agree, as ``ringtrain run`` asks of
+    its data: a preference dataset is scored by a preference objective, any other data by ``lm``."""
     from ringtrain.train.mixture import check_objective
 
-    if not job.eval.data:
+    if not job.eval.data or content is None:
         return
     try:
-        check_objective(job, job.eval.data, content_of(job.eval.data))
+        check_objective(job, job.eval.data, content)
     except ConfigError as exc:
         hint = "; to score its next-token loss, pass train.objective=lm" if job.train.objective != "lm" else ""
         raise ConfigError(exc.key, exc.reason + hint) from None
@@ -255,11 +257,11 @@ def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
     return [unchecked_note(source.tokenizer_folder, data, tok, "SOURCE")] if source.tokenizer_folder else []
 
 
-def _eval_job(source: EvalSource, args: argparse.Namespace) -> JobConfig:
+def _eval_job(source: EvalSource, args: argparse.Namespace, content: Optional[str] = None) -> JobConfig:
     """The source's job with the user's overrides and options, shaped for evaluation
-    (``workers.inference_job``): one sequence per forward."""
+    (``workers.inference_job``): one sequence per forward. ``content``: what --data holds."""
     job = inference_job(source, list(args.overrides))
-    if not _names_objective(args.overrides) and not _holds_pairs(args.data):
+    if not _names_objective(args.overrides) and content != "preference":
         # A preference run's objective scores pairs alone: its text, chat data or tasks are scored
         # by their next-token loss, unless the command line asks for an objective.
         job.train = dataclasses.replace(job.train, objective="lm")
@@ -286,12 +288,6 @@ def _names_objective(overrides: Sequence[str]) -> bool:
     from ringtrain.config.overrides import parse
 
     return any(key == "train.objective" for key, _ in parse(list(overrides)))
-
-
-def _holds_pairs(data: Optional[str]) -> bool:
-    from ringtrain.train.evalset import content_of
-
-    return bool(data) and content_of(data, "--data") == "preference"
 
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:

@@ -14,7 +14,6 @@ of values, which drawing the config would spell out), and none through a link ou
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import yaml
 from ringtrain.config import RUN_CONFIG
 from ringtrain.config.yamlfile import MAX_FILE_BYTES, check_bounds
 from ringtrain.errors import ConfigError, first_line
+from ringtrain.jsonfile import JsonFileError, parse_json
 from ringtrain.links import check_inside
 
 # The key a file of the run directory that links out of it is refused under.
@@ -156,9 +156,9 @@ NOT_JSON = object()
 def _json(text: str) -> Any:
     """The JSON value of ``text`` with every integer too large for a float replaced by None
     (each value is drawn as a float), or NOT_JSON."""
-    try:
-        return _floatable(json.loads(text))
-    except (ValueError, RecursionError):
+    try:  # the caller read the file within its bounds
+        return _floatable(parse_json(text, max_bytes=None))
+    except (JsonFileError, RecursionError):  # not JSON, or nested deeper than walking it may go
         return NOT_JSON
 
 

@@ -98,9 +98,11 @@ def load_eval_set(
     token_dtype: str = "uint16",
     tokenizer: Optional[Tokenizer] = None,
     key: str = "eval.data",
+    content: Optional[str] = None,
 ) -> EvalSet:
-    """The sequences of ``path``; errors name ``key``."""
-    if content_of(path, key) == "chat":
+    """The sequences of ``path``; errors name ``key``. ``content``: what ``path`` holds, where
+    the caller read it already (``content_of``)."""
+    if (content or content_of(path, key)) == "chat":
         found = chat_set(path, seq_len=seq_len, max_rows=max_rows, key=key)
     elif is_prepared_path(path):  # a prepared text dataset: its token stream, not its files' bytes
         found = windows_set(_prepared_windows(path, seq_len, max_rows or DEFAULT_WINDOWS, key))
