@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 class ReferenceKeeper:
     def __init__(self, key: Mapping[str, Any], weights: Optional[ReferenceWeights], *, store: Optional[CheckpointStore],
-                 fence: Optional[Fence] = None, say: Callable[[str], None] = log.info) -> None:  # fmt: skip
+                 fence: Optional[Fence] = None, say: Callable[[str], None] = log.info,
+                 rows: Optional[int] = None) -> None:  # fmt: skip
         self.key = dict(key)
         self.weights = weights
         self.store = store
@@ -44,7 +45,7 @@ class ReferenceKeeper:
         self.table: Optional[np.ndarray] = None
         self.uri = ""  # where the table is stored ("" while it is not)
         self.computed = 0  # tables a world computed: 1 for a fresh run, 0 for one that found its own
-        self._rows: Optional[int] = None  # the rows of pairs a pass scores, once counted
+        self._rows = rows  # the rows of pairs a pass scores: the driver's packing counts, else counted once
         if store is not None:
             found = self._load(store)
             if found.note:

@@ -125,20 +125,22 @@ def run(args: argparse.Namespace) -> int:
     return _train(job, run_path, progress, resume_from, store, lease, eval_plan, stop, reference)
 
 
-def _chat_data_note(job: config.JobConfig, progress: "Progress") -> None:
-    """How the job's chat data packs and what data.seq_len cost it, before the first step; a
-    warning on stderr when the conversations dropped or cut hold more than a few percent of it."""
+def _chat_data_note(job: config.JobConfig, progress: "Progress") -> Optional[dict[str, int]]:
+    """How the job's chat or preference data packs and what data.seq_len cost it, before the
+    first step; a warning on stderr when the conversations or pairs dropped or cut hold more than
+    a few percent of it. Returns the counts (``chat_packing_counts``; None for other data)."""
     from ringtrain.train.conversations import packing_note
     from ringtrain.train.mixture import chat_packing_counts
 
     counts = chat_packing_counts(job)
     if counts is None:
-        return
+        return None
     note, warn = packing_note(counts, job.data.seq_len, job.data.chat_overlong)
     if warn:
         print(f"ringtrain: warning: {note}", file=sys.stderr, flush=True)
     else:
         progress.message(note)
+    return counts
 
 
 def _train(
@@ -198,12 +200,13 @@ def _train(
             f"ring {topo.ring} x ulysses {topo.ulysses}), ZeRO-{job.zero.stage}, "
             f"seq {job.data.seq_len}, {device}, {'embedded Ray' if cluster.embedded else cluster.address}"
         )
-        _chat_data_note(job, progress)
+        packed = _chat_data_note(job, progress)
         try:
             group = WorkerGroup(job, device)
             if reference is not None:
                 group.reference = ReferenceKeeper(run_key(job, reference.identity, device), reference.weights,
-                                                  store=store, fence=lease, say=progress.message)  # fmt: skip
+                                                  store=store, fence=lease, say=progress.message,
+                                                  rows=packed["rows"] if packed else None)  # fmt: skip
             controller = Controller(
                 job,
                 group,
