@@ -170,3 +170,24 @@ def test_pairs_that_fit_no_row_are_refused_before_any_cluster(dataset: Path, tmp
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"ringtrain: config error: data.seq_len: {dataset}: no preference pair fits data.seq_len=8 (all {NUM_PAIRS} are "
                      "longer; raise data.seq_len or set data.chat_overlong: truncate_start)"], proc.stderr  # fmt: skip
+
+
+def test_the_driver_packs_a_dataset_once_for_its_checks_note_and_reference_pass(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_sources, the console's counts and the reference pass's row count read the shards'
+    offsets and pack once between them; another seq_len packs again."""
+    from ringtrain.actors.reference_keeper import pair_rows
+    from ringtrain.train import mixture
+    from ringtrain.train.corpus import PreparedCorpus
+
+    reads: list[str] = []  # one entry a read of every shard's offsets
+    lengths = PreparedCorpus.document_lengths
+    monkeypatch.setattr(PreparedCorpus, "document_lengths", lambda self: reads.append("read") or lengths(self))
+    monkeypatch.setattr(mixture, "_PACKED", {})
+    job = _job(dataset, "train.objective=simpo", "data.chat_overlong=truncate_start")
+    assert mixture.check_sources(job) == []
+    counts = mixture.chat_packing_counts(job)
+    assert counts is not None and pair_rows(job) == counts["rows"] and len(reads) == 1
+    mixture.chat_packing_counts(_job(dataset, "train.objective=simpo", f"data.seq_len={2 * SEQ}"))
+    assert len(reads) == 2

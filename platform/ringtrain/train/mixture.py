@@ -105,14 +105,28 @@ def is_packed(corpus: PreparedCorpus) -> bool:
     return corpus.is_chat or corpus.is_preference
 
 
+# The rows last packed, by dataset (its manifest's digest) and packing settings: a driver checks
+# the data, says how it packs and sizes the reference pass from one packing (a million
+# conversations take about a second, and their offsets are read from every shard).
+_PACKED: dict[tuple[object, ...], Union[ConversationRows, PairRows]] = {}
+_PACKED_KEPT = 2
+
+
 def pack_rows(corpus: PreparedCorpus, seq_len: int, seed: int, *, overlong: str, packing: str,
               prefix_sharing: bool) -> Union[ConversationRows, PairRows]:  # fmt: skip
     """A chat dataset's rows of whole conversations, or a preference dataset's of whole pairs;
-    a DataError where none fits ``seq_len``."""
-    lengths = corpus.document_lengths()
-    if corpus.is_preference:
-        return pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=overlong, packing=packing)
-    return pack_conversations(lengths, seq_len, seed, overlong, packing)
+    a DataError where none fits ``seq_len``. Packed once per process for a dataset and settings."""
+    key = (corpus.manifest.digest(), seq_len, seed, overlong, packing, prefix_sharing)
+    if key not in _PACKED:
+        lengths = corpus.document_lengths()
+        if corpus.is_preference:
+            rows = pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=overlong, packing=packing)
+        else:
+            rows = pack_conversations(lengths, seq_len, seed, overlong, packing)
+        while len(_PACKED) >= _PACKED_KEPT:
+            del _PACKED[next(iter(_PACKED))]  # the oldest
+        _PACKED[key] = rows
+    return _PACKED[key]
 
 
 def job_rows(corpus: PreparedCorpus, job: JobConfig) -> Union[ConversationRows, PairRows]:
