@@ -1,7 +1,7 @@
 """`ringtrain` command line: the parser of every verb, and the dispatch to its module in ``commands/``.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (config, data path, capacity): one line
-naming the key to change, no traceback.
+naming the key to change, no traceback. An error ends a verb by its class (``errors.ending``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Callable, Optional, Sequence
 
 from ringtrain.commands import dashboards, export, generate, jobs, plan, prepare, report, run
 from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the builtin
-from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.errors import EXIT_FAILED, EXIT_USAGE, ConfigError, Ending, RingtrainError, ending  # noqa: F401  (EXIT_FAILED: cli's too)
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 # What `ringtrain --help` says: for users, not about this module.
 DESCRIPTION = (
     "Train long-context language models on a Ray cluster (elastic, fault-tolerant,\n"
@@ -85,34 +84,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    dashed = _dashed_override(sys.argv[1:] if argv is None else list(argv))
-    if dashed:
-        print(f"ringtrain: config error: {dashed}", file=sys.stderr)
-        return EXIT_USAGE
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command in VERBS:
-            return VERBS[args.command].run(args, argv)
-        code = jobs.run(args)
-        if code is not None:
-            return code
-    except ConfigError as exc:
-        print(f"ringtrain: config error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RingtrainError as exc:
-        print(f"ringtrain: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("ringtrain: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _dispatch(argv)
+    except (RingtrainError, KeyboardInterrupt) as exc:
+        return _end(ending(exc))
     except Exception as exc:
         said = _s3_cause(exc)
         if said is None:
             raise
-        print(f"ringtrain: error: S3: {said}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_USAGE
+        return _end(ending(RingtrainError(f"S3: {said}")))
+
+
+def _dispatch(argv: Optional[Sequence[str]]) -> int:
+    dashed = _dashed_override(sys.argv[1:] if argv is None else list(argv))
+    if dashed is not None:
+        raise dashed
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command in VERBS:
+        return VERBS[args.command].run(args, argv)
+    code = jobs.run(args)
+    return EXIT_USAGE if code is None else code
+
+
+def _end(said: Ending) -> int:
+    print(said.line, file=sys.stderr)
+    return said.code
 
 
 def _s3_cause(exc: BaseException) -> Optional[str]:
@@ -123,7 +120,7 @@ def _s3_cause(exc: BaseException) -> Optional[str]:
     return cause(exc)
 
 
-def _dashed_override(argv: list[str]) -> Optional[str]:
+def _dashed_override(argv: list[str]) -> Optional[ConfigError]:
     """The error for an override written as an option (``--train.steps=20``), which argparse
     would answer with the top-level usage; None when there is none."""
     for arg in argv:
@@ -132,5 +129,5 @@ def _dashed_override(argv: list[str]) -> Optional[str]:
         match = _DASHED_OVERRIDE.match(arg)
         if match:
             fixed = match["key"] + (match["value"] or "=VALUE")
-            return f"{arg}: overrides are written key=value with no dashes: {fixed}"
+            return ConfigError(arg, f"overrides are written key=value with no dashes: {fixed}")
     return None

@@ -3,15 +3,25 @@
 Exceptions cross actor boundaries, so each one pickles through its constructor arguments
 (``__reduce__``) instead of relying on ``BaseException``'s positional-args protocol, which
 breaks for subclasses whose ``__init__`` takes keyword-only or differently ordered arguments.
+
+Each class also says how a command that ends on it exits (``exit_code``) and what its one line
+calls it (``label``); ``ending`` turns an error, or the user's Ctrl-C, into that code and line.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+# A command's exit codes: 0 success, 1 the run failed, 2 bad input, 130 interrupted (128 + SIGINT).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class RingtrainError(Exception):
     """Base class: every error the platform raises on purpose."""
+
+    exit_code: ClassVar[int] = EXIT_FAILED
+    label: ClassVar[str] = "error"  # "": the message alone follows "ringtrain: "
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -26,6 +36,9 @@ class RingtrainError(Exception):
 
 class ConfigError(RingtrainError):
     """A config value is missing, unknown or invalid; ``key`` is the dotted key to change."""
+
+    exit_code = EXIT_USAGE
+    label = "config error"
 
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(f"{key}: {reason}")
@@ -75,3 +88,24 @@ def first_line(exc: BaseException) -> str:
     nothing."""
     text = str(exc).strip().splitlines()
     return text[0].rstrip(": ") if text else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a command ends: its exit code and the one line it leaves on stderr."""
+
+    code: int
+    line: str
+
+
+def ending(exc: Union[RingtrainError, KeyboardInterrupt], command: str = "") -> Ending:
+    """How a command that stopped on ``exc`` ends: its class's exit code, and one line naming
+    ``command`` where given (a verb that reports its own errors), else the error's label; Ctrl-C
+    exits 130."""
+    if isinstance(exc, KeyboardInterrupt):
+        return Ending(EXIT_INTERRUPTED, _line(command, "interrupted"))
+    return Ending(exc.exit_code, _line(command or exc.label, str(exc)))
+
+
+def _line(label: str, text: str) -> str:
+    return f"ringtrain: {label}: {text}" if label else f"ringtrain: {text}"

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 from ringtrain import config
 from ringtrain.config import JobConfig
 from ringtrain.config.destinations import is_loopback
-from ringtrain.errors import ClusterError, ConfigError, RingtrainError, first_line
+from ringtrain.errors import EXIT_USAGE, ClusterError, ConfigError, RingtrainError, first_line
 from ringtrain.submission_files import working_dir
 from ringtrain.submission_secrets import upload as upload_secrets
 
@@ -91,9 +91,15 @@ class SubmissionError(RingtrainError):
 class UnknownJobError(SubmissionError):
     """No job with the given submission id exists on the cluster."""
 
+    exit_code = EXIT_USAGE  # the id given is at fault
+    label = ""  # its message says so alone
+
 
 class TokenRefused(SubmissionError):
     """The cluster authenticates with a token and the request carried none, or a wrong one."""
+
+    exit_code = EXIT_USAGE  # the token given is at fault
+    label = ""  # its message says so alone
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ringtrain import config
 from ringtrain.commands.run import stop_wait_env
 from ringtrain.commands.submit_checks import SUBMITTED_VARIABLE, await_checks
 from ringtrain.config.destinations import forwarded_hosts
-from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ringtrain.submission import (
     CLUSTER_PYTHON_VARIABLE,
     DEFAULT_ADDRESS,
@@ -27,8 +27,6 @@ from ringtrain.submission import (
     TOKEN_VARIABLE,
     JobsClient,
     JobState,
-    TokenRefused,
-    UnknownJobError,
     passed_env,
     plain_http_warning,
     resolve_address,
@@ -38,7 +36,6 @@ from ringtrain.submission import (
 from ringtrain.submission_files import shipped_inputs
 from ringtrain.submission_secrets import SECRET_FLAG, check_env_names, check_no_password, read_secrets
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_POLL_S = 0.5
 ADDRESS_HELP = f"the cluster's job API (default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, else {DEFAULT_ADDRESS})"
 TOKEN_HELP = (
@@ -113,21 +110,10 @@ def _token_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Optional[int]:
-    """The exit code of a submission command; None when ``args.command`` is not one of them."""
+    """The exit code of a submission command; None when ``args.command`` is not one of them. Its
+    errors end it as any verb's do (``errors.ending``, in ``cli.main``)."""
     handler = _HANDLERS.get(args.command)
-    if handler is None:
-        return None
-    try:
-        return handler(args)
-    except ConfigError as exc:
-        print(f"ringtrain: config error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (UnknownJobError, TokenRefused) as exc:
-        print(f"ringtrain: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RingtrainError as exc:
-        print(f"ringtrain: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    return None if handler is None else handler(args)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -13,10 +13,8 @@ import sys
 import webbrowser
 from pathlib import Path
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import EXIT_OK, EXIT_USAGE, RingtrainError, ending
 from ringtrain.telemetry.report import REPORT_NAME, write_report
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,17 +33,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"ringtrain: report: {run_dir} is a file, not a run directory", file=sys.stderr)
         return EXIT_USAGE
     try:
-        path, warnings = write_report(run_dir)
-    except ConfigError as exc:
-        print(f"ringtrain: report: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        # A file of the run that cannot be read, or a folder that cannot be written: the OS says which.
-        print(f"ringtrain: report: cannot write {run_dir / REPORT_NAME}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        path, warnings = _written(run_dir)
+    except RingtrainError as exc:
+        said = ending(exc, "report")
+        print(said.line, file=sys.stderr)
+        return said.code
     for warning in warnings:
         print(f"ringtrain: report: warning: {warning}", file=sys.stderr)
     print(path)
     if args.open and not webbrowser.open(path.resolve().as_uri()):
         print(f"ringtrain: report: no web browser found; open {path} by hand", file=sys.stderr)
     return EXIT_OK
+
+
+def _written(run_dir: Path) -> tuple[Path, list[str]]:
+    """``write_report``'s answer; a run's file that links out of it is bad input (ConfigError),
+    and a file of the run that cannot be read, or a folder that cannot be written, is a failure
+    the OS names."""
+    try:
+        return write_report(run_dir)
+    except OSError as exc:
+        raise RingtrainError(f"cannot write {run_dir / REPORT_NAME}: {exc}") from exc
