@@ -431,3 +431,47 @@ def test_elastic_errors_say_what_bounds_the_value() -> None:
         config.load(None, ["controllers.heartbeat_s=5", "controllers.heartbeat_timeout_s=4"])
     with pytest.raises(ConfigError, match="skip, retry, abort"):
         config.load(None, ["controllers.on_nan=ignore"])
+
+
+def test_the_schema_declares_its_public_names_once_and_the_package_shows_them() -> None:
+    """``schema.__all__`` is the one list of the schema's names that ``ringtrain.config`` shows:
+    every public name the schema defines is on it (a new one left off would be missing from the
+    package), and it names nothing else but the attention names it takes from topology.py."""
+    import ast
+
+    from ringtrain import topology
+    from ringtrain.config import schema
+
+    tree = ast.parse(Path(schema.__file__).read_text())
+    defined = {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    defined |= {node.target.id for node in tree.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    public = {name for name in defined if not name.startswith("_")}
+    taken = set(schema.__all__) - public
+    assert public <= set(schema.__all__) and len(schema.__all__) == len(set(schema.__all__))
+    assert all(getattr(schema, name) is getattr(topology, name) for name in taken), taken
+    assert all(getattr(config, name) is getattr(schema, name) for name in schema.__all__)
+
+
+def test_every_name_imported_from_the_package_is_there() -> None:
+    """What platform/, tests/, bench/ and jobs/ import from ``ringtrain.config`` (or read as
+    ``config.X``) resolves: the package's names come from its parts' lists, not a copy of them."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[2]
+    wanted: set[str] = set()
+    for folder in ("platform", "tests", "bench", "jobs"):
+        for path in (repo / folder).rglob("*.py"):
+            text = path.read_text(encoding="utf-8")
+            if "ringtrain.config import" not in text and "ringtrain import" not in text:
+                continue
+            tree = ast.parse(text)
+            aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "ringtrain"
+                       for a in n.names if a.name == "config"}  # fmt: skip
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "ringtrain.config":
+                    wanted |= {a.name for a in node.names}
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                    wanted.add(node.attr)
+    assert {"JobConfig", "validate", "load", "RUN_CONFIG", "CPLayout"} <= wanted  # the scan sees them
+    assert sorted(name for name in wanted if not hasattr(config, name)) == []
