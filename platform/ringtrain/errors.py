@@ -82,10 +82,10 @@ class ClusterError(RingtrainError):
     """Ray could not be reached or started."""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of a library's exception (transformers', lm-eval's run to many), for a
-    message of one line, without a colon that led into the next; its type's name when it says
-    nothing."""
+def first_line(exc: Union[BaseException, str]) -> str:
+    """The first line of a library's exception, or of its message (transformers', lm-eval's,
+    OmegaConf's and PyYAML's run to many), for a message of one line, without a colon that led
+    into the next; its type's name when it says nothing."""
     text = str(exc).strip().splitlines()
     return text[0].rstrip(": ") if text else type(exc).__name__
 

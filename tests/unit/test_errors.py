@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from typing import Union
 
 import pytest
 
@@ -96,3 +97,26 @@ def test_a_restored_error_can_be_raised_and_caught_by_base_class() -> None:
     restored = pickle.loads(pickle.dumps(ConfigError("train.lr", "must be > 0")))
     with pytest.raises(RingtrainError, match=r"^train\.lr: must be > 0$"):
         raise restored
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (ValueError("Value 'abc' could not be converted:\n    full_key: mesh.dp"), "Value 'abc' could not be converted"),
+        ("expected ',' or ']'\n  in <unicode string>", "expected ',' or ']'"),
+        (ValueError("  \n"), "ValueError"),
+    ],
+    ids=["exception", "message", "silent"],
+)
+def test_first_line_is_a_library_errors_one_line(exc: Union[BaseException, str], line: str) -> None:
+    assert errors.first_line(exc) == line
+
+
+def test_a_yaml_error_without_a_position_says_its_first_line_as_the_config_does() -> None:
+    import yaml
+
+    from ringtrain.config.yamlfile import yaml_problem
+
+    assert yaml_problem(yaml.YAMLError("found a tab character where an indentation space is expected:\n  here")) == (
+        ": not valid YAML: found a tab character where an indentation space is expected"
+    )

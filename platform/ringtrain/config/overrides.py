@@ -19,7 +19,7 @@ from ringtrain.config.interpolation import refuse_resolvers
 from ringtrain.config.keys import did_you_mean
 from ringtrain.config.schema import JobConfig
 from ringtrain.config.yamlfile import check_bounds
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 
 SYNTAX = "overrides are key=value with no leading dashes (for example mesh.dp=2 or data.sources[0].path=/x)"
 # The parts of a key: a name, ``[i]``, or ``.i`` where the tree holds a list.
@@ -107,8 +107,3 @@ def as_config_error(exc: oc_errors.OmegaConfBaseException, key: Union[str, None]
     # OmegaConf's first line says what was wrong ("Value 'abc' of type 'str' could not be
     # converted to Integer"); the lines after it repeat the key and internal type names.
     return ConfigError(named, first_line(getattr(exc, "msg", "") or exc))
-
-
-def first_line(exc: object) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

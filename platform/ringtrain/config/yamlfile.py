@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 
 # Far above any real job (the largest, a chaos schedule or a model's layer_types, hold hundreds
 # of values) and far below what would cost a user noticeable time or memory to expand.
@@ -56,8 +56,7 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None)
     if mark is None or not problem:
-        text = str(exc).strip()
-        return f": not valid YAML: {text.splitlines()[0] if text else type(exc).__name__}"
+        return f": not valid YAML: {first_line(exc)}"
     context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     where = f" ({context} at line {context_mark.line + 1})" if context and context_mark is not None else ""
     return f":{mark.line + 1}:{mark.column + 1}: not valid YAML: {problem}{where}"
