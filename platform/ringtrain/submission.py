@@ -48,6 +48,7 @@ from ringtrain.config import JobConfig
 from ringtrain.config.destinations import is_loopback
 from ringtrain.errors import EXIT_USAGE, ClusterError, ConfigError, RingtrainError, first_line
 from ringtrain.submission_files import working_dir
+from ringtrain.submission_secrets import ENV_FLAG, shell_values
 from ringtrain.submission_secrets import upload as upload_secrets
 
 if TYPE_CHECKING:
@@ -257,16 +258,11 @@ def runtime_env(folder: Path, *, ship_package: bool = True, env_vars: Optional[d
     return env
 
 
-def passed_env(names: list[str], environ: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """The variables ``--env NAME`` passes from the submitting shell (tracker credentials, say):
-    their values travel in the submission, never in the job file. A name not set is bad input."""
-    environ = dict(os.environ) if environ is None else environ
-    for name in names:
-        if not name or "=" in name:
-            raise ConfigError("--env", f"{name!r} is not a variable name: give the name only; its value is read from your shell")
-        if name not in environ:
-            raise ConfigError("--env", f"{name} is not set in this shell")
-    return {name: environ[name] for name in names}
+def passed_env(names: list[str], environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The variables ``--env NAME`` passes from the submitting shell (tracker settings, say):
+    their values travel in the submission, never in the job file. Read as ``--secret``'s are
+    (``shell_values``): a name that is no variable name, or not set, is bad input."""
+    return shell_values(ENV_FLAG, names, environ)
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from ringtrain.config.destinations import TRACKING_KEY
 from ringtrain.errors import ConfigError
 
 SECRETS_VARIABLE = "RINGTRAIN_SECRETS"
-SECRET_FLAG = "--secret"
+SECRET_FLAG, ENV_FLAG = "--secret", "--env"
 # Names of variables that hold a secret, by the conventions of the clients that read them.
 SECRET_NAME = re.compile(r"(.*_(KEY|TOKEN|SECRET)|.*PASSWORD.*)", re.IGNORECASE)
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -54,7 +54,7 @@ def check_env_names(names: list[str]) -> None:
     for name in names:
         if looks_secret(name):
             raise ConfigError(
-                "--env",
+                ENV_FLAG,
                 f"{name} looks like a secret, and a variable passed with --env stays readable after the job "
                 f"(`GET /api/jobs/` with the cluster's token, Ray's runtime_env_agent.log): pass it with "
                 f"{SECRET_FLAG} {name}, which the job reads once and Ray keeps nowhere (on Kubernetes, "
@@ -73,15 +73,22 @@ def check_no_password(uri: str) -> None:
         )
 
 
-def read_secrets(names: list[str], environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The values of ``--secret NAME`` in this shell; a name not set, or not a variable name, is bad input."""
+def shell_values(flag: str, names: list[str], environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The values in this shell of the variables ``flag NAME`` names (``--env``, ``--secret``): a
+    name only, its value read here; a name that is no variable name, or not set, is bad input."""
     environ = os.environ if environ is None else environ
     for name in names:
         if VARIABLE_NAME.fullmatch(name) is None:
-            raise ConfigError(SECRET_FLAG, f"{name!r} is not a variable name: give the name only; its value is read from your shell")
+            raise ConfigError(flag, f"{name!r} is not a variable name: give the name only; its value is read from your shell")
         if name not in environ:
-            raise ConfigError(SECRET_FLAG, f"{name} is not set in this shell")
-    values = {name: environ[name] for name in names}
+            raise ConfigError(flag, f"{name} is not set in this shell")
+    return {name: environ[name] for name in names}
+
+
+def read_secrets(names: list[str], environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The values of ``--secret NAME`` in this shell (``shell_values``), within the size a sealed
+    object may have."""
+    values = shell_values(SECRET_FLAG, names, environ)
     if len(seal(values)) > MAX_SECRETS_BYTES:
         raise ConfigError(SECRET_FLAG, f"the secrets come to more than {MAX_SECRETS_BYTES:,} bytes: pass files' contents another way")
     return values

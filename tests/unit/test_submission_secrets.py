@@ -65,6 +65,27 @@ def test_bad_secret_names_are_bad_input(names: list[str], environ: dict[str, str
     assert str(refused.value).startswith(expected)
 
 
+@pytest.mark.parametrize("flag", ["--env", "--secret"])
+@pytest.mark.parametrize(
+    ("name", "environ", "expected"),
+    [
+        ("WANDB_PROJECT", {}, "{flag}: WANDB_PROJECT is not set in this shell"),
+        ("WANDB_PROJECT=p", {"WANDB_PROJECT": "p"}, "{flag}: 'WANDB_PROJECT=p' is not a variable name"),
+        ("WANDB-PROJECT", {"WANDB-PROJECT": "p"}, "{flag}: 'WANDB-PROJECT' is not a variable name"),
+        ("", {}, "{flag}: '' is not a variable name"),
+    ],
+)
+def test_env_and_secret_read_a_name_from_this_shell_alike(flag: str, name: str, environ: dict[str, str], expected: str) -> None:
+    """Both flags name a variable of this shell: what one refuses, the other does, in the same words."""
+    from ringtrain.submission import passed_env
+
+    read = passed_env if flag == "--env" else read_secrets
+    with pytest.raises(ConfigError) as refused:
+        read([name], environ)
+    assert str(refused.value).startswith(expected.format(flag=flag))
+    assert read(["HF_HUB_OFFLINE"], {"HF_HUB_OFFLINE": "1", "OTHER": "x"}) == {"HF_HUB_OFFLINE": "1"}
+
+
 def test_a_password_in_the_tracking_uri_is_refused_for_a_submission(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["submit", str(QUICKSTART), "telemetry.mlflow.tracking_uri=https://alice:pw@mlflow.internal", "--address", "http://127.0.0.1:9"])
     err = capsys.readouterr().err

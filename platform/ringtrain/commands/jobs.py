@@ -34,7 +34,7 @@ from ringtrain.submission import (
     resolve_token,
 )
 from ringtrain.submission_files import shipped_inputs
-from ringtrain.submission_secrets import SECRET_FLAG, check_env_names, check_no_password, read_secrets
+from ringtrain.submission_secrets import ENV_FLAG, SECRET_FLAG, check_env_names, check_no_password, read_secrets
 
 STOP_POLL_S = 0.5
 ADDRESS_HELP = f"the cluster's job API (default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, else {DEFAULT_ADDRESS})"
@@ -62,7 +62,7 @@ def add_arguments(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         "--submission-id", help="use this id instead of ringtrain-<name>-<config hash> (to run one config twice)"
     )
     submit.add_argument(
-        "--env",
+        ENV_FLAG,
         action="append",
         default=[],
         metavar="NAME",
