@@ -11,12 +11,11 @@ from typing import Any, Callable, Optional
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
 from ringtrain.checkpoint.lease import STORE_KEY, Holder, WriterLease
-from ringtrain.checkpoint.s3_access import S3Unavailable, check_access
+from ringtrain.checkpoint.s3_access import check_reachable
 from ringtrain.checkpoint.sources import store_of_run
 from ringtrain.config import MODEL_DEFAULTS, JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.hfconfig import read_hf_config
-from ringtrain.uris import is_s3
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +44,9 @@ def open_job_store(uri: str, job: JobConfig, key: str = "checkpoint.uri") -> Che
     S3 store whose credentials, endpoint or bucket fail (checked here, before any cluster)."""
     try:
         store = open_store(uri, keep=job.checkpoint.keep)
-        if is_s3(uri):
-            check_access(uri)
     except ValueError as exc:
         raise ConfigError(key, str(exc)) from None
-    except S3Unavailable as exc:
-        raise ConfigError(key, str(exc)) from None
+    check_reachable(uri, key)
     return store
 
 
