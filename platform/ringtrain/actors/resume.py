@@ -122,8 +122,33 @@ def incompatibility(job: JobConfig) -> Callable[[Any], Optional[str]]:
     return check
 
 
-def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None]) -> Optional[LoadedCheckpoint]:
-    """The checkpoint ``checkpoint.resume`` asks for, or None to start from step 0.
+# Opens the store at a URI, a ConfigError naming the key when it cannot be used (open_job_store).
+StoreOpener = Callable[[str, str], CheckpointStore]
+
+
+def open_checkpoints(
+    job: JobConfig, run_dir: Path, say: Callable[[str], None]
+) -> tuple[Optional[LoadedCheckpoint], Optional[CheckpointStore]]:
+    """Before any cluster: the checkpoint the run resumes (``find_resume_point``; None from step
+    0) and the store it writes (None when it takes no snapshots). A store the resume reads and
+    the run writes, as under ``checkpoint.resume=auto``, is opened and checked once."""
+    opened: dict[str, CheckpointStore] = {}
+
+    def open_once(uri: str, key: str) -> CheckpointStore:
+        if uri not in opened:
+            opened[uri] = open_job_store(uri, job, key)
+        return opened[uri]
+
+    resume_from = find_resume_point(job, run_dir, say, open_once)
+    store = open_once(store_uri(job, run_dir), "checkpoint.uri") if job.checkpoint.snapshot_every else None
+    return resume_from, store
+
+
+def find_resume_point(
+    job: JobConfig, run_dir: Path, say: Callable[[str], None], open_with: Optional[StoreOpener] = None
+) -> Optional[LoadedCheckpoint]:
+    """The checkpoint ``checkpoint.resume`` asks for, or None to start from step 0; its store is
+    opened by ``open_with`` (``open_job_store`` by default).
 
     ``auto`` starts fresh only when the store holds no checkpoint at all; a store whose every
     checkpoint is damaged or incompatible, or an explicit uri with nothing valid, is an error:
@@ -135,7 +160,8 @@ def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None])
     uri = store_uri(job, run_dir) if mode == "auto" else mode
     check = incompatibility(job)
     store_at, step = split_checkpoint_uri(uri)
-    store = open_job_store(store_at, job, key="checkpoint.resume")
+    key = "checkpoint.resume"
+    store = open_with(store_at, key) if open_with is not None else open_job_store(store_at, job, key)
     if step is not None:
         try:
             loaded = store.load(step, verify=True, eager=True)
