@@ -29,11 +29,12 @@ from ringtrain.topology import Topology
 class ScriptedGroup:
     """Two ranks whose step ``fail_at`` goes wrong in the scripted way."""
 
-    # What the Group protocol asks beyond the steps: no phases, one world, no holders.
+    # What the Group protocol asks beyond the steps: no phases, one world, no holders, from step 0.
     startup: dict[str, float] = {}
     phases: dict[str, float] = {}
     generation = 1
     holders: dict[str, Any] = {}
+    start_step = 0
 
     def __init__(self, *, fail_at: Optional[int] = None, failure: str = "nan") -> None:
         self.num_params = 123

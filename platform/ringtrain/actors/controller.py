@@ -168,7 +168,7 @@ class Controller:
         self.observers.on_start(self.group.infos)
         if book.resume_from is not None:
             self.observers.on_waiting(f"the workers to load step {book.resume_from.step}'s checkpoint")
-            book.start_step = book.resume(book.resume_from)
+            book.resume(book.resume_from)
         self._write_layout()
         self.observers.on_waiting(
             f"step {book.start_step + 1}, the workers' first (it also warms their kernels, and reads the first batch)"

@@ -130,6 +130,7 @@ class SimulatedGroup:
     # One world as far as the records go, no start-up timed, no holder actors.
     startup: dict[str, float] = {}
     generation = 1
+    start_step = 0  # a simulated run starts from step 0 (``restore``)
     holders: dict[str, Any] = {}
 
     def __init__(
@@ -341,7 +342,7 @@ class SimulatedRecovery:
         return self.spares
 
     def start_step(self) -> int:
-        return 0  # a simulated run starts from step 0 (``SimulatedGroup.restore``)
+        return self.group.start_step
 
     def snapshot_every(self) -> int:
         return self.group.snapshot_every
