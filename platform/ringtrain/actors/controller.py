@@ -105,8 +105,7 @@ class Controller:
             # abandoned (the writer lease is then left to expire, commands/run.py).
             self.durable.close(wait_s=0.0 if isinstance(self.state, (Stopping, Stopped)) else None)
             last = self.book.last_step
-            self.durable.watch_stopped(last)
-            self.durable.watch_saves(last, may_stop=False)  # the last saves' failures: incidents, no stop
+            self.durable.watch_failures(last, may_stop=False)  # the last failures: incidents, no stop
             if self.group.holders:
                 self.book.transit = transit_window(self.book.records, gather_arrivals(list(self.group.holders.values())))
             self.group.shutdown()
@@ -229,8 +228,7 @@ class Controller:
         if straggler is not None:
             return straggler
         self.durable.maybe_persist(step)
-        self.durable.watch_stopped(step)
-        failing = self.durable.watch_saves(step)
+        failing = self.durable.watch_failures(step)
         if failing is not None:
             return Stopping(failing)
         self._finish_recovery()
