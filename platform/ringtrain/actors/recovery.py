@@ -27,7 +27,7 @@ from ringtrain.policies.faults import Capacity, RankOutcome
 from ringtrain.policies.recovery import (
     Fetched, RecoveryError, RecoveryPlan, evicted_alive, node_losses, nodes_to_check, plan_recovery,
 )  # fmt: skip
-from ringtrain.policies.snapshots import REBUILD, Holding, RestorePlan, Source, source_kind
+from ringtrain.policies.snapshots import NODE, PEER, REBUILD, Holding, Location, RestorePlan, Source, node_at, peer_at
 from ringtrain.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,8 @@ def producers(plan: RestorePlan, survivors: dict[int, Member]) -> list[Producer]
     """The worker or node holder serving each of ``plan.fetch``'s shards, in its order."""
     out: list[Producer] = []
     for _, where in plan.fetch:
-        kind, _, name = where.partition(":")
-        if kind == "peer":
-            out.append(survivors[int(name)])
-        elif kind == REBUILD:
-            out.append(survivors[int(name.partition(":")[2])])
-        else:
-            out.append(name)
+        place = Location.parse(where)
+        out.append(place.name if place.kind == NODE else survivors[place.rank])
     return out
 
 
@@ -172,7 +167,7 @@ class Recovery:
             holdings.append(
                 Holding(
                     Source.PEER,
-                    f"peer:{rank}",
+                    peer_at(rank),
                     frozenset((s, rank) for s in steps),
                     tuple((s, world) for s in steps),
                     rebuilds=(tuple(live),) if live else (),
@@ -185,7 +180,7 @@ class Recovery:
                 continue
             shards = frozenset((step, r) for step, (_, ranks) in inventory.items() for r in ranks)
             worlds = tuple((step, w) for step, (w, _) in inventory.items())
-            holdings.append(Holding(Source.NODE, f"node:{node}", shards, worlds))
+            holdings.append(Holding(Source.NODE, node_at(node), shards, worlds))
         return holdings
 
     def _fetch(self, plan: RestorePlan, survivors: dict[int, Member]) -> list[Any]:
@@ -195,8 +190,8 @@ class Recovery:
 
         refs = []
         for (rank, where), producer in zip(plan.fetch, producers(plan, survivors)):
-            kind = source_kind(where)
-            if kind == "peer":
+            kind = Location.parse(where).kind
+            if kind == PEER:
                 refs.append(producer.handle.snapshot_blob.remote(plan.step))
             elif kind == REBUILD:
                 refs.append(producer.handle.rebuild_shard.remote(rank, plan.step))

@@ -43,7 +43,7 @@ from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
 from ringtrain.policies.recovery import (
     Fetched, RecoveryPlan, kept_by_new_world, node_losses, nodes_to_check, plan_recovery,
 )  # fmt: skip
-from ringtrain.policies.snapshots import Holding
+from ringtrain.policies.snapshots import NODE, Holding, Location
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
 
@@ -270,10 +270,10 @@ class SimulatedGroup:
 
 
 def _producer_node(where: str, snaps: SimulatedSnapshots) -> str:
-    """The node of the place a restore plan's shard came from: a holder's, or a worker's
-    (``peer:<rank>``, ``rebuild:peer:<rank>``)."""
-    kind, _, name = where.partition(":")
-    return name if kind == "node" else snaps.node_of(int(name.rpartition(":")[2]))
+    """The node of the place a restore plan's shard came from: a holder's, or a worker's (a peer,
+    or a survivor that rebuilds it)."""
+    place = Location.parse(where)
+    return place.name if place.kind == NODE else snaps.node_of(place.rank)
 
 
 def _first_hand(fault: Fault) -> RankOutcome:
