@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
-from ringtrain.actors.protocols import Reform
+from ringtrain.actors.protocols import Reform, Reformed
 from ringtrain.actors.simulated import (  # noqa: F401  (the tests import these from here)
-    ERROR_FRAME, UNIX0, Clock, Corruption, Durations, Fault, Reformed, SimulatedGroup, SimulatedRecovery,
+    ERROR_FRAME, UNIX0, Clock, Corruption, Durations, Fault, SimulatedGroup, SimulatedRecovery,
 )
 from ringtrain.actors.steps import StepResult
 from ringtrain.policies.faults import Capacity, RankOutcome

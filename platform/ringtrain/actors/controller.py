@@ -29,7 +29,7 @@ from ringtrain import metrics
 from ringtrain.actors.durable_copies import DurableCopies
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
-from ringtrain.actors.protocols import Durable, Elastic, Group, Reform, Sink
+from ringtrain.actors.protocols import Durable, Elastic, Group, Reform, Reformed, Sink
 from ringtrain.actors.runbook import RunBook
 from ringtrain.actors.states import (
     ALLOWED, Failed, Finished, Recovering, Resizing, Restoring, Starting, State, Stopped, Stopping, Training, check_handlers,
@@ -332,7 +332,7 @@ class Controller:
             )
         except WorkerError as exc:
             return self._retry(exc, state)
-        resumed = int(formed.step)
+        resumed = formed.step
         # A state from before a clean scan is clean.
         self.watches.world_changed(formed.seats, last_clean=min(self.watches.last_clean_scan, resumed))
         if recovery.failure.kind is Kind.SDC:
@@ -356,7 +356,9 @@ class Controller:
         )
         return Training(f"resumed after step {resumed}", step=resumed + 1)
 
-    def _execute(self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]) -> Any:
+    def _execute(
+        self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]
+    ) -> Reformed:
         """Carry out ``decision``; returns the world formed again (its ``step`` resumed after,
         ``phases``, ``seats`` and ``plan``, ``policies.recovery``). ``last_step``: the newest
         step to restore; ``fired_through``: the step the failure was seen in; ``batch``: the

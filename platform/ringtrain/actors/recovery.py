@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from ringtrain.actors.group import Member, StepResult, WorkerGroup
-from ringtrain.actors.protocols import Reform
+from ringtrain.actors.protocols import Reform, Reformed
 from ringtrain.chaos import FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.policies.faults import Capacity, RankOutcome
@@ -32,18 +32,7 @@ from ringtrain.topology import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupView", "Recovery", "RecoveryError", "Resumed", "evicted_alive", "produced", "producers"]
-
-
-@dataclass(frozen=True)
-class Resumed:
-    step: int  # the step training continues after
-    dp: int
-    spares_used: int
-    new_workers: int
-    phases: dict[str, float]  # seconds per phase: plan (find and fetch the state), warm, join, restore
-    seats: tuple[Optional[int], ...] = ()  # new rank -> the old rank seated there (None: a new worker)
-    plan: Optional[RecoveryPlan] = None
+__all__ = ["GroupView", "Recovery", "RecoveryError", "evicted_alive", "produced", "producers"]
 
 
 # Who serves a shard of a restore plan: a surviving worker, or a node's holder (by node id).
@@ -229,7 +218,7 @@ class Recovery:
 
     # --- actions -------------------------------------------------------------------------
 
-    def reform(self, request: Reform) -> Resumed:
+    def reform(self, request: Reform) -> Reformed:
         """Carry out ``request`` (``Reform`` says what it asks): the world
         ``policies.recovery.plan_recovery`` plans for it.
 
@@ -263,7 +252,7 @@ class Recovery:
         self._unfinished = None
         g.release_unused_placement()
         self._forget_after(step)
-        return Resumed(step, plan.dp, len(taken), len(new), {"plan_s": plan_s, **g.phases}, plan.seats, plan)
+        return Reformed(step, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
 
     def _drop(self, members: list[Member], *, quarantine: bool) -> None:
         if quarantine:
@@ -313,7 +302,7 @@ class Recovery:
             return False
         return ready
 
-    def grow(self, *, new_dp: int, last_step: int) -> Resumed:
+    def grow(self, *, new_dp: int, last_step: int) -> Reformed:
         """Add the prepared replicas at the step boundary after ``last_step``: every worker, old
         and new, loads ``last_step``'s snapshot resharded to ``new_dp``."""
         g = self.group
@@ -325,7 +314,7 @@ class Recovery:
         self._growth_workers = 0
         members = [old[r] if r is not None else fill.pop(0) for r in plan.seats]
         step = g.form_world(members, world_job(g.job, plan), snapshot=shards)
-        return Resumed(step, new_dp, 0, plan.new_workers, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
+        return Reformed(step, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
 
     # --- in place ----------------------------------------------------------------------
 
@@ -338,7 +327,7 @@ class Recovery:
         g.job = dataclasses.replace(g.job, train=dataclasses.replace(train, skip_batches=[*train.skip_batches, batch]))
         return range(batch * train.global_batch, (batch + 1) * train.global_batch)
 
-    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Resumed:
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Reformed:
         """Same workers, state of the newest whole snapshot at or before ``last_step`` (0: the
         initial state); with ``rejoin`` the process group is rebuilt first (a failed collective
         may have broken it). ``fired_through`` as for ``reform``."""
@@ -358,7 +347,7 @@ class Recovery:
             step = g.restore_refs(shards, crash_restoring=plan.crash_ranks)
         self._unfinished = None
         self._forget_after(step)
-        return Resumed(step, plan.dp, 0, 0, {"plan_s": plan_s}, plan.seats, plan)
+        return Reformed(step, {"plan_s": plan_s}, plan.seats, plan)
 
     def _forget_after(self, step: int) -> None:
         """Snapshots newer than ``step`` describe a future that was rolled back."""

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ringtrain.actors.protocols import Reform
+from ringtrain.actors.protocols import Reform, Reformed
 from ringtrain.actors.simulated_snapshots import SimulatedSnapshots
 from ringtrain.actors.steps import StepResult
 from ringtrain.chaos import FaultSpec
@@ -111,17 +111,6 @@ class Straggle:
     def fault(self) -> FaultSpec:
         """The chaos fault it stands for: ``slow`` on its steps."""
         return FaultSpec(kind="slow", rank=self.rank, step=self.steps.start, count=len(self.steps))
-
-
-@dataclass(frozen=True)
-class Reformed:
-    """A world formed again: the step it restored, the time of each phase, who sits where, and
-    the plan it carried out."""
-
-    step: int
-    phases: dict[str, float]
-    seats: tuple[Optional[int], ...] = ()
-    plan: Optional[RecoveryPlan] = None
 
 
 class SimulatedGroup:
