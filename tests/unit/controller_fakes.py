@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 from ringtrain import config
 from ringtrain.actors.controller import Controller
-from ringtrain.actors.protocols import Reform
+from ringtrain.actors.protocols import Reform, Reformed
 from ringtrain.actors.simulated import (  # noqa: F401  (the tests import these from here)
-    ERROR_FRAME, UNIX0, Clock, Corruption, Durations, Fault, Reformed, SimulatedGroup, SimulatedRecovery,
+    ERROR_FRAME, UNIX0, Clock, Corruption, Durations, Fault, SimulatedGroup, SimulatedRecovery,
 )
 from ringtrain.actors.steps import StepResult
 from ringtrain.policies.faults import Capacity, RankOutcome
@@ -29,11 +29,12 @@ from ringtrain.topology import Topology
 class ScriptedGroup:
     """Two ranks whose step ``fail_at`` goes wrong in the scripted way."""
 
-    # What the Group protocol asks beyond the steps: no phases, one world, no holders.
+    # What the Group protocol asks beyond the steps: no phases, one world, no holders, from step 0.
     startup: dict[str, float] = {}
     phases: dict[str, float] = {}
     generation = 1
     holders: dict[str, Any] = {}
+    start_step = 0
 
     def __init__(self, *, fail_at: Optional[int] = None, failure: str = "nan") -> None:
         self.num_params = 123

@@ -91,3 +91,27 @@ def test_a_step_result_is_frozen_and_a_failed_one_without_recovery_ends_the_run_
     assert (summary["status"], summary["final_step"]) == ("failed", 2)
     assert summary["error"] == "rank 1 on h: worker process of ranks [1] died"
     assert summary["incidents"] == [{"id": 1, "kind": "crash", "ranks": [1], "step": 3}]
+
+
+class ResumingGroup(ScriptedGroup):
+    """Its ranks load a checkpoint of step 3, as WorkerGroup's do: the run begins after it."""
+
+    def restore(self, blobs: list[bytes]) -> int:
+        self.restored = blobs
+        self.step = self.start_step = 3
+        return 3
+
+
+def test_a_resumed_run_begins_after_the_step_its_group_restored(tmp_path: Path) -> None:
+    from ringtrain.checkpoint import open_store
+
+    store = open_store((tmp_path / "ckpt").as_uri())
+    store.save(3, {"rank-0": b"zero", "rank-1": b"one"}, {"step": 3})
+    group = ResumingGroup()
+
+    summary = Controller(job(), group, RunDir(tmp_path / "run"), resume_from=store.load(3)).run()
+
+    assert group.restored == [b"zero", b"one"]
+    assert (summary["status"], summary["start_step"], summary["final_step"]) == ("finished", 3, 6)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [4, 5, 6]

@@ -31,11 +31,12 @@ class EvaluatingGroup:
     """One rank that trains in no time; it scores position p's prediction as loss 1 + p / 100
     and answers passkey prompts by copying what followed the key's sentence."""
 
-    # What the Group protocol asks beyond the steps: no phases, one world, no holders.
+    # What the Group protocol asks beyond the steps: no phases, one world, no holders, from step 0.
     startup: dict[str, float] = {}
     phases: dict[str, float] = {}
     generation = 1
     holders: dict[str, Any] = {}
+    start_step = 0
 
     def __init__(self) -> None:
         self.num_params = 1

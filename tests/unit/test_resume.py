@@ -365,3 +365,38 @@ def test_store_uri_of_a_relative_run_dir_is_absolute(tmp_path: Path, monkeypatch
 
 def test_store_uri_is_checkpoint_uri_when_set(tmp_path: Path) -> None:
     assert store_uri(job("checkpoint.uri=s3://bucket/prefix"), tmp_path) == "s3://bucket/prefix"
+
+
+# --- the store a run reads and writes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, opened, resumed",
+    [
+        (["checkpoint.resume=auto"], ["checkpoints"], 4),
+        (["checkpoint.resume=none"], ["checkpoints"], None),
+        (["checkpoint.resume={other}"], ["other", "checkpoints"], 2),
+        (["checkpoint.resume=auto", "checkpoint.snapshot_every=0"], ["checkpoints"], 4),
+        (["checkpoint.resume=none", "checkpoint.snapshot_every=0"], [], None),
+    ],
+    ids=["auto", "none", "other-store", "auto-no-snapshots", "none-no-snapshots"],
+)
+def test_a_store_the_run_resumes_from_and_writes_is_opened_and_checked_once(
+    tmp_path: Path, run_dir: Path, said: Said, monkeypatch: pytest.MonkeyPatch,
+    overrides: list[str], opened: list[str], resumed: int | None,
+) -> None:  # fmt: skip
+    from ringtrain.actors import resume
+
+    other = tmp_path / "other"
+    save(checkpoints(run_dir), 4)
+    save(other, 2)
+    checked: list[str] = []
+    real_check = resume.check_reachable
+    monkeypatch.setattr(resume, "check_reachable", lambda uri, key: (checked.append(uri), real_check(uri, key)))
+    the_job = job(*(o.format(other=other.as_uri()) for o in overrides))
+
+    resume_from, store = resume.open_checkpoints(the_job, run_dir, said)
+
+    assert [Path(uri.removeprefix("file://")).name for uri in checked] == opened
+    assert (store is None) == (the_job.checkpoint.snapshot_every == 0)
+    assert (resume_from.step if resume_from else None) == resumed

@@ -29,7 +29,7 @@ from ringtrain import metrics
 from ringtrain.actors.durable_copies import DurableCopies
 from ringtrain.actors.evaluation import EvalPlan
 from ringtrain.actors.observers import Observer, run_observers
-from ringtrain.actors.protocols import Durable, Elastic, Group, Reform, Sink
+from ringtrain.actors.protocols import Durable, Elastic, Group, Reform, Reformed, Sink
 from ringtrain.actors.runbook import RunBook
 from ringtrain.actors.states import (
     ALLOWED, Failed, Finished, Recovering, Resizing, Restoring, Starting, State, Stopped, Stopping, Training, check_handlers,
@@ -105,8 +105,7 @@ class Controller:
             # abandoned (the writer lease is then left to expire, commands/run.py).
             self.durable.close(wait_s=0.0 if isinstance(self.state, (Stopping, Stopped)) else None)
             last = self.book.last_step
-            self.durable.watch_stopped(last)
-            self.durable.watch_saves(last, may_stop=False)  # the last saves' failures: incidents, no stop
+            self.durable.watch_failures(last, may_stop=False)  # the last failures: incidents, no stop
             if self.group.holders:
                 self.book.transit = transit_window(self.book.records, gather_arrivals(list(self.group.holders.values())))
             self.group.shutdown()
@@ -168,7 +167,7 @@ class Controller:
         self.observers.on_start(self.group.infos)
         if book.resume_from is not None:
             self.observers.on_waiting(f"the workers to load step {book.resume_from.step}'s checkpoint")
-            book.start_step = book.resume(book.resume_from)
+            book.resume(book.resume_from)
         self._write_layout()
         self.observers.on_waiting(
             f"step {book.start_step + 1}, the workers' first (it also warms their kernels, and reads the first batch)"
@@ -229,8 +228,7 @@ class Controller:
         if straggler is not None:
             return straggler
         self.durable.maybe_persist(step)
-        self.durable.watch_stopped(step)
-        failing = self.durable.watch_saves(step)
+        failing = self.durable.watch_failures(step)
         if failing is not None:
             return Stopping(failing)
         self._finish_recovery()
@@ -334,7 +332,7 @@ class Controller:
             )
         except WorkerError as exc:
             return self._retry(exc, state)
-        resumed = int(formed.step)
+        resumed = formed.step
         # A state from before a clean scan is clean.
         self.watches.world_changed(formed.seats, last_clean=min(self.watches.last_clean_scan, resumed))
         if recovery.failure.kind is Kind.SDC:
@@ -358,7 +356,9 @@ class Controller:
         )
         return Training(f"resumed after step {resumed}", step=resumed + 1)
 
-    def _execute(self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]) -> Any:
+    def _execute(
+        self, decision: Decision, failure: Failure, *, last_step: int, fired_through: int, batch: Optional[int]
+    ) -> Reformed:
         """Carry out ``decision``; returns the world formed again (its ``step`` resumed after,
         ``phases``, ``seats`` and ``plan``, ``policies.recovery``). ``last_step``: the newest
         step to restore; ``fired_through``: the step the failure was seen in; ``batch``: the

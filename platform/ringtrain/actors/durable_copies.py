@@ -87,7 +87,14 @@ class DurableCopies:
 
     # --- failures --------------------------------------------------------------------------
 
-    def watch_stopped(self, step: int) -> None:
+    def watch_failures(self, step: int, *, may_stop: bool = True) -> Optional[str]:
+        """What failed since the last look, each as an incident at ``step``: durable checkpointing
+        stopped for good, and every save that failed. Returns why the run stops, if it does
+        (never without ``may_stop``)."""
+        self._watch_stopped(step)
+        return self._watch_saves(step, may_stop)
+
+    def _watch_stopped(self, step: int) -> None:
         """Once the Persister stopped for good (the store's writer lease was lost): one incident,
         a warning, and the reason kept for the summary and the run's exit."""
         stopped = getattr(self.persister, "stopped", None)
@@ -101,7 +108,7 @@ class DurableCopies:
             reason=f"durable checkpointing stopped (the newest durable step is {last}): {stopped}",
         )  # fmt: skip
 
-    def watch_saves(self, step: int, *, may_stop: bool = True) -> Optional[str]:
+    def _watch_saves(self, step: int, may_stop: bool) -> Optional[str]:
         """Each failed durable save is an incident naming the store and the cause; the next save
         tries again, and after checkpoint.max_failed_saves failures in a row the run stops (its
         newest durable checkpoint kept, the stop's own save tried once more) instead of training

@@ -20,30 +20,19 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from ringtrain.actors.group import Member, StepResult, WorkerGroup
-from ringtrain.actors.protocols import Reform
+from ringtrain.actors.protocols import Reform, Reformed
 from ringtrain.chaos import FaultSpec
 from ringtrain.config import ChaosConfig, JobConfig
 from ringtrain.policies.faults import Capacity, RankOutcome
 from ringtrain.policies.recovery import (
     Fetched, RecoveryError, RecoveryPlan, evicted_alive, node_losses, nodes_to_check, plan_recovery,
 )  # fmt: skip
-from ringtrain.policies.snapshots import REBUILD, Holding, RestorePlan, Source, source_kind
+from ringtrain.policies.snapshots import NODE, PEER, REBUILD, Holding, Location, RestorePlan, Source, node_at, peer_at
 from ringtrain.topology import Topology
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupView", "Recovery", "RecoveryError", "Resumed", "evicted_alive", "produced", "producers"]
-
-
-@dataclass(frozen=True)
-class Resumed:
-    step: int  # the step training continues after
-    dp: int
-    spares_used: int
-    new_workers: int
-    phases: dict[str, float]  # seconds per phase: plan (find and fetch the state), warm, join, restore
-    seats: tuple[Optional[int], ...] = ()  # new rank -> the old rank seated there (None: a new worker)
-    plan: Optional[RecoveryPlan] = None
+__all__ = ["GroupView", "Recovery", "RecoveryError", "evicted_alive", "produced", "producers"]
 
 
 # Who serves a shard of a restore plan: a surviving worker, or a node's holder (by node id).
@@ -54,13 +43,8 @@ def producers(plan: RestorePlan, survivors: dict[int, Member]) -> list[Producer]
     """The worker or node holder serving each of ``plan.fetch``'s shards, in its order."""
     out: list[Producer] = []
     for _, where in plan.fetch:
-        kind, _, name = where.partition(":")
-        if kind == "peer":
-            out.append(survivors[int(name)])
-        elif kind == REBUILD:
-            out.append(survivors[int(name.partition(":")[2])])
-        else:
-            out.append(name)
+        place = Location.parse(where)
+        out.append(place.name if place.kind == NODE else survivors[place.rank])
     return out
 
 
@@ -172,7 +156,7 @@ class Recovery:
             holdings.append(
                 Holding(
                     Source.PEER,
-                    f"peer:{rank}",
+                    peer_at(rank),
                     frozenset((s, rank) for s in steps),
                     tuple((s, world) for s in steps),
                     rebuilds=(tuple(live),) if live else (),
@@ -185,7 +169,7 @@ class Recovery:
                 continue
             shards = frozenset((step, r) for step, (_, ranks) in inventory.items() for r in ranks)
             worlds = tuple((step, w) for step, (w, _) in inventory.items())
-            holdings.append(Holding(Source.NODE, f"node:{node}", shards, worlds))
+            holdings.append(Holding(Source.NODE, node_at(node), shards, worlds))
         return holdings
 
     def _fetch(self, plan: RestorePlan, survivors: dict[int, Member]) -> list[Any]:
@@ -195,8 +179,8 @@ class Recovery:
 
         refs = []
         for (rank, where), producer in zip(plan.fetch, producers(plan, survivors)):
-            kind = source_kind(where)
-            if kind == "peer":
+            kind = Location.parse(where).kind
+            if kind == PEER:
                 refs.append(producer.handle.snapshot_blob.remote(plan.step))
             elif kind == REBUILD:
                 refs.append(producer.handle.rebuild_shard.remote(rank, plan.step))
@@ -234,7 +218,7 @@ class Recovery:
 
     # --- actions -------------------------------------------------------------------------
 
-    def reform(self, request: Reform) -> Resumed:
+    def reform(self, request: Reform) -> Reformed:
         """Carry out ``request`` (``Reform`` says what it asks): the world
         ``policies.recovery.plan_recovery`` plans for it.
 
@@ -268,7 +252,7 @@ class Recovery:
         self._unfinished = None
         g.release_unused_placement()
         self._forget_after(step)
-        return Resumed(step, plan.dp, len(taken), len(new), {"plan_s": plan_s, **g.phases}, plan.seats, plan)
+        return Reformed(step, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
 
     def _drop(self, members: list[Member], *, quarantine: bool) -> None:
         if quarantine:
@@ -318,7 +302,7 @@ class Recovery:
             return False
         return ready
 
-    def grow(self, *, new_dp: int, last_step: int) -> Resumed:
+    def grow(self, *, new_dp: int, last_step: int) -> Reformed:
         """Add the prepared replicas at the step boundary after ``last_step``: every worker, old
         and new, loads ``last_step``'s snapshot resharded to ``new_dp``."""
         g = self.group
@@ -330,7 +314,7 @@ class Recovery:
         self._growth_workers = 0
         members = [old[r] if r is not None else fill.pop(0) for r in plan.seats]
         step = g.form_world(members, world_job(g.job, plan), snapshot=shards)
-        return Resumed(step, new_dp, 0, plan.new_workers, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
+        return Reformed(step, {"plan_s": plan_s, **g.phases}, plan.seats, plan)
 
     # --- in place ----------------------------------------------------------------------
 
@@ -343,7 +327,7 @@ class Recovery:
         g.job = dataclasses.replace(g.job, train=dataclasses.replace(train, skip_batches=[*train.skip_batches, batch]))
         return range(batch * train.global_batch, (batch + 1) * train.global_batch)
 
-    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Resumed:
+    def rollback(self, *, last_step: int, rejoin: bool, fired_through: Optional[int] = None) -> Reformed:
         """Same workers, state of the newest whole snapshot at or before ``last_step`` (0: the
         initial state); with ``rejoin`` the process group is rebuilt first (a failed collective
         may have broken it). ``fired_through`` as for ``reform``."""
@@ -363,7 +347,7 @@ class Recovery:
             step = g.restore_refs(shards, crash_restoring=plan.crash_ranks)
         self._unfinished = None
         self._forget_after(step)
-        return Resumed(step, plan.dp, 0, 0, {"plan_s": plan_s}, plan.seats, plan)
+        return Reformed(step, {"plan_s": plan_s}, plan.seats, plan)
 
     def _forget_after(self, step: int) -> None:
         """Snapshots newer than ``step`` describe a future that was rolled back."""

@@ -11,12 +11,11 @@ from typing import Any, Callable, Optional
 from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint, open_store
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT, split_checkpoint_uri
 from ringtrain.checkpoint.lease import STORE_KEY, Holder, WriterLease
-from ringtrain.checkpoint.s3_access import S3Unavailable, check_access
+from ringtrain.checkpoint.s3_access import check_reachable
 from ringtrain.checkpoint.sources import store_of_run
 from ringtrain.config import MODEL_DEFAULTS, JobConfig
 from ringtrain.errors import ConfigError, RingtrainError
 from ringtrain.hf.hfconfig import read_hf_config
-from ringtrain.uris import is_s3
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +44,9 @@ def open_job_store(uri: str, job: JobConfig, key: str = "checkpoint.uri") -> Che
     S3 store whose credentials, endpoint or bucket fail (checked here, before any cluster)."""
     try:
         store = open_store(uri, keep=job.checkpoint.keep)
-        if is_s3(uri):
-            check_access(uri)
     except ValueError as exc:
         raise ConfigError(key, str(exc)) from None
-    except S3Unavailable as exc:
-        raise ConfigError(key, str(exc)) from None
+    check_reachable(uri, key)
     return store
 
 
@@ -126,8 +122,33 @@ def incompatibility(job: JobConfig) -> Callable[[Any], Optional[str]]:
     return check
 
 
-def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None]) -> Optional[LoadedCheckpoint]:
-    """The checkpoint ``checkpoint.resume`` asks for, or None to start from step 0.
+# Opens the store at a URI, a ConfigError naming the key when it cannot be used (open_job_store).
+StoreOpener = Callable[[str, str], CheckpointStore]
+
+
+def open_checkpoints(
+    job: JobConfig, run_dir: Path, say: Callable[[str], None]
+) -> tuple[Optional[LoadedCheckpoint], Optional[CheckpointStore]]:
+    """Before any cluster: the checkpoint the run resumes (``find_resume_point``; None from step
+    0) and the store it writes (None when it takes no snapshots). A store the resume reads and
+    the run writes, as under ``checkpoint.resume=auto``, is opened and checked once."""
+    opened: dict[str, CheckpointStore] = {}
+
+    def open_once(uri: str, key: str) -> CheckpointStore:
+        if uri not in opened:
+            opened[uri] = open_job_store(uri, job, key)
+        return opened[uri]
+
+    resume_from = find_resume_point(job, run_dir, say, open_once)
+    store = open_once(store_uri(job, run_dir), "checkpoint.uri") if job.checkpoint.snapshot_every else None
+    return resume_from, store
+
+
+def find_resume_point(
+    job: JobConfig, run_dir: Path, say: Callable[[str], None], open_with: Optional[StoreOpener] = None
+) -> Optional[LoadedCheckpoint]:
+    """The checkpoint ``checkpoint.resume`` asks for, or None to start from step 0; its store is
+    opened by ``open_with`` (``open_job_store`` by default).
 
     ``auto`` starts fresh only when the store holds no checkpoint at all; a store whose every
     checkpoint is damaged or incompatible, or an explicit uri with nothing valid, is an error:
@@ -139,7 +160,8 @@ def find_resume_point(job: JobConfig, run_dir: Path, say: Callable[[str], None])
     uri = store_uri(job, run_dir) if mode == "auto" else mode
     check = incompatibility(job)
     store_at, step = split_checkpoint_uri(uri)
-    store = open_job_store(store_at, job, key="checkpoint.resume")
+    key = "checkpoint.resume"
+    store = open_with(store_at, key) if open_with is not None else open_job_store(store_at, job, key)
     if step is not None:
         try:
             loaded = store.load(step, verify=True, eager=True)

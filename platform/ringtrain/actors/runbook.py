@@ -71,7 +71,6 @@ class RunBook:
         self.run_id = run_id
         self.resume_from = resume_from
         self.started = 0.0  # clock time the run began
-        self.start_step = 0
         self.records: list[dict[str, Any]] = []
         self.held: list[HeldRecord] = []  # records not written yet, oldest first
         self.ledger = SampleLedger()
@@ -144,7 +143,13 @@ class RunBook:
 
     # --- steps ---------------------------------------------------------------------------
 
-    def resume(self, checkpoint: LoadedCheckpoint) -> int:
+    @property
+    def start_step(self) -> int:
+        """The step the run began after (the group's: 0, or the step a resume restored)."""
+        return self.group.start_step
+
+    def resume(self, checkpoint: LoadedCheckpoint) -> None:
+        """Every rank loads ``checkpoint``: the run begins after its step (``start_step``)."""
         t0 = self.clock()
         names = sorted(checkpoint.shards)
         step = self.group.restore([checkpoint.shards[n] for n in names])
@@ -152,7 +157,6 @@ class RunBook:
             f"resumed from {checkpoint.uri} (step {step}, written at dp {checkpoint.meta.get('dp')}) "
             f"in {self.clock() - t0:.2f} s"
         )
-        return step
 
     def maybe_evaluate(self, step: int) -> Optional[dict[str, Any]]:
         """Every eval.every steps and after the last: the eval plan scored on the state after

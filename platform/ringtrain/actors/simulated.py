@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ringtrain.actors.protocols import Reform
+from ringtrain.actors.protocols import Reform, Reformed
 from ringtrain.actors.simulated_snapshots import SimulatedSnapshots
 from ringtrain.actors.steps import StepResult
 from ringtrain.chaos import FaultSpec
@@ -43,7 +43,7 @@ from ringtrain.policies.faults import Capacity, Outcome, RankOutcome
 from ringtrain.policies.recovery import (
     Fetched, RecoveryPlan, kept_by_new_world, node_losses, nodes_to_check, plan_recovery,
 )  # fmt: skip
-from ringtrain.policies.snapshots import Holding
+from ringtrain.policies.snapshots import NODE, Holding, Location
 from ringtrain.status import StepReport, WorkerInfo
 from ringtrain.topology import Topology
 
@@ -113,23 +113,13 @@ class Straggle:
         return FaultSpec(kind="slow", rank=self.rank, step=self.steps.start, count=len(self.steps))
 
 
-@dataclass(frozen=True)
-class Reformed:
-    """A world formed again: the step it restored, the time of each phase, who sits where, and
-    the plan it carried out."""
-
-    step: int
-    phases: dict[str, float]
-    seats: tuple[Optional[int], ...] = ()
-    plan: Optional[RecoveryPlan] = None
-
-
 class SimulatedGroup:
     """A dp x cp world of simulated ranks, ``ranks_per_node`` to a node (``actors.protocols.Group``)."""
 
     # One world as far as the records go, no start-up timed, no holder actors.
     startup: dict[str, float] = {}
     generation = 1
+    start_step = 0  # a simulated run starts from step 0 (``restore``)
     holders: dict[str, Any] = {}
 
     def __init__(
@@ -269,10 +259,10 @@ class SimulatedGroup:
 
 
 def _producer_node(where: str, snaps: SimulatedSnapshots) -> str:
-    """The node of the place a restore plan's shard came from: a holder's, or a worker's
-    (``peer:<rank>``, ``rebuild:peer:<rank>``)."""
-    kind, _, name = where.partition(":")
-    return name if kind == "node" else snaps.node_of(int(name.rpartition(":")[2]))
+    """The node of the place a restore plan's shard came from: a holder's, or a worker's (a peer,
+    or a survivor that rebuilds it)."""
+    place = Location.parse(where)
+    return place.name if place.kind == NODE else snaps.node_of(place.rank)
 
 
 def _first_hand(fault: Fault) -> RankOutcome:
@@ -341,7 +331,7 @@ class SimulatedRecovery:
         return self.spares
 
     def start_step(self) -> int:
-        return 0  # a simulated run starts from step 0 (``SimulatedGroup.restore``)
+        return self.group.start_step
 
     def snapshot_every(self) -> int:
         return self.group.snapshot_every

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ringtrain.checkpoint.retention import retained
-from ringtrain.policies.snapshots import Holding, Source, buddy_node
+from ringtrain.policies.snapshots import Holding, Source, buddy_node, node_at, peer_at
 from ringtrain.topology import Topology
 
 
@@ -71,7 +71,7 @@ class SimulatedSnapshots:
         own = [s for s in steps if self.worlds[s] == world]
         rebuilds = (self.rebuildable,) if self.rebuildable is not None else ()
         peers = [
-            Holding(Source.PEER, f"peer:{r}", frozenset((s, r) for s in own), tuple((s, world) for s in own), rebuilds)
+            Holding(Source.PEER, peer_at(r), frozenset((s, r) for s in own), tuple((s, world) for s in own), rebuilds)
             for r in sorted(readers)
         ]
         held: dict[str, set[tuple[int, int]]] = {}
@@ -81,7 +81,7 @@ class SimulatedSnapshots:
                 if node not in self.gone and (step, rank) not in self.unsent:
                     held.setdefault(node, set()).add((step, rank))
         worlds = tuple((s, self.worlds[s]) for s in landed)
-        return peers + [Holding(Source.NODE, f"node:{node}", frozenset(shards), worlds) for node, shards in held.items()]
+        return peers + [Holding(Source.NODE, node_at(node), frozenset(shards), worlds) for node, shards in held.items()]
 
     def _copies(self, step: int) -> list[tuple[int, str]]:
         """(rank, node) of every holder copy of ``step``'s shards: the rank's own node's and its

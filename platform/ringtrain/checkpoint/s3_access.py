@@ -8,7 +8,9 @@ of these it was and what to set. ``cause`` gives that sentence for any botocore 
 None for anything else. ``check_access`` lists one key under a URI with a client that gives up
 fast (two attempts, a 5 s connect timeout): credentials, endpoint, bucket and list permission
 are then known good before a run or a prepare starts, and a failure is ``S3Unavailable`` naming
-the URI and the cause. Write permission is not known until a write: a write refused mid-run is
+the URI and the cause. ``check_reachable`` is that check as every S3 entry point makes it of
+its user's input: nothing for a URI that is not ``s3://``, and a ConfigError naming the key (or
+option) that gave the URI. Write permission is not known until a write: a write refused mid-run is
 reported with the same sentences.
 """
 
@@ -20,7 +22,8 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ringtrain.checkpoint.options import S3Options
-from ringtrain.errors import RingtrainError
+from ringtrain.errors import ConfigError, RingtrainError, first_line
+from ringtrain.uris import is_s3
 
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -101,7 +104,7 @@ def cause(exc: BaseException, endpoint_url: Optional[str] = None) -> Optional[st
             missing = found.kwargs.get("cred_var", "a variable")
             return f"the AWS credentials are incomplete: {missing} is not set"
         if isinstance(found, (bc.CredentialRetrievalError, bc.NoAuthTokenError)):
-            return f"the AWS credentials could not be obtained ({_short(found)}): check AWS_PROFILE and its source"
+            return f"the AWS credentials could not be obtained ({first_line(found)}): check AWS_PROFILE and its source"
         if isinstance(found, (bc.EndpointConnectionError, bc.ConnectTimeoutError, bc.ConnectionClosedError)):
             where = endpoint_origin(found.kwargs.get("endpoint_url") or endpoint_url)
             return f"cannot reach the S3 endpoint {where} (after retries): check AWS_ENDPOINT_URL and the network"
@@ -111,9 +114,9 @@ def cause(exc: BaseException, endpoint_url: Optional[str] = None) -> Optional[st
         if isinstance(found, bc.NoRegionError):
             return "no AWS region is set: set AWS_DEFAULT_REGION"
         if isinstance(found, bc.BotoCoreError):
-            return f"{type(found).__name__}: {_short(found)}"
+            return f"{type(found).__name__}: {first_line(found)}"
         if isinstance(found, (S3UploadFailedError, S3TransferFailedError)) and found.__context__ is None:
-            return _short(found)
+            return first_line(found)
         found = found.__cause__ or found.__context__
     return None
 
@@ -139,11 +142,6 @@ def _client_error(exc: Any, endpoint_url: Optional[str]) -> str:
         return f"the S3 endpoint throttled the requests ({code}, {operation}) past every retry: try again later, or lower the load"
     message = str(error.get("Message", "")).strip()
     return f"{operation} failed: {code}{': ' + message if message else ''}"
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def check_access(uri: str, options: Optional[S3Options] = None) -> None:
@@ -175,3 +173,16 @@ def check_access(uri: str, options: Optional[S3Options] = None) -> None:
         if said is None:
             raise
         raise S3Unavailable(uri, said) from None
+
+
+def check_reachable(uri: str, key: str, subject: Optional[str] = None) -> None:
+    """An ``s3://`` URI's credentials, endpoint, bucket and list permission, checked in one quick
+    request before any work starts (a read or a write would retry for a minute first); a
+    ConfigError naming ``key`` and the cause, after ``subject`` (how the caller names what it
+    reads there; the URI by default). Nothing is checked for a URI that is not ``s3://``."""
+    if not is_s3(uri):
+        return
+    try:
+        check_access(uri)
+    except S3Unavailable as exc:
+        raise ConfigError(key, f"{subject or exc.uri}: {exc.cause}") from None

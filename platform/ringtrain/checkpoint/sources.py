@@ -21,7 +21,7 @@ from ringtrain import uris
 from ringtrain.checkpoint.layout import split_checkpoint_uri
 from ringtrain.checkpoint.loaded import LoadedCheckpoint
 from ringtrain.checkpoint.manifest import CheckpointCorrupt
-from ringtrain.checkpoint.s3_access import S3Unavailable, cause, check_access
+from ringtrain.checkpoint.s3_access import cause, check_reachable
 from ringtrain.checkpoint.store import CheckpointStore, Compatible, open_store
 from ringtrain.config.loading import RUN_CONFIG
 from ringtrain.config.yamlfile import read_mapping
@@ -75,15 +75,15 @@ def open_source(
     try:
         store_at, step = split_checkpoint_uri(uri)
         store = open_store(store_at)
-        if uris.is_s3(store_at):
-            check_access(store_at)
+    except ValueError as exc:  # a URI the store cannot address
+        raise ConfigError(key, f"cannot load {where}: {exc}") from None
+    check_reachable(store_at, key, subject=f"cannot read {where}")
+    try:
         if step is not None:
             return CheckpointSource(store, store.load(step, verify=True, eager=eager), run_dir)
         loaded = store.latest_valid(accept, verify=eager)
-    except (CheckpointCorrupt, ValueError) as exc:  # damage, or a URI the store cannot address
+    except (CheckpointCorrupt, ValueError) as exc:  # damage
         raise ConfigError(key, f"cannot load {where}: {exc}") from None
-    except S3Unavailable as exc:
-        raise ConfigError(key, f"cannot read {where}: {exc.cause}") from None
     except Exception as exc:  # these calls only read the source: denied, unreachable, no bucket
         said = cause(exc)
         raise ConfigError(key, f"cannot read {where}: {said or f'{type(exc).__name__}: {exc}'}") from None

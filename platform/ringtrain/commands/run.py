@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     eval_plan = _eval_plan(job) if job.eval.every else None
 
     # Ray and torch are imported only once the input is known to be good.
-    from ringtrain.actors.resume import find_resume_point, open_job_store, store_claim, store_uri
+    from ringtrain.actors.resume import open_checkpoints, store_claim
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.rundir import default_run_dir
 
@@ -117,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(job.train.steps, enabled=job.telemetry.progress, every=job.telemetry.log_every)
     # Before any cluster starts: a resume that cannot happen, or a store another run writes or
     # wrote, is bad input, not a failed run.
-    resume_from = find_resume_point(job, run_path, progress.message)
-    store = open_job_store(store_uri(job, run_path), job) if job.checkpoint.snapshot_every else None
+    resume_from, store = open_checkpoints(job, run_path, progress.message)
     lease = store_claim(job, store, run_path)
     if os.environ.get(SUBMITTED_VARIABLE):  # `ringtrain submit` waits for this line (commands/submit_checks)
         print(CHECKED, flush=True)

@@ -40,7 +40,7 @@ from ringtrain.chaos import RESTORING_FAULT, FaultPlan, FaultSpec
 from ringtrain.errors import RingtrainError
 from ringtrain.policies.elastic import evicted, reseat
 from ringtrain.policies.faults import Outcome, RankOutcome
-from ringtrain.policies.snapshots import Holding, RestorePlan, plan_restore, source_kind
+from ringtrain.policies.snapshots import Holding, Location, RestorePlan, plan_restore
 from ringtrain.topology import Topology
 
 
@@ -183,7 +183,7 @@ class RecoveryPlan:
         place (peer memory, node holder, a rebuild from a replica)."""
         sources: dict[str, list[int]] = {}
         for rank, where in self.restore.fetch if self.restore is not None else ():
-            sources.setdefault(source_kind(where), []).append(rank)
+            sources.setdefault(Location.parse(where).kind, []).append(rank)
         return {
             "restore_step": self.step,
             "sources": sources,

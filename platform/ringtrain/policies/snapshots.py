@@ -49,21 +49,59 @@ def persist_due(step: int, *, persist_every: int, final_step: int) -> bool:
     return step == final_step or (persist_every > 0 and step % persist_every == 0)
 
 
+# The kinds of place a restore plan reads a shard from (``Location``).
+PEER, NODE, REBUILD = "peer", "node", "rebuild"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a restore plan reads a shard, as a holding's ``location`` and a plan's ``fetch`` name
+    it in text (``<kind>:<name>``; ``peer_at``, ``node_at``, ``rebuilt_by`` write it): a
+    survivor's memory (``peer:<rank>``), a node's holder (``node:<node id>``), or a survivor that
+    writes the shard from its live state (``rebuild:peer:<rank>``)."""
+
+    kind: str  # PEER, NODE or REBUILD
+    name: str  # the rank, the node id, or the location of the survivor that rebuilds
+
+    @classmethod
+    def parse(cls, text: str) -> Location:
+        kind, _, name = text.partition(":")
+        return cls(kind, name)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+    @property
+    def rank(self) -> int:
+        """The rank of the survivor that serves the shard: a peer, or the one that rebuilds it."""
+        return int(self.name.rpartition(":")[2])
+
+
+def peer_at(rank: int) -> str:
+    return str(Location(PEER, str(rank)))
+
+
+def node_at(node: str) -> str:
+    return str(Location(NODE, node))
+
+
+def rebuilt_by(survivor: str) -> str:
+    """The location of a shard the survivor at ``survivor`` (a peer's location) rebuilds."""
+    return str(Location(REBUILD, survivor))
+
+
 @dataclass(frozen=True)
 class Holding:
     """One place that can hand over snapshot shards: a live worker (PEER) or a node's holder."""
 
     source: Source
-    location: str  # worker rank or holder node, for logs and for fetching
+    location: str  # where it is (``Location``'s text), for logs and for fetching
     shards: frozenset[tuple[int, int]]  # (step, rank) pairs it holds
     world_sizes: tuple[tuple[int, int], ...] = ()  # (step, world size of that step's snapshot)
     # (step, world size): a live survivor whose own state is still that step's and holds every
     # rank's share of it (ZeRO-0 replicates the whole state across ranks), so it can write any
     # rank's shard of that step; used for shards no holding has (one lost in transit).
     rebuilds: tuple[tuple[int, int], ...] = ()
-
-
-REBUILD = "rebuild"  # location prefix of a shard a survivor writes from its live state
 
 
 @dataclass(frozen=True)
@@ -98,18 +136,13 @@ def plan_restore(holdings: Iterable[Holding], *, newest: Optional[int] = None) -
         for rank in range(worlds[step]):
             where = cheapest.get((step, rank))
             if where is None and rebuilder is not None:
-                where = f"{REBUILD}:{rebuilder}"
+                where = rebuilt_by(rebuilder)
             if where is None:
                 break
             fetch.append((rank, where))
         else:
             return RestorePlan(step, worlds[step], tuple(fetch))
     return None
-
-
-def source_kind(location: str) -> str:
-    """The kind of place a restore plan's location names: ``peer``, ``node`` or ``rebuild``."""
-    return location.partition(":")[0]
 
 
 def buddy_node(rank: int, topology: Topology, rank_nodes: Sequence[str], nodes: Sequence[str]) -> Optional[str]:

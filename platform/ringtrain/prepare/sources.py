@@ -131,16 +131,13 @@ def _glob_root(pattern: Path) -> Path:
 def _expand_s3(arg: str) -> list[str]:
     from ringtrain.checkpoint.options import S3Options
     from ringtrain.checkpoint.s3 import S3Backend, parse_s3_uri
-    from ringtrain.checkpoint.s3_access import S3Unavailable, check_access
+    from ringtrain.checkpoint.s3_access import check_reachable
 
     try:
         bucket, prefix = parse_s3_uri(arg)
     except ValueError:
         raise ConfigError(SRC_KEY, f"{arg}: expected s3://bucket/prefix") from None
-    try:
-        check_access(arg)
-    except S3Unavailable as exc:
-        raise ConfigError(SRC_KEY, str(exc)) from None
+    check_reachable(arg, SRC_KEY)
     backend = S3Backend(bucket, "", S3Options())
     keys = [info.key for info in backend.list(prefix)]
     # A prefix names a "folder" (key/...) or one object exactly; never a key that merely starts alike.

@@ -243,7 +243,7 @@ class S3Output:
     def __init__(self, uri: str, overwrite: bool = False) -> None:
         from ringtrain.checkpoint.options import S3Options
         from ringtrain.checkpoint.s3 import S3Backend, parse_s3_uri
-        from ringtrain.checkpoint.s3_access import S3Unavailable, check_access
+        from ringtrain.checkpoint.s3_access import check_reachable
 
         try:
             self.bucket, self.prefix = parse_s3_uri(uri)
@@ -251,10 +251,7 @@ class S3Output:
             raise ConfigError(OUT_KEY, f"{uri}: expected s3://bucket/prefix") from None
         if not self.prefix:
             raise ConfigError(OUT_KEY, f"{uri}: name a prefix inside the bucket, not the bucket itself")
-        try:  # credentials, endpoint and bucket, before any pipeline starts
-            check_access(uri)
-        except S3Unavailable as exc:
-            raise ConfigError(OUT_KEY, str(exc)) from None
+        check_reachable(uri, OUT_KEY)  # credentials, endpoint and bucket, before any pipeline starts
         self.root = S3Backend(self.bucket, self.prefix, S3Options())
         self.staging = S3Backend(self.bucket, f"{self.prefix}.partial-{uuid.uuid4().hex[:8]}", S3Options())
         self.uri, self.overwrite = uri, overwrite

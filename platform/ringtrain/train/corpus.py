@@ -26,7 +26,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.cachedir import data_cache_dir, write_cached
-from ringtrain.errors import ConfigError, DataError
+# A dataset on S3 is checked as a store is, by the one check (its readers import it from here).
+from ringtrain.checkpoint.s3_access import check_reachable as check_reachable
+from ringtrain.errors import DataError
 from ringtrain.prepared import MANIFEST_NAME, MAX_MANIFEST_BYTES, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path
 
@@ -38,19 +40,6 @@ def is_prepared_path(path: str) -> bool:
         return True
     local = local_path(path)
     return local is not None and local.is_dir() and ((local / MANIFEST_NAME).exists() or (local / SHARD_DIR).is_dir())
-
-
-def check_reachable(uri: str, key: str) -> None:
-    """An ``s3://`` dataset's credentials, endpoint and bucket, checked in one quick request before
-    any work starts (a read would retry for a minute first); ConfigError naming ``key``."""
-    if not is_s3(uri):
-        return
-    from ringtrain.checkpoint.s3_access import S3Unavailable, check_access
-
-    try:
-        check_access(uri)
-    except S3Unavailable as exc:
-        raise ConfigError(key, str(exc)) from None
 
 
 def _s3_backend(uri: str) -> Any:
