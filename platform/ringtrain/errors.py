@@ -121,5 +121,11 @@ def end(exc: Union[RingtrainError, KeyboardInterrupt], command: str = "") -> int
     return said.code
 
 
+def line_start(label: str) -> str:
+    """How a line ``ending`` writes under ``label`` begins: what a reader of a command's output
+    looks for to tell one kind of ending from another (``submit`` reads a job's)."""
+    return f"ringtrain: {label}:"
+
+
 def _line(label: str, text: str) -> str:
-    return f"ringtrain: {label}: {text}" if label else f"ringtrain: {text}"
+    return f"{line_start(label)} {text}" if label else f"ringtrain: {text}"
