@@ -5,11 +5,13 @@ Exceptions cross actor boundaries, so each one pickles through its constructor a
 breaks for subclasses whose ``__init__`` takes keyword-only or differently ordered arguments.
 
 Each class also says how a command that ends on it exits (``exit_code``) and what its one line
-calls it (``label``); ``ending`` turns an error, or the user's Ctrl-C, into that code and line.
+calls it (``label``); ``ending`` turns an error, or the user's Ctrl-C, into that code and line,
+and ``end`` says it for a verb that returns its own exit code.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -54,7 +56,11 @@ class CapacityError(ConfigError):
 
 
 class DataError(RingtrainError):
-    """A data source cannot be read or holds too little data for the configured sequence."""
+    """A data source cannot be read or holds too little data for the configured sequence: bad
+    input, named by its file (and line) where no config key says which."""
+
+    exit_code = EXIT_USAGE
+    label = "data error"
 
 
 class WorkerError(RingtrainError):
@@ -107,5 +113,19 @@ def ending(exc: Union[RingtrainError, KeyboardInterrupt], command: str = "") -> 
     return Ending(exc.exit_code, _line(command or exc.label, str(exc)))
 
 
+def end(exc: Union[RingtrainError, KeyboardInterrupt], command: str = "") -> int:
+    """End a command that returns its own exit code on ``exc``: ``ending``'s line on stderr, its
+    code returned."""
+    said = ending(exc, command)
+    print(said.line, file=sys.stderr)
+    return said.code
+
+
+def line_start(label: str) -> str:
+    """How a line ``ending`` writes under ``label`` begins: what a reader of a command's output
+    looks for to tell one kind of ending from another (``submit`` reads a job's)."""
+    return f"ringtrain: {label}:"
+
+
 def _line(label: str, text: str) -> str:
-    return f"ringtrain: {label}: {text}" if label else f"ringtrain: {text}"
+    return f"{line_start(label)} {text}" if label else f"ringtrain: {text}"

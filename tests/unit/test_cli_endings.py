@@ -12,7 +12,7 @@ import pytest
 from ringtrain import cli
 from ringtrain.commands import jobs as submission_command
 from ringtrain.commands import report as report_command
-from ringtrain.errors import CapacityError, ClusterError, ConfigError, RingtrainError
+from ringtrain.errors import CapacityError, ClusterError, ConfigError, DataError, RingtrainError
 from ringtrain.submission import TokenRefused, UnknownJobError
 
 UNKNOWN_JOB = "no job ringtrain-x-0000000000 on http://127.0.0.1:1 (`ringtrain status` lists them)"
@@ -28,6 +28,7 @@ def _s3_failure() -> BaseException:
 ENDINGS = {
     "config": (lambda: ConfigError("mesh.dp", "must be >= 1"), 2, "ringtrain: config error: mesh.dp: must be >= 1"),
     "capacity": (lambda: CapacityError("mesh.dp", "needs 8 GPUs"), 2, "ringtrain: config error: mesh.dp: needs 8 GPUs"),
+    "data": (lambda: DataError("a.jsonl:2: malformed JSON"), 2, "ringtrain: data error: a.jsonl:2: malformed JSON"),
     "failed": (lambda: ClusterError("cannot reach ray://head:10001"), 1, "ringtrain: error: cannot reach ray://head:10001"),
     "unknown-job": (lambda: UnknownJobError(UNKNOWN_JOB), 2, f"ringtrain: {UNKNOWN_JOB}"),
     "token-refused": (lambda: TokenRefused(NO_TOKEN), 2, f"ringtrain: {NO_TOKEN}"),

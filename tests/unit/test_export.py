@@ -27,7 +27,9 @@ from ringtrain.checkpoint import open_store
 from ringtrain.checkpoint.wire import encode
 from ringtrain.config import JobConfig
 from ringtrain.hf import resolve_job
-from ringtrain.hf.export import CHECKPOINT_FORMAT, EXPORT_MANIFEST, export
+from ringtrain.errors import ConfigError, DataError, RingtrainError
+from ringtrain.hf import export as hf_export
+from ringtrain.hf.export import CHECKPOINT_FORMAT, EXPORT_MANIFEST, ExportError, export
 from ringtrain.hf.hfconfig import read_hf_config
 from ringtrain.hf.names import to_hf
 from ringtrain.hf.shards import INDEX_FILE, SINGLE_FILE, parse_size
@@ -441,6 +443,29 @@ def test_a_bad_source_is_one_line_and_exit_2(case: str, tmp_path: Path, capsys: 
     assert code == 2
     assert_one_line_error(err, "SOURCE", phrase)
     assert not (tmp_path / "hf").exists()
+
+
+# what the export met -> (exit code, its one line, with SOURCE s and OUT_DIR o)
+ENDINGS: dict[str, tuple[BaseException, int, str]] = {
+    "bad input": (ExportError("OUT_DIR", "o is not empty"), 2, "ringtrain: export: OUT_DIR: o is not empty"),
+    "bad flag": (ConfigError("--dtype", "fp16 is not bf16 or fp32"), 2, "ringtrain: export: --dtype: fp16 is not bf16 or fp32"),
+    "damaged": (RingtrainError("rank-00001 fails its checksum"), 2, "ringtrain: export: SOURCE s: rank-00001 fails its checksum"),
+    "unreadable": (DataError("m.json: not valid JSON"), 2, "ringtrain: export: SOURCE s: m.json: not valid JSON"),
+    "disk full": (OSError(28, "No space left on device"), 1, "ringtrain: export: failed writing o: [Errno 28] No space left on device"),
+}
+
+
+@pytest.mark.parametrize("case", ENDINGS)
+def test_an_export_ends_by_what_it_met(case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad input names what to change, whatever reading the checkpoint met names SOURCE, and
+    only a write the OS refused is a failure (exit 1)."""
+    raised, code, line = ENDINGS[case]
+
+    def meets(*args: Any, **kwargs: Any) -> None:
+        raise raised
+
+    monkeypatch.setattr(hf_export, "export", meets)
+    assert run_export(capsys, "s", "o") == (code, "", line + "\n")
 
 
 def test_a_checkpoint_without_its_model_section_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

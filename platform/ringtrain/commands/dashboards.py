@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import EXIT_FAILED, EXIT_OK, ConfigError, end
 from ringtrain.telemetry import dashboards, panels
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # The checkout this module sits in: platform/ringtrain/commands/ -> the repository root.
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = ("dashboards", "helm/ringtrain/dashboards")
@@ -66,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
             return _push(args)
         raise ConfigError("dashboards", "name an action: export or push")
     except ConfigError as exc:
-        print(f"ringtrain: config error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return end(exc)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -10,11 +10,13 @@ light for every other subcommand.
 from __future__ import annotations
 
 import argparse
-import sys
-from ringtrain.errors import ConfigError, RingtrainError
+from typing import TYPE_CHECKING, Callable
+
+from ringtrain.errors import EXIT_OK, ConfigError, RingtrainError, end
 from ringtrain.hf.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+if TYPE_CHECKING:
+    from ringtrain.hf.export import ExportResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,17 +48,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``ringtrain export``; progress lines on stdout, errors as one line on stderr."""
-    from ringtrain.hf.export import ExportError, export  # torch: only once the command runs
 
     def progress(line: str) -> None:
         print(f"export: {line}", flush=True)
 
     try:
-        try:
-            max_shard_size = parse_size(args.max_shard_size)
-        except ValueError as exc:
-            raise ExportError("--max-shard-size", str(exc)) from None
-        result = export(
+        result = _exported(args, progress)
+    except RingtrainError as exc:
+        return end(exc, "export")
+    progress(
+        f"wrote {result.out_dir}: {len(result.files)} files, {result.num_tensors} tensors, "
+        f"{result.num_bytes / 1e6:,.1f} MB ({result.dtype}) from step {result.step}"
+    )
+    return EXIT_OK
+
+
+def _exported(args: argparse.Namespace, progress: Callable[[str], None]) -> "ExportResult":
+    """``hf.export``'s answer. Bad input is a ConfigError naming what to change: a flag, OUT_DIR,
+    or SOURCE for whatever reading the checkpoint met (damaged, or not this model's); a folder
+    that cannot be written is a failure the OS names."""
+    from ringtrain.hf.export import ExportError, export  # torch: only once the command runs
+
+    try:
+        max_shard_size = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise ConfigError("--max-shard-size", str(exc)) from None
+    try:
+        return export(
             args.source,
             args.out_dir,
             dtype=args.dtype,
@@ -65,17 +83,11 @@ def run(args: argparse.Namespace) -> int:
             hf_source=args.hf_source,
             say=progress,
         )
-    except (ExportError, ConfigError) as exc:
-        print(f"ringtrain: export: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RingtrainError as exc:  # found while reading the checkpoint: damaged, or not this model's
-        print(f"ringtrain: export: SOURCE {args.source}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except ConfigError:
+        raise
+    except ExportError as exc:  # bad input to the export, though its class ends as a failure
+        raise ConfigError(exc.subject, exc.reason) from None
+    except RingtrainError as exc:
+        raise ConfigError(f"SOURCE {args.source}", str(exc)) from None
     except OSError as exc:
-        print(f"ringtrain: export: failed writing {args.out_dir}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    progress(
-        f"wrote {result.out_dir}: {len(result.files)} files, {result.num_tensors} tensors, "
-        f"{result.num_bytes / 1e6:,.1f} MB ({result.dtype}) from step {result.step}"
-    )
-    return EXIT_OK
+        raise RingtrainError(f"failed writing {args.out_dir}: {exc}") from exc

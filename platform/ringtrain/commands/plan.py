@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from ringtrain import config
 from ringtrain.commands.destination import check_writable
 from ringtrain.config import OBJECTIVES, PREFERENCE_OBJECTIVES, JobConfig
-from ringtrain.errors import ConfigError
+from ringtrain.errors import EXIT_OK, ConfigError, end
 from ringtrain.planner import devices, goodput_report
 from ringtrain.planner.failures import PROFILES, profile
 from ringtrain.planner.goodput import MODES, Costs, Job
@@ -32,7 +32,6 @@ from ringtrain.planner.reach import MAX_TOKENS
 from ringtrain.planner.search import MAX_GPUS, Cluster, advise, search
 from ringtrain.planner.throughput import Assumptions
 
-EXIT_OK, EXIT_USAGE = 0, 2
 # Without a job file the global batch is this many tokens (at least one sequence): Llama 3's
 # initial pre-training batch (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.4.1).
 DEFAULT_GLOBAL_BATCH_TOKENS = 4 * 2**20
@@ -123,8 +122,7 @@ def run(args: argparse.Namespace, load_job: JobLoader = config.load) -> int:
     try:
         text = _plan_text(args, load_job)
     except ConfigError as exc:
-        print(f"ringtrain: config error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return end(exc)
     print(text)
     return EXIT_OK
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, TextIO
 
-from ringtrain.errors import ConfigError, DataError
+from ringtrain.errors import EXIT_OK, ConfigError, DataError
 from ringtrain.prepare.chat_records import DEFAULT_MESSAGES_FIELD, MESSAGES_FLAG
 from ringtrain.prepare.render_budget import (
     DEFAULT_MAX_MESSAGES,
@@ -317,15 +317,10 @@ def print_summary(summary: Summary, out_uri: str, stream: TextIO) -> None:
 
 
 def main(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run and print the summary. A bad record or unreadable file is bad input: exit 2 like a
-    bad flag (cli.main maps ConfigError so); other errors propagate to cli.main."""
-    try:
-        summary = run(args, argv)
-    except DataError as exc:
-        print(f"ringtrain: data error: {exc}", file=sys.stderr)
-        return 2
-    print_summary(summary, args.out, sys.stdout)
-    return 0
+    """Run and print the summary. Errors end the command in cli.main by their class: a bad
+    record or unreadable file (DataError) exits 2 like a bad flag (ConfigError)."""
+    print_summary(run(args, argv), args.out, sys.stdout)
+    return EXIT_OK
 
 
 def argv_after(command: str, argv: Optional[Sequence[str]]) -> list[str]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ringtrain import config
 from ringtrain.commands.submit_checks import CHECKED, SUBMITTED_VARIABLE
+from ringtrain.errors import EXIT_FAILED, EXIT_OK
 from ringtrain.planner.fit import fit_warning
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from ringtrain.telemetry.progress import Progress
     from ringtrain.telemetry.prometheus import RunMetrics
 
-EXIT_OK, EXIT_FAILED = 0, 1
 # After a stop, how long the lease waits for a save still writing (it stops at its next write,
 # the lease being sealed) before it is left to expire instead of being released.
 ABANDON_WAIT_S = 2.0

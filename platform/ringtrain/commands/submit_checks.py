@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
 
+from ringtrain.errors import ConfigError, line_start
 from ringtrain.submission_secrets import SECRET_FLAG, looks_secret
 
 SUBMITTED_VARIABLE = "RINGTRAIN_SUBMITTED"
@@ -65,7 +66,7 @@ def await_checks(
             return Verdict(True, status, (), False)
         if status in TERMINAL:
             errors = tuple(line for line in logs.splitlines() if line.startswith("ringtrain:"))
-            bad_input = any(line.startswith("ringtrain: config error:") for line in errors)
+            bad_input = any(line.startswith(line_start(ConfigError.label)) for line in errors)
             hints = tuple(env_hints(errors, dict(os.environ) if environ is None else environ))
             return Verdict(status == "SUCCEEDED", status, errors + hints, bad_input)
         if clock() >= deadline:

@@ -16,10 +16,10 @@ from omegaconf import errors as oc_errors
 from ringtrain.config.checks import validate
 from ringtrain.config.destinations import TRACKING_KEY, check_tracking_uri, override_value
 from ringtrain.config.interpolation import refuse_resolvers
-from ringtrain.config.overrides import SECTIONS, apply, as_config_error, check_section, first_line, parse
+from ringtrain.config.overrides import SECTIONS, apply, as_config_error, check_section, parse
 from ringtrain.config.schema import MODEL_DEFAULTS, JobConfig, checkpointing_mode
 from ringtrain.config.yamlfile import check_bounds, read_mapping
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, first_line
 from ringtrain.links import check_inside
 
 # The resolved config a run directory keeps, loadable again with ``load`` (and ``ringtrain run``).
