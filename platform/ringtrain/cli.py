@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 from ringtrain.commands import dashboards, export, generate, jobs, plan, prepare, report, run
 from ringtrain.commands import eval as evaluate  # `eval` alone would shadow the builtin
-from ringtrain.errors import EXIT_FAILED, EXIT_USAGE, ConfigError, Ending, RingtrainError, ending  # noqa: F401  (EXIT_FAILED: cli's too)
+from ringtrain.errors import EXIT_FAILED, EXIT_USAGE, ConfigError, RingtrainError, end  # noqa: F401  (EXIT_FAILED: cli's too)
 
 # What `ringtrain --help` says: for users, not about this module.
 DESCRIPTION = (
@@ -87,12 +87,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _dispatch(argv)
     except (RingtrainError, KeyboardInterrupt) as exc:
-        return _end(ending(exc))
+        return end(exc)
     except Exception as exc:
         said = _s3_cause(exc)
         if said is None:
             raise
-        return _end(ending(RingtrainError(f"S3: {said}")))
+        return end(RingtrainError(f"S3: {said}"))
 
 
 def _dispatch(argv: Optional[Sequence[str]]) -> int:
@@ -105,11 +105,6 @@ def _dispatch(argv: Optional[Sequence[str]]) -> int:
         return VERBS[args.command].run(args, argv)
     code = jobs.run(args)
     return EXIT_USAGE if code is None else code
-
-
-def _end(said: Ending) -> int:
-    print(said.line, file=sys.stderr)
-    return said.code
 
 
 def _s3_cause(exc: BaseException) -> Optional[str]:

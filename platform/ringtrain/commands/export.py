@@ -67,7 +67,7 @@ def _exported(args: argparse.Namespace, progress: Callable[[str], None]) -> "Exp
     """``hf.export``'s answer. Bad input is a ConfigError naming what to change: a flag, OUT_DIR,
     or SOURCE for whatever reading the checkpoint met (damaged, or not this model's); a folder
     that cannot be written is a failure the OS names."""
-    from ringtrain.hf.export import ExportError, export  # torch: only once the command runs
+    from ringtrain.hf.export import export  # torch: only once the command runs
 
     try:
         max_shard_size = parse_size(args.max_shard_size)
@@ -83,10 +83,8 @@ def _exported(args: argparse.Namespace, progress: Callable[[str], None]) -> "Exp
             hf_source=args.hf_source,
             say=progress,
         )
-    except ConfigError:
+    except ConfigError:  # hf.export's ExportError among them
         raise
-    except ExportError as exc:  # bad input to the export, though its class ends as a failure
-        raise ConfigError(exc.subject, exc.reason) from None
     except RingtrainError as exc:
         raise ConfigError(f"SOURCE {args.source}", str(exc)) from None
     except OSError as exc:

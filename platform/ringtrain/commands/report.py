@@ -13,7 +13,7 @@ import sys
 import webbrowser
 from pathlib import Path
 
-from ringtrain.errors import EXIT_OK, EXIT_USAGE, RingtrainError, ending
+from ringtrain.errors import EXIT_OK, EXIT_USAGE, RingtrainError, end
 from ringtrain.telemetry.report import REPORT_NAME, write_report
 
 
@@ -35,9 +35,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         path, warnings = _written(run_dir)
     except RingtrainError as exc:
-        said = ending(exc, "report")
-        print(said.line, file=sys.stderr)
-        return said.code
+        return end(exc, "report")
     for warning in warnings:
         print(f"ringtrain: report: warning: {warning}", file=sys.stderr)
     print(path)

@@ -38,7 +38,7 @@ from ringtrain.checkpoint import CheckpointStore, LoadedCheckpoint
 from ringtrain.checkpoint.layout import CHECKPOINT_FORMAT
 from ringtrain.checkpoint.sources import open_source
 from ringtrain.config import JobConfig, ModelConfig
-from ringtrain.errors import ConfigError, RingtrainError
+from ringtrain.errors import ConfigError
 from ringtrain.folderswap import DestinationAppeared, swap_in
 from ringtrain.jsonfile import read_json
 from ringtrain.links import check_inside
@@ -71,16 +71,12 @@ _SOURCE_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 Say = Callable[[str], None]
 
 
-class ExportError(RingtrainError):
+class ExportError(ConfigError):
     """Bad input to an export; ``subject`` names the argument to change (SOURCE, OUT_DIR, ...)."""
 
-    def __init__(self, subject: str, reason: str) -> None:
-        super().__init__(f"{subject}: {reason}")
-        self.subject = subject
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.subject, self.reason))
+    @property
+    def subject(self) -> str:
+        return self.key
 
 
 @dataclass(frozen=True)
