@@ -105,7 +105,7 @@ def test_the_built_attention_runs_its_layouts_implementation(ring: int, ulysses:
     assert layout.runs == runs
     fn = attention.build_attention(layout, "auto", ring_group=_Group(ring), ulysses_group=_Group(ulysses))
     assert fn.impl == runs
-    assert fn._run is implementations.IMPLEMENTATIONS[runs]
+    assert fn._run.func is implementations.IMPLEMENTATIONS[runs]
 
 
 @pytest.mark.parametrize(("ring", "ulysses"), [(1, 1), (2, 1), (2, 2)])

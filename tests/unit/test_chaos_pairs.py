@@ -65,7 +65,7 @@ def _step(monkeypatch: pytest.MonkeyPatch, poison: bool, kinds: tuple[str, ...])
     rank = types.SimpleNamespace(objective=Objective("simpo", 2.0, gamma=0.3), reference=None, snapshotter=None,
                                  device=torch.device("cpu"), engine=_Engine(),
                                  mesh=types.SimpleNamespace(topology=topology, cp_group=None))  # fmt: skip
-    for name in ("_pairs_micro_step", "_backward_and_step", "_tensor", "_docs"):
+    for name in ("_pairs_micro_step", "token_losses", "_backward_and_step", "_tensor", "_docs"):
         setattr(rank, name, types.MethodType(getattr(Trainer, name), rank))
     rank._strike = Trainer._strike
     strike = [FaultSpec(kind=kind) for kind in kinds]

@@ -260,11 +260,11 @@ def test_a_ring_reads_its_neighbours_and_the_ranks_of_the_prompts_its_completion
     doc, _ = _family_layout()
     neighbours = needs(4, 16, 3)
     near = doc[:1].numpy()  # row 0: every completion within a chunk of its prompt's end
-    assert family_sources(4, 16, 3, near, position_lags(near, FAMILY), FAMILY) == neighbours
+    assert family_sources(4, 16, 3, near, FAMILY) == neighbours
     # Row 1: the prompt is chunk 0 (rank 0); the second completion starts at 18 (chunk 2, rank 2),
     # whose first query sees the prompt's last keys by position id.
     far = doc[1:].numpy()
     assert neighbours[2] == (1, 2, 3)
-    assert family_sources(4, 16, 3, far, position_lags(far, FAMILY), FAMILY) == (
+    assert family_sources(4, 16, 3, far, FAMILY) == (
         neighbours[0], neighbours[1], (0, 1, 2, 3), neighbours[3])
 

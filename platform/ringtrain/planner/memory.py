@@ -23,11 +23,12 @@ the GPU until the step's reduction. Parameter offload (stage 3) moves the P N / 
 partition to host memory; the gathered working set of the layers in flight (the ZeRO-3 buffer
 below: the persistent small tensors, the largest module plus the prefetch) stays on the GPU.
 
-ZeRO buffers, at DeepSpeed's defaults (ringtrain keeps them): stages 1-3 stage gradients in a
-contiguous reduce bucket of 5e8 elements of G bytes; stage 3 also keeps every tensor of at most
-1e5 elements whole on every rank (the persistence threshold) and gathers the others a module at
-a time, the largest one plus a prefetch of 5e7 elements (at most 1e9 live). At the end of the
-backward, after the activations are freed, up to 5e8 gradient elements are flattened for
+ZeRO buffers, at the sizes the engine sets (``ringtrain.zero_sizes``, DeepSpeed 0.19's
+defaults): stages 1-3 stage gradients in a contiguous reduce bucket of 5e8 elements of G bytes;
+stage 3 also keeps every tensor of at most 1e5 elements whole on every rank (the persistence
+threshold) and gathers the others a module at a time, the largest one plus a prefetch of 5e7
+elements (at most 1e9 live). At the end of the backward, after the activations are freed, up to
+5e8 gradient elements (stage 0's all-reduce bucket, or the reduce bucket) are flattened for
 reduction: that transient competes with the activations for the peak rather than adding to it.
 
 Activations, counted as in Korthikanti et al. 2022, "Reducing Activation Recomputation in
@@ -93,6 +94,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from ringtrain import zero_sizes
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec, kv_copies
 from ringtrain.planner.preference import FUSED_FALLBACK_CHUNK, TOKEN_LOSS_BYTES, keeps_token_losses, needs_reference
@@ -108,15 +110,6 @@ from ringtrain.planner.savers import (
     ulysses_extra,
 )
 from ringtrain.planner.windows import score_side, window_ranks
-
-# DeepSpeed ZeRO defaults (deepspeed.runtime.zero.config): reduce_bucket_size,
-# stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters;
-# and the engine's allreduce bucket for stage 0 (DeepSpeedEngine.allreduce_gradients).
-REDUCE_BUCKET_ELEMENTS = 500_000_000
-ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
-PREFETCH_ELEMENTS = 50_000_000
-PERSISTENCE_THRESHOLD = 100_000
-MAX_LIVE_ELEMENTS = 1_000_000_000
 
 # DeepSpeed keeps the gradient partition of an offloaded optimizer in fp32 on the host.
 OFFLOAD_GRAD_BYTES = 4
@@ -180,24 +173,25 @@ class ZeroBuffers:
 
 def zero_buffers(model: Optional[ModelSpec], num_params: int, zero_stage: int, prec: Precision) -> ZeroBuffers:
     """DeepSpeed's buffers at ``zero_stage``; without a model (only a count) no tensor is persistent."""
-    bucket = REDUCE_BUCKET_ELEMENTS * prec.grad_bytes if zero_stage >= 1 else 0
+    sizes = zero_sizes.ZERO_SIZES
+    bucket = sizes.reduce_bucket * prec.grad_bytes if zero_stage >= 1 else 0
     if zero_stage == 0:
-        transient = min(num_params, ALLREDUCE_BUCKET_ELEMENTS) * prec.grad_bytes
+        transient = min(num_params, sizes.allreduce_bucket) * prec.grad_bytes
     elif zero_stage in (1, 2):
         # Gradients wait in param.grad until their bucket is reduced: at most one bucket's worth.
-        transient = min(num_params, REDUCE_BUCKET_ELEMENTS) * prec.grad_bytes
+        transient = min(num_params, sizes.reduce_bucket) * prec.grad_bytes
     else:
         transient = 0
     stage3 = 0
     if zero_stage == 3:
         tensors = model.tensors() if model is not None else ()
-        persistent = sum(n for n in tensors if n <= PERSISTENCE_THRESHOLD)
-        partitioned = [n for n in tensors if n > PERSISTENCE_THRESHOLD]
+        persistent = sum(n for n in tensors if n <= sizes.persistence_threshold)
+        partitioned = [n for n in tensors if n > sizes.persistence_threshold]
         if model is None:
             partitioned_total, largest = num_params, 0
         else:
             partitioned_total, largest = sum(partitioned), max(partitioned, default=0)
-        gathered = min(partitioned_total, largest + PREFETCH_ELEMENTS, max(MAX_LIVE_ELEMENTS, largest))
+        gathered = min(partitioned_total, largest + sizes.prefetch, max(sizes.max_live, largest))
         stage3 = prec.param_bytes * (persistent + gathered)
     return ZeroBuffers(bucket, stage3, transient)
 

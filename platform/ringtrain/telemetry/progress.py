@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
@@ -49,29 +50,27 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+@dataclass(eq=False)  # a running console, compared by identity
 class Progress:
-    def __init__(
-        self,
-        total_steps: int,
-        *,
-        enabled: bool = True,
-        every: int = 1,
-        out: TextIO = sys.stdout,
-        clock: Callable[[], float] = time.monotonic,
-        ticking: bool = True,
-    ) -> None:
-        """``ticking``: whether a thread repeats a wait's line (off where a test ticks by hand)."""
-        self.total_steps = total_steps
-        self.enabled = enabled
-        self.every = every
-        self.out = out
-        self.clock = clock
-        self.ticking = ticking
-        self._lock = threading.Lock()
-        self._last_output = clock()
-        self._waiting: Optional[tuple[str, float]] = None  # (what, since when)
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+    """One run's console on ``out``: a step's line every ``every`` steps and at the last of
+    ``total_steps`` (none, nor waits, unless ``enabled``), messages and the summary; ``ticking``:
+    whether a thread repeats a wait's line (off where a test ticks by hand with its ``clock``)."""
+
+    total_steps: int
+    _: KW_ONLY
+    enabled: bool = True
+    every: int = 1
+    out: TextIO = sys.stdout
+    clock: Callable[[], float] = time.monotonic
+    ticking: bool = True
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _last_output: float = field(init=False)
+    _waiting: Optional[tuple[str, float]] = field(default=None, init=False)  # (what, since when)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: Optional[threading.Thread] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._last_output = self.clock()
 
     def step(self, record: dict[str, Any]) -> None:
         self._done_waiting()

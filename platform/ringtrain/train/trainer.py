@@ -483,9 +483,7 @@ class Trainer:
         """Forward, backward and (at the accumulation boundary) the optimizer step of one
         micro-batch of pairs; its pairs' losses and rewards."""
         assert self.objective is not None
-        labels = self._tensor(mb.labels).flatten()
-        token_losses = self.engine(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb),
-                                   per_token=True)  # fmt: skip
+        token_losses = self.token_losses(mb, stepping=True)
         self._strike(strike)
         sums, counts = pair_loss.completion_sums(-token_losses, mb, self.mesh.cp_group, self.device)
         loss, losses = pair_loss.micro_loss(self.objective, pair_loss.pair_scores(sums, counts, mb.pairs, self.reference), scale)
@@ -503,12 +501,14 @@ class Trainer:
             self.snapshotter.fence()  # the optimizer step below changes what the copy reads
         self.engine.step()
 
-    def token_losses(self, mb: MicroBatch) -> torch.Tensor:
+    def token_losses(self, mb: MicroBatch, *, stepping: bool = False) -> torch.Tensor:
         """Each of this rank's tokens' loss in ``mb`` under the current weights (0 where it
-        predicts nothing): the forward alone, for passes that take no step."""
+        predicts nothing): through the engine for a step's backward (``stepping``), else the
+        model's forward alone, for passes that take no step."""
+        forward = self.engine if stepping else self.model
         labels = self._tensor(mb.labels).flatten()
-        return self.model(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb),
-                          per_token=True)  # fmt: skip
+        return forward(self._tensor(mb.input_ids), self._tensor(mb.position_ids), labels, **self._docs(mb),
+                       per_token=True)  # fmt: skip
 
     def _global_loss(self, local_loss: torch.Tensor, faults: set[str]) -> float:
         """The world's mean of ``local_loss``, unless a chaos fault tampers with the reduction."""

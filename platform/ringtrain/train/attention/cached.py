@@ -26,10 +26,11 @@ from typing import Any, Optional
 import torch
 
 from ringtrain.topology import CPLayout
-from ringtrain.train.attention.block_kernel import default_scale
+from ringtrain.train.attention.block_kernel import default_scale, to_seq_major
 from ringtrain.train.attention.documents import DocIds
 from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.attention.kv_cache import KVCache, append_ring_index
+from ringtrain.train.attention.math_kernel import MathKernel
 from ringtrain.train.attention.merge import merge_partials
 from ringtrain.train.attention.transport import Transport
 from ringtrain.train.attention.ulysses import head_routes
@@ -37,6 +38,9 @@ from ringtrain.train.attention.ulysses import head_routes
 Tensor = torch.Tensor
 # The model's attention function's signature (``model.AttentionFn``), as each layer calls it.
 LayerAttention = Callable[..., Tensor]
+# A new token's attention to a shard: the reference kernel takes the shard's mask and GQA as they
+# are, and computes the small block exactly.
+_EXACT = MathKernel()
 
 
 @dataclass(frozen=True)
@@ -70,19 +74,13 @@ def _heads(x_B1ND: Tensor, index: Tensor, whole: bool) -> Tensor:
 
 def shard_attention(q_B1hD: Tensor, k_BgTD: Tensor, v_BgTD: Tensor, valid_BT: Tensor,
                     scale: float) -> tuple[Tensor, Tensor]:
-    """One query token against one rank's held keys: ``(out [B, 1, h, D], lse [B, h, 1])`` in
-    fp32; query head j reads key/value head j // (h / g). A row that sees no key has out 0 and
-    lse -inf, as the merge expects."""
-    B, _, h, D = q_B1hD.shape
-    g = k_BgTD.shape[1]
-    q_BgrD = q_B1hD.float().view(B, g, h // g, D)
-    scores_BgrT = torch.matmul(q_BgrD, k_BgTD.float().transpose(-1, -2)) * scale
-    scores_BgrT = scores_BgrT.masked_fill(~valid_BT[:, None, None, :], float("-inf"))
-    lse_Bgr = torch.logsumexp(scores_BgrT, dim=-1)
-    finite = torch.where(torch.isfinite(lse_Bgr), lse_Bgr, torch.zeros_like(lse_Bgr))
-    probs_BgrT = torch.exp(scores_BgrT - finite[..., None])
-    out_BgrD = torch.matmul(probs_BgrT, v_BgTD.float())
-    return out_BgrD.reshape(B, 1, h, D), lse_Bgr.reshape(B, h, 1)
+    """One query token against one rank's held keys, by the math kernel in fp32: ``(out [B, 1,
+    h, D], lse [B, h, 1])``; query head j reads key/value head j // (h / g). A row that sees no
+    key has out 0 and lse -inf, as the merge expects (the kernel's rule)."""
+    k_BTgD, v_BTgD = to_seq_major(k_BgTD.float(), v_BgTD.float())
+    out_B1hD, lse_Bh1, _ = _EXACT.forward(q_B1hD.float(), k_BTgD, v_BTgD, causal=False, scale=scale,
+                                          visible_BQS=valid_BT[:, None, :])
+    return out_B1hD, lse_Bh1
 
 
 def merge_ring(out_B1hD: Tensor, lse_Bh1: Tensor, ring: Optional[Transport]) -> Tensor:

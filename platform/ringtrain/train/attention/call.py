@@ -160,15 +160,15 @@ class AttentionCall:
         included: the layout's (``window.needs``), and with documents in families the ranks
         holding the parents' keys that their children see (``window.family_sources``: every
         rank finds the same, from the ring's gathered documents)."""
-        window, lags = self.window, self._lags()
+        window = self.window
         assert window is not None
-        if lags is None:
+        if self.docs is None or not self.docs.family:
             return needs(self.world, self.seq_local, window)
-        assert self.docs is not None and self.transport is not None
+        assert self.transport is not None
         whole, family = self.docs.whole_sequence(self.transport).host_BS, self.docs.family
         found: tuple[tuple[int, ...], ...] = self.docs.cached(
             ("sources", self.world, self.seq_local, window),
-            lambda: family_sources(self.world, self.seq_local, window, whole, lags, family))
+            lambda: family_sources(self.world, self.seq_local, window, whole, family))
         return found
 
     def _lags(self) -> Optional[np.ndarray]:

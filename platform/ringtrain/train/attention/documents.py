@@ -31,8 +31,8 @@ Shape legend: B batch, S sequence, Q / K a block's rows / columns, U ranks in a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -73,6 +73,32 @@ def doc_visibility(q_doc_BQ: Tensor, k_doc_BS: Tensor, family: int = 0) -> Tenso
     return same_BQS & (q_doc_BQ >= 0)[:, :, None]
 
 
+class ChildRun(NamedTuple):
+    """A run of a child document's tokens in a row of the whole sequence, where its parent is in
+    the row too: the run's span, its parent's, and how many places its tokens' position ids fall
+    behind their places in the row (the tokens between its parent's end and its own start, its
+    elder siblings; 0 where the parent does not end before it starts)."""
+
+    start: int
+    stop: int
+    parent_start: int
+    parent_stop: int
+    lag: int
+
+
+def child_runs(ids_N: np.ndarray, family: int) -> Iterator[ChildRun]:
+    """Each run of a child document in ``ids_N``, one row of the whole sequence in order, whose
+    parent is in the row (``ChildRun``)."""
+    found = runs(ids_N)
+    extent = extents(found)
+    for doc, start, stop in found:
+        parent = int(parents(doc, family))
+        if parent >= 0 and parent in extent:
+            (parent_start, parent_stop), doc_start = extent[parent], extent[doc][0]
+            lag = doc_start - parent_stop if parent_stop <= doc_start else 0
+            yield ChildRun(start, stop, parent_start, parent_stop, lag)
+
+
 def position_lags(ids_BN: np.ndarray, family: int) -> np.ndarray:
     """``[B, N]``: how many places each token's position id falls behind its place in the sequence
     ``ids_BN`` (the whole sequence, in order): for a child document, the tokens between its
@@ -80,12 +106,8 @@ def position_lags(ids_BN: np.ndarray, family: int) -> np.ndarray:
     not in the row."""
     lags_BN = np.zeros(ids_BN.shape, dtype=np.int64)
     for b in range(ids_BN.shape[0]):
-        found = runs(ids_BN[b])
-        extent = extents(found)
-        for doc, start, stop in found:
-            parent = int(parents(doc, family))
-            if parent >= 0 and parent in extent and extent[parent][1] <= extent[doc][0]:
-                lags_BN[b, start:stop] = extent[doc][0] - extent[parent][1]
+        for run in child_runs(ids_BN[b], family):
+            lags_BN[b, run.start : run.stop] = run.lag
     return lags_BN
 
 

@@ -10,6 +10,7 @@ Shape legend: B batch, S local sequence, H query heads, K key/value heads, D hea
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Optional, Protocol
 
@@ -80,7 +81,15 @@ class ContextParallelAttention:
         # Each group's transport, made once: every layer's call goes through the same.
         self.ring_group = as_transport(ring_group)
         self.ulysses_group = as_transport(ulysses_group)
-        self._run = IMPLEMENTATIONS[layout.runs]
+        # What the layout runs, bound once to what the layout and this rank fix: a call passes
+        # only its own arguments.
+        self._run: functools.partial[Tensor] = functools.partial(
+            IMPLEMENTATIONS[layout.runs],
+            ring_group=self.ring_group,
+            ulysses_group=self.ulysses_group,
+            kernel=kernel,
+            kv_exchange=layout.kv_exchange,
+        )
 
     @property
     def impl(self) -> str:
@@ -93,20 +102,7 @@ class ContextParallelAttention:
         """``window``: a causal sliding window of that many tokens (None: full attention);
         ``scale``: the softmax scale (None: head_dim ** -0.5); ``keep``: handed the K/V this rank
         attends, where the layout leaves them (a KV cache's prefill: ``kv_cache``)."""
-        return self._run(
-            q_BSHD,
-            k_BSKD,
-            v_BSKD,
-            ring_group=self.ring_group,
-            ulysses_group=self.ulysses_group,
-            causal=causal,
-            doc_ids=doc_ids,
-            kernel=self.kernel,
-            kv_exchange=self.layout.kv_exchange,
-            window=window,
-            scale=scale,
-            keep=keep,
-        )
+        return self._run(q_BSHD, k_BSKD, v_BSKD, causal=causal, doc_ids=doc_ids, window=window, scale=scale, keep=keep)
 
     def __repr__(self) -> str:
         return f"ContextParallelAttention(layout={self.layout!r}, kernel={self.kernel!r})"

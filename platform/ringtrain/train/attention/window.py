@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ringtrain.topology import sequence_positions
-from ringtrain.train.attention.documents import extents, parents, runs
+from ringtrain.train.attention.documents import child_runs
 
 FULL, CAUSAL, UPPER, MASKED = "full", "causal", "upper", "masked"
 MIN_TILE = 64  # tiles below this cost more in kernel launches than their masks save
@@ -172,11 +172,11 @@ def sparse(world: int, seq_local: int, window: int) -> bool:
     return any(len(sources) < world for sources in needs(world, seq_local, window))
 
 
-def family_sources(world: int, seq_local: int, window: int, ids_BN: np.ndarray, lags_BN: np.ndarray,
+def family_sources(world: int, seq_local: int, window: int, ids_BN: np.ndarray,
                    family: int) -> tuple[tuple[int, ...], ...]:
     """``needs`` and, for each rank, the ranks holding parent keys that its children's queries see
-    through the window by position id: the ring's whole sequence's documents ``ids_BN`` and their
-    ``lags_BN`` (``documents.position_lags``), the same on every rank."""
+    through the window by position id (which lag their places: ``documents.child_runs``), from
+    the ring's whole sequence's documents ``ids_BN``, the same on every rank."""
     reads = [set(sources) for sources in needs(world, seq_local, window)]
     # Every rank's stretches of consecutive positions, in sequence order: who holds a span.
     held = sorted((pos, pos + length, rank) for rank in range(world)
@@ -192,14 +192,7 @@ def family_sources(world: int, seq_local: int, window: int, ids_BN: np.ndarray, 
                 yield stretch
 
     for b in range(ids_BN.shape[0]):
-        found = runs(ids_BN[b])
-        extent = extents(found)
-        for doc, start, stop in found:
-            parent = int(parents(doc, family))
-            if parent < 0 or parent not in extent:
-                continue
-            parent_start, parent_stop = extent[parent]
-            lag = int(lags_BN[b, start])
+        for start, stop, parent_start, parent_stop, lag in child_runs(ids_BN[b], family):
             for run_start, _, rank in holders(start, stop):
                 # The run's first query reaches furthest back: to keys at positions from its own,
                 # less its lag, less the window, plus one.
