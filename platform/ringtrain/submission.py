@@ -112,7 +112,6 @@ class JobState:
     message: str
     entrypoint: str
     start_time_ms: Optional[int] = None
-    end_time_ms: Optional[int] = None
 
     @property
     def terminal(self) -> bool:
@@ -429,5 +428,4 @@ def _state(details: JobDetails) -> JobState:
         message=details.message or "",
         entrypoint=details.entrypoint,
         start_time_ms=details.start_time,
-        end_time_ms=details.end_time,
     )
