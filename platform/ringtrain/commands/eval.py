@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
-from ringtrain.config import STDLIB_CORPUS, JobConfig
+from ringtrain.config import STDLIB_CORPUS, CPLayout, JobConfig
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         # request may have. They score, and train nothing: the objective is the driver's.
         longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0,
                       plan.pairs.seq_len if plan.pairs is not None else 0)  # fmt: skip
-        seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
+        seq_len = job.cp_layout.padded_length(max(longest, 1))
         path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
         job = workers_job(job, seq_len, path)
     except ConfigError as exc:
@@ -279,8 +279,9 @@ def _eval_job(source: EvalSource, args: argparse.Namespace, content: Optional[st
         seed=args.seed if args.seed is not None else e.seed,
     )
     job.train = dataclasses.replace(job.train, micro_batch=1, global_batch=job.mesh.dp)
-    # A length every cp divides, until the eval set says how long its sequences are.
-    job.data = dataclasses.replace(job.data, seq_len=2 * job.mesh.cp)
+    # A length every CP layout of mesh.cp ranks shards, until the eval set says how long its
+    # sequences are (the job is unchecked here: its layout is built, and named if wrong, by checked).
+    job.data = dataclasses.replace(job.data, seq_len=CPLayout.sequence_multiple_of(job.mesh.cp))
     return checked(job)
 
 
@@ -311,10 +312,6 @@ def _flag(key: str) -> str:
     """The option behind an eval.* key (``eval.passkey[1]`` -> ``--passkey[1]``); other keys as they are."""
     base, bracket, index = key.partition("[")
     return FLAGS[base] + bracket + index if base in FLAGS else key
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _ints(text: str, flag: str) -> list[int]:

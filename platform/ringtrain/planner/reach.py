@@ -26,7 +26,7 @@ from ringtrain.planner.devices import DEVICES, H100, Device, peak_flops
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate
 from ringtrain.planner.savers import mlp_tiles_for
-from ringtrain.planner.search import Candidate, Cluster, Reach, evaluate, max_seq_len, search
+from ringtrain.planner.search import Candidate, Cluster, Reach, evaluate, max_seq_len, search, unit_of
 from ringtrain.planner.throughput import Assumptions
 
 DEVICE, HOST = "device", "host"
@@ -45,12 +45,6 @@ def device_seen(reported_name: str, memory_bytes: int, host_memory_bytes: int, *
     return dataclasses.replace(
         base, name=reported_name, memory_bytes=memory_bytes, host_memory_bytes=host_memory_bytes, peak_flops=flops
     )
-
-
-def unit_of(layout: Layout) -> int:
-    """The step between lengths the planner considers: the zigzag split (2 x cp) times 64, so MLP
-    tiles up to 64 per rank divide every length (search.max_seq_len's unit)."""
-    return 2 * layout.cp * 64
 
 
 def at_length(workload: Workload, layout: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:

@@ -31,7 +31,7 @@ import torch
 
 from ringtrain.evaluation.generation import GREEDY, Sampling
 from ringtrain.evaluation.stops import Decode, StopRule
-from ringtrain.topology import CPLayout, sequence_positions
+from ringtrain.topology import sequence_positions
 from ringtrain.train.attention.cached import CachedAttention, LayerAttention
 from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.attention.kv_cache import KVCache, new_token_share
@@ -43,14 +43,6 @@ Tensor = torch.Tensor
 PAD_DOC = -1  # padding's document id: it attends nothing and nothing attends it
 # Whether any row of any replica still runs, given whether one of this replica's does.
 Agree = Callable[[bool], bool]
-
-
-def padded_length(longest: int, layout: CPLayout) -> int:
-    """Slots a batch whose longest prompt has ``longest`` tokens takes under ``layout``: a
-    multiple of twice the CP degree (two zigzag chunks a ring rank, split over its Ulysses
-    group); pure."""
-    unit = 2 * layout.cp
-    return -(-longest // unit) * unit
 
 
 def _own(x: bool) -> bool:
@@ -186,7 +178,7 @@ class Decoder:
         """``prompts`` left-padded to a length the layout shards, as this rank holds them."""
         layout, cached = self.layout, self.cached
         lengths = [len(p) for p in prompts]
-        S = padded_length(max(lengths), layout)
+        S = layout.padded_length(max(lengths))
         first_real = torch.tensor([S - n for n in lengths], dtype=torch.long)
         ids_BS = np.zeros((len(prompts), S), dtype=np.int64)
         for b, p in enumerate(prompts):

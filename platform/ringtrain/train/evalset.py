@@ -33,6 +33,7 @@ from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.evaluation.result import ChatCoverage
 from ringtrain.evaluation.text import Tokenizer
+from ringtrain.topology import round_up
 from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
 from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
 
@@ -61,8 +62,7 @@ class EvalSet:
     def padded(self, *, multiple: int, rows_multiple: int) -> "EvalSet":
         """Sequences padded to a multiple of ``multiple`` tokens and the rows to a multiple of
         ``rows_multiple``; padding predicts nothing."""
-        rows = -(-self.num_rows // rows_multiple) * rows_multiple
-        length = -(-self.seq_len // multiple) * multiple
+        rows, length = round_up(self.num_rows, rows_multiple), round_up(self.seq_len, multiple)
         inputs = np.full((rows, length), PAD_ID, dtype=np.int64)
         labels = np.full((rows, length), IGNORE_INDEX, dtype=np.int64)
         inputs[: self.num_rows, : self.seq_len] = self.inputs
