@@ -286,9 +286,11 @@ def _eval_job(source: EvalSource, args: argparse.Namespace, content: Optional[st
 
 
 def _names_objective(overrides: Sequence[str]) -> bool:
+    """Whether ``overrides`` set train.objective (by its key, or through the train section's mapping)."""
+    from ringtrain.config.destinations import override_value
     from ringtrain.config.overrides import parse
 
-    return any(key == "train.objective" for key, _ in parse(list(overrides)))
+    return override_value(parse(list(overrides)), "train.objective") is not None
 
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:
