@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
     from ringtrain.commands.eval_pairs import PairsEval
     from ringtrain.commands.eval_tasks import TaskPlan
+    from ringtrain.evaluation.tokenizer import HFTokenizer
+    from ringtrain.prepared import Manifest
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # eval.* keys -> the option that sets them, so an error names what the user typed.
@@ -135,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, Any]:
-    from ringtrain.commands.eval_tasks import run_tasks
+    from ringtrain.commands.eval_tasks import hf_tokenizer, run_tasks
 
-    return run_tasks(tasks, group, source.tokenizer_folder)
+    return run_tasks(tasks, group, hf_tokenizer(source.tokenizer_folder))
 
 
 def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"], Optional["PairsEval"]]:
@@ -154,21 +156,24 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
                                     "a prepared dataset (or --tasks for lm-evaluation-harness tasks)")
     if not args.tasks:
         _check_no_task_options(args)
-    from ringtrain.train.evalset import content_of
+    from ringtrain.train.evalset import content_in, manifest_of
 
     try:
         source = resolve_source(args.source)
-        content = content_of(args.data, "--data") if args.data else None  # read once: text, chat or preference
+        # Read once: what --data holds (text, chat or preference) and, prepared, its tokenizer.
+        manifest = manifest_of(args.data, "--data") if args.data else None
+        content = content_in(manifest) if args.data else None
         job = _eval_job(source, args, content)
-        for note in _data_tokenizer_notes(source, job.eval.data):
+        for note in _data_tokenizer_notes(source, job.eval.data, manifest):
             _stderr(f"ringtrain: warning: {note}")
+        tokenizer = find_tokenizer(source.tokenizer_folder)
         try:
-            plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True, content=content)
+            plan = plan_for(job, tokenizer=tokenizer, pairs=True, content=content)
         except ConfigError as exc:
             raise _length_named(exc, job.eval.seq_len) from None
         _check_objective(job, content)  # once the data is known to be there
         evalset = plan.evalset
-        tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
+        tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len, tokenizer) if args.tasks else None
         pairs = _pairs_plan(job, source, plan)
         # The workers' own data source is never read; it only has to be valid at this length,
         # which holds the eval set's rows, the pairs' rows and the longest sequence a task's
@@ -221,33 +226,28 @@ def _pairs_plan(job: JobConfig, source: EvalSource, plan: "EvalPlan") -> Optiona
     return plan_pairs(job, source, plan.pairs, job.eval.seq_len or job.data.seq_len)
 
 
-def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int) -> "TaskPlan":
+def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int,
+               tokenizer: Optional["HFTokenizer"]) -> "TaskPlan":  # fmt: skip
+    """``--tasks`` found and their data loaded; ``tokenizer``: the source's (``find_tokenizer``)."""
     from ringtrain.commands.eval_tasks import plan_tasks
-    from ringtrain.evaluation.tokenizer import find_tokenizer
 
-    if find_tokenizer(source.tokenizer_folder) is None:
+    if tokenizer is None:
         raise ConfigError("--tasks", "lm-eval's tasks need the model's tokenizer: give a Hugging Face model folder "
                                      "(or a run of one)")
     return plan_tasks(args.tasks, include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                       max_length=max_length, tokenizer_folder=source.tokenizer_folder)
 
 
-def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
-    """A prepared --data must hold the model's token ids, as `ringtrain run` asks of its data:
-    ConfigError (--data) when its tokenizer is another; the warning when the model's folder has
-    no tokenizer to compare it with."""
-    from ringtrain.train.corpus import check_reachable, is_prepared_path, read_manifest
+def _data_tokenizer_notes(source: EvalSource, data: str, manifest: Optional["Manifest"]) -> list[str]:
+    """A prepared --data (``data``, whose manifest is ``manifest``) must hold the model's token
+    ids, as `ringtrain run` asks of its data: ConfigError (--data) when its tokenizer is another;
+    the warning when the model's folder has no tokenizer to compare it with."""
     from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, trained_tokenizer, unchecked_note
     from ringtrain.train.mixture import source_specs
-    from ringtrain.errors import DataError
 
-    if data == STDLIB_CORPUS or not is_prepared_path(data):
+    if manifest is None:
         return []
-    check_reachable(data, "eval.data")
-    try:
-        tok = read_manifest(data).tokenizer
-    except DataError as exc:
-        raise ConfigError("eval.data", str(exc)) from None
+    tok = manifest.tokenizer
     model = folder_tokenizer(source.tokenizer_folder, "SOURCE")
     if model is None and source.kind == "run":  # its config.yaml names the data it trained on
         model = trained_tokenizer(source_specs(source.job)[0].path)
