@@ -41,6 +41,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 MAX_GPUS = 65536
 # The most MLP tiles a rank's sequence is cut into: every length the planner reaches divides by them.
 MAX_MLP_TILES = 64
+# The longest sequence the planner's reach considers: 2^40 tokens.
+MAX_TOKENS = 2**40
 
 
 @dataclass(frozen=True)
@@ -203,33 +205,42 @@ def unit_of(layout: Layout) -> int:
     return layout.cp_layout.sequence_multiple * MAX_MLP_TILES
 
 
-def _at(workload: Workload, base: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
-    """``base`` at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
-    from dataclasses import replace
-
-    local = base.micro_batch * seq_len // base.cp
-    layout = replace(base, mlp_tiles=mlp_tiles_for(workload.model, local)) if base.mlp_tiles > 1 else base
+def at_length(workload: Workload, layout: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
+    """``layout`` evaluated at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
+    if layout.mlp_tiles > 1:
+        local = layout.micro_batch * seq_len // layout.cp
+        layout = dataclasses.replace(layout, mlp_tiles=mlp_tiles_for(workload.model, local))
     return evaluate(_with_seq(workload, seq_len), layout, cluster, assume)
+
+
+def recipe_reach(workload: Workload, layout: Layout, cluster: Cluster, assume: Assumptions) -> Optional[Reach]:
+    """The longest multiple of ``unit_of(layout)`` that ``layout`` (one fixed recipe) fits, or None
+    where not even one unit does. The estimate grows with the sequence, so doubling then bisecting
+    finds it."""
+    unit = unit_of(layout)
+
+    def fits(units: int) -> bool:
+        return at_length(workload, layout, unit * units, cluster, assume).fits
+
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while fits(high) and high < MAX_TOKENS // unit:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return Reach(at_length(workload, layout, unit * low, cluster, assume), unit * low)
 
 
 def max_seq_len(workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1) -> list[Reach]:
     """Per layout (each saver rung of ``saver_ladder``), the longest sequence that fits, longest
     first. Sequences are multiples of ``unit_of`` the layout; the memory estimate grows with the
-    sequence, so a bisection finds the longest."""
+    sequence, so a bisection finds the longest (``recipe_reach``)."""
     # A length every CP degree of the cluster's GPUs shards, so every layout is searched.
     probe = _with_seq(workload, CPLayout.sequence_multiple_of(cluster.gpus) * MAX_MLP_TILES)
-    found: list[Reach] = []
-    for base in layouts(probe, cluster, micro_batch=micro_batch):
-        unit = unit_of(base)
-        if not _at(workload, base, unit, cluster, assume).fits:
-            continue
-        low, high = 1, 2
-        while _at(workload, base, unit * high, cluster, assume).fits and high < 2**40 // unit:
-            low, high = high, high * 2
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if _at(workload, base, unit * mid, cluster, assume).fits else (low, mid)
-        found.append(Reach(_at(workload, base, unit * low, cluster, assume), unit * low))
+    bases = layouts(probe, cluster, micro_batch=micro_batch)
+    found = [reach for reach in (recipe_reach(workload, base, cluster, assume) for base in bases) if reach is not None]
     return sorted(
         found,
         key=lambda r: (-r.max_seq_len, offload_level(r.candidate.layout), r.candidate.layout.num_savers, r.candidate.memory.total),
