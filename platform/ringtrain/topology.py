@@ -8,7 +8,9 @@ all-to-all stays on the fastest links while the ring P2P may cross them.
 Sequence layout within one CP group (what the data loader produces and the attention plugin
 expects): the sequence is cut into ``2 * ring`` chunks; ring index r holds chunks r and
 ``2*ring-1-r`` (zigzag, so causal work is balanced); that ring shard is split contiguously into
-``ulysses`` parts and Ulysses index u holds part u.
+``ulysses`` parts and Ulysses index u holds part u. So every sequence length a CP group of ``cp``
+ranks takes is a multiple of ``2 * cp`` (``CPLayout.sequence_multiple``, ``.sequence_multiple_of``),
+and a sequence is padded up to one (``CPLayout.padded_length``, ``round_up``).
 
 Which context parallelism runs is one value, ``CPLayout``, built from a job by ``cp_layout``
 alone: attention, the trainer, the planner, evaluation and the config checks read it, and none
@@ -55,6 +57,24 @@ class CPLayout:
     def cp(self) -> int:
         return self.ring * self.ulysses
 
+    @staticmethod
+    def sequence_multiple_of(cp: int) -> int:
+        """What every sequence length a CP group of ``cp`` ranks takes is a multiple of, whatever
+        its ring and Ulysses degrees: each rank holds two of the sequence's chunks (zigzag, the
+        causal load balance), its ring shard split over its Ulysses group. For a bare degree (the
+        planner's search, a job not yet checked); ``sequence_multiple`` where a layout is at hand."""
+        return 2 * cp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length this layout shards is a multiple of."""
+        return self.sequence_multiple_of(self.cp)
+
+    def padded_length(self, length: int) -> int:
+        """The slots a sequence of ``length`` tokens takes under this layout: ``length`` rounded
+        up to ``sequence_multiple``."""
+        return round_up(length, self.sequence_multiple)
+
     @property
     def runs(self) -> str:
         """What each rank runs: ``RING``, ``ULYSSES``, ``HYBRID`` or, in a CP group of one rank,
@@ -79,6 +99,11 @@ class CPLayout:
         default's: ring)."""
         runs = self.runs
         return RING if runs == LOCAL else runs
+
+
+def round_up(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (a sequence, or a count of rows, padded)."""
+    return -(-length // multiple) * multiple
 
 
 def cp_layout(impl: str, cp: int, ulysses: Optional[int], kv_exchange: str = "auto") -> CPLayout:

@@ -138,7 +138,7 @@ def _rank(rank: int, world: int, store: str, runs: list[tuple[str, list[str], di
                 out[f"{name}/table"] = trainer.reference
             if extra.get("eval"):
                 # As `ringtrain eval` scores them: its rows, on its workers, the reference put in after.
-                pairs = load_pair_set(job.data.path, seq_len=EVAL_SEQ, multiple=2 * job.topology.cp,
+                pairs = load_pair_set(job.data.path, seq_len=EVAL_SEQ, multiple=job.cp_layout.sequence_multiple,
                                       vocab_size=job.model_int("vocab_size"), prefix_sharing=True, overlong="drop",
                                       packing="next_fit")  # fmt: skip
                 worker = TrainWorker(job, rank, "cpu")

@@ -5,7 +5,8 @@ of one rank runs) is built by one function, ``topology.cp_layout``, the only rea
 ``attention.impl``, through ``JobConfig.cp_layout``; the planner makes the value of the degrees it
 proposes. Attention, the trainer, the planner's layout, evaluation and the config checks read the
 value and never decide a layout themselves: no comparison of an implementation's name, and no
-comparison of a group's size or a CP degree with one rank.
+comparison of a group's size or a CP degree with one rank. The multiple a sequence length takes
+under a layout (``CPLayout.sequence_multiple``) is computed there alone too: no ``2 * cp`` elsewhere.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from ringtrain import config
 from ringtrain.errors import ConfigError
 from ringtrain.planner.layout import layout_of
-from ringtrain.topology import ATTENTION_IMPLS, HYBRID, LOCAL, RING, ULYSSES, CPLayout, cp_layout
+from ringtrain.topology import ATTENTION_IMPLS, HYBRID, LOCAL, RING, ULYSSES, CPLayout, cp_layout, sequence_positions
 
 PACKAGE = Path(__file__).resolve().parents[2] / "platform" / "ringtrain"
 
@@ -189,6 +190,44 @@ def test_the_scan_sees_a_decision(decision: str) -> None:
 ])
 def test_the_scan_passes_what_decides_no_layout(check: str) -> None:
     assert not _decisions("train/attention/call.py", _nodes(check))
+
+
+def _sequence_multiples(nodes: list[tuple[str, ast.AST]]) -> list[str]:
+    """``2 * cp`` written again (``2 * job.mesh.cp``, ``cp * 2``, ``2 * layout.cp * 64``): the
+    multiple a CP layout's sequence lengths take, which ``CPLayout.sequence_multiple`` (and, for a
+    bare degree, ``CPLayout.sequence_multiple_of``) alone computes."""
+    found = []
+    for scope, node in nodes:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            sides = (node.left, node.right)
+            if any(_named(side) == "cp" for side in sides) and any(
+                    isinstance(side, ast.Constant) and side.value == 2 for side in sides):
+                found.append(f"{scope or 'module'}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_sequence_multiple_is_computed_by_the_layout_alone() -> None:
+    found = [f"{path} {line}" for path, nodes in _package().items() if path != "topology.py"
+             for line in _sequence_multiples(nodes)]
+    assert not found, "a CP sequence multiple computed outside topology.py:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("multiple", ["unit = 2 * layout.cp * 64", "n % (2 * job.mesh.cp)", "m = cp * 2"])
+def test_the_scan_sees_a_sequence_multiple(multiple: str) -> None:
+    assert _sequence_multiples(_nodes(multiple))
+
+
+@pytest.mark.parametrize(("ring", "ulysses", "length", "padded"), [
+    (1, 1, 5, 6), (4, 1, 8, 8), (4, 1, 9, 16), (1, 4, 1, 8), (2, 2, 17, 24),
+])
+def test_a_layout_pads_a_sequence_to_what_its_ranks_shard(ring: int, ulysses: int, length: int, padded: int) -> None:
+    """Every rank of the group holds its two zigzag chunks, split over its Ulysses group."""
+    layout = CPLayout(ring, ulysses)
+    assert layout.sequence_multiple == 2 * ring * ulysses
+    assert layout.padded_length(length) == padded
+    for ring_idx in range(ring):
+        for ulysses_idx in range(ulysses):
+            assert len(sequence_positions(padded, ring, ulysses, ring_idx, ulysses_idx)) == padded // layout.cp
 
 
 # ---------------------------------------------------------------- the value

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ from ringtrain.commands.eval_source import EvalSource
 from ringtrain.errors import ConfigError
 from ringtrain.prepared import tokenizer_sha256
 from ringtrain.train.dataset_tokenizer import trained_tokenizer
+from ringtrain.train.evalset import content_of, manifest_of
 from ringtrain_dev.prepared_data import random_documents, write_prepared
 from ringtrain_dev.tiny_tokenizer import save_tokenizer
 
@@ -126,6 +127,11 @@ def _prepared(root: Path, sha256: str, name: str) -> Path:
     return root
 
 
+def _notes(source: EvalSource, data: str) -> list[str]:
+    """eval's tokenizer notes on ``data``, its manifest read as eval reads it."""
+    return _data_tokenizer_notes(source, data, manifest_of(data))
+
+
 def test_data_of_another_tokenizer_than_the_models_exits_2_naming_both(tmp_path: Path) -> None:
     """`ringtrain eval` refuses what `ringtrain run` refuses: a prepared --data tokenized with
     another tokenizer than the model's (a loss on other words under the same ids means nothing)."""
@@ -140,29 +146,63 @@ def test_data_of_another_tokenizer_than_the_models_exits_2_naming_both(tmp_path:
     # Prepared with the model's own tokenizer: no refusal (the run goes on to start its cluster).
     same = _prepared(tmp_path / "same", tokenizer_sha256(tokmodel / "tokenizer.json"), "tokmodel")
     source = EvalSource("hf", config.load(None, []), str(tokmodel))
-    assert _data_tokenizer_notes(source, str(same)) == []
+    assert _notes(source, str(same)) == []
+
+
+def test_eval_reads_a_prepared_datas_manifest_once_before_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a prepared --data holds and the tokenizer it was made with come from one read of its
+    manifest at start (no shard opened for it); the rows' reading opens the dataset once, and
+    nothing else reads it."""
+    from ringtrain.cli import _parser
+    from ringtrain.commands.eval import prepare
+    from ringtrain.prepared import Manifest
+    from ringtrain.train.corpus import PreparedCorpus
+
+    tokmodel = save_tokenizer(tmp_path / "tokmodel")
+    (tokmodel / "config.json").write_text(json.dumps(LLAMA))
+    data = _prepared(tmp_path / "data", tokenizer_sha256(tokmodel / "tokenizer.json"), "tokmodel")
+    reads: list[str] = []
+    load = Manifest.load.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Manifest], root: Path) -> Manifest:
+        reads.append(str(root))
+        return load(cls, root)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Manifest, "load", classmethod(counted))
+    opened: list[str] = []
+    open_corpus = PreparedCorpus.__init__
+
+    def opening(corpus: PreparedCorpus, uri: str, **kwargs: Any) -> None:
+        opened.append(uri)
+        open_corpus(corpus, uri, **kwargs)
+
+    monkeypatch.setattr(PreparedCorpus, "__init__", opening)
+    _, _, plan, _, _ = prepare(_parser().parse_args(["eval", str(tokmodel), "--data", str(data), "--seq-len", "16"]))
+    assert plan.evalset is not None and reads == [str(data)] * 2 and opened == [str(data)]
+    # What a dataset holds is its manifest's to say: run's check of eval.data opens no shard either.
+    assert content_of(str(data)) == "text" and opened == [str(data)]
 
 
 def test_a_run_trained_from_scratch_is_checked_against_its_training_data(tmp_path: Path) -> None:
     trained = _prepared(tmp_path / "trained", "a" * 64, "ours")
     other = _prepared(tmp_path / "other", "b" * 64, "theirs")
     run = EvalSource("run", config.load(None, [f"data.path={trained}"]), "")
-    assert _data_tokenizer_notes(run, str(trained)) == []
+    assert _notes(run, str(trained)) == []
     with pytest.raises(ConfigError, match=r"tokenized with 'theirs' .* not with the tokenizer of the data it trained on \('ours'"):
-        _data_tokenizer_notes(run, str(other))
+        _notes(run, str(other))
     # A byte-level model (trained on text) scoring a dataset of BPE ids.
     with pytest.raises(ConfigError, match=r"not with the bytes it trained on \(stdlib\)"):
-        _data_tokenizer_notes(EvalSource("run", config.load(None, []), ""), str(other))
+        _notes(EvalSource("run", config.load(None, []), ""), str(other))
     # Its training data gone since (moved, deleted): nothing tells what it held, bytes or another
     # dataset's ids, so nothing is refused for it.
     gone = tmp_path / "gone"
     assert trained_tokenizer(str(gone)) is None and trained_tokenizer(gone.as_uri()) is None
-    assert _data_tokenizer_notes(EvalSource("run", config.load(None, [f"data.path={gone}"]), ""), str(other)) == []
+    assert _notes(EvalSource("run", config.load(None, [f"data.path={gone}"]), ""), str(other)) == []
 
 
 def test_a_model_folder_without_a_tokenizer_says_it_cannot_check(tmp_path: Path, model: Path) -> None:
     data = _prepared(tmp_path / "data", "c" * 64, "some-bpe")
-    (note,) = _data_tokenizer_notes(EvalSource("hf", config.load(None, []), str(model)), str(data))
+    (note,) = _notes(EvalSource("hf", config.load(None, []), str(model)), str(data))
     assert note.startswith(f"SOURCE: {model} has no tokenizer.json, so whether {data} (tokenized with 'some-bpe'")
     assert "cannot be checked" in note
 

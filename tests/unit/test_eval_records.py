@@ -176,3 +176,27 @@ def test_eval_tasks_reach_the_records_tensorboard_trackers_and_report(tmp_path: 
     assert [(e.step, e.value) for e in events.Scalars("eval/tasks/tiny_mc/acc")] == [(2, 0.25), (4, 0.5)]
     page = write_report(run_dir)[0].read_text()
     assert 'id="eval-tasks"' in page and "exact_match,strict-match" in page
+
+
+def test_eval_tasks_read_the_models_tokenizer_at_the_first_evaluation_alone(monkeypatch: Any) -> None:
+    """eval.tasks run at every evaluation of a run: the model folder's tokenizer is loaded for the
+    first and the same one speaks for every later one."""
+    from ringtrain.commands import eval_tasks
+
+    loaded: list[str] = []
+    spoken: list[object] = []
+
+    def load(folder: str) -> object:
+        loaded.append(folder)
+        return object()
+
+    def run(plan: Any, group: Any, tokenizer: object) -> dict[str, Any]:
+        spoken.append(tokenizer)
+        return {"results": {}}
+
+    monkeypatch.setattr(eval_tasks, "hf_tokenizer", load)
+    monkeypatch.setattr(eval_tasks, "run_tasks", run)
+    tasks = eval_tasks.TrainingTasks(plan=None, tokenizer_folder="/models/tiny")  # type: ignore[arg-type]
+    for _ in range(3):
+        assert tasks(None) == {}
+    assert loaded == ["/models/tiny"] and len(spoken) == 3 and len(set(map(id, spoken))) == 1

@@ -124,6 +124,7 @@ def test_a_preference_run_is_scored_by_its_objective_on_pairs_alone(tmp_path: Pa
     on_text = evaluated()
     assert on_text.train.objective == "lm" and on_text.train.preference.beta == 0.2
     assert evaluated("train.objective=ipo").train.objective == "ipo"
+    assert evaluated("train={objective: ipo}").train.objective == "ipo"  # named through its section
 
 
 def test_the_workers_of_a_run_trained_on_sources_take_the_eval_data_alone(tmp_path: Path) -> None:

@@ -68,9 +68,9 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
             raise ConfigError(data_key, f"{e.data} is a preference dataset: score it with `ringtrain eval SOURCE --data "
                               f"{e.data} train.objective=dpo` (or another preference objective)")
         d = job.data
-        pair_set = load_pair_set(e.data, seq_len=e.seq_len or d.seq_len, multiple=2 * job.topology.cp, vocab_size=vocab,
-                                 prefix_sharing=d.prefix_sharing, overlong=d.chat_overlong, packing=d.chat_packing,
-                                 max_rows=e.max_rows, key=data_key)  # fmt: skip
+        pair_set = load_pair_set(e.data, seq_len=e.seq_len or d.seq_len, multiple=job.cp_layout.sequence_multiple,
+                                 vocab_size=vocab, prefix_sharing=d.prefix_sharing, overlong=d.chat_overlong,
+                                 packing=d.chat_packing, max_rows=e.max_rows, key=data_key)  # fmt: skip
     elif e.data:
         evalset = load_eval_set(
             e.data,

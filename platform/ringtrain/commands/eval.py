@@ -26,13 +26,15 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
-from ringtrain.config import STDLIB_CORPUS, JobConfig
+from ringtrain.config import STDLIB_CORPUS, CPLayout, JobConfig
 from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
     from ringtrain.commands.eval_pairs import PairsEval
     from ringtrain.commands.eval_tasks import TaskPlan
+    from ringtrain.evaluation.tokenizer import HFTokenizer
+    from ringtrain.prepared import Manifest
 
 EXIT_OK, EXIT_FAILED = 0, 1
 # eval.* keys -> the option that sets them, so an error names what the user typed.
@@ -135,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_tasks(tasks: "TaskPlan", group: Any, source: EvalSource) -> dict[str, Any]:
-    from ringtrain.commands.eval_tasks import run_tasks
+    from ringtrain.commands.eval_tasks import hf_tokenizer, run_tasks
 
-    return run_tasks(tasks, group, source.tokenizer_folder)
+    return run_tasks(tasks, group, hf_tokenizer(source.tokenizer_folder))
 
 
 def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan", Optional["TaskPlan"], Optional["PairsEval"]]:
@@ -154,28 +156,31 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
                                     "a prepared dataset (or --tasks for lm-evaluation-harness tasks)")
     if not args.tasks:
         _check_no_task_options(args)
-    from ringtrain.train.evalset import content_of
+    from ringtrain.train.evalset import content_in, manifest_of
 
     try:
         source = resolve_source(args.source)
-        content = content_of(args.data, "--data") if args.data else None  # read once: text, chat or preference
+        # Read once: what --data holds (text, chat or preference) and, prepared, its tokenizer.
+        manifest = manifest_of(args.data, "--data") if args.data else None
+        content = content_in(manifest) if args.data else None
         job = _eval_job(source, args, content)
-        for note in _data_tokenizer_notes(source, job.eval.data):
+        for note in _data_tokenizer_notes(source, job.eval.data, manifest):
             _stderr(f"ringtrain: warning: {note}")
+        tokenizer = find_tokenizer(source.tokenizer_folder)
         try:
-            plan = plan_for(job, tokenizer=find_tokenizer(source.tokenizer_folder), pairs=True, content=content)
+            plan = plan_for(job, tokenizer=tokenizer, pairs=True, content=content)
         except ConfigError as exc:
             raise _length_named(exc, job.eval.seq_len) from None
         _check_objective(job, content)  # once the data is known to be there
         evalset = plan.evalset
-        tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len) if args.tasks else None
+        tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len, tokenizer) if args.tasks else None
         pairs = _pairs_plan(job, source, plan)
         # The workers' own data source is never read; it only has to be valid at this length,
         # which holds the eval set's rows, the pairs' rows and the longest sequence a task's
         # request may have. They score, and train nothing: the objective is the driver's.
         longest = max(evalset.seq_len if evalset is not None else 0, tasks.max_length if tasks is not None else 0,
                       plan.pairs.seq_len if plan.pairs is not None else 0)  # fmt: skip
-        seq_len = _round_up(max(longest, 1), 2 * job.topology.cp)
+        seq_len = job.cp_layout.padded_length(max(longest, 1))
         path = _worker_data(job.eval.data, evalset, seq_len) if evalset is not None else STDLIB_CORPUS
         job = workers_job(job, seq_len, path)
     except ConfigError as exc:
@@ -221,33 +226,28 @@ def _pairs_plan(job: JobConfig, source: EvalSource, plan: "EvalPlan") -> Optiona
     return plan_pairs(job, source, plan.pairs, job.eval.seq_len or job.data.seq_len)
 
 
-def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int) -> "TaskPlan":
+def _task_plan(args: argparse.Namespace, source: EvalSource, max_length: int,
+               tokenizer: Optional["HFTokenizer"]) -> "TaskPlan":  # fmt: skip
+    """``--tasks`` found and their data loaded; ``tokenizer``: the source's (``find_tokenizer``)."""
     from ringtrain.commands.eval_tasks import plan_tasks
-    from ringtrain.evaluation.tokenizer import find_tokenizer
 
-    if find_tokenizer(source.tokenizer_folder) is None:
+    if tokenizer is None:
         raise ConfigError("--tasks", "lm-eval's tasks need the model's tokenizer: give a Hugging Face model folder "
                                      "(or a run of one)")
     return plan_tasks(args.tasks, include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                       max_length=max_length, tokenizer_folder=source.tokenizer_folder)
 
 
-def _data_tokenizer_notes(source: EvalSource, data: str) -> list[str]:
-    """A prepared --data must hold the model's token ids, as `ringtrain run` asks of its data:
-    ConfigError (--data) when its tokenizer is another; the warning when the model's folder has
-    no tokenizer to compare it with."""
-    from ringtrain.train.corpus import check_reachable, is_prepared_path, read_manifest
+def _data_tokenizer_notes(source: EvalSource, data: str, manifest: Optional["Manifest"]) -> list[str]:
+    """A prepared --data (``data``, whose manifest is ``manifest``) must hold the model's token
+    ids, as `ringtrain run` asks of its data: ConfigError (--data) when its tokenizer is another;
+    the warning when the model's folder has no tokenizer to compare it with."""
     from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, trained_tokenizer, unchecked_note
     from ringtrain.train.mixture import source_specs
-    from ringtrain.errors import DataError
 
-    if data == STDLIB_CORPUS or not is_prepared_path(data):
+    if manifest is None:
         return []
-    check_reachable(data, "eval.data")
-    try:
-        tok = read_manifest(data).tokenizer
-    except DataError as exc:
-        raise ConfigError("eval.data", str(exc)) from None
+    tok = manifest.tokenizer
     model = folder_tokenizer(source.tokenizer_folder, "SOURCE")
     if model is None and source.kind == "run":  # its config.yaml names the data it trained on
         model = trained_tokenizer(source_specs(source.job)[0].path)
@@ -279,15 +279,18 @@ def _eval_job(source: EvalSource, args: argparse.Namespace, content: Optional[st
         seed=args.seed if args.seed is not None else e.seed,
     )
     job.train = dataclasses.replace(job.train, micro_batch=1, global_batch=job.mesh.dp)
-    # A length every cp divides, until the eval set says how long its sequences are.
-    job.data = dataclasses.replace(job.data, seq_len=2 * job.mesh.cp)
+    # A length every CP layout of mesh.cp ranks shards, until the eval set says how long its
+    # sequences are (the job is unchecked here: its layout is built, and named if wrong, by checked).
+    job.data = dataclasses.replace(job.data, seq_len=CPLayout.sequence_multiple_of(job.mesh.cp))
     return checked(job)
 
 
 def _names_objective(overrides: Sequence[str]) -> bool:
+    """Whether ``overrides`` set train.objective (by its key, or through the train section's mapping)."""
+    from ringtrain.config.destinations import override_value
     from ringtrain.config.overrides import parse
 
-    return any(key == "train.objective" for key, _ in parse(list(overrides)))
+    return override_value(parse(list(overrides)), "train.objective") is not None
 
 
 def _worker_data(path: str, evalset: Any, seq_len: int) -> str:
@@ -311,10 +314,6 @@ def _flag(key: str) -> str:
     """The option behind an eval.* key (``eval.passkey[1]`` -> ``--passkey[1]``); other keys as they are."""
     base, bracket, index = key.partition("[")
     return FLAGS[base] + bracket + index if base in FLAGS else key
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _ints(text: str, flag: str) -> list[int]:

@@ -14,6 +14,7 @@ dataset. Synthetic tasks (RULER's) are given the model folder's tokenizer and th
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -73,14 +74,21 @@ def plan_tasks(text: str, *, include_path: Optional[str], limit: Optional[int], 
     return TaskPlan(names, limit, num_fewshot, max_length, manager)
 
 
-def run_tasks(plan: TaskPlan, group: Any, tokenizer_folder: str) -> dict[str, Any]:
-    """lm-eval's results object for ``plan`` with the workers of ``group`` as the model."""
-    from lm_eval import simple_evaluate
+def hf_tokenizer(tokenizer_folder: str) -> Any:
+    """The transformers tokenizer of model folder ``tokenizer_folder``, as lm-eval's model speaks."""
     from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_folder)
+
+
+def run_tasks(plan: TaskPlan, group: Any, tokenizer: Any) -> dict[str, Any]:
+    """lm-eval's results object for ``plan`` with the workers of ``group`` as the model, whose
+    text ``tokenizer`` (``hf_tokenizer``) makes."""
+    from lm_eval import simple_evaluate
 
     from ringtrain.commands.lm_eval_model import RingtrainLM
 
-    lm = RingtrainLM(group, AutoTokenizer.from_pretrained(tokenizer_folder), plan.max_length)
+    lm = RingtrainLM(group, tokenizer, plan.max_length)
     results: dict[str, Any] = simple_evaluate(model=lm, tasks=list(plan.names), num_fewshot=plan.num_fewshot,
                                               limit=plan.limit, task_manager=plan.manager)
     return results
@@ -94,8 +102,13 @@ class TrainingTasks:
     plan: TaskPlan
     tokenizer_folder: str
 
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The model folder's tokenizer, loaded at the first evaluation and kept for the run's others."""
+        return hf_tokenizer(self.tokenizer_folder)
+
     def __call__(self, group: Any) -> dict[str, dict[str, Any]]:
-        results: dict[str, dict[str, Any]] = run_tasks(self.plan, group, self.tokenizer_folder)["results"]
+        results: dict[str, dict[str, Any]] = run_tasks(self.plan, group, self.tokenizer)["results"]
         return results
 
 

@@ -40,12 +40,11 @@ def inference_job(source: EvalSource, overrides: list[str]) -> JobConfig:
 
 def workers_job(job: JobConfig, seq_len: int, path: str = STDLIB_CORPUS) -> JobConfig:
     """The job the workers run, validated: ``data.seq_len`` ``seq_len`` rounded up to a length
-    every CP layout shards, ``data.path`` alone (the run's ``data.sources`` dropped: the workers'
-    data is never read, only checked at that length), ``train.micro_batch`` sequences a replica
-    takes at once, and the next-token objective whatever the run trained with (they score and
-    decode, and take no pairs)."""
-    unit = 2 * job.mesh.cp
-    job.data = dataclasses.replace(job.data, seq_len=-(-seq_len // unit) * unit, path=path, sources=[])
+    the job's CP layout shards (``CPLayout.padded_length``), ``data.path`` alone (the run's
+    ``data.sources`` dropped: the workers' data is never read, only checked at that length),
+    ``train.micro_batch`` sequences a replica takes at once, and the next-token objective whatever
+    the run trained with (they score and decode, and take no pairs)."""
+    job.data = dataclasses.replace(job.data, seq_len=job.cp_layout.padded_length(seq_len), path=path, sources=[])
     job.train = dataclasses.replace(job.train, global_batch=job.mesh.dp * job.train.micro_batch, objective="lm")
     return checked(job)
 

@@ -63,10 +63,11 @@ def validate(job: JobConfig) -> None:
 
     d = job.data
     _positive(d.seq_len, "data.seq_len")
-    if d.seq_len % (2 * job.mesh.cp):
+    multiple = job.cp_layout.sequence_multiple
+    if d.seq_len % multiple:
         raise ConfigError(
             "data.seq_len",
-            f"{d.seq_len} is not divisible by 2 x mesh.cp = {2 * job.mesh.cp} "
+            f"{d.seq_len} is not divisible by 2 x mesh.cp = {multiple} "
             "(the zigzag layout cuts each sequence into 2 chunks per context-parallel rank)",
         )
     _one_of(d.token_dtype, ("uint8", "uint16", "uint32"), "data.token_dtype")

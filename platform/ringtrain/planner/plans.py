@@ -72,7 +72,7 @@ def _make_plan(workload: Workload, request: Request, job_layout: Optional[Candid
 
 def job_candidate(job: Optional[JobConfig], workload: Workload, request: Request) -> Optional[Candidate]:
     """The job's own layout, when it is one of the layouts planned (same GPU count, valid sequence)."""
-    if job is None or job.world_size != request.cluster.gpus or workload.seq_len % (2 * job.mesh.cp):
+    if job is None or job.world_size != request.cluster.gpus or workload.seq_len % job.cp_layout.sequence_multiple:
         return None
     layout = dataclasses.replace(layout_of(job), micro_batch=request.micro_batch)
     return evaluate(workload, layout, request.cluster, request.assume)

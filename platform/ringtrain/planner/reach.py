@@ -10,7 +10,8 @@ bench that measures them holds no planning logic of its own:
   its MLP tiles re-chosen for the length), so that a try above the prediction still runs the
   savers the planner would reach for.
 - ``recipe_reach``: the longest sequence one fixed layout fits, e.g. full checkpointing without
-  savers, the recipe a stack without ringtrain's savers trains with.
+  savers, the recipe a stack without ringtrain's savers trains with (search's own, with which
+  ``max_seq_len`` reaches each rung).
 - ``binding_limit``: whether a layout's device memory, its host memory or both are out of reach.
 
 ``device_seen`` is the device table's entry for the device at hand with the memory it reports
@@ -25,13 +26,11 @@ from typing import Optional
 from ringtrain.planner.devices import DEVICES, H100, Device, peak_flops
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate
-from ringtrain.planner.savers import mlp_tiles_for
-from ringtrain.planner.search import Candidate, Cluster, Reach, evaluate, max_seq_len, search
+# Search's reach of one layout (its rungs' for max_seq_len), named here with the rest a measurement asks.
+from ringtrain.planner.search import MAX_TOKENS, Candidate, Cluster, Reach, at_length, max_seq_len, recipe_reach, search
 from ringtrain.planner.throughput import Assumptions
 
 DEVICE, HOST = "device", "host"
-# The longest sequence ``recipe_reach`` considers, in units: 2^40 tokens, as search.max_seq_len.
-MAX_TOKENS = 2**40
 
 
 def device_seen(reported_name: str, memory_bytes: int, host_memory_bytes: int, *, cpu_cores: int = 1) -> Device:
@@ -45,20 +44,6 @@ def device_seen(reported_name: str, memory_bytes: int, host_memory_bytes: int, *
     return dataclasses.replace(
         base, name=reported_name, memory_bytes=memory_bytes, host_memory_bytes=host_memory_bytes, peak_flops=flops
     )
-
-
-def unit_of(layout: Layout) -> int:
-    """The step between lengths the planner considers: the zigzag split (2 x cp) times 64, so MLP
-    tiles up to 64 per rank divide every length (search.max_seq_len's unit)."""
-    return 2 * layout.cp * 64
-
-
-def at_length(workload: Workload, layout: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
-    """``layout`` evaluated at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
-    if layout.mlp_tiles > 1:
-        local = layout.micro_batch * seq_len // layout.cp
-        layout = dataclasses.replace(layout, mlp_tiles=mlp_tiles_for(workload.model, local))
-    return evaluate(dataclasses.replace(workload, seq_len=seq_len), layout, cluster, assume)
 
 
 def longest(workload: Workload, cluster: Cluster, assume: Assumptions) -> Optional[Reach]:
@@ -81,25 +66,6 @@ def pick(
     if not ranked:
         raise ValueError(f"no valid layout of {cluster.gpus} GPUs at seq_len {seq_len}")
     return min(ranked, key=lambda c: c.memory.total)
-
-
-def recipe_reach(workload: Workload, layout: Layout, cluster: Cluster, assume: Assumptions) -> Optional[Reach]:
-    """The longest multiple of ``unit_of(layout)`` that ``layout`` fits (None: not even one unit).
-    The estimate grows with the sequence, so doubling then bisecting finds it."""
-    unit = unit_of(layout)
-
-    def fits(units: int) -> bool:
-        return at_length(workload, layout, unit * units, cluster, assume).fits
-
-    if not fits(1):
-        return None
-    low, high = 1, 2
-    while fits(high) and high < MAX_TOKENS // unit:
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return Reach(at_length(workload, layout, unit * low, cluster, assume), unit * low)
 
 
 def binding_limit(memory: MemoryEstimate, cluster: Cluster) -> tuple[str, ...]:

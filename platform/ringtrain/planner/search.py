@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
+from ringtrain.config import CPLayout
 from ringtrain.planner.devices import GB, Device
 from ringtrain.planner.layout import Layout, Workload
 from ringtrain.planner.memory import MemoryEstimate, estimate
@@ -38,6 +39,10 @@ from ringtrain.planner.throughput import Assumptions, StepEstimate, estimate_ste
 ZERO_STAGES = (0, 1, 2, 3)
 # The most GPUs ``advise`` looks at when searching for the fewest that fit.
 MAX_GPUS = 65536
+# The most MLP tiles a rank's sequence is cut into: every length the planner reaches divides by them.
+MAX_MLP_TILES = 64
+# The longest sequence the planner's reach considers: 2^40 tokens.
+MAX_TOKENS = 2**40
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,9 @@ def layouts(
     optimizer offload and (``savers``) the long-context savers."""
     heads = workload.model.n_heads
     for cp in divisors(cluster.gpus):
-        if workload.seq_len % (2 * cp) or workload.global_batch % (cluster.gpus // cp * micro_batch):
+        if workload.seq_len % CPLayout.sequence_multiple_of(cp):
+            continue
+        if workload.global_batch % (cluster.gpus // cp * micro_batch):
             continue
         local_seq = micro_batch * workload.seq_len // cp
         # A tiled rung tiles at least in two, so it is never the untiled rung again.
@@ -192,32 +199,48 @@ def _with_seq(workload: Workload, seq_len: int) -> Workload:
     return dataclasses.replace(workload, seq_len=seq_len)
 
 
-def _at(workload: Workload, base: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
-    """``base`` at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
-    from dataclasses import replace
+def unit_of(layout: Layout) -> int:
+    """The step between lengths the planner reaches for ``layout``: its CP layout's sequence
+    multiple times ``MAX_MLP_TILES``, so MLP tiles up to that many per rank divide every length."""
+    return layout.cp_layout.sequence_multiple * MAX_MLP_TILES
 
-    local = base.micro_batch * seq_len // base.cp
-    layout = replace(base, mlp_tiles=mlp_tiles_for(workload.model, local)) if base.mlp_tiles > 1 else base
+
+def at_length(workload: Workload, layout: Layout, seq_len: int, cluster: Cluster, assume: Assumptions) -> Candidate:
+    """``layout`` evaluated at ``seq_len``, its MLP tiles (when tiled) re-chosen for the local sequence."""
+    if layout.mlp_tiles > 1:
+        local = layout.micro_batch * seq_len // layout.cp
+        layout = dataclasses.replace(layout, mlp_tiles=mlp_tiles_for(workload.model, local))
     return evaluate(_with_seq(workload, seq_len), layout, cluster, assume)
+
+
+def recipe_reach(workload: Workload, layout: Layout, cluster: Cluster, assume: Assumptions) -> Optional[Reach]:
+    """The longest multiple of ``unit_of(layout)`` that ``layout`` (one fixed recipe) fits, or None
+    where not even one unit does. The estimate grows with the sequence, so doubling then bisecting
+    finds it."""
+    unit = unit_of(layout)
+
+    def fits(units: int) -> bool:
+        return at_length(workload, layout, unit * units, cluster, assume).fits
+
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while fits(high) and high < MAX_TOKENS // unit:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return Reach(at_length(workload, layout, unit * low, cluster, assume), unit * low)
 
 
 def max_seq_len(workload: Workload, cluster: Cluster, assume: Assumptions, *, micro_batch: int = 1) -> list[Reach]:
     """Per layout (each saver rung of ``saver_ladder``), the longest sequence that fits, longest
-    first. Sequences are multiples of 2 x cp x 64 (the zigzag split, and tiles up to 64 per rank);
-    the memory estimate grows with the sequence, so a bisection finds the longest."""
-    probe = _with_seq(workload, 2 * cluster.gpus * 64)
-    found: list[Reach] = []
-    for base in layouts(probe, cluster, micro_batch=micro_batch):
-        unit = 2 * base.cp * 64
-        if not _at(workload, base, unit, cluster, assume).fits:
-            continue
-        low, high = 1, 2
-        while _at(workload, base, unit * high, cluster, assume).fits and high < 2**40 // unit:
-            low, high = high, high * 2
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if _at(workload, base, unit * mid, cluster, assume).fits else (low, mid)
-        found.append(Reach(_at(workload, base, unit * low, cluster, assume), unit * low))
+    first. Sequences are multiples of ``unit_of`` the layout; the memory estimate grows with the
+    sequence, so a bisection finds the longest (``recipe_reach``)."""
+    # A length every CP degree of the cluster's GPUs shards, so every layout is searched.
+    probe = _with_seq(workload, CPLayout.sequence_multiple_of(cluster.gpus) * MAX_MLP_TILES)
+    bases = layouts(probe, cluster, micro_batch=micro_batch)
+    found = [reach for reach in (recipe_reach(workload, base, cluster, assume) for base in bases) if reach is not None]
     return sorted(
         found,
         key=lambda r: (-r.max_seq_len, offload_level(r.candidate.layout), r.candidate.layout.num_savers, r.candidate.memory.total),

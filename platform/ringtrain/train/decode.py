@@ -31,7 +31,7 @@ import torch
 
 from ringtrain.evaluation.generation import GREEDY, Sampling
 from ringtrain.evaluation.stops import Decode, StopRule
-from ringtrain.topology import CPLayout, sequence_positions
+from ringtrain.topology import sequence_positions
 from ringtrain.train.attention.cached import CachedAttention, LayerAttention
 from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.attention.kv_cache import KVCache, new_token_share
@@ -43,14 +43,6 @@ Tensor = torch.Tensor
 PAD_DOC = -1  # padding's document id: it attends nothing and nothing attends it
 # Whether any row of any replica still runs, given whether one of this replica's does.
 Agree = Callable[[bool], bool]
-
-
-def padded_length(longest: int, layout: CPLayout) -> int:
-    """Slots a batch whose longest prompt has ``longest`` tokens takes under ``layout``: a
-    multiple of twice the CP degree (two zigzag chunks a ring rank, split over its Ulysses
-    group); pure."""
-    unit = 2 * layout.cp
-    return -(-longest // unit) * unit
 
 
 def _own(x: bool) -> bool:
@@ -99,12 +91,10 @@ class Decoder:
         self.model = model
         self.device = device
         self.agree = agree
-        self.layout = attention.layout
         args = model.args
+        # The layout, and the groups it crosses, are the cached attention's: read from it.
         self.cached = CachedAttention(attention, args.n_heads, args.n_kv_heads)
         self.windows = [args.window(i) for i in range(args.n_layers)]
-        self.ring: Optional[Transport] = self.cached.ring
-        self.ulysses: Optional[Transport] = self.cached.ulysses
         self.last_cache: Optional[KVCache] = None  # the latest batch's, for its size
         self.step_times: list[float] = []  # the latest batch's decode steps, seconds each (a bench reads them)
 
@@ -115,7 +105,8 @@ class Decoder:
         same)."""
         if max_new < 1 or not prompts:
             return [[] for _ in prompts]
-        layout, cached = self.layout, self.cached
+        cached = self.cached
+        layout = cached.layout
         batch = self._padded(prompts)
         B, S, lengths = len(prompts), batch.seq_len, batch.lengths
         cache = KVCache.for_windows(self.windows)
@@ -176,17 +167,17 @@ class Decoder:
         B = len(sequences)
         totals = torch.zeros(B, dtype=torch.float64).index_add_(0, rows, gained)
         misses = torch.zeros(B, dtype=torch.float64).index_add_(0, rows, missed)
-        for group in (self.ring, self.ulysses):
-            if group is not None:
-                both = group.all_gather(torch.stack([totals, misses]).to(self.device)).cpu()
-                totals, misses = both[:, 0].sum(dim=0), both[:, 1].sum(dim=0)
+        for group in self._crossed():
+            both = group.all_gather(torch.stack([totals, misses]).to(self.device)).cpu()
+            totals, misses = both[:, 0].sum(dim=0), both[:, 1].sum(dim=0)
         return [(float(t), bool(m == 0)) for t, m in zip(totals.tolist(), misses.tolist())]
 
     def _padded(self, prompts: Sequence[Sequence[int]]) -> PaddedBatch:
         """``prompts`` left-padded to a length the layout shards, as this rank holds them."""
-        layout, cached = self.layout, self.cached
+        cached = self.cached
+        layout = cached.layout
         lengths = [len(p) for p in prompts]
-        S = padded_length(max(lengths), layout)
+        S = layout.padded_length(max(lengths))
         first_real = torch.tensor([S - n for n in lengths], dtype=torch.long)
         ids_BS = np.zeros((len(prompts), S), dtype=np.int64)
         for b, p in enumerate(prompts):
@@ -202,10 +193,13 @@ class Decoder:
     def _first_of_group(self) -> bool:
         return self.cached.ring_idx == 0 and self.cached.ulysses_idx == 0
 
+    def _crossed(self) -> list[Transport]:
+        """The groups the layout crosses (a group of one rank has nothing to gather)."""
+        return [group for group in (self.cached.ring, self.cached.ulysses) if group is not None]
+
     def _share(self, token_B: Tensor, mine: bool) -> Tensor:
         """The tokens of the one rank of the CP group for which ``mine`` is true, on every rank."""
         marked = torch.where(torch.tensor(mine), token_B.cpu(), torch.full_like(token_B.cpu(), -1))
-        for group in (self.ring, self.ulysses):
-            if group is not None:
-                marked = group.all_gather(marked.to(self.device)).max(dim=0).values.cpu()
+        for group in self._crossed():
+            marked = group.all_gather(marked.to(self.device)).max(dim=0).values.cpu()
         return marked

@@ -33,7 +33,9 @@ from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.evaluation.result import ChatCoverage
 from ringtrain.evaluation.text import Tokenizer
-from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
+from ringtrain.prepared import Manifest
+from ringtrain.topology import round_up
+from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path, read_manifest
 from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
 
 DEFAULT_WINDOWS = 64  # windows of a stream scored when no max_rows is given
@@ -61,8 +63,7 @@ class EvalSet:
     def padded(self, *, multiple: int, rows_multiple: int) -> "EvalSet":
         """Sequences padded to a multiple of ``multiple`` tokens and the rows to a multiple of
         ``rows_multiple``; padding predicts nothing."""
-        rows = -(-self.num_rows // rows_multiple) * rows_multiple
-        length = -(-self.seq_len // multiple) * multiple
+        rows, length = round_up(self.num_rows, rows_multiple), round_up(self.seq_len, multiple)
         inputs = np.full((rows, length), PAD_ID, dtype=np.int64)
         labels = np.full((rows, length), IGNORE_INDEX, dtype=np.int64)
         inputs[: self.num_rows, : self.seq_len] = self.inputs
@@ -132,17 +133,26 @@ def _file_set(path: str, *, seq_len: int, max_rows: Optional[int], token_dtype: 
     return windows_set(_windows(tokens, seq_len, max_rows or DEFAULT_WINDOWS, path, key))
 
 
-def content_of(path: str, key: str = "eval.data") -> str:
-    """What ``path`` holds: a prepared dataset's content (text, chat or preference), else text."""
+def manifest_of(path: str, key: str = "eval.data") -> Optional[Manifest]:
+    """The manifest of prepared dataset ``path`` (its manifest alone read), or None where ``path``
+    is text files, a token stream or the stdlib corpus; errors name ``key``."""
     if path == STDLIB_CORPUS or not is_prepared_path(path):
-        return "text"
+        return None
     check_reachable(path, key)  # one quick request names a bad endpoint or grant before reads retry
     try:
-        corpus = PreparedCorpus(path)
+        return read_manifest(path)
     except (DataError, ValueError, OSError) as exc:
         raise ConfigError(key, str(exc)) from None
-    corpus.close()
-    return corpus.manifest.content
+
+
+def content_in(manifest: Optional[Manifest]) -> str:
+    """What a dataset of ``manifest`` holds (text, chat or preference); text where it has none."""
+    return "text" if manifest is None else manifest.content
+
+
+def content_of(path: str, key: str = "eval.data") -> str:
+    """What ``path`` holds: a prepared dataset's content (text, chat or preference), else text."""
+    return content_in(manifest_of(path, key))
 
 
 def chat_set(path: str, *, seq_len: int, max_rows: Optional[int] = None, key: str = "eval.data") -> EvalSet:

@@ -27,7 +27,7 @@ from ringtrain.evaluation.buckets import bucket_index
 from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
 from ringtrain.evaluation.stops import Decode
 from ringtrain.evaluation.tally import LossTally
-from ringtrain.topology import Topology, sequence_positions
+from ringtrain.topology import CPLayout, Topology, sequence_positions
 from ringtrain.train.attention.implementations import ContextParallelAttention
 from ringtrain.train.data import IGNORE_INDEX
 from ringtrain.train.decode import Decoder
@@ -91,7 +91,7 @@ class Evaluator:
     def losses(self, evalset: EvalSet, bucket_tokens: int) -> LossTally:
         """This rank's tally of ``evalset`` (unpadded: it is padded for the mesh here)."""
         t = self.topology
-        padded = evalset.padded(multiple=2 * t.cp, rows_multiple=t.dp)
+        padded = evalset.padded(multiple=CPLayout.sequence_multiple_of(t.cp), rows_multiple=t.dp)
         positions = self._positions(padded.seq_len)
         buckets = torch.as_tensor(_bucket_indices(positions, bucket_tokens), device=self.device)
         num_buckets = int(buckets.max()) + 1 if buckets.numel() else 1

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from ringtrain.errors import ConfigError, DataError
+from ringtrain.topology import round_up
 from ringtrain.train.corpus import PreparedCorpus
 from ringtrain.train.data import Sample
 from ringtrain.train.mixture import MixedSamples, SourceSpec, pair_sample
@@ -68,7 +69,7 @@ def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, pr
         packed = samples.pair_rows()
         # The rows scored, and the layout of those alone: a pass over the rows reads it.
         layout = packed.head(min(packed.num_rows, max_rows or packed.num_rows))
-        length = -(-seq_len // multiple) * multiple
+        length = round_up(seq_len, multiple)
         rows = tuple(_padded(samples.pair_sample(r), length + 1, corpus.eos_id) for r in range(layout.num_rows))
     except DataError as exc:
         raise ConfigError(key, str(exc)) from None
