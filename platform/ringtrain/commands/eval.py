@@ -167,10 +167,8 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
         for note in _data_tokenizer_notes(source, job.eval.data, manifest):
             _stderr(f"ringtrain: warning: {note}")
         tokenizer = find_tokenizer(source.tokenizer_folder)
-        try:
-            plan = plan_for(job, tokenizer=tokenizer, pairs=True, content=content)
-        except ConfigError as exc:
-            raise _length_named(exc, job.eval.seq_len) from None
+        # The pairs' rows are --seq-len long (the job's eval.seq_len, else data.seq_len, its default).
+        plan = plan_for(job, tokenizer=tokenizer, pairs=True, content=content, length_key="--seq-len")
         _check_objective(job, content)  # once the data is known to be there
         evalset = plan.evalset
         tasks = _task_plan(args, source, job.eval.seq_len or job.data.seq_len, tokenizer) if args.tasks else None
@@ -186,13 +184,6 @@ def prepare(args: argparse.Namespace) -> tuple[EvalSource, JobConfig, "EvalPlan"
     except ConfigError as exc:
         raise ConfigError(_flag(exc.key), exc.reason) from None
     return source, job, plan, tasks, pairs
-
-
-def _length_named(exc: ConfigError, seq_len: Optional[int]) -> ConfigError:
-    """``exc`` naming --seq-len where it says data.seq_len: the pairs' rows are eval's length
-    here, which the packing of pairs names by training's key (``train/pairs.py``)."""
-    reason = exc.reason.replace(f"data.seq_len={seq_len}", f"--seq-len {seq_len}")
-    return ConfigError(exc.key, reason.replace("raise data.seq_len", "raise --seq-len"))
 
 
 def _check_no_task_options(args: argparse.Namespace) -> None:

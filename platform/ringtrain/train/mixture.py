@@ -113,14 +113,16 @@ _PACKED_KEPT = 2
 
 
 def pack_rows(corpus: PreparedCorpus, seq_len: int, seed: int, *, overlong: str, packing: str,
-              prefix_sharing: bool) -> Union[ConversationRows, PairRows]:  # fmt: skip
+              prefix_sharing: bool, length_key: str = "data.seq_len") -> Union[ConversationRows, PairRows]:  # fmt: skip
     """A chat dataset's rows of whole conversations, or a preference dataset's of whole pairs;
-    a DataError where none fits ``seq_len``. Packed once per process for a dataset and settings."""
+    a DataError where none fits ``seq_len`` (pairs' naming ``length_key``, where the length came
+    from). Packed once per process for a dataset and settings."""
     key = (corpus.manifest.digest(), seq_len, seed, overlong, packing, prefix_sharing)
     if key not in _PACKED:
         lengths = corpus.document_lengths()
         if corpus.is_preference:
-            rows = pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=overlong, packing=packing)
+            rows = pack_pairs(lengths, seq_len, seed, shared=prefix_sharing, overlong=overlong, packing=packing,
+                              length_key=length_key)  # fmt: skip
         else:
             rows = pack_conversations(lengths, seq_len, seed, overlong, packing)
         while len(_PACKED) >= _PACKED_KEPT:
@@ -141,7 +143,8 @@ class MixedSamples:
 
     def __init__(self, corpora: Sequence[PreparedCorpus], specs: Sequence[SourceSpec], *, seq_len: int, seed: int,
                  packing: str, chat_overlong: str = "drop", chat_packing: str = "next_fit",
-                 prefix_sharing: bool = True) -> None:  # fmt: skip
+                 prefix_sharing: bool = True, length_key: str = "data.seq_len") -> None:  # fmt: skip
+        """``length_key``: the config key or option ``seq_len`` came from, which a source too short for it names."""
         self.corpora = list(corpora)
         self.seq_len = seq_len
         self.packing = packing
@@ -157,14 +160,14 @@ class MixedSamples:
                 if packing != "doc":
                     raise DataError(f"{corpus.uri} is a {corpus.manifest.content} dataset: it trains with data.packing: doc")
                 rows = pack_rows(corpus, seq_len, seed, overlong=chat_overlong, packing=chat_packing,
-                                 prefix_sharing=prefix_sharing)  # fmt: skip
+                                 prefix_sharing=prefix_sharing, length_key=length_key)  # fmt: skip
                 self.rows.append(rows)
                 self.orders.append(WindowOrder(rows.num_rows, key))
                 continue
             self.rows.append(None)
             num_windows = (corpus.num_tokens - 1) // seq_len
             if num_windows < 1:
-                raise DataError(f"{corpus.uri} has {corpus.num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
+                raise DataError(f"{corpus.uri} has {corpus.num_tokens} tokens, fewer than {length_key} + 1 = {seq_len + 1}")
             # A lone source keys its shuffles as a token file does, so it reads the same windows.
             counts = None
             if spec.long_doc_upsample != 1.0:

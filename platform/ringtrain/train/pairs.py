@@ -74,8 +74,9 @@ class PairRows(PackedRows):
 
 
 def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared: bool, overlong: str,
-               packing: str = "next_fit") -> PairRows:  # fmt: skip
-    """Rows of at most ``seq_len`` tokens of whole pairs, from the dataset's document lengths."""
+               packing: str = "next_fit", length_key: str = "data.seq_len") -> PairRows:  # fmt: skip
+    """Rows of at most ``seq_len`` tokens of whole pairs, from the dataset's document lengths;
+    a DataError naming ``length_key`` (the config key or option ``seq_len`` came from) where none fits."""
     if overlong not in ("drop", "truncate_start"):
         raise ValueError(f"overlong must be drop or truncate_start for preference pairs, got {overlong!r}")
     parts = np.asarray(document_lengths, dtype=np.int64).reshape(-1, STORED_DOCUMENTS)
@@ -91,8 +92,8 @@ def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared:
     order, cut = order[keep], cut[keep]
     if len(order) == 0:
         remedy = "" if overlong == "truncate_start" else " or set data.chat_overlong: truncate_start"
-        raise DataError(f"no preference pair fits data.seq_len={seq_len} (all {len(parts)} are longer; "
-                        f"raise data.seq_len{remedy})")  # fmt: skip
+        raise DataError(f"no preference pair fits {_set_to(length_key, seq_len)} (all {len(parts)} are longer; "
+                        f"raise {length_key}{remedy})")  # fmt: skip
     taken = row_length(prompt[order] - cut, chosen[order], rejected[order], shared)
     placed, starts = PACKERS[packing](taken, seq_len)
     long = int((over > 0).sum())
@@ -100,6 +101,11 @@ def pack_pairs(document_lengths: np.ndarray, seq_len: int, seed: int, *, shared:
                     total=len(parts), dropped=len(parts) - len(order), truncated=long - (len(parts) - len(order)),
                     num_tokens=int(need.sum()), dropped_tokens=int(need[~keep].sum()),
                     truncated_tokens=int((need[keep] - taken).sum()))  # fmt: skip
+
+
+def _set_to(key: str, value: int) -> str:
+    """``key`` with ``value`` as the user writes it: ``data.seq_len=8`` for a config key, ``--seq-len 8`` for an option."""
+    return f"{key} {value}" if key.startswith("--") else f"{key}={value}"
 
 
 @dataclass(frozen=True)

@@ -56,16 +56,19 @@ class PairSet:
 
 
 def load_pair_set(path: str, *, seq_len: int, multiple: int, vocab_size: int, prefix_sharing: bool, overlong: str,
-                  packing: str, max_rows: Optional[int] = None, key: str = "eval.data") -> PairSet:  # fmt: skip
+                  packing: str, max_rows: Optional[int] = None, key: str = "eval.data",
+                  length_key: str = "data.seq_len") -> PairSet:  # fmt: skip
     """The pairs of preference dataset ``path`` in rows of ``seq_len`` tokens, padded to a
-    multiple of ``multiple``; all rows, or the first ``max_rows``. Errors name ``key``."""
+    multiple of ``multiple``; all rows, or the first ``max_rows``. Errors name ``key``, and a
+    length no pair fits ``length_key``: the config key or option ``seq_len`` came from."""
     try:
         corpus = PreparedCorpus(path)
     except (DataError, ValueError, OSError) as exc:
         raise ConfigError(key, str(exc)) from None
     try:
         samples = MixedSamples([corpus], [SourceSpec(path)], seq_len=seq_len, seed=0, packing="doc",
-                               chat_overlong=overlong, chat_packing=packing, prefix_sharing=prefix_sharing)  # fmt: skip
+                               chat_overlong=overlong, chat_packing=packing, prefix_sharing=prefix_sharing,
+                               length_key=length_key)  # fmt: skip
         packed = samples.pair_rows()
         # The rows scored, and the layout of those alone: a pass over the rows reads it.
         layout = packed.head(min(packed.num_rows, max_rows or packed.num_rows))
