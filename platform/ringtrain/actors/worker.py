@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from ringtrain.evaluation.generation import GenerationRequest, ScoreRequest
     from ringtrain.evaluation.tally import LossTally
+    from ringtrain.evaluation.text import Tokenizer
     from ringtrain.train.evalset import EvalSet
     from ringtrain.train.pairset import PairSet
     from ringtrain.train.reference_input import Reference, ReferenceWeights
@@ -76,6 +77,8 @@ class TrainWorker:
         self._pin_seq = 0  # sequence number of the newest pin_snapshot applied
         self._pin_lock = threading.Lock()
         self._device: Optional[torch.device] = None  # bound by the last warm or join
+        # The model's tokenizer by its folder: read at the first generation that stops on text.
+        self._text: Optional[tuple[str, Tokenizer]] = None
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -246,13 +249,22 @@ class TrainWorker:
     def generate(self, request: "GenerationRequest") -> list[Optional[list[int]]]:
         """The new tokens of this rank's replica's prompts of ``request`` (None for the other
         replicas'), through the KV cache sharded over its CP group; collective."""
-        from ringtrain.evaluation.text import ByteTokenizer
-        from ringtrain.evaluation.tokenizer import find_tokenizer
         from ringtrain.train.evaluator import Evaluator
 
         # Stop strings are matched in the text the model's tokenizer makes (bytes without one).
-        decode = (find_tokenizer(self.job.model.hf) or ByteTokenizer()).decode if request.stop.strings else None
+        decode = self._text_tokenizer().decode if request.stop.strings else None
         return self._collective(lambda trainer: Evaluator.of(trainer).generate(request, decode))
+
+    def _text_tokenizer(self) -> "Tokenizer":
+        """The job's model's tokenizer (bytes where its folder has none), read once per folder:
+        every generation of a run or an lm-eval task would otherwise parse tokenizer.json again."""
+        from ringtrain.evaluation.text import ByteTokenizer
+        from ringtrain.evaluation.tokenizer import find_tokenizer
+
+        folder = self.job.model.hf
+        if self._text is None or self._text[0] != folder:
+            self._text = (folder, find_tokenizer(folder) or ByteTokenizer())
+        return self._text[1]
 
     def score(self, request: "ScoreRequest") -> list[Optional[tuple[float, bool]]]:
         """This rank's replica's sequences of ``request`` scored (None for the other replicas');
