@@ -213,6 +213,7 @@ def test_tasks_without_lm_eval_installed_name_the_extra(tmp_path: Path, monkeypa
     exit 2 saying what to install, not with an import traceback."""
     from ringtrain import cli
     from ringtrain.commands.eval_tasks import training_tasks
+    from ringtrain.evaluation.tokenizer import find_tokenizer
 
     for name in ("lm_eval", "lm_eval.tasks"):
         monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ModuleNotFoundError
@@ -223,7 +224,7 @@ def test_tasks_without_lm_eval_installed_name_the_extra(tmp_path: Path, monkeypa
         "ringtrain: config error: --tasks: needs lm-evaluation-harness: pip install 'ringtrain[eval]'\n")
     with pytest.raises(ConfigError) as in_a_job:
         training_tasks(["arc_easy"], include_path="", limit=None, num_fewshot=None, max_length=64,
-                       tokenizer_folder=str(tokmodel))  # fmt: skip
+                       tokenizer_folder=str(tokmodel), tokenizer=find_tokenizer(str(tokmodel)))  # fmt: skip
     assert (in_a_job.value.key, in_a_job.value.reason) == ("eval.tasks", "needs lm-evaluation-harness: pip install 'ringtrain[eval]'")
 
 

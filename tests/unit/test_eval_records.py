@@ -200,3 +200,22 @@ def test_eval_tasks_read_the_models_tokenizer_at_the_first_evaluation_alone(monk
     for _ in range(3):
         assert tasks(None) == {}
     assert loaded == ["/models/tiny"] and len(spoken) == 3 and len(set(map(id, spoken))) == 1
+
+
+def test_a_run_with_eval_tasks_reads_the_models_tokenizer_once_at_start_up(tmp_path: Path, monkeypatch: Any) -> None:
+    """``ringtrain run``'s eval plan and eval.tasks' check that the model has a tokenizer take one
+    read of tokenizer.json between them (lm-eval's task search here a stand-in)."""
+    from ringtrain.commands import eval_tasks
+    from ringtrain.commands.run import _eval_plan
+    from ringtrain.evaluation import tokenizer as tokenizer_module
+    from ringtrain_dev.tiny_tokenizer import save_tokenizer
+    from tests.unit.test_worker_tokenizer import tokenizer_reads
+
+    folder = str(save_tokenizer(tmp_path / "model"))
+    find = tokenizer_module.find_tokenizer
+    reads = tokenizer_reads(monkeypatch)
+    monkeypatch.setattr(eval_tasks, "plan_tasks", lambda names, **options: names)
+    job = config.load(None, ["model.vocab_size=96", f"model.hf={folder}", "eval.every=2", "eval.tasks=[tiny_mc]"])
+    plan = _eval_plan(job)
+    assert reads == [folder]
+    assert plan.tasks is not None and plan.tasks.plan == "tiny_mc" and plan.tokenizer.encode("uvwx") == find(folder).encode("uvwx")

@@ -58,17 +58,18 @@ def test_training_tasks_errors_name_the_eval_keys(tmp_path: Path, monkeypatch: p
     require_lm_eval()
     from ringtrain.commands.eval_tasks import training_tasks
     from ringtrain.errors import ConfigError
+    from ringtrain.evaluation.tokenizer import find_tokenizer
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     tasks = write_tasks(tmp_path / "tasks")
     model = save_tokenizer(tmp_path / "model")
     options = dict(include_path=str(tasks), limit=None, num_fewshot=None, max_length=64)
     with pytest.raises(ConfigError) as unknown:
-        training_tasks(["tiny_mcq"], tokenizer_folder=str(model), **options)  # type: ignore[arg-type]
+        training_tasks(["tiny_mcq"], tokenizer_folder=str(model), tokenizer=find_tokenizer(str(model)), **options)  # type: ignore[arg-type]
     assert unknown.value.key == "eval.tasks" and "closest: tiny_mc" in unknown.value.reason
     with pytest.raises(ConfigError) as no_tokenizer:
-        training_tasks(["tiny_mc"], tokenizer_folder=str(tmp_path), **options)  # type: ignore[arg-type]
+        training_tasks(["tiny_mc"], tokenizer_folder=str(tmp_path), tokenizer=find_tokenizer(str(tmp_path)), **options)  # type: ignore[arg-type]
     assert no_tokenizer.value.key == "eval.tasks"
     with pytest.raises(ConfigError) as no_folder:
-        training_tasks(["tiny_mc"], tokenizer_folder=str(model), **{**options, "include_path": str(tmp_path / "x")})  # type: ignore[arg-type]
+        training_tasks(["tiny_mc"], tokenizer_folder=str(model), tokenizer=find_tokenizer(str(model)), **{**options, "include_path": str(tmp_path / "x")})  # type: ignore[arg-type]
     assert no_folder.value.key == "eval.include_path"

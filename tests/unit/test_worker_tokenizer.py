@@ -24,6 +24,19 @@ from ringtrain_dev.tiny_tokenizer import save_tokenizer
 IDS = [40, 41, 42, 43]
 
 
+def tokenizer_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The model folders ``find_tokenizer`` reads from now on, in order (it still reads them)."""
+    reads: list[str] = []
+    find = tokenizer_module.find_tokenizer
+
+    def counted(path: str) -> Any:
+        reads.append(path)
+        return find(path)
+
+    monkeypatch.setattr(tokenizer_module, "find_tokenizer", counted)
+    return reads
+
+
 class _Decoding:
     """An Evaluator that returns the text of IDS as ``decode`` makes it."""
 
@@ -33,14 +46,8 @@ class _Decoding:
 
 def test_generations_read_the_tokenizer_once_per_model_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_tokenizer(tmp_path / "model")
-    reads: list[str] = []
     find = tokenizer_module.find_tokenizer
-
-    def counted(path: str) -> Any:
-        reads.append(path)
-        return find(path)
-
-    monkeypatch.setattr(tokenizer_module, "find_tokenizer", counted)
+    reads = tokenizer_reads(monkeypatch)
     monkeypatch.setattr(evaluator_module.Evaluator, "of", classmethod(lambda cls, trainer: _Decoding()))
     job = config.load(None, [])
     job.model = dataclasses.replace(job.model, hf=str(folder))

@@ -17,9 +17,12 @@ import difflib
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ringtrain.errors import ConfigError, first_line
+
+if TYPE_CHECKING:
+    from ringtrain.evaluation.text import Tokenizer
 
 OPTION = "--tasks"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -118,11 +121,11 @@ JOB_KEYS = {"--tasks": "eval.tasks", "--include-path": "eval.include_path", "--l
 
 
 def training_tasks(names: list[str], *, include_path: str, limit: Optional[int], num_fewshot: Optional[int],
-                   max_length: int, tokenizer_folder: str) -> TrainingTasks:
-    """``eval.tasks`` found and their data loaded before any cluster starts; errors name the key."""
-    from ringtrain.evaluation.tokenizer import find_tokenizer
-
-    if find_tokenizer(tokenizer_folder) is None:
+                   max_length: int, tokenizer_folder: str, tokenizer: Optional[Tokenizer]) -> TrainingTasks:
+    """``eval.tasks`` found and their data loaded before any cluster starts; errors name the key.
+    ``tokenizer``: the one in ``tokenizer_folder`` as the caller read it (``find_tokenizer``), None
+    where it has none."""
+    if tokenizer is None:
         raise ConfigError("eval.tasks", "lm-eval's tasks need the model's tokenizer: set model.hf to a Hugging Face "
                                         "folder with its tokenizer")
     try:

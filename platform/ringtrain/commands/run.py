@@ -257,14 +257,15 @@ def _eval_plan(job: config.JobConfig) -> "EvalPlan":
     any cluster starts: bad input exits 2."""
     from ringtrain.actors.evaluation import model_tokenizer, plan_for
 
-    plan = plan_for(job, tokenizer=model_tokenizer(job))
+    tokenizer = model_tokenizer(job)  # read once: for the plan, and for eval.tasks' check that it is there
+    plan = plan_for(job, tokenizer=tokenizer)
     e = job.eval
     if not e.tasks:
         return plan
     from ringtrain.commands.eval_tasks import training_tasks
 
     tasks = training_tasks(e.tasks, include_path=e.include_path, limit=e.limit, num_fewshot=e.num_fewshot,
-                           max_length=e.seq_len or job.data.seq_len, tokenizer_folder=job.model.hf)
+                           max_length=e.seq_len or job.data.seq_len, tokenizer_folder=job.model.hf, tokenizer=tokenizer)
     return dataclasses.replace(plan, tasks=tasks)
 
 
