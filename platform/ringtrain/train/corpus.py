@@ -26,8 +26,6 @@ from typing import Any, Optional
 import numpy as np
 
 from ringtrain.cachedir import data_cache_dir, write_cached
-# A dataset on S3 is checked as a store is, by the one check (its readers import it from here).
-from ringtrain.checkpoint.s3_access import check_reachable as check_reachable
 from ringtrain.errors import DataError
 from ringtrain.prepared import MANIFEST_NAME, MAX_MANIFEST_BYTES, SHARD_DIR, Manifest, ShardInfo, sha256_file
 from ringtrain.uris import is_s3, local_path

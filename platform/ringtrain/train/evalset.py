@@ -29,13 +29,14 @@ from typing import Optional
 
 import numpy as np
 
+from ringtrain.checkpoint.s3_access import check_reachable
 from ringtrain.config import STDLIB_CORPUS
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.evaluation.result import ChatCoverage
 from ringtrain.evaluation.text import Tokenizer
 from ringtrain.prepared import Manifest
 from ringtrain.topology import round_up
-from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path, read_manifest
+from ringtrain.train.corpus import PreparedCorpus, is_prepared_path, read_manifest
 from ringtrain.train.data import IGNORE_INDEX, is_byte_corpus, load_tokens
 
 DEFAULT_WINDOWS = 64  # windows of a stream scored when no max_rows is given

@@ -28,10 +28,11 @@ from typing import Optional, Union
 
 import numpy as np
 
+from ringtrain.checkpoint.s3_access import check_reachable
 from ringtrain.config import PREFERENCE_OBJECTIVES, JobConfig
 from ringtrain.errors import ConfigError, DataError
 from ringtrain.train.conversations import ConversationRows, pack_conversations, row_sample
-from ringtrain.train.corpus import PreparedCorpus, check_reachable, is_prepared_path
+from ringtrain.train.corpus import PreparedCorpus, is_prepared_path
 from ringtrain.train.dataset_tokenizer import check_same, folder_tokenizer, unchecked_note
 from ringtrain.train.data import Sample, WindowOrder, check_data, load_tokens
 from ringtrain.train.pairs import PAIR_FAMILY, STORED_DOCUMENTS, PairRow, PairRows, pack_pairs, pair_row
