@@ -209,6 +209,13 @@ BAD_OVERRIDES = [
     pytest.param(["zero.stage=-1"], "zero.stage", id="zero-stage-negative"),
     pytest.param(["zero.offload_params=true"], "zero.offload_params", id="offload-params-without-stage-3"),
     pytest.param(["zero.stage=0", "zero.offload_optimizer=true"], "zero.offload_optimizer", id="offload-opt-stage-0"),
+    pytest.param(["zero.reduce_bucket_size=0"], "zero.reduce_bucket_size", id="reduce-bucket-zero"),
+    pytest.param(["zero.reduce_bucket_size=5e8"], "zero.reduce_bucket_size", id="reduce-bucket-not-an-integer"),
+    pytest.param(["zero.stage3_prefetch_bucket_size=-1"], "zero.stage3_prefetch_bucket_size", id="prefetch-negative"),
+    pytest.param(
+        ["zero.stage3_param_persistence_threshold=-1"], "zero.stage3_param_persistence_threshold", id="persistence-negative"
+    ),
+    pytest.param(["zero.stage3_max_live_parameters=-1"], "zero.stage3_max_live_parameters", id="max-live-negative"),
     pytest.param(["attention.impl=flash"], "attention.impl", id="unknown-attention-impl"),
     pytest.param(["attention.kernel=magic"], "attention.kernel", id="unknown-attention-kernel"),
     pytest.param(["model.n_heads=3"], "model.n_heads", id="dim-not-divisible-by-heads"),

@@ -45,7 +45,6 @@ LAYERS: dict[str, int] = {
     "ringtrain.links": 0,  # links in a folder from elsewhere, which must stay inside it
     "ringtrain.inputs": 0,  # the local inputs a job's config names
     "ringtrain.prepared": 0,  # the prepared dataset format: plain data shared by writer and reader
-    "ringtrain.zero_sizes": 0,  # ZeRO's buffer sizes: what the engine sets and the planner counts
     "ringtrain.policies": 1,
     "ringtrain.planner": 1,
     "ringtrain.evaluation": 1,  # pure scoring: position buckets, tallies, passkey prompts

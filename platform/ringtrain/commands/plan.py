@@ -177,21 +177,21 @@ def _plan_text(args: argparse.Namespace, load_job: JobLoader) -> str:
     if job is not None:
         base = workload_of(job, "cuda", optimizer_bytes=optimizer_bytes)
         # The run line repeats the user's overrides; the layout's own come after them and win.
-        model, seq, name = base.model, base.seq_len, " ".join([args.job, *args.overrides])
+        model, seq, name, zero = base.model, base.seq_len, " ".join([args.job, *args.overrides]), base.zero
     else:
-        model, seq, name = preset(args.model), 0, "JOB.yaml"
+        model, seq, name, zero = preset(args.model), 0, "JOB.yaml", config.ZeroConfig()
     if args.seq_len is not None:
         seq = _int(args.seq_len, "--seq-len")
     flash = not args.no_flash and (job is None or job.attention.kernel != "math")
     if getattr(args, "max_seq_len", False):
-        return reach_text(model, dtype, optimizer_bytes, flash, request, objective)
+        return reach_text(model, dtype, optimizer_bytes, flash, request, objective, zero=zero)
     if seq == 0:
         raise ConfigError("--seq-len", "is required with --model")
     if args.global_batch is not None:
         global_batch = _int(args.global_batch, "--global-batch")
     else:
         global_batch = job.train.global_batch if job is not None else max(1, DEFAULT_GLOBAL_BATCH_TOKENS // seq)
-    workload = Workload(model, seq, dtype, flash, optimizer_bytes, global_batch, objective=objective)
+    workload = Workload(model, seq, dtype, flash, optimizer_bytes, global_batch, objective=objective, zero=zero)
     if args.goodput:
         return _goodput_text(args, job, workload, request, name)
     return plan_text(workload, request, job_candidate(job, workload, request), name)

@@ -82,6 +82,12 @@ def validate(job: JobConfig) -> None:
         raise ConfigError("zero.offload_params", f"parameter offload needs zero.stage=3 (got {z.stage})")
     if z.offload_optimizer and z.stage == 0:
         raise ConfigError("zero.offload_optimizer", "optimizer offload needs zero.stage >= 1")
+    # DeepSpeed's own bounds: a reduce bucket holds at least one element; stage 3's sizes may be
+    # 0 (nothing gathered ahead of its use, no tensor kept whole).
+    _positive(z.reduce_bucket_size, "zero.reduce_bucket_size")
+    for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+        if getattr(z, key) < 0:
+            raise ConfigError(f"zero.{key}", f"must be >= 0 elements (got {getattr(z, key)})")
 
     t = job.train
     _positive(t.steps, "train.steps")

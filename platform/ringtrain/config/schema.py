@@ -285,6 +285,22 @@ class ZeroConfig:
     stage: int = 2
     offload_optimizer: bool = False
     offload_params: bool = False
+    # ZeRO's buffer sizes, under DeepSpeed's own key names, in elements (not bytes); the defaults
+    # are DeepSpeed 0.19's. The engine writes them into DeepSpeed's config (train/engine.py) and
+    # the planner counts them (planner/memory.py), so a plan holds the buffers the run allocates.
+    # Stages 1-3: gradients are reduced in buckets of this many elements. A larger bucket sends
+    # fewer, larger collectives (a fast network keeps busy) for a larger resident buffer.
+    reduce_bucket_size: int = 500_000_000
+    # Stage 3: parameter elements gathered ahead of their use. More hides the all-gathers behind
+    # compute, at the memory of the parameters gathered early; 0 gathers none ahead.
+    stage3_prefetch_bucket_size: int = 50_000_000
+    # Stage 3: a tensor of at most this many elements is kept whole on every rank. Higher saves
+    # the many small gathers of norms and biases, at the memory of their copies on every rank.
+    stage3_param_persistence_threshold: int = 100_000
+    # Stage 3: at most this many gathered parameter elements live at once (the module in use is
+    # gathered whole whatever the cap). Lower saves memory, at the cost of fewer gathers started
+    # ahead of their use.
+    stage3_max_live_parameters: int = 1_000_000_000
 
 
 @dataclass

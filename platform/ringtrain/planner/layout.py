@@ -8,10 +8,10 @@ the ``key=value`` arguments of ``ringtrain run``; ``SAVERS`` names its memory sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ringtrain.config import CPLayout, JobConfig, checkpointing_mode
+from ringtrain.config import CPLayout, JobConfig, ZeroConfig, checkpointing_mode
 from ringtrain.errors import ConfigError
 from ringtrain.planner.models import ModelSpec, from_job
 
@@ -191,6 +191,9 @@ class Workload:
     fused: bool = False
     # train.objective: lm, or a preference objective whose rows hold pairs (planner/preference.py).
     objective: str = "lm"
+    # The job's zero section, for its buffer sizes (planner/memory.py's zero_buffers); the stage
+    # and offload are the layout's. Without a job, ZeroConfig's defaults.
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     @property
     def global_batch_tokens(self) -> int:
@@ -239,4 +242,5 @@ def workload_of(job: JobConfig, device_type: str, *, optimizer_bytes: Optional[i
         global_batch=job.train.global_batch,
         fused=bool(job.train.fused_ops) and device_type != "cpu",
         objective=job.train.objective,
+        zero=job.zero,
     )

@@ -23,13 +23,15 @@ the GPU until the step's reduction. Parameter offload (stage 3) moves the P N / 
 partition to host memory; the gathered working set of the layers in flight (the ZeRO-3 buffer
 below: the persistent small tensors, the largest module plus the prefetch) stays on the GPU.
 
-ZeRO buffers, at the sizes the engine sets (``ringtrain.zero_sizes``, DeepSpeed 0.19's
-defaults): stages 1-3 stage gradients in a contiguous reduce bucket of 5e8 elements of G bytes;
-stage 3 also keeps every tensor of at most 1e5 elements whole on every rank (the persistence
-threshold) and gathers the others a module at a time, the largest one plus a prefetch of 5e7
-elements (at most 1e9 live). At the end of the backward, after the activations are freed, up to
-5e8 gradient elements (stage 0's all-reduce bucket, or the reduce bucket) are flattened for
-reduction: that transient competes with the activations for the peak rather than adding to it.
+ZeRO buffers, at the job's sizes (its ``zero`` section, which the engine writes into DeepSpeed's
+config; the defaults are DeepSpeed 0.19's): stages 1-3 stage gradients in a contiguous reduce
+bucket (``reduce_bucket_size``, 5e8 elements) of G bytes; stage 3 also keeps every tensor of at
+most ``stage3_param_persistence_threshold`` (1e5) elements whole on every rank and gathers the
+others a module at a time, the largest one plus a prefetch of ``stage3_prefetch_bucket_size``
+(5e7) elements, at most ``stage3_max_live_parameters`` (1e9) live. At the end of the backward,
+after the activations are freed, up to a bucket of gradient elements (stage 0's all-reduce
+bucket, 5e8, or the reduce bucket) are flattened for reduction: that transient competes with the
+activations for the peak rather than adding to it.
 
 Activations, counted as in Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", section 4.1 (every tensor autograd keeps for the backward), adapted
@@ -94,7 +96,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ringtrain import zero_sizes
+from ringtrain.config import ZeroConfig
 from ringtrain.planner.layout import Layout, Precision, Workload
 from ringtrain.planner.models import ModelSpec, kv_copies
 from ringtrain.planner.preference import FUSED_FALLBACK_CHUNK, TOKEN_LOSS_BYTES, keeps_token_losses, needs_reference
@@ -113,6 +115,11 @@ from ringtrain.planner.windows import score_side, window_ranks
 
 # DeepSpeed keeps the gradient partition of an offloaded optimizer in fp32 on the host.
 OFFLOAD_GRAD_BYTES = 4
+
+# Stage 0 all-reduces gradients in buckets of this many elements. No config key sets it: it is
+# DeepSpeed's engine constant ``MEMORY_OPT_ALLREDUCE_SIZE``, which tests/unit/test_zero_sizes.py
+# holds this to.
+ALLREDUCE_BUCKET = 500_000_000
 
 # Bytes per element of the unfused kernel's block working set: it computes in fp32 and its
 # backward holds the scores, probabilities, their gradient, (dP - delta) and dS at once.
@@ -171,27 +178,32 @@ class ZeroBuffers:
         return self.reduce_bucket + self.stage3_params
 
 
-def zero_buffers(model: Optional[ModelSpec], num_params: int, zero_stage: int, prec: Precision) -> ZeroBuffers:
-    """DeepSpeed's buffers at ``zero_stage``; without a model (only a count) no tensor is persistent."""
-    sizes = zero_sizes.ZERO_SIZES
-    bucket = sizes.reduce_bucket * prec.grad_bytes if zero_stage >= 1 else 0
+def zero_buffers(
+    model: Optional[ModelSpec], num_params: int, zero_stage: int, prec: Precision, sizes: ZeroConfig
+) -> ZeroBuffers:
+    """DeepSpeed's buffers at ``zero_stage`` and a job's ``sizes`` (its zero section); without a
+    model (only a count) no tensor is persistent."""
+    bucket = sizes.reduce_bucket_size * prec.grad_bytes if zero_stage >= 1 else 0
     if zero_stage == 0:
-        transient = min(num_params, sizes.allreduce_bucket) * prec.grad_bytes
+        transient = min(num_params, ALLREDUCE_BUCKET) * prec.grad_bytes
     elif zero_stage in (1, 2):
         # Gradients wait in param.grad until their bucket is reduced: at most one bucket's worth.
-        transient = min(num_params, sizes.reduce_bucket) * prec.grad_bytes
+        transient = min(num_params, sizes.reduce_bucket_size) * prec.grad_bytes
     else:
         transient = 0
     stage3 = 0
     if zero_stage == 3:
         tensors = model.tensors() if model is not None else ()
-        persistent = sum(n for n in tensors if n <= sizes.persistence_threshold)
-        partitioned = [n for n in tensors if n > sizes.persistence_threshold]
+        threshold = sizes.stage3_param_persistence_threshold
+        persistent = sum(n for n in tensors if n <= threshold)
+        partitioned = [n for n in tensors if n > threshold]
         if model is None:
             partitioned_total, largest = num_params, 0
         else:
             partitioned_total, largest = sum(partitioned), max(partitioned, default=0)
-        gathered = min(partitioned_total, largest + sizes.prefetch, max(sizes.max_live, largest))
+        gathered = min(
+            partitioned_total, largest + sizes.stage3_prefetch_bucket_size, max(sizes.stage3_max_live_parameters, largest)
+        )
         stage3 = prec.param_bytes * (persistent + gathered)
     return ZeroBuffers(bucket, stage3, transient)
 
@@ -385,7 +397,7 @@ def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
         offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params,
     )
-    buffers = zero_buffers(model, model.num_params, layout.zero_stage, prec)
+    buffers = zero_buffers(model, model.num_params, layout.zero_stage, prec, workload.zero)
     per_token = keeps_token_losses(workload.objective)
     acts = activations(model, layout, workload.seq_len, prec.act_bytes, flash=workload.flash, fused=workload.fused,
                        per_token=per_token)  # fmt: skip
@@ -410,7 +422,8 @@ def estimate(workload: Workload, layout: Layout) -> MemoryEstimate:
 
 
 def states_estimate(num_params: int, layout: Layout, prec: Precision) -> MemoryEstimate:
-    """Model states and ZeRO buffers only, for a model known by its parameter count."""
+    """Model states and ZeRO buffers only, for a model known by its parameter count (and no job:
+    the ZeRO buffers at ZeroConfig's default sizes)."""
     states = model_states(
         num_params,
         layout.zero_stage,
@@ -419,7 +432,7 @@ def states_estimate(num_params: int, layout: Layout, prec: Precision) -> MemoryE
         offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params,
     )
-    buffers = zero_buffers(None, num_params, layout.zero_stage, prec)
+    buffers = zero_buffers(None, num_params, layout.zero_stage, prec, ZeroConfig())
     # No activations to share the peak with: the end-of-backward transient adds to the buffers.
     return MemoryEstimate(
         params=states.params,

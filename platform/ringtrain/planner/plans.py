@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ringtrain.config import JobConfig
+from ringtrain.config import JobConfig, ZeroConfig
 from ringtrain.planner.devices import GB
 from ringtrain.planner.layout import Layout, Workload, layout_of, precision
 from ringtrain.planner.memory import MemoryEstimate, states_estimate
@@ -50,11 +50,13 @@ def plan_text(workload: Workload, request: Request, job_layout: Optional[Candida
 
 
 def reach_text(
-    model: Any, dtype: str, optimizer_bytes: Optional[int], flash: bool, request: Request, objective: str = "lm"
+    model: Any, dtype: str, optimizer_bytes: Optional[int], flash: bool, request: Request, objective: str = "lm",
+    *, zero: ZeroConfig,
 ) -> str:
     """``--max-seq-len``: one sequence (a row of pairs, under a preference objective) per replica
-    (the global batch is dp sequences)."""
-    workload = Workload(model, 0, dtype, flash, optimizer_bytes, global_batch=request.cluster.gpus, objective=objective)
+    (the global batch is dp sequences); ``zero``: the job's buffer sizes."""
+    workload = Workload(model, 0, dtype, flash, optimizer_bytes, global_batch=request.cluster.gpus, objective=objective,
+                        zero=zero)  # fmt: skip
     reach = max_seq_len(workload, request.cluster, request.assume, micro_batch=request.micro_batch)
     if request.as_json:
         record = reach_record(workload, request.cluster, reach, top=request.top, completion_tokens=request.completion_tokens)

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain import zero_sizes
 from ringtrain.config import JobConfig
 from ringtrain.train.mesh import DeepSpeedMpu, Mesh
 from ringtrain.train.model import full_shape
@@ -51,15 +50,15 @@ def fused_adam(job: JobConfig, device_type: str) -> bool:
 
 
 def deepspeed_config(job: JobConfig, dtype: torch.dtype, device_type: str = "cpu") -> dict[str, Any]:
-    t, z, sizes = job.train, job.zero, zero_sizes.ZERO_SIZES
-    # The buffer sizes the planner counts, not whatever DeepSpeed defaults to; stage 3's are
-    # written at every stage (the others ignore them), stage 0's bucket has no key.
+    t, z = job.train, job.zero
+    # The job's buffer sizes, which the planner counts too, not whatever DeepSpeed defaults to;
+    # stage 3's are written at every stage (the others ignore them), stage 0's bucket has no key.
     zero: dict[str, Any] = {
         "stage": z.stage,
-        "reduce_bucket_size": sizes.reduce_bucket,
-        "stage3_prefetch_bucket_size": sizes.prefetch,
-        "stage3_param_persistence_threshold": sizes.persistence_threshold,
-        "stage3_max_live_parameters": sizes.max_live,
+        "reduce_bucket_size": z.reduce_bucket_size,
+        "stage3_prefetch_bucket_size": z.stage3_prefetch_bucket_size,
+        "stage3_param_persistence_threshold": z.stage3_param_persistence_threshold,
+        "stage3_max_live_parameters": z.stage3_max_live_parameters,
     }
     if z.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
