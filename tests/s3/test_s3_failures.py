@@ -1,5 +1,5 @@
 """Every S3 entry point against a real S3 server (moto) that refuses it: no credentials, an
-endpoint nobody answers on, credentials denied, no such bucket. Each is one line naming the key
+endpoint nobody answers on, an endpoint that is no URL, credentials denied, no such bucket. Each is one line naming the key
 and the cause, exit 2, before any cluster starts (starting one fails these tests), and no
 traceback. Mid-run, credentials that expire and an endpoint that goes away are one incident line
 each, the next save retries, and the run stops after checkpoint.max_failed_saves keeping its
@@ -109,6 +109,7 @@ FAILURES = {
     "wrong-endpoint": "cannot reach the S3 endpoint http://127.0.0.1:{port} (from AWS_ENDPOINT_URL)",
     "denied": "access denied (ListObjectsV2)",
     "no-bucket": "no such bucket 'ringtrain-no-such-bucket'",
+    "endpoint-not-a-url": "the S3 endpoint 127.0.0.1:{port} (from AWS_ENDPOINT_URL) is not a URL",
 }
 
 
@@ -128,6 +129,8 @@ def test_every_s3_entry_point_refuses_in_one_line_before_any_cluster(
         monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     elif failure == "wrong-endpoint":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    elif failure == "endpoint-not-a-url":  # botocore refuses it before any request, in its own words
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"127.0.0.1:{port}")
     elif failure == "denied":
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys["denied"][0])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["denied"][1])

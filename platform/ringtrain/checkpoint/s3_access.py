@@ -164,7 +164,7 @@ def check_access(uri: str, options: Optional[S3Options] = None) -> None:
         session = boto3.session.Session()
         if session.get_credentials() is None:  # before any request: botocore would only say so at signing
             raise S3Unavailable(uri, NO_CREDENTIALS)
-        client = session.client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name, config=config)
+        client = _client(session, uri, opts, config)
         client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
     except S3Unavailable:
         raise
@@ -173,6 +173,16 @@ def check_access(uri: str, options: Optional[S3Options] = None) -> None:
         if said is None:
             raise
         raise S3Unavailable(uri, said) from None
+
+
+def _client(session: Any, uri: str, opts: S3Options, config: Any) -> Any:
+    try:
+        return session.client("s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name, config=config)
+    except ValueError as exc:  # botocore refuses an endpoint that is no URL before any request
+        raise S3Unavailable(
+            uri, f"the S3 endpoint {endpoint_origin(opts.endpoint_url)} is not a URL ({first_line(exc)}): "
+            "write it as http(s)://host[:port]",
+        ) from None
 
 
 def check_reachable(uri: str, key: str, subject: Optional[str] = None) -> None:
