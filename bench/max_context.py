@@ -804,6 +804,7 @@ def targets_for(name: str, device_name: str, summary: Mapping[str, Any], systems
 
 def shape_header(name: str, plan: ShapePlan, granule: int) -> list[str]:
     from ringtrain.planner.reach import binding_limit
+    from ringtrain.planner.search import unit_of
 
     m, cluster = plan.machine, plan.cluster
     lines = [f"{name} ({SHAPES[name].title}): {m.name}, {_gb(m.memory_bytes)} GB"
@@ -814,7 +815,7 @@ def shape_header(name: str, plan: ShapePlan, granule: int) -> list[str]:
         c = plan.reach.candidate
         lines.append(f"  planner's max {plan.reach.max_seq_len:,} tokens ({c.layout.describe()}; predicted "
                      f"{c.memory.total / GB:.3g} GB device, {c.memory.host / GB:.3g} GB host, step {c.step.step_s:,.1f} s)")
-        past = plan.ringtrain_at(plan.reach.max_seq_len + 2 * plan.reach.candidate.layout.cp * 64)
+        past = plan.ringtrain_at(plan.reach.max_seq_len + unit_of(c.layout))
         lines.append(f"  past it the limit is {' and '.join(binding_limit(past.memory, cluster)) or 'none'}; "
                      f"with no headroom the planner's max is "
                      f"{plan.reach_no_headroom.max_seq_len if plan.reach_no_headroom else 0:,}")

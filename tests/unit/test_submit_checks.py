@@ -5,7 +5,7 @@ refuses them is reported with its own line and the --env that would pass this sh
 from __future__ import annotations
 
 from ringtrain.commands.submit_checks import CHECKED, Verdict, await_checks, env_hints
-from ringtrain.errors import ClusterError, ConfigError, ending
+from ringtrain.errors import ClusterError, ConfigError, DataError, ending
 from ringtrain.submission_secrets import check_env_names
 
 NO_CREDENTIALS = (
@@ -93,6 +93,8 @@ def test_a_job_that_fails_otherwise_or_takes_its_time() -> None:
 def test_the_line_a_job_ends_with_on_bad_input_is_what_submit_calls_bad_input() -> None:
     """The job's `ringtrain run` ends through errors.ending, and submit reads that line back."""
     refused = ending(ConfigError("data.path", "no such file or directory: /data/x")).line
+    too_little = ending(DataError("/data/x.jsonl: 12 tokens, fewer than data.seq_len + 1")).line
     failed = ending(ClusterError("cannot reach ray://head:10001")).line
     assert _await(Job([("FAILED", f"some Ray line\n{refused}\n")]), {}).bad_input
+    assert _await(Job([("FAILED", f"{too_little}\n")]), {}).bad_input
     assert not _await(Job([("FAILED", f"{failed}\n")]), {}).bad_input

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
 from ringtrain.config import STDLIB_CORPUS, CPLayout, JobConfig
-from ringtrain.errors import ConfigError
+from ringtrain.errors import EXIT_OK, ConfigError
 
 if TYPE_CHECKING:
     from ringtrain.actors.evaluation import EvalPlan
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from ringtrain.evaluation.tokenizer import HFTokenizer
     from ringtrain.prepared import Manifest
 
-EXIT_OK, EXIT_FAILED = 0, 1
 # eval.* keys -> the option that sets them, so an error names what the user typed.
 FLAGS = {
     "eval.data": "--data",

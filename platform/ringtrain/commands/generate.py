@@ -30,13 +30,12 @@ from ringtrain.commands.eval_source import EvalSource, resolve_source
 from ringtrain.commands.prompt_file import ChatTemplate, read_prompts
 from ringtrain.commands.workers import checked, inference_job, started_workers, workers_job
 from ringtrain.config import JobConfig
-from ringtrain.errors import ConfigError
+from ringtrain.errors import EXIT_OK, ConfigError
 from ringtrain.evaluation.generation import GenerationRequest, Sampling
 from ringtrain.evaluation.stops import StopRule
 from ringtrain.evaluation.text import ByteTokenizer, Tokenizer
 from ringtrain.jsonfile import JsonFileError, read_json
 
-EXIT_OK = 0
 # Prompts a call to the workers takes, per replica: progress is reported between calls.
 PROMPTS_PER_REPLICA_CALL = 4
 

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Protocol
 
-from ringtrain.errors import ConfigError, line_start
-from ringtrain.submission_secrets import SECRET_FLAG, looks_secret
+from ringtrain.errors import ConfigError, DataError, line_start
+from ringtrain.submission_secrets import ENV_FLAG, SECRET_FLAG, looks_secret
 
 SUBMITTED_VARIABLE = "RINGTRAIN_SUBMITTED"
 CHECKED = "ringtrain: the job's inputs passed their checks on the cluster"
@@ -32,6 +32,8 @@ POLL_S = 1.0
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION")
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+# How the lines begin that a job ends with on bad input (errors.ending: the classes that exit 2).
+BAD_INPUT = tuple(line_start(error.label) for error in (ConfigError, DataError))
 
 
 class JobLogs(Protocol):
@@ -66,7 +68,7 @@ def await_checks(
             return Verdict(True, status, (), False)
         if status in TERMINAL:
             errors = tuple(line for line in logs.splitlines() if line.startswith("ringtrain:"))
-            bad_input = any(line.startswith(line_start(ConfigError.label)) for line in errors)
+            bad_input = any(line.startswith(BAD_INPUT) for line in errors)
             hints = tuple(env_hints(errors, dict(os.environ) if environ is None else environ))
             return Verdict(status == "SUCCEEDED", status, errors + hints, bad_input)
         if clock() >= deadline:
@@ -91,7 +93,7 @@ def env_hints(errors: tuple[str, ...], environ: Mapping[str, str]) -> list[str]:
     # and credentials travel together: a key id on the workers without its secret would stop
     # boto3 there (partial credentials) instead of falling back to the cluster's own.
     secret = any(looks_secret(name) for name in here)
-    flags = " ".join(f"{SECRET_FLAG if secret else '--env'} {name}" for name in here)
+    flags = " ".join(f"{SECRET_FLAG if secret else ENV_FLAG} {name}" for name in here)
     # As docs/security.md says: a secret reaches the job's driver, never its workers.
     where = (f" (a {SECRET_FLAG} reaches the job's driver only, which writes the checkpoints; a dataset on s3:// is read "
              "by the workers with the cluster's own credentials)") if secret else ""  # fmt: skip

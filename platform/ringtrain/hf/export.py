@@ -72,11 +72,7 @@ Say = Callable[[str], None]
 
 
 class ExportError(ConfigError):
-    """Bad input to an export; ``subject`` names the argument to change (SOURCE, OUT_DIR, ...)."""
-
-    @property
-    def subject(self) -> str:
-        return self.key
+    """Bad input to an export; its key names the argument to change (SOURCE, OUT_DIR, ...)."""
 
 
 @dataclass(frozen=True)

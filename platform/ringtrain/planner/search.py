@@ -39,7 +39,8 @@ from ringtrain.planner.throughput import Assumptions, StepEstimate, estimate_ste
 ZERO_STAGES = (0, 1, 2, 3)
 # The most GPUs ``advise`` looks at when searching for the fewest that fit.
 MAX_GPUS = 65536
-# The most MLP tiles a rank's sequence is cut into: every length the planner reaches divides by them.
+# What every length the planner reaches is divisible by, per sequence multiple: MLP tiles up to this many
+# per rank divide it.
 MAX_MLP_TILES = 64
 # The longest sequence the planner's reach considers: 2^40 tokens.
 MAX_TOKENS = 2**40
