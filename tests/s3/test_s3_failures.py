@@ -251,3 +251,20 @@ def test_an_endpoint_gone_mid_run_is_one_incident_each_then_a_stop(aws_env: None
     finally:
         server.stop()
     _check_stopped_keeping_step_4(summary, console, incidents, store, f"cannot reach the S3 endpoint {endpoint}")
+
+
+def test_a_dataset_named_with_a_trailing_slash_is_named_as_without(
+    bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """s3://b/p/ and s3://b/p are one dataset: a missing manifest is named the same for either."""
+    from ringtrain.errors import ConfigError
+    from ringtrain.train.evalset import manifest_of
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    said = []
+    for uri in (f"s3://{bucket}/pairs", f"s3://{bucket}/pairs/"):
+        with pytest.raises(ConfigError) as err:
+            manifest_of(uri, "--data")
+        said.append(str(err.value))
+    assert said[0] == said[1], said
+    assert f"s3://{bucket}/pairs/manifest.json: no manifest; s3://{bucket}/pairs is not" in said[0], said[0]

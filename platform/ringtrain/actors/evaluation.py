@@ -53,11 +53,11 @@ def model_tokenizer(job: JobConfig) -> Optional[Tokenizer]:
 
 
 def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key: str = "eval.data",
-             pairs: bool = False, content: Optional[str] = None, length_key: str = "data.seq_len") -> EvalPlan:  # fmt: skip
+             pairs: bool = False, content: Optional[str] = None, length_key: Optional[str] = None) -> EvalPlan:  # fmt: skip
     """Read ``job.eval.data`` and build the passkey prompts; input errors name their key
     (``data_key`` for the data) before any cluster is asked for anything. With ``pairs`` a
     preference dataset is read as its pairs (``ringtrain eval``), else refused; a length no pair
-    fits is named ``length_key`` (the config key or option the length came from). ``content``: what
+    fits is named ``length_key`` (the option the length came from; by default the key that set it). ``content``: what
     the data holds, where the caller read it already (``content_of``)."""
     e = job.eval
     vocab = job.model_int("vocab_size")
@@ -72,7 +72,7 @@ def plan_for(job: JobConfig, *, tokenizer: Optional[Tokenizer] = None, data_key:
         pair_set = load_pair_set(e.data, seq_len=e.seq_len or d.seq_len, multiple=job.cp_layout.sequence_multiple,
                                  vocab_size=vocab, prefix_sharing=d.prefix_sharing, overlong=d.chat_overlong,
                                  packing=d.chat_packing, max_rows=e.max_rows, key=data_key,
-                                 length_key=length_key)  # fmt: skip
+                                 length_key=length_key or ("eval.seq_len" if e.seq_len else "data.seq_len"))  # fmt: skip
     elif e.data:
         evalset = load_eval_set(
             e.data,

@@ -52,6 +52,7 @@ def _s3_backend(uri: str) -> Any:
 
 def read_manifest(uri: str) -> Manifest:
     """The manifest of the dataset at ``uri``; DataError when it is missing or malformed."""
+    uri = uri.rstrip("/")  # as PreparedCorpus names a dataset: s3://b/p/ is s3://b/p
     if not is_s3(uri):
         return Manifest.load(uri)
     from ringtrain.checkpoint.backends import ObjectMissing

@@ -145,7 +145,8 @@ class MixedSamples:
     def __init__(self, corpora: Sequence[PreparedCorpus], specs: Sequence[SourceSpec], *, seq_len: int, seed: int,
                  packing: str, chat_overlong: str = "drop", chat_packing: str = "next_fit",
                  prefix_sharing: bool = True, length_key: str = "data.seq_len") -> None:  # fmt: skip
-        """``length_key``: the config key or option ``seq_len`` came from, which a source too short for it names."""
+        """``length_key``: the config key or option ``seq_len`` came from, which a token-stream or
+        preference source too short for it names."""
         self.corpora = list(corpora)
         self.seq_len = seq_len
         self.packing = packing
