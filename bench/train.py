@@ -23,7 +23,18 @@ fresh CUDA context, allocator and process group), one after the other:
   gradient checkpointing of every layer (32K tokens do not fit without), the same fp32-master
   AdamW, ``model(input_ids=..., labels=...).loss``: what a user would otherwise run.
 - trainer_snapshots (tinyllama only): the trainer with a snapshot every ``--snapshot-every``
-  steps (default 1; 0 leaves it out), for the per-step snapshot's cost.
+  steps (default 1; 0 leaves it out) under ``checkpoint.snapshot_staging=--snapshot-staging``
+  (default auto), for the per-step snapshot's cost.
+
+The snapshot's cost is profiled where it is paid. Each snapshot says where its time went
+(``ringtrain.train.snapshot.CopyProfile``: the capture's issue on the host, buffers allocated,
+the staging copy on the device, the copy into host memory and its rate, the checksum), and the
+snapshotter how long each fence held the optimizer step; ``snapshot_profile`` in the JSON holds
+their medians over the timed steps and splits the step time the snapshots added into the fence's
+wait, the capture's issue, and what is left: the step's own work slowed beside the copy (memory
+bandwidth, or a host thread kept from a core). On a GPU both trainer variants also run one more
+step under torch.profiler, and the JSON keeps each one's table of the ops that took the most
+device and host time (``profile_table``), so two tables tell where the rest went.
 
 Each variant runs ``--warmup`` untimed steps, then ``--steps`` timed ones, each from a
 synchronized device to a synchronized device; the median step time gives tokens/s. Peak memory
@@ -90,6 +101,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
+from ringtrain.config import SNAPSHOT_STAGINGS
 from ringtrain_dev.bench_cli import bad_input, listed, one_device_parser, slug, without_cuda
 from ringtrain_dev.one_device import MasterWeightAdamW, Shape, device_of, hf_model, hf_step, join_world_of_one, model_overrides
 from ringtrain_dev.record import RESULTS_DIR, Run
@@ -104,6 +116,7 @@ PLAIN_RATIO_MIN = 0.97  # trainer tokens/s over plain PyTorch's
 HF_RATIO_MIN = 1.5  # trainer tokens/s over transformers'
 SNAPSHOT_RATIO_MAX = 1.02  # trainer step time with a snapshot every step over without
 ERROR_LINES = 20  # of a failed variant's traceback, kept in the JSON
+PROFILE_ROWS = 25  # of each profiled step's table
 INTERRUPTED = "interrupted (SIGINT) before it reported"
 
 
@@ -181,6 +194,7 @@ class Case:
     zero: int
     kernel: str
     snapshot_every: int
+    snapshot_staging: str = "auto"
 
     @property
     def model(self) -> dict[str, Any]:
@@ -201,6 +215,7 @@ def job_overrides(case: Case) -> list[str]:
         f"zero.stage={case.zero}",
         f"attention.kernel={case.kernel}",
         f"checkpoint.snapshot_every={snapshot_every}",
+        f"checkpoint.snapshot_staging={case.snapshot_staging}",
         f"cluster.device={case.device}",
     ]
 
@@ -281,14 +296,20 @@ def run_trainer(case: Case) -> dict[str, Any]:
     job = load_job(case)
     trainer = Trainer(job, rank=0, device=device)
     reports: list[Any] = []
+    copies: dict[int, Any] = {}  # step -> its snapshot's CopyProfile
 
     def step() -> float:
         reports.append(trainer.train_step())
+        newest = trainer.last_snapshot()
+        if newest is not None and newest.profile is not None:
+            copies.setdefault(newest.step, newest.profile)
         return float(reports[-1].loss)
 
     try:
         times, losses = timed_steps(step, case, device)
         timed = reports[case.warmup :]
+        snapshots = snapshot_profiles(trainer, [r.step for r in timed], copies) if trainer.snapshotter else {}
+        table = profiled_step(step, device)
         return {
             "step_s": times,
             "losses": losses,
@@ -298,11 +319,78 @@ def run_trainer(case: Case) -> dict[str, Any]:
             "peak_memory_bytes": max(r.memory_bytes for r in timed),
             "reported_step_s": [r.step_time_s for r in timed],  # its own clock, snapshot launch excluded
             "snapshot_s": [r.snapshot_s for r in timed],
+            **({"snapshot_steps": snapshots} if snapshots else {}),
+            **({"profile_table": table} if table else {}),
             "device_name": device_name(device),
             **ringtrain_recipe(job, trainer.model, device, trainer.dtype),
         }
     finally:
         trainer.close()
+
+
+def snapshot_profiles(trainer: Any, steps: list[int], copies: Mapping[int, Any]) -> dict[str, list[Any]]:
+    """Per timed step: the fence's wait before its optimizer step (on the snapshot of the step
+    before), and that step's own snapshot's ``CopyProfile`` fields (None where it was not seen)."""
+    trainer.snapshotter.settle()
+    newest = trainer.last_snapshot()
+    if newest is not None and newest.profile is not None:
+        copies = {**copies, newest.step: newest.profile}
+    out: dict[str, Any] = {"fence_wait_s": [trainer.snapshotter.fence_wait_s(s - 1) for s in steps]}
+    for field in ("issue_s", "alloc_s", "buffer_wait_s", "staged", "stage_s", "copy_s", "checksum_s", "num_bytes",
+                  "host_write_gbps"):
+        out[field] = [getattr(copies[s], field) if s in copies else None for s in steps]
+    out["first_capture_alloc_s"] = copies[min(copies)].alloc_s if copies else None  # in the warm-up: pinned buffers
+    return out
+
+
+def profiled_step(step: Callable[[], float], device: torch.device) -> str:
+    """On CUDA, one more step under torch.profiler: its ops by device time, then by host time."""
+    if device.type != "cuda":
+        return ""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)  # the side stream's copies too
+    averages = prof.key_averages()
+    return "\n\n".join(averages.table(sort_by=key, row_limit=PROFILE_ROWS)
+                        for key in ("self_cuda_time_total", "self_cpu_time_total"))
+
+
+def snapshot_breakdown(variants: Mapping[str, dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What the snapshots added to the median step, split into the fence's wait, the capture's
+    issue and the rest, with the copy's medians beside."""
+    if not {"trainer", "trainer_snapshots"} <= set(variants) or any("error" in variants[v] for v in variants):
+        return None
+    snap = variants["trainer_snapshots"]
+    steps = snap.get("snapshot_steps")
+    if not steps:
+        return None
+
+    def median(key: str) -> Optional[float]:
+        values = [v for v in steps[key] if v is not None and v != float("inf")]
+        return float(statistics.median(values)) if values else None
+
+    added = snap["median_step_s"] - variants["trainer"]["median_step_s"]
+    out = {"added_s": added, **{key: median(key) for key in
+           ("fence_wait_s", "issue_s", "stage_s", "copy_s", "checksum_s", "host_write_gbps", "buffer_wait_s")},
+           "alloc_s": steps["first_capture_alloc_s"],
+           "staged": any(steps["staged"]), "num_bytes": median("num_bytes")}  # fmt: skip
+    out["rest_s"] = added - (out["fence_wait_s"] or 0.0) - (out["issue_s"] or 0.0)
+    return out
+
+
+def describe_breakdown(b: Mapping[str, Any]) -> str:
+    def ms(key: str) -> str:
+        return "n/a" if b.get(key) is None else f"{1e3 * b[key]:.1f} ms"
+
+    return (f"  snapshot step: +{ms('added_s')} a step = fence wait {ms('fence_wait_s')} + capture issue "
+            f"{ms('issue_s')} + rest {ms('rest_s')} (the step's own work beside the copy); "
+            f"{'staged on the device ' + ms('stage_s') + ', ' if b['staged'] else 'not staged, '}"
+            f"{(b['num_bytes'] or 0) / 1e9:.2f} GB into host memory in {ms('copy_s')} "
+            f"({b['host_write_gbps'] or 0:.1f} GB/s), checksum {ms('checksum_s')}, buffers allocated {ms('alloc_s')} "
+            f"(first capture), waited for a buffer {ms('buffer_wait_s')}")
 
 
 def run_plain(case: Case) -> dict[str, Any]:
@@ -511,6 +599,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--zero", type=int, default=2, help="the Trainer's ZeRO stage")
     p.add_argument("--kernel", default="auto", help="attention.kernel of ringtrain's variants")
     p.add_argument("--snapshot-every", type=int, default=1, help="trainer_snapshots' snapshot interval (0: not run)")
+    p.add_argument("--snapshot-staging", default="auto", choices=SNAPSHOT_STAGINGS,
+                   help="trainer_snapshots' checkpoint.snapshot_staging")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per variant, process start included")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s of a GPU the table lacks")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed or not measured")
@@ -603,13 +693,19 @@ def main(argv: list[str]) -> int:
     # Fewer allocator retries at 32K tokens; the same setting for every variant (inherited).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     base = Case(shape="", variant="", device=args.device, tiny=args.tiny, seq=args.seq, warmup=args.warmup,
-                steps=args.steps, zero=args.zero, kernel=args.kernel, snapshot_every=args.snapshot_every)
+                steps=args.steps, zero=args.zero, kernel=args.kernel, snapshot_every=args.snapshot_every,
+                snapshot_staging=args.snapshot_staging)
     shapes = shape_records(args, base)
     peak = Peak()
     print(f"{'tiny shapes, ' if args.tiny else ''}{args.seq} tokens per step on {args.device}"
           f"{f' ({SMOKE})' if smoke else ''}")
     interrupted = run_plan(args, base, shapes, peak)
     targets = [t for name in args.shapes for t in targets_for(name, shapes[name]["variants"])]
+    for name in args.shapes:
+        breakdown = snapshot_breakdown(shapes[name]["variants"])
+        if breakdown is not None:
+            shapes[name]["snapshot_profile"] = breakdown
+            print(f"{name}:\n{describe_breakdown(breakdown)}")
     print(f"peak: {peak.source}")
     for target in targets:
         print(target.line(smoke))

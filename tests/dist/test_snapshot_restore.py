@@ -4,7 +4,9 @@ tolerance at another dp, for every ZeRO stage.
 Each case trains STEPS steps uninterrupted while taking the snapshot of step CUT, then starts
 fresh processes, restores that snapshot and trains the remaining steps. A DPO run does so with
 the reference table its first world took, read back from a checkpoint store: no pass over the
-data runs again (one would fail the resumed ranks).
+data runs again (one would fail the resumed ranks). And a rank that fails while it snapshots a step (before the
+copy starts, half-way through it, after it) leaves the snapshot its world resumes from exactly, at
+every ZeRO stage.
 """
 
 from __future__ import annotations
@@ -95,6 +97,86 @@ def _warm_up_rank(rank: int, world: int, store_path: str, overrides: list[str], 
         raise
 
 
+# Where the world fails while it snapshots a step: the step whose copy it was, and the point of
+# that copy. Each time it restores from what its snapshotters have left, and trains on.
+COPY_FAILURES = {2: "before", 3: "half-way", 4: "after"}
+
+
+def _rank_fails_while_it_snapshots(rank: int, world: int, store_path: str, overrides: list[str], results: mp.Queue) -> None:
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from ringtrain import config
+    from ringtrain.train import snapshot as snapshot_module
+    from ringtrain.train.trainer import Trainer, set_rank_env
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    set_rank_env(rank=rank, world_size=world, device=device)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        trainer = Trainer(config.load(None, overrides), rank=rank, device=device)
+        snapshotter = trainer.snapshotter
+        assert snapshotter is not None
+        failing: dict[str, int] = {}  # point -> the step whose copy fails there, while it is due
+        real_copy_each = snapshot_module._copy_each
+
+        def copy_each(hosts: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+            if failing.get("half-way") == trainer.step:
+                real_copy_each(hosts[: len(hosts) // 2], sources[: len(sources) // 2])
+                raise RuntimeError("the rank failed half-way through the copy")
+            real_copy_each(hosts, sources, non_blocking=non_blocking)
+
+        snapshot_module._copy_each = copy_each
+        real_maybe_snapshot = trainer._maybe_snapshot
+        # "before": the failure strikes between the optimizer step and the capture.
+        trainer._maybe_snapshot = lambda: failing.get("before") != trainer.step and real_maybe_snapshot()  # type: ignore[method-assign]
+        losses: dict[int, float] = {}
+        redone: list[tuple[int, float]] = []
+        resumed_at: list[int] = []
+        failures = dict(COPY_FAILURES)
+        while trainer.step < STEPS:
+            step = trainer.step + 1
+            point = failures.pop(step, None)
+            failing.clear()
+            if point is not None:
+                failing[point] = step
+            loss = trainer.train_step().loss
+            if step in losses:
+                redone.append((step, loss))
+            losses[step] = loss
+            if point is None:
+                continue
+            with contextlib.suppress(RuntimeError):
+                snapshotter.wait()  # the copy in flight when the rank failed: done, or failed
+            failing.clear()
+            newest = snapshotter.newest()
+            assert newest is not None
+            blobs: list[Optional[bytes]] = [None] * world
+            dist.all_gather_object(blobs, bytes(newest.blob))
+            resumed_at.append(trainer.restore([b for b in blobs if b is not None]))
+        params = {k: v.numpy() for k, v in trainer.parameters_fp32().items()}
+        if rank == 0:
+            results.put((losses, redone, resumed_at, params))
+        trainer.close()
+    except BaseException as exc:
+        results.put(exc)
+        raise
+
+
+_UNINTERRUPTED: dict[tuple[str, ...], Any] = {}
+
+
+def uninterrupted(overrides: list[str], tmp_path: Path) -> Any:
+    """``run``'s of a run nothing interrupts, taken once per job in this module."""
+    key = tuple(overrides)
+    if key not in _UNINTERRUPTED:
+        _UNINTERRUPTED[key] = run(overrides, tmp_path)
+    return _UNINTERRUPTED[key]
+
+
 def run(overrides: list[str], tmp_path: Path, blobs: Optional[list[bytes]] = None, reference: Any = None) -> Any:
     """(losses, every rank's snapshot of CUT, parameters)."""
     return run_with_table(overrides, tmp_path, blobs, reference)[:3]
@@ -110,7 +192,7 @@ def run_with_table(overrides: list[str], tmp_path: Path, blobs: Optional[list[by
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_is_exact_at_the_same_mesh_and_close_at_another_dp(stage: int, tmp_path: Path) -> None:
     grid = TINY + ["mesh.dp=2", "mesh.cp=2", f"zero.stage={stage}"]
-    losses, shards, params = run(grid, tmp_path)
+    losses, shards, params = uninterrupted(grid, tmp_path)
     assert len(losses) == STEPS and all(isinstance(s, bytes) for s in shards)
 
     resumed_losses, _, resumed_params = run(grid, tmp_path, blobs=shards)
@@ -123,6 +205,25 @@ def test_resume_is_exact_at_the_same_mesh_and_close_at_another_dp(stage: int, tm
     np.testing.assert_allclose(single_losses, losses[CUT:], rtol=1e-5)
     for name, value in params.items():
         np.testing.assert_allclose(single_params[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_failure_at_any_point_of_a_snapshot_copy_resumes_bitwise(stage: int, tmp_path: Path) -> None:
+    """The world fails while it snapshots step 2 (before the copy starts), step 3 (half-way
+    through it) and step 4 (after it), and restores each time from its newest whole snapshot:
+    steps 1, 2 and 4. Every step, redone ones included, and the final weights are the
+    uninterrupted run's, bit for bit."""
+    grid = TINY + ["mesh.dp=2", "mesh.cp=2", f"zero.stage={stage}"]
+    losses, _, params = uninterrupted(grid, tmp_path)
+    from ringtrain import config
+
+    got, redone, resumed_at, got_params = run_ranks(_rank_fails_while_it_snapshots, config.load(None, grid).world_size,
+                                                    tmp_path, grid)  # fmt: skip
+    assert resumed_at == [1, 2, 4]
+    assert [got[step] for step in range(1, STEPS + 1)] == losses
+    assert redone == [(2, losses[1]), (3, losses[2])]
+    for name, value in params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
 
 
 def _payload(blob: bytes) -> dict[tuple[str, str, int], np.ndarray]:

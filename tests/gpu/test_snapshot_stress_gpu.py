@@ -2,7 +2,10 @@
 overwritten right after each fence.
 
 On CUDA the copy of step N is queued on a side stream into pinned host buffers, and ``fence()``
-makes the training stream wait for it before the next optimizer step writes the state. Each
+makes the training stream wait for it before the next optimizer step writes the state; staged
+(``checkpoint.snapshot_staging=auto`` where the device has room; forced here), the fence waits for
+the copy into a device buffer, and the copy into host memory reads that buffer while the next
+step writes the live state. Each
 snapshot must hold exactly the state of its own step: not a later step's values (the copy
 overtaken by the next write), not a mix of two steps (a pinned buffer reused while its checksum
 still reads it, or while a snapshot still holds it), and none may be lost or reordered while
@@ -23,10 +26,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from ringtrain.checkpoint.wire import STATE_KEYS, decode
-from ringtrain.train.snapshot import Snapshot, Snapshotter
+from ringtrain.train.snapshot import STAGE_ALWAYS, Snapshot, Snapshotter
 from ringtrain.train.zero_state import Fragment
 
 from .support import MARKS
@@ -64,7 +68,8 @@ class _State:
         return {k: (v + float(step)).numpy().astype("<f4").tobytes() for k, v in self.base.items()}
 
 
-def test_every_capture_holds_its_own_step_under_slow_delivery() -> None:
+@pytest.mark.parametrize("staging", [STAGE_ALWAYS, "none"])
+def test_every_capture_holds_its_own_step_under_slow_delivery(staging: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     state = _State(device)
     delivered: list[tuple[int, bytes]] = []
@@ -76,7 +81,7 @@ def test_every_capture_holds_its_own_step_under_slow_delivery() -> None:
             delivered.append((snap.step, bytes(snap.blob)))
 
     snapshotter = Snapshotter(
-        state, rank=0, world_size=1, device=device, deliver=deliver, keep=3  # type: ignore[arg-type]
+        state, rank=0, world_size=1, device=device, deliver=deliver, keep=3, staging=staging  # type: ignore[arg-type]
     )
     try:
         state.write_step(0)
@@ -105,3 +110,6 @@ def test_every_capture_holds_its_own_step_under_slow_delivery() -> None:
     # The pinned buffers were allocated once, the kept snapshots' and the one in flight, and
     # then reused: the slow delivery held the captures back instead of costing new ones.
     assert snapshotter.num_allocations == 3 + 1
+    # Each snapshot left the device as it was asked to: from the staging buffer, or not.
+    newest = snapshotter.newest()
+    assert newest is not None and newest.profile is not None and newest.profile.staged == (staging == STAGE_ALWAYS)

@@ -4,16 +4,15 @@ the blobs themselves and are reused from step to step."""
 
 from __future__ import annotations
 
-import contextlib
 from concurrent.futures import Executor, Future
-from contextlib import AbstractContextManager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 
 from ringtrain.checkpoint.wire import SCALARS_ROOM, STATE_KEYS, decode, encode, verify
-from ringtrain.train.snapshot import CopyEvent, Snapshotter
+from ringtrain.train.copy_stream import CopyEvent, Hold
+from ringtrain.train.snapshot import Snapshotter
 from ringtrain.train.zero_state import Fragment
 
 
@@ -25,30 +24,32 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.log.append(f"sync {self.name}")
 
+    def seconds(self) -> Optional[float]:
+        return None
+
+
+class FakeHold:
+    def seconds(self) -> Optional[float]:
+        return None
+
 
 class FakeStreams:
-    """Records what the GPU path asks of its streams, in order."""
+    """Records what the GPU path asks of its streams, in order; the copies run as they are queued."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
         self.recorded = 0
 
-    @contextlib.contextmanager
-    def _copying(self) -> Iterator[None]:
-        self.log.append("copy")
-        yield
-
-    def copying(self) -> AbstractContextManager[Any]:
-        return self._copying()
-
-    def record(self) -> CopyEvent:
+    def enqueue(self, copies: Callable[[], None]) -> CopyEvent:
         self.recorded += 1
-        self.log.append(f"record e{self.recorded}")
+        self.log.append(f"copy e{self.recorded}")
+        copies()
         return FakeEvent(f"e{self.recorded}", self.log)
 
-    def hold_compute(self, event: CopyEvent) -> None:
+    def hold_compute(self, event: CopyEvent) -> Hold:
         assert isinstance(event, FakeEvent)
         self.log.append(f"hold {event.name}")
+        return FakeHold()
 
 
 class ManualExecutor(Executor):
@@ -104,7 +105,7 @@ def test_each_copy_job_waits_on_its_own_event() -> None:
     executor.run_all()
     assert [line for line in streams.log if line.startswith("sync")] == ["sync e1", "sync e2"]
     # The second capture held training's stream on the first copy before reading the state.
-    assert streams.log[:4] == ["copy", "record e1", "hold e1", "copy"]
+    assert streams.log[:3] == ["copy e1", "hold e1", "copy e2"]
     for step in (1, 2):
         got = snap.get(step)
         assert got is not None

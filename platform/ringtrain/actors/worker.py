@@ -369,7 +369,7 @@ class TrainWorker:
         """Steps of the finished snapshots this process holds (none once it left its world)."""
         if self._trainer is None or self._trainer.snapshotter is None:
             return []
-        self._trainer.snapshotter.wait()
+        self._trainer.snapshotter.settle()
         return self._trainer.snapshotter.steps()
 
     def rebuildable(self) -> Optional[tuple[int, int]]:
@@ -380,7 +380,7 @@ class TrainWorker:
         trainer = self._trainer
         if trainer is None or trainer.snapshotter is None or trainer.zero.stage != 0:
             return None
-        trainer.snapshotter.wait()
+        trainer.snapshotter.settle()
         snap = trainer.snapshotter.newest()
         if snap is None or snap.scalars.get("optimizer_steps") != trainer.zero.optimizer_steps():
             return None

@@ -25,6 +25,7 @@ from ringtrain.config.schema import (
     DTYPES,
     LAYER_TYPES,
     LOSS_NORMS,
+    SNAPSHOT_STAGINGS,
     OBJECTIVES,
     MLFLOW_URI_SCHEMES,
     NAN_POLICIES,
@@ -124,6 +125,7 @@ def validate(job: JobConfig) -> None:
         if getattr(ck, key) < 0:
             raise ConfigError(f"checkpoint.{key}", f"must be >= 0 (got {getattr(ck, key)})")
     _positive(ck.keep_in_memory, "checkpoint.keep_in_memory")
+    _one_of(ck.snapshot_staging, SNAPSHOT_STAGINGS, "checkpoint.snapshot_staging")
     _positive(ck.keep, "checkpoint.keep")
     if ck.persist_every and ck.snapshot_every and ck.persist_every % ck.snapshot_every:
         raise ConfigError(

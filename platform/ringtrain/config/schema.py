@@ -54,6 +54,7 @@ __all__ = [
     "REFERENCE_OBJECTIVES",
     "ROPE_TYPES",
     "SLIDING_ATTENTION",
+    "SNAPSHOT_STAGINGS",
     "STDLIB_CORPUS",
     "STRAGGLER_POLICIES",
     "TelemetryConfig",
@@ -227,6 +228,7 @@ OBJECTIVES = ("lm", *PREFERENCE_OBJECTIVES)
 # token: the mean over every trained token of the global batch; sequence: each conversation's
 # token mean, averaged over the global batch's conversations (LongAlign, Bai et al. 2024).
 LOSS_NORMS = ("token", "sequence")
+SNAPSHOT_STAGINGS = ("auto", "none")
 
 
 @dataclass
@@ -364,6 +366,12 @@ class CheckpointConfig:
     # critical path; each lives in the worker, its node's holder and a buddy node's holder.
     snapshot_every: int = 1
     keep_in_memory: int = 2  # snapshots per rank each holder keeps
+    # SNAPSHOT_STAGINGS, on a GPU: auto copies each snapshot into a device buffer first where the
+    # device has room for it beside the step's peak (this rank's share of the fp32 state: 12
+    # bytes a parameter over the ZeRO ranks), so the next optimizer step waits milliseconds for
+    # it and the copy into host memory has until the next snapshot; none always copies from the
+    # live state, and the next optimizer step waits for the whole copy.
+    snapshot_staging: str = "auto"
     buddy: bool = True  # also keep each snapshot on another node (when there is one)
     uri: str = ""  # durable store: file:///path or s3://bucket/prefix; "": <run_dir>/checkpoints
     persist_every: int = 50  # copy a snapshot to the durable store every this many steps (0: only at the end)

@@ -1,33 +1,70 @@
 """Per-step snapshots of one rank's training state, copied off the critical path.
 
 Optimizer state only changes inside the optimizer step, so the copy of step N runs in the
-background (a side CUDA stream into pinned host memory on GPU, a background thread on CPU) while
-step N+1's forward and backward run, and ``fence()`` holds the next optimizer step until the copy
-is done. The copy lands where the snapshot's blob keeps it: each host buffer is laid out as a
-``checkpoint.wire`` blob, the header is written at capture (microseconds), and the copy thread
-then only checksums the blob, a tree hash on all cores. The buffers are allocated once and
-reused, each leased to one snapshot at a time. What is copied are ``train.zero_state``'s
-fragments, in coordinates that do not depend on dp.
+background (on a side CUDA stream on GPU, a background thread on CPU) while step N+1's forward
+and backward run, and ``fence()`` holds the next optimizer step until the copy has read what that
+step changes. On GPU, where the device has room, the state is first copied into a device buffer
+(milliseconds at the device's memory bandwidth: all the optimizer step waits for), and leaves the
+device from there in one copy into pinned host memory, which may then take until the next
+snapshot; without that room it is copied straight from the live tensors, and the optimizer step
+waits for the whole copy (``checkpoint.snapshot_staging``). The copy lands where the snapshot's
+blob keeps it: each host buffer is laid out as a ``checkpoint.wire`` blob, the header is written
+at capture (microseconds), and the copy thread then only checksums the blob, a tree hash on all
+cores, at a lower CPU priority than training's on GPU, so the host thread that feeds the device
+is never the one kept waiting. The buffers are allocated once and reused, each leased to one
+snapshot at a time. What is copied are ``train.zero_state``'s fragments, this rank's own part of
+the state, in coordinates that do not depend on dp. Each snapshot says where its time went
+(``CopyProfile``), and the snapshotter how long each fence held training (``fence_wait_s``).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 import traceback
 import weakref
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 
 from ringtrain.checkpoint.retention import retained
 from ringtrain.checkpoint.wire import BlobLayout, checksum, header_room
+from ringtrain.train.copy_stream import CopyEvent, CopyStreams, CudaCopyStreams, Hold, device_has_room
 from ringtrain.train.zero_state import Fragment, ZeroState
+
+# The copy thread and the checksum threads it starts, on GPU: below the training thread, which
+# must get a core the moment it has kernels to queue (Linux: a thread's nice value is its own,
+# and threads it starts inherit it).
+BACKGROUND_NICE = 10
+# Beyond checkpoint.snapshot_staging's values: staged whatever the device's room (which a job
+# cannot ask for: the planner does not count the buffer, and ``auto`` stages only where it fits).
+STAGE_ALWAYS = "always"
+FENCE_WAITS_KEPT = 16  # the newest snapshots whose fence wait can still be asked for
+
+
+@dataclass(frozen=True)
+class CopyProfile:
+    """Where one snapshot's time went, in seconds. Device times are the device's own clock (None
+    on CPU, where the copy thread's wall time is ``copy_s``)."""
+
+    issue_s: float  # the capture on the host: layout, header, the copies queued (allocation and waits aside)
+    alloc_s: float  # buffers allocated by this capture: host (pinned on GPU) and device staging
+    buffer_wait_s: float  # the capture waiting for a host buffer the copy thread had not yet freed
+    staged: bool  # the state was copied into a device buffer first
+    stage_s: Optional[float]  # that device-side copy: what the next optimizer step waits for
+    copy_s: float  # into host memory: what the optimizer step waits for when not staged
+    checksum_s: float
+    num_bytes: int
+
+    @property
+    def host_write_gbps(self) -> float:
+        """The rate the state was written into host memory (GB/s)."""
+        return self.num_bytes / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
 
 
 @dataclass(frozen=True)
@@ -44,9 +81,10 @@ class Snapshot:
     world_size: int
     blob: memoryview
     checksum: str  # checkpoint.wire.checksum of blob (a named tree hash)
-    copy_s: float  # device-to-host copy (the part the next optimizer step waits for)
+    copy_s: float  # from the capture until the copy into host memory was seen done
     total_s: float  # copy + encode + checksum
     scalars: dict[str, Any] = field(default_factory=dict)  # the non-tensor state encoded in blob
+    profile: Optional[CopyProfile] = None
 
     @property
     def num_bytes(self) -> int:
@@ -54,50 +92,6 @@ class Snapshot:
 
 
 DeliverFn = Callable[[Snapshot], None]
-
-
-class CopyEvent(Protocol):
-    """A point in the copy stream's queue (``torch.cuda.Event``)."""
-
-    def synchronize(self) -> None: ...
-
-
-class CopyStreams(Protocol):
-    """Where the device-to-host copies of a snapshot are queued, and how they are ordered
-    against training's own stream."""
-
-    def copying(self) -> AbstractContextManager[Any]:
-        """Queue the copies issued inside on the side stream, after the work queued so far."""
-        ...
-
-    def record(self) -> CopyEvent:
-        """An event recorded on the side stream now: it completes when the copies are done."""
-        ...
-
-    def hold_compute(self, event: CopyEvent) -> None:
-        """Make training's stream wait for ``event`` before its next kernel."""
-        ...
-
-
-class CudaCopyStreams:
-    """The copy on a side CUDA stream of ``device``."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def copying(self) -> AbstractContextManager[Any]:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.stream)
-
-    def record(self) -> CopyEvent:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def hold_compute(self, event: CopyEvent) -> None:
-        assert isinstance(event, torch.cuda.Event)
-        torch.cuda.current_stream(self.device).wait_event(event)
 
 
 class HostBuffer:
@@ -110,6 +104,8 @@ class HostBuffer:
         self.bytes = self.data.numpy()
         # The layout starts each array on a 4-byte boundary, so these are plain views.
         self.arrays = [self.data[offset : offset + 4 * numel].view(torch.float32) for offset, numel in layout.spans]
+        # Every array's bytes, back to back: what a staged copy writes at once.
+        self.payload = self.data[layout.payload_start :].view(torch.float32)
         self._lease: Optional[weakref.ReferenceType[np.ndarray]] = None
 
     def leased(self) -> bool:
@@ -125,6 +121,19 @@ class HostBuffer:
         return holder.data
 
 
+class DeviceStaging:
+    """A device buffer holding one layout's arrays back to back, as the blob's payload holds them:
+    the state is copied in at the device's memory bandwidth, and leaves for host memory from here
+    in one copy while training goes on changing the live tensors."""
+
+    def __init__(self, layout: BlobLayout, device: torch.device) -> None:
+        self.layout = layout
+        base = layout.payload_start
+        self.data = torch.empty((layout.num_bytes - base) // 4, dtype=torch.float32, device=device)
+        starts = [(offset - base) // 4 for offset, _ in layout.spans]
+        self.arrays = [self.data[start : start + numel] for start, (_, numel) in zip(starts, layout.spans)]
+
+
 class Snapshotter:
     """Copies this rank's state off the critical path after each optimizer step.
 
@@ -135,8 +144,10 @@ class Snapshotter:
     step behind, and training waits for it as it would at the fence), and only allocates another
     when a pin or a caller still holds them all. ``fence()`` is the only synchronisation
     the training loop sees: before the next optimizer step mutates state, the pending copy must
-    be done. On GPU the copy is queued on a side stream into pinned buffers and the fence is a
-    stream-to-stream wait, so the host never blocks; on CPU a background thread copies.
+    have read it. On GPU the copy is queued on a side stream and the fence is a stream-to-stream
+    wait, so the host never blocks; staged, the fence waits only for the device-side copy, and
+    the copy into host memory, queued behind it on the same stream, has until the next capture's
+    staging (which the stream runs after it) to finish. On CPU a background thread copies.
     """
 
     def __init__(
@@ -148,12 +159,17 @@ class Snapshotter:
         device: torch.device,
         deliver: Optional[Callable[[Snapshot], None]] = None,
         keep: int = 2,
+        staging: str = "auto",
         streams: Optional[CopyStreams] = None,
         executor: Optional[Executor] = None,
         hash_threads: Optional[int] = None,
     ) -> None:
         """``streams`` defaults to a side CUDA stream on a CUDA device (none on CPU), and
-        ``executor`` to one background thread; tests pass stand-ins for either.
+        ``executor`` to one background thread, below training's priority where there are
+        streams; tests pass stand-ins for either. ``staging``: ``checkpoint.snapshot_staging``'s
+        ``auto`` copies the state into a device buffer first where the device has room for it
+        beside a step's peak, ``none`` never; ``STAGE_ALWAYS`` (tests, benches) stages whatever
+        the room. Without streams there is nothing to stage.
         ``hash_threads``: threads the checksum uses (default: every CPU this process may use)."""
         self.zero = zero
         self.rank = rank
@@ -161,19 +177,27 @@ class Snapshotter:
         self.device = device
         self.deliver = deliver
         self.keep = keep
+        self.staging = staging
         self.hash_threads = hash_threads
-        # One worker: jobs finish in capture order, so ``recent`` and deliveries stay ordered.
-        self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         if streams is None and device.type == "cuda":
             streams = CudaCopyStreams(device)
         self._streams = streams
-        self._copy_done: Optional[CopyEvent] = None  # the newest capture's copy, for ``fence``
+        # One worker: jobs finish in capture order, so ``recent`` and deliveries stay ordered.
+        self._pool = executor or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"snapshot-r{rank}", initializer=_below_training if streams else None
+        )
+        self._fence_on: Optional[tuple[int, CopyEvent]] = None  # (step, the copy the next fence holds on)
         self._copied = threading.Event()
         self._copied.set()
+        self._copying_step: Optional[int] = None  # the step the CPU copy thread is copying
+        self.fence_waits: collections.OrderedDict[int, Union[Hold, float]] = collections.OrderedDict()
         self._pending: Optional[Future[Snapshot]] = None
         self._running: collections.deque[Future[Snapshot]] = collections.deque()  # jobs not done, oldest first
         self._layout: Optional[BlobLayout] = None
         self._layout_sizes: Optional[tuple[int, list[tuple[Any, ...]]]] = None  # what the layout was made for
+        self._staging: Optional[DeviceStaging] = None  # for ``self._layout``, once it is decided
+        self._staging_decided: Optional[BlobLayout] = None
+        self._last_copied: Optional[CopyEvent] = None  # the newest copy queued on the side stream
         self.buffers: list[HostBuffer] = []
         self.num_allocations = 0  # host buffers allocated so far: none per step once warm
         self._lock = threading.Lock()
@@ -183,39 +207,82 @@ class Snapshotter:
 
     def capture(self, step: int, scalars: dict[str, Any]) -> None:
         """Start snapshotting the state as it is now (call right after an optimizer step)."""
+        t0 = time.perf_counter()
         self.fence()
         fragments = list(self.zero.fragments())
         layout, header = self._layout_for(fragments, step, scalars)
+        allocations = self.num_allocations
+        t_acquire = time.perf_counter()
         buffer = self._free_buffer(layout)
+        staging, staging_allocated = self._staging_for(layout)
+        acquire_s = time.perf_counter() - t_acquire
+        allocated = staging_allocated or self.num_allocations > allocations
         blob = buffer.lease()
         layout.write_header(buffer.bytes, header)
         sources = [tensor.detach() for frag in fragments for tensor in frag.tensors.values()]
-        t0 = time.perf_counter()
-        copy_done: Optional[CopyEvent] = None
-        if self._streams is not None:
-            with self._streams.copying():
-                for host, source in zip(buffer.arrays, sources, strict=True):
-                    host.copy_(source, non_blocking=True)
-            copy_done = self._copy_done = self._streams.record()
-        else:
+        t_copy = time.perf_counter()
+        staged: Optional[CopyEvent] = None
+        copied: Optional[CopyEvent] = None
+        if self._streams is None:
             self._copied.clear()
-        # The job gets its own event: ``self._copy_done`` may already be the next capture's by
+            self._copying_step = step
+        elif staging is None:
+            copied = self._streams.enqueue(lambda: _copy_each(buffer.arrays, sources, non_blocking=True))
+            self._fence_on = (step, copied)
+        else:
+            staged = self._streams.enqueue(lambda: torch._foreach_copy_(staging.arrays, sources))
+            copied = self._streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
+            self._fence_on = (step, staged)
+        self._last_copied = copied
+        timing = _CaptureTiming(
+            issue_s=time.perf_counter() - t0 - acquire_s,
+            alloc_s=acquire_s if allocated else 0.0,
+            buffer_wait_s=0.0 if allocated else acquire_s,
+            staged=staging is not None,
+        )
+        on_host = (buffer.arrays, sources) if self._streams is None else None
+        # The job gets its own events: ``self._fence_on`` may already be the next capture's by
         # the time the job runs, and its buffer would then be read before this copy lands.
-        self._pending = self._pool.submit(self._run, step, scalars, sources, buffer.arrays, blob, t0, copy_done)
+        self._pending = self._pool.submit(self._run, step, scalars, blob, t_copy, on_host, staged, copied, timing)
         self._running.append(self._pending)
 
     def fence(self) -> None:
-        """Hold the next state change until the pending copy has left the live tensors."""
-        if self._streams is not None and self._copy_done is not None:
+        """Hold the next state change until the pending copy has read the live tensors."""
+        if self._fence_on is not None:
             # The side stream runs its copies in order: the newest one done means all are.
-            self._streams.hold_compute(self._copy_done)
-        self._copied.wait()
+            step, event = self._fence_on
+            assert self._streams is not None
+            self._keep_fence_wait(step, self._streams.hold_compute(event))
+            self._fence_on = None  # held once: a second fence before the next capture waits for nothing
+        if self._copying_step is not None:
+            t0 = time.perf_counter()
+            self._copied.wait()
+            self._keep_fence_wait(self._copying_step, time.perf_counter() - t0)
+            self._copying_step = None
+
+    def fence_wait_s(self, step: int) -> Optional[float]:
+        """How long the fence after snapshot ``step`` held training (0: the copy had read the
+        state already); None when no fence held on it, or, on GPU, until training's stream has
+        passed the hold."""
+        wait = self.fence_waits.get(step)
+        return wait if wait is None or isinstance(wait, float) else wait.seconds()
+
+    def _keep_fence_wait(self, step: int, wait: Union[Hold, float]) -> None:
+        self.fence_waits[step] = wait
+        while len(self.fence_waits) > FENCE_WAITS_KEPT:
+            self.fence_waits.popitem(last=False)
 
     def wait(self) -> Optional[Snapshot]:
         """The pending snapshot, finished (tests and persistence use this)."""
         if self._pending is None:
             return None
         return self._pending.result()
+
+    def settle(self) -> None:
+        """Wait until no copy reads the live state, whether the pending one succeeded or not (a
+        copy that failed part-way leaves no snapshot: its error is the pending one's)."""
+        if self._pending is not None:
+            self._pending.exception()
 
     def get(self, step: int) -> Optional[Snapshot]:
         with self._lock:
@@ -243,7 +310,7 @@ class Snapshotter:
 
     def forget_after(self, step: int) -> None:
         """Drop snapshots newer than ``step``: after a rollback they describe an abandoned future."""
-        self.wait()
+        self.settle()
         with self._lock:
             for newer in [s for s in self.recent if s > step]:
                 del self.recent[newer]
@@ -252,6 +319,7 @@ class Snapshotter:
         self._pool.shutdown(wait=True)
         self._running.clear()
         self.buffers = []  # each goes once no snapshot still holds it
+        self._staging = self._staging_decided = None
 
     def _layout_for(self, fragments: list[Fragment], step: int, scalars: dict[str, Any]) -> tuple[BlobLayout, bytes]:
         """The layout of this state's blob (the last one while the fragments keep their sizes
@@ -288,27 +356,57 @@ class Snapshotter:
             self.num_allocations += 1
         return self.buffers[-1]
 
+    def _staging_for(self, layout: BlobLayout) -> tuple[Optional[DeviceStaging], bool]:
+        """The device buffer this layout's state is staged in (None: copied from the live
+        tensors), decided once per layout; and whether it was allocated now."""
+        if self._staging_decided is layout:
+            return self._staging, False
+        if self._staging is not None and self._last_copied is not None:
+            self._last_copied.synchronize()  # the former buffer goes: nothing may still read it
+        self._staging, self._staging_decided = None, layout
+        num_bytes = layout.num_bytes - layout.payload_start
+        if self._streams is None or not (
+            self.staging == STAGE_ALWAYS or (self.staging == "auto" and device_has_room(self.device, num_bytes))
+        ):
+            return None, False
+        self._staging = DeviceStaging(layout, self.device)
+        return self._staging, True
+
     def _run(
         self,
         step: int,
         scalars: dict[str, Any],
-        sources: list[torch.Tensor],
-        hosts: list[torch.Tensor],
         blob: memoryview,
         t0: float,
-        copy_done: Optional[CopyEvent],
+        on_host: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]],
+        staged: Optional[CopyEvent],
+        copied: Optional[CopyEvent],
+        timing: _CaptureTiming,
     ) -> Snapshot:
         try:
-            if copy_done is not None:
-                copy_done.synchronize()
+            if copied is not None:
+                copied.synchronize()
             else:
-                for host, source in zip(hosts, sources, strict=True):
-                    host.copy_(source)  # releases the GIL: overlaps the step
+                assert on_host is not None
+                _copy_each(*on_host)  # releases the GIL: overlaps the step
         finally:
             copy_s = time.perf_counter() - t0
             self._copied.set()
+        device_copy_s = copied.seconds() if copied is not None else None
+        t_hash = time.perf_counter()
         digest = checksum(blob, threads=self.hash_threads)
-        snap = Snapshot(step, self.rank, self.world_size, blob, digest, copy_s, time.perf_counter() - t0, scalars)
+        profile = CopyProfile(
+            issue_s=timing.issue_s,
+            alloc_s=timing.alloc_s,
+            buffer_wait_s=timing.buffer_wait_s,
+            staged=timing.staged,
+            stage_s=staged.seconds() if staged is not None else None,
+            copy_s=device_copy_s if device_copy_s is not None else copy_s,
+            checksum_s=time.perf_counter() - t_hash,
+            num_bytes=len(blob),
+        )
+        total_s = time.perf_counter() - t0
+        snap = Snapshot(step, self.rank, self.world_size, blob, digest, copy_s, total_s, scalars, profile)
         with self._lock:
             self.recent[step] = snap
             self._trim()
@@ -318,6 +416,29 @@ class Snapshotter:
             except Exception as exc:  # a holder being away must not stop training
                 self.errors.append(_without_frames(exc))
         return snap
+
+
+@dataclass(frozen=True)
+class _CaptureTiming:
+    """What a capture measured on the host, for its snapshot's ``CopyProfile``."""
+
+    issue_s: float
+    alloc_s: float
+    buffer_wait_s: float
+    staged: bool
+
+
+def _copy_each(hosts: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+    for host, source in zip(hosts, sources, strict=True):
+        host.copy_(source, non_blocking=non_blocking)
+
+
+def _below_training() -> None:
+    """Run the calling thread, and the threads it starts, below the training thread's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority serves
+        pass
 
 
 def _without_frames(exc: BaseException) -> BaseException:

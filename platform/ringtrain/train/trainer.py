@@ -288,6 +288,7 @@ class Trainer:
                 device=device,
                 deliver=deliver,
                 keep=job.checkpoint.keep_in_memory,
+                staging=job.checkpoint.snapshot_staging,
             )
 
     def load_pretrained(self, folder: str, key: str = "model.hf") -> None:
@@ -539,7 +540,7 @@ class Trainer:
         """This rank's snapshot of ``step``, waiting for it if it is still being taken."""
         if self.snapshotter is None:
             raise RuntimeError("snapshots are off (checkpoint.snapshot_every=0)")
-        self.snapshotter.wait()
+        self.snapshotter.settle()  # a copy that failed leaves no snapshot of its step, and the others as they were
         snap = self.snapshotter.get(step)
         if snap is None:
             raise KeyError(f"no snapshot of step {step} on rank {self.mesh.rank} (have {self.snapshotter.steps()})")
@@ -549,7 +550,7 @@ class Trainer:
         """Load every rank's shard of one snapshot (taken at any dp); returns the step resumed."""
         index = FragmentIndex([decode(b) for b in blobs])
         if self.snapshotter is not None:
-            self.snapshotter.wait()  # a copy in flight still reads the state about to be replaced
+            self.snapshotter.settle()  # a copy in flight still reads the state about to be replaced
         self.zero.load(index)
         self.step, self.data_cursor = restore_scalars(self.engine, self.zero, index.scalars)
         if self.snapshotter is not None:

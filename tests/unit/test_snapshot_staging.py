@@ -1,0 +1,297 @@
+"""A snapshot is of one step, whole: the optimizer step racing the copy, the copy staged in a device
+buffer first, and a copy that fails part-way.
+
+The GPU path runs here on a stand-in for the side stream that is as asynchronous as a CUDA stream:
+one thread runs the queued copies in order, and holding training's stream blocks the training
+thread until the copy it waits for is done. A gate in the copy into host memory stops it half-way,
+at the moment the training thread's next optimizer step would land in the middle of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain.checkpoint.wire import STATE_KEYS, decode, verify
+from ringtrain.train import snapshot as snapshot_module
+from ringtrain.train.copy_stream import CopyEvent, Hold
+from ringtrain.train.snapshot import STAGE_ALWAYS, Snapshotter
+from ringtrain.train.zero_state import Fragment
+
+RACE_WINDOW_S = 0.05  # how long a copy stopped half-way gives a training step that should be held to land
+
+
+class ThreadEvent:
+    def __init__(self, future: Future[float]) -> None:
+        self.future = future
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+    def seconds(self) -> Optional[float]:
+        return self.future.result() if self.future.done() else None
+
+
+class ThreadHold:
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def seconds(self) -> Optional[float]:
+        return self._seconds
+
+
+class ThreadStreams:
+    """A side stream: the queued copies run in order on a thread of their own. Training's stream
+    is the calling thread, so holding it blocks the caller until the copy is done."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side-stream")
+        self.queued = 0
+
+    def enqueue(self, copies: Callable[[], None]) -> CopyEvent:
+        def run() -> float:
+            t0 = time.perf_counter()
+            copies()
+            return time.perf_counter() - t0
+
+        self.queued += 1
+        return ThreadEvent(self.pool.submit(run))
+
+    def hold_compute(self, event: CopyEvent) -> Hold:
+        t0 = time.perf_counter()
+        event.synchronize()
+        return ThreadHold(time.perf_counter() - t0)
+
+
+class SteppedZero:
+    """Three parameters' state; step s writes values drawn from seed s (special floats
+    included), so a blob tells bit for bit which step each of its arrays holds."""
+
+    SIZES = {"a.w": ((6, 5), 0, 30), "b.b": ((7,), 0, 7), "c.w": ((4, 100), 37, 363)}
+
+    def __init__(self) -> None:
+        self.tensors = {(name, key): torch.zeros(numel) for name, (_, _, numel) in self.SIZES.items() for key in STATE_KEYS}
+
+    def optimizer_step(self, step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        for t in self.tensors.values():
+            t.copy_(torch.randn(t.numel(), generator=gen))
+            t[:3] = torch.tensor([-0.0, float("inf"), float("nan")])
+
+    def fragments(self) -> Iterator[Fragment]:
+        for name, (shape, start, _) in self.SIZES.items():
+            yield Fragment(name, shape, start, {key: self.tensors[(name, key)] for key in STATE_KEYS})
+
+    def state(self) -> dict[tuple[str, str], bytes]:
+        return {key: t.numpy().astype("<f4").tobytes() for key, t in self.tensors.items()}
+
+
+def _arrays(blob: Any) -> dict[tuple[str, str], bytes]:
+    shard = decode(blob)
+    return {(e["name"], e["key"]): shard.array(e).tobytes() for e in shard.entries}
+
+
+def _steps_held(blob: Any, states: dict[int, dict[tuple[str, str], bytes]]) -> set[int]:
+    """The steps whose values the blob's arrays hold (one for a whole snapshot)."""
+    return {step for key, data in _arrays(blob).items() for step, state in states.items() if state[key] == data}
+
+
+class HalfwayGate:
+    """Stops the copy into host memory half-way (after its first array, or, staged, before the one
+    copy), until the training thread has had its chance to take the next optimizer step."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.halfway = threading.Event()
+        self.training_at_fence = threading.Event()
+        self.stepped = threading.Event()
+
+    def wait_for_training(self) -> None:
+        self.halfway.set()
+        assert self.training_at_fence.wait(10), "the training thread never came to its fence"
+        # A held step cannot land: the wait runs out. A step that was not held lands in it.
+        self.stepped.wait(RACE_WINDOW_S)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> HalfwayGate:
+    gate = HalfwayGate()
+    real_copy_each = snapshot_module._copy_each
+
+    def copy_each(hosts: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+        real_copy_each(hosts[:1], sources[:1], non_blocking=non_blocking)
+        if gate.armed:
+            gate.wait_for_training()
+        real_copy_each(hosts[1:], sources[1:], non_blocking=non_blocking)
+
+    monkeypatch.setattr(snapshot_module, "_copy_each", copy_each)
+    return gate
+
+
+def _snapshotter(zero: SteppedZero, staging: str) -> Snapshotter:
+    """The CPU path (``host``: a background thread copies) or the GPU path on the stand-in stream."""
+    streams = None if staging == "host" else ThreadStreams()
+    return Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging=staging if streams else "none",  # type: ignore[arg-type]
+                       streams=streams)  # fmt: skip
+
+
+@pytest.mark.parametrize("staging", ["host", "none", STAGE_ALWAYS])
+def test_the_optimizer_step_racing_the_copy_never_lands_in_the_snapshot(staging: str, gate: HalfwayGate,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    zero = SteppedZero()
+    snapshotter = _snapshotter(zero, staging)
+    if staging == STAGE_ALWAYS:  # the copy into host memory is the staging buffer's one copy: stop it before it
+        real_enqueue = snapshotter._streams.enqueue  # type: ignore[union-attr]
+
+        queued = []
+
+        def enqueue(copies: Callable[[], None]) -> CopyEvent:
+            queued.append(copies)
+            into_host = len(queued) % 2 == 0  # the second of a capture's two copies
+
+            def gated() -> None:
+                if gate.armed and into_host:
+                    gate.wait_for_training()
+                copies()
+
+            return real_enqueue(gated)
+
+        monkeypatch.setattr(snapshotter._streams, "enqueue", enqueue)
+    states = {}
+    for step in (1, 2):
+        snapshotter.fence()
+        zero.optimizer_step(step)
+        states[step] = zero.state()
+        snapshotter.capture(step, {"trainer_step": step})
+        snapshotter.wait()
+    gate.armed = True
+    snapshotter.fence()
+    zero.optimizer_step(3)
+    states[3] = zero.state()
+    snapshotter.capture(3, {"trainer_step": 3})
+
+    def next_step() -> None:  # the training thread: step 4's optimizer step, after its fence
+        assert gate.halfway.wait(10)
+        gate.training_at_fence.set()
+        snapshotter.fence()
+        zero.optimizer_step(4)
+        gate.stepped.set()
+
+    training = threading.Thread(target=next_step)
+    training.start()
+    snap = snapshotter.wait()
+    training.join(10)
+    assert snap is not None and snap.step == 3
+    assert _steps_held(snap.blob, states | {4: zero.state()}) == {3}, "the snapshot mixes two steps"
+    assert _arrays(snap.blob) == states[3] and verify(snap.blob, snap.checksum)
+    assert snap.profile is not None and snap.profile.staged == (staging == STAGE_ALWAYS)
+    # The fence after step 3's capture held training only where the copy into host memory reads
+    # the live state: staged, the device copy was done before the gate stopped the other one.
+    waited = snapshotter.fence_wait_s(3)
+    assert waited is not None
+    if staging == STAGE_ALWAYS:
+        assert gate.stepped.is_set() and waited < RACE_WINDOW_S
+    else:
+        assert waited >= RACE_WINDOW_S
+    snapshotter.close()
+
+
+@pytest.mark.parametrize("staging", ["host", STAGE_ALWAYS])
+@pytest.mark.parametrize("point", ["before", "half-way", "after"])
+def test_a_copy_that_fails_at_any_point_leaves_the_newest_whole_snapshot(point: str, staging: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank fails while it snapshots step 3: before the copy starts, half-way through it, or
+    after it; what is left to restore from is step 2's snapshot, or step 3's, whole."""
+    zero = SteppedZero()
+    delivered: list[int] = []
+    snapshotter = _snapshotter(zero, staging)
+    snapshotter.deliver = lambda snap: delivered.append(snap.step)
+    states = {}
+    for step in (1, 2):
+        snapshotter.fence()
+        zero.optimizer_step(step)
+        states[step] = zero.state()
+        snapshotter.capture(step, {"trainer_step": step})
+    snapshotter.wait()
+    snapshotter.fence()
+    zero.optimizer_step(3)
+    states[3] = zero.state()
+    real_copy_each = snapshot_module._copy_each
+
+    def fails_half_way(hosts: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+        real_copy_each(hosts[:1], sources[:1], non_blocking=non_blocking)
+        raise RuntimeError("the rank failed half-way through the copy")
+
+    if point == "half-way":
+        if staging == STAGE_ALWAYS:  # the staged copy into host memory is one copy: it fails as it starts to land
+            monkeypatch.setattr(torch.Tensor, "copy_", _fails_into_pinned_payload(snapshotter))
+        else:
+            monkeypatch.setattr(snapshot_module, "_copy_each", fails_half_way)
+    if point != "before":
+        snapshotter.capture(3, {"trainer_step": 3})
+        if point == "half-way":
+            with pytest.raises(RuntimeError, match="half-way"):
+                snapshotter.wait()
+        else:
+            snapshotter.wait()
+    monkeypatch.undo()
+    newest = snapshotter.newest()
+    survivor = 3 if point == "after" else 2
+    assert newest is not None and newest.step == survivor and snapshotter.steps()[-1] == survivor
+    assert _arrays(newest.blob) == states[survivor] and verify(newest.blob, newest.checksum)
+    assert delivered[-1] == survivor, "a torn snapshot was handed to the holders"
+    # Training goes on (restored from the survivor, or not): the next snapshots are whole again.
+    snapshotter.fence()
+    zero.optimizer_step(4)
+    states[4] = zero.state()
+    snapshotter.capture(4, {"trainer_step": 4})
+    got = snapshotter.wait()
+    assert got is not None and _arrays(got.blob) == states[4]
+    snapshotter.close()
+
+
+def _fails_into_pinned_payload(snapshotter: Snapshotter) -> Callable[..., Any]:
+    """``Tensor.copy_`` that lands the first half of a copy into a host buffer's payload, then fails."""
+    real = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if any(self is b.payload for b in snapshotter.buffers):
+            half = self.numel() // 2
+            real(self[:half], src[:half])
+            raise RuntimeError("the rank failed half-way through the copy")
+        return real(self, src, non_blocking)
+
+    return copy_
+
+
+def test_staged_the_state_leaves_in_one_copy_from_the_staging_buffer() -> None:
+    zero = SteppedZero()
+    snapshotter = _snapshotter(zero, STAGE_ALWAYS)
+    zero.optimizer_step(1)
+    snapshotter.capture(1, {"trainer_step": 1})
+    got = snapshotter.wait()
+    assert got is not None and _arrays(got.blob) == zero.state()
+    streams = snapshotter._streams
+    assert isinstance(streams, ThreadStreams) and streams.queued == 2  # into the staging buffer, then out of it
+    staging = snapshotter._staging
+    assert staging is not None
+    payload = np.frombuffer(got.blob, dtype=np.uint8)[got.num_bytes - 4 * staging.data.numel() :]
+    assert payload.tobytes() == staging.data.numpy().tobytes()
+    snapshotter.close()
+
+
+def test_auto_stages_only_where_the_device_has_room() -> None:
+    zero = SteppedZero()
+    for staging, staged in (("auto", False), (STAGE_ALWAYS, True), ("none", False)):
+        snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging=staging,  # type: ignore[arg-type]
+                                  streams=ThreadStreams())  # fmt: skip
+        snapshotter.capture(1, {})
+        got = snapshotter.wait()
+        assert got is not None and got.profile is not None and got.profile.staged is staged, staging
+        snapshotter.close()
