@@ -141,6 +141,18 @@ def _snapshotter(zero: SteppedZero, staging: str) -> Snapshotter:
                        streams=streams)  # fmt: skip
 
 
+def _two_steps_taken(zero: SteppedZero, snapshotter: Snapshotter) -> dict[int, dict[tuple[str, str], bytes]]:
+    """Steps 1 and 2 trained and snapshotted as training does; each one's state."""
+    states = {}
+    for step in (1, 2):
+        snapshotter.fence()
+        zero.optimizer_step(step)
+        states[step] = zero.state()
+        snapshotter.capture(step, {"trainer_step": step})
+        snapshotter.wait()
+    return states
+
+
 @pytest.mark.parametrize("staging", ["host", "none", STAGE_ALWAYS])
 def test_the_optimizer_step_racing_the_copy_never_lands_in_the_snapshot(staging: str, gate: HalfwayGate,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,13 +175,7 @@ def test_the_optimizer_step_racing_the_copy_never_lands_in_the_snapshot(staging:
             return real_enqueue(gated)
 
         monkeypatch.setattr(snapshotter._streams, "enqueue", enqueue)
-    states = {}
-    for step in (1, 2):
-        snapshotter.fence()
-        zero.optimizer_step(step)
-        states[step] = zero.state()
-        snapshotter.capture(step, {"trainer_step": step})
-        snapshotter.wait()
+    states = _two_steps_taken(zero, snapshotter)
     gate.armed = True
     snapshotter.fence()
     zero.optimizer_step(3)
@@ -212,13 +218,7 @@ def test_a_copy_that_fails_at_any_point_leaves_the_newest_whole_snapshot(point: 
     delivered: list[int] = []
     snapshotter = _snapshotter(zero, staging)
     snapshotter.deliver = lambda snap: delivered.append(snap.step)
-    states = {}
-    for step in (1, 2):
-        snapshotter.fence()
-        zero.optimizer_step(step)
-        states[step] = zero.state()
-        snapshotter.capture(step, {"trainer_step": step})
-    snapshotter.wait()
+    states = _two_steps_taken(zero, snapshotter)
     snapshotter.fence()
     zero.optimizer_step(3)
     states[3] = zero.state()
