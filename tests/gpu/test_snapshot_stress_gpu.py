@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from ringtrain.checkpoint.wire import STATE_KEYS, decode
-from ringtrain.train.snapshot import STAGE_ALWAYS, Snapshot, Snapshotter
+from ringtrain.train.copy_stream import device_has_room
+from ringtrain.train.snapshot import FENCE_WAITS_KEPT, STAGE_ALWAYS, Snapshot, Snapshotter
 from ringtrain.train.zero_state import Fragment
 
 from .support import MARKS
@@ -110,6 +111,20 @@ def test_every_capture_holds_its_own_step_under_slow_delivery(staging: str) -> N
     # The pinned buffers were allocated once, the kept snapshots' and the one in flight, and
     # then reused: the slow delivery held the captures back instead of costing new ones.
     assert snapshotter.num_allocations == 3 + 1
-    # Each snapshot left the device as it was asked to: from the staging buffer, or not.
+    # Each snapshot left the device as it was asked to, from the staging buffer or not, and its
+    # profile reads the device's clock: the copies' times, and every fence's wait once passed.
     newest = snapshotter.newest()
-    assert newest is not None and newest.profile is not None and newest.profile.staged == (staging == STAGE_ALWAYS)
+    assert newest is not None and newest.profile is not None
+    profile = newest.profile
+    assert profile.staged == (staging == STAGE_ALWAYS) and (profile.stage_s is not None) == profile.staged
+    assert profile.copy_s > 0 and profile.host_write_gbps > 0
+    torch.cuda.synchronize(device)
+    waits = [snapshotter.fence_wait_s(step) for step in range(STEPS - FENCE_WAITS_KEPT, STEPS)]  # the kept ones
+    assert all(w is not None and w >= 0 for w in waits), waits
+
+
+def test_the_device_has_room_for_a_small_buffer_and_not_for_its_whole_memory() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    assert device_has_room(device, 1 << 20)
+    assert not device_has_room(device, total)
