@@ -144,6 +144,24 @@ def test_cpu_path_needs_no_streams() -> None:
     snap.close()
 
 
+def test_a_state_offloaded_to_the_host_is_copied_by_the_thread_not_on_the_stream() -> None:
+    """An offloaded optimizer keeps the state in host memory, off the device the streams serve:
+    the copy thread copies it, and the fence waits for that thread."""
+    zero, streams = FakeZero(), FakeStreams()
+    snap = Snapshotter(zero, rank=0, world_size=1, device=torch.device("meta"), streams=streams)  # type: ignore[arg-type]
+    zero.tensors["param"].fill_(3.0)
+    snap.capture(7, {})
+    snap.fence()
+    zero.tensors["param"].fill_(4.0)
+    got = snap.wait()
+    assert got is not None and streams.log == []
+    shard = decode(got.blob)
+    param = next(e for e in shard.entries if e["key"] == "param")
+    np.testing.assert_array_equal(shard.array(param), np.full(4, 3.0, dtype=np.float32))
+    assert snap.fence_wait_s(7) is not None
+    snap.close()
+
+
 # --- the blob is the copy's buffer, and the buffers are reused ----------------------------------
 
 

@@ -211,36 +211,40 @@ class Snapshotter:
         self.fence()
         fragments = list(self.zero.fragments())
         layout, header = self._layout_for(fragments, step, scalars)
+        sources = [tensor.detach() for frag in fragments for tensor in frag.tensors.values()]
+        # An optimizer offloaded to the host keeps the state there: a thread copies it, as on a
+        # CPU, rather than the capture itself (a copy between host tensors is no stream's).
+        streams = self._streams if all(t.device == self.device for t in sources) else None
         allocations = self.num_allocations
         t_acquire = time.perf_counter()
         buffer = self._free_buffer(layout)
-        staging, staging_allocated = self._staging_for(layout)
+        staging, staging_allocated = self._staging_for(layout) if streams is not None else (None, False)
         acquire_s = time.perf_counter() - t_acquire
         allocated = staging_allocated or self.num_allocations > allocations
         blob = buffer.lease()
         layout.write_header(buffer.bytes, header)
-        sources = [tensor.detach() for frag in fragments for tensor in frag.tensors.values()]
         t_copy = time.perf_counter()
         staged: Optional[CopyEvent] = None
         copied: Optional[CopyEvent] = None
-        if self._streams is None:
+        if streams is None:
             self._copied.clear()
             self._copying_step = step
         elif staging is None:
-            copied = self._streams.enqueue(lambda: _copy_each(buffer.arrays, sources, non_blocking=True))
+            copied = streams.enqueue(lambda: _copy_each(buffer.arrays, sources, non_blocking=True))
             self._fence_on = (step, copied)
         else:
-            staged = self._streams.enqueue(lambda: torch._foreach_copy_(staging.arrays, sources))
-            copied = self._streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
+            staged = streams.enqueue(lambda: torch._foreach_copy_(staging.arrays, sources))
+            copied = streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
             self._fence_on = (step, staged)
-        self._last_copied = copied
+        if copied is not None:
+            self._last_copied = copied
         timing = _CaptureTiming(
             issue_s=time.perf_counter() - t0 - acquire_s,
             alloc_s=acquire_s if allocated else 0.0,
             buffer_wait_s=0.0 if allocated else acquire_s,
             staged=staging is not None,
         )
-        on_host = (buffer.arrays, sources) if self._streams is None else None
+        on_host = (buffer.arrays, sources) if streams is None else None
         # The job gets its own events: ``self._fence_on`` may already be the next capture's by
         # the time the job runs, and its buffer would then be read before this copy lands.
         self._pending = self._pool.submit(self._run, step, scalars, blob, t_copy, on_host, staged, copied, timing)
