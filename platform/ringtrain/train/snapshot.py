@@ -214,7 +214,7 @@ class Snapshotter:
         sources = [tensor.detach() for frag in fragments for tensor in frag.tensors.values()]
         # An optimizer offloaded to the host keeps the state there: a thread copies it, as on a
         # CPU, rather than the capture itself (a copy between host tensors is no stream's).
-        streams = self._streams if all(t.device == self.device for t in sources) else None
+        streams = self._streams if all(t.device.type == self.device.type for t in sources) else None
         allocations = self.num_allocations
         t_acquire = time.perf_counter()
         buffer = self._free_buffer(layout)
