@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = 8
 STOP_AT = 5
+LOST_RUN_STEPS = 16  # of the run whose tracking server goes after its second step
 TRAINING = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm"}
 
 
@@ -91,7 +92,10 @@ def test_a_crashed_shrunk_stopped_and_resumed_run_is_one_tracker_run(mlflow_serv
 def test_a_tracker_server_lost_mid_run_costs_the_run_nothing(tmp_path: Path, ray_tmp: Path) -> None:
     server = start_mlflow(tmp_path / "mlflow")
     run_dir = tmp_path / "run"
-    args = [str(QUICKSTART), *TINY, f"run_dir={run_dir}", "train.steps=8", "mesh.dp=1", "mesh.cp=2", f"telemetry.mlflow.tracking_uri={server.uri}"]
+    # Steps enough after the server goes that the run cannot have ended first, however late this
+    # thread, on a loaded machine, sees the second one.
+    args = [str(QUICKSTART), *TINY, f"run_dir={run_dir}", f"train.steps={LOST_RUN_STEPS}", "mesh.dp=1", "mesh.cp=2",
+            f"telemetry.mlflow.tracking_uri={server.uri}"]
     result: dict[str, subprocess.CompletedProcess[str]] = {}
     thread = threading.Thread(target=lambda: result.update(run=run_cli(args, home=tmp_path, ray_tmp=ray_tmp)))
     thread.start()
@@ -104,7 +108,7 @@ def test_a_tracker_server_lost_mid_run_costs_the_run_nothing(tmp_path: Path, ray
     thread.join(300)
     run = result["run"]
     assert run.returncode == 0, run.stderr[-3000:]
-    assert sorted(read_history(run_dir)) == list(range(1, 9))
+    assert sorted(read_history(run_dir)) == list(range(1, LOST_RUN_STEPS + 1))
     incidents = [json.loads(p.read_text()) for p in sorted((run_dir / "incidents").glob("*.json"))]
     assert [(i["kind"], i["action"]) for i in incidents] == [("tracker", "continue")]
     assert "warning: mlflow at " in run.stdout + run.stderr
