@@ -924,8 +924,8 @@ def targets_for(name: str, device_name: str, summary: Mapping[str, Any], systems
                           PREDICTION_TOLERANCE, "%", at_most=True, missing=summary["predicted_max_undecided"]))
         measured, within = summary["peak_measured_at"], summary["peak_within_tolerance_at"]
         # Fewer lengths measured than the target counts say nothing of the peaks predicted there.
-        few = (f"peaks measured at {len(measured)} lengths ({len(within)} within), fewer than "
-               f"{PEAK_LENGTHS_MIN}") if len(measured) < PEAK_LENGTHS_MIN else ""
+        few = (f"peaks measured at {len(measured)} length{'' if len(measured) == 1 else 's'} "
+               f"({len(within)} within), fewer than {PEAK_LENGTHS_MIN}") if len(measured) < PEAK_LENGTHS_MIN else ""
         out.append(Target(name, f"lengths with the predicted peak within {PREDICTION_TOLERANCE:.0%} "
                                 f"(of {len(measured)} measured)",
                           None if few else float(len(within)), PEAK_LENGTHS_MIN, "count", missing=few))

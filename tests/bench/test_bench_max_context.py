@@ -147,6 +147,22 @@ def test_nothing_fits_where_the_planner_says_so_is_no_error() -> None:
     assert bench.prediction_error(2048, 0, GRANULE, GRANULE, TOLERANCE)[0] == float("inf")
 
 
+def test_peaks_at_fewer_lengths_than_the_target_counts_are_not_a_miss() -> None:
+    """Two tries measure two peaks at most: the target of three says nothing of them (not
+    measured, and still not met under --check); three measured, two within, is a miss."""
+    rt = {"max_seq_len": 4096, "failed_at": 4352, "tries": [{}], "stopped": ""}
+
+    def peaks_target(measured: list[int], within: list[int]) -> Any:
+        summary = {"predicted_max_error": 0.0, "predicted_max_undecided": "", "peak_measured_at": measured,
+                   "peak_within_tolerance_at": within}
+        return bench.targets_for("llama3.2-1b", "NVIDIA H200", summary, {"ringtrain": rt})[-1]
+
+    few = peaks_target([3840, 4096], [3840, 4096])
+    assert few.value is None and not few.met and "fewer than 3" in few.line(smoke=False)
+    enough = peaks_target([3584, 3840, 4096], [3840, 4096])
+    assert enough.value == 2 and enough.line(smoke=False).endswith("MISS")
+
+
 @pytest.mark.parametrize("predicted", [10_000, 30_848, 64_896])
 def test_two_tries_at_the_edges_decide_the_prediction(predicted: int) -> None:
     """With the second try at the tolerance's edge, two tries give the verdict the true maximum
