@@ -211,10 +211,12 @@ test-gpu: $(GPU_DEPS)
 NEED_GPU = @nvidia-smi >/dev/null 2>&1 || { echo "$@: nvidia-smi sees no GPU here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
 
 # The GPU tier in one command and an 8-minute box (bench/gpu_check.py): the timing-sensitive
-# tests, the rest of tests/gpu, bench/attention.py and bench/train.py with its snapshot variant,
-# each within its budget, streamed to runs/gpu-check-<time>/ as they run, then one summary. The
-# benches write their JSON (device name, git commit) under bench/results/. GPU_CHECK_ARGS passes
-# flags on, e.g. GPU_CHECK_ARGS="--only tests --budget tests=300" or "--only nccl_abort".
+# tests, the rest of tests/gpu, bench/attention.py and bench/attention_launches.py at short
+# blocks, bench/train.py's Trainer with its snapshot variant, and bench/max_context.py under a
+# memory cap, each within its budget, streamed to runs/gpu-check-<time>/ as they run, then one
+# summary. The benches write their JSON (device name, git commit) under bench/results/.
+# GPU_CHECK_ARGS passes flags on, e.g. GPU_CHECK_ARGS="--only tests --budget tests=300" or
+# "--only train_baselines,nccl_abort" (the parts outside the box).
 gpu-check: $(GPU_DEPS)
 	$(NEED_GPU)
 	@$(GPU_PREPARE) \

@@ -15,13 +15,18 @@ Packed documents: local attention over one sequence of N documents, each rectang
 document run unmasked on the fastest kernel (train/attention/blocks.py), against the same
 sequence unpacked: forward + backward time and peak memory.
 
-Targets (issue: ring attention at every block size; ``ringtrain_dev.ring_targets``): the better
-exchange's worst-rank ratio >= 0.95 forward and backward at >= 8K tokens a rank, >= 0.85 at 4K,
->= 0.7 at 2K; packed documents' throughput >= 0.9x the unpacked sequence's with peak memory
-<= 1.1x. bf16, head dim 128, 32 query / 8 KV heads. ``--check`` exits 1 on a miss.
+Targets (``ringtrain_dev.ring_targets``): the better exchange's worst-rank ratio >= 0.95 forward
+and backward at >= 8K tokens a rank, >= 0.85 at 4K, >= 0.7 at 2K; packed documents' throughput
+>= 0.9x the unpacked sequence's with peak memory <= 1.1x; at every size, the exchange
+``attention.kv_exchange=auto`` picks there (``choose_exchange``) no more than 5% slower, forward
+and backward together, than the faster one measured (each size prints auto's pick and the best).
+bf16, head dim 128, 32 query / 8 KV heads. ``--check`` exits 1 on a miss.
 
-    PYTHONPATH=platform python bench/attention.py [--kernel auto] [--check]
+    PYTHONPATH=platform python bench/attention.py [--seq 16384 32768 ...] [--ring 2 4 8] [--kernel auto] [--check]
     PYTHONPATH=platform python bench/attention.py --device cpu --tiny   # the code path, no timing claims
+
+The GPU tier (bench/gpu_check.py) runs it at short blocks only, ``--seq 4096 8192 16384 32768
+65536``: 2K, 4K and 8K tokens a rank on rings of 2, 4 and 8 each, and auto's threshold at 16K.
 
 Writes bench/results/attention-<device>.json (commit, device, every timing). The zigzag
 balance (max/min causal work over ranks) is computed by counting and printed first.
@@ -45,7 +50,7 @@ from ringtrain.train.attention.zigzag import causal_work, zigzag_shard
 from ringtrain_dev.bench_cli import slug
 from ringtrain_dev.loopback import LoopbackTransport
 from ringtrain_dev.record import RESULTS_DIR, Run
-from ringtrain_dev.ring_targets import EXCHANGES, ratio_target
+from ringtrain_dev.ring_targets import EXCHANGES, auto_checks, ratio_target
 from ringtrain_dev.timing import fwd_bwd_ms
 
 PACKED_SPEED_MIN, PACKED_MEMORY_MAX = 0.9, 1.1
@@ -201,13 +206,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device(args.device)
     rows = bench_ring(args, device)
     packed = bench_packed(args, device)
-    found = [] if device.type == "cpu" else verdicts(rows, packed)
+    smoke = device.type == "cpu"
+    found = [] if smoke else verdicts(rows, packed)
     for what, met in found:
         print(f"{'PASS' if met else 'MISS'}: {what}")
+    # auto's pick against the faster exchange, forward and backward together.
+    checks = auto_checks(rows, lambda row: row["rank_fwd_ms"] + row["rank_bwd_ms"])
+    for check in checks:
+        print(check.line(smoke))
+    if not smoke:
+        found += [(check.what(), check.met) for check in checks]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     name_slug = slug(name) + ("-tiny" if args.tiny else "")
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items() if k != "out"}
     result = {"config": config, "balance": balance, "timings": rows, "packed": packed,
+              "auto": [check.record() for check in checks],
               "targets": [{"what": what, "met": met} for what, met in found]}
     run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention-{name_slug}.json")
     return 1 if args.check and not all(met for _, met in found) else 0

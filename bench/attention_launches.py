@@ -18,6 +18,10 @@ at 2K tokens a rank, 0.85 at 4K, 0.95 at 8K), so a MISS says that launches are n
 between the ring and its target at that size, the kernels on short blocks are (fewer, larger
 kernels could still get there). wall / busy says how host-bound the rank still is.
 
+At each size the exchange ``attention.kv_exchange=auto`` picks there (``choose_exchange``) is held
+to the faster one's wall time: a pick more than 5% slower is a MISS (``ringtrain_dev.ring_targets``),
+and each size prints auto's pick and the best.
+
     PYTHONPATH=platform python bench/attention_launches.py [--sizes 16384x8 16384x4 32768x4] [--check]
     PYTHONPATH=platform python bench/attention_launches.py --device cpu --tiny   # the code path, no claims
 
@@ -44,7 +48,7 @@ from ringtrain.train.attention.zigzag import zigzag_shard
 from ringtrain_dev.bench_cli import slug
 from ringtrain_dev.loopback import LoopbackTransport
 from ringtrain_dev.record import RESULTS_DIR, Run
-from ringtrain_dev.ring_targets import EXCHANGES, ratio_target
+from ringtrain_dev.ring_targets import EXCHANGES, auto_checks, ratio_target
 from ringtrain_dev.timing import timed_ms
 
 DEFAULT_SIZES = ("16384x8", "16384x4", "32768x4")  # 2K, 4K and 8K tokens a rank
@@ -187,10 +191,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     found = verdicts(rows)
     for what, met in found:
         print(f"{'PASS' if met else 'MISS'}: {what}")
+    # auto's pick against the faster exchange as the product runs it (not graphed).
+    checks = auto_checks(rows, lambda row: row["rank_fwd_bwd_ms"])
+    smoke = device.type == "cpu"
+    for check in checks:
+        print(check.line(smoke))
+    if not smoke:
+        found += [(check.what(), check.met) for check in checks]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     name_slug = slug(name) + ("-tiny" if args.tiny else "")
     config = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items() if k != "out"}
-    result = {"config": config, "rows": rows, "targets": [{"what": what, "met": met} for what, met in found]}
+    result = {"config": config, "rows": rows, "auto": [check.record() for check in checks],
+              "targets": [{"what": what, "met": met} for what, met in found]}
     run.write(result, device_type=device.type, out=args.out or RESULTS_DIR / f"attention_launches-{name_slug}.json")
     return 1 if args.check and not all(met for _, met in found) else 0
 

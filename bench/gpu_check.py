@@ -7,16 +7,27 @@ Parts, in order (``--only`` picks some, ``--budget part=seconds`` resizes one):
 - timing: the timing-sensitive tests (a survivor's NCCL abort, the collective stall timing),
   alone on the GPU, one after another;
 - tests: the rest of tests/gpu, on several pytest-xdist workers where xdist is installed (one
-  GPU, small tests), each test held to its own timeout where pytest-timeout is installed;
-- attention: bench/attention.py;
-- train: bench/train.py --check, with its per-step snapshot variant;
+  GPU, small tests; its slow tests lead the workers' shares, tests/gpu/slow_first.py), each test
+  held to its own timeout where pytest-timeout is installed;
+- attention: bench/attention.py at short blocks, 2K, 4K and 8K tokens a rank on rings of 2, 4
+  and 8 (and auto's threshold at 16K): the worst rank against one monolithic call, both K/V
+  exchanges, packed documents, and ``attention.kv_exchange=auto``'s pick against the best;
+- launches: bench/attention_launches.py at 2K, 4K and 8K tokens a rank: the worst rank's wall,
+  GPU-busy and CUDA-graph-replayed time, and auto's pick against the best as run;
+- train: bench/train.py --check, the Trainer on both shapes (MFU) and its per-step snapshot
+  variant (the snapshot's cost);
+- max_context: bench/max_context.py, the longest sequence one GPU trains for a 1B and an
+  8B-shaped Llama, ringtrain against transformers', the planner's prediction beside each, under
+  a memory cap that keeps the lengths short;
+- train_baselines: bench/train.py --check against plain PyTorch and transformers on both shapes;
+  only when ``--only`` names it (outside the box: see its budget's comment);
 - nccl_abort: bench/nccl_abort.py, where the checkout has it; only when ``--only`` names it (its
-  ~50 s do not fit the box beside the train bench's 5 minutes, and the timing part already holds
-  a survivor's abort to its bound).
+  ~50 s do not fit the box, and the timing part already holds a survivor's abort to its bound).
 
 The default parts' budgets add up, with each part's grace for stopping, to 8 minutes, sized
-from each part's time on one H200. A part past its budget gets SIGINT (pytest then prints what it
-has, a bench its stack), SIGKILL after a grace, and is reported as timed out; the next part runs. Everything a part
+from each part's time on one H200 (the arithmetic beside them in ``default_parts``). A part past
+its budget gets SIGINT (pytest then prints what it has, a bench its stack and what it measured),
+SIGKILL after a grace, and is reported as timed out; the next part runs. Everything a part
 starts shares a process group, ended with it.
 
 Under ``--log-dir`` (default runs/gpu-check-<UTC time>/): ``<part>.log``, each part's output,
@@ -65,6 +76,7 @@ GRACE_S = 5.0  # from SIGINT to SIGKILL
 TAIL_LINES = 8  # of a timed-out or failed part's output, in the summary
 TEST_TIMEOUT_S = 90  # one test: a hung one fails alone, with its stack, instead of eating its part's budget
 XDIST_WORKERS = 4
+SLOW_FIRST = "tests.gpu.slow_first"  # the plugin that starts each xdist worker on a slow test
 # Timing-sensitive tests: alone on the GPU, before anything else loads it.
 TIMING_TESTS = ("tests/gpu/test_nccl_abort_gpu.py", "tests/gpu/test_collective_timing_gpu.py")
 TIME_BOX_S = 480.0  # what the default budgets, with a grace each, must fit in
@@ -105,23 +117,56 @@ def _pytest(paths: Sequence[str], *, parallel: bool) -> tuple[str, ...]:
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv.append(f"--timeout={TEST_TIMEOUT_S}")
     if parallel and importlib.util.find_spec("xdist") is not None:
-        argv += ["-n", str(XDIST_WORKERS)]
+        argv += ["-n", str(XDIST_WORKERS), "--dist", "worksteal", "-p", SLOW_FIRST]
     return tuple(argv)
 
 
 def default_parts() -> list[Part]:
     bench = ROOT / "bench"
+    py = sys.executable
     return [
-        # Budgets: each part's time on one H200 at 9e77f89 with some room (timing 50 s, tests 119 s
-        # on four workers, attention 37 s, train 212 s; bench/results/gpu-check-h200/).
+        # Budgets against each part's time on one H200 at 9e77f89 (bench/results/gpu-check-h200/,
+        # bench/results/*-nvidia-h200.json); with a grace each they add up to TIME_BOX_S:
+        #   55 + 95 + 30 + 30 + 130 + 110 = 450 s, + 6 x 5 s of grace = 480 s.
+        # timing: 49.5 s (rerun.log: the survivor's abort 40.5 s, the stall 5.5 s).
         Part("timing", _pytest(TIMING_TESTS, parallel=False), 55, pytest=True),
-        Part("tests", _pytest(["tests/gpu", *(f"--ignore={t}" for t in TIMING_TESTS)], parallel=True), 125,
+        # tests: 119 s on four workers (rerun.log), of which the four snapshot round trips took
+        # 47-49 s each, two of them one after the other on one worker. Led by them
+        # (tests/gpu/slow_first.py) a worker needs one of them plus a quarter of the other
+        # tests' 63 s (gpu-check-h100/tests.jsonl): about 70 s with the workers' start.
+        Part("tests", _pytest(["tests/gpu", *(f"--ignore={t}" for t in TIMING_TESTS)], parallel=True), 95,
              pytest=True),
-        Part("attention", (sys.executable, str(bench / "attention.py")), 45),
-        # --snapshot-every 1: the per-step snapshot's step time against the same Trainer without it.
+        # attention: 37 s for 16K-128K tokens on rings of 2-8, of which 128K took about half
+        # (0.9 s a monolithic forward+backward, x 7 calls, and the rings' ranks after it); short
+        # blocks only: 4K-64K, where each size takes milliseconds, about 22 s with the start.
+        Part("attention", (py, str(bench / "attention.py"), "--seq", "4096", "8192", "16384", "32768", "65536"),
+             30),
+        # launches: 19 s at its three default sizes (attention_launches-nvidia-h200.json).
+        Part("launches", (py, str(bench / "attention_launches.py")), 30),
+        # train: the Trainer on both shapes (MFU: 29.8 s and 30.8 s) and with a snapshot every
+        # step (54.1 s), train-nvidia-h200.json's variants, 115 s, + 4 s of the bench's start.
+        # Its plain and hf variants (92.6 s) are train_baselines', outside the box.
         # Cut by SIGINT, the bench still writes what it measured.
-        Part("train", (sys.executable, str(bench / "train.py"), "--check", "--snapshot-every", "1"), 235),
-        Part("nccl_abort", (sys.executable, str(bench / "nccl_abort.py")), 90, needs=bench / "nccl_abort.py",
+        Part("train", (py, str(bench / "train.py"), "--check", "--variants", "trainer,trainer_snapshots",
+                       "--snapshot-every", "1"), 130),
+        # max_context: a 26 GB cap with no host memory to offload to leaves a 1B model's states a
+        # few GB of activations (the planner's max 40-45K tokens for ringtrain, 3.8K for
+        # transformers, steps under 3 s), no headroom so that the planner's memory model alone is
+        # held to the measured max; two tries a search at the 10% tolerance's edges decide the
+        # prediction. A try spends about 15 s (transformers) and 23 s (the Trainer) outside its
+        # steps (train-nvidia-h200.json): 2 x 16 s + 2 x 29 s and the GPU's probe (~6 s) fit
+        # --budget-s 95, past which the bench starts no try; the rest is its own start. The 8B's
+        # states exceed the cap (and, offloaded, the H200 node's 128 GiB host): its searches end
+        # at the planner's word, without a try.
+        Part("max_context", (py, str(bench / "max_context.py"), "--shapes", "llama3.2-1b,llama3-8b",
+                             "--memory-gb", "26", "--host-memory-gb", "0", "--headroom", "0", "--granule", "512",
+                             "--max-tries", "2", "--tolerance-edges", "--budget-s", "95", "--try-timeout", "60"),
+             110),
+        # train_baselines: the Trainer, plain PyTorch and transformers on both shapes, 153 s in
+        # train-nvidia-h200.json (+ the bench's start).
+        Part("train_baselines", (py, str(bench / "train.py"), "--check", "--variants", "trainer,plain,hf"), 175,
+             default=False),
+        Part("nccl_abort", (py, str(bench / "nccl_abort.py")), 90, needs=bench / "nccl_abort.py",
              default=False),
     ]
 

@@ -29,14 +29,25 @@ checkpointing without savers, a starting point only), grow by ``--growth`` (at l
 ``--granule``) while it fits, shrink by it while it does not, then bisect to the granule; at most
 ``--max-tries`` tries. Lengths are multiples of the granule.
 
+``--tolerance-edges`` puts each search's second try at the prediction target's edge instead: past
+the start / 0.9 after a fit, at the start / 1.1 after a failure, so that two tries decide whether
+the planner's max is within 10% of the measured one (below).
+
+A try is not run, and its search ends saying why, where the host memory does not allow it (its
+layout offloads more than the host's memory, or ``--host-memory-gb``: it could take the node's
+memory from under its other processes), or where at one granule the planner's smallest layout
+needs more than the device memory by over the 10% tolerance (nothing fits; a try would only
+spend a process start to say so).
+
 Time: the whole bench stays within ``--budget-s`` of device time (default 600 s on a GPU). Each
-(shape, system) search gets an equal share of what is left when it starts; a try whose predicted
-time (the planner's step estimate x steps, plus the process start seen so far) exceeds what its
-share has left is not run, and the search ends there, saying so. Each try's timeout is
-``--try-timeout`` or what the share has left, the smaller. Attention's work grows with the square
-of the length: near a million tokens one step of a 1B model takes the planner's estimate of 13-15
-minutes on an H100, so ringtrain's search there needs a budget in hours (``--budget-s``), where
-the default one measures the hf searches and any ``--peaks-at`` tries.
+(shape, system) search gets an equal share of what is left when it starts (a search refused at its
+first try takes none); a try whose predicted time (the planner's step estimate x steps, plus the
+process start its system's last try took, in any shape) exceeds what its share has left is not
+run, and the search ends there, saying so. Each try's timeout is ``--try-timeout`` or what the
+share has left, the smaller. Attention's work grows with the square of the length: near a million
+tokens one step of a 1B model takes the planner's estimate of 13-15 minutes on an H100, so
+ringtrain's search there needs a budget in hours (``--budget-s``), where the default one measures
+the hf searches and any ``--peaks-at`` tries.
 
 Llama-3.1-8B (``--shapes llama3-8b``) is there for nodes whose host memory holds its offloaded
 optimizer state: each shape's header says which limit (device or host memory) stops the planner
@@ -49,16 +60,35 @@ Targets, each printed PASS or MISS (``--tiny`` runs are smoke runs, not held to 
     planner's predicted max vs ringtrain's measured   within 10%, per shape
     predicted vs measured peak of ringtrain's tries   within 10% at >= 3 lengths, per shape
 
+The measured max is known as far as the tries bracket it: the longest length that fitted up to
+the shortest that failed above it. The prediction's verdict holds for every max the bracket leaves
+possible (PASS where all are within 10% of the planner's, MISS where none is); a bracket wider
+than that decides nothing and is reported as not measured, with the error range it leaves. Each
+system's summary line prints the planner's number beside its measured max (for hf, the planner's
+reach of transformers' recipe).
+
 The planner is asked about the device as torch reports it (its memory, or ``--memory-gb``) and
-the host's memory less the same headroom (``ringtrain.planner.reach.device_seen``); its default
-10% headroom applies (``--headroom``). The JSON also holds its prediction with no headroom (where
-the predicted peak is the whole device), which separates the memory model's error from the
-headroom's.
+the host's memory (or ``--host-memory-gb``; 0 plans no offload) less the same headroom
+(``ringtrain.planner.reach.device_seen``); its default 10% headroom applies (``--headroom``). The
+JSON also holds its prediction with no headroom (where the predicted peak is the whole device),
+which separates the memory model's error from the headroom's. On CUDA each try holds itself to
+``--memory-gb`` with ``torch.cuda.set_per_process_memory_fraction`` before it allocates anything:
+the caching allocator then refuses to reserve past the cap and the step raises torch's
+out-of-memory error, as on a device of that size; a try whose reserved peak still ends past the
+cap is recorded as out of memory, ``over_cap``.
 
     PYTHONPATH=platform python bench/max_context.py [--shapes llama3.2-1b,qwen3-1.7b[,llama3-8b]]
         [--systems hf,ringtrain] [--steps 2] [--granule 1024] [--growth 1.25] [--max-tries 6]
-        [--budget-s 600] [--try-timeout 900] [--memory-gb G] [--headroom 0.1]
-        [--peaks-at 65536,131072] [--check] [--out PATH]
+        [--tolerance-edges] [--budget-s 600] [--try-timeout 900] [--memory-gb G]
+        [--host-memory-gb G] [--headroom 0.1] [--peaks-at 65536,131072] [--check] [--out PATH]
+
+The GPU tier (bench/gpu_check.py) runs it in under two minutes: Llama-3.2-1B and Llama-3.1-8B
+under a 26 GB cap with no host memory to offload to and no headroom, two tries a search at the
+tolerance's edges (its part's comment has the arithmetic). A 1B model's states then leave a few
+GB to activations: some 4,000 tokens for transformers and 40,000 for ringtrain, steps under 3 s,
+and the planner's memory model alone decides where each ends. An 8B model's states alone exceed
+the cap (and, offloaded, a 128 GiB host), so its searches end at their first try's refusal; its
+own search needs a node whose host memory holds its offloaded optimizer state, and hours.
 
 ``--peaks-at`` adds ringtrain tries at fixed lengths before its search (the planner's layout at
 each), for the predicted-peak target where the search's own tries are too long for the budget.
@@ -78,6 +108,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import resource
 import signal
@@ -113,8 +144,10 @@ GB = 10**9
 OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
 DEVICE_LIMIT, HOST_LIMIT = "device", "host"
 
-# Seconds a try spends outside its steps (process start, imports, build), until one is seen.
-START_GUESS_S = {"cuda": 60.0, "cpu": 5.0}
+# Seconds a try spends outside its steps (process start, imports, build), until one of its system
+# is seen. On CUDA, bench/train.py's variants of 1-2B models at 32K tokens on one H200 spent 15 s
+# (transformers) and 23 s (the Trainer) outside their steps (bench/results/train-nvidia-h200.json).
+START_GUESS_S = {"cuda": 25.0, "cpu": 5.0}
 
 
 # ---- shapes -----------------------------------------------------------------------------------
@@ -184,10 +217,24 @@ class SearchPolicy:
     growth: float = 1.25  # the factor lengths grow or shrink by before a failure / fit brackets the max
     max_tries: int = 6
     ceiling: Optional[int] = None  # no try longer than this
+    # Where set, the second try is at this tolerance's edge of the start (a prediction): past
+    # start / (1 - tolerance) after a fit, at start / (1 + tolerance) after a failure, so that two
+    # tries bracket the maximum inside or outside the tolerance (``prediction_error``).
+    edges: Optional[float] = None
 
     def floor(self, length: float) -> int:
         """``length`` down to a multiple of the granule, at least one granule."""
         return max(self.granule, int(length) // self.granule * self.granule)
+
+    def edge(self, start: float, fit: bool) -> int:
+        """The tolerance's edge of ``start`` on the side the first try left open: the shortest
+        multiple of the granule above start / (1 - edges) after a fit, the shortest at or above
+        start / (1 + edges) after a failure."""
+        assert self.edges is not None
+        g = self.granule
+        if fit:
+            return (int(start / (1 - self.edges)) // g + 1) * g
+        return max(g, -(-math.ceil(start / (1 + self.edges)) // g) * g)
 
 
 def bracket(tried: Sequence[tuple[int, bool]]) -> tuple[int, Optional[int]]:
@@ -208,6 +255,13 @@ def next_length(policy: SearchPolicy, start: int, tried: Sequence[tuple[int, boo
     if not tried:
         first = policy.floor(start)
         return min(first, ceiling) if ceiling else first
+    if policy.edges is not None and len(tried) == 1:
+        (length, fit), = tried
+        edge = policy.edge(start, fit)
+        if ceiling is not None:
+            edge = min(edge, ceiling)
+        if (edge > length) if fit else (edge < length):
+            return edge
     longest, failure = bracket(tried)
     if failure is None:
         grown = max(longest + g, policy.floor(longest * policy.growth))
@@ -249,6 +303,34 @@ class SearchResult:
     @property
     def failure(self) -> Optional[int]:
         return bracket(self.tried)[1]
+
+
+def prediction_error(predicted: int, longest: int, failure: Optional[int], granule: int,
+                     tolerance: float) -> tuple[Optional[float], str]:
+    """The planner's error on the longest sequence, |predicted / measured - 1|, as far as the tries
+    decide it. The measured max is a multiple of the granule from ``longest`` (0: nothing fitted)
+    up to the one below ``failure`` (without a failure, no end). Returns (the largest error over
+    those, "") when all are within ``tolerance``, (the smallest, "") when none is, else (None,
+    why): a bracket the tries left too wide decides nothing, where its lower end alone would."""
+    high = None if failure is None else failure - granule
+
+    def signed(measured: Optional[int]) -> float:
+        if measured is None:  # no end: the error tends to -100%
+            return -1.0
+        if measured == 0:
+            return 0.0 if predicted == 0 else math.inf
+        return predicted / measured - 1
+
+    at_longest, at_high = signed(longest), signed(high)  # the error falls as the measured max grows
+    worst = max(abs(at_longest), abs(at_high))
+    best = 0.0 if at_high <= 0 <= at_longest else min(abs(at_longest), abs(at_high))
+    if worst <= tolerance:
+        return worst, ""
+    if best > tolerance:
+        return best, ""
+    upto = "with no failure above it" if high is None else f"and {high:,}"
+    return None, (f"the tries leave the max between {longest:,} {upto}: an error from {at_high:+.1%} to "
+                  f"{at_longest:+.1%}")
 
 
 def search_longest(oracle: Callable[[int], Optional[bool]], start: int, policy: SearchPolicy) -> SearchResult:
@@ -514,6 +596,7 @@ class Machine:
     cap_bytes: Optional[int]  # --memory-gb, when given
     host_bytes: int  # what the planner may offload to (none on a CPU: it is the same memory)
     headroom: float
+    host_total_bytes: int = 0  # the host memory a try may ask for: the host's, or --host-memory-gb
 
     @property
     def memory_bytes(self) -> int:
@@ -534,8 +617,9 @@ def machine_for(args: argparse.Namespace) -> Machine:
         assert cap is not None  # parse_args gives --tiny a default cap
         return Machine("cpu", "cpu", cap, cap, 0, args.headroom)
     probe = probe_device()
-    host = int(host_memory_bytes() * (1 - args.headroom))
-    return Machine("cuda", probe["device_name"], probe["total_memory"], cap, host, args.headroom)
+    host_total = host_memory_bytes() if args.host_memory_gb is None else int(args.host_memory_gb * GB)
+    host = int(host_total * (1 - args.headroom))
+    return Machine("cuda", probe["device_name"], probe["total_memory"], cap, host, args.headroom, host_total)
 
 
 def liger_present() -> bool:
@@ -569,6 +653,38 @@ class ShapePlan:
         from ringtrain.planner.reach import at_length
 
         return at_length(self.hf_workload, hf_layout(), seq_len, self.cluster, self.assume)
+
+    def at(self, system: str, seq_len: int) -> Candidate:
+        """The layout ``system`` trains ``seq_len`` with, and the planner's estimate of it."""
+        return self.ringtrain_at(seq_len) if system == "ringtrain" else self.hf_at(seq_len)
+
+    def start(self, system: str) -> Optional[int]:
+        """Where ``system``'s search starts: the planner's max (for hf, its reach of full
+        checkpointing without savers), or None where the planner fits nothing."""
+        reach = self.reach if system == "ringtrain" else self.hf_reach
+        return reach.max_seq_len if reach else None
+
+    def refusal(self, seq_len: int, cand: Candidate, granule: int) -> str:
+        """Why a try at ``seq_len`` with ``cand`` is not run ("": it runs). The host memory: a
+        layout that offloads more than the host holds (or --host-memory-gb lets it use) could take
+        the node's memory from under its other processes. The device, at one granule only: where
+        the planner's smallest layout is over the memory by more than its tolerance, nothing fits,
+        and a try would spend a process start to say so."""
+        machine = self.machine
+        if cand.memory.host > machine.host_total_bytes:
+            return (f"host memory: a try at {seq_len:,} tokens ({cand.layout.describe()}) needs "
+                    f"{_gb(cand.memory.host)} GB of host memory, more than the {_gb(machine.host_total_bytes)} GB here")
+        if seq_len <= granule and cand.memory.total > (1 + PREDICTION_TOLERANCE) * machine.memory_bytes:
+            return (f"nothing fits: at {seq_len:,} tokens ({cand.layout.describe()}) the planner needs "
+                    f"{_gb(cand.memory.total)} GB of device memory, over the {_gb(machine.memory_bytes)} GB here "
+                    f"by more than {PREDICTION_TOLERANCE:.0%}")
+        return ""
+
+    def first_refusal(self, system: str, granule: int) -> str:
+        """Why ``system``'s search would not run even its first try ("": it would)."""
+        start = self.start(system)
+        first = granule if start is None else max(granule, start // granule * granule)
+        return self.refusal(first, self.at(system, first), granule)
 
     def predicted(self, layout: Layout, seq_len: int, checkpointing: str) -> Candidate:
         """The planner's estimate for the layout a try ran, its recompute mode as the Trainer resolved it."""
@@ -639,13 +755,13 @@ class Searcher:
     deadline: float  # time.monotonic() at which this search's share of the budget ends
     tries: list[dict[str, Any]] = field(default_factory=list)
     stopped: str = ""
-    start_s: float = 0.0  # seconds a try spends outside its steps, as the last one did
+    # Seconds a try spends outside its steps, per system, as its last try did (shared by the
+    # searches of every shape; a guess until one is seen).
+    starts: dict[str, float] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.start_s = START_GUESS_S[self.plan.machine.device_type]
-
-    def candidate(self, seq_len: int) -> Candidate:
-        return self.plan.ringtrain_at(seq_len) if self.system == "ringtrain" else self.plan.hf_at(seq_len)
+    @property
+    def start_s(self) -> float:
+        return self.starts.get(self.system, START_GUESS_S[self.plan.machine.device_type])
 
     def overrides(self, layout: Layout) -> tuple[str, ...]:
         if self.system != "ringtrain":
@@ -657,7 +773,11 @@ class Searcher:
                      else o for o in layout.overrides())
 
     def oracle(self, seq_len: int) -> Optional[bool]:
-        cand = self.candidate(seq_len)
+        cand = self.plan.at(self.system, seq_len)
+        refused = self.plan.refusal(seq_len, cand, self.args.granule)
+        if refused:
+            self.stopped = refused
+            return None
         predicted_s = self.args.steps * cand.step.step_s + self.start_s
         left = self.deadline - time.monotonic()
         if predicted_s > left:
@@ -688,11 +808,14 @@ class Searcher:
     def record(self, t: Try, cand: Candidate, out: dict[str, Any]) -> dict[str, Any]:
         machine = self.plan.machine
         record: dict[str, Any] = {"seq_len": t.seq_len, **out}
-        if out.get("outcome") == OK and machine.cap_bytes is not None and machine.device_type == "cpu" \
-                and out["peak_device_bytes"] > machine.cap_bytes:
+        # Past the cap is out of memory. On a CPU the cap is only counted; on CUDA the allocator
+        # enforces it (set_per_process_memory_fraction bounds what it reserves), and a reserved
+        # peak past it would say it did not: either way the try did not fit the memory planned for.
+        peak = out.get("peak_reserved_bytes" if machine.device_type == "cuda" else "peak_device_bytes", 0)
+        if out.get("outcome") == OK and machine.cap_bytes is not None and peak > machine.cap_bytes:
             record.update(outcome=OOM, limit=DEVICE_LIMIT, over_cap=True)
         if "step_s" in out:
-            self.start_s = out["wall_s"] - sum(out["step_s"])
+            self.starts[self.system] = out["wall_s"] - sum(out["step_s"])
         record["predicted_step_s"] = cand.step.step_s
         if self.system == "ringtrain":
             mode = out.get("checkpointing", cand.layout.checkpointing_mode)
@@ -710,14 +833,16 @@ class Searcher:
         return record
 
 
-def search_system(plan: ShapePlan, system: str, args: argparse.Namespace, share_s: float) -> dict[str, Any]:
+def search_system(plan: ShapePlan, system: str, args: argparse.Namespace, share_s: float,
+                  starts: dict[str, float]) -> dict[str, Any]:
     """One system's search on one shape (and, for ringtrain, its --peaks-at tries first)."""
-    searcher = Searcher(plan, system, args, deadline=time.monotonic() + share_s)
-    policy = SearchPolicy(granule=args.granule, growth=args.growth, max_tries=args.max_tries)
-    reach = plan.reach if system == "ringtrain" else plan.hf_reach
-    start = reach.max_seq_len if reach else policy.granule
+    searcher = Searcher(plan, system, args, deadline=time.monotonic() + share_s, starts=starts)
+    policy = SearchPolicy(granule=args.granule, growth=args.growth, max_tries=args.max_tries,
+                          edges=PREDICTION_TOLERANCE if args.tolerance_edges else None)
+    predicted = plan.start(system)
+    start = policy.granule if predicted is None else predicted
     source = ("the planner's predicted max" if system == "ringtrain" else
-              "the planner's reach of full checkpointing without savers") if reach else "one granule (the planner fits nothing)"
+              "the planner's reach of full checkpointing without savers") if predicted else "one granule (the planner fits nothing)"
     if system == "ringtrain":
         for length in args.peaks_at:
             if searcher.oracle(length) is None:
@@ -731,6 +856,7 @@ def search_system(plan: ShapePlan, system: str, args: argparse.Namespace, share_
     longest, failure = result.longest, result.failure
     first_failure = next((r for r in searcher.tries[fixed:] if r["seq_len"] == failure), None)
     return {
+        "planner_max": predicted or 0,
         "start": policy.floor(start),
         "start_from": source,
         "tries": searcher.tries,
@@ -762,7 +888,7 @@ def try_line(system: str, index: int, r: Mapping[str, Any]) -> str:
             f"  (process {r['wall_s']:.0f} s){'  ' + r['layout'] if r.get('layout') else ''}")
 
 
-def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, Any]], granule: int) -> dict[str, Any]:
     """The per-shape numbers the targets read: maxima, ratio, prediction error, peak accuracy."""
     rt, hf = systems.get("ringtrain"), systems.get("hf")
     out: dict[str, Any] = {
@@ -771,9 +897,11 @@ def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, An
     }
     if rt and hf and rt["max_seq_len"] and hf["max_seq_len"]:
         out["ratio"] = rt["max_seq_len"] / hf["max_seq_len"]
-    if rt and rt["max_seq_len"] and out["predicted_max"]:
-        out["predicted_max_error"] = out["predicted_max"] / rt["max_seq_len"] - 1
     if rt:
+        # |predicted / measured - 1| over the maxima ringtrain's tries leave possible, where they decide it.
+        error, why = prediction_error(out["predicted_max"], rt["max_seq_len"], rt["failed_at"], granule,
+                                      PREDICTION_TOLERANCE) if rt["tries"] else (None, f"no try ran ({rt['stopped']})")
+        out["predicted_max_error"], out["predicted_max_undecided"] = error, why
         within = sorted({r["seq_len"] for r in rt["tries"]
                          if r.get("predicted_over_measured") and abs(r["predicted_over_measured"] - 1) <= PREDICTION_TOLERANCE})
         out["peak_within_tolerance_at"] = within
@@ -792,13 +920,15 @@ def targets_for(name: str, device_name: str, summary: Mapping[str, Any], systems
         out.append(Target(name, "ringtrain max on an H100", value, LLAMA_1B_MIN_TOKENS, "tokens",
                           missing="" if value else rt["stopped"]))
     if rt:
-        err = summary.get("predicted_max_error")
-        out.append(Target(name, "|planner's predicted max / measured - 1|", None if err is None else abs(err),
-                          PREDICTION_TOLERANCE, "%", at_most=True, missing="" if err is not None else "no measured max"))
-        measured = summary["peak_measured_at"]
+        out.append(Target(name, "|planner's predicted max / measured - 1|", summary["predicted_max_error"],
+                          PREDICTION_TOLERANCE, "%", at_most=True, missing=summary["predicted_max_undecided"]))
+        measured, within = summary["peak_measured_at"], summary["peak_within_tolerance_at"]
+        # Fewer lengths measured than the target counts say nothing of the peaks predicted there.
+        few = (f"peaks measured at {len(measured)} length{'' if len(measured) == 1 else 's'} "
+               f"({len(within)} within), fewer than {PEAK_LENGTHS_MIN}") if len(measured) < PEAK_LENGTHS_MIN else ""
         out.append(Target(name, f"lengths with the predicted peak within {PREDICTION_TOLERANCE:.0%} "
                                 f"(of {len(measured)} measured)",
-                          float(len(summary["peak_within_tolerance_at"])), PEAK_LENGTHS_MIN, "count"))
+                          None if few else float(len(within)), PEAK_LENGTHS_MIN, "count", missing=few))
     return out
 
 
@@ -832,13 +962,15 @@ def summary_lines(name: str, systems: Mapping[str, dict[str, Any]], summary: Map
     for system, s in systems.items():
         bound = f", fails at {s['failed_at']:,}" if s["failed_at"] else ""
         by = f" ({s['stopped_by']})" if s["stopped_by"] else ""
-        lines.append(f"  {system:<9} max {s['max_seq_len']:>11,}{bound}{by}; {len(s['tries'])} tries, "
-                     f"{s['wall_s']:.0f} s; stopped: {s['stopped']}")
+        lines.append(f"  {system:<9} max {s['max_seq_len']:>11,}{bound}{by}; planner {s['planner_max']:,}; "
+                     f"{len(s['tries'])} tries, {s['wall_s']:.0f} s; stopped: {s['stopped']}")
     if "ratio" in summary:
         lines.append(f"  ratio ringtrain / hf {summary['ratio']:.2f}x")
     if "predicted_max_error" in summary:
-        lines.append(f"  planner's predicted max {summary['predicted_max']:,}: {summary['predicted_max_error']:+.1%} "
-                     "against the measured")
+        error = summary["predicted_max_error"]
+        off = summary["predicted_max_undecided"] if error is None else (
+            f"{error:.1%} off the measured at {'most' if error <= PREDICTION_TOLERANCE else 'least'}")
+        lines.append(f"  planner's predicted max {summary['predicted_max']:,}: {off}")
     return lines
 
 
@@ -877,6 +1009,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--try-timeout", type=float, default=900.0, help="seconds per try, process start included")
     p.add_argument("--memory-gb", type=float, default=None,
                    help="a memory cap standing in for the device's (GB); 0.016 with --tiny")
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host memory standing in for the host's (GB), what offloads may use; 0: none (CUDA only)")
+    p.add_argument("--tolerance-edges", action="store_true",
+                   help="each search's second try at the 10%% tolerance's edge of its start")
     p.add_argument("--headroom", type=float, default=0.1, help="the planner's fraction of device memory kept free")
     p.add_argument("--peaks-at", type=_lengths, default=[], help="ringtrain tries at these lengths before its search")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed or not measured")
@@ -891,6 +1027,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit(_bad_input("--steps and --max-tries must be >= 1, --granule even and >= 2, --growth > 1"))
     if args.memory_gb is not None and args.memory_gb <= 0:
         raise SystemExit(_bad_input("--memory-gb must be > 0"))
+    if args.host_memory_gb is not None and (args.host_memory_gb < 0 or args.device == "cpu"):
+        raise SystemExit(_bad_input("--host-memory-gb must be >= 0, and on a CPU there is no host memory apart "
+                                    "from the device's"))
     if not 0 <= args.headroom < 1:
         raise SystemExit(_bad_input("--headroom must be in [0, 1)"))
     if args.budget_s <= 0 or args.try_timeout <= 0:
@@ -916,20 +1055,27 @@ def main(argv: list[str]) -> int:
           f"{args.max_tries} tries per search, budget {args.budget_s:.0f} s{f' ({SMOKE})' if smoke else ''}")
     shapes: dict[str, Any] = {}
     targets: list[Target] = []
-    searches_left = len(args.shapes) * len(args.systems)
+    plans = {name: plan_shape(name, machine, args.tiny, args.granule) for name in args.shapes}
+    # The budget is shared by the searches that will try something: one refused at its first try
+    # (host memory, or nothing fits) ends at once and takes no share.
+    refused = {(name, system): plans[name].first_refusal(system, args.granule)
+               for name in args.shapes for system in args.systems}
+    searches_left = sum(1 for why in refused.values() if not why)
+    starts: dict[str, float] = {}
     interrupted = ""
     for name in args.shapes:
-        plan = plan_shape(name, machine, args.tiny, args.granule)
+        plan = plans[name]
         for line in shape_header(name, plan, args.granule):
             print(line, flush=True)
         systems: dict[str, Any] = {}
         try:
             for system in args.systems:
-                systems[system] = search_system(plan, system, args, budget.share(searches_left))
-                searches_left -= 1
+                share = 0.0 if refused[name, system] else budget.share(searches_left)
+                systems[system] = search_system(plan, system, args, share, starts)
+                searches_left -= 0 if refused[name, system] else 1
         except KeyboardInterrupt:
             interrupted = f"{name}: interrupted (SIGINT); what comes after it is not run"
-        summary = shape_summary(name, plan, systems)
+        summary = shape_summary(name, plan, systems, args.granule)
         for line in summary_lines(name, systems, summary):
             print(line)
         targets += targets_for(name, machine.name, summary, systems)

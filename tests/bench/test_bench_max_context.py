@@ -12,6 +12,7 @@ went over.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -115,6 +116,68 @@ def test_the_oracle_can_end_the_search() -> None:
     assert result.stopped == "stopped by the caller"
 
 
+# ---- the prediction's verdict over what the tries bracket ---------------------------------------
+
+TOLERANCE = bench.PREDICTION_TOLERANCE
+
+
+@pytest.mark.parametrize(("longest", "failure", "expected"), [
+    (10240, 10240 + GRANULE, pytest.approx(0.0)),  # converged on the prediction
+    (9472, 11264, pytest.approx(10240 / 9472 - 1)),  # every max from 9,472 to 11,008 is within 10%: the worst
+    (8192, 8448, pytest.approx(10240 / 8192 - 1)),  # converged 25% short of the prediction
+    (11776, None, pytest.approx(1 - 10240 / 11776)),  # at least 11,776 fits: 13% and more past it
+    (0, 8192, pytest.approx(10240 / 7936 - 1)),  # nothing up to 7,936 can fit: 29% and more over
+])
+def test_the_prediction_is_decided_over_every_max_the_tries_leave(longest: int, failure: Optional[int],
+                                                                   expected: Any) -> None:
+    error, why = bench.prediction_error(10240, longest, failure, GRANULE, TOLERANCE)
+    assert error == expected and why == ""
+
+
+@pytest.mark.parametrize(("longest", "failure"), [(10240, None), (9216, 12288), (0, 11264)])
+def test_a_bracket_across_the_tolerance_decides_nothing(longest: int, failure: Optional[int]) -> None:
+    """A fit at the prediction with nothing tried above it, or a bracket with maxima inside and
+    outside the tolerance: the longest fit alone would read as a verdict, and is not one."""
+    error, why = bench.prediction_error(10240, longest, failure, GRANULE, TOLERANCE)
+    assert error is None and why.startswith(f"the tries leave the max between {longest:,}")
+
+
+def test_nothing_fits_where_the_planner_says_so_is_no_error() -> None:
+    assert bench.prediction_error(0, 0, GRANULE, GRANULE, TOLERANCE) == (0.0, "")
+    assert bench.prediction_error(2048, 0, GRANULE, GRANULE, TOLERANCE)[0] == float("inf")
+
+
+def test_peaks_at_fewer_lengths_than_the_target_counts_are_not_a_miss() -> None:
+    """Two tries measure two peaks at most: the target of three says nothing of them (not
+    measured, and still not met under --check); three measured, two within, is a miss."""
+    rt = {"max_seq_len": 4096, "failed_at": 4352, "tries": [{}], "stopped": ""}
+
+    def peaks_target(measured: list[int], within: list[int]) -> Any:
+        summary = {"predicted_max_error": 0.0, "predicted_max_undecided": "", "peak_measured_at": measured,
+                   "peak_within_tolerance_at": within}
+        return bench.targets_for("llama3.2-1b", "NVIDIA H200", summary, {"ringtrain": rt})[-1]
+
+    few = peaks_target([3840, 4096], [3840, 4096])
+    assert few.value is None and not few.met and "fewer than 3" in few.line(smoke=False)
+    enough = peaks_target([3584, 3840, 4096], [3840, 4096])
+    assert enough.value == 2 and enough.line(smoke=False).endswith("MISS")
+
+
+@pytest.mark.parametrize("predicted", [10_000, 30_848, 64_896])
+def test_two_tries_at_the_edges_decide_the_prediction(predicted: int) -> None:
+    """With the second try at the tolerance's edge, two tries give the verdict the true maximum
+    deserves, wherever it lies: inside the 10% band or on either side of it."""
+    policy = bench.SearchPolicy(granule=GRANULE, max_tries=2, edges=TOLERANCE)
+    for threshold in range(int(predicted * 0.75), int(predicted * 1.3), GRANULE // 3):
+        calls: list[int] = []
+        result = bench.search_longest(threshold_oracle(threshold, calls), predicted, policy)
+        error, why = bench.prediction_error(predicted, result.longest, result.failure, GRANULE, TOLERANCE)
+        true_max = threshold // GRANULE * GRANULE
+        assert error is not None, (threshold, calls, why)
+        assert (error <= TOLERANCE) == (abs(predicted / true_max - 1) <= TOLERANCE), (threshold, calls, error)
+        assert len(calls) == 2 and calls[0] == predicted // GRANULE * GRANULE
+
+
 # ---- failures are results ---------------------------------------------------------------------
 
 
@@ -181,13 +244,72 @@ def test_a_try_predicted_past_the_budget_is_not_run() -> None:
 
     step = SimpleNamespace(step_s=500.0)
     plan = SimpleNamespace(machine=SimpleNamespace(device_type="cuda", cap_bytes=None),
-                           ringtrain_at=lambda n: SimpleNamespace(step=step, layout=None))
-    args = SimpleNamespace(steps=2, try_timeout=900.0, tiny=False)
+                           at=lambda system, n: SimpleNamespace(step=step, layout=None), refusal=lambda *_: "")
+    args = SimpleNamespace(steps=2, try_timeout=900.0, tiny=False, granule=1024)
     searcher = bench.Searcher(plan, "ringtrain", args, deadline=time.monotonic() + 600)  # type: ignore[arg-type]
     assert searcher.oracle(2**20) is None
     assert searcher.tries == []
-    assert searcher.stopped.startswith("budget: a try at 1,048,576 tokens is predicted to take 1,060 s")
+    assert searcher.stopped.startswith("budget: a try at 1,048,576 tokens is predicted to take 1,025 s")
     assert bench.Budget(600).share(4) == pytest.approx(150, abs=1)
+
+
+def _h200(cap_gb: Optional[float], host_gb: float, headroom: float = 0.0) -> Any:
+    """The GPU tier's node as the planner sees it: an H200 (140 GB), a cap, a host of ``host_gb``."""
+    host = int(host_gb * bench.GB)
+    cap = None if cap_gb is None else int(cap_gb * bench.GB)
+    return bench.Machine("cuda", "NVIDIA H200", 140 * bench.GB, cap, int(host * (1 - headroom)), headroom, host)
+
+
+def test_a_try_the_host_memory_does_not_allow_is_not_run() -> None:
+    """An 8B model's smallest layout offloads 145 GB of state: a 128 GiB host (the H200 node's)
+    does not hold it, and no process is started to find that out; a try without offloads runs."""
+    from types import SimpleNamespace
+
+    plan = bench.plan_shape("llama3-8b", _h200(None, 128 * 2**30 / bench.GB, headroom=0.1), False, 1024)
+    assert plan.start("ringtrain") is None
+    why = plan.first_refusal("ringtrain", 1024)
+    assert why.startswith("host memory: a try at 1,024 tokens") and "offload" in why, why
+    args = SimpleNamespace(granule=1024, growth=1.25, max_tries=6, tolerance_edges=True, peaks_at=[], steps=2,
+                           try_timeout=60.0, tiny=False)
+    searched = bench.search_system(plan, "ringtrain", args, 0.0, {})  # a try would fail: no CUDA here
+    assert searched["tries"] == [] and searched["stopped"] == why and searched["max_seq_len"] == 0
+    one_b = bench.plan_shape("llama3.2-1b", _h200(26, 0), False, 1024)
+    assert one_b.first_refusal("ringtrain", 1024) == one_b.first_refusal("hf", 1024) == ""
+
+
+def test_nothing_fits_at_one_granule_by_more_than_the_tolerance_is_not_tried() -> None:
+    plan = bench.plan_shape("llama3-8b", _h200(26, 0), False, 1024)
+    why = plan.first_refusal("hf", 1024)
+    assert why.startswith("nothing fits: at 1,024 tokens") and "more than 10%" in why, why
+    # Within the tolerance of the memory the planner may be wrong: that is tried.
+    cand = plan.at("hf", 1024)
+    assert plan.refusal(1024, cand, 1024)
+    assert not dataclasses.replace(plan, machine=dataclasses.replace(
+        plan.machine, cap_bytes=int(cand.memory.total / 1.05))).refusal(1024, cand, 1024)
+
+
+def test_a_cuda_try_is_held_to_the_cap_and_a_peak_past_it_is_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each try under --memory-gb asks the allocator for the cap's share of the device; where its
+    reserved peak still ends past the cap, the cap did not hold, and the try did not fit."""
+    from types import SimpleNamespace
+
+    plan = bench.plan_shape("llama3.2-1b", _h200(26, 0), False, 1024)
+    args = SimpleNamespace(granule=1024, steps=2, try_timeout=60.0, tiny=False)
+    searcher = bench.Searcher(plan, "hf", args, deadline=time.monotonic() + 600)
+    ran: list[Any] = []
+    reserved = {4096: 25 * bench.GB, 5120: 27 * bench.GB}
+
+    def fake_try(t: Any, timeout_s: float, runner: Any = None) -> dict[str, Any]:
+        ran.append(t)
+        return {"outcome": bench.OK, "step_s": [0.1, 0.1], "wall_s": 20.0, "peak_device_bytes": 24 * bench.GB,
+                "peak_reserved_bytes": reserved[t.seq_len], "pid": 0}
+
+    monkeypatch.setattr(bench, "run_try", fake_try)
+    assert searcher.oracle(4096) is True
+    assert searcher.oracle(5120) is False
+    assert [t.memory_fraction for t in ran] == [26 / 140] * 2
+    assert searcher.tries[1]["outcome"] == bench.OOM and searcher.tries[1]["over_cap"]
+    assert searcher.starts == {"hf": pytest.approx(19.8)}  # the next search of hf expects this start
 
 
 # ---- the shapes, and bad input ----------------------------------------------------------------
@@ -215,7 +337,8 @@ def test_bad_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -
     assert bench.main(["--device", "cpu"]) == 2
     assert "--tiny" in capsys.readouterr().err
     for argv, flag in ((["--shapes", "llama3.2-1b,gpt2"], "--shapes: gpt2"), (["--peaks-at", "1k"], "--peaks-at"),
-                       (["--growth", "1"], "--growth"), (["--memory-gb", "0"], "--memory-gb")):
+                       (["--growth", "1"], "--growth"), (["--memory-gb", "0"], "--memory-gb"),
+                       (["--host-memory-gb", "0"], "--host-memory-gb")):
         with pytest.raises(SystemExit) as exited:
             bench.parse_args(["--device", "cpu", "--tiny", *argv])
         assert exited.value.code == 2

@@ -21,9 +21,11 @@ that they refuse (rather than skip) when what they need is missing, and the time
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import http.server
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -489,17 +491,53 @@ def test_runner_refuses_bad_flags(flags: list[str]) -> None:
 def test_default_parts_fit_the_time_box_in_order() -> None:
     runner = _load_runner()
     parts = runner.default_parts()
-    assert [p.name for p in parts] == ["timing", "tests", "attention", "train", "nccl_abort"]
+    assert [p.name for p in parts] == ["timing", "tests", "attention", "launches", "train", "max_context",
+                                       "train_baselines", "nccl_abort"]
     chosen = runner.select_parts(parts, None, {})
-    assert [p.name for p in chosen] == ["timing", "tests", "attention", "train"]
+    assert [p.name for p in chosen] == ["timing", "tests", "attention", "launches", "train", "max_context"]
     assert sum(p.budget_s + runner.GRACE_S for p in chosen) <= runner.TIME_BOX_S == 480
-    assert [p.name for p in runner.select_parts(parts, "nccl_abort", {})] == ["nccl_abort"]
+    for outside in ("nccl_abort", "train_baselines"):  # --only runs a part the box leaves out
+        assert [p.name for p in runner.select_parts(parts, outside, {})] == [outside]
     timing, tests = parts[0], parts[1]
     assert all(t in timing.argv for t in runner.TIMING_TESTS) and "-n" not in timing.argv
     assert all(f"--ignore={t}" in tests.argv for t in runner.TIMING_TESTS)
-    assert ("--snapshot-every", "1") == parts[3].argv[-2:] and "--check" in parts[3].argv
+    assert ("--dist", "worksteal") == tests.argv[tests.argv.index("--dist"):][:2]
+    assert ("-p", runner.SLOW_FIRST) == tests.argv[tests.argv.index(runner.SLOW_FIRST) - 1:][:2]
     chosen = runner.select_parts(parts, "train,tests", runner.parse_budgets(["train=300,tests=50"], ["train", "tests"]))
     assert [(p.name, p.budget_s) for p in chosen] == [("tests", 50.0), ("train", 300.0)]
+
+
+def _bench_args(part: Any) -> argparse.Namespace:
+    """A bench part's flags as its own script parses them (argparse exits on one it does not take)."""
+    script = Path(part.argv[1])
+    assert part.argv[0] == sys.executable and script.parent == REPO / "bench" and script.is_file(), part.argv
+    module = importlib.import_module(f"bench.{script.stem}")
+    return module.parse_args(list(part.argv[2:]))
+
+
+def test_each_bench_part_names_a_script_and_flags_it_takes_and_measures_what_the_tier_is_for() -> None:
+    """Every bench part's argv, parsed by its script's own parser: each measures what the tier
+    is for, and the max_context part stops starting tries before its budget ends."""
+    runner = _load_runner()
+    parts = {p.name: p for p in runner.default_parts() if not p.pytest}
+    assert set(parts) == {"attention", "launches", "train", "max_context", "train_baselines", "nccl_abort"}
+    assert parts["nccl_abort"].argv[2:] == ()  # it takes no flags here, only its script
+    attention = _bench_args(parts["attention"])
+    sizes = {(seq // ring, ring) for seq in attention.seq for ring in attention.ring}
+    assert {(tokens, ring) for tokens in (2048, 4096, 8192) for ring in (2, 4, 8)} <= sizes
+    launches = _bench_args(parts["launches"])
+    assert sorted(seq // ring for seq, ring in launches.sizes) == [2048, 4096, 8192]
+    train = _bench_args(parts["train"])
+    assert train.check and train.snapshot_every == 1 and train.shapes == ["tinyllama", "qwen3"]
+    assert train.variants == ["trainer", "trainer_snapshots"]  # the Trainer's MFU first, on both shapes
+    baselines = _bench_args(parts["train_baselines"])
+    assert {"trainer", "plain", "hf"} == set(baselines.variants) and baselines.shapes == train.shapes
+    context = _bench_args(parts["max_context"])
+    assert context.shapes == ["llama3.2-1b", "llama3-8b"] and context.systems == ["hf", "ringtrain"]
+    assert context.memory_gb and context.host_memory_gb == 0 and context.tolerance_edges and context.max_tries >= 2
+    # A try ends within its search's share of --budget-s: the rest of the part's budget is the
+    # bench's own start (imports) and end (its JSON).
+    assert context.budget_s + 10 <= parts["max_context"].budget_s
 
 
 # -- the conftest's log -----------------------------------------------------------------------
@@ -542,6 +580,44 @@ def test_conftest_writes_one_line_per_test_as_it_finishes(tmp_path: Path, worker
     if workers:
         crash = next(r for r in outcomes if r["nodeid"].endswith("test_crash"))
         assert crash["worker"] == "main" and "crashed" in crash["traceback"], crash
+
+
+# -- tests/gpu/slow_first.py: the slow tests lead the workers' shares ---------------------------
+
+
+def test_the_slow_tests_lead_each_share_of_worksteals_first_split() -> None:
+    from tests.gpu.slow_first import first_shares, slow_first
+
+    assert first_shares(10, 4) == [2, 2, 3, 3] and first_shares(3, 4) == [0, 1, 1, 1]
+    items = [f"t{i}" for i in range(10)] + ["s0", "s1", "s2", "s3", "s4"]  # the slow ones last, as collected
+    ordered = slow_first(items, lambda item: item.startswith("s"), 4)
+    assert sorted(ordered) == sorted(items)
+    heads = [sum(first_shares(len(items), 4)[:k]) for k in range(4)]
+    assert [ordered[h] for h in heads] == ["s0", "s1", "s2", "s3"]
+    assert ordered[heads[0] + 1] == "s4"  # one more than the workers: the first share's second
+    assert [item for item in ordered if item.startswith("t")] == items[:10]  # the rest keep their order
+
+
+@slow
+def test_under_xdist_each_worker_starts_with_a_slow_test(tmp_path: Path) -> None:
+    """The plugin as the tests part loads it: with worksteal on two workers, the two tests marked
+    slow, collected last, are the first each worker starts (tests/gpu/conftest.py's log)."""
+    if importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed")
+    runner = _load_runner()
+    suite = _fake_suite(tmp_path, "import pytest\n\n" + "".join(f"def test_quick_{i}():\n    pass\n\n" for i in range(6))
+                        + "".join(f"@pytest.mark.slow\ndef test_slow_{i}():\n    pass\n\n" for i in range(2)))
+    log = tmp_path / "tests.jsonl"
+    argv = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+            "worksteal", "-p", runner.SLOW_FIRST]
+    done = subprocess.run(argv, cwd=REPO, env={**os.environ, "RINGTRAIN_GPU_LOG": str(log)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    first: dict[str, str] = {}
+    for record in _records(log):
+        if record["event"] == "start":
+            first.setdefault(record["worker"], record["nodeid"].split("::")[1])
+    assert sorted(first.values()) == ["test_slow_0", "test_slow_1"], first
 
 
 # -- tests/gpu/support.py: left out on purpose -------------------------------------------------
@@ -687,13 +763,11 @@ def test_train_bench_refuses_to_run_without_cuda() -> None:
 
 
 @slow
-def test_gpu_tier_collects_on_any_machine() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.mark.parametrize("part", ["timing", "tests"])
+def test_gpu_tier_collects_on_any_machine_with_the_flags_its_parts_give(part: str) -> None:
+    runner = _load_runner()
+    argv = next(p.argv for p in runner.default_parts() if p.name == part)
+    done = subprocess.run([*argv, "--collect-only", "-qq"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "platform")})  # -qq after the part's -v: ids
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"^\d+ tests? collected", done.stdout, re.MULTILINE), done.stdout[-2000:]
