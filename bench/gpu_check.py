@@ -127,7 +127,7 @@ def default_parts() -> list[Part]:
     return [
         # Budgets against each part's time on one H200 at 9e77f89 (bench/results/gpu-check-h200/,
         # bench/results/*-nvidia-h200.json); with a grace each they add up to TIME_BOX_S:
-        #   55 + 95 + 30 + 30 + 130 + 110 = 450 s, + 6 x 5 s of grace = 480 s.
+        #   55 + 95 + 30 + 25 + 135 + 110 = 450 s, + 6 x 5 s of grace = 480 s.
         # timing: 49.5 s (rerun.log: the survivor's abort 40.5 s, the stall 5.5 s).
         Part("timing", _pytest(TIMING_TESTS, parallel=False), 55, pytest=True),
         # tests: 119 s on four workers (rerun.log), of which the four snapshot round trips took
@@ -141,14 +141,15 @@ def default_parts() -> list[Part]:
         # blocks only: 4K-64K, where each size takes milliseconds, about 22 s with the start.
         Part("attention", (py, str(bench / "attention.py"), "--seq", "4096", "8192", "16384", "32768", "65536"),
              30),
-        # launches: 19 s at its three default sizes (attention_launches-nvidia-h200.json).
-        Part("launches", (py, str(bench / "attention_launches.py")), 30),
+        # launches: 19 s at its three default sizes (attention_launches-nvidia-h200.json), + 6 s.
+        Part("launches", (py, str(bench / "attention_launches.py")), 25),
         # train: the Trainer on both shapes (MFU: 29.8 s and 30.8 s) and with a snapshot every
-        # step (54.1 s), train-nvidia-h200.json's variants, 115 s, + 4 s of the bench's start.
+        # step (54.1 s), train-nvidia-h200.json's variants, 115 s, + 4 s of the bench's start, and
+        # TinyLlama's two steps under torch.profiler, with and without snapshots (a few s each).
         # Its plain and hf variants (92.6 s) are train_baselines', outside the box.
         # Cut by SIGINT, the bench still writes what it measured.
         Part("train", (py, str(bench / "train.py"), "--check", "--variants", "trainer,trainer_snapshots",
-                       "--snapshot-every", "1"), 130),
+                       "--snapshot-every", "1"), 135),
         # max_context: a 26 GB cap with no host memory to offload to leaves a 1B model's states a
         # few GB of activations (the planner's max 40-45K tokens for ringtrain, 3.8K for
         # transformers, steps under 3 s), no headroom so that the planner's memory model alone is

@@ -309,7 +309,8 @@ def run_trainer(case: Case) -> dict[str, Any]:
         times, losses = timed_steps(step, case, device)
         timed = reports[case.warmup :]
         snapshots = snapshot_profiles(trainer, [r.step for r in timed], copies) if trainer.snapshotter else {}
-        table = profiled_step(step, device)
+        # The profiled step is for the snapshot's cost: the shape snapshots run on, with and without.
+        table = profiled_step(step, device) if SHAPES[case.shape].snapshots and case.snapshot_every > 0 else ""
         return {
             "step_s": times,
             "losses": losses,
