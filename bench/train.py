@@ -296,19 +296,15 @@ def run_trainer(case: Case) -> dict[str, Any]:
     job = load_job(case)
     trainer = Trainer(job, rank=0, device=device)
     reports: list[Any] = []
-    copies: dict[int, Any] = {}  # step -> its snapshot's CopyProfile
 
     def step() -> float:
         reports.append(trainer.train_step())
-        newest = trainer.last_snapshot()
-        if newest is not None and newest.profile is not None:
-            copies.setdefault(newest.step, newest.profile)
         return float(reports[-1].loss)
 
     try:
         times, losses = timed_steps(step, case, device)
         timed = reports[case.warmup :]
-        snapshots = snapshot_profiles(trainer, [r.step for r in timed], copies) if trainer.snapshotter else {}
+        snapshots = snapshot_profiles(trainer.snapshotter, [r.step for r in timed]) if trainer.snapshotter else {}
         # The profiled step is for the snapshot's cost: the shape snapshots run on, with and without.
         table = profiled_step(step, device) if SHAPES[case.shape].snapshots and case.snapshot_every > 0 else ""
         return {
@@ -329,18 +325,17 @@ def run_trainer(case: Case) -> dict[str, Any]:
         trainer.close()
 
 
-def snapshot_profiles(trainer: Any, steps: list[int], copies: Mapping[int, Any]) -> dict[str, list[Any]]:
+def snapshot_profiles(snapshotter: Any, steps: list[int]) -> dict[str, Any]:
     """Per timed step: the fence's wait before its optimizer step (on the snapshot of the step
-    before), and that step's own snapshot's ``CopyProfile`` fields (None where it was not seen)."""
-    trainer.snapshotter.settle()
-    newest = trainer.last_snapshot()
-    if newest is not None and newest.profile is not None:
-        copies = {**copies, newest.step: newest.profile}
-    out: dict[str, Any] = {"fence_wait_s": [trainer.snapshotter.fence_wait_s(s - 1) for s in steps]}
+    before), and that step's own snapshot's ``CopyProfile`` fields; and the first capture's
+    allocations (in the warm-up: the pinned buffers, and the staging buffer where there is one)."""
+    snapshotter.settle()
+    profiles = snapshotter.profiles
+    out: dict[str, Any] = {"fence_wait_s": [snapshotter.fence_wait_s(s - 1) for s in steps]}
     for field in ("issue_s", "alloc_s", "buffer_wait_s", "staged", "stage_s", "copy_s", "checksum_s", "num_bytes",
                   "host_write_gbps"):
-        out[field] = [getattr(copies[s], field) if s in copies else None for s in steps]
-    out["first_capture_alloc_s"] = copies[min(copies)].alloc_s if copies else None  # in the warm-up: pinned buffers
+        out[field] = [getattr(profiles[s], field) if s in profiles else None for s in steps]
+    out["first_capture_alloc_s"] = max((p.alloc_s for p in profiles.values()), default=None)
     return out
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ringtrain.checkpoint.wire import STATE_KEYS, decode
 from ringtrain.train.copy_stream import device_has_room
-from ringtrain.train.snapshot import FENCE_WAITS_KEPT, STAGE_ALWAYS, Snapshot, Snapshotter
+from ringtrain.train.snapshot import PROFILES_KEPT, STAGE_ALWAYS, Snapshot, Snapshotter
 from ringtrain.train.zero_state import Fragment
 
 from .support import MARKS
@@ -119,7 +119,7 @@ def test_every_capture_holds_its_own_step_under_slow_delivery(staging: str) -> N
     assert profile.staged == (staging == STAGE_ALWAYS) and (profile.stage_s is not None) == profile.staged
     assert profile.copy_s > 0 and profile.host_write_gbps > 0
     torch.cuda.synchronize(device)
-    waits = [snapshotter.fence_wait_s(step) for step in range(STEPS - FENCE_WAITS_KEPT, STEPS)]  # the kept ones
+    waits = [snapshotter.fence_wait_s(step) for step in range(STEPS - PROFILES_KEPT, STEPS)]  # the kept ones
     assert all(w is not None and w >= 0 for w in waits), waits
 
 

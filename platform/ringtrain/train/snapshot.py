@@ -44,7 +44,7 @@ BACKGROUND_NICE = 10
 # Beyond checkpoint.snapshot_staging's values: staged whatever the device's room (which a job
 # cannot ask for: the planner does not count the buffer, and ``auto`` stages only where it fits).
 STAGE_ALWAYS = "always"
-FENCE_WAITS_KEPT = 16  # the newest snapshots whose fence wait can still be asked for
+PROFILES_KEPT = 16  # the newest snapshots whose profile and fence wait can still be asked for
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,9 @@ class Snapshotter:
         self._copied = threading.Event()
         self._copied.set()
         self._copying_step: Optional[int] = None  # the step the CPU copy thread is copying
+        # The newest snapshots' fence waits and profiles, by step (the snapshots themselves go by ``keep``).
         self.fence_waits: collections.OrderedDict[int, Union[Hold, float]] = collections.OrderedDict()
+        self.profiles: collections.OrderedDict[int, CopyProfile] = collections.OrderedDict()
         self._pending: Optional[Future[Snapshot]] = None
         self._running: collections.deque[Future[Snapshot]] = collections.deque()  # jobs not done, oldest first
         self._layout: Optional[BlobLayout] = None
@@ -256,12 +258,12 @@ class Snapshotter:
             # The side stream runs its copies in order: the newest one done means all are.
             step, event = self._fence_on
             assert self._streams is not None
-            self._keep_fence_wait(step, self._streams.hold_compute(event))
+            _keep_newest(self.fence_waits, step, self._streams.hold_compute(event))
             self._fence_on = None  # held once: a second fence before the next capture waits for nothing
         if self._copying_step is not None:
             t0 = time.perf_counter()
             self._copied.wait()
-            self._keep_fence_wait(self._copying_step, time.perf_counter() - t0)
+            _keep_newest(self.fence_waits, self._copying_step, time.perf_counter() - t0)
             self._copying_step = None
 
     def fence_wait_s(self, step: int) -> Optional[float]:
@@ -270,11 +272,6 @@ class Snapshotter:
         passed the hold."""
         wait = self.fence_waits.get(step)
         return wait if wait is None or isinstance(wait, float) else wait.seconds()
-
-    def _keep_fence_wait(self, step: int, wait: Union[Hold, float]) -> None:
-        self.fence_waits[step] = wait
-        while len(self.fence_waits) > FENCE_WAITS_KEPT:
-            self.fence_waits.popitem(last=False)
 
     def wait(self) -> Optional[Snapshot]:
         """The pending snapshot, finished (tests and persistence use this)."""
@@ -414,6 +411,7 @@ class Snapshotter:
         with self._lock:
             self.recent[step] = snap
             self._trim()
+            _keep_newest(self.profiles, step, profile)
         if self.deliver is not None:
             try:
                 self.deliver(snap)
@@ -430,6 +428,12 @@ class _CaptureTiming:
     alloc_s: float
     buffer_wait_s: float
     staged: bool
+
+
+def _keep_newest(table: collections.OrderedDict[int, Any], step: int, value: Any) -> None:
+    table[step] = value
+    while len(table) > PROFILES_KEPT:
+        table.popitem(last=False)
 
 
 def _copy_each(hosts: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
