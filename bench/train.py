@@ -31,7 +31,8 @@ The snapshot's cost is profiled where it is paid. Each snapshot says where its t
 the staging copy on the device, the copy into host memory and its rate, the checksum), and the
 snapshotter how long each fence held the optimizer step; ``snapshot_profile`` in the JSON holds
 their medians over the timed steps and splits the step time the snapshots added into the fence's
-wait, the capture's issue, and what is left: the step's own work slowed beside the copy (memory
+wait, the capture's issue and its wait for a host buffer, and what is left: the step's own work
+slowed beside the copy (memory
 bandwidth, or a host thread kept from a core). On a GPU both trainer variants also run one more
 step under torch.profiler, and the JSON keeps each one's table of the ops that took the most
 device and host time (``profile_table``), so two tables tell where the rest went.
@@ -296,15 +297,18 @@ def run_trainer(case: Case) -> dict[str, Any]:
     job = load_job(case)
     trainer = Trainer(job, rank=0, device=device)
     reports: list[Any] = []
+    copies: dict[int, Any] = {}  # step -> its snapshot's CopyProfile, as the snapshotter keeps the newest
 
     def step() -> float:
         reports.append(trainer.train_step())
+        if trainer.snapshotter is not None:
+            copies.update(trainer.snapshotter.profiles)
         return float(reports[-1].loss)
 
     try:
         times, losses = timed_steps(step, case, device)
         timed = reports[case.warmup :]
-        snapshots = snapshot_profiles(trainer.snapshotter, [r.step for r in timed]) if trainer.snapshotter else {}
+        snapshots = snapshot_profiles(trainer.snapshotter, [r.step for r in timed], copies) if trainer.snapshotter else {}
         # The profiled step is for the snapshot's cost: the shape snapshots run on, with and without.
         table = profiled_step(step, device) if SHAPES[case.shape].snapshots and case.snapshot_every > 0 else ""
         return {
@@ -325,17 +329,17 @@ def run_trainer(case: Case) -> dict[str, Any]:
         trainer.close()
 
 
-def snapshot_profiles(snapshotter: Any, steps: list[int]) -> dict[str, Any]:
+def snapshot_profiles(snapshotter: Any, steps: list[int], copies: dict[int, Any]) -> dict[str, Any]:
     """Per timed step: the fence's wait before its optimizer step (on the snapshot of the step
     before), and that step's own snapshot's ``CopyProfile`` fields; and the first capture's
     allocations (in the warm-up: the pinned buffers, and the staging buffer where there is one)."""
     snapshotter.settle()
-    profiles = snapshotter.profiles
+    copies.update(snapshotter.profiles)
     out: dict[str, Any] = {"fence_wait_s": [snapshotter.fence_wait_s(s - 1) for s in steps]}
     for field in ("issue_s", "alloc_s", "buffer_wait_s", "staged", "stage_s", "copy_s", "checksum_s", "num_bytes",
                   "host_write_gbps"):
-        out[field] = [getattr(profiles[s], field) if s in profiles else None for s in steps]
-    out["first_capture_alloc_s"] = max((p.alloc_s for p in profiles.values()), default=None)
+        out[field] = [getattr(copies[s], field) if s in copies else None for s in steps]
+    out["first_capture_alloc_s"] = copies[min(copies)].alloc_s if copies else None
     return out
 
 
@@ -373,7 +377,7 @@ def snapshot_breakdown(variants: Mapping[str, dict[str, Any]]) -> Optional[dict[
            ("fence_wait_s", "issue_s", "stage_s", "copy_s", "checksum_s", "host_write_gbps", "buffer_wait_s")},
            "alloc_s": steps["first_capture_alloc_s"],
            "staged": any(steps["staged"]), "num_bytes": median("num_bytes")}  # fmt: skip
-    out["rest_s"] = added - (out["fence_wait_s"] or 0.0) - (out["issue_s"] or 0.0)
+    out["rest_s"] = added - sum(out[key] or 0.0 for key in ("fence_wait_s", "issue_s", "buffer_wait_s"))
     return out
 
 
@@ -382,11 +386,12 @@ def describe_breakdown(b: Mapping[str, Any]) -> str:
         return "n/a" if b.get(key) is None else f"{1e3 * b[key]:.1f} ms"
 
     return (f"  snapshot step: +{ms('added_s')} a step = fence wait {ms('fence_wait_s')} + capture issue "
-            f"{ms('issue_s')} + rest {ms('rest_s')} (the step's own work beside the copy); "
+            f"{ms('issue_s')} + waiting for a host buffer {ms('buffer_wait_s')} + rest {ms('rest_s')} (the step's "
+            "own work beside the copy); "
             f"{'staged on the device ' + ms('stage_s') + ', ' if b['staged'] else 'not staged, '}"
             f"{(b['num_bytes'] or 0) / 1e9:.2f} GB into host memory in {ms('copy_s')} "
             f"({b['host_write_gbps'] or 0:.1f} GB/s), checksum {ms('checksum_s')}, buffers allocated {ms('alloc_s')} "
-            f"(first capture), waited for a buffer {ms('buffer_wait_s')}")
+            "(first capture)")
 
 
 def run_plain(case: Case) -> dict[str, Any]:

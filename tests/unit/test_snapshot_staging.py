@@ -20,7 +20,7 @@ import torch
 
 from ringtrain.checkpoint.wire import STATE_KEYS, decode, verify
 from ringtrain.train import snapshot as snapshot_module
-from ringtrain.train.copy_stream import CopyEvent, Hold
+from ringtrain.train.copy_stream import CopyEvent, Hold, device_has_room
 from ringtrain.train.snapshot import STAGE_ALWAYS, Snapshotter
 from ringtrain.train.zero_state import Fragment
 
@@ -46,6 +46,9 @@ class ThreadHold:
         return self._seconds
 
 
+STREAMS_MADE: list[ThreadStreams] = []
+
+
 class ThreadStreams:
     """A side stream: the queued copies run in order on a thread of their own. Training's stream
     is the calling thread, so holding it blocks the caller until the copy is done."""
@@ -53,6 +56,7 @@ class ThreadStreams:
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side-stream")
         self.queued = 0
+        STREAMS_MADE.append(self)
 
     def enqueue(self, copies: Callable[[], None]) -> CopyEvent:
         def run() -> float:
@@ -67,6 +71,14 @@ class ThreadStreams:
         t0 = time.perf_counter()
         event.synchronize()
         return ThreadHold(time.perf_counter() - t0)
+
+
+@pytest.fixture(autouse=True)
+def side_streams_stopped() -> Iterator[None]:
+    """Every stand-in side stream a test makes is stopped when it ends."""
+    yield
+    while STREAMS_MADE:
+        STREAMS_MADE.pop().pool.shutdown(wait=True)
 
 
 class SteppedZero:
@@ -288,12 +300,84 @@ def test_staged_the_state_leaves_in_one_copy_from_the_staging_buffer() -> None:
     snapshotter.close()
 
 
+def _staged(snapshotter: Snapshotter, step: int, **capture: Any) -> bool:
+    snapshotter.capture(step, {}, **capture)
+    got = snapshotter.wait()
+    assert got is not None and got.profile is not None
+    return got.profile.staged
+
+
 def test_auto_stages_only_where_the_device_has_room() -> None:
     zero = SteppedZero()
     for staging, staged in (("auto", False), (STAGE_ALWAYS, True), ("none", False)):
         snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging=staging,  # type: ignore[arg-type]
                                   streams=ThreadStreams())  # fmt: skip
-        snapshotter.capture(1, {})
-        got = snapshotter.wait()
-        assert got is not None and got.profile is not None and got.profile.staged is staged, staging
+        assert _staged(snapshotter, 1) is staged, staging
         snapshotter.close()
+
+
+def test_auto_decides_at_the_first_capture_after_a_step_not_at_a_restores() -> None:
+    """A restore's capture has no step's peak behind it (its peak is the model's states alone):
+    the room is judged at the first capture after a step, and then kept."""
+    asked: list[int] = []
+
+    def has_room(device: torch.device, num_bytes: int) -> bool:
+        asked.append(num_bytes)
+        return True
+
+    zero = SteppedZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging="auto",  # type: ignore[arg-type]
+                              streams=ThreadStreams())  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(snapshot_module, "device_has_room", has_room)
+        assert not _staged(snapshotter, 3, after_step=False) and asked == []
+        assert _staged(snapshotter, 4) and _staged(snapshotter, 5)
+    assert asked == [4 * sum(t.numel() for t in zero.tensors.values())]
+    snapshotter.close()
+
+
+def test_auto_copies_from_the_live_state_when_the_staging_buffer_cannot_be_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*args: Any) -> None:
+        raise torch.OutOfMemoryError("no 4 KiB piece left")
+
+    zero = SteppedZero()
+    monkeypatch.setattr(snapshot_module, "device_has_room", lambda device, num_bytes: True)
+    monkeypatch.setattr(snapshot_module, "DeviceStaging", no_memory)
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging="auto",  # type: ignore[arg-type]
+                              streams=ThreadStreams())  # fmt: skip
+    zero.optimizer_step(1)
+    assert not _staged(snapshotter, 1)
+    got = snapshotter.newest()
+    assert got is not None and _arrays(got.blob) == zero.state()
+    forced = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging=STAGE_ALWAYS,  # type: ignore[arg-type]
+                         streams=ThreadStreams())  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError):
+        forced.capture(1, {})
+    snapshotter.close()
+    forced.close()
+
+
+def test_a_rank_without_state_snapshots_nothing_staged_or_not() -> None:
+    class NoState:
+        def fragments(self) -> Iterator[Fragment]:
+            return iter(())
+
+    snapshotter = Snapshotter(NoState(), rank=1, world_size=2, device=torch.device("cpu"), staging=STAGE_ALWAYS,  # type: ignore[arg-type]
+                              streams=ThreadStreams())  # fmt: skip
+    snapshotter.capture(1, {"trainer_step": 1})
+    got = snapshotter.wait()
+    assert got is not None and decode(got.blob).entries == []
+    snapshotter.close()
+
+
+def test_the_room_is_the_steps_peak_as_reserved_with_what_is_not_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """80 GB: 70 GB reserved at the step's peak, 2 GB not torch's (the context, communication
+    buffers), so a 4 GB buffer fits a 5% margin and a 5 GB one does not."""
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (20 * gb, 80 * gb))  # 58 GB reserved now
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 58 * gb)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 70 * gb)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 60 * gb)  # not what the step took
+    cuda = torch.device("cuda", 0)
+    assert device_has_room(cuda, 4 * gb) and not device_has_room(cuda, 5 * gb)
+    assert not device_has_room(torch.device("cpu"), 1)

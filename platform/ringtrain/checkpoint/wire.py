@@ -26,7 +26,7 @@ import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -65,10 +65,14 @@ class SnapshotFormatError(ValueError):
 # --- the checksum -------------------------------------------------------------------------------
 
 
-def checksum(blob: Buffer, *, threads: Optional[int] = None, chunk_mib: int = TREE_CHUNK_MIB) -> str:
+def checksum(
+    blob: Buffer, *, threads: Optional[int] = None, chunk_mib: int = TREE_CHUNK_MIB,
+    thread_setup: Optional[Callable[[], None]] = None,
+) -> str:
     """The tree checksum of ``blob``, named: ``sha256x<chunk_mib>m:<hex>``. ``threads``: how
-    many chunks hash at once (default: the CPUs this process may run on)."""
-    return f"sha256x{chunk_mib}m:{_tree_sha256(_bytes_view(blob), chunk_mib << 20, threads)}"
+    many chunks hash at once (default: the CPUs this process may run on); ``thread_setup`` runs
+    in each hashing thread as it starts (a lower priority, say)."""
+    return f"sha256x{chunk_mib}m:{_tree_sha256(_bytes_view(blob), chunk_mib << 20, threads, thread_setup)}"
 
 
 def verify(blob: Buffer, digest: str, *, threads: Optional[int] = None) -> bool:
@@ -85,7 +89,9 @@ def verify(blob: Buffer, digest: str, *, threads: Optional[int] = None) -> bool:
     return _tree_sha256(view, int(tree.group(1)) << 20, threads) == hexdigest
 
 
-def _tree_sha256(view: memoryview, chunk_bytes: int, threads: Optional[int]) -> str:
+def _tree_sha256(
+    view: memoryview, chunk_bytes: int, threads: Optional[int], thread_setup: Optional[Callable[[], None]] = None
+) -> str:
     # hashlib releases the GIL while it hashes a large buffer, so threads use every core.
     starts = range(0, len(view), chunk_bytes)
 
@@ -96,7 +102,7 @@ def _tree_sha256(view: memoryview, chunk_bytes: int, threads: Optional[int]) -> 
     if workers <= 1:
         leaves = [leaf(s) for s in starts]
     else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="snapshot-hash") as pool:
+        with ThreadPoolExecutor(workers, thread_name_prefix="snapshot-hash", initializer=thread_setup) as pool:
             leaves = list(pool.map(leaf, starts))
     return hashlib.sha256(b"".join(leaves)).hexdigest()
 

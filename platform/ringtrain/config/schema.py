@@ -367,10 +367,11 @@ class CheckpointConfig:
     snapshot_every: int = 1
     keep_in_memory: int = 2  # snapshots per rank each holder keeps
     # SNAPSHOT_STAGINGS, on a GPU: auto copies each snapshot into a device buffer first where the
-    # device has room for it beside the step's peak (this rank's share of the fp32 state: 12
-    # bytes a parameter over the ZeRO ranks), so the next optimizer step waits milliseconds for
-    # it and the copy into host memory has until the next snapshot; none always copies from the
-    # live state, and the next optimizer step waits for the whole copy.
+    # device has room for it beside a step's peak, judged at the first snapshot after a step
+    # (this rank's share of the fp32 state: 12 bytes a parameter over the ZeRO ranks), so the
+    # next optimizer step waits milliseconds for it and the copy into host memory has until the
+    # next snapshot; none always copies from the live state, and the next optimizer step waits
+    # for the whole copy.
     snapshot_staging: str = "auto"
     buddy: bool = True  # also keep each snapshot on another node (when there is one)
     uri: str = ""  # durable store: file:///path or s3://bucket/prefix; "": <run_dir>/checkpoints

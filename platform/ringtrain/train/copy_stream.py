@@ -105,10 +105,12 @@ class CudaCopyStreams:
 
 def device_has_room(device: torch.device, num_bytes: int, *, margin: float = 0.05) -> bool:
     """Whether ``num_bytes`` more on ``device`` still leave the step's peak and a ``margin`` of the
-    device's memory free. Read after a step: the peak is that step's (the Trainer resets it at each
-    step's start), and what is not torch's (the CUDA context, communication buffers) counts too."""
+    device's memory free. Read right after a step: the peak is that step's (the Trainer resets it
+    at each step's start), as the allocator reserved it (what the step took, its fragmentation
+    included), and what is not torch's (the CUDA context, communication buffers, other
+    processes) counts too."""
     if device.type != "cuda":
         return False
     free, total = torch.cuda.mem_get_info(device)
     not_torch = total - free - torch.cuda.memory_reserved(device)
-    return torch.cuda.max_memory_allocated(device) + not_torch + num_bytes <= total * (1 - margin)
+    return torch.cuda.max_memory_reserved(device) + not_torch + num_bytes <= total * (1 - margin)

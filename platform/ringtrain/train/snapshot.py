@@ -7,11 +7,13 @@ step changes. On GPU, where the device has room, the state is first copied into 
 (milliseconds at the device's memory bandwidth: all the optimizer step waits for), and leaves the
 device from there in one copy into pinned host memory, which may then take until the next
 snapshot; without that room it is copied straight from the live tensors, and the optimizer step
-waits for the whole copy (``checkpoint.snapshot_staging``). The copy lands where the snapshot's
-blob keeps it: each host buffer is laid out as a ``checkpoint.wire`` blob, the header is written
-at capture (microseconds), and the copy thread then only checksums the blob, a tree hash on all
-cores, at a lower CPU priority than training's on GPU, so the host thread that feeds the device
-is never the one kept waiting. The buffers are allocated once and reused, each leased to one
+waits for the whole copy (``checkpoint.snapshot_staging``); the state of an optimizer offloaded
+to the host is copied by a thread, as on CPU. The copy lands where the snapshot's blob keeps it:
+each host buffer is laid out as a ``checkpoint.wire`` blob, the header is written at capture
+(microseconds), and the copy thread then only checksums the blob, a tree hash on all cores, whose
+threads run below the training thread's priority on GPU: the thread that queues the device's
+work wins a core over them. A snapshot is of one step, whole, or is not taken: a copy that fails
+part-way leaves no snapshot of its step. The buffers are allocated once and reused, each leased to one
 snapshot at a time. What is copied are ``train.zero_state``'s fragments, this rank's own part of
 the state, in coordinates that do not depend on dp. Each snapshot says where its time went
 (``CopyProfile``), and the snapshotter how long each fence held training (``fence_wait_s``).
@@ -20,6 +22,7 @@ the state, in coordinates that do not depend on dp. Each snapshot says where its
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -33,13 +36,15 @@ import numpy as np
 import torch
 
 from ringtrain.checkpoint.retention import retained
+from ringtrain.config import SNAPSHOT_STAGINGS
 from ringtrain.checkpoint.wire import BlobLayout, checksum, header_room
 from ringtrain.train.copy_stream import CopyEvent, CopyStreams, CudaCopyStreams, Hold, device_has_room
 from ringtrain.train.zero_state import Fragment, ZeroState
 
-# The copy thread and the checksum threads it starts, on GPU: below the training thread, which
-# must get a core the moment it has kernels to queue (Linux: a thread's nice value is its own,
-# and threads it starts inherit it).
+_log = logging.getLogger(__name__)
+
+# The checksum's threads, on GPU: below the training thread, which must get a core the moment it
+# has kernels to queue (Linux: a thread's nice value is its own).
 BACKGROUND_NICE = 10
 # Beyond checkpoint.snapshot_staging's values: staged whatever the device's room (which a job
 # cannot ask for: the planner does not count the buffer, and ``auto`` stages only where it fits).
@@ -56,8 +61,8 @@ class CopyProfile:
     alloc_s: float  # buffers allocated by this capture: host (pinned on GPU) and device staging
     buffer_wait_s: float  # the capture waiting for a host buffer the copy thread had not yet freed
     staged: bool  # the state was copied into a device buffer first
-    stage_s: Optional[float]  # that device-side copy: what the next optimizer step waits for
-    copy_s: float  # into host memory: what the optimizer step waits for when not staged
+    stage_s: Optional[float]  # that device-side copy: what the next optimizer step waits for (and what was queued before it)
+    copy_s: float  # into host memory (the copy itself): what the optimizer step waits for when not staged
     checksum_s: float
     num_bytes: int
 
@@ -82,7 +87,7 @@ class Snapshot:
     blob: memoryview
     checksum: str  # checkpoint.wire.checksum of blob (a named tree hash)
     copy_s: float  # from the capture until the copy into host memory was seen done
-    total_s: float  # copy + encode + checksum
+    total_s: float  # from the capture until the checksum was done (delivery aside)
     scalars: dict[str, Any] = field(default_factory=dict)  # the non-tensor state encoded in blob
     profile: Optional[CopyProfile] = None
 
@@ -145,7 +150,7 @@ class Snapshotter:
     when a pin or a caller still holds them all. ``fence()`` is the only synchronisation
     the training loop sees: before the next optimizer step mutates state, the pending copy must
     have read it. On GPU the copy is queued on a side stream and the fence is a stream-to-stream
-    wait, so the host never blocks; staged, the fence waits only for the device-side copy, and
+    wait, so the host does not block (unless the state is offloaded to the host); staged, the fence waits only for the device-side copy, and
     the copy into host memory, queued behind it on the same stream, has until the next capture's
     staging (which the stream runs after it) to finish. On CPU a background thread copies.
     """
@@ -177,15 +182,15 @@ class Snapshotter:
         self.device = device
         self.deliver = deliver
         self.keep = keep
+        if staging not in (*SNAPSHOT_STAGINGS, STAGE_ALWAYS):
+            raise ValueError(f"staging={staging!r}: expected one of {', '.join((*SNAPSHOT_STAGINGS, STAGE_ALWAYS))}")
         self.staging = staging
         self.hash_threads = hash_threads
         if streams is None and device.type == "cuda":
             streams = CudaCopyStreams(device)
         self._streams = streams
         # One worker: jobs finish in capture order, so ``recent`` and deliveries stay ordered.
-        self._pool = executor or ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"snapshot-r{rank}", initializer=_below_training if streams else None
-        )
+        self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         self._fence_on: Optional[tuple[int, CopyEvent]] = None  # (step, the copy the next fence holds on)
         self._copied = threading.Event()
         self._copied.set()
@@ -207,8 +212,10 @@ class Snapshotter:
         self.pinned: Optional[int] = None
         self.errors: list[BaseException] = []
 
-    def capture(self, step: int, scalars: dict[str, Any]) -> None:
-        """Start snapshotting the state as it is now (call right after an optimizer step)."""
+    def capture(self, step: int, scalars: dict[str, Any], *, after_step: bool = True) -> None:
+        """Start snapshotting the state as it is now (call right after an optimizer step).
+        ``after_step``: a training step ran since the device's peak was last reset, so its peak
+        says whether a staging buffer has room (a restore's capture has no step behind it)."""
         t0 = time.perf_counter()
         self.fence()
         fragments = list(self.zero.fragments())
@@ -216,11 +223,12 @@ class Snapshotter:
         sources = [tensor.detach() for frag in fragments for tensor in frag.tensors.values()]
         # An optimizer offloaded to the host keeps the state there: a thread copies it, as on a
         # CPU, rather than the capture itself (a copy between host tensors is no stream's).
-        streams = self._streams if all(t.device.type == self.device.type for t in sources) else None
+        on_device = bool(sources) and all(t.device.type == self.device.type for t in sources)
+        streams = self._streams if on_device else None
         allocations = self.num_allocations
         t_acquire = time.perf_counter()
         buffer = self._free_buffer(layout)
-        staging, staging_allocated = self._staging_for(layout) if streams is not None else (None, False)
+        staging, staging_allocated = self._staging_for(layout, after_step) if streams is not None else (None, False)
         acquire_s = time.perf_counter() - t_acquire
         allocated = staging_allocated or self.num_allocations > allocations
         blob = buffer.lease()
@@ -246,10 +254,12 @@ class Snapshotter:
             buffer_wait_s=0.0 if allocated else acquire_s,
             staged=staging is not None,
         )
-        on_host = (buffer.arrays, sources) if streams is None else None
+        # The job holds the sources until the copy has read them, on either path: the side
+        # stream reads them after the capture returns, and nothing else may free them first.
+        copy = _Copy(sources, buffer.arrays if streams is None else None, staged, copied)
         # The job gets its own events: ``self._fence_on`` may already be the next capture's by
         # the time the job runs, and its buffer would then be read before this copy lands.
-        self._pending = self._pool.submit(self._run, step, scalars, blob, t_copy, on_host, staged, copied, timing)
+        self._pending = self._pool.submit(self._run, step, scalars, blob, t_copy, copy, timing)
         self._running.append(self._pending)
 
     def fence(self) -> None:
@@ -357,52 +367,60 @@ class Snapshotter:
             self.num_allocations += 1
         return self.buffers[-1]
 
-    def _staging_for(self, layout: BlobLayout) -> tuple[Optional[DeviceStaging], bool]:
+    def _staging_for(self, layout: BlobLayout, after_step: bool) -> tuple[Optional[DeviceStaging], bool]:
         """The device buffer this layout's state is staged in (None: copied from the live
-        tensors), decided once per layout; and whether it was allocated now."""
+        tensors), decided once per layout, at a capture right after a step under ``auto``; and
+        whether it was allocated now."""
         if self._staging_decided is layout:
             return self._staging, False
         if self._staging is not None and self._last_copied is not None:
             self._last_copied.synchronize()  # the former buffer goes: nothing may still read it
-        self._staging, self._staging_decided = None, layout
+        self._staging, self._staging_decided = None, None
+        if self.staging == "auto" and not after_step:
+            return None, False  # decided at the next capture, with a step's peak to go by
+        self._staging_decided = layout
         num_bytes = layout.num_bytes - layout.payload_start
-        if self._streams is None or not (
-            self.staging == STAGE_ALWAYS or (self.staging == "auto" and device_has_room(self.device, num_bytes))
-        ):
+        if not (self.staging == STAGE_ALWAYS or (self.staging == "auto" and device_has_room(self.device, num_bytes))):
             return None, False
-        self._staging = DeviceStaging(layout, self.device)
+        try:
+            self._staging = DeviceStaging(layout, self.device)
+        except torch.OutOfMemoryError:
+            if self.staging == STAGE_ALWAYS:
+                raise
+            return None, False  # the room was there but not in one piece: copied from the live state
         return self._staging, True
 
-    def _run(
-        self,
-        step: int,
-        scalars: dict[str, Any],
-        blob: memoryview,
-        t0: float,
-        on_host: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]],
-        staged: Optional[CopyEvent],
-        copied: Optional[CopyEvent],
-        timing: _CaptureTiming,
-    ) -> Snapshot:
+    def _run(self, step: int, scalars: dict[str, Any], blob: memoryview, t0: float, copy: _Copy,
+             timing: _CaptureTiming) -> Snapshot:  # fmt: skip
         try:
-            if copied is not None:
-                copied.synchronize()
+            if copy.hosts is not None:
+                t_thread = time.perf_counter()
+                try:
+                    _copy_each(copy.hosts, copy.sources)  # releases the GIL: overlaps the step
+                finally:
+                    self._copied.set()
+                thread_copy_s: Optional[float] = time.perf_counter() - t_thread
             else:
-                assert on_host is not None
-                _copy_each(*on_host)  # releases the GIL: overlaps the step
-        finally:
-            copy_s = time.perf_counter() - t0
-            self._copied.set()
-        device_copy_s = copied.seconds() if copied is not None else None
+                assert copy.copied is not None
+                copy.copied.synchronize()
+                thread_copy_s = None
+        except BaseException as exc:
+            # A snapshot is of one step, whole, or is not taken: this one is not. Its buffer is
+            # free again once this frame, which the error's traceback keeps, lets go of the blob.
+            del blob
+            _log.warning("rank %d: the snapshot of step %d is not taken, its copy failed: %s", self.rank, step, exc)
+            raise
+        copy_s = time.perf_counter() - t0
+        device_copy_s = copy.copied.seconds() if copy.copied is not None else None
         t_hash = time.perf_counter()
-        digest = checksum(blob, threads=self.hash_threads)
+        digest = checksum(blob, threads=self.hash_threads, thread_setup=_below_training if self._streams else None)
         profile = CopyProfile(
             issue_s=timing.issue_s,
             alloc_s=timing.alloc_s,
             buffer_wait_s=timing.buffer_wait_s,
             staged=timing.staged,
-            stage_s=staged.seconds() if staged is not None else None,
-            copy_s=device_copy_s if device_copy_s is not None else copy_s,
+            stage_s=copy.staged.seconds() if copy.staged is not None else None,
+            copy_s=next(s for s in (device_copy_s, thread_copy_s, copy_s) if s is not None),
             checksum_s=time.perf_counter() - t_hash,
             num_bytes=len(blob),
         )
@@ -418,6 +436,17 @@ class Snapshotter:
             except Exception as exc:  # a holder being away must not stop training
                 self.errors.append(_without_frames(exc))
         return snap
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """What one snapshot's job copies, or waits for: the live tensors it reads, the host arrays
+    its thread copies them into (None: the side stream copies), and the side stream's events."""
+
+    sources: list[torch.Tensor]
+    hosts: Optional[list[torch.Tensor]]
+    staged: Optional[CopyEvent]
+    copied: Optional[CopyEvent]
 
 
 @dataclass(frozen=True)

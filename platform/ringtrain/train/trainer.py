@@ -558,7 +558,8 @@ class Trainer:
             # The restored state is a rollback point from now on, in this world's memory and its
             # holders: a failure before the next snapshot (an SDC scan that fails right after
             # a resume, say) goes back to it instead of finding nothing.
-            self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step, self.data_cursor))
+            self.snapshotter.capture(self.step, capture_scalars(self.engine, self.zero, self.step, self.data_cursor),
+                                     after_step=False)
         return self.step
 
     def skip_batch(self, batch: int) -> None:
