@@ -471,7 +471,7 @@ def _copy_each(hosts: list[torch.Tensor], sources: list[torch.Tensor], *, non_bl
 
 
 def _below_training() -> None:
-    """Run the calling thread, and the threads it starts, below the training thread's priority."""
+    """Run the calling thread below the training thread's priority (a checksum thread, as it starts)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: the default priority serves
