@@ -32,10 +32,10 @@ the staging copy on the device, the copy into host memory and its rate, the chec
 snapshotter how long each fence held the optimizer step; ``snapshot_profile`` in the JSON holds
 their medians over the timed steps and splits the step time the snapshots added into the fence's
 wait, the capture's issue and its wait for a host buffer, and what is left: the step's own work
-slowed beside the copy (memory
-bandwidth, or a host thread kept from a core). On a GPU both trainer variants also run one more
-step under torch.profiler, and the JSON keeps each one's table of the ops that took the most
-device and host time (``profile_table``), so two tables tell where the rest went.
+slowed beside the copy (memory bandwidth, or a host thread kept from a core). On a GPU both
+trainer variants of the shape snapshots run on also run one more step under torch.profiler, and
+the JSON keeps each one's table of the ops that took the most device and host time
+(``profile_table``), so the two tables tell where the rest went.
 
 Each variant runs ``--warmup`` untimed steps, then ``--steps`` timed ones, each from a
 synchronized device to a synchronized device; the median step time gives tokens/s. Peak memory
@@ -361,7 +361,8 @@ def profiled_step(step: Callable[[], float], device: torch.device) -> str:
 def snapshot_breakdown(variants: Mapping[str, dict[str, Any]]) -> Optional[dict[str, Any]]:
     """What the snapshots added to the median step, split into the fence's wait, the capture's
     issue and the rest, with the copy's medians beside."""
-    if not {"trainer", "trainer_snapshots"} <= set(variants) or any("error" in variants[v] for v in variants):
+    pair = ("trainer", "trainer_snapshots")
+    if not set(pair) <= set(variants) or any("error" in variants[v] for v in pair):
         return None
     snap = variants["trainer_snapshots"]
     steps = snap.get("snapshot_steps")
@@ -385,7 +386,7 @@ def describe_breakdown(b: Mapping[str, Any]) -> str:
     def ms(key: str) -> str:
         return "n/a" if b.get(key) is None else f"{1e3 * b[key]:.1f} ms"
 
-    return (f"  snapshot step: +{ms('added_s')} a step = fence wait {ms('fence_wait_s')} + capture issue "
+    return (f"  snapshot step: {1e3 * b['added_s']:+.1f} ms a step = fence wait {ms('fence_wait_s')} + capture issue "
             f"{ms('issue_s')} + waiting for a host buffer {ms('buffer_wait_s')} + rest {ms('rest_s')} (the step's "
             "own work beside the copy); "
             f"{'staged on the device ' + ms('stage_s') + ', ' if b['staged'] else 'not staged, '}"
