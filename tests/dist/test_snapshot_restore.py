@@ -4,9 +4,9 @@ tolerance at another dp, for every ZeRO stage.
 Each case trains STEPS steps uninterrupted while taking the snapshot of step CUT, then starts
 fresh processes, restores that snapshot and trains the remaining steps. A DPO run does so with
 the reference table its first world took, read back from a checkpoint store: no pass over the
-data runs again (one would fail the resumed ranks). And a rank that fails while it snapshots a step (before the
-copy starts, half-way through it, after it) leaves the snapshot its world resumes from exactly, at
-every ZeRO stage.
+data runs again (one would fail the resumed ranks). And a world that fails while it snapshots a
+step (before the copy starts, half-way through it, after it) is left the snapshots it resumes
+from exactly, at every ZeRO stage.
 """
 
 from __future__ import annotations
