@@ -19,8 +19,9 @@ Parts, in order (``--only`` picks some, ``--budget part=seconds`` resizes one):
 - max_context: bench/max_context.py, the longest sequence one GPU trains for a 1B and an
   8B-shaped Llama, ringtrain against transformers', the planner's prediction beside each, under
   a memory cap that keeps the lengths short;
-- train_baselines: bench/train.py --check against plain PyTorch and transformers on both shapes;
-  only when ``--only`` names it (outside the box: see its budget's comment);
+- train_baselines: bench/train.py --check against plain PyTorch and transformers on both shapes,
+  and the per-step snapshot on the Qwen3 shape; only when ``--only`` names it (outside the box:
+  see its budget's comment);
 - nccl_abort: bench/nccl_abort.py, where the checkout has it; only when ``--only`` names it (its
   ~50 s do not fit the box, and the timing part already holds a survivor's abort to its bound).
 
@@ -164,9 +165,10 @@ def default_parts() -> list[Part]:
                              "--max-tries", "2", "--tolerance-edges", "--budget-s", "95", "--try-timeout", "60"),
              110),
         # train_baselines: the Trainer, plain PyTorch and transformers on both shapes, 153 s in
-        # train-nvidia-h200.json (+ the bench's start).
-        Part("train_baselines", (py, str(bench / "train.py"), "--check", "--variants", "trainer,plain,hf"), 175,
-             default=False),
+        # train-nvidia-h200.json (+ the bench's start), and the Qwen3 shape's snapshot variant
+        # (about 60 s, as TinyLlama's 54 s beside its 30 s Trainer, and its two profiled steps).
+        Part("train_baselines", (py, str(bench / "train.py"), "--check", "--variants", "trainer,trainer_snapshots,plain,hf",
+                                 "--snapshot-shapes", "qwen3"), 250, default=False),
         Part("nccl_abort", (py, str(bench / "nccl_abort.py")), 90, needs=bench / "nccl_abort.py",
              default=False),
     ]

@@ -22,9 +22,10 @@ fresh CUDA context, allocator and process group), one after the other:
   exporter writes for the same shape (``ringtrain.hf.hfconfig``), ``attn_implementation="sdpa"``,
   gradient checkpointing of every layer (32K tokens do not fit without), the same fp32-master
   AdamW, ``model(input_ids=..., labels=...).loss``: what a user would otherwise run.
-- trainer_snapshots (tinyllama only): the trainer with a snapshot every ``--snapshot-every``
-  steps (default 1; 0 leaves it out) under ``checkpoint.snapshot_staging=--snapshot-staging``
-  (default auto), for the per-step snapshot's cost.
+- trainer_snapshots (on ``--snapshot-shapes``, default tinyllama): the trainer with a snapshot
+  every ``--snapshot-every`` steps (default 1; 0 leaves it out) under
+  ``checkpoint.snapshot_staging=--snapshot-staging`` (default auto), for the per-step snapshot's
+  cost.
 
 The snapshot's cost is profiled where it is paid. Each snapshot says where its time went
 (``ringtrain.train.snapshot.CopyProfile``: the capture's issue on the host, buffers allocated,
@@ -61,7 +62,7 @@ Targets, each printed PASS or MISS with its value:
     trainer MFU (causal)                       >= 45% qwen3, >= 38% tinyllama
     trainer / plain tokens/s                   >= 0.97, per shape
     trainer / hf tokens/s                      >= 1.5, per shape
-    trainer_snapshots / trainer step time      <= 1.02 (tinyllama)
+    trainer_snapshots / trainer step time      <= 1.02, per shape it ran on
 
 ``--check`` exits 1 when one is missed or could not be measured. A variant that fails (out of
 memory included, or past ``--timeout``) is a result: it is recorded with the last lines of its
@@ -127,7 +128,7 @@ class TimedShape(Shape):
     MFU target on it."""
 
     mfu_min: float
-    snapshots: bool = False  # the trainer_snapshots variant runs on this shape
+    snapshots: bool = False  # the trainer_snapshots variant runs on this shape unless --snapshot-shapes says
 
 
 SHAPES: dict[str, TimedShape] = {
@@ -196,6 +197,7 @@ class Case:
     kernel: str
     snapshot_every: int
     snapshot_staging: str = "auto"
+    profiled: bool = False  # a trainer variant of a shape the snapshot variant runs on: one step profiled
 
     @property
     def model(self) -> dict[str, Any]:
@@ -310,7 +312,7 @@ def run_trainer(case: Case) -> dict[str, Any]:
         timed = reports[case.warmup :]
         snapshots = snapshot_profiles(trainer.snapshotter, [r.step for r in timed], copies) if trainer.snapshotter else {}
         # The profiled step is for the snapshot's cost: the shape snapshots run on, with and without.
-        table = profiled_step(step, device) if SHAPES[case.shape].snapshots and case.snapshot_every > 0 else ""
+        table = profiled_step(step, device) if case.profiled else ""
         return {
             "step_s": times,
             "losses": losses,
@@ -577,6 +579,11 @@ def describe(variant: str, out: Mapping[str, Any]) -> str:
             f"peak {out['peak_memory_bytes'] / 2**30:.2f} GiB  {out['dtype']}, {recipe}  (process {out['wall_s']:g} s)")
 
 
+def snapshots_on(name: str, args: argparse.Namespace) -> bool:
+    """Whether the trainer_snapshots variant runs on shape ``name``."""
+    return name in args.snapshot_shapes and args.snapshot_every > 0
+
+
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(shape, variant) pairs to run, in order: a variant for every shape before the next
     variant, so that a run cut short by its time box has measured the first variants listed
@@ -584,7 +591,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     pairs = []
     for variant in args.variants:
         for name in args.shapes:
-            if variant == "trainer_snapshots" and not (SHAPES[name].snapshots and args.snapshot_every > 0):
+            if variant == "trainer_snapshots" and not snapshots_on(name, args):
                 continue
             pairs.append((name, variant))
     return pairs
@@ -601,6 +608,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--zero", type=int, default=2, help="the Trainer's ZeRO stage")
     p.add_argument("--kernel", default="auto", help="attention.kernel of ringtrain's variants")
     p.add_argument("--snapshot-every", type=int, default=1, help="trainer_snapshots' snapshot interval (0: not run)")
+    p.add_argument("--snapshot-shapes", default=",".join(name for name, shape in SHAPES.items() if shape.snapshots),
+                   help="comma-separated shapes the trainer_snapshots variant runs on")
     p.add_argument("--snapshot-staging", default="auto", choices=SNAPSHOT_STAGINGS,
                    help="trainer_snapshots' checkpoint.snapshot_staging")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per variant, process start included")
@@ -610,6 +619,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.shapes = listed(args.shapes, tuple(SHAPES), "--shapes", "train")
     args.variants = listed(args.variants, VARIANTS, "--variants", "train")
+    args.snapshot_shapes = listed(args.snapshot_shapes, tuple(SHAPES), "--snapshot-shapes", "train")
     if args.seq is None:
         args.seq = TINY_SEQ if args.tiny else FULL_SEQ
     if args.seq < 2 or args.steps < 1 or args.warmup < 0:
@@ -668,7 +678,8 @@ def run_plan(args: argparse.Namespace, base: Case, shapes: dict[str, dict[str, A
             variants = shapes[name]["variants"]
             if not variants:
                 print(shape_header(name, shapes[name], args.tiny))
-            out = run_variant(replace(base, shape=name, variant=variant), args.timeout)
+            profiled = variant in ("trainer", "trainer_snapshots") and snapshots_on(name, args)
+            out = run_variant(replace(base, shape=name, variant=variant, profiled=profiled), args.timeout)
             peak.learn(out, args)
             score(out, shapes[name]["flops_per_token"], peak.flops)
             variants[variant] = out

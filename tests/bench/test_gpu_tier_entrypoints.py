@@ -531,7 +531,9 @@ def test_each_bench_part_names_a_script_and_flags_it_takes_and_measures_what_the
     assert train.check and train.snapshot_every == 1 and train.shapes == ["tinyllama", "qwen3"]
     assert train.variants == ["trainer", "trainer_snapshots"]  # the Trainer's MFU first, on both shapes
     baselines = _bench_args(parts["train_baselines"])
-    assert {"trainer", "plain", "hf"} == set(baselines.variants) and baselines.shapes == train.shapes
+    assert {"trainer", "trainer_snapshots", "plain", "hf"} == set(baselines.variants) and baselines.shapes == train.shapes
+    # The per-step snapshot on both shapes, TinyLlama's in the box and Qwen3's beside the baselines.
+    assert train.snapshot_shapes == ["tinyllama"] and baselines.snapshot_shapes == ["qwen3"]
     context = _bench_args(parts["max_context"])
     assert context.shapes == ["llama3.2-1b", "llama3-8b"] and context.systems == ["hf", "ringtrain"]
     assert context.memory_gb and context.host_memory_gb == 0 and context.tolerance_edges and context.max_tries >= 2
