@@ -13,8 +13,8 @@ each host buffer is laid out as a ``checkpoint.wire`` blob, the header is writte
 (microseconds), and the copy thread then only checksums the blob, a tree hash on all cores, whose
 threads run below the training thread's priority on GPU: the thread that queues the device's
 work wins a core over them. A snapshot is of one step, whole, or is not taken: a copy that fails
-part-way leaves no snapshot of its step. The buffers are allocated once and reused, each leased to one
-snapshot at a time. What is copied are ``train.zero_state``'s fragments, this rank's own part of
+part-way leaves no snapshot of its step. The buffers are allocated once and reused, each leased to
+one snapshot at a time. What is copied are ``train.zero_state``'s fragments, this rank's own part of
 the state, in coordinates that do not depend on dp. Each snapshot says where its time went
 (``CopyProfile``), and the snapshotter how long each fence held training (``fence_wait_s``).
 """
@@ -61,7 +61,8 @@ class CopyProfile:
     alloc_s: float  # buffers allocated by this capture: host (pinned on GPU) and device staging
     buffer_wait_s: float  # the capture waiting for a host buffer the copy thread had not yet freed
     staged: bool  # the state was copied into a device buffer first
-    stage_s: Optional[float]  # that device-side copy: what the next optimizer step waits for (and what was queued before it)
+    # That device-side copy: what the next optimizer step waits for (behind what was queued before it).
+    stage_s: Optional[float]
     copy_s: float  # into host memory (the copy itself): what the optimizer step waits for when not staged
     checksum_s: float
     num_bytes: int
@@ -150,9 +151,10 @@ class Snapshotter:
     when a pin or a caller still holds them all. ``fence()`` is the only synchronisation
     the training loop sees: before the next optimizer step mutates state, the pending copy must
     have read it. On GPU the copy is queued on a side stream and the fence is a stream-to-stream
-    wait, so the host does not block (unless the state is offloaded to the host); staged, the fence waits only for the device-side copy, and
-    the copy into host memory, queued behind it on the same stream, has until the next capture's
-    staging (which the stream runs after it) to finish. On CPU a background thread copies.
+    wait, so the host does not block (unless the state is offloaded to the host); staged, the
+    fence waits only for the device-side copy, and the copy into host memory, queued behind it on
+    the same stream, has until the next capture's staging (which the stream runs after it) to
+    finish. On CPU a background thread copies.
     """
 
     def __init__(
@@ -170,11 +172,10 @@ class Snapshotter:
         hash_threads: Optional[int] = None,
     ) -> None:
         """``streams`` defaults to a side CUDA stream on a CUDA device (none on CPU), and
-        ``executor`` to one background thread, below training's priority where there are
-        streams; tests pass stand-ins for either. ``staging``: ``checkpoint.snapshot_staging``'s
-        ``auto`` copies the state into a device buffer first where the device has room for it
-        beside a step's peak, ``none`` never; ``STAGE_ALWAYS`` (tests, benches) stages whatever
-        the room. Without streams there is nothing to stage.
+        ``executor`` to one background thread; tests pass stand-ins for either. ``staging``:
+        ``checkpoint.snapshot_staging``'s ``auto`` copies the state into a device buffer first
+        where the device has room for it beside a step's peak, ``none`` never; ``STAGE_ALWAYS``
+        (tests, benches) stages whatever the room. Without streams there is nothing to stage.
         ``hash_threads``: threads the checksum uses (default: every CPU this process may use)."""
         self.zero = zero
         self.rank = rank
