@@ -78,6 +78,7 @@ TAIL_LINES = 8  # of a timed-out or failed part's output, in the summary
 TEST_TIMEOUT_S = 90  # one test: a hung one fails alone, with its stack, instead of eating its part's budget
 XDIST_WORKERS = 4
 SLOW_FIRST = "tests.gpu.slow_first"  # the plugin that starts each xdist worker on a slow test
+WORKSTEAL_SINCE = (3, 2)  # the pytest-xdist release that brought --dist worksteal
 # Timing-sensitive tests: alone on the GPU, before anything else loads it.
 TIMING_TESTS = ("tests/gpu/test_nccl_abort_gpu.py", "tests/gpu/test_collective_timing_gpu.py")
 TIME_BOX_S = 480.0  # what the default budgets, with a grace each, must fit in
@@ -118,8 +119,20 @@ def _pytest(paths: Sequence[str], *, parallel: bool) -> tuple[str, ...]:
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv.append(f"--timeout={TEST_TIMEOUT_S}")
     if parallel and importlib.util.find_spec("xdist") is not None:
-        argv += ["-n", str(XDIST_WORKERS), "--dist", "worksteal", "-p", SLOW_FIRST]
+        argv += ["-n", str(XDIST_WORKERS)]
+        # worksteal came with pytest-xdist 3.2; a node's older xdist would refuse the flag (and
+        # kept at any version, it is the node's own): there the workers take tests as load hands them.
+        argv += ["--dist", "worksteal", "-p", SLOW_FIRST] if _has_worksteal() else ["--dist", "load"]
     return tuple(argv)
+
+
+def _has_worksteal() -> bool:
+    try:
+        version = importlib.metadata.version("pytest-xdist")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    major_minor = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    return major_minor >= WORKSTEAL_SINCE
 
 
 def default_parts() -> list[Part]:
@@ -149,7 +162,9 @@ def default_parts() -> list[Part]:
         # TinyLlama's two steps under torch.profiler, with and without snapshots (a few s each).
         # Its plain and hf variants (92.6 s) are train_baselines', outside the box.
         # Cut by SIGINT, the bench still writes what it measured.
-        Part("train", (py, str(bench / "train.py"), "--check", "--variants", "trainer,trainer_snapshots",
+        # The snapshot variant runs first: a cut then costs the Qwen3 shape's Trainer alone, which
+        # train_baselines measures again, not the TinyLlama snapshot measured nowhere else.
+        Part("train", (py, str(bench / "train.py"), "--check", "--variants", "trainer_snapshots,trainer",
                        "--snapshot-every", "1"), 135),
         # max_context: a 26 GB cap with no host memory to offload to leaves a 1B model's states a
         # few GB of activations (the planner's max 40-45K tokens for ringtrain, 3.8K for
@@ -167,8 +182,9 @@ def default_parts() -> list[Part]:
         # train_baselines: the Trainer, plain PyTorch and transformers on both shapes, 153 s in
         # train-nvidia-h200.json (+ the bench's start), and the Qwen3 shape's snapshot variant
         # (about 60 s, as TinyLlama's 54 s beside its 30 s Trainer, and its two profiled steps).
+        # Its own JSON (--name), so that the train part's, the TinyLlama snapshot's profile in it, stays.
         Part("train_baselines", (py, str(bench / "train.py"), "--check", "--variants", "trainer,trainer_snapshots,plain,hf",
-                                 "--snapshot-shapes", "qwen3"), 250, default=False),
+                                 "--snapshot-shapes", "qwen3", "--name", "train-baselines"), 250, default=False),
         Part("nccl_abort", (py, str(bench / "nccl_abort.py")), 90, needs=bench / "nccl_abort.py",
              default=False),
     ]
@@ -312,7 +328,9 @@ def run_all(parts: Sequence[Part], log_dir: Path) -> dict[str, Any]:
     """Run ``parts`` in order; the summary (also written to ``<log_dir>/summary.json``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     tests_log = log_dir / TESTS_LOG
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_ENV: str(tests_log.resolve())}
+    # The parts import ringtrain from this checkout, run by make or not.
+    path = os.pathsep.join(p for p in (str(ROOT / "platform"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, LOG_ENV: str(tests_log.resolve())}
     started_utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.monotonic()
     results = []

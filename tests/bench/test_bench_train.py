@@ -140,7 +140,7 @@ def test_a_sigint_keeps_what_was_measured(tmp_path: Path) -> None:
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.split()[:1] == ["plain"]:
+            if line.split()[:1] == ["tinyllama/plain"]:
                 break
         os.killpg(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)

@@ -529,9 +529,11 @@ def test_each_bench_part_names_a_script_and_flags_it_takes_and_measures_what_the
     assert sorted(seq // ring for seq, ring in launches.sizes) == [2048, 4096, 8192]
     train = _bench_args(parts["train"])
     assert train.check and train.snapshot_every == 1 and train.shapes == ["tinyllama", "qwen3"]
-    assert train.variants == ["trainer", "trainer_snapshots"]  # the Trainer's MFU first, on both shapes
+    # The snapshot first: a cut costs the Qwen3 Trainer's MFU, which train_baselines measures again.
+    assert train.variants == ["trainer_snapshots", "trainer"]
     baselines = _bench_args(parts["train_baselines"])
     assert {"trainer", "trainer_snapshots", "plain", "hf"} == set(baselines.variants) and baselines.shapes == train.shapes
+    assert baselines.name != train.name  # two JSONs: the second run keeps the first's
     # The per-step snapshot on both shapes, TinyLlama's in the box and Qwen3's beside the baselines.
     assert train.snapshot_shapes == ["tinyllama"] and baselines.snapshot_shapes == ["qwen3"]
     context = _bench_args(parts["max_context"])
@@ -582,6 +584,27 @@ def test_conftest_writes_one_line_per_test_as_it_finishes(tmp_path: Path, worker
     if workers:
         crash = next(r for r in outcomes if r["nodeid"].endswith("test_crash"))
         assert crash["worker"] == "main" and "crashed" in crash["traceback"], crash
+
+
+def test_after_a_sticky_cuda_error_the_process_runs_no_more_tests_and_says_where_it_was_lost(tmp_path: Path) -> None:
+    suite = _fake_suite(tmp_path, """
+        def test_before():
+            pass
+
+        def test_poisons():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def test_after():
+            pass
+    """)
+    log = tmp_path / "tests.jsonl"
+    done = subprocess.run([sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider"],
+                          env={**os.environ, "RINGTRAIN_GPU_LOG": str(log)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:]
+    outcomes = {r["nodeid"].split("::")[-1]: r for r in _records(log) if r["event"] == "outcome"}
+    assert {name: r["outcome"] for name, r in outcomes.items()} == {
+        "test_before": "passed", "test_poisons": "failed", "test_after": "not run"}
+    assert outcomes["test_after"]["reason"].endswith("CUDA context was lost in test_fake.py::test_poisons")
 
 
 # -- tests/gpu/slow_first.py: the slow tests lead the workers' shares ---------------------------
@@ -727,7 +750,9 @@ def test_gpu_wheels_folder_installs_and_imports_the_tier_in_a_fresh_venv(tmp_pat
     pip_wheel = next(wheels.glob("pip-*.whl"))
     subprocess.run([str(python), f"{pip_wheel}/pip", "install", "-q", "--no-index", "--find-links", str(wheels),
                     "--no-deps", "ringtrain"], check=True, timeout=300, capture_output=True,
-                   env={**os.environ, **CLOSED_INDEX, "PIP_CONFIG_FILE": os.devnull})
+                   # Without this checkout on the path: pip would take its egg-info for ringtrain installed.
+                   env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **CLOSED_INDEX,
+                        "PIP_CONFIG_FILE": os.devnull})
     probe = textwrap.dedent("""
         import importlib.metadata, importlib.util, sys
         import ringtrain.train.trainer, ringtrain.train.sdc_probes, deepspeed, omegaconf, pydantic, pytest, xdist

@@ -11,6 +11,11 @@ Under pytest-xdist each worker writes the tests it runs; the controller writes o
 worker could (a crashed worker's test). Each line is one ``write`` on a file opened with
 O_APPEND, so lines from several processes never interleave.
 
+A CUDA error that poisons the process's context (an illegal memory access, a kernel that
+faulted) makes every later CUDA call in that process fail with it: after one, the process's
+remaining tests are not run, their reason naming the test that lost the context, so the log
+shows one failure and its cause, not one per test that followed it.
+
 Loaded by every run that collects tests/gpu, so it imports nothing beyond the stdlib and pytest.
 """
 
@@ -26,7 +31,17 @@ import pytest
 LOG_ENV = "RINGTRAIN_GPU_LOG"
 CRASH_PHASE = "???"  # pytest-xdist's phase for the report of a test whose worker died
 
+# CUDA's sticky errors, as their messages read: after one, the context answers every call with it.
+STICKY_CUDA_ERRORS = (
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "hardware stack error",
+)
+
 _config: Optional[pytest.Config] = None
+_context_lost_in: Optional[str] = None  # the test whose sticky CUDA error poisoned this process
 
 
 def _xdist_controller() -> bool:
@@ -100,12 +115,21 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str
         _append({"event": "start", "nodeid": nodeid})
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _context_lost_in is not None:
+        pytest.skip(f"not run: this process's CUDA context was lost in {_context_lost_in}")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    global _context_lost_in
     if _xdist_controller() and report.when != CRASH_PHASE:
         return  # its worker wrote it
     outcome = _outcome(report)
     if outcome is None:
         return
+    if outcome in ("failed", "error") and _context_lost_in is None and report.when != CRASH_PHASE:
+        if any(error in report.longreprtext for error in STICKY_CUDA_ERRORS):
+            _context_lost_in = report.nodeid
     record: dict[str, Any] = {
         "event": "outcome",
         "nodeid": report.nodeid,
