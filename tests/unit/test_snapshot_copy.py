@@ -8,11 +8,12 @@ from concurrent.futures import Executor, Future
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+import pytest
 import torch
 
 from ringtrain.checkpoint.wire import SCALARS_ROOM, STATE_KEYS, decode, encode, verify
 from ringtrain.train.copy_stream import CopyEvent, Hold
-from ringtrain.train.snapshot import Snapshotter
+from ringtrain.train.snapshot import STAGE_ALWAYS, Snapshotter
 from ringtrain.train.zero_state import Fragment
 
 
@@ -300,3 +301,23 @@ def test_scalars_that_outgrow_the_header_room_get_a_new_layout() -> None:
     assert [b.layout.header_bytes > small.header_bytes for b in snapshotter.buffers] == [True, True]
     assert snapshotter.num_allocations == 4
     snapshotter.close()
+
+
+def test_a_failure_queuing_the_copy_out_of_the_staging_buffer_still_fences_the_staging_copy() -> None:
+    """On CUDA both copies are queued as the capture runs; should queuing the second fail, the
+    staging copy is queued already and reads the live state: the next optimizer step waits."""
+    zero, streams = FakeZero(), FakeStreams()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), streams=streams,  # type: ignore[arg-type]
+                              staging=STAGE_ALWAYS, executor=ManualExecutor())  # fmt: skip
+    real_enqueue = streams.enqueue
+
+    def enqueue(copies: Callable[[], None]) -> CopyEvent:
+        if streams.recorded == 1:
+            raise RuntimeError("CUDA error: launch failure")
+        return real_enqueue(copies)
+
+    streams.enqueue = enqueue  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="launch failure"):
+        snapshotter.capture(1, {})
+    snapshotter.fence()
+    assert streams.log == ["copy e1", "hold e1"]

@@ -245,8 +245,10 @@ class Snapshotter:
             self._fence_on = (step, copied)
         else:
             staged = streams.enqueue(lambda: torch._foreach_copy_(staging.arrays, sources))
-            copied = streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
+            # Before the next copy is queued: should queuing it fail, the next optimizer step
+            # must still wait for the staging copy, which CUDA runs whatever comes after it.
             self._fence_on = (step, staged)
+            copied = streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
         if copied is not None:
             self._last_copied = copied
         timing = _CaptureTiming(
