@@ -29,7 +29,8 @@ fresh CUDA context, allocator and process group), one after the other:
 
 The snapshot's cost is profiled where it is paid. Each snapshot says where its time went
 (``ringtrain.train.snapshot.CopyProfile``: the capture's issue on the host, buffers allocated,
-the staging copy on the device, the copy into host memory and its rate, the checksum), and the
+the staging copy on the device, the copy into host memory, its rate and whether that memory was
+page-locked, the checksum), and the
 snapshotter how long each fence held the optimizer step; ``snapshot_profile`` in the JSON holds
 their medians over the timed steps and splits the step time the snapshots added into the fence's
 wait, the capture's issue and its wait for a host buffer, and what is left: the step's own work
@@ -339,12 +340,13 @@ def run_trainer(case: Case) -> dict[str, Any]:
 def snapshot_profiles(snapshotter: Any, steps: list[int], copies: dict[int, Any]) -> dict[str, Any]:
     """Per timed step: the fence's wait before its optimizer step (on the snapshot of the step
     before), and that step's own snapshot's ``CopyProfile`` fields; and the first capture's
-    allocations (in the warm-up: the pinned buffers, and the staging buffer where there is one)."""
+    allocations (in the warm-up: the host buffers, page-locked on a GPU, and the staging buffer
+    where there is one)."""
     snapshotter.settle()
     copies.update(snapshotter.profiles)
     out: dict[str, Any] = {"fence_wait_s": [snapshotter.fence_wait_s(s - 1) for s in steps]}
-    for field in ("issue_s", "alloc_s", "buffer_wait_s", "staged", "stage_s", "copy_s", "checksum_s", "num_bytes",
-                  "host_write_gbps"):
+    for field in ("issue_s", "alloc_s", "buffer_wait_s", "staged", "page_locked", "stage_s", "copy_s", "checksum_s",
+                  "num_bytes", "host_write_gbps"):
         out[field] = [getattr(copies[s], field) if s in copies else None for s in steps]
     out["first_capture_alloc_s"] = copies[min(copies)].alloc_s if copies else None
     return out
@@ -384,7 +386,8 @@ def snapshot_breakdown(variants: Mapping[str, dict[str, Any]]) -> Optional[dict[
     out = {"added_s": added, **{key: median(key) for key in
            ("fence_wait_s", "issue_s", "stage_s", "copy_s", "checksum_s", "host_write_gbps", "buffer_wait_s")},
            "alloc_s": steps["first_capture_alloc_s"],
-           "staged": any(steps["staged"]), "num_bytes": median("num_bytes")}  # fmt: skip
+           "staged": any(steps["staged"]), "page_locked": all(steps["page_locked"]),
+           "num_bytes": median("num_bytes")}  # fmt: skip
     out["rest_s"] = added - sum(out[key] or 0.0 for key in ("fence_wait_s", "issue_s", "buffer_wait_s"))
     return out
 
@@ -397,7 +400,8 @@ def describe_breakdown(b: Mapping[str, Any]) -> str:
             f"{ms('issue_s')} + waiting for a host buffer {ms('buffer_wait_s')} + rest {ms('rest_s')} (the step's "
             "own work beside the copy); "
             f"{'staged on the device ' + ms('stage_s') + ', ' if b['staged'] else 'not staged, '}"
-            f"{(b['num_bytes'] or 0) / 1e9:.2f} GB into host memory in {ms('copy_s')} "
+            f"{(b['num_bytes'] or 0) / 1e9:.2f} GB into {'page-locked' if b.get('page_locked') else 'pageable'} host "
+            f"memory in {ms('copy_s')} "
             f"({b['host_write_gbps'] or 0:.1f} GB/s), checksum {ms('checksum_s')}, buffers allocated {ms('alloc_s')} "
             "(first capture)")
 

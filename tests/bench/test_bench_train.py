@@ -103,6 +103,7 @@ def test_smoke_runs_every_variant_of_both_shapes(smoke: dict[str, Any]) -> None:
     steps = record["shapes"]["tinyllama"]["variants"]["trainer_snapshots"]["snapshot_steps"]
     assert all(len(steps[key]) == STEPS for key in ("fence_wait_s", "issue_s", "copy_s", "checksum_s"))
     assert all(w is not None and w >= 0 for w in steps["fence_wait_s"]) and not any(steps["staged"])  # a CPU stages nothing
+    assert steps["page_locked"] == [False] * STEPS  # and locks no pages: a thread copies
     assert all(n > 0 for n in steps["num_bytes"]) and steps["first_capture_alloc_s"] > 0
     split = record["shapes"]["tinyllama"]["snapshot_profile"]
     assert split["added_s"] == pytest.approx(sum(split[k] for k in ("fence_wait_s", "issue_s", "buffer_wait_s", "rest_s")))

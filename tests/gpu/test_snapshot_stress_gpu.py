@@ -1,15 +1,16 @@
 """The snapshotter on CUDA under stress: a capture every step, a slow consumer, and the state
 overwritten right after each fence.
 
-On CUDA the copy of step N is queued on a side stream into pinned host buffers, and ``fence()``
+On CUDA the copy of step N is queued on a side stream into page-locked host buffers (registered
+with CUDA at the blob's exact size, not taken from torch's pinned pool), and ``fence()``
 makes the training stream wait for it before the next optimizer step writes the state; staged
 (``checkpoint.snapshot_staging=auto`` where the device has room; forced here), the fence waits for
 the copy into a device buffer, and the copy into host memory reads that buffer while the next
 step writes the live state. Each
 snapshot must hold exactly the state of its own step: not a later step's values (the copy
-overtaken by the next write), not a mix of two steps (a pinned buffer reused while its checksum
+overtaken by the next write), not a mix of two steps (a host buffer reused while its checksum
 still reads it, or while a snapshot still holds it), and none may be lost or reordered while
-delivery lags behind training. The consumer keeps copies, as a holder does, so the few pinned
+delivery lags behind training. The consumer keeps copies, as a holder does, so the few host
 buffers are reused for step after step.
 
 The state is a stand-in for ZeRO's (fragments of fp32 tensors on the device); step s writes
@@ -91,6 +92,8 @@ def test_every_capture_holds_its_own_step_under_slow_delivery(staging: str) -> N
             state.write_step(step)  # right after the fence: the previous copy must be out already
             snapshotter.capture(step, {"trainer_step": step})
         snapshotter.wait()
+        # What CUDA sees of each host buffer: page-locked, at the blob's exact size.
+        buffers = [(b.page_locked, b.data.is_pinned(), b.bytes.nbytes, b.layout.num_bytes) for b in snapshotter.buffers]
     finally:
         snapshotter.close()  # waits for the last deliveries
     assert not snapshotter.errors, snapshotter.errors
@@ -108,15 +111,17 @@ def test_every_capture_holds_its_own_step_under_slow_delivery(staging: str) -> N
     assert not wrong, f"{len(wrong)} tensors hold another step's values, e.g. {wrong[:4]}"
     # The newest ``keep`` stay in memory for recovery.
     assert snapshotter.steps() == list(range(STEPS - 2, STEPS + 1))
-    # The pinned buffers were allocated once, the kept snapshots' and the one in flight, and
+    # The host buffers were allocated once, the kept snapshots' and the one in flight, and
     # then reused: the slow delivery held the captures back instead of costing new ones.
     assert snapshotter.num_allocations == 3 + 1
+    assert len(buffers) == 3 + 1 and all(locked and pinned and size == want for locked, pinned, size, want in buffers), buffers
     # Each snapshot left the device as it was asked to, from the staging buffer or not, and its
     # profile reads the device's clock: the copies' times, and every fence's wait once passed.
     newest = snapshotter.newest()
     assert newest is not None and newest.profile is not None
     profile = newest.profile
     assert profile.staged == (staging == STAGE_ALWAYS) and (profile.stage_s is not None) == profile.staged
+    assert profile.page_locked
     assert profile.copy_s > 0 and profile.host_write_gbps > 0
     torch.cuda.synchronize(device)
     waits = [snapshotter.fence_wait_s(step) for step in range(STEPS - PROFILES_KEPT, STEPS)]  # the kept ones

@@ -88,6 +88,9 @@ def _rank_main(
         assert trainer.snapshotter is not None
         trainer.snapshotter.wait()
         assert not trainer.snapshotter.errors, trainer.snapshotter.errors
+        # The side stream copied into host buffers registered with CUDA, page-locked at their size.
+        buffers = trainer.snapshotter.buffers
+        assert buffers and all(b.page_locked and b.data.is_pinned() for b in buffers), [b.page_locked for b in buffers]
         out["probes"] = [trainer.probe_round() for _ in range(2)]
         out["params"] = {k: v.numpy() for k, v in trainer.parameters_fp32().items()}
         trainer.close()

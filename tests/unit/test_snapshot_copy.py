@@ -1,19 +1,24 @@
 """The snapshot copy: its ordering on the GPU path, driven on CPU through stand-in streams and a
 stand-in executor that runs jobs only when the test says so; and its host buffers, which are
-the blobs themselves and are reused from step to step."""
+the blobs themselves and are reused from step to step, and which the side stream's copies land in
+page-locked (registered with a stand-in CUDA runtime here) for exactly as long as a blob lives."""
 
 from __future__ import annotations
 
+import gc
+import logging
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+import pytest
 import torch
 
 from ringtrain.checkpoint.wire import SCALARS_ROOM, STATE_KEYS, decode, encode, verify
 from ringtrain.train.copy_stream import CopyEvent, Hold
-from ringtrain.train.snapshot import Snapshotter
+from ringtrain.train.snapshot import STAGE_ALWAYS, HostBuffer, Snapshotter
 from ringtrain.train.zero_state import Fragment
+from tests.unit.cudart_fake import RecordingCudart
 
 
 class FakeEvent:
@@ -300,3 +305,143 @@ def test_scalars_that_outgrow_the_header_room_get_a_new_layout() -> None:
     assert [b.layout.header_bytes > small.header_bytes for b in snapshotter.buffers] == [True, True]
     assert snapshotter.num_allocations == 4
     snapshotter.close()
+
+
+# --- the side stream's buffers are page-locked at the blob's exact size ----------------------------
+
+
+def _locking(zero: RandomZero, cudart: RecordingCudart, *, keep: int = 2, device: str = "cpu",
+             staging: str = "none") -> Snapshotter:  # fmt: skip
+    """The GPU path, its copies on stand-in streams, its host buffers registered with a stand-in
+    CUDA runtime (``device="meta"``: the state is off the device, as an offloaded optimizer's)."""
+    return Snapshotter(zero, rank=0, world_size=1, device=torch.device(device), streams=FakeStreams(),  # type: ignore[arg-type]
+                       keep=keep, staging=staging, cudart=cudart)  # fmt: skip
+
+
+def _whole(snapshotter: Snapshotter, states: dict[int, dict[tuple[str, str], bytes]]) -> None:
+    for step in snapshotter.steps():
+        got = snapshotter.get(step)
+        assert got is not None and _arrays(got.blob) == states[step] and verify(got.blob, got.checksum), step
+
+
+def _buffer_of(snapshotter: Snapshotter, blob: memoryview) -> HostBuffer:
+    return next(b for b in snapshotter.buffers if np.shares_memory(np.frombuffer(blob, np.uint8), b.bytes))
+
+
+@pytest.mark.parametrize("staging", ["none", STAGE_ALWAYS])
+def test_the_side_streams_buffers_are_registered_once_at_the_blobs_exact_size(staging: str) -> None:
+    zero, cudart = RandomZero(), RecordingCudart()
+    snapshotter = _locking(zero, cudart, staging=staging)
+    states = _taken(zero, snapshotter, range(1, 13))
+    num_bytes = snapshotter.buffers[0].layout.num_bytes
+    assert num_bytes & (num_bytes - 1), "a power of two would not tell the exact size from torch's rounding"
+    # The two kept snapshots' and the one being taken: registered as they were made, then reused.
+    assert [size for _, size, _ in cudart.registered] == [num_bytes] * 3 and cudart.attempts == 3
+    assert cudart.addresses() == [b.bytes.ctypes.data for b in snapshotter.buffers]
+    assert all(b.page_locked and b.for_stream for b in snapshotter.buffers)
+    _whole(snapshotter, states)
+    newest = snapshotter.newest()
+    assert newest is not None and newest.profile is not None and newest.profile.page_locked
+    assert newest.profile.staged == (staging == STAGE_ALWAYS)
+    snapshotter.close()
+
+
+def test_a_page_locked_buffer_is_unregistered_once_after_its_last_blob_is_gone() -> None:
+    """A caller keeps a slice of a blob after the snapshotter and its buffers are gone: that
+    buffer stays registered until the slice goes, and every buffer is unregistered once."""
+    zero, cudart = RandomZero(), RecordingCudart()
+    snapshotter = _locking(zero, cudart, keep=1)
+    _taken(zero, snapshotter, range(1, 4))
+    snap = snapshotter.newest()
+    assert snap is not None
+    held = snap.blob[10:]
+    held_at = _buffer_of(snapshotter, held).bytes.ctypes.data
+    expected_ends = bytes(snap.blob[:4]) + bytes(snap.blob[-4:])
+    snapshotter.close()
+    del snapshotter, snap
+    gc.collect()
+    assert len(cudart.registered) == 2
+    assert sorted(cudart.unregistered) == sorted(set(cudart.addresses()) - {held_at}), "the held blob's buffer went"
+    del held
+    gc.collect()
+    assert sorted(cudart.unregistered) == sorted(cudart.addresses())
+    assert cudart.ends_at_unregister[held_at] == expected_ends  # still the blob's memory when unregistered
+
+
+def test_a_buffer_cuda_will_not_lock_stays_pageable_and_its_snapshots_whole(caplog: pytest.LogCaptureFixture) -> None:
+    zero, cudart = RandomZero(), RecordingCudart(refuse_from=1)  # the host locks one buffer, no more
+    snapshotter = _locking(zero, cudart)
+    with caplog.at_level(logging.WARNING, logger="ringtrain.train.snapshot"):
+        states = _taken(zero, snapshotter, range(1, 8))
+    assert [b.page_locked for b in snapshotter.buffers] == [True, False, False]
+    assert cudart.attempts == 3, "a refused buffer is asked for again at each capture"
+    refusals = [r.getMessage() for r in caplog.records if "not page-locked" in r.getMessage()]
+    assert len(refusals) == 2 and all(m.startswith("rank 0:") and "cudaError 2" in m for m in refusals)
+    _whole(snapshotter, states)
+    # Each snapshot's profile says whether its buffer was locked, so the bench's JSON shows it.
+    for step in snapshotter.steps():
+        got = snapshotter.get(step)
+        assert got is not None and got.profile is not None
+        assert got.profile.page_locked is _buffer_of(snapshotter, got.blob).page_locked
+    snapshotter.close()
+    del snapshotter
+    gc.collect()
+    assert cudart.unregistered == cudart.addresses()  # only what was registered
+
+
+def test_an_offloaded_state_is_copied_into_pageable_buffers() -> None:
+    zero, cudart = RandomZero(), RecordingCudart()
+    snapshotter = _locking(zero, cudart, device="meta")
+    states = _taken(zero, snapshotter, range(1, 4))
+    assert cudart.attempts == 0 and not any(b.page_locked or b.for_stream for b in snapshotter.buffers)
+    _whole(snapshotter, states)
+    newest = snapshotter.newest()
+    assert newest is not None and newest.profile is not None and not newest.profile.page_locked
+    snapshotter.close()
+
+
+def test_buffers_serve_only_the_copier_they_were_made_for() -> None:
+    """The state leaves the device and comes back (an optimizer offloaded, say; here the device
+    moves instead, which the capture cannot tell apart): a thread's copies never take a locked
+    buffer, the side stream's never a pageable one, and the locked buffers go once free."""
+    zero, cudart = RandomZero(), RecordingCudart()
+    snapshotter = _locking(zero, cudart)
+    states = _taken(zero, snapshotter, range(1, 4))
+    on_stream = list(snapshotter.buffers)
+    snapshotter.device = torch.device("meta")
+    for step in range(4, 10):
+        states.update(_taken(zero, snapshotter, range(step, step + 1)))
+        snap = snapshotter.get(step)
+        assert snap is not None and snap.profile is not None and not snap.profile.page_locked
+        assert not any(np.shares_memory(np.frombuffer(snap.blob, np.uint8), b.bytes) for b in on_stream)
+    _whole(snapshotter, states)
+    del on_stream
+    gc.collect()
+    assert sorted(cudart.unregistered) == sorted(cudart.addresses()), "the locked buffers outlived their use"
+    snapshotter.device = torch.device("cpu")
+    states.update(_taken(zero, snapshotter, range(10, 13)))
+    _whole(snapshotter, states)
+    assert len(cudart.registered) == 6 and all(b.page_locked for b in snapshotter.buffers if b.for_stream)
+    newest = snapshotter.newest()
+    assert newest is not None and newest.profile is not None and newest.profile.page_locked
+    snapshotter.close()
+
+
+def test_a_failure_queuing_the_copy_out_of_the_staging_buffer_still_fences_the_staging_copy() -> None:
+    """On CUDA both copies are queued as the capture runs; should queuing the second fail, the
+    staging copy is queued already and reads the live state: the next optimizer step waits."""
+    zero, streams = FakeZero(), FakeStreams()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), streams=streams,  # type: ignore[arg-type]
+                              staging=STAGE_ALWAYS, executor=ManualExecutor())  # fmt: skip
+    real_enqueue = streams.enqueue
+
+    def enqueue(copies: Callable[[], None]) -> CopyEvent:
+        if streams.recorded == 1:
+            raise RuntimeError("CUDA error: launch failure")
+        return real_enqueue(copies)
+
+    streams.enqueue = enqueue  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="launch failure"):
+        snapshotter.capture(1, {})
+    snapshotter.fence()
+    assert streams.log == ["copy e1", "hold e1"]

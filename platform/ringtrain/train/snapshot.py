@@ -5,18 +5,20 @@ background (on a side CUDA stream on GPU, a background thread on CPU) while step
 and backward run, and ``fence()`` holds the next optimizer step until the copy has read what that
 step changes. On GPU, where the device has room, the state is first copied into a device buffer
 (milliseconds at the device's memory bandwidth: all the optimizer step waits for), and leaves the
-device from there in one copy into pinned host memory, which may then take until the next
+device from there in one copy into page-locked host memory, which may then take until the next
 snapshot; without that room it is copied straight from the live tensors, and the optimizer step
 waits for the whole copy (``checkpoint.snapshot_staging``); the state of an optimizer offloaded
 to the host is copied by a thread, as on CPU. The copy lands where the snapshot's blob keeps it:
-each host buffer is laid out as a ``checkpoint.wire`` blob, the header is written at capture
-(microseconds), and the copy thread then only checksums the blob, a tree hash on all cores, whose
-threads run below the training thread's priority on GPU: the thread that queues the device's
-work wins a core over them. A snapshot is of one step, whole, or is not taken: a copy that fails
-part-way leaves no snapshot of its step. The buffers are allocated once and reused, each leased to
-one snapshot at a time. What is copied are ``train.zero_state``'s fragments, this rank's own part of
-the state, in coordinates that do not depend on dp. Each snapshot says where its time went
-(``CopyProfile``), and the snapshotter how long each fence held training (``fence_wait_s``).
+each host buffer is a blob's exact size (page-locked for the side stream by registering it with
+CUDA, ``train.page_locked``: torch's pinned pool would round it up to a power of two), laid out
+as a ``checkpoint.wire`` blob, the header is written at capture (microseconds), and the copy
+thread then only checksums the blob, a tree hash on all cores, whose threads run below the
+training thread's priority on GPU: the thread that queues the device's work wins a core over them.
+A snapshot is of one step, whole, or is not taken: a copy that fails part-way leaves no snapshot
+of its step. The buffers are allocated once and reused, each leased to one snapshot at a time.
+What is copied are ``train.zero_state``'s fragments, this rank's own part of the state, in
+coordinates that do not depend on dp. Each snapshot says where its time went (``CopyProfile``),
+and the snapshotter how long each fence held training (``fence_wait_s``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ringtrain.checkpoint.retention import retained
 from ringtrain.config import SNAPSHOT_STAGINGS
 from ringtrain.checkpoint.wire import BlobLayout, checksum, header_room
 from ringtrain.train.copy_stream import CopyEvent, CopyStreams, CudaCopyStreams, Hold, device_has_room
+from ringtrain.train.page_locked import Cudart, HostRegistrar, RegistrationError
 from ringtrain.train.zero_state import Fragment, ZeroState
 
 _log = logging.getLogger(__name__)
@@ -58,9 +61,12 @@ class CopyProfile:
     on CPU, where the copy thread's wall time is ``copy_s``)."""
 
     issue_s: float  # the capture on the host: layout, header, the copies queued (allocation and waits aside)
-    alloc_s: float  # buffers allocated by this capture: host (pinned on GPU) and device staging
+    alloc_s: float  # buffers allocated by this capture: host (page-locked on GPU) and device staging
     buffer_wait_s: float  # the capture waiting for a host buffer the copy thread had not yet freed
     staged: bool  # the state was copied into a device buffer first
+    # The host buffer is page-locked, so the side stream's copy into it was asynchronous: False
+    # where a thread copied, or where CUDA would not lock the buffer (the copy then ran pageable).
+    page_locked: bool
     # That device-side copy: what the next optimizer step waits for (behind what was queued before it).
     stage_s: Optional[float]
     copy_s: float  # into host memory (the copy itself): what the optimizer step waits for when not staged
@@ -78,7 +84,8 @@ class Snapshot:
     """One rank's encoded state at the end of optimizer step ``step``.
 
     ``blob`` is a read-only view of the Snapshotter's host buffer, not a copy: the buffer is not
-    reused while the view, or anything made from it, lives, so holding a blob holds a buffer.
+    reused while the view, or anything made from it, lives, so holding a blob holds a buffer (and
+    keeps a page-locked one registered with CUDA, after the Snapshotter itself is gone).
     Pickling needs a copy, ``bytes(blob)``: the standard pickler refuses a view.
     """
 
@@ -102,17 +109,29 @@ DeliverFn = Callable[[Snapshot], None]
 
 class HostBuffer:
     """One snapshot-sized host buffer laid out as a blob, and the float32 views into it that the
-    state's arrays are copied into. Reused from step to step, leased to one snapshot at a time."""
+    state's arrays are copied into. Reused from step to step, leased to one snapshot at a time.
 
-    def __init__(self, layout: BlobLayout, *, pin: bool) -> None:
+    ``memory`` is the buffer's own array, of the layout's exact size; every view here and every
+    blob leased from it holds that array, so page-locked memory stays registered while any of
+    them lives (``train.page_locked``), whether or not this object does."""
+
+    def __init__(self, layout: BlobLayout, memory: np.ndarray, *, for_stream: bool, page_locked: bool) -> None:
+        assert memory.dtype == np.uint8 and memory.shape == (layout.num_bytes,)
         self.layout = layout
-        self.data = torch.empty(layout.num_bytes, dtype=torch.uint8, pin_memory=pin)
-        self.bytes = self.data.numpy()
+        # Made for the side stream's copies from the device (page-locked where CUDA would lock
+        # it), or for a thread's copies between host tensors (never locked): each serves its own.
+        self.for_stream = for_stream
+        self.page_locked = page_locked
+        self.bytes = memory
+        self.data = torch.from_numpy(memory)
         # The layout starts each array on a 4-byte boundary, so these are plain views.
         self.arrays = [self.data[offset : offset + 4 * numel].view(torch.float32) for offset, numel in layout.spans]
         # Every array's bytes, back to back: what a staged copy writes at once.
         self.payload = self.data[layout.payload_start :].view(torch.float32)
         self._lease: Optional[weakref.ReferenceType[np.ndarray]] = None
+
+    def serves(self, layout: BlobLayout, *, for_stream: bool) -> bool:
+        return self.layout is layout and self.for_stream == for_stream
 
     def leased(self) -> bool:
         return self._lease is not None and self._lease() is not None
@@ -170,13 +189,16 @@ class Snapshotter:
         streams: Optional[CopyStreams] = None,
         executor: Optional[Executor] = None,
         hash_threads: Optional[int] = None,
+        cudart: Optional[Cudart] = None,
     ) -> None:
         """``streams`` defaults to a side CUDA stream on a CUDA device (none on CPU), and
         ``executor`` to one background thread; tests pass stand-ins for either. ``staging``:
         ``checkpoint.snapshot_staging``'s ``auto`` copies the state into a device buffer first
         where the device has room for it beside a step's peak, ``none`` never; ``STAGE_ALWAYS``
         (tests, benches) stages whatever the room. Without streams there is nothing to stage.
-        ``hash_threads``: threads the checksum uses (default: every CPU this process may use)."""
+        ``hash_threads``: threads the checksum uses (default: every CPU this process may use).
+        ``cudart`` page-locks the host buffers the side stream copies into (default: torch's CUDA
+        runtime on a CUDA device; none elsewhere, where they stay pageable); tests pass a stand-in."""
         self.zero = zero
         self.rank = rank
         self.world_size = world_size
@@ -190,6 +212,7 @@ class Snapshotter:
         if streams is None and device.type == "cuda":
             streams = CudaCopyStreams(device)
         self._streams = streams
+        self._registrar = HostRegistrar(cudart, device) if cudart is not None else HostRegistrar.for_device(device)
         # One worker: jobs finish in capture order, so ``recent`` and deliveries stay ordered.
         self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         self._fence_on: Optional[tuple[int, CopyEvent]] = None  # (step, the copy the next fence holds on)
@@ -228,7 +251,7 @@ class Snapshotter:
         streams = self._streams if on_device else None
         allocations = self.num_allocations
         t_acquire = time.perf_counter()
-        buffer = self._free_buffer(layout)
+        buffer = self._free_buffer(layout, for_stream=streams is not None)
         staging, staging_allocated = self._staging_for(layout, after_step) if streams is not None else (None, False)
         acquire_s = time.perf_counter() - t_acquire
         allocated = staging_allocated or self.num_allocations > allocations
@@ -245,8 +268,10 @@ class Snapshotter:
             self._fence_on = (step, copied)
         else:
             staged = streams.enqueue(lambda: torch._foreach_copy_(staging.arrays, sources))
-            copied = streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
+            # Before the next copy is queued: should queuing it fail, the next optimizer step
+            # must still wait for the staging copy, which CUDA runs whatever comes after it.
             self._fence_on = (step, staged)
+            copied = streams.enqueue(lambda: buffer.payload.copy_(staging.data, non_blocking=True))
         if copied is not None:
             self._last_copied = copied
         timing = _CaptureTiming(
@@ -254,6 +279,7 @@ class Snapshotter:
             alloc_s=acquire_s if allocated else 0.0,
             buffer_wait_s=0.0 if allocated else acquire_s,
             staged=staging is not None,
+            page_locked=buffer.page_locked,
         )
         # The job holds the sources until the copy has read them, on either path: the side
         # stream reads them after the capture returns, and nothing else may free them first.
@@ -346,13 +372,15 @@ class Snapshotter:
             self._layout_sizes = sizes
         return self._layout, self._layout.header(step, self.rank, self.world_size, scalars)
 
-    def _free_buffer(self, layout: BlobLayout) -> HostBuffer:
-        """A buffer of ``layout`` that nothing reads: one of the kept ones when it can be."""
-        self.buffers = [b for b in self.buffers if b.layout is layout or b.leased()]  # a former layout's go
+    def _free_buffer(self, layout: BlobLayout, *, for_stream: bool) -> HostBuffer:
+        """A buffer of ``layout`` that nothing reads, for the side stream's copies or a thread's:
+        one of the kept ones when it can be."""
+        # A former layout's go, and the other copier's (an optimizer offloaded since, or back).
+        self.buffers = [b for b in self.buffers if b.serves(layout, for_stream=for_stream) or b.leased()]
         while True:
             while self._running and self._running[0].done():
                 self._running.popleft()  # a finished job's future would hold its snapshot's buffer
-            mine = [b for b in self.buffers if b.layout is layout]
+            mine = [b for b in self.buffers if b.serves(layout, for_stream=for_stream)]
             free = next((b for b in mine if not b.leased()), None)
             if free is not None:
                 return free
@@ -361,12 +389,29 @@ class Snapshotter:
             # Every buffer is kept or in flight: the copy thread is a step behind, and its
             # oldest job's trim frees the buffer of the snapshot that falls out of ``keep``.
             self._running[0].exception()  # waits; a failed job reports through its own future
-        # The first capture allocates every buffer the pipeline needs at once (pinned memory of
-        # a large state takes seconds); after that only a pin or a caller holding blobs costs one.
+        # The first capture allocates every buffer the pipeline needs at once (locking the pages
+        # of a large state takes seconds); after that only a pin or a caller holding blobs costs one.
         for _ in range(max(1, self.keep + 1 - len(mine))):
-            self.buffers.append(HostBuffer(layout, pin=self.device.type == "cuda"))
+            self.buffers.append(self._new_buffer(layout, for_stream=for_stream))
             self.num_allocations += 1
         return self.buffers[-1]
+
+    def _new_buffer(self, layout: BlobLayout, *, for_stream: bool) -> HostBuffer:
+        """A buffer of the layout's exact size, page-locked for the side stream's copies where
+        there is CUDA to lock it: a thread's copy between host tensors gains nothing from locked
+        pages. Where CUDA refuses, the buffer stays pageable: the copies into it run synchronously
+        and slower, but the snapshots are whole (the warning, and their profiles, say so)."""
+        if for_stream and self._registrar is not None:
+            try:
+                memory = self._registrar.page_locked(layout.num_bytes)
+                return HostBuffer(layout, memory, for_stream=True, page_locked=True)
+            except RegistrationError as exc:
+                # The message, not the error: a log record kept (as a test's) would keep the
+                # error's frames, the capture's among them, and the blob it leased with them.
+                _log.warning("rank %d: a snapshot buffer is not page-locked, copies into it from the device run "
+                             "synchronously: %s", self.rank, str(exc))  # fmt: skip
+        memory = np.empty(layout.num_bytes, dtype=np.uint8)
+        return HostBuffer(layout, memory, for_stream=for_stream, page_locked=False)
 
     def _staging_for(self, layout: BlobLayout, after_step: bool) -> tuple[Optional[DeviceStaging], bool]:
         """The device buffer this layout's state is staged in (None: copied from the live
@@ -420,6 +465,7 @@ class Snapshotter:
             alloc_s=timing.alloc_s,
             buffer_wait_s=timing.buffer_wait_s,
             staged=timing.staged,
+            page_locked=timing.page_locked,
             stage_s=copy.staged.seconds() if copy.staged is not None else None,
             copy_s=next(s for s in (device_copy_s, thread_copy_s, copy_s) if s is not None),
             checksum_s=time.perf_counter() - t_hash,
@@ -458,6 +504,7 @@ class _CaptureTiming:
     alloc_s: float
     buffer_wait_s: float
     staged: bool
+    page_locked: bool
 
 
 def _keep_newest(table: collections.OrderedDict[int, Any], step: int, value: Any) -> None:
