@@ -29,7 +29,8 @@ The GPU tier (bench/gpu_check.py) runs it at short blocks only, ``--seq 4096 819
 65536``: 2K, 4K and 8K tokens a rank on rings of 2, 4 and 8 each, and auto's threshold at 16K.
 
 Writes bench/results/attention-<device>.json (commit, device, every timing). The zigzag
-balance (max/min causal work over ranks) is computed by counting and printed first.
+balance (max/min causal work over ranks) is computed by counting and printed first. Needs CUDA
+unless ``--device cpu``: without it, it prints the balance and exits 2 with a message.
 
 Shape legend: B batch, S sequence (full) / S_l (one rank's), H query heads, K KV heads, D head dim.
 """
@@ -47,7 +48,7 @@ import torch
 from ringtrain.train.attention import local_attention, ring_attention
 from ringtrain.train.attention.kernels import get_kernel
 from ringtrain.train.attention.zigzag import causal_work, zigzag_shard
-from ringtrain_dev.bench_cli import slug
+from ringtrain_dev.bench_cli import slug, without_cuda
 from ringtrain_dev.loopback import LoopbackTransport
 from ringtrain_dev.record import RESULTS_DIR, Run
 from ringtrain_dev.ring_targets import EXCHANGES, auto_checks, ratio_target
@@ -200,9 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for row in balance:
         print(f"  seq {row['seq']:>6} ring {row['ring']}: zigzag {row['zigzag_max_over_min']:.2f}, "
               f"contiguous {row['contiguous_max_over_min']:.2f}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available: skipping the timings (run on a GPU, or --device cpu --tiny for the code path).")
-        return 0
+    if args.device == "cuda" and (no_gpu := without_cuda("attention")) is not None:
+        return no_gpu
     device = torch.device(args.device)
     rows = bench_ring(args, device)
     packed = bench_packed(args, device)

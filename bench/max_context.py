@@ -18,6 +18,11 @@ one: a fresh CUDA context and allocator): ``--steps`` optimizer steps (forward, 
 second catches allocator growth), with a timeout. An out-of-memory is a result: the try is
 recorded as ``oom`` with the limit that stopped it (``device``: torch's OutOfMemoryError;
 ``host``: a host allocation failed, or the kernel killed the process), and the search goes on.
+Any other failure (an exception that is not out of memory, a process that died before
+reporting) is an ``error``: it says nothing of whether the length fits, so it ends the search
+there, no max is claimed from it, and the bench exits 1 after writing its JSON. A try past its
+timeout (not the budget's) counts as not fitting: near the cap the allocator's retries slow the
+steps down before they fail.
 Each try records its length, outcome, peak device memory (``torch.cuda.max_memory_allocated``
 and ``max_memory_reserved``; on a CPU the peak of torch-allocated bytes, counted by
 ``ringtrain_dev.live_bytes`` as bench/planner_memory.py counts them), the process's peak RSS,
@@ -39,15 +44,19 @@ memory from under its other processes), or where at one granule the planner's sm
 needs more than the device memory by over the 10% tolerance (nothing fits; a try would only
 spend a process start to say so).
 
-Time: the whole bench stays within ``--budget-s`` of device time (default 600 s on a GPU). Each
-(shape, system) search gets an equal share of what is left when it starts (a search refused at its
-first try takes none); a try whose predicted time (the planner's step estimate x steps, plus the
-process start its system's last try took, in any shape) exceeds what its share has left is not
-run, and the search ends there, saying so. Each try's timeout is ``--try-timeout`` or what the
-share has left, the smaller. Attention's work grows with the square of the length: near a million
-tokens one step of a 1B model takes the planner's estimate of 13-15 minutes on an H100, so
-ringtrain's search there needs a budget in hours (``--budget-s``), where the default one measures
-the hf searches and any ``--peaks-at`` tries.
+Time: the whole bench stays within ``--budget-s`` of device time (default 600 s on a GPU), the
+GPU's probe included. Each (shape, system) search, as it starts, gets a share of what is left in
+proportion to its predicted cost among the searches still to run (``share_of``; a search refused
+at its first try takes none): ``--max-tries`` tries at its first length (and ringtrain's
+``--peaks-at`` tries), each the planner's step estimate x steps plus a process start, so a cheap
+search holds no share an expensive one needs; what a search leaves unused goes to the ones after
+it. A try whose predicted time (the planner's step estimate x steps, plus the process start its
+system's last try took, in any shape) exceeds what its share has left is not run, and the search
+ends there, saying so. Each try's timeout is ``--try-timeout`` or what the share has left, the
+smaller. Attention's work grows with the square of the length: near a million tokens one step of
+a 1B model takes the planner's estimate of 13-15 minutes on an H100, so ringtrain's search there
+needs a budget in hours (``--budget-s``), where the default one measures the hf searches and any
+``--peaks-at`` tries.
 
 Llama-3.1-8B (``--shapes llama3-8b``) is there for nodes whose host memory holds its offloaded
 optimizer state: each shape's header says which limit (device or host memory) stops the planner
@@ -56,7 +65,8 @@ past its maximum, and each failed try which one stopped it.
 Targets, each printed PASS or MISS (``--tiny`` runs are smoke runs, not held to them):
 
     ringtrain max / hf max                            >= 8, per shape
-    ringtrain max, Llama-3.2-1B on an H100            >= 1,048,576 tokens
+    ringtrain max, Llama-3.2-1B on a whole H100       >= 1,048,576 tokens (no --memory-gb
+                                                         or --host-memory-gb: else not held)
     planner's predicted max vs ringtrain's measured   within 10%, per shape
     predicted vs measured peak of ringtrain's tries   within 10% at >= 3 lengths, per shape
 
@@ -505,7 +515,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def classify(exc: BaseException) -> tuple[str, str]:
     """(outcome, limit) of a try that raised: torch's OutOfMemoryError anywhere in the chain is the
-    device's; a failed host allocation (MemoryError, ENOMEM, pinned memory) the host's."""
+    device's, as is a library's failed allocation on it (cuBLAS's and cuDNN's ``*_ALLOC_FAILED``:
+    a cudaMalloc of their own, outside torch's allocator); a failed host allocation (MemoryError,
+    ENOMEM, pinned memory) the host's. Anything else is an error, which ends the search
+    (``Searcher.oracle``): a crash says nothing of what fits."""
     chain = _chain(exc)
     if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
         return OOM, DEVICE_LIMIT
@@ -515,7 +528,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
         text = str(e).lower()
         if "cannot allocate memory" in text or ("out of memory" in text and ("pinned" in text or "host" in text)):
             return OOM, HOST_LIMIT
-        if "out of memory" in text:
+        if "out of memory" in text or "_alloc_failed" in text:
             return OOM, DEVICE_LIMIT
     return ERROR, ""
 
@@ -597,6 +610,13 @@ class Machine:
     host_bytes: int  # what the planner may offload to (none on a CPU: it is the same memory)
     headroom: float
     host_total_bytes: int = 0  # the host memory a try may ask for: the host's, or --host-memory-gb
+    host_cap_bytes: Optional[int] = None  # --host-memory-gb, when given
+
+    @property
+    def whole(self) -> bool:
+        """Whether tries may use the whole device and host: no --memory-gb below the device's
+        memory, no --host-memory-gb."""
+        return self.memory_bytes == self.total_bytes and self.host_cap_bytes is None
 
     @property
     def memory_bytes(self) -> int:
@@ -617,9 +637,10 @@ def machine_for(args: argparse.Namespace) -> Machine:
         assert cap is not None  # parse_args gives --tiny a default cap
         return Machine("cpu", "cpu", cap, cap, 0, args.headroom)
     probe = probe_device()
-    host_total = host_memory_bytes() if args.host_memory_gb is None else int(args.host_memory_gb * GB)
+    host_cap = None if args.host_memory_gb is None else int(args.host_memory_gb * GB)
+    host_total = host_memory_bytes() if host_cap is None else host_cap
     host = int(host_total * (1 - args.headroom))
-    return Machine("cuda", probe["device_name"], probe["total_memory"], cap, host, args.headroom, host_total)
+    return Machine("cuda", probe["device_name"], probe["total_memory"], cap, host, args.headroom, host_total, host_cap)
 
 
 def liger_present() -> bool:
@@ -680,10 +701,14 @@ class ShapePlan:
                     f"by more than {PREDICTION_TOLERANCE:.0%}")
         return ""
 
+    def first_length(self, system: str, granule: int) -> int:
+        """The length ``system``'s search tries first: its start down to the granule."""
+        start = self.start(system)
+        return granule if start is None else max(granule, start // granule * granule)
+
     def first_refusal(self, system: str, granule: int) -> str:
         """Why ``system``'s search would not run even its first try ("": it would)."""
-        start = self.start(system)
-        first = granule if start is None else max(granule, start // granule * granule)
+        first = self.first_length(system, granule)
         return self.refusal(first, self.at(system, first), granule)
 
     def predicted(self, layout: Layout, seq_len: int, checkpointing: str) -> Candidate:
@@ -728,8 +753,35 @@ def plan_shape(name: str, machine: Machine, tiny: bool, granule: int) -> ShapePl
 # ---- the searches: tries, budget, records ------------------------------------------------------
 
 
+def start_s_of(starts: Mapping[str, float], system: str, device_type: str) -> float:
+    """Seconds a try of ``system`` spends outside its steps: as its last try did, else the guess."""
+    return starts.get(system, START_GUESS_S[device_type])
+
+
+def search_cost_s(plan: ShapePlan, system: str, args: argparse.Namespace, start_s: float) -> float:
+    """The device time ``system``'s search on ``plan`` is predicted to take: its --peaks-at tries
+    (ringtrain's) and --max-tries tries, each the planner's step time x --steps plus a process
+    start of ``start_s``. Where the search goes after its first try depends on the answers, so
+    the first length stands in for every try of the search."""
+    first = plan.first_length(system, args.granule)
+    lengths = [*(args.peaks_at if system == "ringtrain" else []), *[first] * args.max_tries]
+    return sum(args.steps * plan.at(system, n).step.step_s + start_s for n in lengths)
+
+
+def share_of(left_s: float, cost_s: float, later_costs_s: Sequence[float]) -> float:
+    """A search's part of the ``left_s`` seconds left: in proportion to its predicted cost among
+    its own and the searches' after it (equal parts where none is predicted to cost anything).
+    What a search leaves unused goes to the searches after it, so the last one gets all that
+    is left."""
+    total = cost_s + sum(later_costs_s)
+    if total <= 0:
+        return left_s / (1 + len(later_costs_s))
+    return left_s * cost_s / total
+
+
 class Budget:
-    """Device time: the whole bench's, shared equally by the searches still to run."""
+    """Device time: the whole bench's, shared by the searches still to run in proportion to
+    their predicted costs (``share_of``)."""
 
     def __init__(self, total_s: float) -> None:
         self.total_s = total_s
@@ -739,9 +791,32 @@ class Budget:
     def used_s(self) -> float:
         return time.monotonic() - self.t0
 
-    def share(self, searches_left: int) -> float:
-        """Seconds the next search may use: an equal part of what is left."""
-        return max(0.0, self.total_s - self.used_s) / max(1, searches_left)
+    def share(self, cost_s: float, later_costs_s: Sequence[float]) -> float:
+        """Seconds the next search, predicted to cost ``cost_s``, may use (``share_of``)."""
+        return share_of(max(0.0, self.total_s - self.used_s), cost_s, later_costs_s)
+
+
+@dataclass
+class Schedule:
+    """The searches still to run, in the order they run, and the budget they share."""
+
+    budget: Budget
+    plans: Mapping[str, ShapePlan]
+    args: argparse.Namespace
+    pending: list[tuple[str, str]]  # (shape, system); a search refused at its first try is not one
+    starts: dict[str, float]  # shared with the searches: each try's process start, per system
+
+    def cost_s(self, name: str, system: str) -> float:
+        plan = self.plans[name]
+        return search_cost_s(plan, system, self.args, start_s_of(self.starts, system, plan.machine.device_type))
+
+    def share(self, name: str, system: str) -> float:
+        """Seconds the search of ``system`` on ``name`` may use, as it starts: its share of what is
+        left among the searches still to run (none where it is not one of them)."""
+        if (name, system) not in self.pending:
+            return 0.0
+        self.pending.remove((name, system))
+        return self.budget.share(self.cost_s(name, system), [self.cost_s(*later) for later in self.pending])
 
 
 @dataclass
@@ -761,7 +836,7 @@ class Searcher:
 
     @property
     def start_s(self) -> float:
-        return self.starts.get(self.system, START_GUESS_S[self.plan.machine.device_type])
+        return start_s_of(self.starts, self.system, self.plan.machine.device_type)
 
     def overrides(self, layout: Layout) -> tuple[str, ...]:
         if self.system != "ringtrain":
@@ -789,6 +864,11 @@ class Searcher:
         record = self.run(seq_len, cand, timeout_s=min(self.args.try_timeout, left))
         if record["outcome"] == TIMEOUT and cut:
             self.stopped = f"budget: the try at {seq_len:,} tokens ran past the end of this search's share"
+            return None
+        if record["outcome"] == ERROR:
+            # A crash says nothing of whether the length fits: read as a failure, it would narrow
+            # the search and claim a max (and judge the planner) from it.
+            self.stopped = f"error at {seq_len:,} tokens: {last_line(record.get('error', ''))}"
             return None
         return record["outcome"] == OK
 
@@ -831,6 +911,12 @@ class Searcher:
             if record.get("peak_device_bytes") and record["outcome"] == OK:
                 record["predicted_over_measured"] = ran.memory.total / record["peak_device_bytes"]
         return record
+
+
+def last_line(text: str) -> str:
+    """A traceback's last line: the exception and its message."""
+    lines = text.strip().splitlines()
+    return lines[-1].strip() if lines else "no message"
 
 
 def search_system(plan: ShapePlan, system: str, args: argparse.Namespace, share_s: float,
@@ -898,9 +984,12 @@ def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, An
     if rt and hf and rt["max_seq_len"] and hf["max_seq_len"]:
         out["ratio"] = rt["max_seq_len"] / hf["max_seq_len"]
     if rt:
-        # |predicted / measured - 1| over the maxima ringtrain's tries leave possible, where they decide it.
-        error, why = prediction_error(out["predicted_max"], rt["max_seq_len"], rt["failed_at"], granule,
-                                      PREDICTION_TOLERANCE) if rt["tries"] else (None, f"no try ran ({rt['stopped']})")
+        # |predicted / measured - 1| over the maxima ringtrain's search leaves possible, where it decides it.
+        error: Optional[float] = None
+        why = f"the search measured nothing ({rt['stopped']})"
+        if rt["max_seq_len"] or rt["failed_at"] is not None:
+            error, why = prediction_error(out["predicted_max"], rt["max_seq_len"], rt["failed_at"], granule,
+                                          PREDICTION_TOLERANCE)
         out["predicted_max_error"], out["predicted_max_undecided"] = error, why
         within = sorted({r["seq_len"] for r in rt["tries"]
                          if r.get("predicted_over_measured") and abs(r["predicted_over_measured"] - 1) <= PREDICTION_TOLERANCE})
@@ -909,13 +998,17 @@ def shape_summary(name: str, plan: ShapePlan, systems: Mapping[str, dict[str, An
     return out
 
 
-def targets_for(name: str, device_name: str, summary: Mapping[str, Any], systems: Mapping[str, dict[str, Any]]) -> list[Target]:
+def targets_for(name: str, machine: Machine, summary: Mapping[str, Any],
+                systems: Mapping[str, dict[str, Any]]) -> list[Target]:
     rt, hf = systems.get("ringtrain"), systems.get("hf")
     out: list[Target] = []
     if rt and hf:
-        why = "" if "ratio" in summary else "a search found no length that fits"
+        why = "; ".join(f"{system} found no length that fits ({s['stopped']})" for system, s in systems.items()
+                        if not s["max_seq_len"])
         out.append(Target(name, "ringtrain max / hf max", summary.get("ratio"), RATIO_MIN, "x", missing=why))
-    if rt and name == "llama3.2-1b" and "h100" in device_name.lower():
+    # A million tokens needs the whole device and the host to offload to: under a cap it is a
+    # sure miss that says nothing.
+    if rt and name == "llama3.2-1b" and "h100" in machine.name.lower() and machine.whole:
         value = rt["max_seq_len"] or None
         out.append(Target(name, "ringtrain max on an H100", value, LLAMA_1B_MIN_TOKENS, "tokens",
                           missing="" if value else rt["stopped"]))
@@ -1049,7 +1142,7 @@ def main(argv: list[str]) -> int:
     smoke = args.device == "cpu"
     # The same allocator setting for every try (each try's process starts with this environment).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    budget = Budget(args.budget_s)
+    budget = Budget(args.budget_s)  # the GPU's probe counts
     machine = machine_for(args)
     print(f"{'tiny shapes, ' if args.tiny else ''}{args.steps} steps per try, granule {args.granule:,}, at most "
           f"{args.max_tries} tries per search, budget {args.budget_s:.0f} s{f' ({SMOKE})' if smoke else ''}")
@@ -1060,8 +1153,8 @@ def main(argv: list[str]) -> int:
     # (host memory, or nothing fits) ends at once and takes no share.
     refused = {(name, system): plans[name].first_refusal(system, args.granule)
                for name in args.shapes for system in args.systems}
-    searches_left = sum(1 for why in refused.values() if not why)
     starts: dict[str, float] = {}
+    schedule = Schedule(budget, plans, args, [search for search, why in refused.items() if not why], starts)
     interrupted = ""
     for name in args.shapes:
         plan = plans[name]
@@ -1070,15 +1163,13 @@ def main(argv: list[str]) -> int:
         systems: dict[str, Any] = {}
         try:
             for system in args.systems:
-                share = 0.0 if refused[name, system] else budget.share(searches_left)
-                systems[system] = search_system(plan, system, args, share, starts)
-                searches_left -= 0 if refused[name, system] else 1
+                systems[system] = search_system(plan, system, args, schedule.share(name, system), starts)
         except KeyboardInterrupt:
             interrupted = f"{name}: interrupted (SIGINT); what comes after it is not run"
         summary = shape_summary(name, plan, systems, args.granule)
         for line in summary_lines(name, systems, summary):
             print(line)
-        targets += targets_for(name, machine.name, summary, systems)
+        targets += targets_for(name, machine, summary, systems)
         shapes[name] = {"title": SHAPES[name].title, "model": SHAPES[name].model_keys(args.tiny),
                         "planner": planner_record(plan), "systems": systems, **summary}
         if interrupted:
@@ -1087,6 +1178,9 @@ def main(argv: list[str]) -> int:
     print(f"device time used: {budget.used_s:.0f} s of the {args.budget_s:.0f} s budget")
     for target in targets:
         print(target.line(smoke))
+    errors = [f"{name}/{system} at {r['seq_len']:,} tokens: {last_line(r.get('error', ''))}"
+              for name, shape in shapes.items() for system, s in shape["systems"].items()
+              for r in s["tries"] if r["outcome"] == ERROR]
     device_label = machine.name if args.device == "cuda" else "cpu"
     run.write(
         {
@@ -1097,12 +1191,16 @@ def main(argv: list[str]) -> int:
             "budget_used_s": round(budget.used_s, 1),
             "shapes": shapes,
             "targets": [{**dataclasses.asdict(t), "met": t.met} for t in targets],
+            "errors": errors,
             "interrupted": interrupted or None,
         },
         device_type=args.device,
         out=args.out or RESULTS_DIR / f"max_context-{slug(device_label)}{'-tiny' if args.tiny else ''}.json",
     )
-    if interrupted:
+    if errors:
+        print("failed: a try ended in an error (its traceback's last lines are in the JSON):\n  "
+              + "\n  ".join(errors), file=sys.stderr)
+    if interrupted or errors:
         return 1
     if args.check and not smoke and not all(t.met for t in targets):
         return 1

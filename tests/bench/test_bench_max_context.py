@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -155,7 +156,7 @@ def test_peaks_at_fewer_lengths_than_the_target_counts_are_not_a_miss() -> None:
     def peaks_target(measured: list[int], within: list[int]) -> Any:
         summary = {"predicted_max_error": 0.0, "predicted_max_undecided": "", "peak_measured_at": measured,
                    "peak_within_tolerance_at": within}
-        return bench.targets_for("llama3.2-1b", "NVIDIA H200", summary, {"ringtrain": rt})[-1]
+        return bench.targets_for("llama3.2-1b", _h200(None, 128), summary, {"ringtrain": rt})[-1]
 
     few = peaks_target([3840, 4096], [3840, 4096])
     assert few.value is None and not few.met and "fewer than 3" in few.line(smoke=False)
@@ -195,6 +196,11 @@ def test_out_of_memory_is_classified_by_its_limit() -> None:
     assert bench.classify(raised(RuntimeError("CUDA error: out of memory when pinning host memory"))) == (
         bench.OOM, bench.HOST_LIMIT)
     assert bench.classify(raised(RuntimeError("CUDA error: out of memory"))) == (bench.OOM, bench.DEVICE_LIMIT)
+    # cuBLAS's own allocation, outside torch's allocator, on a device torch's cache has filled.
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert bench.classify(raised(cublas)) == (bench.OOM, bench.DEVICE_LIMIT)
+    assert bench.classify(raised(RuntimeError("CUDA error: an illegal memory access was encountered"))) == (
+        bench.ERROR, "")
     assert bench.classify(raised(ValueError("bad shape"))) == (bench.ERROR, "")
 
 
@@ -250,7 +256,6 @@ def test_a_try_predicted_past_the_budget_is_not_run() -> None:
     assert searcher.oracle(2**20) is None
     assert searcher.tries == []
     assert searcher.stopped.startswith("budget: a try at 1,048,576 tokens is predicted to take 1,025 s")
-    assert bench.Budget(600).share(4) == pytest.approx(150, abs=1)
 
 
 def _h200(cap_gb: Optional[float], host_gb: float, headroom: float = 0.0) -> Any:
@@ -310,6 +315,190 @@ def test_a_cuda_try_is_held_to_the_cap_and_a_peak_past_it_is_out_of_memory(monke
     assert [t.memory_fraction for t in ran] == [26 / 140] * 2
     assert searcher.tries[1]["outcome"] == bench.OOM and searcher.tries[1]["over_cap"]
     assert searcher.starts == {"hf": pytest.approx(19.8)}  # the next search of hf expects this start
+
+
+ILLEGAL_ACCESS = "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def tries_that(fit_up_to: int, past_it: str) -> Any:
+    """A run_try whose tries fit up to ``fit_up_to`` tokens and end in ``past_it`` above it."""
+    def run_try(t: Any, timeout_s: float, runner: Any = None) -> dict[str, Any]:
+        if t.seq_len <= fit_up_to:
+            return {"outcome": bench.OK, "step_s": [0.1, 0.1], "wall_s": 20.0, "peak_device_bytes": 20 * bench.GB,
+                    "peak_reserved_bytes": 20 * bench.GB, "pid": 0}
+        error = f"Traceback (most recent call last):\n  File \"trainer.py\", line 1\n{ILLEGAL_ACCESS}"
+        limit = bench.DEVICE_LIMIT if past_it == bench.OOM else ""
+        return {"outcome": past_it, "limit": limit, "error": error, "wall_s": 20.0, "pid": 0}
+
+    return run_try
+
+
+@pytest.mark.parametrize("past_it", [bench.ERROR, bench.OOM])
+def test_an_error_ends_the_search_where_out_of_memory_narrows_it(monkeypatch: pytest.MonkeyPatch,
+                                                                 past_it: str) -> None:
+    """A crash (an error that is not out of memory) says nothing of whether a length fits: the
+    search stops at it and claims no failure from it. Out of memory is a result: the search
+    brackets the max with it and goes on to converge."""
+    from types import SimpleNamespace
+
+    plan = bench.plan_shape("llama3.2-1b", _h200(26, 0), False, GRANULE)
+    first = plan.first_length("hf", GRANULE)
+    monkeypatch.setattr(bench, "run_try", tries_that(first, past_it))
+    args = SimpleNamespace(granule=GRANULE, growth=1.25, max_tries=6, tolerance_edges=False, peaks_at=[], steps=2,
+                           try_timeout=60.0, tiny=False)
+    searched = bench.search_system(plan, "hf", args, 600.0, {})
+    second = searched["tries"][1]["seq_len"]
+    assert searched["max_seq_len"] == first
+    if past_it == bench.ERROR:
+        assert len(searched["tries"]) == 2 and searched["failed_at"] is None
+        assert searched["stopped"] == f"error at {second:,} tokens: {ILLEGAL_ACCESS}"
+        assert not searched["converged"]
+    else:
+        assert searched["failed_at"] == first + GRANULE and searched["stopped"] == "converged"
+        assert searched["tries"][1]["outcome"] == bench.OOM and len(searched["tries"]) > 2
+
+
+def test_a_try_that_ends_in_an_error_fails_the_run_after_its_json(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Every try errs: each search stops at its first try, nothing is claimed (the targets are
+    not measured, saying why), the JSON lists the errors, and the run exits 1."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # main sets it where unset
+    monkeypatch.setattr(bench, "run_try", tries_that(0, bench.ERROR))
+    out = tmp_path / "max_context.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--shapes", "qwen3-1.7b", "--out", str(out)]) == 1
+    record = json.loads(out.read_text())
+    systems = record["shapes"]["qwen3-1.7b"]["systems"]
+    assert [len(systems[s]["tries"]) for s in ("hf", "ringtrain")] == [1, 1]
+    assert all(s["max_seq_len"] == 0 and s["failed_at"] is None for s in systems.values())
+    assert [e.split(" at ")[0] for e in record["errors"]] == ["qwen3-1.7b/hf", "qwen3-1.7b/ringtrain"]
+    assert all(e.endswith(ILLEGAL_ACCESS) for e in record["errors"])
+    ratio = next(t for t in record["targets"] if t["what"] == "ringtrain max / hf max")
+    assert ratio["value"] is None and "hf found no length that fits (error at" in ratio["missing"]
+    prediction = next(t for t in record["targets"] if t["what"].startswith("|planner's predicted max"))
+    assert prediction["value"] is None and prediction["missing"].startswith("the search measured nothing (error at")
+    assert "failed: a try ended in an error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "cap_gb", "host_gb", "held"), [
+    ("NVIDIA H100 80GB HBM3", None, None, True),
+    ("NVIDIA H100 80GB HBM3", 26, None, False),  # the GPU tier's cap
+    ("NVIDIA H100 80GB HBM3", None, 0, False),  # no host memory to offload to
+    ("NVIDIA H100 80GB HBM3", 200, None, True),  # a cap past the device is none
+    ("NVIDIA H200", None, None, False),
+])
+def test_the_million_token_target_is_held_only_on_a_whole_h100(name: str, cap_gb: Optional[float],
+                                                                host_gb: Optional[float], held: bool) -> None:
+    total = 80 * bench.GB
+    cap = None if cap_gb is None else int(cap_gb * bench.GB)
+    host_cap = None if host_gb is None else int(host_gb * bench.GB)
+    host = 2 * 10**12 if host_cap is None else host_cap
+    machine = bench.Machine("cuda", name, total, cap, host, 0.1, host, host_cap)
+    rt = {"max_seq_len": 40960, "failed_at": 41984, "tries": [{}], "stopped": "converged"}
+    summary = {"predicted_max_error": 0.0, "predicted_max_undecided": "", "peak_measured_at": [],
+               "peak_within_tolerance_at": []}
+    whats = [t.what for t in bench.targets_for("llama3.2-1b", machine, summary, {"ringtrain": rt})]
+    assert ("ringtrain max on an H100" in whats) == held
+
+
+# ---- the budget's split ------------------------------------------------------------------------
+
+
+def test_a_search_gets_a_share_in_proportion_to_its_predicted_cost() -> None:
+    assert bench.share_of(90.0, 30.0, [60.0]) == pytest.approx(30.0)
+    assert bench.share_of(90.0, 60.0, []) == 90.0  # the last search: all that is left
+    assert bench.share_of(90.0, 0.0, [0.0, 0.0]) == pytest.approx(30.0)  # no costs: equal parts
+    # A cheap search first holds a third of the budget, not half, where an expensive one comes after.
+    assert bench.share_of(600.0, 100.0, [200.0]) < 600.0 / 2
+
+
+def test_a_searchs_cost_is_its_tries_at_the_planners_step_time() -> None:
+    from types import SimpleNamespace
+
+    plan = bench.plan_shape("llama3.2-1b", _h200(26, 0), False, 1024)
+    args = SimpleNamespace(granule=1024, max_tries=2, steps=2, peaks_at=[8192])
+    first = plan.first_length("ringtrain", 1024)
+    step = plan.at("ringtrain", first).step.step_s
+    # Two tries at the first length, each two steps and a start, and the --peaks-at try before them.
+    assert bench.search_cost_s(plan, "ringtrain", args, 25.0) == pytest.approx(
+        2 * (2 * step + 25.0) + 2 * plan.at("ringtrain", 8192).step.step_s + 25.0)
+    hf_step = plan.at("hf", plan.first_length("hf", 1024)).step.step_s
+    assert bench.search_cost_s(plan, "hf", args, 15.0) == pytest.approx(2 * (2 * hf_step + 15.0))
+
+
+# The GPU tier's max_context part on an H200 (26 GB cap, no host memory, no headroom, granule 512,
+# two tries at the tolerance's edges): the planner's step times with liger's kernels, and the
+# seconds a try spends outside its steps (train-nvidia-h200.json).
+TIER_START = {"hf": 3584, "ringtrain": 44544}
+TIER_STEP_S = {"hf": {3584: 0.5, 4096: 0.5}, "ringtrain": {44544: 2.37, 49664: 2.79}}
+TIER_PROCESS_START_S = {"hf": 15.0, "ringtrain": 23.0}
+TIER_PROBE_S = 6.0
+STEP_SLACK = 1.2  # the steps run 20% over the planner's estimate (the first step's compile)
+
+
+class TierPlan(bench.ShapePlan):
+    """Llama-3.2-1B as the tier's planner saw it: its starts and step times, every try allowed."""
+
+    def start(self, system: str) -> Optional[int]:
+        return TIER_START[system]
+
+    def at(self, system: str, seq_len: int) -> Any:
+        from types import SimpleNamespace
+
+        layout = SimpleNamespace(overrides=lambda: (), checkpointing_mode="full", describe=lambda: "the planner's")
+        return SimpleNamespace(step=SimpleNamespace(step_s=TIER_STEP_S[system][seq_len]), layout=layout,
+                               memory=SimpleNamespace(total=20 * bench.GB, host=0), fits=True)
+
+    def refusal(self, seq_len: int, cand: Any, granule: int) -> str:
+        return ""
+
+    def predicted(self, layout: Any, seq_len: int, checkpointing: str) -> Any:
+        return self.at("ringtrain", seq_len)
+
+
+def tier_searches(budget_s: float, monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
+    """The tier's two searches of the 1B shape on a clock the tries advance, every try fitting."""
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(monotonic=lambda: clock.now))
+
+    def run_try(t: Any, timeout_s: float, runner: Any = None) -> dict[str, Any]:
+        step_s = [STEP_SLACK * TIER_STEP_S[t.system][t.seq_len]] * t.steps
+        wall_s = TIER_PROCESS_START_S[t.system] + sum(step_s)
+        clock.now += min(wall_s, timeout_s)
+        if wall_s > timeout_s:
+            return {"outcome": bench.TIMEOUT, "limit": "", "error": "cut", "wall_s": timeout_s, "pid": 0}
+        return {"outcome": bench.OK, "step_s": step_s, "wall_s": wall_s, "peak_device_bytes": 20 * bench.GB,
+                "peak_reserved_bytes": 20 * bench.GB, "pid": 0}
+
+    monkeypatch.setattr(bench, "run_try", run_try)
+    real = bench.plan_shape("llama3.2-1b", _h200(26, 0), False, 512)
+    plan = TierPlan(**{f.name: getattr(real, f.name) for f in dataclasses.fields(real)})
+    args = SimpleNamespace(granule=512, growth=1.25, max_tries=2, tolerance_edges=True, peaks_at=[], steps=2,
+                           try_timeout=60.0, tiny=False)
+    budget = bench.Budget(budget_s)
+    clock.now += TIER_PROBE_S
+    starts: dict[str, float] = {}
+    searches = [("llama3.2-1b", "hf"), ("llama3.2-1b", "ringtrain")]
+    schedule = bench.Schedule(budget, {"llama3.2-1b": plan}, args, searches, starts)
+    return {system: bench.search_system(plan, system, args, schedule.share("llama3.2-1b", system), starts)
+            for system in ("hf", "ringtrain")}
+
+
+def test_the_gpu_tiers_budget_for_two_tries_a_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tries a search with the steps 20% over the planner's: the probe (6 s), hf's two tries
+    (16.2 s each), ringtrain's at 44,544 (23 + 2 x 2.84 s) and at the edge, 49,664 (23 + 2 x
+    3.35 s): 96.8 s. A budget a second short cuts ringtrain's second try (the planner's 2.79 s
+    steps let it start, and it runs past the share)."""
+    enough = tier_searches(97.0, monkeypatch)
+    assert [len(enough[s]["tries"]) for s in ("hf", "ringtrain")] == [2, 2]
+    assert [r["seq_len"] for r in enough["ringtrain"]["tries"]] == [44544, 49664]
+    assert enough["ringtrain"]["stopped"] == "max tries"
+    short = tier_searches(96.0, monkeypatch)
+    assert short["ringtrain"]["stopped"] == "budget: the try at 49,664 tokens ran past the end of this search's share"
+    # At the tier's 95 s the second try is not even started: what is left is under the planner's 28.6 s.
+    assert tier_searches(95.0, monkeypatch)["ringtrain"]["stopped"].startswith("budget: a try at 49,664 tokens")
 
 
 # ---- the shapes, and bad input ----------------------------------------------------------------
