@@ -270,14 +270,13 @@ CHAOS_TESTS := tests/ray/test_elastic.py tests/ray/test_recovery_retry.py tests/
 chaos-records: venv-test tools
 	RINGTRAIN_KEEP_CHAOS_RUNS=$(CURDIR)/tests/chaos_records $(PY) -m pytest $(CHAOS_TESTS) $(PYTEST_ARGS)
 
-# The CPU benches first: the attention bench needs a GPU, and without one it says so and exits 2.
+# The benches that measure on CPU; the GPU's are make gpu-check's parts.
 bench: venv
 	PYTHONPATH=platform $(PY) bench/checkpoint.py
 	PYTHONPATH=platform $(PY) bench/planner_memory.py
 	PYTHONPATH=platform $(PY) bench/probes.py
 	PYTHONPATH=platform $(PY) bench/hf_load.py
 	PYTHONPATH=platform $(PY) bench/recovery.py
-	PYTHONPATH=platform $(PY) bench/attention.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
