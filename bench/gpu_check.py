@@ -183,7 +183,9 @@ def default_parts() -> list[Part]:
              112),
         # train_baselines: the Trainer, plain PyTorch and transformers on both shapes, 153 s in
         # train-nvidia-h200.json (+ the bench's start), and the Qwen3 shape's snapshot variant
-        # (about 60 s, as TinyLlama's 54 s beside its 30 s Trainer, and its two profiled steps).
+        # (about 70 s: its Trainer's 31 s, four 20.65 GB host buffers page-locked at its first
+        # snapshot, about 33 s at the 2.5 GB/s TinyLlama's took on the H100, and its two
+        # profiled steps): 227 s.
         # Its own JSON (--name), so that the train part's, the TinyLlama snapshot's profile in it, stays.
         Part("train_baselines", (py, str(bench / "train.py"), "--check", "--variants", "trainer,trainer_snapshots,plain,hf",
                                  "--snapshot-shapes", "qwen3", "--name", "train-baselines"), 250, default=False),

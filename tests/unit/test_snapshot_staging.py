@@ -267,8 +267,9 @@ def test_a_copy_that_fails_at_any_point_leaves_the_newest_whole_snapshot(point: 
     snapshotter.capture(4, {"trainer_step": 4})
     got = snapshotter.wait()
     assert got is not None and _arrays(got.blob) == states[4]
-    # The failed copy's buffer served again: the newest two and the one being taken, as ever.
-    assert snapshotter.num_allocations == snapshotter.keep + 1
+    # The failed copy's buffer served again: the newest two, the one being taken and, on the side
+    # stream, the one still checksummed, as ever.
+    assert snapshotter.num_allocations == snapshotter.keep + (2 if staging == STAGE_ALWAYS else 1)
     snapshotter.close()
 
 
@@ -383,3 +384,52 @@ def test_the_room_is_the_steps_peak_as_reserved_with_what_is_not_torchs(monkeypa
     cuda = torch.device("cuda", 0)
     assert device_has_room(cuda, 4 * gb) and not device_has_room(cuda, 5 * gb)
     assert not device_has_room(torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize("staging", ["none", STAGE_ALWAYS])
+def test_a_snapshots_checksum_runs_beside_the_next_ones_copy(staging: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the side stream, step 3's snapshot is still being checksummed (on the host's cores)
+    when step 4's is captured: the capture takes the spare buffer instead of waiting for it, the
+    copy of step 4 goes on beside the checksum, and both snapshots are whole. Step 5's capture
+    finds no buffer free until step 3's job ends."""
+    zero = SteppedZero()
+    snapshotter = Snapshotter(zero, rank=0, world_size=1, device=torch.device("cpu"), staging=staging,  # type: ignore[arg-type]
+                              streams=ThreadStreams())  # fmt: skip
+    states = _two_steps_taken(zero, snapshotter)
+    hashing, release = threading.Event(), threading.Event()
+    real_checksum = snapshot_module.checksum
+
+    def slow_checksum(blob: Any, **kwargs: Any) -> str:
+        hashing.set()
+        assert release.wait(10), "the test never released the checksum"
+        return real_checksum(blob, **kwargs)
+
+    monkeypatch.setattr(snapshot_module, "checksum", slow_checksum)
+
+    def step_and_capture(step: int) -> threading.Thread:
+        snapshotter.fence()
+        zero.optimizer_step(step)
+        states[step] = zero.state()
+        capture = threading.Thread(target=snapshotter.capture, args=(step, {"trainer_step": step}))
+        capture.start()
+        return capture
+
+    try:
+        step_and_capture(3).join(10)
+        assert hashing.wait(10), "step 3's checksum never started"
+        fourth = step_and_capture(4)
+        fourth.join(10)
+        assert not fourth.is_alive(), "step 4's capture waited for step 3's checksum"
+        fifth = step_and_capture(5)
+        fifth.join(RACE_WINDOW_S)
+        assert fifth.is_alive(), "step 5's capture found a fifth buffer"
+    finally:
+        release.set()
+    fifth.join(10)
+    snapshotter.wait()
+    assert snapshotter.steps() == [4, 5]
+    for step in (4, 5):
+        got = snapshotter.get(step)
+        assert got is not None and _arrays(got.blob) == states[step] and verify(got.blob, got.checksum)
+    assert snapshotter.num_allocations == snapshotter.keep + 2
+    snapshotter.close()
