@@ -497,7 +497,7 @@ def test_the_gpu_tiers_budget_for_two_tries_a_search(monkeypatch: pytest.MonkeyP
     assert enough["ringtrain"]["stopped"] == "max tries"
     short = tier_searches(96.0, monkeypatch)
     assert short["ringtrain"]["stopped"] == "budget: the try at 49,664 tokens ran past the end of this search's share"
-    # At the tier's 95 s the second try is not even started: what is left is under the planner's 28.6 s.
+    # At 95 s the second try is not even started: what is left is under the planner's 28.6 s.
     assert tier_searches(95.0, monkeypatch)["ringtrain"]["stopped"].startswith("budget: a try at 49,664 tokens")
 
 

@@ -587,11 +587,37 @@ def test_conftest_writes_one_line_per_test_as_it_finishes(tmp_path: Path, worker
 
 
 def test_after_a_sticky_cuda_error_the_process_runs_no_more_tests_and_says_where_it_was_lost(tmp_path: Path) -> None:
+    """A rank's error that a test re-raises leaves the test's own context whole: the tests after
+    it run. One that this process's context answers every call with ends its tests there."""
     suite = _fake_suite(tmp_path, """
+        import sys
+        import types
+
+        class Cuda:  # torch.cuda as the conftest asks it, in a process whose CUDA is started
+            lost = False
+
+            @staticmethod
+            def is_initialized():
+                return True
+
+            @classmethod
+            def synchronize(cls):
+                if cls.lost:
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        sys.modules["torch"] = types.SimpleNamespace(cuda=Cuda)
+
         def test_before():
             pass
 
+        def test_a_rank_failed():
+            raise RuntimeError("rank 1: CUDA error: an illegal memory access was encountered")
+
+        def test_between():
+            pass
+
         def test_poisons():
+            Cuda.lost = True
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
         def test_after():
@@ -603,7 +629,8 @@ def test_after_a_sticky_cuda_error_the_process_runs_no_more_tests_and_says_where
     assert done.returncode == 1, done.stdout[-2000:]
     outcomes = {r["nodeid"].split("::")[-1]: r for r in _records(log) if r["event"] == "outcome"}
     assert {name: r["outcome"] for name, r in outcomes.items()} == {
-        "test_before": "passed", "test_poisons": "failed", "test_after": "not run"}
+        "test_before": "passed", "test_a_rank_failed": "failed", "test_between": "passed", "test_poisons": "failed",
+        "test_after": "not run"}
     assert outcomes["test_after"]["reason"].endswith("CUDA context was lost in test_fake.py::test_poisons")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -34,10 +35,15 @@ CRASH_PHASE = "???"  # pytest-xdist's phase for the report of a test whose worke
 # CUDA's sticky errors, as their messages read: after one, the context answers every call with it.
 STICKY_CUDA_ERRORS = (
     "an illegal memory access was encountered",
+    "device-side assert triggered",
     "unspecified launch failure",
+    "the launch timed out and was terminated",
     "misaligned address",
     "an illegal instruction was encountered",
+    "operation not supported on global/shared address space",
+    "invalid program counter",
     "hardware stack error",
+    "uncorrectable ECC error encountered",
 )
 
 _config: Optional[pytest.Config] = None
@@ -115,6 +121,20 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str
         _append({"event": "start", "nodeid": nodeid})
 
 
+def _context_lost() -> bool:
+    """Whether this process's CUDA context answers with an error: a test may report one that a
+    process of its own (a rank, a Ray worker) met, which leaves this one's context whole, as it
+    does where this process never started CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any error the context answers with is the loss
+        return True
+    return False
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if _context_lost_in is not None:
         pytest.skip(f"not run: this process's CUDA context was lost in {_context_lost_in}")
@@ -128,7 +148,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if outcome is None:
         return
     if outcome in ("failed", "error") and _context_lost_in is None and report.when != CRASH_PHASE:
-        if any(error in report.longreprtext for error in STICKY_CUDA_ERRORS):
+        if any(error in report.longreprtext for error in STICKY_CUDA_ERRORS) and _context_lost():
             _context_lost_in = report.nodeid
     record: dict[str, Any] = {
         "event": "outcome",

@@ -375,7 +375,7 @@ def test_a_buffer_cuda_will_not_lock_stays_pageable_and_its_snapshots_whole(capl
     with caplog.at_level(logging.WARNING, logger="ringtrain.train.snapshot"):
         states = _taken(zero, snapshotter, range(1, 8))
     assert [b.page_locked for b in snapshotter.buffers] == [True, False, False, False]
-    assert cudart.attempts == 4, "a refused buffer is asked for again at each capture"
+    assert cudart.attempts == 4, "each buffer is asked for, the refused ones too"
     refusals = [r.getMessage() for r in caplog.records if "not page-locked" in r.getMessage()]
     assert len(refusals) == 3 and all(m.startswith("rank 0:") and "cudaError 2" in m for m in refusals)
     _whole(snapshotter, states)

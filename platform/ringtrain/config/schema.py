@@ -365,7 +365,7 @@ class CheckpointConfig:
     # In-memory snapshot of every rank's state every this many steps (0: none). Taken off the
     # critical path; each lives in the worker, its node's holder and a buddy node's holder.
     snapshot_every: int = 1
-    keep_in_memory: int = 2  # snapshots per rank each holder keeps (a worker: this + 2 host buffers of its state on a GPU, + 1 on a CPU)
+    keep_in_memory: int = 2  # snapshots per rank each holder keeps (a worker: this + 2 host buffers of its state on a GPU's side stream, + 1 where a thread copies)
     # SNAPSHOT_STAGINGS, on a GPU: auto copies each snapshot into a device buffer first where the
     # device has room for it beside a step's peak, judged at the first snapshot after a step
     # (this rank's share of the fp32 state: 12 bytes a parameter over the ZeRO ranks), so the

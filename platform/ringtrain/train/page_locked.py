@@ -21,7 +21,7 @@ import logging
 import mmap
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -61,7 +61,11 @@ class HostRegistrar:
     @classmethod
     def for_device(cls, device: torch.device) -> Optional[HostRegistrar]:
         """The CUDA runtime's registrar on a CUDA device; None elsewhere (nothing to lock for)."""
-        return cls(torch.cuda.cudart(), device) if device.type == "cuda" else None
+        if device.type != "cuda":
+            return None
+        # An index of its own: the registering thread is set to it (the caller's current device).
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return cls(torch.cuda.cudart(), torch.device("cuda", index))
 
     def page_locked(self, num_bytes: int) -> np.ndarray:
         """A new uint8 array of ``num_bytes``, registered with CUDA until its last holder is gone;
@@ -73,31 +77,34 @@ class HostRegistrar:
         start = -owner.ctypes.data % page
         memory = owner[start : start + num_bytes]
         address = memory.ctypes.data
-        error = self._register(address, num_bytes)
+        error = _runtime_call(self.device, lambda: self.cudart.cudaHostRegister(address, num_bytes, REGISTER_PORTABLE))
         if error != 0:
             raise RegistrationError(num_bytes, error)
         # On the owner, not on ``memory``: a view taken from ``memory`` holds the owner itself,
         # so ``memory`` may go while such a view still reads the registered pages.
-        unregister = weakref.finalize(owner, _unregister, self.cudart, address, num_bytes)
+        unregister = weakref.finalize(owner, _unregister, self.cudart, self.device, address, num_bytes)
         # At exit the process's memory goes whole, and the runtime may already be shut down.
         unregister.atexit = False
         return memory
 
-    def _register(self, address: int, num_bytes: int) -> int:
-        """``cudaHostRegister``'s cudaError, from a thread of its own: a failed runtime call stays
-        its thread's last error, which torch's next checked kernel launch on that thread would
-        raise as its own (torch binds no ``cudaGetLastError`` to clear it with)."""
 
-        def register() -> int:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # the thread's runtime calls go to this rank's device
-            return int(self.cudart.cudaHostRegister(address, num_bytes, REGISTER_PORTABLE))
+def _runtime_call(device: torch.device, call: Callable[[], Any]) -> int:
+    """A CUDA runtime call's cudaError, from a thread of its own set to ``device``: a failed call
+    stays its thread's last error, which torch's next checked kernel launch on that thread (the
+    training thread's, say) would raise as its own (torch binds no ``cudaGetLastError`` to clear
+    it with)."""
 
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-register") as pool:
-            return pool.submit(register).result()
+    def run() -> int:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return int(call())
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-host-memory") as pool:
+        return pool.submit(run).result()
 
 
-def _unregister(cudart: Cudart, address: int, num_bytes: int) -> None:
-    error = int(cudart.cudaHostUnregister(address))
+def _unregister(cudart: Cudart, device: torch.device, address: int, num_bytes: int) -> None:
+    """The finalizer: it runs on whichever thread drops the memory's last holder."""
+    error = _runtime_call(device, lambda: cudart.cudaHostUnregister(address))
     if error != 0:  # a finalizer must not raise; the memory is freed all the same
         _log.warning("cudaHostUnregister of %d bytes at %#x failed with cudaError %d", num_bytes, address, error)
