@@ -105,6 +105,9 @@ def _runtime_call(device: torch.device, call: Callable[[], Any]) -> int:
 
 def _unregister(cudart: Cudart, device: torch.device, address: int, num_bytes: int) -> None:
     """The finalizer: it runs on whichever thread drops the memory's last holder."""
-    error = _runtime_call(device, lambda: cudart.cudaHostUnregister(address))
+    try:
+        error = _runtime_call(device, lambda: cudart.cudaHostUnregister(address))
+    except RuntimeError:  # no new thread while the interpreter shuts down: the memory goes with the process
+        return
     if error != 0:  # a finalizer must not raise; the memory is freed all the same
         _log.warning("cudaHostUnregister of %d bytes at %#x failed with cudaError %d", num_bytes, address, error)
