@@ -99,7 +99,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -342,12 +342,13 @@ def snapshot_profiles(snapshotter: Any, steps: list[int], copies: dict[int, Any]
     before), and that step's own snapshot's ``CopyProfile`` fields; and the first capture's
     allocations (in the warm-up: the host buffers, page-locked on a GPU, and the staging buffer
     where there is one)."""
+    from ringtrain.train.snapshot import CopyProfile
+
     snapshotter.settle()
     copies.update(snapshotter.profiles)
     out: dict[str, Any] = {"fence_wait_s": [snapshotter.fence_wait_s(s - 1) for s in steps]}
-    for field in ("issue_s", "alloc_s", "buffer_wait_s", "staged", "page_locked", "stage_s", "copy_s", "checksum_s",
-                  "num_bytes", "host_write_gbps"):
-        out[field] = [getattr(copies[s], field) if s in copies else None for s in steps]
+    for name in [*(f.name for f in fields(CopyProfile)), "host_write_gbps"]:
+        out[name] = [getattr(copies[s], name) if s in copies else None for s in steps]
     out["first_capture_alloc_s"] = copies[min(copies)].alloc_s if copies else None
     return out
 

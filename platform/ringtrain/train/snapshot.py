@@ -31,7 +31,7 @@ import time
 import traceback
 import weakref
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -473,11 +473,7 @@ class Snapshotter:
         t_hash = time.perf_counter()
         digest = checksum(blob, threads=self.hash_threads, thread_setup=_below_training if self._streams else None)
         profile = CopyProfile(
-            issue_s=timing.issue_s,
-            alloc_s=timing.alloc_s,
-            buffer_wait_s=timing.buffer_wait_s,
-            staged=timing.staged,
-            page_locked=timing.page_locked,
+            **asdict(timing),
             stage_s=copy.staged.seconds() if copy.staged is not None else None,
             copy_s=next(s for s in (device_copy_s, thread_copy_s, copy_s) if s is not None),
             checksum_s=time.perf_counter() - t_hash,
@@ -510,7 +506,7 @@ class _Copy:
 
 @dataclass(frozen=True)
 class _CaptureTiming:
-    """What a capture measured on the host, for its snapshot's ``CopyProfile``."""
+    """What a capture measured on the host: its snapshot's ``CopyProfile`` fields of the same names."""
 
     issue_s: float
     alloc_s: float
